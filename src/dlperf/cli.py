@@ -1,0 +1,57 @@
+"""``dlperf <verb>``: a thin shell over the library.
+
+Each verb lives in its own module that exposes ``register(subparsers)``; the parser it adds sets
+``func`` to a callable taking the parsed arguments and returning an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import DlperfError
+
+# Verb modules, imported lazily so that `dlperf devices` does not pay for the engine or compiler.
+VERB_MODULES: tuple[str, ...] = (
+    "dlperf.bench.cli",
+    "dlperf.cli_devices",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dlperf", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    sub.required = True
+    for name in VERB_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DlperfError as exc:
+        print(f"dlperf {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dlperf: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

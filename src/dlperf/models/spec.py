@@ -1,0 +1,100 @@
+"""What a benchmark network is: a builder, the shape of its input, its loss and batch sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import unknown_choice
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Shape and kind of one sample and its target, enough to make a synthetic batch.
+
+    ``kind`` is ``"dense"`` (float features, class targets) or ``"tokens"`` (integer token ids;
+    the target is the next token at every position).
+    """
+
+    shape: tuple[int, ...]
+    num_classes: int
+    kind: str = "dense"
+
+    def make_batch(self, batch_size: int, device: torch.device | str = "cpu",
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of random inputs and targets of the right shapes, dtypes and value ranges."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        g = generator
+        if self.kind == "tokens":
+            (steps,) = self.shape
+            x = torch.randint(0, self.num_classes, (batch_size, steps), generator=g)
+            y = torch.randint(0, self.num_classes, (batch_size, steps), generator=g)
+        else:
+            x = torch.randn((batch_size, *self.shape), generator=g)
+            y = torch.randint(0, self.num_classes, (batch_size,), generator=g)
+        return x.to(device), y.to(device)
+
+
+def classification_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Softmax cross-entropy; sequence outputs (N, T, C) are flattened over time steps."""
+    if output.dim() == 3:
+        output = output.reshape(-1, output.shape[-1])
+        target = target.reshape(-1)
+    return nn.functional.cross_entropy(output, target)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered network: how to build it and how Shi et al. (2016) fed it."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    input: InputSpec
+    cpu_batch: int
+    gpu_batch: int
+    description: str
+    paper: bool = True  # one of the seven networks of Shi et al. Table 7
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = classification_loss
+
+    def batch_size_for(self, device_kind: str) -> int:
+        """Table 9's batch size on CPUs, Table 7's on GPUs."""
+        return self.gpu_batch if device_kind == "gpu" else self.cpu_batch
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"model {spec.name!r} is registered twice")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def model_names(paper_only: bool = False) -> list[str]:
+    """Registered names in registration order (the paper's table order first)."""
+    return [n for n, s in _REGISTRY.items() if s.paper or not paper_only]
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return _REGISTRY[name.lower()]
+    except KeyError:
+        raise unknown_choice("network", name, _REGISTRY) from None
+
+
+def get_model(name: str) -> nn.Module:
+    """Build a fresh, randomly initialized network by name.
+
+    >>> sum(p.numel() for p in get_model("fcn-r").parameters())
+    14205962
+    """
+    return get_spec(name).build()
+
+
+def num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
