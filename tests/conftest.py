@@ -1,0 +1,44 @@
+"""Shared fixtures: markers that skip with a reason, and guards that fail a test which leaks."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to PyTorch")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads_or_env():
+    """Fail a test that leaves threads running, changes the environment or torch's thread count."""
+    before_threads = set(threading.enumerate())
+    before_env = dict(os.environ)
+    before_torch_threads = torch.get_num_threads()
+    yield
+    deadline = time.monotonic() + 5.0
+    leaked = []
+    while time.monotonic() < deadline:
+        leaked = [t for t in threading.enumerate() if t not in before_threads and t.is_alive()]
+        if not leaked:
+            break
+        time.sleep(0.05)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(before_torch_threads)
+    changed = {k for k in set(before_env) | set(os.environ) if before_env.get(k) != os.environ.get(k)}
+    os.environ.clear()
+    os.environ.update(before_env)
+    assert not leaked, f"test leaked threads: {[t.name for t in leaked]}"
+    assert not changed, f"test changed environment variables: {sorted(changed)}"
+    assert torch_threads == before_torch_threads, (
+        f"test changed torch's intra-op threads from {before_torch_threads} to {torch_threads}")
