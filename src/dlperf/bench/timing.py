@@ -57,12 +57,19 @@ class Timing:
 
 def time_steps(step: Callable[[], object], *, warmup: int, steps: int,
                synchronize: Callable[[], None] = lambda: None,
-               on_step: Callable[[], None] | None = None) -> Timing:
+               on_step: Callable[[], None] | None = None,
+               max_seconds: float | None = None, min_steps: int = 3) -> Timing:
     """Run ``step`` ``warmup`` times untimed, then ``steps`` times timed one by one.
 
     ``synchronize`` waits for the device: GPU work is asynchronous, so a timer read without it
     measures only the launch. Each step is bracketed separately so one slow step (a page fault,
-    a background process) moves the spread, not the median.
+    a background process) moves the spread, not the median. With ``max_seconds``, timing stops
+    early once that much time went into timed steps and at least ``min_steps`` were taken, so a
+    slow network cannot blow a time budget.
+
+    >>> t = time_steps(lambda: sum(range(1000)), warmup=1, steps=5)
+    >>> len(t.samples), t.median_s > 0
+    (5, True)
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
@@ -71,8 +78,10 @@ def time_steps(step: Callable[[], object], *, warmup: int, steps: int,
         if on_step:
             on_step()
     synchronize()
-    samples = []
+    samples: list[float] = []
     for _ in range(steps):
+        if max_seconds is not None and len(samples) >= min_steps and sum(samples) >= max_seconds:
+            break
         synchronize()
         t0 = time.perf_counter()
         step()

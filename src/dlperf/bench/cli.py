@@ -1,0 +1,135 @@
+"""``dlperf bench``: time one training step per network, device and thread count (Shi et al. Table 7)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..devices import to_device
+from ..models import model_names
+from .modes import mode_names
+
+
+def _csv_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(p) for p in _csv_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4, got {text!r}") from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="time one training step per network, device and thread count",
+                       description=__doc__)
+    p.add_argument("--quick", action="store_true",
+                   help="fewer timed steps (same batch sizes): the whole CPU table in minutes")
+    p.add_argument("--networks", type=_csv_list, default=None,
+                   help=f"comma-separated, default the paper's seven; choices: {', '.join(model_names())}")
+    p.add_argument("--devices", type=_csv_list, default=None,
+                   help="comma-separated, e.g. cpu,gpu(0),cuda:1 (default: the CPU and every GPU)")
+    p.add_argument("--threads", type=_int_list, default=None,
+                   help="intra-op thread counts for CPU cells, e.g. 1,2,4 (default: 1, 2, 4, ... cores)")
+    p.add_argument("--batch-size", type=int, default=None, help="override every network's batch size")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per cell (default 10, quick 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per cell (default 2, quick 1)")
+    p.add_argument("--mode", default="eager", help=f"how the step runs: {', '.join(mode_names())}")
+    p.add_argument("--scaling", action="store_true",
+                   help="Table 8 instead: time per mini-batch on 1..k devices, global batch split")
+    fmt = p.add_argument_group("output")
+    fmt.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                     help="also print one JSON document as the last stdout line (or write it to FILE)")
+    fmt.add_argument("--csv", nargs="?", const="-", default=None, metavar="FILE",
+                     help="one row per cell as CSV, to stdout instead of the table, or to FILE")
+    fmt.add_argument("--markdown", nargs="?", const="-", default=None, metavar="FILE",
+                     help="the table as Markdown, to stdout instead of the terminal table, or to FILE")
+    fmt.add_argument("--plot", default=None, metavar="FILE.png", help="thread-scaling plot (needs matplotlib)")
+    p.set_defaults(func=run)
+
+
+def build_config(args: argparse.Namespace):
+    from .runner import BenchConfig
+
+    overrides = {"mode": args.mode}
+    if args.networks is not None:
+        overrides["networks"] = args.networks
+    if args.devices is not None:
+        overrides["devices"] = [to_device(d) for d in args.devices]
+    if args.threads is not None:
+        overrides["threads"] = args.threads
+    if args.batch_size is not None:
+        overrides["batch_size"] = args.batch_size
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    if args.warmup is not None:
+        overrides["warmup"] = args.warmup
+    return BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.mode not in mode_names():
+        from ..errors import unknown_choice
+
+        raise unknown_choice("mode", args.mode, mode_names())
+    if args.scaling:
+        from .scaling import main_scaling
+
+        if args.devices is not None:
+            args.devices = [to_device(d) for d in args.devices]
+        return main_scaling(args)
+    config = build_config(args)
+    result = _run_with_progress(config)
+    _emit(result, args)
+    return 0
+
+
+def _run_with_progress(config):
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .runner import run_bench
+
+    cells = list(config.cells())
+    per_cell = config.warmup + config.steps
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("starting", total=len(cells) * per_cell)
+        done_cells = {"n": 0}
+
+        def on_cell_start(net, dev, threads):
+            # Re-align the bar when a cell stopped early (time budget) or failed.
+            progress.update(task, completed=done_cells["n"] * per_cell,
+                            description=f"{net} on {dev}" + (f", {threads} thr" if threads else ""))
+            done_cells["n"] += 1
+
+        result = run_bench(config, on_cell_start=on_cell_start, on_step=lambda: progress.advance(task))
+    return result
+
+
+def _emit(result, args: argparse.Namespace) -> None:
+    from .._io import atomic_write_text
+    from . import report
+
+    wrote_stdout_format = False
+    for flag, render in (("csv", report.render_csv), ("markdown", report.render_markdown)):
+        target = getattr(args, flag)
+        if target == "-":
+            sys.stdout.write(render(result))
+            wrote_stdout_format = True
+        elif target:
+            atomic_write_text(target, render(result))
+    if not wrote_stdout_format:
+        report.render_terminal(result)
+    if args.plot:
+        report.render_plot(result, args.plot)
+    failed = [c for c in result.cells if c.error]
+    if failed:
+        print(f"{len(failed)} cell(s) failed; the reason is in the table.", file=sys.stderr)
+    if args.json == "-":
+        sys.stdout.flush()
+        print(report.render_json(result), flush=True)
+    elif args.json:
+        atomic_write_text(args.json, report.render_json(result) + "\n")

@@ -1,0 +1,172 @@
+"""Render a sweep like the paper's Table 7: a block of rows per network, a column per device and thread count.
+
+In each network's block, today's time comes first, then the achieved FLOP/s, then the paper's
+Torch figure and its best tool for the same column, and how many times faster today is than Torch.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from ..devices import Device
+from .runner import BenchResult, CellResult
+
+ROW_LABELS = ("dlperf (s)", "GFLOP/s", "Torch 2016 (s)", "best 2016 (s)", "vs Torch 2016")
+NOISY_MARK = "~"
+
+
+def column_label(device: Device, threads: int | None) -> str:
+    if threads is None:
+        return str(device)
+    return f"{device} {threads} thread{'s' if threads != 1 else ''}"
+
+
+def _columns(result: BenchResult) -> list[tuple[Device, int | None]]:
+    seen: dict[tuple[Device, int | None], None] = {}
+    for c in result.cells:
+        seen.setdefault((c.device, c.threads), None)
+    return list(seen)
+
+
+def _fmt_s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3f}" if x >= 0.01 else f"{x * 1e3:.2f}ms"
+
+
+def _cell_rows(cell: CellResult | None) -> list[str]:
+    if cell is None:
+        return [""] * len(ROW_LABELS)
+    paper = cell.paper
+    if cell.timing is None:
+        ours = f"- ({cell.error})" if cell.error else "-"
+    else:
+        ours = _fmt_s(cell.timing.median_s) + (NOISY_MARK if cell.timing.noisy else "")
+    gflops = f"{cell.achieved_flops / 1e9:.1f}" if cell.achieved_flops else "-"
+    torch_s = _fmt_s(paper.torch_s) if paper else "n/a"
+    best = f"{_fmt_s(paper.best_s)} {paper.best_framework}" if paper and paper.best_s else ("-" if paper else "n/a")
+    ratio = cell.speedup_vs_paper_torch
+    vs = f"{ratio:.1f}x faster" if ratio and ratio >= 1 else (f"{1 / ratio:.1f}x slower" if ratio else "-")
+    return [ours, gflops, torch_s, best, vs]
+
+
+def table_grid(result: BenchResult) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the Table-7 layout, as plain strings."""
+    cols = _columns(result)
+    by_key = {(c.network, c.device, c.threads): c for c in result.cells}
+    header = ["network", "batch", ""] + [column_label(d, t) for d, t in cols]
+    rows: list[list[str]] = []
+    for net in result.config.networks:
+        per_col = [_cell_rows(by_key.get((net, d, t))) for d, t in cols]
+        batches = sorted({c.batch_size for c in result.cells if c.network == net})
+        for i, label in enumerate(ROW_LABELS):
+            first = [net, "/".join(map(str, batches)), label] if i == 0 else ["", "", label]
+            rows.append(first + [pc[i] for pc in per_col])
+    return header, rows
+
+
+def footnotes(result: BenchResult) -> list[str]:
+    m = result.machine
+    c = result.config
+    gpus = ", ".join(m["gpus"]) or "none"
+    return [
+        f"Time per mini-batch (median of timed steps; forward, loss, backward, SGD update), mode {c.mode}.",
+        f"Machine: {m['cpu']}, {m['cores']} cores; GPUs: {gpus}; torch {m['torch']}; {m['date']}.",
+        "Paper: Shi et al. 2016, Table 7 (desktop i7-3820 for CPU columns, GTX 1080 for GPUs). "
+        f"{NOISY_MARK} marks a noisy cell (interquartile range > 10% of median).",
+    ]
+
+
+def render_terminal(result: BenchResult, console=None) -> None:
+    """Print the table with rich (to stdout unless a console is given)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    import sys
+
+    # Piped output has no terminal width; keep the table unwrapped for files and pagers.
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    header, rows = table_grid(result)
+    table = Table(title="Time per mini-batch (seconds), dlperf today beside Shi et al. 2016",
+                  show_lines=False, header_style="bold")
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i < 3 else "right", no_wrap=i < 3)
+    n = len(ROW_LABELS)
+    for i, row in enumerate(rows):
+        table.add_row(*row, end_section=(i % n == n - 1))
+    console.print(table)
+    for line in footnotes(result):
+        console.print(line, style="dim", highlight=False)
+
+
+def render_markdown(result: BenchResult) -> str:
+    header, rows = table_grid(result)
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    out.append("")
+    out += [f"{line}  " for line in footnotes(result)]
+    return "\n".join(out) + "\n"
+
+
+CSV_FIELDS = ("network", "device", "threads", "batch_size", "mode", "median_s", "q1_s", "q3_s", "min_s",
+              "max_s", "noisy", "samples", "achieved_gflops", "paper_torch_s", "paper_best_s",
+              "paper_best_framework", "speedup_vs_paper_torch", "error")
+
+
+def render_csv(result: BenchResult) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
+    w.writeheader()
+    for cell in result.cells:
+        d = cell.to_dict()
+        spread = d["spread"] or {}
+        paper = d["paper"] or {}
+        w.writerow({
+            **{k: d[k] for k in ("network", "device", "threads", "batch_size", "mode", "median_s", "noisy",
+                                 "achieved_gflops", "speedup_vs_paper_torch", "error")},
+            **{k: spread.get(k) for k in ("q1_s", "q3_s", "min_s", "max_s")},
+            "samples": len(d["samples"]),
+            "paper_torch_s": paper.get("torch_s"),
+            "paper_best_s": paper.get("best_s"),
+            "paper_best_framework": paper.get("best_framework"),
+        })
+    return buf.getvalue()
+
+
+def render_json(result: BenchResult) -> str:
+    """One line, so that ``| tail -1`` gives a parseable document."""
+    return json.dumps(result.to_dict(), separators=(",", ":"))
+
+
+def render_plot(result: BenchResult, path: str) -> None:
+    """Thread scaling: time per mini-batch against CPU threads, one line per network (log scale)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from ..errors import UsageError
+
+        raise UsageError("--plot needs matplotlib; install it with: pip install 'dlperf[plot]'") from None
+    from .._io import atomic_write_bytes
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for net in result.config.networks:
+        pts = sorted((c.threads, c.timing.median_s) for c in result.cells
+                     if c.network == net and c.threads is not None and c.timing is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=net)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("intra-op threads")
+    ax.set_ylabel("seconds per mini-batch")
+    ax.set_title(f"CPU thread scaling ({result.machine['cpu']})", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

@@ -1,0 +1,266 @@
+"""Run the Table-7 sweep: every network on every device and thread count, one training step timed.
+
+Each (network, device, threads) is a *cell*. A cell that fails (out of memory, a compile error, an
+absent kernel) records its reason and the sweep goes on, as the paper's "-" entries do.
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..devices import Device, cpu, cpu_count, num_gpus, require_available, to_device
+from ..errors import UsageError, unknown_choice
+from ..models import get_spec, model_names
+from .modes import get_mode, mode_names
+from .reference import PaperFigure, paper_figure
+from .timing import Timing, time_steps
+
+
+def default_threads(cores: int | None = None) -> list[int]:
+    """1, 2, 4, ... up to the core count, plus the core count itself if it is not a power of two."""
+    cores = cores or cpu_count()
+    out, t = [], 1
+    while t < cores:
+        out.append(t)
+        t *= 2
+    out.append(cores)
+    return out
+
+
+def default_devices() -> list[Device]:
+    return [cpu(), *(Device("gpu", i) for i in range(num_gpus()))]
+
+
+@dataclass
+class BenchConfig:
+    """What to measure and how long to measure it."""
+
+    networks: list[str] = field(default_factory=lambda: model_names(paper_only=True))
+    """Networks to time, by zoo name (default: the paper's seven)."""
+    devices: list[Device] = field(default_factory=default_devices)
+    """Devices to time on (default: the CPU and every GPU)."""
+    threads: list[int] = field(default_factory=default_threads)
+    """Intra-op thread counts for CPU cells (GPU cells use one setting)."""
+    batch_size: int | None = None
+    """Override every network's batch size (default: the paper's, per device kind)."""
+    warmup: int = 2
+    """Untimed steps first (allocator, caches, compilation)."""
+    steps: int = 10
+    """Timed steps per cell."""
+    max_cell_seconds: float | None = None
+    """Stop timing a cell early after this many seconds (at least 3 steps are always taken)."""
+    mode: str = "eager"
+    """How the step runs: eager, compile (torch.compile) or hybrid (dlperf.hybrid)."""
+    seed: int = 0
+    """Seed for weights and synthetic batches."""
+
+    def __post_init__(self) -> None:
+        self.networks = [get_spec(n).name for n in self.networks]  # raises on unknown names
+        self.devices = [require_available(to_device(d)) for d in self.devices]
+        if len(set(self.devices)) != len(self.devices):
+            raise UsageError(f"a device is listed twice in {[str(d) for d in self.devices]}; list each once")
+        if not self.threads or any(t < 1 for t in self.threads):
+            raise UsageError(f"thread counts must be integers >= 1, got {self.threads}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise UsageError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.steps < 1 or self.warmup < 1:
+            raise UsageError(f"need --steps >= 1 and --warmup >= 1, got {self.steps} and {self.warmup}")
+        if self.mode not in mode_names():
+            raise unknown_choice("mode", self.mode, mode_names())
+
+    @classmethod
+    def quick(cls, **overrides) -> BenchConfig:
+        """The sweep in minutes: fewer timed steps, the same batch sizes."""
+        base = dict(warmup=1, steps=5, max_cell_seconds=12.0)
+        base.update(overrides)
+        return cls(**base)
+
+    def cells(self) -> Iterator[tuple[str, Device, int | None]]:
+        for net in self.networks:
+            for dev in self.devices:
+                if dev.is_gpu:
+                    yield net, dev, None
+                else:
+                    for t in self.threads:
+                        yield net, dev, t
+
+
+@dataclass
+class CellResult:
+    network: str
+    device: Device
+    threads: int | None
+    batch_size: int
+    mode: str
+    timing: Timing | None = None
+    flops_per_step: float | None = None
+    error: str | None = None
+
+    @property
+    def paper(self) -> PaperFigure | None:
+        return paper_figure(self.network, self.device.kind, self.threads)
+
+    @property
+    def achieved_flops(self) -> float | None:
+        if self.timing is None or not self.flops_per_step:
+            return None
+        return self.flops_per_step / self.timing.median_s
+
+    @property
+    def speedup_vs_paper_torch(self) -> float | None:
+        p = self.paper
+        if self.timing is None or p is None or p.torch_s is None:
+            return None
+        return p.torch_s / self.timing.median_s
+
+    def to_dict(self) -> dict:
+        p = self.paper
+        t = self.timing
+        return {
+            "network": self.network,
+            "device": str(self.device),
+            "threads": self.threads,
+            "batch_size": self.batch_size,
+            "mode": self.mode,
+            "median_s": t.median_s if t else None,
+            "spread": {"q1_s": t.q1_s, "q3_s": t.q3_s, "iqr_s": t.iqr_s, "min_s": t.min_s, "max_s": t.max_s,
+                       "rel": t.rel_spread} if t else None,
+            "noisy": t.noisy if t else None,
+            "samples": list(t.samples) if t else [],
+            "flops_per_step": self.flops_per_step,
+            "achieved_gflops": self.achieved_flops / 1e9 if self.achieved_flops else None,
+            "paper": {"column": p.column, "torch_s": p.torch_s, "best_s": p.best_s,
+                      "best_framework": p.best_framework} if p else None,
+            "speedup_vs_paper_torch": self.speedup_vs_paper_torch,
+            "error": self.error,
+        }
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    cells: list[CellResult]
+    machine: dict
+    seconds: float
+
+    def to_dict(self) -> dict:
+        c = self.config
+        return {
+            "schema": "dlperf.bench/1",
+            "machine": self.machine,
+            "config": {"networks": c.networks, "devices": [str(d) for d in c.devices], "threads": c.threads,
+                       "batch_size": c.batch_size, "warmup": c.warmup, "steps": c.steps, "mode": c.mode,
+                       "max_cell_seconds": c.max_cell_seconds},
+            "seconds": self.seconds,
+            "cells": [cell.to_dict() for cell in self.cells],
+        }
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on."""
+    info = {
+        "cpu": _cpu_model(),
+        "cores": cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(num_gpus())],
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def count_step_flops(network: str, batch_size: int) -> float | None:
+    """FLOPs of one forward+backward, counted on the meta device so no real work is done."""
+    spec = get_spec(network)
+    try:
+        with torch.device("meta"):
+            model = spec.build()
+        x, y = spec.input.make_batch(batch_size)
+        with FlopCounterMode(display=False) as counter:
+            spec.loss(model(x.to("meta")), y.to("meta")).backward()
+        return float(counter.get_total_flops()) or None
+    except Exception:  # a model the counter cannot trace simply reports no FLOP/s
+        return None
+
+
+@contextmanager
+def intra_op_threads(n: int | None) -> Iterator[None]:
+    """Set torch's intra-op threads for the duration, then restore them."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def describe_failure(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text.lower() \
+            or "can't allocate memory" in text.lower():
+        return "out of memory"
+    return f"{type(exc).__name__}: {text[:160]}"
+
+
+def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
+             flops: float | None, on_step: Callable[[], None] | None = None) -> CellResult:
+    spec = get_spec(net)
+    batch = config.batch_size or spec.batch_size_for(dev.kind)
+    cell = CellResult(net, dev, threads, batch, config.mode, flops_per_step=flops)
+    try:
+        with intra_op_threads(threads):
+            torch.manual_seed(config.seed)
+            model = spec.build().to(dev.torch_device)
+            model.train()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            gen = torch.Generator().manual_seed(config.seed)
+            x, y = spec.input.make_batch(batch, dev.torch_device, generator=gen)
+            step = get_mode(config.mode)(model, spec.loss, optimizer, x, y)
+            cell.timing = time_steps(lambda: step(x, y), warmup=config.warmup, steps=config.steps,
+                                     synchronize=dev.synchronize, on_step=on_step,
+                                     max_seconds=config.max_cell_seconds)
+    except Exception as exc:  # noqa: BLE001 - one cell's failure must not lose the others
+        cell.error = describe_failure(exc)
+    finally:
+        # Free the model before the next cell allocates its own (fcn-s alone is ~1.4 GB with grads).
+        model = optimizer = step = x = y = None  # noqa: F841
+        gc.collect()
+        if dev.is_gpu:
+            torch.cuda.empty_cache()
+    return cell
+
+
+def run_bench(config: BenchConfig, on_cell_start: Callable[[str, Device, int | None], None] | None = None,
+              on_step: Callable[[], None] | None = None) -> BenchResult:
+    """Time every cell of ``config``; callbacks let a caller show progress."""
+    t0 = time.perf_counter()
+    flops: dict[tuple[str, int], float | None] = {}
+    cells = []
+    for net, dev, threads in config.cells():
+        if on_cell_start:
+            on_cell_start(net, dev, threads)
+        batch = config.batch_size or get_spec(net).batch_size_for(dev.kind)
+        if (net, batch) not in flops:
+            flops[(net, batch)] = count_step_flops(net, batch)
+        cells.append(run_cell(net, dev, threads, config, flops[(net, batch)], on_step))
+    return BenchResult(config, cells, machine_info(), time.perf_counter() - t0)
