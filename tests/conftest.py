@@ -35,9 +35,13 @@ def no_leaked_threads_or_env():
         time.sleep(0.05)
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(before_torch_threads)
-    changed = {k for k in set(before_env) | set(os.environ) if before_env.get(k) != os.environ.get(k)}
-    os.environ.clear()
-    os.environ.update(before_env)
+    changed = {k for k in set(before_env) | set(os.environ)
+               if before_env.get(k) != os.environ.get(k) and not k.startswith("PYTEST_")}
+    for k in changed:
+        if k in before_env:
+            os.environ[k] = before_env[k]
+        else:
+            os.environ.pop(k, None)
     assert not leaked, f"test leaked threads: {[t.name for t in leaked]}"
     assert not changed, f"test changed environment variables: {sorted(changed)}"
     assert torch_threads == before_torch_threads, (
