@@ -9,6 +9,10 @@ import time
 import pytest
 import torch
 
+# Variables that pytest or torch itself set on first use (torch's inductor cache dir is set lazily
+# by some ops' meta kernels); a test that sets them has not leaked anything of its own.
+_IGNORED_ENV = ("PYTEST_", "TORCHINDUCTOR_CACHE_DIR")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -36,7 +40,7 @@ def no_leaked_threads_or_env():
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(before_torch_threads)
     changed = {k for k in set(before_env) | set(os.environ)
-               if before_env.get(k) != os.environ.get(k) and not k.startswith("PYTEST_")}
+               if before_env.get(k) != os.environ.get(k) and not k.startswith(_IGNORED_ENV)}
     for k in changed:
         if k in before_env:
             os.environ[k] = before_env[k]
