@@ -26,7 +26,7 @@ import copy
 import os
 import re
 from dataclasses import dataclass
-from typing import TypeVar, Union
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -91,7 +91,7 @@ class Device:
     __str__ = __repr__
 
 
-DeviceLike = Union[Device, torch.device, str]
+DeviceLike = Device | torch.device | str
 
 _SPEC = re.compile(r"^\s*(cpu|gpu|cuda)\s*(?:[:(]\s*(\d+)\s*\)?)?\s*$", re.IGNORECASE)
 _VALID_SPECS = "cpu, cpu:N, cpu(N), gpu, gpu:N, gpu(N), cuda, cuda:N, or a torch.device"

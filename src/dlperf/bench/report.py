@@ -81,10 +81,10 @@ def footnotes(result: BenchResult) -> list[str]:
 
 def render_terminal(result: BenchResult, console=None) -> None:
     """Print the table with rich (to stdout unless a console is given)."""
+    import sys
+
     from rich.console import Console
     from rich.table import Table
-
-    import sys
 
     # Piped output has no terminal width; keep the table unwrapped for files and pagers.
     console = console or Console(width=None if sys.stdout.isatty() else 200)

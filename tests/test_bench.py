@@ -1,0 +1,215 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dlperf.bench import report
+from dlperf.bench.modes import eager_step, register_mode
+from dlperf.bench.reference import TABLE7, paper_figure
+from dlperf.bench.runner import BenchConfig, default_threads, run_bench
+from dlperf.bench.timing import Timing, time_steps
+from dlperf.cli import main
+from dlperf.devices import cpu
+from dlperf.errors import UsageError
+from dlperf.models import get_spec
+
+
+def test_timing_statistics():
+    t = Timing.from_samples([0.4, 0.1, 0.2, 0.3, 0.5])
+    assert t.median_s == pytest.approx(0.3)
+    assert (t.q1_s, t.q3_s) == pytest.approx((0.2, 0.4))
+    assert t.min_s == 0.1 and t.max_s == 0.5
+    assert t.noisy  # IQR 0.2 is 67% of the median
+    assert not Timing.from_samples([1.0, 1.01, 0.99, 1.0]).noisy
+
+
+def test_time_steps_runs_warmup_then_timed_steps_and_synchronizes_each():
+    calls = []
+    t = time_steps(lambda: calls.append("step"), warmup=2, steps=3,
+                   synchronize=lambda: calls.append("sync"))
+    assert calls.count("step") == 5 and len(t.samples) == 3
+    # every timed step is bracketed by synchronizations
+    timed = calls[calls.index("sync"):]
+    assert timed == ["sync"] + ["sync", "step", "sync"] * 3
+
+
+def test_time_steps_stops_early_on_a_time_budget():
+    import time
+
+    t = time_steps(lambda: time.sleep(0.02), warmup=0, steps=50, max_seconds=0.05, min_steps=3)
+    assert 3 <= len(t.samples) < 10
+
+
+def test_paper_reference_table_is_complete_and_picks_the_best_tool():
+    assert set(TABLE7) == {"fcn-s", "alexnet-s", "resnet-50", "fcn-r", "alexnet-r", "resnet-56", "lstm"}
+    assert all(len(v) == 13 for rows in TABLE7.values() for v in rows.values())
+    fig = paper_figure("resnet-56", "cpu", 1)
+    assert fig.torch_s == 5.758 and fig.best_framework == "Torch"
+    fig = paper_figure("lstm", "cpu", 4)
+    assert (fig.best_s, fig.best_framework) == (0.090, "CNTK")
+    gpu = paper_figure("alexnet-s", "gpu", None)
+    assert gpu.column == "GTX 1080" and (gpu.torch_s, gpu.best_s, gpu.best_framework) == (0.023, 0.014, "MXNet")
+    assert paper_figure("lenet", "cpu", 1) is None
+    assert paper_figure("fcn-r", "cpu", 3) is None  # the desktop had no 3-thread column
+
+
+def test_default_threads_are_powers_of_two_up_to_the_cores():
+    assert default_threads(2) == [1, 2]
+    assert default_threads(6) == [1, 2, 4, 6]
+    assert default_threads(1) == [1]
+
+
+def test_quick_config_covers_the_whole_cpu_table_at_paper_batch_sizes():
+    cfg = BenchConfig.quick(devices=[cpu()], threads=[1, 2])
+    cells = list(cfg.cells())
+    assert len(cells) == 14
+    assert cfg.batch_size is None  # never smaller batches unless asked
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"networks": ["vgg"]}, "unknown network 'vgg'"),
+    ({"mode": "fast"}, "unknown mode 'fast'; valid choices: eager, compile, hybrid"),
+    ({"threads": [0]}, "thread counts must be integers >= 1"),
+    ({"devices": [cpu(), cpu()]}, "listed twice"),
+    ({"batch_size": 0}, "batch size must be >= 1"),
+])
+def test_bad_config_gives_one_clear_error(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        BenchConfig(**kwargs)
+
+
+def _small_config(**kw):
+    base = dict(networks=["mlp", "alexnet-r"], devices=[cpu()], threads=[1, 2], batch_size=8,
+                warmup=1, steps=3)
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def test_run_bench_times_every_cell_with_threads_really_set():
+    seen_threads = []
+
+    def recording_step(model, loss_fn, optimizer, x, y):
+        inner = eager_step(model, loss_fn, optimizer)
+
+        def step(a, b):
+            seen_threads.append(torch.get_num_threads())
+            return inner(a, b)
+
+        return step
+
+    register_mode("recording", recording_step)
+    before = torch.get_num_threads()
+    result = run_bench(_small_config(mode="recording"))
+    assert torch.get_num_threads() == before
+    assert [(c.network, c.threads) for c in result.cells] == [
+        ("mlp", 1), ("mlp", 2), ("alexnet-r", 1), ("alexnet-r", 2)]
+    assert all(c.timing and len(c.timing.samples) == 3 and c.error is None for c in result.cells)
+    assert seen_threads == [1] * 4 + [2] * 4 + [1] * 4 + [2] * 4
+    alex = result.cells[2]
+    assert alex.flops_per_step > 0 and alex.achieved_flops > 0
+    assert alex.paper.torch_s == 5.352
+
+
+def test_a_failing_cell_keeps_its_reason_and_the_rest_completes():
+    def failing_for_mlp(model, loss_fn, optimizer, x, y):
+        if x.shape[-1] == 512:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 TB")
+        return eager_step(model, loss_fn, optimizer)
+
+    register_mode("flaky", failing_for_mlp)
+    result = run_bench(_small_config(mode="flaky", threads=[1]))
+    mlp, alex = result.cells
+    assert mlp.timing is None and mlp.error == "out of memory"
+    assert alex.timing is not None and alex.error is None
+    header, rows = report.table_grid(result)
+    assert "- (out of memory)" in rows[0]
+
+
+def test_training_step_matches_a_hand_written_loop():
+    """The benchmarked step is a real training step: same parameters as plain PyTorch after 2 steps."""
+    spec = get_spec("lenet")
+    torch.manual_seed(0)
+    a = spec.build()
+    b = spec.build()
+    b.load_state_dict(a.state_dict())
+    x, y = spec.input.make_batch(16, generator=torch.Generator().manual_seed(0))
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    step = eager_step(a, spec.loss, opt_a)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+    for _ in range(2):
+        step(x, y)
+        opt_b.zero_grad()
+        torch.nn.functional.cross_entropy(b(x), y).backward()
+        opt_b.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.fixture(scope="module")
+def small_result():
+    return run_bench(_small_config(threads=[1]))
+
+
+def test_reports_render_every_format(small_result, tmp_path):
+    md = report.render_markdown(small_result)
+    assert md.startswith("| network | batch |") and "alexnet-r" in md and "Torch 2016" in md
+    rows = report.render_csv(small_result).splitlines()
+    assert rows[0].startswith("network,device,threads") and len(rows) == 3
+    doc = json.loads(report.render_json(small_result))
+    assert doc["schema"] == "dlperf.bench/1" and len(doc["cells"]) == 2
+    cell = doc["cells"][1]
+    for key in ("network", "device", "threads", "batch_size", "median_s", "spread", "samples"):
+        assert key in cell
+    report.render_plot(small_result, str(tmp_path / "scaling.png"))
+    assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_bench_json_last_line(capsys):
+    rc = main(["bench", "--networks", "mlp", "--threads", "1", "--steps", "2", "--warmup", "1", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    doc = json.loads(out[-1])
+    assert [c["network"] for c in doc["cells"]] == ["mlp"]
+    assert any("Shi et al" in line for line in out)
+
+
+def test_cli_bench_csv_and_markdown_files(tmp_path, capsys):
+    rc = main(["bench", "--networks", "mlp", "--threads", "1", "--steps", "1", "--warmup", "1",
+               "--csv", str(tmp_path / "t.csv"), "--markdown", str(tmp_path / "t.md")])
+    assert rc == 0
+    assert (tmp_path / "t.csv").read_text().startswith("network,")
+    assert "| mlp |" in (tmp_path / "t.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--networks", "vgg"], "unknown network 'vgg'; valid choices: fcn-s"),
+    (["bench", "--devices", "tpu"], "device 'tpu' is not valid"),
+    (["bench", "--mode", "jit"], "unknown mode 'jit'"),
+    (["bench", "--threads", "two"], "expected comma-separated integers"),
+])
+def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse type errors exit from the parser
+        rc = exc.code
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
+def test_cli_gpu_on_a_machine_without_one(capsys):
+    assert main(["bench", "--devices", "gpu(0)"]) == 2
+    assert "gpu(0) was requested but this machine has 0 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_cells_run_and_compare_with_the_gtx_1080():
+    from dlperf.devices import gpu
+
+    result = run_bench(BenchConfig(networks=["alexnet-r"], devices=[gpu(0)], warmup=1, steps=2))
+    (cell,) = result.cells
+    assert cell.error is None and cell.threads is None and cell.batch_size == 1024
+    assert cell.paper.column == "GTX 1080"

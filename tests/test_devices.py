@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dlperf
+from dlperf.devices import (
+    Device,
+    as_in,
+    check_same_device,
+    copy_to,
+    cpu,
+    device_of,
+    gpu,
+    num_gpus,
+    require_available,
+    to_device,
+    try_all_gpus,
+    try_gpu,
+)
+from dlperf.errors import DeviceMismatchError, DeviceUnavailableError, UsageError
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("cpu", cpu(0)), ("cpu:1", cpu(1)), ("cpu(2)", cpu(2)), ("CPU", cpu(0)),
+    ("gpu", gpu(0)), ("gpu(1)", gpu(1)), ("gpu:3", gpu(3)), ("cuda:1", gpu(1)), ("cuda", gpu(0)),
+    (torch.device("cpu"), cpu(0)), (torch.device("cuda", 2), gpu(2)), (cpu(4), cpu(4)),
+])
+def test_device_specs_parse(spec, expected):
+    assert to_device(spec) == expected
+
+
+@pytest.mark.parametrize("bad", ["xpu", "gpu(-1)", "cpu:x", "", "cuda:1:2", 3])
+def test_bad_device_spec_names_the_value_and_the_valid_forms(bad):
+    with pytest.raises(UsageError) as err:
+        to_device(bad)
+    assert repr(bad) in str(err.value) and "cpu:N" in str(err.value)
+
+
+def test_repr_uses_d2l_names():
+    assert repr(cpu()) == "cpu(0)" and str(gpu(1)) == "gpu(1)"
+    assert cpu(1).torch_device == torch.device("cpu")
+    assert gpu(1).torch_device == torch.device("cuda", 1)
+
+
+def test_logical_cpu_devices_are_distinct():
+    assert cpu(0) != cpu(1)
+    assert len({cpu(0), cpu(1), cpu(0)}) == 2
+
+
+def test_try_gpu_falls_back_to_cpu():
+    assert try_gpu(num_gpus()) == cpu()
+    assert try_gpu(10_000) == cpu()
+    assert try_all_gpus() == ([gpu(i) for i in range(num_gpus())] or [cpu()])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
+def test_absent_gpu_is_a_clear_error():
+    with pytest.raises(DeviceUnavailableError, match=r"gpu\(0\) was requested but this machine has 0 GPUs"):
+        require_available("gpu")
+    with pytest.raises(DeviceUnavailableError, match="try_gpu"):
+        copy_to(torch.ones(1), gpu(0))
+
+
+def test_as_in_returns_the_same_tensor_when_already_there():
+    x = torch.arange(3.0)
+    y = as_in(x, cpu(0))
+    assert y is x
+    y[0] = 7.0
+    assert x[0] == 7.0  # shares storage: nothing was copied
+
+
+def test_copy_to_always_copies():
+    x = torch.arange(3.0)
+    y = copy_to(x, "cpu")
+    assert y is not x and torch.equal(x, y)
+    y[0] = 7.0
+    assert x[0] == 0.0
+
+
+def test_as_in_moves_to_another_logical_cpu_and_tags_it():
+    x = torch.arange(3.0)
+    y = as_in(x, cpu(1))
+    assert y is not x and device_of(y) == cpu(1) and device_of(x) == cpu(0)
+    assert as_in(y, "cpu:1") is y
+
+
+def test_modules_follow_the_same_rules():
+    net = nn.Linear(3, 2)
+    assert as_in(net, cpu()) is net
+    other = copy_to(net, cpu(1))
+    assert other is not net and device_of(other) == cpu(1)
+    assert all(p is not q for p, q in zip(net.parameters(), other.parameters()))
+    assert as_in(other, cpu(1)) is other
+    other.weight.data.fill_(1.0)
+    assert not torch.equal(net.weight, other.weight)
+
+
+def test_check_same_device_passes_and_allows_scalars():
+    a, b = torch.ones(2), torch.ones(2)
+    assert check_same_device(a, b, torch.tensor(3.0)) == cpu(0)
+    c = copy_to(a, cpu(1))
+    assert check_same_device(c, torch.tensor(2.0)) == cpu(1)
+
+
+def test_mixed_device_error_names_each_operand_and_the_fix():
+    x = torch.ones(2)
+    y = copy_to(torch.ones(2), cpu(1))
+    with pytest.raises(DeviceMismatchError) as err:
+        check_same_device(x, y, names=("x", "y"), op="x + y")
+    msg = str(err.value)
+    assert "x on cpu(0)" in msg and "y on cpu(1)" in msg
+    assert "dlperf.as_in(y, cpu(0))" in msg
+
+
+def test_top_level_reexports():
+    assert dlperf.try_gpu is try_gpu and dlperf.as_in is as_in and isinstance(dlperf.cpu(), Device)
+
+
+@pytest.mark.gpu
+def test_gpu_tensor_semantics():
+    x = torch.ones(3)
+    g = copy_to(x, gpu(0))
+    assert g.is_cuda and device_of(g) == gpu(0) and as_in(g, "cuda:0") is g
+    with pytest.raises(DeviceMismatchError, match="gpu\\(0\\)"):
+        check_same_device(x, g, names=("x", "g"))
