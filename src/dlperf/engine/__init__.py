@@ -1,0 +1,54 @@
+"""Asynchronous dependency engine: push work with read/write sets; per-device workers run it.
+
+The frontend (Python) pushes operations and returns at once; each device has its own worker
+threads that run whatever is ready, so independent work on ``cpu(0)``, ``cpu(1)`` and each GPU
+(compute and copy streams) overlaps. See :mod:`dlperf.engine.engine` for the API,
+:mod:`dlperf.engine.array` for the array frontend, :mod:`dlperf.engine.trace` for timelines.
+
+Example:
+    >>> from dlperf.engine import create_engine, array as dnp
+    >>> with create_engine() as eng:
+    ...     x = dnp.ones((1, 2), engine=eng)
+    ...     (x * x + 2).tolist()
+    [[3.0, 3.0]]
+"""
+
+from __future__ import annotations
+
+from . import array
+from .array import Array
+from .engine import (
+    ENGINE_ENV,
+    Engine,
+    EngineClosedError,
+    EngineConfig,
+    create_engine,
+    default_engine,
+    engine_kinds,
+    register_engine,
+    waitall,
+)
+from .inflight import InFlight, bounded
+from .trace import Trace, load_trace, summarize
+from .var import Op, Var
+
+__all__ = [
+    "ENGINE_ENV",
+    "Array",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "InFlight",
+    "Op",
+    "Trace",
+    "Var",
+    "array",
+    "bounded",
+    "create_engine",
+    "default_engine",
+    "engine_kinds",
+    "load_trace",
+    "register_engine",
+    "summarize",
+    "waitall",
+]

@@ -1,0 +1,468 @@
+"""The engine API: push operations with read/write sets, wait for them; a registry of engines.
+
+Two engines implement it (:func:`create_engine` picks one by name, ``DLPERF_ENGINE`` sets the
+default):
+
+* ``threaded`` (:class:`~dlperf.engine.threaded.ThreadedEngine`): the frontend returns at once;
+  per-device worker threads run whatever is ready, so independent work on ``cpu(0)``, ``cpu(1)``
+  and GPUs overlaps.
+* ``naive`` (:class:`~dlperf.engine.naive.NaiveEngine`): every push runs before it returns, in
+  the pushing thread; for debugging (stack traces point at the push) and as the oracle in tests.
+
+Both keep the same error contract: an exception raised by a pushed function is stored, every
+later operation that reads or writes a variable the failed one wrote is skipped, and the error is
+raised at the first wait point that touches it (``wait_to_read``, ``Op.wait``) or else at
+``waitall``. The engine stays usable for everything else.
+
+Example:
+    >>> import torch
+    >>> from dlperf.engine import create_engine
+    >>> with create_engine() as eng:
+    ...     a, b = eng.new_var("a"), eng.new_var("b")
+    ...     store = {}
+    ...     _ = eng.push(lambda: store.__setitem__("a", torch.ones(2)), writes=[a])
+    ...     _ = eng.push(lambda: store.__setitem__("b", store["a"] * 3), reads=[a], writes=[b])
+    ...     eng.wait_to_read(b)
+    ...     store["b"].tolist()
+    [3.0, 3.0]
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from time import perf_counter_ns
+from typing import Any
+
+from ..devices import Device, DeviceLike, cpu, require_available
+from ..errors import DlperfError, UsageError, unknown_choice
+from .var import DONE, PENDING, Op, Var
+
+__all__ = [
+    "ENGINE_ENV",
+    "EngineConfig",
+    "Engine",
+    "EngineClosedError",
+    "register_engine",
+    "engine_kinds",
+    "create_engine",
+    "default_engine",
+    "waitall",
+]
+
+ENGINE_ENV = "DLPERF_ENGINE"
+"""Environment variable naming the default engine kind (``threaded`` or ``naive``)."""
+
+
+class EngineClosedError(DlperfError, RuntimeError):
+    """Work was pushed to an engine after :meth:`Engine.close`."""
+
+
+@dataclass
+class EngineConfig:
+    """Settings shared by all engine kinds."""
+
+    cpu_threads: int | None = None
+    """Intra-op threads per logical CPU device; None: the cores divided among the CPU devices in use."""
+    max_queued: int | None = None
+    """Per device worker: a push blocks while this many of its operations are unfinished (None: no limit)."""
+    trace: bool = False
+    """Record every operation (device, worker, start, end, dependencies) from the start."""
+    batch_latency_us: float = 50.0
+    """A worker running many small ready operations releases their dependents at least this often."""
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise UsageError(f"cpu_threads={self.cpu_threads!r} is not valid; expected an integer >= 1 or None")
+        if self.max_queued is not None and (not isinstance(self.max_queued, int) or self.max_queued < 1):
+            raise UsageError(f"max_queued={self.max_queued!r} is not valid; expected an integer >= 1 or None")
+        if self.batch_latency_us < 0:
+            raise UsageError(f"batch_latency_us={self.batch_latency_us!r} is not valid; expected >= 0")
+
+
+class _Bulk:
+    """Operations collected by :meth:`Engine.bulk` in one thread, not yet pushed."""
+
+    __slots__ = ("size", "ops", "device", "kind")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.ops: list[Op] = []
+        self.device: Device | None = None
+        self.kind = "compute"
+
+
+def _run_bulk(ops: list[Op]) -> None:
+    # Runs in one worker call, in push order, so dependencies inside the batch hold trivially.
+    # The first failure stops the batch: later members may depend on what it should have written.
+    for i, op in enumerate(ops):
+        try:
+            op.result = op.fn(*op.args)
+        except BaseException as exc:
+            for rest in ops[i:]:
+                rest.exc = exc
+                rest.state = DONE
+            raise
+        op.state = DONE
+
+
+class Engine:
+    """Base class: dependency tracking API shared by every engine kind.
+
+    Subclasses implement :meth:`_submit` (schedule a fully built op), :meth:`_wait_done`,
+    :meth:`_wait_all` and :meth:`_shutdown`.
+    """
+
+    kind = "base"
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self._errors: list[BaseException] = []
+        self._errors_lock = threading.Lock()
+        self._local = threading.local()
+        self._trace: list[tuple] | None = [] if self.config.trace else None
+        self._trace_t0 = perf_counter_ns()
+        self._ids = iter(range(1, 1 << 62))
+        self._closed = False
+
+    # ----------------------------------------------------------------- variables and pushes
+    def new_var(self, name: str | None = None) -> Var:
+        """A fresh variable; deleting it while operations on it are pending is safe.
+
+        >>> from dlperf.engine import create_engine
+        >>> create_engine("naive").new_var("w")
+        Var(w, idle)
+        """
+        return Var(name)
+
+    def push(self, fn: Callable[..., Any], args: tuple = (), reads: Iterable[Var] = (),
+             writes: Iterable[Var] = (), device: DeviceLike | None = None, priority: int = 0,
+             name: str | None = None, kind: str = "compute") -> Op:
+        """Schedule ``fn(*args)`` on ``device`` after the operations it depends on; return at once.
+
+        Args:
+            reads: variables ``fn`` only reads (concurrent with other reads).
+            writes: variables ``fn`` modifies (exclusive; a variable in both counts as written).
+            device: where ``fn`` runs (default ``cpu(0)``); each device has its own worker(s).
+            priority: among ready operations of one worker, higher runs first (default 0).
+            kind: ``"compute"`` or ``"copy"``; copies involving a GPU run on its copy stream.
+
+        Returns:
+            The :class:`Op` handle; ``op.wait()`` returns ``fn``'s result.
+
+        >>> from dlperf.engine import create_engine
+        >>> with create_engine() as eng:
+        ...     eng.push(sum, args=([1, 2, 3],)).wait()
+        6
+        """
+        if kind not in ("compute", "copy"):
+            raise unknown_choice("operation kind", kind, ("compute", "copy"))
+        if type(reads) is not tuple:
+            reads = tuple(reads)
+        if type(writes) is not tuple:
+            writes = tuple(writes)
+        if writes:
+            if len(writes) > 1:
+                writes = tuple(dict.fromkeys(writes))
+            if reads:
+                reads = tuple(v for v in reads if v not in writes)
+        dev = cpu(0) if device is None else device if type(device) is Device else require_available(device)
+        if self._closed:
+            raise EngineClosedError(f"this {self.kind} engine is closed; create a new one to push more work")
+        op = Op(self, fn, args, reads, writes, None, priority, name)
+        bulk = getattr(self._local, "bulk", None)
+        if bulk is not None:
+            self._add_to_bulk(bulk, op, dev, kind)
+            return op
+        self._submit(op, dev, kind)
+        return op
+
+    def _submit(self, op: Op, device: Device, kind: str) -> None:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- bulk execution
+    @contextmanager
+    def bulk(self, size: int = 64) -> Iterator[None]:
+        """Collect up to ``size`` pushes of this thread into one engine operation (less overhead).
+
+        Inside the block, pushes to one device are run back to back by one worker call, so their
+        per-operation scheduling cost is paid once. A change of device, ``size`` pushes, any wait
+        in this thread, or the end of the block sends the collected batch. If one member raises,
+        the rest of its batch is skipped and all the batch's written variables carry the error.
+
+        >>> from dlperf.engine import create_engine
+        >>> with create_engine() as eng:
+        ...     v, box = eng.new_var(), [0]
+        ...     with eng.bulk(100):
+        ...         for _ in range(10):
+        ...             _ = eng.push(lambda: box.__setitem__(0, box[0] + 1), writes=[v])
+        ...     eng.wait_to_read(v)
+        ...     box[0]
+        10
+        """
+        if not isinstance(size, int) or size < 1:
+            raise UsageError(f"bulk size {size!r} is not valid; expected an integer >= 1")
+        outer = getattr(self._local, "bulk", None)
+        if outer is not None:  # nested: the outer batch keeps collecting
+            yield
+            return
+        self._local.bulk = _Bulk(size)
+        try:
+            yield
+        finally:
+            self._flush_bulk()
+            self._local.bulk = None
+
+    def _add_to_bulk(self, bulk: _Bulk, op: Op, device: Device, kind: str) -> None:
+        if bulk.ops and (device != bulk.device or kind != bulk.kind):
+            self._flush_bulk()
+        bulk.device, bulk.kind = device, kind
+        bulk.ops.append(op)
+        if len(bulk.ops) >= bulk.size:
+            self._flush_bulk()
+
+    def _flush_bulk(self) -> None:
+        bulk = getattr(self._local, "bulk", None)
+        if bulk is None or not bulk.ops:
+            return
+        ops, bulk.ops = bulk.ops, []
+        written = dict.fromkeys(v for op in ops for v in op.writes)  # a dict: O(1) membership
+        reads = tuple(dict.fromkeys(v for op in ops for v in op.reads if v not in written))
+        writes = tuple(written)
+        parent = Op(self, _run_bulk, (ops,), reads, writes, None, 0, f"bulk[{len(ops)}]")
+        for op in ops:
+            op.worker = parent  # an inner op's "worker" field points at its batch: see wait_op
+        self._submit(parent, bulk.device, bulk.kind)
+
+    # ----------------------------------------------------------------- running (both engines)
+    def _execute(self, op: Op, where: str) -> None:
+        """Run one operation in the current thread: skip it if an input failed, store its error."""
+        upstream = _upstream_error(op)
+        if upstream is not None:  # skipped: its outputs inherit the original error
+            op.exc = upstream
+            for v in op.writes:
+                v.exc = upstream
+            if op.fn is _run_bulk:
+                for inner in op.args[0]:
+                    inner.exc = upstream
+                    inner.state = DONE
+            return
+        trace = self._trace
+        t0 = perf_counter_ns() if trace is not None else 0
+        try:
+            op.result = op.fn(*op.args)
+        except BaseException as exc:  # stored, raised at a wait point in the frontend
+            op.exc = exc
+            for v in op.writes:
+                v.exc = exc
+            with self._errors_lock:
+                self._errors.append(exc)
+        if trace is not None:
+            trace.append((op.id, op.name or getattr(op.fn, "__name__", "op"), where,
+                          t0, perf_counter_ns(), op.deps, op.exc is not None))
+
+    @staticmethod
+    def _trace_deps(op: Op, ids: Iterator[int]) -> None:
+        # Dependencies recorded for the timeline: the newest earlier writer of each variable.
+        op.id = next(ids)
+        op.deps = tuple(v._last_write.id for v in (*op.reads, *op.writes)
+                        if v._last_write is not None and v._last_write.id)
+
+    # ----------------------------------------------------------------- waiting
+    def wait_op(self, op: Op) -> Any:
+        """Block until ``op`` is done; return its result or raise its (or an upstream) error."""
+        if op.state != DONE:
+            if op.state == PENDING and isinstance(op.worker, Op):  # member of a sent batch
+                self._wait_done(op.worker)
+            elif op.state == PENDING and op.worker is None:  # member of an open batch
+                self._flush_bulk()
+                if op.worker is None:
+                    raise UsageError("this operation is in another thread's open bulk() block; "
+                                     "wait for it after that block ends")
+                self._wait_done(op.worker)
+            else:
+                self._wait_done(op)
+        if op.exc is not None:
+            self._report(op.exc)
+            raise op.exc
+        return op.result
+
+    def wait_to_read(self, x: Any) -> None:
+        """Block until every pushed write to ``x`` (a :class:`Var` or an engine array) is done.
+
+        Raises the stored error if that write, or anything it depended on, failed. Other work keeps
+        running meanwhile.
+        """
+        var = x if isinstance(x, Var) else getattr(x, "_var", None)
+        if var is None:
+            raise UsageError(f"wait_to_read expects a Var or an engine array, got {type(x).__name__}")
+        self._flush_bulk()
+        op = var._last_write
+        if op is not None and op.state != DONE:
+            self._wait_done(op)
+        self._sync_var(var)
+        if var.exc is not None:
+            self._report(var.exc)
+            raise var.exc
+
+    def wait_to_write(self, var: Var) -> None:
+        """Block until no pushed operation reads or writes ``var`` any more (safe to modify it)."""
+        op = self.push(_noop, writes=(var,), name="wait_to_write")
+        self._flush_bulk()
+        self._wait_done(op)
+        self._sync_var(var)
+
+    def waitall(self) -> None:
+        """Block until every pushed operation is done; raise the first error not yet reported."""
+        self._flush_bulk()
+        self._wait_all()
+        with self._errors_lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def _report(self, exc: BaseException) -> None:
+        with self._errors_lock:
+            self._errors = [e for e in self._errors if e is not exc]
+
+    def _wait_done(self, op: Op) -> None:
+        raise NotImplementedError
+
+    def _wait_all(self) -> None:
+        raise NotImplementedError
+
+    def _sync_var(self, var: Var) -> None:
+        """Make device work on ``var`` visible to the host (GPU engines wait for an event)."""
+
+    # ----------------------------------------------------------------- tracing
+    def start_trace(self) -> None:
+        """Start recording a timeline of every operation (see :meth:`stop_trace`)."""
+        self._trace = []
+        self._trace_t0 = perf_counter_ns()
+
+    def stop_trace(self) -> Any:
+        """Stop recording and return the :class:`~dlperf.engine.trace.Trace` of what ran."""
+        from .trace import Trace
+
+        records, self._trace = self._trace or [], None
+        return Trace.from_records(records, self._trace_t0)
+
+    # ----------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Finish pending work, stop and join every worker thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._flush_bulk()
+        except EngineClosedError:
+            pass
+        self._closed = True
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort; explicit close() is the contract
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+
+def _upstream_error(op: Op) -> BaseException | None:
+    for v in op.reads:
+        if v.exc is not None:
+            return v.exc
+    for v in op.writes:
+        if v.exc is not None:
+            return v.exc
+    return None
+
+
+def _noop() -> None:
+    return None
+
+
+# --------------------------------------------------------------------- registry and default
+_ENGINES: dict[str, type[Engine]] = {}
+
+
+def register_engine(name: str, cls: type[Engine]) -> None:
+    """Make an engine class available to :func:`create_engine` under ``name``."""
+    _ENGINES[name] = cls
+
+
+def engine_kinds() -> list[str]:
+    """Names :func:`create_engine` accepts."""
+    _load_builtin()
+    return sorted(_ENGINES)
+
+
+def _load_builtin() -> None:
+    from . import naive, threaded  # noqa: F401  (they register themselves)
+
+
+def create_engine(kind: str | None = None, config: EngineConfig | None = None, **settings: Any) -> Engine:
+    """Create an engine by name (default: ``$DLPERF_ENGINE`` or ``threaded``).
+
+    Keyword settings are :class:`EngineConfig` fields.
+
+    >>> with create_engine("naive", cpu_threads=1) as eng:
+    ...     eng.kind
+    'naive'
+    """
+    _load_builtin()
+    kind = kind or os.environ.get(ENGINE_ENV) or "threaded"
+    if kind not in _ENGINES:
+        raise unknown_choice("engine", kind, sorted(_ENGINES))
+    if config is not None and settings:
+        raise UsageError("pass either config= or keyword settings, not both")
+    return _ENGINES[kind](config or EngineConfig(**settings))
+
+
+_default: Engine | None = None
+_default_lock = threading.Lock()
+
+
+def default_engine() -> Engine:
+    """The process-wide engine, created on first use and closed at interpreter exit.
+
+    Libraries and tests should prefer engines they create and close themselves.
+    """
+    global _default
+    eng = _default
+    if eng is not None and not eng.closed:
+        return eng
+    with _default_lock:
+        if _default is None or _default.closed:
+            first = _default is None
+            _default = create_engine()
+            if first:
+                atexit.register(_close_default)
+        return _default
+
+
+def _close_default() -> None:
+    if _default is not None:
+        _default.close()
+
+
+def waitall() -> None:
+    """Wait for everything pushed to the default engine (d2l's ``npx.waitall()``)."""
+    if _default is not None:
+        _default.waitall()

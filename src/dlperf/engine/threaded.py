@@ -1,0 +1,220 @@
+"""The threaded engine: the frontend pushes and returns; per-device workers run what is ready.
+
+Scheduling state (each variable's granted readers and writer, its queue of waiting operations,
+each operation's count of variables it still waits for) is plain ints and deques changed under
+one lock, in the style of Apache MXNet's ``ThreadedVar``: a push grants each variable at once if
+nothing conflicting is ahead of it, otherwise queues the operation on that variable; finishing
+an operation grants the next write, or the next run of reads, on each of its variables. An
+operation whose count reaches zero goes to its device's worker.
+
+A thread that waits on a ready operation of an idle CPU worker runs that operation itself
+instead of waking the worker and sleeping: that saves two thread switches, which dominate the
+cost of a synchronous ``y = x + 1; y.wait_to_read()`` loop.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..devices import Device
+from ..errors import UsageError
+from .engine import Engine, EngineClosedError, EngineConfig, register_engine
+from .var import DONE, QUEUED, RUNNING, Op, Var
+from .worker import CpuWorker, Worker
+
+__all__ = ["ThreadedEngine"]
+
+
+class ThreadedEngine(Engine):
+    """Asynchronous engine with one worker thread per device lane; see the module docstring.
+
+    >>> import torch
+    >>> from dlperf.devices import cpu
+    >>> with ThreadedEngine() as eng:
+    ...     ops = [eng.push(torch.ones, args=(2,), device=cpu(i)) for i in range(2)]
+    ...     [op.wait().sum().item() for op in ops]
+    [2.0, 2.0]
+    """
+
+    kind = "threaded"
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        super().__init__(config)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._workers: dict[tuple[Device, str], Worker] = {}
+        self._pending = 0
+        self._waiters = 0
+        self._cpu_workers = 0
+        self._has_gpu = False
+        self._last: tuple[Device | None, Worker | None] = (None, None)
+        # Initialise this thread's PyTorch thread count now (see CpuWorker.setup) and remember it
+        # as the process default that workers restore after setting their own budgets.
+        self._host_threads = torch.get_num_threads()
+
+    # ----------------------------------------------------------------- workers
+    def _worker(self, device: Device, kind: str) -> Worker:
+        last_dev, last_w = self._last
+        if device is last_dev and kind == "compute":
+            return last_w  # type: ignore[return-value]
+        lane = "copy" if kind == "copy" and device.is_gpu else "compute"
+        w = self._workers.get((device, lane))
+        if w is None:
+            w = self._start_worker(device, lane)
+        if lane == "compute":
+            self._last = (device, w)
+        return w
+
+    def _start_worker(self, device: Device, lane: str) -> Worker:
+        with self._lock:
+            w = self._workers.get((device, lane))
+            if w is not None:
+                return w
+            if self._closed:
+                raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
+            if device.is_gpu:
+                from .cuda import GpuWorker
+
+                w = GpuWorker(self, device, lane)
+                self._has_gpu = True
+            else:
+                w = CpuWorker(self, device, lane)
+                self._cpu_workers += 1
+            self._workers[(device, lane)] = w
+            w.start()
+            return w
+
+    @property
+    def workers(self) -> list[str]:
+        """Labels of the workers started so far, e.g. ``['cpu(0)/compute']``."""
+        return [w.label for w in self._workers.values()]
+
+    # ----------------------------------------------------------------- scheduling (lock held)
+    def _submit(self, op: Op, device: Device, kind: str) -> None:
+        worker = self._worker(device, kind)
+        op.worker = worker
+        limit = self.config.max_queued
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
+            if limit is not None and worker.unfinished >= limit and not getattr(self._local, "is_worker", False):
+                self._waiters += 1
+                while worker.unfinished >= limit:  # bound memory held by queued work
+                    self._cond.wait()
+                self._waiters -= 1
+            if self._trace is not None:
+                self._trace_deps(op, self._ids)
+            for v in op.reads:
+                if v._writing or v._queue:
+                    self._enqueue_var(v, op, False)
+                else:
+                    v._readers += 1
+            for v in op.writes:
+                if v._writing or v._readers or v._queue:
+                    self._enqueue_var(v, op, True)
+                else:
+                    v._writing = True
+                v._last_write = op
+            worker.unfinished += 1
+            self._pending += 1
+            op.wait_count -= 1
+            if op.wait_count == 0:
+                op.state = QUEUED
+                worker.enqueue(op)
+
+    @staticmethod
+    def _enqueue_var(v: Var, op: Op, is_write: bool) -> None:
+        if v._queue is None:
+            from collections import deque
+
+            v._queue = deque()
+        v._queue.append((op, is_write))
+        op.wait_count += 1
+
+    @staticmethod
+    def _ready(op: Op) -> None:
+        op.wait_count -= 1
+        if op.wait_count == 0:
+            op.state = QUEUED
+            op.worker.enqueue(op)
+
+    def _grant(self, v: Var) -> None:
+        q = v._queue
+        if v._writing or not q:
+            return
+        if q[0][1]:  # a write: needs the variable to itself
+            if v._readers == 0:
+                op = q.popleft()[0]
+                v._writing = True
+                self._ready(op)
+            return
+        while q and not q[0][1]:  # a run of reads goes together
+            op = q.popleft()[0]
+            v._readers += 1
+            self._ready(op)
+
+    def _complete(self, ops: list[Op]) -> None:
+        """Release the variables of finished operations and wake whoever waits (takes the lock)."""
+        with self._lock:
+            for op in ops:
+                for v in op.reads:
+                    v._readers -= 1
+                    if v._readers == 0 and v._queue:
+                        self._grant(v)
+                for v in op.writes:
+                    v._writing = False
+                    if v._queue:
+                        self._grant(v)
+                op.state = DONE
+                op.worker.unfinished -= 1
+            self._pending -= len(ops)
+            if self._waiters:
+                self._cond.notify_all()
+
+    # ----------------------------------------------------------------- waiting
+    def _wait_done(self, op: Op) -> None:
+        if op.state == DONE:
+            return
+        steal = False
+        with self._lock:
+            w = op.worker
+            if op.state == QUEUED and w.can_steal and not w.busy:
+                op.state = RUNNING  # the worker will skip it
+                steal = True
+        if steal:
+            w.run_stolen(op, f"{w.device}/caller")
+            self._complete([op])
+            return
+        if getattr(self._local, "is_worker", False) and op.worker is getattr(self._local, "worker", None):
+            raise UsageError("a pushed function waited on an operation of its own worker; that would deadlock")
+        with self._lock:
+            self._waiters += 1
+            while op.state != DONE:
+                self._cond.wait()
+            self._waiters -= 1
+
+    def _wait_all(self) -> None:
+        with self._lock:
+            self._waiters += 1
+            while self._pending:
+                self._cond.wait()
+            self._waiters -= 1
+
+    def _sync_var(self, var: Var) -> None:
+        if self._has_gpu and var._wev is not None:
+            var._wev.synchronize()
+
+    # ----------------------------------------------------------------- lifetime
+    def _shutdown(self) -> None:
+        self._wait_all()
+        with self._lock:
+            workers = list(self._workers.values())
+            for w in workers:
+                w.stop()
+        for w in workers:
+            w.thread.join()
+
+
+register_engine("threaded", ThreadedEngine)

@@ -1,0 +1,204 @@
+"""Timelines of engine operations: Chrome trace JSON (opens in Perfetto) and a text summary.
+
+Each record is one operation: name, worker (``cpu(1)/compute``, ``gpu(0)/copy``, or
+``cpu(0)/caller`` when a waiting thread ran it), host start and end, and the ids of the operations
+it depended on. GPU operations are timed on the host, so their spans show launch time, not kernel
+time.
+
+Example:
+    >>> from dlperf.engine import create_engine
+    >>> with create_engine(trace=True) as eng:
+    ...     _ = eng.push(sum, args=([1, 2],), name="add")
+    ...     eng.waitall()
+    ...     t = eng.stop_trace()
+    >>> [e.name for e in t.events]
+    ['add']
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+
+__all__ = ["TraceEvent", "Trace", "WorkerSummary", "TraceSummary", "summarize", "load_trace", "format_summary"]
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One operation on the timeline; times in microseconds from the start of the trace."""
+
+    id: int
+    name: str
+    worker: str
+    start_us: float
+    end_us: float
+    deps: tuple[int, ...] = ()
+    failed: bool = False
+
+    @property
+    def device(self) -> str:
+        return self.worker.split("/", 1)[0]
+
+
+@dataclass
+class Trace:
+    """A recorded timeline; :meth:`save` writes Chrome trace JSON."""
+
+    events: list[TraceEvent] = field(default_factory=list)
+
+    @classmethod
+    def from_records(cls, records: list[tuple], t0_ns: int) -> Trace:
+        events = [TraceEvent(id=r[0], name=r[1], worker=r[2], start_us=(r[3] - t0_ns) / 1e3,
+                             end_us=(r[4] - t0_ns) / 1e3, deps=tuple(r[5]), failed=bool(r[6]))
+                  for r in records]
+        events.sort(key=lambda e: e.start_us)
+        return cls(events)
+
+    def to_chrome(self) -> dict[str, Any]:
+        """The Chrome trace document: one process per device, one thread per worker lane."""
+        pids: dict[str, int] = {}
+        tids: dict[str, int] = {}
+        out: list[dict[str, Any]] = []
+        for e in self.events:
+            dev, lane = (e.worker.split("/", 1) + [""])[:2]
+            if dev not in pids:
+                pids[dev] = len(pids) + 1
+                out.append({"ph": "M", "name": "process_name", "pid": pids[dev], "tid": 0,
+                            "args": {"name": dev}})
+            if e.worker not in tids:
+                tids[e.worker] = len(tids) + 1
+                out.append({"ph": "M", "name": "thread_name", "pid": pids[dev], "tid": tids[e.worker],
+                            "args": {"name": e.worker}})
+            out.append({"ph": "X", "name": e.name, "cat": lane or "op", "pid": pids[dev],
+                        "tid": tids[e.worker], "ts": round(e.start_us, 3),
+                        "dur": round(max(e.end_us - e.start_us, 0.0), 3),
+                        "args": {"id": e.id, "deps": list(e.deps), "failed": e.failed}})
+        return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+    def save(self, path: str | Path) -> Path:
+        """Write Chrome trace JSON to ``path`` (open it at ui.perfetto.dev); return the path."""
+        path = Path(path)
+        path.write_text(json.dumps(self.to_chrome()))
+        return path
+
+    def summary(self) -> TraceSummary:
+        return summarize(self.events)
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a Chrome trace JSON written by :meth:`Trace.save` (or any with complete ``X`` events)."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"trace file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"trace file {str(path)!r} is not Chrome trace JSON: {exc}") from None
+    raw = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    if not isinstance(raw, list):
+        raise UsageError(f"trace file {str(path)!r} has no 'traceEvents' list")
+    names: dict[tuple[Any, Any], str] = {}
+    for ev in raw:
+        if isinstance(ev, dict) and ev.get("ph") == "M" and ev.get("name") == "thread_name":
+            names[(ev.get("pid"), ev.get("tid"))] = str(ev.get("args", {}).get("name", ""))
+    events = []
+    for ev in raw:
+        if not isinstance(ev, dict) or ev.get("ph") != "X":
+            continue
+        try:
+            start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+        except (KeyError, TypeError, ValueError):
+            raise UsageError(f"trace file {str(path)!r} has an X event without numeric ts/dur: {ev}") from None
+        key = (ev.get("pid"), ev.get("tid"))
+        args = ev.get("args") or {}
+        events.append(TraceEvent(id=int(args.get("id", 0) or 0), name=str(ev.get("name", "")),
+                                 worker=names.get(key, f"{key[0]}/{key[1]}"), start_us=start,
+                                 end_us=start + dur, deps=tuple(args.get("deps", ()) or ()),
+                                 failed=bool(args.get("failed", False))))
+    events.sort(key=lambda e: e.start_us)
+    return Trace(events)
+
+
+@dataclass(frozen=True)
+class WorkerSummary:
+    worker: str
+    ops: int
+    busy_us: float
+    busy_fraction: float
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    """Busy time per worker, and how much of the span two or more workers were busy at once."""
+
+    span_us: float
+    workers: list[WorkerSummary]
+    overlap_us: float
+    overlap_fraction: float
+    parallelism: float
+    failed: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"span_us": self.span_us, "overlap_us": self.overlap_us,
+                "overlap_fraction": self.overlap_fraction, "parallelism": self.parallelism,
+                "failed": self.failed,
+                "workers": [w.__dict__ for w in self.workers]}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def summarize(events: list[TraceEvent]) -> TraceSummary:
+    """Busy % per worker over the whole span, overlap (>= 2 workers busy) and mean parallelism.
+
+    >>> ev = [TraceEvent(1, "a", "cpu(0)/compute", 0, 10), TraceEvent(2, "b", "cpu(1)/compute", 5, 10)]
+    >>> s = summarize(ev)
+    >>> s.overlap_fraction, s.parallelism
+    (0.5, 1.5)
+    """
+    if not events:
+        return TraceSummary(0.0, [], 0.0, 0.0, 0.0, 0)
+    t0 = min(e.start_us for e in events)
+    span = max(e.end_us for e in events) - t0
+    by_worker: dict[str, list[TraceEvent]] = {}
+    for e in events:
+        by_worker.setdefault(e.worker, []).append(e)
+    workers, edges = [], []
+    for name in sorted(by_worker):
+        merged = _union([(e.start_us, e.end_us) for e in by_worker[name]])
+        busy = sum(e - s for s, e in merged)
+        workers.append(WorkerSummary(name, len(by_worker[name]), busy, busy / span if span > 0 else 0.0))
+        for s, e in merged:
+            edges += [(s, 1), (e, -1)]
+    edges.sort(key=lambda x: (x[0], x[1]))  # ends before starts at equal times: touching is not overlap
+    overlap, active, prev = 0.0, 0, t0
+    for t, d in edges:
+        if active >= 2:
+            overlap += t - prev
+        active += d
+        prev = t
+    total_busy = sum(w.busy_us for w in workers)
+    return TraceSummary(span, workers, overlap, overlap / span if span > 0 else 0.0,
+                        total_busy / span if span > 0 else 0.0, sum(e.failed for e in events))
+
+
+def format_summary(s: TraceSummary) -> str:
+    """Fixed-width text table of a :class:`TraceSummary`."""
+    lines = [f"{'worker':<24} {'ops':>8} {'busy ms':>10} {'busy %':>7}"]
+    for w in s.workers:
+        lines.append(f"{w.worker:<24} {w.ops:>8d} {w.busy_us / 1e3:>10.3f} {100 * w.busy_fraction:>6.1f}%")
+    lines.append(f"span {s.span_us / 1e3:.3f} ms; >=2 workers busy {s.overlap_us / 1e3:.3f} ms "
+                 f"({100 * s.overlap_fraction:.1f}%); mean parallelism {s.parallelism:.2f}"
+                 + (f"; {s.failed} failed ops" if s.failed else ""))
+    return "\n".join(lines)

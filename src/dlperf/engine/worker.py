@@ -1,0 +1,223 @@
+"""Per-device workers: one thread per (device, lane) that runs ready operations.
+
+A worker owns a FIFO of ready operations (plus a heap for operations pushed with a priority). It
+sleeps on a lock used as a one-shot semaphore: a push wakes it only when it is asleep, so a busy
+worker costs the frontend one ``deque.append``. Each wake-up drains every ready operation in one
+pass and releases their dependents in groups (at least every ``batch_latency_us``), so thousands
+of tiny operations do not pay one lock round trip each, while a long operation's dependents start
+as soon as it ends.
+
+CPU workers (:class:`CpuWorker`) set their own intra-op thread budget: ``torch.set_num_threads``
+sets OpenMP's per-thread ``nthreads-var``, so a worker's budget does not touch the main thread's
+or other workers' (checked by ``tests/test_engine_workers.py``). With two logical CPU devices on
+two cores each gets one thread, and two matrix products really run side by side: PyTorch releases
+the GIL while it computes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections import deque
+from time import perf_counter
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..devices import Device, cpu_count
+from .var import QUEUED, RUNNING, Op
+
+if TYPE_CHECKING:
+    from .threaded import ThreadedEngine
+
+__all__ = ["Worker", "CpuWorker", "MAX_BATCH"]
+
+MAX_BATCH = 256  # ready operations taken per lock acquisition: bounds how long priorities wait
+_seq = itertools.count()
+
+
+class Worker:
+    """A thread that runs the ready operations of one device lane (``compute`` or ``copy``)."""
+
+    can_steal = False  # may a thread waiting on one of our queued ops run it itself?
+
+    def __init__(self, engine: ThreadedEngine, device: Device, lane: str) -> None:
+        self.engine = engine
+        self.device = device
+        self.lane = lane
+        self.label = f"{device}/{lane}"
+        self.unfinished = 0      # pushed, not yet done (engine lock): the max_queued limit counts these
+        self.busy = False        # running a batch (engine lock)
+        self._q: deque[Op] = deque()
+        self._heap: list[tuple[int, int, Op]] = []
+        self._sleeping = False
+        self._stop = False
+        self._wake = threading.Lock()
+        self._wake.acquire()     # held = "no news"; enqueue() releases it once per sleep
+        self.thread = threading.Thread(target=self._loop, name=f"dlperf-engine-{self.label}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # engine lock held ------------------------------------------------------------------------
+    def enqueue(self, op: Op) -> None:
+        if op.priority:
+            heapq.heappush(self._heap, (-op.priority, next(_seq), op))
+        else:
+            self._q.append(op)
+        if self._sleeping:
+            self._sleeping = False
+            self._wake.release()
+
+    def stop(self) -> None:
+        self._stop = True
+        if self._sleeping:
+            self._sleeping = False
+            self._wake.release()
+
+    def _take(self) -> list[Op]:
+        out: list[Op] = []
+        q, heap = self._q, self._heap
+        while len(out) < MAX_BATCH:
+            if heap and (heap[0][0] < 0 or not q):  # positive priority first, negative after the FIFO
+                op = heapq.heappop(heap)[2]
+            elif q:
+                op = q.popleft()
+            else:
+                break
+            if op.state == QUEUED:  # skip ops a waiting thread already ran
+                op.state = RUNNING
+                out.append(op)
+        return out
+
+    # worker thread ---------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Per-thread initialisation (thread budget, CUDA device and streams)."""
+
+    def before_batch(self) -> None:
+        """Called before each batch (CPU workers re-apply a changed thread budget)."""
+
+    def run_op(self, op: Op, where: str) -> None:
+        """Run one operation in the current thread (device-specific synchronisation around it)."""
+        self.engine._execute(op, where)
+
+    def run_stolen(self, op: Op, where: str) -> None:
+        """Run ``op`` in a thread that waits for it (only where ``can_steal``)."""
+        self.run_op(op, where)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        eng._local.is_worker = True
+        eng._local.worker = self
+        self.setup()
+        lock = eng._lock
+        latency = eng.config.batch_latency_us * 1e-6
+        while True:
+            with lock:
+                batch = self._take()
+                if not batch:
+                    if self._stop:
+                        break
+                    self._sleeping = True
+                self.busy = bool(batch)
+            if not batch:
+                self._wake.acquire()
+                continue
+            self.before_batch()
+            self._run_batch(batch, latency)
+        self.teardown()
+
+    def _run_batch(self, batch: list[Op], latency: float) -> None:
+        done: list[Op] = []
+        start = perf_counter()
+        label = self.label
+        for op in batch:
+            self.run_op(op, label)
+            done.append(op)
+            now = perf_counter()
+            if now - start >= latency:  # long op, or many short ones: release dependents now
+                self.engine._complete(done)
+                done = []
+                start = now
+        if done:
+            self.engine._complete(done)
+
+    def teardown(self) -> None:
+        """Per-thread clean-up before the thread exits."""
+
+
+class CpuWorker(Worker):
+    """Worker of a logical CPU device, with its own intra-op thread budget."""
+
+    can_steal = True
+
+    def __init__(self, engine: ThreadedEngine, device: Device, lane: str) -> None:
+        super().__init__(engine, device, lane)
+        self.threads = 0
+
+    def budget(self) -> int:
+        """Intra-op threads for this device: the configured number, or a fair share of the cores."""
+        eng = self.engine
+        if eng.config.cpu_threads is not None:
+            return eng.config.cpu_threads
+        return max(1, cpu_count() // max(1, eng._cpu_workers))
+
+    def setup(self) -> None:
+        # PyTorch initialises a thread's OpenMP/MKL thread count lazily, on the thread's first
+        # get_num_threads()/parallel region, from a process-wide value that set_num_threads() also
+        # overwrites. Initialise this thread first, so a later lazy init cannot undo our budget.
+        torch.get_num_threads()
+        self.before_batch()
+
+    def before_batch(self) -> None:
+        want = self.budget()
+        if want != self.threads:  # per-thread OpenMP/MKL setting: other threads keep theirs
+            torch.set_num_threads(want)
+            self.threads = want
+            _restore_process_default(self.engine._host_threads)
+
+    def run_stolen(self, op: Op, where: str) -> None:
+        """Run ``op`` in a waiting thread, under this device's thread budget."""
+        want, have = self.budget(), torch.get_num_threads()
+        if want != have:
+            torch.set_num_threads(want)
+        try:
+            self.run_op(op, where)
+        finally:
+            if want != have:
+                torch.set_num_threads(have)
+
+    def run_op(self, op: Op, where: str) -> None:
+        if self.engine._has_gpu:
+            _host_wait_for_events(op)
+        self.engine._execute(op, where)
+        if self.engine._has_gpu:
+            for v in op.writes:  # a finished host write supersedes any device events
+                v._wev = None
+                v._revs = None
+
+
+def _restore_process_default(n: int) -> None:
+    """Put PyTorch's process-wide default thread count back to ``n``.
+
+    ``torch.set_num_threads`` in a worker also stores its value as the default that threads not
+    yet initialised (the user's, a DataLoader's) pick up. The only setter also sets the calling
+    thread's count, so a throw-away thread does it. Runs only when a worker's budget changes.
+    """
+    helper = threading.Thread(target=torch.set_num_threads, args=(n,), name="dlperf-threads-reset")
+    helper.start()
+    helper.join()
+
+
+def _host_wait_for_events(op: Op) -> None:
+    """Block this host thread until GPU work the operation depends on has finished."""
+    for v in op.reads:
+        if v._wev is not None:
+            v._wev.synchronize()
+    for v in op.writes:
+        if v._wev is not None:
+            v._wev.synchronize()
+        if v._revs:
+            for ev in list(v._revs.values()):
+                ev.synchronize()
