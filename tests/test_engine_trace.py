@@ -1,0 +1,107 @@
+"""Engine timelines: records, Chrome trace JSON round trip, summary, and the `trace` CLI verb."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import pytest
+
+from dlperf.devices import cpu
+from dlperf.engine import create_engine, load_trace
+from dlperf.engine.cli import register
+from dlperf.engine.trace import TraceEvent, format_summary, summarize
+from dlperf.errors import UsageError
+
+
+def _parallel_trace():
+    barrier = threading.Barrier(2, timeout=10)
+
+    def meet_then_work():
+        barrier.wait()
+        time.sleep(0.03)
+
+    with create_engine(trace=True) as eng:
+        v = eng.new_var("v")
+        w = eng.new_var("w")
+        eng.push(meet_then_work, reads=[v], device=cpu(0), name="left")
+        eng.push(meet_then_work, reads=[v], device=cpu(1), name="right")
+        eng.push(lambda: None, reads=[v], writes=[w], device=cpu(0), name="join")
+        eng.waitall()
+        return eng.stop_trace()
+
+
+def test_trace_records_ops_workers_and_dependencies():
+    trace = _parallel_trace()
+    by_name = {e.name: e for e in trace.events}
+    assert set(by_name) == {"left", "right", "join"}
+    assert by_name["left"].worker == "cpu(0)/compute" and by_name["right"].worker == "cpu(1)/compute"
+    assert all(e.end_us >= e.start_us >= 0 for e in trace.events)
+    s = trace.summary()
+    assert s.overlap_us > 20_000  # the two 30 ms sleeps overlapped
+    assert {w.worker for w in s.workers} == {"cpu(0)/compute", "cpu(1)/compute"}
+
+
+def test_dependencies_point_at_earlier_writers():
+    with create_engine("naive", trace=True) as eng:
+        v = eng.new_var()
+        a = eng.push(lambda: None, writes=[v], name="a")
+        b = eng.push(lambda: None, reads=[v], name="b")
+        t = eng.stop_trace()
+    assert [e.name for e in t.events] == ["a", "b"]
+    assert t.events[1].deps == (a.id,) and b.id > a.id
+
+
+def test_chrome_json_round_trip(tmp_path):
+    trace = _parallel_trace()
+    path = trace.save(tmp_path / "t.json")
+    doc = json.loads(path.read_text())
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == 3 and all({"ts", "dur", "pid", "tid", "args"} <= set(e) for e in xs)
+    again = load_trace(path)
+    assert [(e.name, e.worker) for e in again.events] == [(e.name, e.worker) for e in trace.events]
+    assert again.summary().overlap_us == pytest.approx(trace.summary().overlap_us, abs=1.0)
+
+
+def test_summary_by_hand():
+    ev = [TraceEvent(1, "a", "cpu(0)/compute", 0, 10), TraceEvent(2, "b", "cpu(0)/compute", 5, 20),
+          TraceEvent(3, "c", "cpu(1)/compute", 10, 30), TraceEvent(4, "d", "gpu(0)/copy", 40, 40)]
+    s = summarize(ev)
+    assert s.span_us == 40
+    busy = {w.worker: w.busy_us for w in s.workers}
+    assert busy == {"cpu(0)/compute": 20, "cpu(1)/compute": 20, "gpu(0)/copy": 0}
+    assert s.overlap_us == 10 and s.parallelism == 1.0
+    assert "cpu(1)/compute" in format_summary(s)
+    assert summarize([]).span_us == 0
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="verb")
+    register(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_trace_verb_prints_summary(tmp_path, capsys):
+    path = _parallel_trace().save(tmp_path / "run.json")
+    assert _cli(["trace", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "cpu(0)/compute" in out and "busy %" in out and "mean parallelism" in out
+    assert _cli(["trace", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["overlap_fraction"] > 0
+
+
+def test_trace_verb_rejects_bad_files(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        _cli(["trace", str(tmp_path / "missing.json")])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UsageError, match="not Chrome trace JSON"):
+        _cli(["trace", str(bad)])
+    bad.write_text('{"traceEvents": 3}')
+    with pytest.raises(UsageError, match="traceEvents"):
+        _cli(["trace", str(bad)])
