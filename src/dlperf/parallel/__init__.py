@@ -1,0 +1,25 @@
+"""Data-parallel training across devices (d2l 12.5-12.7).
+
+The axes vary independently: *devices* (logical CPUs here, GPUs when present), *communication* (an
+:func:`allreduce` algorithm or a :class:`~dlperf.kvstore.KVStore`), and the *launcher* (threads in one
+process here; processes later). Primitives first (:func:`split_and_load`, :func:`split_batch`,
+:func:`allreduce`, :func:`replicate`), then the :class:`Trainer` that combines them and
+:class:`DataParallel`, the module wrapper.
+"""
+
+from __future__ import annotations
+
+from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, algorithm_names, allreduce, get_algorithm
+from .data_parallel import DataParallel
+from .evaluate import evaluate_accuracy
+from .replicas import broadcast_buffers, broadcast_parameters, max_replica_difference, replicate
+from .split import check_devices, split_and_load, split_batch, split_sizes
+from .trainer import Trainer
+from .workers import DeviceWorkers, thread_budget
+
+__all__ = [
+    "split_and_load", "split_batch", "split_sizes", "check_devices",
+    "allreduce", "algorithm_names", "get_algorithm", "AllreduceAlgorithm", "DEFAULT_ALGORITHM",
+    "replicate", "broadcast_parameters", "broadcast_buffers", "max_replica_difference",
+    "Trainer", "DataParallel", "evaluate_accuracy", "DeviceWorkers", "thread_budget",
+]

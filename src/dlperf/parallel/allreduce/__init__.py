@@ -1,0 +1,73 @@
+"""``allreduce``: sum one tensor per device, leaving the total on every device.
+
+Algorithms register themselves (``naive``, ``cpu``, ``sharded``, ``ring``); all give the same sum up
+to float rounding, and each device ends with a bit-identical copy of it. The default is
+``sharded``: see :data:`DEFAULT_ALGORITHM` for why.
+
+>>> import torch
+>>> from dlperf.devices import cpu, copy_to
+>>> xs = [copy_to(torch.full((5,), float(i + 1)), cpu(i)) for i in range(3)]
+>>> [x.tolist() for x in allreduce(xs, algorithm="ring")]
+[[6.0, 6.0, 6.0, 6.0, 6.0], [6.0, 6.0, 6.0, 6.0, 6.0], [6.0, 6.0, 6.0, 6.0, 6.0]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..workers import DeviceWorkers
+from . import host, naive, ring, sharded  # noqa: F401  (registers the algorithms)
+from .base import (
+    DEFAULT_ALGORITHM,
+    AllreduceAlgorithm,
+    Phase,
+    algorithm_names,
+    check_tensors,
+    chunk_bounds,
+    get_algorithm,
+    register_algorithm,
+    run_sequential,
+)
+
+__all__ = ["allreduce", "AllreduceAlgorithm", "DEFAULT_ALGORITHM", "algorithm_names", "get_algorithm",
+           "register_algorithm", "chunk_bounds", "Phase", "run_schedule"]
+
+
+def run_schedule(phases: list[Phase], workers: DeviceWorkers | None = None) -> None:
+    """Run a schedule: in the calling thread, or each task on its device's worker with a barrier per phase."""
+    if workers is None:
+        run_sequential(phases)
+        return
+    for phase in phases:
+        busy = [t for t in phase if t is not None]
+        if len(busy) == 1:
+            busy[0]()  # one task: no point handing it to another thread and waiting
+            continue
+        futs = [workers.submit(i, t) for i, t in enumerate(phase) if t is not None]
+        for f in futs:
+            f.result()
+
+
+def allreduce(tensors: Sequence[torch.Tensor], algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM,
+              workers: DeviceWorkers | None = None) -> list[torch.Tensor]:
+    """Replace every tensor (one per device) by the sum of all of them, in place; return the list.
+
+    ``workers`` (one per device, same order) runs each device's share of the work concurrently;
+    without it the calling thread does everything, which on GPUs only queues asynchronous work.
+    """
+    algo = get_algorithm(algorithm)
+    check_tensors(tensors)
+    tensors = list(tensors)
+    if len(tensors) == 1:
+        return tensors
+    flats = []
+    for t in tensors:
+        # reshape gives a view for contiguous tensors, so the algorithm writes straight into them
+        flats.append(t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1))
+    run_schedule(algo.schedule(flats), workers)
+    for t, f in zip(tensors, flats):
+        if f.data_ptr() != t.data_ptr() or not t.is_contiguous():
+            t.copy_(f.view(t.shape))
+    return tensors

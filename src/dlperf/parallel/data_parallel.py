@@ -1,0 +1,115 @@
+"""DataParallel: a module wrapper whose forward splits the batch and runs on k devices at once.
+
+The first replica is the wrapped module itself (it must live on ``devices[0]``). The others are
+copies of its structure whose parameters are, on every forward, the original parameters themselves
+(logical CPU devices share host memory) or differentiable copies of them (GPUs). Either way autograd
+carries the gradients back into the original parameters. Buffers (BatchNorm statistics) are per
+replica; only the first replica's are the module's own.
+
+On GPUs PyTorch's autograd engine runs each device's backward on its own thread, so backward is
+parallel too. On logical CPU devices the forward is parallel but autograd runs the single joined graph
+in one thread; :class:`~dlperf.parallel.Trainer` runs backward in parallel as well.
+
+>>> import torch
+>>> from torch import nn
+>>> from dlperf.devices import cpu, device_of
+>>> class Dummy(nn.Module):
+...     def __init__(self, m):
+...         super().__init__()
+...         self.m = m
+...     def forward(self, x):
+...         print("Dummy.forward", tuple(x.shape), device_of(x))
+...         return self.m(x)
+>>> with DataParallel(Dummy(nn.Linear(10, 5)), [cpu(0), cpu(1)], threads=[1, 1]) as dp:
+...     y = dp(torch.randn(50, 10))  # doctest: +SKIP
+Dummy.forward (25, 10) cpu(0)
+Dummy.forward (25, 10) cpu(1)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..devices import Device, DeviceLike, _tag_module, device_of
+from ..errors import DeviceMismatchError
+from .split import check_devices, split_and_load
+from .workers import DeviceWorkers
+
+__all__ = ["DataParallel"]
+
+
+def _skeleton(module: nn.Module, device: Device) -> nn.Module:
+    """A copy of ``module`` on ``device`` whose parameter slots are plain attributes, set per forward."""
+    rep = copy.deepcopy(module).to(device.torch_device)
+    _tag_module(rep, device)
+    for sub in rep.modules():
+        for name in list(sub._parameters):
+            p = sub._parameters.pop(name)
+            object.__setattr__(sub, name, None if p is None else p.detach())
+    return rep
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` so that ``dp(x)`` runs the parts of ``x`` on every device concurrently.
+
+    The output is the parts' outputs concatenated along dim 0 on ``devices[0]``.
+    """
+
+    def __init__(self, module: nn.Module, devices: Sequence[DeviceLike], threads: Sequence[int] | None = None):
+        super().__init__()
+        devs = check_devices(devices)
+        have = device_of(module)
+        if have.torch_device != devs[0].torch_device:
+            raise DeviceMismatchError(f"the module is on {have} but devices[0] is {devs[0]}; "
+                                      f"move it first: module = dlperf.as_in(module, {devs[0]})")
+        self.module = module
+        self.devices = devs
+        self._replicas = [None] + [_skeleton(module, d) for d in devs[1:]]
+        self._names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+        self._workers = DeviceWorkers(devs, threads, name="dlperf-dp")
+
+    def _bind(self, i: int) -> nn.Module:
+        if i == 0:
+            return self.module
+        rep, dev = self._replicas[i], self.devices[i]
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            owner_name, _, attr = name.rpartition(".")
+            owner = rep.get_submodule(owner_name) if owner_name else rep
+            # same memory: use the parameter itself; else a copy whose backward returns to it
+            value = p if p.device == dev.torch_device else p.to(dev.torch_device, non_blocking=True)
+            object.__setattr__(owner, attr, value)
+        rep.train(self.module.training)
+        return rep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = split_and_load(x, self.devices[:min(len(self.devices), int(x.shape[0]))])
+        grad_on = torch.is_grad_enabled()
+
+        def run(i: int):
+            def task() -> torch.Tensor:
+                with torch.set_grad_enabled(grad_on):  # grad mode is per thread
+                    return self._bind(i)(parts[i])
+            return task
+
+        futs = [self._workers.submit(i, run(i)) for i in range(len(parts))]
+        errors = [f.exception() for f in futs]
+        for e in errors:
+            if e is not None:
+                raise e
+        outs = [f.result() for f in futs]
+        first = self.devices[0].torch_device
+        return torch.cat([o.to(first, non_blocking=True) for o in outs], dim=0)
+
+    def close(self) -> None:
+        """Join the worker threads."""
+        self._workers.close()
+
+    def __enter__(self) -> DataParallel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

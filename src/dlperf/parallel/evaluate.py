@@ -1,0 +1,51 @@
+"""Multi-device evaluation: split each batch across the replicas, run them at once, combine the counts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from functools import partial
+
+import torch
+from torch import nn
+
+from ..devices import Device
+from .split import split_batch
+from .workers import DeviceWorkers
+
+__all__ = ["evaluate_accuracy"]
+
+
+def _correct(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> int:
+    with torch.no_grad():
+        out = model(X)
+    return int((out.argmax(dim=-1) == y).sum())
+
+
+def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                      devices: Sequence[Device], workers: DeviceWorkers | None = None) -> float:
+    """Fraction of examples whose arg-max prediction equals the label.
+
+    Batches smaller than the device count are evaluated on the first devices only.
+
+    >>> from dlperf.devices import cpu
+    >>> net = nn.Linear(2, 2)
+    >>> evaluate_accuracy([net], [(torch.eye(2), torch.tensor([0, 1]))], [cpu(0)]) in (0.0, 0.5, 1.0)
+    True
+    """
+    modes = [r.training for r in replicas]
+    for r in replicas:
+        r.eval()
+    right = seen = 0
+    try:
+        for X, y in data:
+            k = min(len(devices), int(X.shape[0]))
+            Xs, ys = split_batch(X, y, devices[:k])
+            jobs = [partial(_correct, replicas[i], Xs[i], ys[i]) for i in range(k)]
+            counts = workers.run_each(jobs + [lambda: 0] * (len(workers) - k)) if workers else [
+                job() for job in jobs]
+            right += sum(counts)
+            seen += int(X.shape[0])
+    finally:
+        for r, m in zip(replicas, modes):
+            r.train(m)
+    return right / seen if seen else 0.0

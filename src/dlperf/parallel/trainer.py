@@ -1,0 +1,312 @@
+"""Trainer: data-parallel training of one model on k devices (d2l 12.6, concisely).
+
+>>> import torch
+>>> from torch import nn
+>>> from dlperf.devices import cpu
+>>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+>>> X, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+>>> with Trainer(net, [cpu(0), cpu(1)], "sgd", {"lr": 0.1}) as trainer:
+...     loss = trainer.train_step(X, y)
+...     trainer.max_replica_difference()
+0.0
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..devices import DeviceLike
+from ..errors import UsageError, unknown_choice
+from ..kvstore import KVStore, create_kvstore
+from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
+from .buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
+from .evaluate import evaluate_accuracy
+from .replicas import broadcast_buffers, max_replica_difference, replicate
+from .split import check_devices, check_placed, split_batch
+from .workers import DeviceWorkers
+
+__all__ = ["Trainer", "make_optimizer", "OPTIMIZERS"]
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+BUFFER_MODES = ("per-device", "broadcast")
+
+OptimizerLike = str | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def make_optimizer(optimizer: OptimizerLike, params: Iterable[nn.Parameter],
+                   optimizer_params: dict[str, Any] | None = None) -> torch.optim.Optimizer:
+    """Build an optimizer from a name (``sgd``, ``adam``, ``adamw``) or a factory ``params -> optimizer``."""
+    if callable(optimizer):
+        return optimizer(params)
+    try:
+        cls = OPTIMIZERS[str(optimizer).lower()]
+    except KeyError:
+        raise unknown_choice("optimizer", optimizer, OPTIMIZERS) from None
+    return cls(params, **(optimizer_params or {}))
+
+
+def _default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y)
+
+
+class Trainer:
+    """Keeps one replica per device identical while training them on the parts of each batch.
+
+    Args:
+        module: the model; it is copied onto every device (``trainer.module`` is the first copy).
+        devices: distinct, available devices, e.g. ``[cpu(0), cpu(1)]`` or ``try_all_gpus()``.
+        optimizer: a name from :data:`OPTIMIZERS` or a factory ``params -> torch.optim.Optimizer``;
+            every replica gets its own instance, and identical gradients keep them identical.
+        optimizer_params: keyword arguments for a named optimizer, e.g. ``{"lr": 0.1}``.
+        loss: ``loss(output, target)`` averaged over the examples it sees (cross-entropy by default).
+        algorithm: the allreduce algorithm for gradients (ignored when a kvstore aggregates).
+        kvstore: ``None``, ``"local"``, ``"device"`` or a :class:`~dlperf.kvstore.KVStore`.
+        update_on_kvstore: let the store run the optimizer and pull the new weights.
+        bucket_bytes: gradient bucket size for overlapping communication with backward.
+        buffers: ``"per-device"`` BatchNorm statistics (default) or ``"broadcast"`` the first one's.
+        threads: intra-op threads per device worker (default: the cores split evenly).
+    """
+
+    def __init__(self, module: nn.Module, devices: Sequence[DeviceLike], optimizer: OptimizerLike = "sgd",
+                 optimizer_params: dict[str, Any] | None = None, *,
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM,
+                 kvstore: str | KVStore | None = None, update_on_kvstore: bool = False,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, buffers: str = "per-device",
+                 threads: Sequence[int] | None = None) -> None:
+        self.devices = check_devices(devices)
+        self.algorithm = get_algorithm(algorithm)
+        if buffers not in BUFFER_MODES:
+            raise unknown_choice("buffer mode", buffers, BUFFER_MODES)
+        if update_on_kvstore and kvstore is None:
+            raise UsageError("update_on_kvstore=True needs a kvstore, e.g. kvstore='local'")
+        self.buffers = buffers
+        self.loss = loss or _default_loss
+        self.replicas = replicate(module, self.devices)
+        self.k = len(self.devices)
+        self._factory = optimizer
+        self._optimizer_params = dict(optimizer_params or {})
+        self.steps = 0
+        self._closed = False
+        self._kv: KVStore | None = None
+        self._own_kv = False
+        self._buckets: GradientBuckets | None = None
+        self.workers = DeviceWorkers(self.devices, threads)
+        try:
+            self._setup_sync(kvstore, update_on_kvstore, bucket_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup_sync(self, kvstore, update_on_kvstore: bool, bucket_bytes: int) -> None:
+        self.update_on_kvstore = update_on_kvstore
+        if kvstore is not None:
+            self._kv = create_kvstore(kvstore) if isinstance(kvstore, str) else kvstore
+            self._own_kv = isinstance(kvstore, str)
+        if update_on_kvstore:
+            self.optimizers = []
+            self._kv.set_optimizer(lambda ps: make_optimizer(self._factory, ps, self._optimizer_params))
+            for i, p in enumerate(self.replicas[0].parameters()):
+                self._kv.init(i, p.detach())
+            return
+        self.optimizers = [make_optimizer(self._factory, r.parameters(), self._optimizer_params)
+                           for r in self.replicas]
+        if self.k > 1:
+            self._buckets = GradientBuckets(self.replicas, self.algorithm, bucket_bytes)
+            if self._kv is not None:
+                for b, row in enumerate(self._buckets.flats):
+                    self._kv.init(b, torch.zeros_like(row[0], device="cpu"))
+
+    # -- training ---------------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The first replica (on ``devices[0]``): the trained model."""
+        return self.replicas[0]
+
+    def _split(self, X, y) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if isinstance(X, (list, tuple)):
+            check_placed(X, self.devices, "input")
+            check_placed(y, self.devices, "label")
+            return list(X), list(y)
+        return split_batch(X, y, self.devices)
+
+    def train_step(self, X: torch.Tensor | Sequence[torch.Tensor],
+                   y: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """Forward, backward and update on every device at once; return the batch's mean loss.
+
+        ``X`` and ``y`` are a whole batch (split here) or lists with one part per device. Device i's
+        loss is weighted by its share of the batch, so the summed gradients are the gradient of the
+        mean loss over the whole batch whatever the split.
+        """
+        self._check_open()
+        Xs, ys = self._split(X, y)
+        total = sum(int(t.shape[0]) for t in Xs)
+        overlapped = self._buckets is not None and self._kv is None
+        if overlapped:
+            self._buckets.arm()
+
+        def work(i: int):
+            def task() -> torch.Tensor:
+                rep = self.replicas[i]
+                rep.train()
+                if self._buckets is not None:
+                    self._buckets.bind(i)
+                    self._buckets.zero_(i)
+                else:
+                    rep.zero_grad(set_to_none=True)
+                try:
+                    loss = self.loss(rep(Xs[i]), ys[i]) * (Xs[i].shape[0] / total)
+                    loss.backward()
+                except BaseException as exc:
+                    if overlapped:  # the other replicas wait for this one's gradients: release them
+                        self._buckets.abort(exc)
+                    raise
+                if overlapped:
+                    self._buckets.replica_done()
+                    self._buckets.wait()
+                    self.optimizers[i].step()
+                return loss.detach()
+            return task
+
+        try:
+            losses = self.workers.run_each([work(i) for i in range(self.k)])
+        finally:
+            if overlapped:
+                self._buckets._armed = False
+        if not overlapped:
+            self._aggregate_and_update(scale=1.0)
+        self._after_update()
+        first = self.devices[0].torch_device
+        return sum(loss.to(first) for loss in losses)
+
+    def step(self, batch_size: int) -> None:
+        """Aggregate gradients the caller computed on the replicas, divide by ``batch_size``, update.
+
+        The caller's losses are sums over examples (as in Gluon's ``Trainer.step``).
+        """
+        self._check_open()
+        if batch_size < 1:
+            raise UsageError(f"batch_size must be >= 1, got {batch_size}")
+        self._aggregate_and_update(scale=1.0 / batch_size)
+        self._after_update()
+
+    def _aggregate_and_update(self, scale: float) -> None:
+        if self.update_on_kvstore:
+            self._update_on_store(scale)
+            return
+        if self._buckets is not None:
+            if self._kv is not None:
+                self._buckets.bind()
+                for b, row in enumerate(self._buckets.flats):
+                    self._kv.pushpull(b, row, out=row, priority=-min(self._buckets.buckets[b]))
+            else:
+                self._buckets.allreduce_all(self.workers)
+            if scale != 1.0:
+                self._buckets.scale_(scale)
+        elif scale != 1.0:
+            for p in self.replicas[0].parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self.workers.run_each([opt.step for opt in self.optimizers])
+
+    @torch.no_grad()
+    def _update_on_store(self, scale: float) -> None:
+        params = [list(r.parameters()) for r in self.replicas]
+        for i in range(len(params[0])):
+            grads = [ps[i].grad if ps[i].grad is not None else torch.zeros_like(ps[i]) for ps in params]
+            if scale != 1.0:
+                grads = [g * scale for g in grads]
+            # negative priority: the first layers (needed first by the next forward) go first
+            self._kv.push(i, grads, priority=-i)
+            self._kv.pull(i, out=[ps[i] for ps in params], priority=-i)
+        for r in self.replicas:
+            r.zero_grad(set_to_none=True)
+
+    def _after_update(self) -> None:
+        self.steps += 1
+        if self.buffers == "broadcast" and self.k > 1:
+            broadcast_buffers(self.replicas)
+
+    def zero_grad(self) -> None:
+        """Clear gradients on every replica (before a caller-driven backward and :meth:`step`)."""
+        if self._buckets is not None:
+            for i in range(self.k):
+                self._buckets.bind(i)
+                self._buckets.zero_(i)
+        else:
+            for r in self.replicas:
+                r.zero_grad(set_to_none=True)
+
+    # -- evaluation and state -----------------------------------------------------------------------
+    def evaluate_accuracy(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Accuracy over ``data``: each batch split across the devices and run on all at once."""
+        self._check_open()
+        return evaluate_accuracy(self.replicas, data, self.devices, self.workers)
+
+    def max_replica_difference(self) -> float:
+        """Largest parameter difference between replicas (0.0 when they are identical)."""
+        return max_replica_difference(self.replicas)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-identically: weights, per-device buffers, optimizer."""
+        state: dict[str, Any] = {
+            "model": {k: v.detach().cpu().clone() for k, v in self.replicas[0].state_dict().items()},
+            "buffers": [{k: v.detach().cpu().clone() for k, v in r.named_buffers()} for r in self.replicas],
+            "steps": self.steps,
+        }
+        if self.update_on_kvstore:
+            state["kvstore"] = copy.deepcopy(self._kv.state_dict())
+        else:
+            # deep copy: an optimizer's state_dict holds its live buffers (momentum), which later steps change
+            state["optimizer"] = copy.deepcopy(self.optimizers[0].state_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into every replica and optimizer."""
+        if len(state["buffers"]) != self.k:
+            raise UsageError(f"the checkpoint holds {len(state['buffers'])} replicas but this trainer has "
+                             f"{self.k} devices; resume on the same number of devices")
+        for r, bufs in zip(self.replicas, state["buffers"]):
+            r.load_state_dict(state["model"])
+            with torch.no_grad():
+                for name, b in r.named_buffers():
+                    b.copy_(bufs[name])
+        if self.update_on_kvstore:
+            self._kv.load_state_dict(state["kvstore"])
+        else:
+            for opt in self.optimizers:
+                # one copy per replica: load_state_dict keeps tensors that are already on the right
+                # device, and two optimizers sharing a momentum buffer would update it twice per step
+                opt.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.steps = int(state["steps"])
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Trainer is closed")
+
+    def close(self) -> None:
+        """Join the worker and communication threads; the replicas stay usable."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._buckets is not None:
+            self._buckets.close()
+        if self._kv is not None and self._own_kv:
+            self._kv.close()
+        self.workers.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

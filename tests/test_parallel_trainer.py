@@ -1,0 +1,221 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from dlperf.devices import copy_to, cpu, gpu
+from dlperf.errors import DeviceMismatchError, DeviceUnavailableError, UsageError
+from dlperf.models import get_spec
+from dlperf.parallel import Trainer, split_and_load
+
+ALGORITHMS = ["naive", "cpu", "sharded", "ring"]
+
+
+def _devices(k):
+    return [cpu(i) for i in range(k)]
+
+
+def _lenet_batch(n, seed=0):
+    torch.manual_seed(seed)
+    spec = get_spec("lenet")
+    net = spec.build()
+    X, y = spec.input.make_batch(n, generator=torch.Generator().manual_seed(seed + 1))
+    return net, X, y, spec.loss
+
+
+def _reference_step(net, X, y, loss_fn, lr):
+    ref = copy_to(net, cpu(0))
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
+    loss_fn(ref(X), y).backward()
+    opt.step()
+    return ref
+
+
+def _assert_params_close(a: nn.Module, b: nn.Module, atol=1e-6):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_one_step_on_k_devices_equals_one_device_full_batch(algorithm, k):
+    net, X, y, loss_fn = _lenet_batch(31, seed=k)  # 31: uneven split for k = 2 and 3
+    ref = _reference_step(net, X, y, loss_fn, lr=0.1)
+    with Trainer(net, _devices(k), "sgd", {"lr": 0.1, "momentum": 0.9}, loss=loss_fn,
+                 algorithm=algorithm, bucket_bytes=64 * 1024) as trainer:
+        loss = trainer.train_step(X, y)
+        torch.testing.assert_close(loss, loss_fn(copy_to(net, cpu(0))(X), y), rtol=1e-5, atol=1e-6)
+        assert trainer.max_replica_difference() == 0.0  # identical, not just close
+        for rep in trainer.replicas:
+            _assert_params_close(rep, ref)
+
+
+@pytest.mark.parametrize("kvstore,on_store", [("local", False), ("device", False), ("local", True),
+                                              ("device", True)])
+def test_kvstore_aggregation_equals_one_device(kvstore, on_store):
+    net, X, y, loss_fn = _lenet_batch(20)
+    ref = _reference_step(net, X, y, loss_fn, lr=0.05)
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.05, "momentum": 0.9}, loss=loss_fn, kvstore=kvstore,
+                 update_on_kvstore=on_store) as trainer:
+        trainer.train_step(X, y)
+        assert trainer.max_replica_difference() == 0.0
+        _assert_params_close(trainer.module, ref)
+
+
+def test_several_steps_stay_identical_and_match_reference():
+    net, X, y, loss_fn = _lenet_batch(24)
+    ref = copy_to(net, cpu(0))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.1}, loss=loss_fn) as trainer:
+        for step in range(3):
+            part = slice(step * 8, step * 8 + 8)
+            opt.zero_grad()
+            loss_fn(ref(X[part]), y[part]).backward()
+            opt.step()
+            trainer.train_step(X[part], y[part])
+        assert trainer.max_replica_difference() == 0.0
+        _assert_params_close(trainer.module, ref, atol=1e-5)
+
+
+def test_gluon_style_step_with_caller_backward():
+    net, X, y, loss_fn = _lenet_batch(10)
+    ref = _reference_step(net, X, y, loss_fn, lr=0.1)
+    devs = _devices(2)
+    with Trainer(net, devs, "sgd", {"lr": 0.1, "momentum": 0.9}) as trainer:
+        trainer.zero_grad()
+        for rep, xs, ys in zip(trainer.replicas, split_and_load(X, devs), split_and_load(y, devs)):
+            nn.functional.cross_entropy(rep(xs), ys, reduction="sum").backward()
+        trainer.step(batch_size=X.shape[0])
+        _assert_params_close(trainer.module, ref)
+        assert trainer.max_replica_difference() == 0.0
+
+
+def test_presplit_parts_on_wrong_devices_are_rejected():
+    net, X, y, loss_fn = _lenet_batch(8)
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.1}) as trainer:
+        wrong = split_and_load(X, [cpu(1), cpu(0)])
+        labels = split_and_load(y, _devices(2))
+        with pytest.raises(DeviceMismatchError, match="part 0 is on cpu\\(1\\) but its replica is on cpu\\(0\\)"):
+            trainer.train_step(wrong, labels)
+
+
+def test_bad_trainer_arguments():
+    net = nn.Linear(2, 2)
+    with pytest.raises(UsageError, match="listed twice"):
+        Trainer(net, [cpu(0), cpu(0)])
+    with pytest.raises(UsageError, match="unknown allreduce algorithm"):
+        Trainer(net, _devices(2), algorithm="butterfly")
+    with pytest.raises(UsageError, match="unknown optimizer"):
+        Trainer(net, _devices(2), "lamb")
+    with pytest.raises(DeviceUnavailableError):
+        Trainer(net, [cpu(0), gpu(torch.cuda.device_count())])
+    with pytest.raises(UsageError, match="unknown kvstore type"):
+        Trainer(net, _devices(2), kvstore="dist_async_nope")
+
+
+def test_batch_smaller_than_devices_errors():
+    net, X, y, loss_fn = _lenet_batch(2)
+    with Trainer(net, _devices(3), "sgd", {"lr": 0.1}) as trainer:
+        with pytest.raises(UsageError, match="cannot be split across 3 devices"):
+            trainer.train_step(X, y)
+
+
+def test_failure_in_one_replica_releases_the_others():
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            if x.shape[0] == 2:  # only the second device's part (5 = 3 + 2)
+                raise RuntimeError("boom")
+            return self.lin(x)
+
+    with Trainer(Boom(), _devices(2), "sgd", {"lr": 0.1}) as trainer:
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer.train_step(torch.randn(5, 3), torch.zeros(5, dtype=torch.long))
+
+
+def test_per_device_batchnorm_statistics_by_default():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    X = torch.cat([torch.randn(8, 4), torch.randn(8, 4) + 3])  # the two halves differ
+    y = torch.randint(0, 2, (16,))
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.1}) as trainer:
+        trainer.train_step(X, y)
+        m0, m1 = (r[1].running_mean for r in trainer.replicas)
+        assert not torch.allclose(m0, m1)
+        assert trainer.max_replica_difference() == 0.0
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.1}, buffers="broadcast") as trainer:
+        trainer.train_step(X, y)
+        m0, m1 = (r[1].running_mean for r in trainer.replicas)
+        assert torch.equal(m0, m1)
+
+
+def test_multi_device_evaluation_matches_single_device():
+    net, X, y, _ = _lenet_batch(50)
+    batches = [(X[i:i + 16], y[i:i + 16]) for i in range(0, 50, 16)]  # last batch: 2 examples
+    expected = sum(int((net(a).argmax(1) == b).sum()) for a, b in batches) / 50
+    with Trainer(net, _devices(3), "sgd", {"lr": 0.1}) as trainer:
+        assert trainer.evaluate_accuracy(batches) == pytest.approx(expected)
+
+
+def test_state_dict_round_trip_continues_identically():
+    net, X, y, loss_fn = _lenet_batch(16)
+    kw = dict(loss=loss_fn)
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.1, "momentum": 0.9}, **kw) as a:
+        a.train_step(X, y)
+        state = a.state_dict()
+        a.train_step(X, y)
+        with Trainer(get_spec("lenet").build(), _devices(2), "sgd", {"lr": 0.1, "momentum": 0.9}, **kw) as b:
+            b.load_state_dict(state)
+            b.train_step(X, y)
+            for p, q in zip(a.module.parameters(), b.module.parameters()):
+                assert torch.equal(p, q)
+
+
+def test_replicas_run_concurrently_and_reduction_overlaps_backward():
+    """Forward passes on the two devices overlap in time, and a gradient bucket is reduced before the
+    replicas have finished backward (the first layer's gradient is the last one produced)."""
+    net, X, y, loss_fn = _lenet_batch(256)
+    spans: dict[int, list[float]] = {}
+
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.1}, loss=loss_fn, bucket_bytes=64 * 1024,
+                 threads=[1, 1]) as trainer:
+        first_grad_done: list[float] = []
+        for i, rep in enumerate(trainer.replicas):
+            rep[0].register_forward_pre_hook(lambda m, a, i=i: spans.__setitem__(i, [time.perf_counter()]))
+            rep[-1].register_forward_hook(lambda m, a, o, i=i: spans[i].append(time.perf_counter()))
+            rep[0].weight.register_post_accumulate_grad_hook(
+                lambda p: first_grad_done.append(time.perf_counter()))
+        trainer.train_step(X, y)  # warm-up
+        trainer._buckets.trace = []
+        first_grad_done.clear()
+        trainer.train_step(X, y)
+        (a0, a1), (b0, b1) = spans[0], spans[1]
+        assert max(a0, b0) < min(a1, b1), "the two replicas' forward passes did not overlap"
+        trace = trainer._buckets.trace
+        assert len(trace) == len(trainer._buckets.buckets) >= 2
+        assert min(start for _, start, _ in trace) < max(first_grad_done)
+
+
+def test_close_joins_threads_and_rejects_use():
+    net, X, y, _ = _lenet_batch(4)
+    trainer = Trainer(net, _devices(2), "sgd", {"lr": 0.1})
+    trainer.close()
+    trainer.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        trainer.train_step(X, y)
+
+
+@pytest.mark.gpu
+def test_trainer_on_gpu_matches_cpu_reference():
+    net, X, y, loss_fn = _lenet_batch(32)
+    ref = _reference_step(net, X, y, loss_fn, lr=0.1)
+    with Trainer(net, [gpu(0)], "sgd", {"lr": 0.1, "momentum": 0.9}, loss=loss_fn) as trainer:
+        trainer.train_step(X, y)
+        for p, q in zip(trainer.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
