@@ -213,3 +213,10 @@ def test_gpu_cells_run_and_compare_with_the_gtx_1080():
     (cell,) = result.cells
     assert cell.error is None and cell.threads is None and cell.batch_size == 1024
     assert cell.paper.column == "GTX 1080"
+
+
+@pytest.mark.slow
+def test_compile_mode_times_a_real_compiled_step():
+    result = run_bench(_small_config(networks=["mlp"], threads=[1], mode="compile", warmup=2, steps=2))
+    (cell,) = result.cells
+    assert cell.error is None and cell.timing is not None and cell.mode == "compile"
