@@ -1,0 +1,19 @@
+"""Hybrid programming (d2l 12.1): capture an imperative model as a graph, replay it, export it.
+
+>>> import torch
+>>> from dlperf.hybrid import hybridize
+>>> from dlperf.models import get_model
+>>> net = hybridize(get_model("mlp"))
+>>> with torch.no_grad():
+...     y = net(torch.randn(1, 512))
+"""
+
+from __future__ import annotations
+
+from .backends import backend_names, get_backend, register_backend
+from .capture import CaptureError
+from .export import FORMAT_VERSION, ExportedModule, export, load
+from .hybridize import HybridizeWarning, HybridModule, hybridize
+
+__all__ = ["FORMAT_VERSION", "CaptureError", "ExportedModule", "HybridModule", "HybridizeWarning",
+           "backend_names", "export", "get_backend", "hybridize", "load", "register_backend"]

@@ -1,0 +1,205 @@
+"""Inference replay in one C++ call: the captured graph compiled into a plan of fused instructions.
+
+The plan interpreter (:mod:`.native_src`) is compiled with the machine's C++ compiler on first
+use and cached under the user's cache directory, keyed by source, PyTorch, Python and CPU flags
+(the code is built with ``-march=native``), so later processes load it in milliseconds. When no
+compiler works the backend still serves, replaying the graph in Python under ``no_grad``; the
+runner's ``detail`` says which path is live.
+
+Supported graphs: one tensor input, one tensor output, and linear layers, ReLU/sigmoid/tanh,
+flatten, add and mul in between; anything else raises :class:`BackendUnsupported`, and ``auto``
+moves on to the next backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import operator
+import os
+import platform
+import sys
+import threading
+
+import torch
+from torch import fx
+from torch.nn import functional as F
+
+from ..capture import Captured
+from . import native_src as src
+from .registry import Backend, BackendUnsupported, Runner, register_backend
+
+log = logging.getLogger("dlperf.hybrid")
+
+_ACTS = {torch.relu: src.ACT_RELU, torch.relu_: src.ACT_RELU, F.relu: src.ACT_RELU,
+         torch.sigmoid: src.ACT_SIGMOID, torch.tanh: src.ACT_TANH}
+_BINARY = {operator.add: src.OP_ADD, torch.add: src.OP_ADD, operator.mul: src.OP_MUL, torch.mul: src.OP_MUL}
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+          # Reassociation lets the dot products vectorize; results differ from BLAS in the last bits.
+          "-fassociative-math", "-fno-signed-zeros"]
+
+_lock = threading.Lock()
+_extension: object | None = None
+_extension_error: str | None = None
+
+
+def cache_dir() -> str:
+    """Where compiled plan interpreters live: $XDG_CACHE_HOME/dlperf or ~/.cache/dlperf."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "dlperf", "native")
+
+
+def _build_key() -> str:
+    cpu_flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_flags = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        cpu_flags = platform.processor()
+    text = "\n".join([src.SOURCE, " ".join(_FLAGS), torch.__version__, sys.version, platform.machine(),
+                      cpu_flags])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def load_extension():
+    """The compiled plan interpreter (compiling it on first use), or raise RuntimeError."""
+    global _extension, _extension_error
+    with _lock:
+        if _extension is not None:
+            return _extension
+        if _extension_error is not None:
+            raise RuntimeError(_extension_error)
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            key = _build_key()
+            build = os.path.join(cache_dir(), key)
+            os.makedirs(build, exist_ok=True)
+            log.info("dlperf.hybrid: loading the native plan interpreter from %s "
+                     "(compiled on first use, about 30 s)", build)
+            _extension = load_inline(f"dlperf_plan_{key}", cpp_sources=[src.SOURCE],
+                                     functions=src.FUNCTIONS, build_directory=build,
+                                     extra_cflags=_FLAGS, verbose=False)
+        except Exception as exc:  # a missing compiler, headers or ninja all land here
+            _extension_error = f"cannot build the native plan interpreter: {type(exc).__name__}: {exc}"
+            raise RuntimeError(_extension_error) from exc
+        return _extension
+
+
+def build_code(gm: fx.GraphModule) -> tuple[list[int], list[torch.Tensor], int, int]:
+    """Translate a lowered graph into plan code: (code, params, num_slots, output_slot)."""
+    slots: dict[fx.Node, int] = {}
+    params: list[torch.Tensor] = []
+    param_index: dict[fx.Node, int] = {}
+    code: list[int] = []
+    fused: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if slots:
+                raise BackendUnsupported("the native plan takes exactly one input tensor")
+            slots[node] = 0
+        elif node.op == "get_attr":
+            param_index[node] = len(params)
+            # The Parameter itself, not a detached alias: an in-place optimizer step or a
+            # `param.data = ...` swap stays visible to the plan (it runs under NoGradGuard).
+            params.append(_fetch(gm, node.target))
+        elif node.op == "call_function":
+            if node in fused:
+                continue
+            slots[node] = len(slots)
+            code += _instruction(node, slots, param_index, fused)
+        elif node.op == "output":
+            out = node.args[0]
+            if not isinstance(out, fx.Node) or out not in slots:
+                raise BackendUnsupported("the native plan returns exactly one tensor")
+            return code, params, len(slots), slots[out]
+        else:
+            raise BackendUnsupported(f"{node.op} {node.target} is not supported by the native plan")
+    raise BackendUnsupported("graph has no output")
+
+
+def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, torch.Tensor):
+        raise BackendUnsupported(f"attribute {target} is not a tensor")
+    return obj
+
+
+def _instruction(node: fx.Node, slots, param_index, fused: set) -> list[int]:
+    fn, args = node.target, node.args
+    out = slots[node]
+    if node.kwargs:
+        raise BackendUnsupported(f"{getattr(fn, '__name__', fn)} with keyword arguments")
+    if fn is F.linear:
+        x, w, b = (list(args) + [None])[:3]
+        if x not in slots or w not in param_index or (b is not None and b not in param_index):
+            raise BackendUnsupported("linear on a computed weight")
+        act = src.ACT_NONE
+        users = list(node.users)
+        # Fuse an activation that is this linear's only consumer into the kernel's epilogue.
+        if len(users) == 1 and users[0].op == "call_function" and users[0].target in _ACTS:
+            act = _ACTS[users[0].target]
+            fused.add(users[0])
+            slots[users[0]] = out
+        return [src.OP_LINEAR, slots[x], out, param_index[w], param_index[b] if b is not None else -1, act]
+    if fn in _ACTS and len(args) == 1 and args[0] in slots:
+        return [src.OP_ACT, slots[args[0]], out, 0, 0, _ACTS[fn]]
+    if fn is torch.flatten and args[0] in slots and all(isinstance(a, int) for a in args[1:]):
+        start = args[1] if len(args) > 1 else 0
+        end = args[2] if len(args) > 2 else -1
+        return [src.OP_FLATTEN, slots[args[0]], out, start, end, 0]
+    if fn in _BINARY and len(args) == 2 and all(a in slots for a in args):
+        return [_BINARY[fn], slots[args[0]], out, slots[args[1]], 0, 0]
+    raise BackendUnsupported(f"{getattr(fn, '__name__', fn)} is not supported by the native plan")
+
+
+class NativePlan:
+    """Owns one plan on the C++ side and frees it when collected."""
+
+    def __init__(self, ext, code, params, num_slots, output_slot):
+        self._free = ext.free_plan
+        self.plan_id = ext.make_plan(code, params, num_slots, output_slot)
+        self.params = params  # keeps the tensors alive for as long as the plan may read them
+
+    def __del__(self):
+        try:
+            self._free(self.plan_id)
+        except Exception:  # interpreter shutdown: the plan dies with the process anyway
+            pass
+
+
+class _NativeRun(functools.partial):
+    """``run_plan(plan_id, x)`` as a C-level partial (no Python frame per call) that owns its plan."""
+
+    plan: NativePlan
+    detail: str
+
+
+def _prepare(captured: Captured, example_args: tuple) -> Runner:
+    if len(example_args) != 1:
+        raise BackendUnsupported("the native plan takes exactly one input tensor")
+    code, params, num_slots, output_slot = build_code(captured.graph_module)
+    try:
+        ext = load_extension()
+    except RuntimeError as exc:
+        gm = captured.graph_module
+
+        def python_replay(x):
+            with torch.no_grad():
+                return gm.forward(x)
+
+        python_replay.detail = f"Python graph replay under no_grad ({exc})"
+        return python_replay
+    plan = NativePlan(ext, code, params, num_slots, output_slot)
+    run = _NativeRun(ext.run_plan, plan.plan_id)
+    run.plan = plan
+    run.detail = f"C++ plan of {len(code) // 6} fused instructions"
+    return run
+
+
+NATIVE = register_backend(Backend(
+    name="native", prepare=_prepare, supports_grad=False, devices=("cpu",), in_auto=True,
+    description="fused C++ plan replayed in one call (inference; Python fallback without a compiler)"))

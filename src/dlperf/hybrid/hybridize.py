@@ -1,0 +1,377 @@
+"""``hybridize(module)``: develop eagerly, then replay a captured graph without the Python.
+
+A :class:`HybridModule` is an explicit state machine:
+
+``capture``
+    the next call traces ``forward`` into a graph (:mod:`dlperf.hybrid.capture`). If that is
+    impossible (data-dependent control flow, ``x.numpy()`` inside forward) it warns with the
+    offending line and moves to ``eager`` for good; ``strict=True`` raises instead.
+``replay``
+    every call is keyed by its *signature*: the shape, dtype, device and ``requires_grad`` of each
+    input, whether autograd is recording, and ``module.training``. A known signature goes straight
+    to its runner. A new one warns, prepares a runner for it (checked against eager on that very
+    input) and caches it, up to ``max_signatures``; beyond that calls run eagerly, with a warning.
+``eager``
+    the original module runs, as if never hybridized (``reset()`` goes back to ``capture``).
+
+Replays do not run forward's Python: a ``print`` in forward prints the symbolic stand-ins during
+capture and never again, as the d2l book observes of MXNet. Python values read by forward
+(``self.scale = 2.0``) are frozen into the graph at capture; call ``reset()`` after changing them
+or the module's structure. Inference-only backends (``native``) serve only calls made under
+``torch.no_grad()``/``torch.inference_mode()``; with autograd recording, a backend that keeps
+gradients is used, so training through a hybridized module is exactly eager's.
+
+>>> import torch
+>>> from dlperf.models import get_model
+>>> net = hybridize(get_model("mlp"), backend="graph")
+>>> x = torch.randn(1, 512)
+>>> with torch.no_grad():
+...     y = net(x)
+>>> net.state
+'replay'
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import UsageError
+from .backends.registry import Backend, BackendUnsupported, get_backend
+from .capture import Captured, CaptureError, capture, preserved_state
+
+log = logging.getLogger("dlperf.hybrid")
+
+EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
+_grad_enabled = torch.is_grad_enabled
+
+# Trial calls per candidate when backend="auto": enough for a stable median on small models,
+# bounded in time for big ones (a 100 ms forward gets the minimum).
+AUTO_MIN_TRIALS, AUTO_MAX_TRIALS, AUTO_BUDGET_S = 3, 200, 0.05
+# A runner whose output differs from eager's beyond this is never used (float32 reassociation
+# in fused kernels moves results by ~1e-6 relative; anything larger is a bug).
+CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5
+
+
+class HybridizeWarning(UserWarning):
+    """A hybridized module did something other than replay: re-prepared, or fell back to eager."""
+
+
+@dataclass
+class Choice:
+    """The runner serving one signature, and why it was picked (shown by ``repr``)."""
+
+    backend: str
+    run: Callable
+    reason: str
+
+
+class HybridModule(nn.Module):
+    """A module whose calls replay a captured graph; see the module docstring for the states.
+
+    Parameters, buffers and ``state_dict`` are the wrapped module's own, so an optimizer built on
+    either sees the same tensors and checkpoints are interchangeable.
+    """
+
+    def __init__(self, module: nn.Module, backend: str = "auto", *, strict: bool = False,
+                 max_signatures: int = 8, candidates: Sequence[str] | None = None):
+        super().__init__()
+        if backend != "auto":
+            get_backend(backend)  # fail now on a typo, listing what exists
+        if max_signatures < 1:
+            raise UsageError(f"max_signatures must be >= 1, got {max_signatures}")
+        self.module = module
+        # A plain attribute too: nn.Module.__getattr__ (for registered children) costs ~0.3 us.
+        self.__dict__["_inner"] = module
+        self.backend = backend
+        self.strict = strict
+        self.max_signatures = max_signatures
+        self.candidates = tuple(candidates) if candidates is not None else None
+        for name in self.candidates or ():
+            get_backend(name)
+        self._state = CAPTURE
+        self._captured: Captured | None = None
+        self._choices: dict[tuple, Choice] = {}
+        self._runs: dict[tuple, Callable] = {}  # signature -> runner, the hot path's view of _choices
+        self._fallback_reason: str | None = None
+        self._warned_full = False
+
+    # --- state machine --------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """``capture``, ``replay`` or ``eager``."""
+        return self._state
+
+    @property
+    def choices(self) -> dict[tuple, Choice]:
+        """Signature -> the backend serving it and the reason."""
+        return dict(self._choices)
+
+    def reset(self) -> HybridModule:
+        """Forget the captured graph and runners; the next call captures again."""
+        self._state, self._captured, self._choices, self._runs = CAPTURE, None, {}, {}
+        self._fallback_reason, self._warned_full = None, False
+        return self
+
+    def eager(self) -> HybridModule:
+        """Switch hybridization off: calls run the original module."""
+        self._state, self._choices, self._runs = EAGER, {}, {}
+        self._fallback_reason = "switched off by eager()"
+        return self
+
+    def capture(self, *example_args) -> HybridModule:
+        """Capture the graph now, from example inputs, without running the model (no side effects).
+
+        Moves ``capture`` to ``replay`` (or to ``eager`` with a warning if it cannot be captured);
+        runners are still prepared on the first real call of each signature.
+        """
+        if self._state is CAPTURE:
+            self._capture_or_fallback(example_args)
+        return self
+
+    def _capture_or_fallback(self, args: tuple) -> bool:
+        try:
+            self._captured = capture(self.module, args)
+        except CaptureError as exc:
+            if self.strict:
+                raise
+            self._state, self._fallback_reason = EAGER, str(exc)
+            self._warn(f"cannot hybridize {type(self.module).__name__}: {exc}; running eagerly")
+            return False
+        self._state = REPLAY
+        return True
+
+    def __call__(self, *args, **kwargs):
+        # The hot path, a few hundred nanoseconds: no nn.Module.__call__, one key tuple, one dict
+        # lookup. The key is _signature()'s single-input form, spelled out to save a call.
+        if self._state is REPLAY and len(args) == 1 and not kwargs:
+            x = args[0]
+            try:
+                key = (x.shape, x.dtype, x.device, x.requires_grad, _grad_enabled(), self._inner.training)
+            except AttributeError:
+                key = None
+            run = self._runs.get(key)
+            if run is not None:
+                return run(x)
+        return self._slow_call(args, kwargs)
+
+    forward = __call__
+
+    def _signature(self, args: tuple) -> tuple:
+        if len(args) == 1:
+            x = args[0]
+            # A non-tensor input raises AttributeError -> the slow path sorts it out.
+            try:
+                return (x.shape, x.dtype, x.device, x.requires_grad, _grad_enabled(), self._inner.training)
+            except AttributeError:
+                return (None,)
+        parts = []
+        for x in args:
+            if not isinstance(x, torch.Tensor):
+                return (None,)
+            parts.append((x.shape, x.dtype, x.device, x.requires_grad))
+        return (*parts, _grad_enabled(), self._inner.training)
+
+    def _slow_call(self, args: tuple, kwargs: dict):
+        if self._state is EAGER:
+            return self.module(*args, **kwargs)
+        why_not = _uncapturable_call(args, kwargs)
+        if why_not:
+            self._warn(f"{why_not}; this call runs eagerly")
+            return self.module(*args, **kwargs)
+        if self._state is CAPTURE and not self._capture_or_fallback(args):
+            return self.module(*args)
+        key = self._signature(args)
+        if len(self._choices) >= self.max_signatures:
+            if not self._warned_full:
+                self._warned_full = True
+                self._warn(f"{len(self._choices)} input signatures are already prepared "
+                           f"(max_signatures={self.max_signatures}); new signatures run eagerly")
+            return self.module(*args)
+        if self._choices:
+            known = ", ".join(_format_signature(k) for k in self._choices)
+            self._warn(f"input signature changed to {_format_signature(key)} (prepared: {known}); "
+                       "preparing a replay for it")
+        choice, output = self._prepare(args)
+        self._choices[key] = choice
+        self._runs[key] = choice.run
+        log.info("dlperf.hybrid: %s for %s: %s", choice.backend, _format_signature(key), choice.reason)
+        return output
+
+    # --- choosing a runner for a new signature --------------------------------------------
+    def _prepare(self, args: tuple) -> tuple[Choice, object]:
+        """Pick the runner for this signature; returns it and this call's output."""
+        assert self._captured is not None
+        device = args[0].device if args else torch.device("cpu")
+        needs_grad = torch.is_grad_enabled()
+        with preserved_state(self.module):
+            reference = self.module(*args)
+        names = self._candidate_names() if self.backend == "auto" else [self.backend]
+        ready: list[tuple[Backend, Callable]] = []
+        rejected: list[str] = []
+        for name in names:
+            backend = get_backend(name)
+            run, why_not = self._try_backend(backend, args, device, needs_grad, reference)
+            if run is None:
+                rejected.append(f"{name}: {why_not}")
+                if self.backend != "auto":
+                    self._warn(f"backend {name!r} cannot serve this call ({why_not}); running eagerly")
+            else:
+                ready.append((backend, run))
+        if not ready:
+            return Choice("eager", self.module, "no backend could serve: " + "; ".join(rejected)), \
+                self.module(*args)
+        if len(ready) == 1:
+            backend, run = ready[0]
+            detail = getattr(run, "detail", backend.description)
+            reason = f"requested ({detail})" if self.backend != "auto" else f"only candidate ({detail})"
+            return Choice(backend.name, run, reason), run(*args)
+        timed = [(self._time_runner(run, args, device), backend, run) for backend, run in ready]
+        timed.sort(key=lambda t: t[0])
+        best_s, backend, run = timed[0]
+        others = ", ".join(f"{b.name} {s * 1e6:.1f} us" for s, b, _ in timed[1:])
+        detail = getattr(run, "detail", backend.description)
+        reason = f"fastest: {best_s * 1e6:.1f} us/call vs {others} ({detail})"
+        if rejected:
+            reason += "; skipped " + "; ".join(rejected)
+        return Choice(backend.name, run, reason), run(*args)
+
+    def _candidate_names(self) -> list[str]:
+        from .backends.registry import backend_names
+
+        if self.candidates is not None:
+            return list(self.candidates)
+        return [n for n in backend_names() if get_backend(n).in_auto]
+
+    def _try_backend(self, backend: Backend, args, device, needs_grad, reference):
+        why_not = backend.unsupported_reason(device, needs_grad)
+        if why_not:
+            return None, why_not
+        try:
+            run = backend.prepare(self._captured, args)
+            with preserved_state(self.module):
+                out = run(*args)
+        except BackendUnsupported as exc:
+            return None, str(exc)
+        except Exception as exc:  # a backend bug must not take the user's model down
+            return None, f"failed: {type(exc).__name__}: {exc}"
+        mismatch = _mismatch(out, reference)
+        if mismatch:
+            return None, f"output differs from eager ({mismatch})"
+        return run, None
+
+    def _time_runner(self, run: Callable, args: tuple, device: torch.device) -> float:
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        samples: list[float] = []
+        start = time.perf_counter()
+        with preserved_state(self.module):
+            run(*args)  # one untimed call: lazy allocations, cached algorithms
+            while len(samples) < AUTO_MAX_TRIALS:
+                sync()
+                t0 = time.perf_counter()
+                run(*args)
+                sync()
+                samples.append(time.perf_counter() - t0)
+                if len(samples) >= AUTO_MIN_TRIALS and time.perf_counter() - start > AUTO_BUDGET_S:
+                    break
+        return statistics.median(samples)
+
+    def _warn(self, message: str) -> None:
+        warnings.warn(message, HybridizeWarning, stacklevel=4)
+
+    # --- plumbing --------------------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            # New Parameter objects would leave the captured graph pointing at the old ones.
+            self.reset()
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def extra_repr(self) -> str:
+        lines = [f"backend={self.backend!r}, state={self._state!r}"]
+        if self._fallback_reason:
+            lines.append(f"eager because: {self._fallback_reason}")
+        for key, choice in self._choices.items():
+            lines.append(f"{_format_signature(key)} -> {choice.backend}: {choice.reason}")
+        return "\n".join(lines)
+
+
+def hybridize(module: nn.Module, backend: str = "auto", *, strict: bool = False,
+              max_signatures: int = 8, candidates: Sequence[str] | None = None) -> HybridModule:
+    """Wrap ``module`` so that its calls replay a captured graph.
+
+    Args:
+        backend: a registered backend name (``dlperf.hybrid.backend_names()``) or ``"auto"``,
+            which times every applicable candidate on the first call of each signature and keeps
+            the fastest, saying so in ``repr`` and a log line.
+        strict: raise :class:`CaptureError` instead of warning and running eagerly.
+        max_signatures: how many input signatures get their own runner before calls run eagerly.
+        candidates: backends ``auto`` chooses from (default: those marked for auto).
+
+    >>> import torch
+    >>> from torch import nn
+    >>> net = hybridize(nn.Sequential(nn.Linear(4, 2), nn.ReLU()), backend="graph")
+    >>> net(torch.ones(3, 4)).shape
+    torch.Size([3, 2])
+    """
+    if isinstance(module, HybridModule):
+        module = module.module
+    return HybridModule(module, backend, strict=strict, max_signatures=max_signatures,
+                        candidates=candidates)
+
+
+def _uncapturable_call(args: tuple, kwargs: dict) -> str | None:
+    if kwargs:
+        return f"keyword arguments ({', '.join(kwargs)}) are not captured; pass inputs positionally"
+    if not args:
+        return "a call without inputs is not captured"
+    if not all(isinstance(a, torch.Tensor) for a in args):
+        kinds = ", ".join(type(a).__name__ for a in args)
+        return f"only tensor inputs are captured, got ({kinds})"
+    return None
+
+
+def _format_signature(key: tuple) -> str:
+    if key == (None,):
+        return "(non-tensor inputs)"
+    *inputs, grad, training = key
+    if len(inputs) == 4 and isinstance(inputs[0], torch.Size):  # the single-input fast form
+        inputs = [tuple(inputs)]
+    parts = [f"{str(dt).replace('torch.', '')}{list(shape)}@{dev}{'+grad' if rg else ''}"
+             for shape, dt, dev, rg in inputs]
+    mode = ("train" if training else "eval") + (", autograd" if grad else ", no_grad")
+    return f"({', '.join(parts)}; {mode})"
+
+
+def _mismatch(out, ref) -> str | None:
+    """Why ``out`` is not eager's ``ref`` (None when they agree within float tolerance)."""
+    if isinstance(ref, torch.Tensor):
+        if not isinstance(out, torch.Tensor):
+            return f"got {type(out).__name__}, expected a tensor"
+        if out.shape != ref.shape or out.dtype != ref.dtype:
+            return f"got {out.dtype}{list(out.shape)}, expected {ref.dtype}{list(ref.shape)}"
+        if ref.is_floating_point() and not torch.allclose(out.detach(), ref.detach(), CHECK_RTOL, CHECK_ATOL,
+                                                          equal_nan=True):
+            diff = (out.detach() - ref.detach()).abs().max().item()
+            return f"max abs difference {diff:.3g}"
+        if not ref.is_floating_point() and not torch.equal(out, ref):
+            return "values differ"
+        return None
+    if isinstance(ref, (tuple, list)):
+        if not isinstance(out, (tuple, list)) or len(out) != len(ref):
+            return "output structure differs"
+        for o, r in zip(out, ref):
+            why = _mismatch(o, r)
+            if why:
+                return why
+        return None
+    return None if out == ref else "non-tensor outputs differ"
