@@ -165,11 +165,9 @@ class Engine:
             reads = tuple(reads)
         if type(writes) is not tuple:
             writes = tuple(writes)
-        if writes:
-            if len(writes) > 1:
-                writes = tuple(dict.fromkeys(writes))
-            if reads:
-                reads = tuple(v for v in reads if v not in writes)
+        if writes and (len(writes) > 1 or writes[0] in reads):  # rare: the common case skips this
+            writes = tuple(dict.fromkeys(writes))
+            reads = tuple(v for v in reads if v not in writes)
         dev = cpu(0) if device is None else device if type(device) is Device else require_available(device)
         if self._closed:
             raise EngineClosedError(f"this {self.kind} engine is closed; create a new one to push more work")
