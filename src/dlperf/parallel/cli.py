@@ -23,7 +23,8 @@ import torch
 
 from ..devices import to_device
 from ..errors import UsageError
-from .allreduce import DEFAULT_ALGORITHM, algorithm_names
+from .allreduce import DEFAULT_ALGORITHM, algorithm_names, get_algorithm
+from .split import check_devices
 from .trainer import Trainer
 
 __all__ = ["register", "run", "save_checkpoint", "load_checkpoint", "TRAIN_MODELS"]
@@ -149,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     from ..models import get_spec
 
     _check_args(args)
-    devices = parse_devices(args.devices)
+    devices = check_devices(parse_devices(args.devices))  # fail before any data is made or read
+    get_algorithm(args.algorithm)
     config = _config(args)
     resume = load_checkpoint(args.resume) if args.resume else None
     if resume is not None and resume["config"] != config:

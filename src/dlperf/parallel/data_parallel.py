@@ -63,7 +63,7 @@ class DataParallel(nn.Module):
         super().__init__()
         devs = check_devices(devices)
         have = device_of(module)
-        if have.torch_device != devs[0].torch_device:
+        if have != devs[0]:
             raise DeviceMismatchError(f"the module is on {have} but devices[0] is {devs[0]}; "
                                       f"move it first: module = dlperf.as_in(module, {devs[0]})")
         self.module = module

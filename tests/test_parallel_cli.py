@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from dlperf.errors import UsageError
+from dlperf.parallel import cli
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    cli.register(sub)
+    args = parser.parse_args(["train", *argv])
+    return args.func(args)
+
+
+SMALL = ["--train-size", "600", "--test-size", "200", "--batch-size", "100", "--no-progress"]
+
+
+def test_train_prints_accuracy_and_seconds_per_epoch(capsys):
+    assert _run(["--devices", "cpu:0,cpu:1", "--epochs", "1", *SMALL]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("epoch 1: loss ")
+    assert out[-1].startswith("test acc: ") and out[-1].endswith("sec/epoch on [cpu(0), cpu(1)]")
+
+
+def test_json_last_line(capsys):
+    _run(["--epochs", "1", "--json", *SMALL])
+    doc = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert doc["devices"] == ["cpu(0)"] and len(doc["epochs"]) == 1 and 0 <= doc["test_acc"] <= 1
+
+
+def test_checkpoint_and_resume_continue_bit_identically(tmp_path, capsys):
+    straight, ck = tmp_path / "straight.pt", tmp_path / "ck.pt"
+    common = ["--devices", "cpu:0,cpu:1", "--lr", "0.1", *SMALL]
+    _run([*common, "--epochs", "2", "--checkpoint", str(straight)])
+    _run([*common, "--epochs", "1", "--checkpoint", str(ck)])
+    _run([*common, "--epochs", "2", "--resume", str(ck), "--checkpoint", str(ck)])
+    a = torch.load(straight, weights_only=False)
+    b = torch.load(ck, weights_only=False)
+    for k, v in a["trainer"]["model"].items():
+        assert torch.equal(v, b["trainer"]["model"][k]), k
+    assert [h["test_acc"] for h in a["history"]] == [h["test_acc"] for h in b["history"]]
+    assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no temporaries
+
+
+def test_resume_with_other_settings_is_refused(tmp_path):
+    ck = tmp_path / "ck.pt"
+    _run(["--epochs", "1", "--checkpoint", str(ck), *SMALL])
+    with pytest.raises(UsageError, match="settings differ"):
+        _run(["--epochs", "2", "--resume", str(ck), "--lr", "0.5", *SMALL])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--devices", "cpu:0,cpu:0"], "listed twice"),
+    (["--devices", "tpu:0"], "not valid"),
+    (["--batch-size", "0"], "batch-size"),
+    (["--algorithm", "tree"], "unknown allreduce algorithm"),
+    (["--resume", "/nonexistent/ck.pt"], "does not exist"),
+])
+def test_bad_input_is_one_clear_error(argv, match):
+    with pytest.raises(UsageError, match=match):
+        _run(["--epochs", "1", *SMALL, *argv])
+
+
+def test_lenet_two_epochs_two_devices_reaches_one_device_accuracy(capsys):
+    """d2l 12.5.7: same seed and batch, 1 vs 2 devices: the same optimization, so the same accuracy."""
+    argv = ["--epochs", "2", "--train-size", "2000", "--test-size", "500", "--batch-size", "32",
+            "--lr", "0.3", "--json", "--no-progress"]
+    _run(["--devices", "cpu:0", *argv])
+    one = json.loads(capsys.readouterr().out.splitlines()[-1])
+    _run(["--devices", "cpu:0,cpu:1", *argv])
+    two = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert one["test_acc"] > 0.5  # it learned (chance is 0.1)
+    assert abs(one["test_acc"] - two["test_acc"]) <= 0.02

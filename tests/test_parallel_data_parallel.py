@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dlperf.devices import copy_to, cpu, device_of, gpu
+from dlperf.errors import DeviceMismatchError, UsageError
+from dlperf.parallel import DataParallel
+
+
+class Dummy(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        print("Dummy.forward", tuple(x.shape), device_of(x))
+        return self.m(x)
+
+
+def test_dummy_prints_one_line_per_device_with_its_share(capsys):
+    model = Dummy(nn.Linear(10, 5))
+    with DataParallel(model, [cpu(0), cpu(1)], threads=[1, 1]) as dp:
+        y = dp(torch.randn(50, 10))
+    assert y.shape == (50, 5)
+    lines = sorted(capsys.readouterr().out.splitlines())
+    assert lines == ["Dummy.forward (25, 10) cpu(0)", "Dummy.forward (25, 10) cpu(1)"]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_outputs_and_gradients_match_the_plain_module(k):
+    torch.manual_seed(k)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    ref = copy_to(net, cpu(0))
+    X, y = torch.randn(11, 1, 8, 8), torch.randint(0, 3, (11,))
+    nn.functional.cross_entropy(ref(X), y).backward()
+    with DataParallel(net, [cpu(i) for i in range(k)]) as dp:
+        out = dp(X)
+        torch.testing.assert_close(out, ref(X))
+        nn.functional.cross_entropy(out, y).backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_forward_builds_no_graph():
+    net = nn.Linear(3, 2)
+    with DataParallel(net, [cpu(0), cpu(1)]) as dp, torch.no_grad():
+        assert not dp(torch.randn(4, 3)).requires_grad
+
+
+def test_module_on_other_device_than_first_is_rejected():
+    net = copy_to(nn.Linear(3, 2), cpu(1))
+    with pytest.raises(DeviceMismatchError, match="the module is on cpu\\(1\\) but devices\\[0\\] is cpu\\(0\\)"):
+        DataParallel(net, [cpu(0), cpu(1)])
+
+
+def test_duplicate_devices_rejected():
+    with pytest.raises(UsageError, match="listed twice"):
+        DataParallel(nn.Linear(3, 2), [cpu(0), cpu(0)])
+
+
+@pytest.mark.gpu
+def test_data_parallel_on_gpus():
+    n = torch.cuda.device_count()
+    net = nn.Linear(10, 5).to("cuda:0")
+    with DataParallel(net, [gpu(i) for i in range(n)]) as dp:
+        x = torch.randn(8, 10, device="cuda:0")
+        torch.testing.assert_close(dp(x), net(x))
