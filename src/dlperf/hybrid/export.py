@@ -99,8 +99,11 @@ def _export_program(module: nn.Module, args: tuple, dynamic_batch: bool):
             warnings.simplefilter("ignore", UserWarning)
             if dynamic_batch:
                 dims = tuple({0: torch.export.Dim.AUTO} if a.dim() > 0 else None for a in args)
+                # A batch of 1 would be specialized (size-1 dimensions broadcast), so trace with
+                # the example repeated; only shapes and dtypes are taken from it.
+                traced = tuple(torch.cat([a, a]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
                 try:
-                    return torch.export.export(module, args, dynamic_shapes=dims, strict=False)
+                    return torch.export.export(module, traced, dynamic_shapes=dims, strict=False)
                 except Exception:  # some graphs pin the batch size; a static export still serves
                     pass
             return torch.export.export(module, args, strict=False)

@@ -220,7 +220,8 @@ class HybridModule(nn.Module):
             backend = get_backend(name)
             run, why_not = self._try_backend(backend, args, device, needs_grad, reference)
             if run is None:
-                rejected.append(f"{name}: {why_not}")
+                if backend.unsupported_reason(device, False) is None or self.backend != "auto":
+                    rejected.append(f"{name}: {why_not}")  # device mismatches are not news
                 if self.backend != "auto":
                     self._warn(f"backend {name!r} cannot serve this call ({why_not}); running eagerly")
             else:
@@ -232,6 +233,8 @@ class HybridModule(nn.Module):
             backend, run = ready[0]
             detail = getattr(run, "detail", backend.description)
             reason = f"requested ({detail})" if self.backend != "auto" else f"only candidate ({detail})"
+            if rejected:
+                reason += "; skipped " + "; ".join(rejected)
             return Choice(backend.name, run, reason), run(*args)
         timed = [(self._time_runner(run, args, device), backend, run) for backend, run in ready]
         timed.sort(key=lambda t: t[0])
