@@ -293,3 +293,33 @@ def test_auto_on_gpu_picks_a_working_backend_for_the_mlp():
     with torch.no_grad():
         torch.testing.assert_close(net(x), model(x), rtol=1e-5, atol=1e-6)
     assert "us/call" in repr(net)
+
+
+def test_a_backend_with_wrong_gradients_is_never_used():
+    from dlperf.hybrid.backends import registry
+
+    def detached(captured, example_args):
+        # Right values, wrong autograd history: the gradients w.r.t. parameters vanish.
+        return lambda x: captured.module(x).detach().requires_grad_()
+
+    registry.register_backend(registry.Backend(
+        name="test-detached", prepare=detached, supports_grad=True, devices=("cpu",), in_auto=False,
+        description="test double"))
+    try:
+        model = nn.Linear(3, 2)
+        net = hybridize(model, candidates=["test-detached", "graph"])
+        out = net(torch.randn(4, 3))
+        (choice,) = net.choices.values()
+        assert choice.backend == "graph"
+        assert "test-detached: gradients differ from eager" in choice.reason
+        out.sum().backward()
+        assert model.weight.grad is not None
+    finally:
+        registry._BACKENDS.pop("test-detached", None)
+
+
+def test_auto_in_training_times_forward_and_backward():
+    net = hybridize(get_spec("mlp").build(), candidates=["eager", "graph"])
+    net(torch.randn(2, 512))
+    (choice,) = net.choices.values()
+    assert "us/forward+backward" in choice.reason

@@ -212,7 +212,7 @@ class HybridModule(nn.Module):
         device = args[0].device if args else torch.device("cpu")
         needs_grad = torch.is_grad_enabled()
         with preserved_state(self.module):
-            reference = self.module(*args)
+            reference = self._forward_backward(self.module, args, needs_grad)
         names = self._candidate_names() if self.backend == "auto" else [self.backend]
         ready: list[tuple[Backend, Callable]] = []
         rejected: list[str] = []
@@ -241,7 +241,8 @@ class HybridModule(nn.Module):
         best_s, backend, run = timed[0]
         others = ", ".join(f"{b.name} {s * 1e6:.1f} us" for s, b, _ in timed[1:])
         detail = getattr(run, "detail", backend.description)
-        reason = f"fastest: {best_s * 1e6:.1f} us/call vs {others} ({detail})"
+        what = "forward+backward" if torch.is_grad_enabled() else "call"
+        reason = f"fastest: {best_s * 1e6:.1f} us/{what} vs {others} ({detail})"
         if rejected:
             reason += "; skipped " + "; ".join(rejected)
         return Choice(backend.name, run, reason), run(*args)
@@ -260,26 +261,50 @@ class HybridModule(nn.Module):
         try:
             run = backend.prepare(self._captured, args)
             with preserved_state(self.module):
-                out = run(*args)
+                out = self._forward_backward(run, args, needs_grad)
         except BackendUnsupported as exc:
             return None, str(exc)
         except Exception as exc:  # a backend bug must not take the user's model down
             return None, f"failed: {type(exc).__name__}: {exc}"
-        mismatch = _mismatch(out, reference)
+        mismatch = _mismatch(out[0], reference[0])
         if mismatch:
             return None, f"output differs from eager ({mismatch})"
+        mismatch = _mismatch(out[1], reference[1])
+        if mismatch:
+            return None, f"gradients differ from eager ({mismatch})"
         return run, None
+
+    def _forward_backward(self, run: Callable, args: tuple, needs_grad: bool) -> tuple[object, tuple]:
+        """Output of ``run(*args)`` and, when autograd records, the gradients of its sum.
+
+        torch.autograd.grad returns gradients without touching ``.grad``, so trial runs leave
+        the user's accumulated gradients alone.
+        """
+        out = run(*args)
+        if not needs_grad:
+            return out, ()
+        leaves = [p for p in self.module.parameters() if p.requires_grad]
+        leaves += [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        flat = out if isinstance(out, (tuple, list)) else (out,)
+        total = [o.float().sum() for o in flat if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not total or not leaves:
+            return out, ()
+        grads = torch.autograd.grad(sum(total), leaves, allow_unused=True)
+        return out, tuple(g if g is not None else torch.zeros(()) for g in grads)
 
     def _time_runner(self, run: Callable, args: tuple, device: torch.device) -> float:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         samples: list[float] = []
         start = time.perf_counter()
+        needs_grad = torch.is_grad_enabled()
+        # With autograd on, a trial is forward and backward: a backend that speeds up the forward
+        # but slows down the backward must not win a training run.
         with preserved_state(self.module):
-            run(*args)  # one untimed call: lazy allocations, cached algorithms
+            self._forward_backward(run, args, needs_grad)  # untimed: lazy allocations, algorithms
             while len(samples) < AUTO_MAX_TRIALS:
                 sync()
                 t0 = time.perf_counter()
-                run(*args)
+                self._forward_backward(run, args, needs_grad)
                 sync()
                 samples.append(time.perf_counter() - t0)
                 if len(samples) >= AUTO_MIN_TRIALS and time.perf_counter() - start > AUTO_BUDGET_S:
