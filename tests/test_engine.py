@@ -391,3 +391,18 @@ def test_inflight_window_bounds_overlap(k):
 def test_inflight_rejects_bad_limit():
     with create_engine("naive") as eng, pytest.raises(UsageError):
         InFlight(0, engine=eng)
+
+
+def test_dependents_are_released_before_a_long_op_in_the_same_batch():
+    gate = threading.Event()
+    stamps = {}
+    with create_engine() as eng:
+        v = eng.new_var()
+        eng.push(gate.wait, args=(10,), device=cpu(0))
+        time.sleep(0.05)  # cpu(0)'s worker is inside the gate op; the next two queue behind it
+        eng.push(lambda: stamps.__setitem__("a", time.perf_counter()), writes=[v], device=cpu(0))
+        eng.push(lambda: (time.sleep(0.3), stamps.__setitem__("c", time.perf_counter())), device=cpu(0))
+        eng.push(lambda: stamps.__setitem__("b", time.perf_counter()), reads=[v], device=cpu(1))
+        gate.set()
+        eng.waitall()
+    assert stamps["b"] < stamps["c"] - 0.2  # b did not wait for the long op that followed a

@@ -129,19 +129,26 @@ class Worker:
         self.teardown()
 
     def _run_batch(self, batch: list[Op], latency: float) -> None:
+        eng = self.engine
+        label = self.label
+        if len(batch) == 1:
+            self.run_op(batch[0], label)
+            eng._complete(batch)
+            return
         done: list[Op] = []
         start = perf_counter()
-        label = self.label
         for op in batch:
             self.run_op(op, label)
             done.append(op)
             now = perf_counter()
-            if now - start >= latency:  # long op, or many short ones: release dependents now
-                self.engine._complete(done)
+            # Release now if a long op (or many short ones) ran, or if someone is already waiting:
+            # deferring past the next op could hold a dependent back for that op's whole duration.
+            if now - start >= latency or eng._waiters or _has_dependents(op):
+                eng._complete(done)
                 done = []
                 start = now
         if done:
-            self.engine._complete(done)
+            eng._complete(done)
 
     def teardown(self) -> None:
         """Per-thread clean-up before the thread exits."""
@@ -196,6 +203,17 @@ class CpuWorker(Worker):
             for v in op.writes:  # a finished host write supersedes any device events
                 v._wev = None
                 v._revs = None
+
+
+def _has_dependents(op: Op) -> bool:
+    # Read without the lock: a stale answer only delays or hastens one group release.
+    for v in op.writes:
+        if v._queue:
+            return True
+    for v in op.reads:
+        if v._queue:
+            return True
+    return False
 
 
 def _restore_process_default(n: int) -> None:
