@@ -301,6 +301,9 @@ def test_max_queued_blocks_the_frontend():
 
         t = threading.Thread(target=frontend)
         t.start()
+        deadline = time.monotonic() + 10
+        while len(pushed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         time.sleep(0.2)
         assert pushed == [0, 1]  # the third push waits until something finishes
         gate.set()
@@ -401,8 +404,8 @@ def test_dependents_are_released_before_a_long_op_in_the_same_batch():
         eng.push(gate.wait, args=(10,), device=cpu(0))
         time.sleep(0.05)  # cpu(0)'s worker is inside the gate op; the next two queue behind it
         eng.push(lambda: stamps.__setitem__("a", time.perf_counter()), writes=[v], device=cpu(0))
-        eng.push(lambda: (time.sleep(0.3), stamps.__setitem__("c", time.perf_counter())), device=cpu(0))
+        eng.push(lambda: (time.sleep(0.6), stamps.__setitem__("c", time.perf_counter())), device=cpu(0))
         eng.push(lambda: stamps.__setitem__("b", time.perf_counter()), reads=[v], device=cpu(1))
         gate.set()
         eng.waitall()
-    assert stamps["b"] < stamps["c"] - 0.2  # b did not wait for the long op that followed a
+    assert stamps["b"] < stamps["c"] - 0.3  # b did not wait for the long op that followed a
