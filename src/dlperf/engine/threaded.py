@@ -10,6 +10,14 @@ operation whose count reaches zero goes to its device's worker.
 A thread that waits on a ready operation of an idle CPU worker runs that operation itself
 instead of waking the worker and sleeping: that saves two thread switches, which dominate the
 cost of a synchronous ``y = x + 1; y.wait_to_read()`` loop.
+
+Python costs to know about: the frontend and the workers share the GIL, so for tiny operations
+the engine's throughput is that of one thread (PyTorch drops the GIL inside each kernel, which is
+what lets large operations on different devices overlap). Each pending operation keeps a few
+Python objects alive; with thousands queued, CPython's cyclic collector runs more often, and a
+full collection with PyTorch loaded pauses the process for tens of milliseconds. Programs that
+queue deep can call ``gc.freeze()`` once after start-up, so full collections skip the modules'
+long-lived objects.
 """
 
 from __future__ import annotations
