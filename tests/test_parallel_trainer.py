@@ -219,3 +219,25 @@ def test_trainer_on_gpu_matches_cpu_reference():
         trainer.train_step(X, y)
         for p, q in zip(trainer.module.parameters(), ref.parameters()):
             torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["contiguous", "channels_last"])
+def test_memory_formats_give_the_same_step(fmt):
+    net, X, y, loss_fn = _lenet_batch(12)
+    ref = _reference_step(net, X, y, loss_fn, lr=0.1)
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.1, "momentum": 0.9}, loss=loss_fn, memory_format=fmt) as t:
+        assert t.channels_last == (fmt == "channels_last")
+        t.train_step(X, y)
+        _assert_params_close(t.module, ref, atol=1e-5)
+        if fmt == "channels_last":  # gradient views follow the weights' layout: no conversion per step
+            w = t.module[0].weight
+            assert w.grad.stride() == w.stride()
+
+
+def test_auto_memory_format_only_for_convolutions_on_cpu():
+    with Trainer(nn.Linear(3, 2), _devices(1)) as t:
+        assert not t.channels_last
+    with Trainer(get_spec("lenet").build(), _devices(1)) as t:
+        assert t.channels_last
+    with pytest.raises(UsageError, match="unknown memory format"):
+        Trainer(nn.Linear(3, 2), _devices(1), memory_format="nhwc")

@@ -70,7 +70,9 @@ class GradientBuckets:
                 off = 0
                 for i in idx:
                     p = self.params[r][i]
-                    self._views[r].append((p, flat[off:off + p.numel()].view_as(p)))
+                    # same strides as the parameter (channels-last weights too), so autograd accumulates
+                    # in place without a layout conversion
+                    self._views[r].append((p, flat[off:off + p.numel()].as_strided(p.shape, p.stride())))
                     off += p.numel()
                 row.append(flat)
             self.flats.append(row)

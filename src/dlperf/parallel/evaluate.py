@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 import torch
@@ -22,7 +22,8 @@ def _correct(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> int:
 
 
 def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                      devices: Sequence[Device], workers: DeviceWorkers | None = None) -> float:
+                      devices: Sequence[Device], workers: DeviceWorkers | None = None,
+                      prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
     """Fraction of examples whose arg-max prediction equals the label.
 
     Batches smaller than the device count are evaluated on the first devices only.
@@ -40,6 +41,8 @@ def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[torch.
         for X, y in data:
             k = min(len(devices), int(X.shape[0]))
             Xs, ys = split_batch(X, y, devices[:k])
+            if prepare is not None:
+                Xs = [prepare(x) for x in Xs]
             jobs = [partial(_correct, replicas[i], Xs[i], ys[i]) for i in range(k)]
             counts = workers.run_each(jobs + [lambda: 0] * (len(workers) - k)) if workers else [
                 job() for job in jobs]

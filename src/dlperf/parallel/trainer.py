@@ -38,6 +38,7 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
 }
 BUFFER_MODES = ("per-device", "broadcast")
+MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
 
 OptimizerLike = str | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -74,6 +75,9 @@ class Trainer:
         bucket_bytes: gradient bucket size for overlapping communication with backward.
         buffers: ``"per-device"`` BatchNorm statistics (default) or ``"broadcast"`` the first one's.
         threads: intra-op threads per device worker (default: the cores split evenly).
+        memory_format: layout of 4-D activations and conv weights. ``"auto"`` picks channels-last
+            for models with 2-D convolutions on CPU devices: oneDNN's convolutions and PyTorch's
+            pooling then skip layout reorders (LeNet, batch 128, one core: 71 -> 46 ms per step).
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[DeviceLike], optimizer: OptimizerLike = "sgd",
@@ -82,8 +86,10 @@ class Trainer:
                  algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM,
                  kvstore: str | KVStore | None = None, update_on_kvstore: bool = False,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, buffers: str = "per-device",
-                 threads: Sequence[int] | None = None) -> None:
+                 threads: Sequence[int] | None = None, memory_format: str = "auto") -> None:
         self.devices = check_devices(devices)
+        if memory_format not in MEMORY_FORMATS:
+            raise unknown_choice("memory format", memory_format, MEMORY_FORMATS)
         self.algorithm = get_algorithm(algorithm)
         if buffers not in BUFFER_MODES:
             raise unknown_choice("buffer mode", buffers, BUFFER_MODES)
@@ -92,6 +98,12 @@ class Trainer:
         self.buffers = buffers
         self.loss = loss or _default_loss
         self.replicas = replicate(module, self.devices)
+        self.channels_last = memory_format == "channels_last" or (
+            memory_format == "auto" and not any(d.is_gpu for d in self.devices)
+            and any(isinstance(m, nn.Conv2d) for m in module.modules()))
+        if self.channels_last:
+            for r in self.replicas:
+                r.to(memory_format=torch.channels_last)
         self.k = len(self.devices)
         self._factory = optimizer
         self._optimizer_params = dict(optimizer_params or {})
@@ -164,7 +176,7 @@ class Trainer:
                 else:
                     rep.zero_grad(set_to_none=True)
                 try:
-                    loss = self.loss(rep(Xs[i]), ys[i]) * (Xs[i].shape[0] / total)
+                    loss = self.loss(rep(self._layout(Xs[i])), ys[i]) * (Xs[i].shape[0] / total)
                     loss.backward()
                 except BaseException as exc:
                     if overlapped:  # the other replicas wait for this one's gradients: release them
@@ -187,6 +199,11 @@ class Trainer:
         self._after_update()
         first = self.devices[0].torch_device
         return sum(loss.to(first) for loss in losses)
+
+    def _layout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_last and x.dim() == 4:
+            return x.contiguous(memory_format=torch.channels_last)
+        return x
 
     def step(self, batch_size: int) -> None:
         """Aggregate gradients the caller computed on the replicas, divide by ``batch_size``, update.
@@ -250,7 +267,7 @@ class Trainer:
     def evaluate_accuracy(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Accuracy over ``data``: each batch split across the devices and run on all at once."""
         self._check_open()
-        return evaluate_accuracy(self.replicas, data, self.devices, self.workers)
+        return evaluate_accuracy(self.replicas, data, self.devices, self.workers, prepare=self._layout)
 
     def max_replica_difference(self) -> float:
         """Largest parameter difference between replicas (0.0 when they are identical)."""
