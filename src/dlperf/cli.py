@@ -16,6 +16,9 @@ from .errors import DlperfError
 VERB_MODULES: tuple[str, ...] = (
     "dlperf.bench.cli",
     "dlperf.cli_devices",
+    "dlperf.parallel.cli",
+    "dlperf.hybrid.cli",
+    "dlperf.engine.cli",
 )
 
 
@@ -25,7 +28,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dlperf", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="dlperf", description="Fast deep-learning training on the hardware you have, "
+                                                "and where the time goes.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     sub.required = True
