@@ -211,8 +211,8 @@ def _two_devices(op, xt: torch.Tensor, title: str, repeats: int) -> dict:
 def automatic_parallelism(repeats: int, size: int, sort_n: int) -> dict:
     torch.manual_seed(0)
     mm = _two_devices(lambda x: x @ x, torch.rand(size, size), f"12.3.1 10 dots {size}^2 x2", repeats)
-    # Sorting is scalar work: unlike a large GEMM it does not contend for the FP/vector units the
-    # two vCPUs of this VM appear to share (two *processes* doing 1000^2 GEMMs also take ~2x).
+    # A second, scalar-bound workload (no FMA/vector units, little memory traffic per element),
+    # so a miss can be told apart from two GEMMs fighting over shared caches and memory bandwidth.
     srt = _two_devices(lambda x: torch.sort(x), torch.randint(0, 1 << 30, (sort_n,)),
                        f"12.3.1' 10 sorts {sort_n // 1000}k x2", repeats)
     return {"parallel_ratio": mm["ratio"], "parallel": mm, "parallel_ratio_sort": srt["ratio"],
