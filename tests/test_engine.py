@@ -409,3 +409,18 @@ def test_dependents_are_released_before_a_long_op_in_the_same_batch():
         gate.set()
         eng.waitall()
     assert stamps["b"] < stamps["c"] - 0.3  # b did not wait for the long op that followed a
+
+
+def test_waiting_inside_a_pushed_function_on_its_own_worker_raises_instead_of_hanging():
+    with create_engine() as eng:
+        def outer():
+            inner = eng.push(lambda: 1, device=cpu(0))  # queued behind us on the same worker
+            return inner.wait()
+
+        eng.push(time.sleep, args=(0.05,), device=cpu(0))  # the worker, not this thread, runs outer
+        op = eng.push(outer, device=cpu(0))
+        while not op.done:
+            time.sleep(0.01)
+        with pytest.raises(UsageError, match="deadlock"):
+            op.wait()
+        assert eng.push(lambda: 2, device=cpu(0)).wait() == 2
