@@ -11,6 +11,11 @@ Measured in one run, with the shared timing protocol (warm-up, then the median o
   DistributedDataParallel with 2 gloo processes of one thread each on 127.0.0.1 (128 examples each).
 * allreduce of 64 MB per device across 2 logical devices, for every algorithm, and gloo's allreduce
   of 64 MB between the 2 processes. Bus bandwidth = size / time * 2(k-1)/k (k = 2: size / time).
+* with a GPU: the Trainer on gpu(0) against a plain PyTorch loop on the same GPU.
+
+Other work on a shared machine disturbs single runs, so the single-process configurations are
+measured in alternating rounds and the least disturbed round (lowest median) of each is reported;
+every round's median is printed too.
 
 The last stdout line is one JSON object: speedup_vs_one, ratio_vs_ddp, allreduce_busbw_gbs,
 gloo_busbw_gbs and the raw figures.
@@ -71,7 +76,8 @@ def _ddp_time(rank: int, world: int, steps: int, warmup: int, channels_last: boo
     return time_steps(step, warmup=warmup, steps=steps, synchronize=dist.barrier)
 
 
-def _ddp_worker(rank: int, world: int, port: int, steps: int, warmup: int, reps: int, out) -> None:
+def _ddp_worker(rank: int, world: int, port: int, steps: int, warmup: int, reps: int, rounds: int,
+                out) -> None:
     """One DDP rank: LeNet steps on its half of the batch (both layouts), then gloo allreduce of 64 MB."""
     import datetime
 
@@ -81,8 +87,12 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, warmup: int, reps:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        plain = _ddp_time(rank, world, steps, warmup, channels_last=False)
-        nhwc = _ddp_time(rank, world, steps, warmup, channels_last=True)
+        plains, nhwcs = [], []
+        for _ in range(rounds):  # alternate, as the single-process measurements do
+            plains.append(_ddp_time(rank, world, steps, warmup, channels_last=False))
+            nhwcs.append(_ddp_time(rank, world, steps, warmup, channels_last=True))
+        plain = min(plains, key=lambda t: t.median_s)
+        nhwc = min(nhwcs, key=lambda t: t.median_s)
         buf = torch.ones(ALLREDUCE_BYTES // 4)
         dist.all_reduce(buf)
         times = []
@@ -96,11 +106,11 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, warmup: int, reps:
         dist.destroy_process_group()
 
 
-def measure_ddp(steps: int, warmup: int, reps: int) -> dict[str, float]:
+def measure_ddp(steps: int, warmup: int, reps: int, rounds: int) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, steps, warmup, reps, out), daemon=True)
+    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, steps, warmup, reps, rounds, out), daemon=True)
              for r in range(2)]
     for p in procs:
         p.start()
@@ -170,55 +180,108 @@ def measure_allreduce(reps: int) -> dict[str, float]:
     return out
 
 
+def _gpu_pair(name: str, steps: int, warmup: int) -> tuple[float, float]:
+    from dlperf.devices import gpu
+
+    spec = get_spec(name)
+    torch.manual_seed(0)
+    X, y = spec.input.make_batch(BATCH, generator=torch.Generator().manual_seed(1))
+    X, y = X.pin_memory(), y.pin_memory()
+    model = spec.build().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def plain_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        spec.loss(model(X.cuda(non_blocking=True)), y.cuda(non_blocking=True)).backward()
+        opt.step()
+
+    plain = time_steps(plain_step, warmup=warmup, steps=steps, synchronize=torch.cuda.synchronize)
+    with Trainer(spec.build(), [gpu(0)], "sgd", {"lr": 0.1}, loss=spec.loss) as trainer:
+        ours = time_steps(lambda: trainer.train_step(X, y), warmup=warmup, steps=steps,
+                          synchronize=torch.cuda.synchronize)
+    return plain.median_s, ours.median_s
+
+
+def measure_gpu(steps: int, warmup: int) -> dict[str, float]:
+    """Trainer on gpu(0) against a plain PyTorch loop on the same GPU (LeNet and ResNet-18, batch 256)."""
+    out = {}
+    for name in ("lenet", "resnet18"):
+        plain, ours = _gpu_pair(name, steps, warmup)
+        out[f"gpu_{name}_plain_ms"] = plain * 1e3
+        out[f"gpu_{name}_trainer_ms"] = ours * 1e3
+        out[f"gpu_{name}_throughput_vs_plain"] = plain / ours
+    return out
+
+
+def _best(samples: list[dict[str, float]]) -> dict[str, float]:
+    """The round with the lowest median: the one least disturbed by other work on the machine."""
+    return min(samples, key=lambda d: d["ms"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the least disturbed counts")
     ap.add_argument("--reps", type=int, default=10, help="allreduce repetitions")
     ap.add_argument("--no-ddp", action="store_true", help="skip the DDP peer (no process launch)")
     args = ap.parse_args(argv)
 
-    one = measure_trainer(1, args.steps, args.warmup)
-    two = measure_trainer(2, args.steps, args.warmup)
-    plain1 = measure_plain(1, args.steps, args.warmup)
-    plain2 = measure_plain(2, args.steps, args.warmup)
-    plain2_cl = measure_plain(2, args.steps, args.warmup, channels_last=True)
-    ddp = {} if args.no_ddp else measure_ddp(args.steps, args.warmup, args.reps)
-    busbw = measure_allreduce(args.reps)
+    configs = {
+        "trainer_1dev": lambda: measure_trainer(1, args.steps, args.warmup),
+        "trainer_2dev": lambda: measure_trainer(2, args.steps, args.warmup),
+        "plain_1thread": lambda: {"ms": measure_plain(1, args.steps, args.warmup)},
+        "plain_2thread": lambda: {"ms": measure_plain(2, args.steps, args.warmup)},
+        "plain_2thread_channels_last": lambda: {"ms": measure_plain(2, args.steps, args.warmup, True)},
+    }
+    rounds: dict[str, list[dict[str, float]]] = {k: [] for k in configs}
+    for _ in range(args.rounds):
+        for key, fn in configs.items():
+            rounds[key].append(fn())
+    best = {k: _best(v) for k, v in rounds.items()}
+    ddp = {} if args.no_ddp else measure_ddp(args.steps, args.warmup, args.reps, args.rounds)
+    busbw = max((measure_allreduce(args.reps) for _ in range(args.rounds)), key=lambda d: d[DEFAULT_ALGORITHM])
+    gpu = measure_gpu(args.steps, args.warmup) if torch.cuda.is_available() else {}
 
-    print(f"LeNet, global batch {BATCH}, one training step (median of {args.steps}; "
-          f"{os.cpu_count()} cores; torch {torch.__version__})")
+    print(f"LeNet, global batch {BATCH}, one training step (median of {args.steps} steps, best of "
+          f"{args.rounds} alternating rounds; {os.cpu_count()} cores; torch {torch.__version__})")
     print("(the Trainer picks channels-last activations for conv nets on CPU; the rows marked so run the")
     print(" peers with the same layout, to separate the layout's gain from the parallel machinery's)")
-    print(f"{'configuration':<48} {'ms/step':>8} {'IQR ms':>7}")
-    print("-" * 65)
-    rows = [("dlperf Trainer cpu(0), 1 thread", one["ms"], one["q3_ms"] - one["q1_ms"]),
-            ("dlperf Trainer cpu(0),cpu(1), 1 thread each", two["ms"], two["q3_ms"] - two["q1_ms"]),
-            ("plain PyTorch loop, 1 thread", plain1, float("nan")),
-            ("plain PyTorch loop, 2 threads", plain2, float("nan")),
-            ("plain PyTorch loop, 2 threads, channels-last", plain2_cl, float("nan"))]
+    print(f"{'configuration':<48} {'ms/step':>8}  {'each round':<24}")
+    print("-" * 84)
+    labels = {"trainer_1dev": "dlperf Trainer cpu(0), 1 thread",
+              "trainer_2dev": "dlperf Trainer cpu(0),cpu(1), 1 thread each",
+              "plain_1thread": "plain PyTorch loop, 1 thread",
+              "plain_2thread": "plain PyTorch loop, 2 threads",
+              "plain_2thread_channels_last": "plain PyTorch loop, 2 threads, channels-last"}
+    for key, label in labels.items():
+        each = " ".join(f"{r['ms']:.1f}" for r in rounds[key])
+        print(f"{label:<48} {best[key]['ms']:>8.1f}  {each}")
     if ddp:
-        rows.append(("PyTorch DDP, 2 gloo processes x 1 thread", ddp["ddp_ms"], ddp["ddp_q3_ms"] - ddp["ddp_q1_ms"]))
-        rows.append(("PyTorch DDP, same, channels-last", ddp["ddp_channels_last_ms"], float("nan")))
-    for name, ms, iqr in rows:
-        print(f"{name:<48} {ms:>8.1f} {iqr:>7.1f}")
+        print(f"{'PyTorch DDP, 2 gloo processes x 1 thread':<48} {ddp['ddp_ms']:>8.1f}")
+        print(f"{'PyTorch DDP, same, channels-last':<48} {ddp['ddp_channels_last_ms']:>8.1f}")
     print()
     print(f"allreduce, 64 MB per device, 2 devices: bus bandwidth GB/s (default: {DEFAULT_ALGORITHM})")
     for name, bw in busbw.items():
-        print(f"  {name:<10} {bw:>6.2f}")
+        print(f"  {name:<30} {bw:>6.2f}")
     if ddp:
-        print(f"  {'gloo (2 processes, loopback)':<10} {ddp['gloo_busbw_gbs']:>6.2f}")
+        print(f"  {'gloo (2 processes, loopback)':<30} {ddp['gloo_busbw_gbs']:>6.2f}")
+    for key, value in gpu.items():
+        print(f"  {key:<40} {value:>8.2f}")
+    one, two = best["trainer_1dev"]["ms"], best["trainer_2dev"]["ms"]
     result = {
-        "speedup_vs_one": one["ms"] / two["ms"],
-        "ratio_vs_ddp": two["ms"] / ddp["ddp_ms"] if ddp else None,
+        "speedup_vs_one": one / two,
+        "ratio_vs_ddp": two / ddp["ddp_ms"] if ddp else None,
         "allreduce_busbw_gbs": busbw[DEFAULT_ALGORITHM],
         "gloo_busbw_gbs": ddp.get("gloo_busbw_gbs"),
-        "trainer_1dev_ms": one["ms"], "trainer_2dev_ms": two["ms"], "plain_1thread_ms": plain1,
-        "plain_2thread_ms": plain2, "plain_2thread_channels_last_ms": plain2_cl, "ddp_ms": ddp.get("ddp_ms"),
-        "ddp_channels_last_ms": ddp.get("ddp_channels_last_ms"),
-        "ratio_vs_ddp_channels_last": two["ms"] / ddp["ddp_channels_last_ms"] if ddp else None,
+        "trainer_1dev_ms": one, "trainer_2dev_ms": two,
+        "plain_1thread_ms": best["plain_1thread"]["ms"], "plain_2thread_ms": best["plain_2thread"]["ms"],
+        "plain_2thread_channels_last_ms": best["plain_2thread_channels_last"]["ms"],
+        "ddp_ms": ddp.get("ddp_ms"), "ddp_channels_last_ms": ddp.get("ddp_channels_last_ms"),
+        "ratio_vs_ddp_channels_last": two / ddp["ddp_channels_last_ms"] if ddp else None,
         "allreduce_busbw_by_algorithm": busbw,
-        "noisy": bool(one["noisy"] or two["noisy"]),
+        "rounds_ms": {k: [r["ms"] for r in v] for k, v in rounds.items()},
+        **gpu,
     }
     print(json.dumps(result))
     return 0
