@@ -424,3 +424,34 @@ def test_waiting_inside_a_pushed_function_on_its_own_worker_raises_instead_of_ha
         with pytest.raises(UsageError, match="deadlock"):
             op.wait()
         assert eng.push(lambda: 2, device=cpu(0)).wait() == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without this GPU")
+def test_push_to_a_missing_gpu_fails_in_the_frontend():
+    from dlperf.devices import gpu
+    from dlperf.errors import DeviceUnavailableError
+
+    with create_engine() as eng:
+        with pytest.raises(DeviceUnavailableError):
+            eng.push(print, device=gpu(7))
+        assert eng.push(lambda: 3).wait() == 3
+    assert _engine_threads() == []
+
+
+def test_a_worker_that_cannot_start_fails_its_ops_instead_of_hanging(monkeypatch):
+    from dlperf.engine.worker import CpuWorker
+
+    def broken_setup(self):
+        raise RuntimeError("device init failed")
+
+    monkeypatch.setattr(CpuWorker, "setup", broken_setup)
+    with create_engine() as eng:
+        v = eng.new_var()
+        op = eng.push(lambda: 1, writes=[v], device=cpu(3))
+        deadline = time.monotonic() + 10
+        while not op.done and time.monotonic() < deadline:  # no engine wait: the worker must fail it
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="device init failed"):
+            eng.wait_to_read(v)
+        with pytest.raises(RuntimeError, match="device init failed"):
+            op.wait()

@@ -263,6 +263,15 @@ class Engine:
             trace.append((op.id, op.name or getattr(op.fn, "__name__", "op"), where,
                           t0, perf_counter_ns(), op.deps, op.exc is not None))
 
+    def _fail(self, op: Op, exc: BaseException) -> None:
+        """Mark ``op`` failed with ``exc`` without running it (its worker could not start)."""
+        op.exc = exc
+        for v in op.writes:
+            v.exc = exc
+        with self._errors_lock:
+            if not any(e is exc for e in self._errors):
+                self._errors.append(exc)
+
     @staticmethod
     def _trace_deps(op: Op, ids: Iterator[int]) -> None:
         # Dependencies recorded for the timeline: the newest earlier writer of each variable.

@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from ..devices import Device
+from ..devices import Device, require_available
 from ..errors import UsageError
 from .engine import Engine, EngineClosedError, EngineConfig, register_engine
 from .var import DONE, QUEUED, RUNNING, Op, Var
@@ -76,6 +76,7 @@ class ThreadedEngine(Engine):
         return w
 
     def _start_worker(self, device: Device, lane: str) -> Worker:
+        require_available(device)  # a worker for a missing GPU would die and leave its ops hanging
         with self._lock:
             w = self._workers.get((device, lane))
             if w is not None:
@@ -188,7 +189,7 @@ class ThreadedEngine(Engine):
         steal = False
         with self._lock:
             w = op.worker
-            if op.state == QUEUED and w.can_steal and not w.busy:
+            if op.state == QUEUED and w.can_steal and not w.busy and w.setup_error is None:
                 op.state = RUNNING  # the worker will skip it
                 steal = True
         if steal:

@@ -53,6 +53,7 @@ class Worker:
         self._heap: list[tuple[int, int, Op]] = []
         self._sleeping = False
         self._stop = False
+        self.setup_error: BaseException | None = None
         self._wake = threading.Lock()
         self._wake.acquire()     # held = "no news"; enqueue() releases it once per sleep
         self.thread = threading.Thread(target=self._loop, name=f"dlperf-engine-{self.label}", daemon=True)
@@ -110,7 +111,11 @@ class Worker:
         eng = self.engine
         eng._local.is_worker = True
         eng._local.worker = self
-        self.setup()
+        try:
+            self.setup()
+        except BaseException as exc:  # e.g. CUDA init failed: fail this worker's ops, do not hang
+            self.setup_error = exc
+        setup_error = self.setup_error
         lock = eng._lock
         latency = eng.config.batch_latency_us * 1e-6
         while True:
@@ -123,6 +128,11 @@ class Worker:
                 self.busy = bool(batch)
             if not batch:
                 self._wake.acquire()
+                continue
+            if setup_error is not None:
+                for op in batch:
+                    eng._fail(op, setup_error)
+                eng._complete(batch)
                 continue
             self.before_batch()
             self._run_batch(batch, latency)
