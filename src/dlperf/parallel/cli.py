@@ -122,12 +122,13 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
     history = []
     for epoch in range(first_epoch, epochs):
         bar = _progress(show_progress, len(train_loader), f"epoch {epoch + 1}/{epochs}")
-        loss_sum = torch.zeros(())
+        loss_sum: torch.Tensor | float = 0.0
         batches = 0
         try:
             start = time.perf_counter()
             for X, y in train_loader.epoch_batches(epoch):
-                loss_sum += trainer.train_step(X, y).float().cpu()
+                # summed where it is: reading it on the host every step would stall a GPU's queue
+                loss_sum = loss_sum + trainer.train_step(X, y).detach().float()
                 batches += 1
                 if bar:
                     bar.advance(0, 1)
