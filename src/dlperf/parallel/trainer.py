@@ -163,6 +163,8 @@ class Trainer:
         Xs, ys = self._split(X, y)
         total = sum(int(t.shape[0]) for t in Xs)
         overlapped = self._buckets is not None and self._kv is None
+        # one device and no store: update inside the same task, saving a second hand-off per step
+        update_here = overlapped or (self.k == 1 and self._kv is None)
         if overlapped:
             self._buckets.arm()
 
@@ -185,6 +187,7 @@ class Trainer:
                 if overlapped:
                     self._buckets.replica_done()
                     self._buckets.wait()
+                if update_here:
                     self.optimizers[i].step()
                 return loss.detach()
             return task
@@ -194,7 +197,7 @@ class Trainer:
         finally:
             if overlapped:
                 self._buckets._armed = False
-        if not overlapped:
+        if not update_here:
             self._aggregate_and_update(scale=1.0)
         self._after_update()
         first = self.devices[0].torch_device
