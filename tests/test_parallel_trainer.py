@@ -179,27 +179,38 @@ def test_state_dict_round_trip_continues_identically():
 
 def test_replicas_run_concurrently_and_reduction_overlaps_backward():
     """Forward passes on the two devices overlap in time, and a gradient bucket is reduced before the
-    replicas have finished backward (the first layer's gradient is the last one produced)."""
+    replicas have finished backward (the first layer's gradient is the last one produced).
+
+    Other processes on a shared machine can delay a thread now and then, so the step is tried up to
+    three times; with the replicas run one after another, or the reduction only after backward, no
+    attempt could pass.
+    """
     net, X, y, loss_fn = _lenet_batch(256)
     spans: dict[int, list[float]] = {}
+    first_grad_done: list[float] = []
 
     with Trainer(net, _devices(2), "sgd", {"lr": 0.1}, loss=loss_fn, bucket_bytes=64 * 1024,
                  threads=[1, 1]) as trainer:
-        first_grad_done: list[float] = []
         for i, rep in enumerate(trainer.replicas):
             rep[0].register_forward_pre_hook(lambda m, a, i=i: spans.__setitem__(i, [time.perf_counter()]))
             rep[-1].register_forward_hook(lambda m, a, o, i=i: spans[i].append(time.perf_counter()))
             rep[0].weight.register_post_accumulate_grad_hook(
                 lambda p: first_grad_done.append(time.perf_counter()))
         trainer.train_step(X, y)  # warm-up
-        trainer._buckets.trace = []
-        first_grad_done.clear()
-        trainer.train_step(X, y)
-        (a0, a1), (b0, b1) = spans[0], spans[1]
-        assert max(a0, b0) < min(a1, b1), "the two replicas' forward passes did not overlap"
-        trace = trainer._buckets.trace
-        assert len(trace) == len(trainer._buckets.buckets) >= 2
-        assert min(start for _, start, _ in trace) < max(first_grad_done)
+        failures = []
+        for _ in range(3):
+            trainer._buckets.trace = []
+            first_grad_done.clear()
+            trainer.train_step(X, y)
+            (a0, a1), (b0, b1) = spans[0], spans[1]
+            trace = trainer._buckets.trace
+            assert len(trace) == len(trainer._buckets.buckets) >= 2
+            concurrent = max(a0, b0) < min(a1, b1)
+            overlapped = min(start for _, start, _ in trace) < max(first_grad_done)
+            if concurrent and overlapped:
+                return
+            failures.append((concurrent, overlapped))
+        pytest.fail(f"(forwards overlapped, reduction overlapped backward) per attempt: {failures}")
 
 
 def test_close_joins_threads_and_rejects_use():
