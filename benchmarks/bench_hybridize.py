@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from dlperf.bench.timing import Timing, time_steps
+from dlperf.bench.timing import Timing
 from dlperf.hybrid import hybridize
 from dlperf.hybrid.bench_mode import make_step
 from dlperf.models import get_spec
@@ -30,65 +30,70 @@ from dlperf.models import get_spec
 CALLS = 1000  # per timing sample, as in the book's benchmark
 
 
-def time_calls(fn, x, samples: int, sync=lambda: None) -> Timing:
-    """Per-call seconds: each sample is the mean of CALLS back-to-back calls (timer cost amortized)."""
-
-    def block():
-        for _ in range(CALLS):
-            fn(x)
-
-    t = time_steps(block, warmup=1, steps=samples, synchronize=sync)
-    return Timing.from_samples([s / CALLS for s in t.samples])
+def time_round_robin(contenders: dict[str, tuple], x, samples: int, sync=lambda: None) -> dict[str, Timing]:
+    """Per-call seconds of each contender, sampled in turns so that load from other processes on a
+    shared machine hits every contender alike. A sample is the mean of CALLS back-to-back calls
+    (the timer's own cost amortized); ``contenders`` maps name -> (callable, grad_enabled)."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for i in range(samples + 1):  # round 0 is warm-up
+        for name, (fn, grad) in contenders.items():
+            with torch.set_grad_enabled(grad):
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(CALLS):
+                    fn(x)
+                sync()
+                if i > 0:
+                    times[name].append((time.perf_counter() - t0) / CALLS)
+    return {name: Timing.from_samples(v) for name, v in times.items()}
 
 
 def mlp_section(samples: int, with_compile: bool) -> tuple[list[tuple], dict]:
     torch.manual_seed(0)
     model = get_spec("mlp").build().eval()
     x = torch.randn(1, 512)
-    rows, out = [], {}
-    eager_grad = time_calls(model, x, samples)
-    rows.append(("eager (autograd on)", eager_grad, ""))
+    notes: dict[str, str] = {}
     with torch.no_grad():
         ref = model(x)
-        eager = time_calls(model, x, samples)
-        rows.append(("eager", eager, ""))
-
         graph = hybridize(copy.deepcopy(model), backend="graph")
         graph(x)
-        rows.append(("hybridize graph", time_calls(graph, x, samples), ""))
-
         net = hybridize(copy.deepcopy(model))  # auto: times candidates on the first call
         t0 = time.perf_counter()
         torch.testing.assert_close(net(x), ref, rtol=1e-5, atol=1e-6)
         first_call_s = time.perf_counter() - t0
-        hybrid = time_calls(net, x, samples)
         (choice,) = net.choices.values()
-        rows.append((f"hybridize auto -> {choice.backend}", hybrid, f"first call {first_call_s:.2f} s"))
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TorchScript is deprecated; measured as a peer
             t0 = time.perf_counter()
             scripted = torch.jit.freeze(torch.jit.trace(copy.deepcopy(model), x))
             for _ in range(3):
                 scripted(x)  # the profiling executor optimizes after a few calls
-            ts_build_s = time.perf_counter() - t0
-        torchscript = time_calls(scripted, x, samples)
-        rows.append(("TorchScript trace+freeze", torchscript, f"build {ts_build_s:.1f} s"))
-
-        compiled_t, compile_s = None, None
+            notes["torchscript"] = f"build {time.perf_counter() - t0:.1f} s"
+        compile_s = None
         if with_compile:
             compiled = torch.compile(copy.deepcopy(model))
             t0 = time.perf_counter()
-            compiled(x)
+            torch.testing.assert_close(compiled(x), ref, rtol=1e-5, atol=1e-6)
             compile_s = time.perf_counter() - t0
-            compiled_t = time_calls(compiled, x, samples)
-            rows.append(("torch.compile", compiled_t, f"compile {compile_s:.1f} s"))
-    out.update(hybrid_us=hybrid.median_s * 1e6, eager_us=eager.median_s * 1e6,
+            notes["compile"] = f"compile {compile_s:.1f} s"
+    contenders = {"eager_autograd": (model, True), "eager": (model, False), "graph": (graph, False),
+                  "hybrid": (net, False), "torchscript": (scripted, False)}
+    if with_compile:
+        contenders["compile"] = (compiled, False)
+    t = time_round_robin(contenders, x, samples)
+    labels = {"eager_autograd": "eager (autograd on)", "eager": "eager", "graph": "hybridize graph",
+              "hybrid": f"hybridize auto -> {choice.backend}", "torchscript": "TorchScript trace+freeze",
+              "compile": "torch.compile"}
+    notes["hybrid"] = f"first call {first_call_s:.2f} s"
+    rows = [(labels[k], v, notes.get(k, "")) for k, v in t.items()]
+    hybrid, eager, eager_grad = t["hybrid"], t["eager"], t["eager_autograd"]
+    out = dict(hybrid_us=hybrid.median_s * 1e6, eager_us=eager.median_s * 1e6,
                eager_autograd_us=eager_grad.median_s * 1e6,
                speedup_vs_eager=eager.median_s / hybrid.median_s,
                speedup_vs_eager_autograd=eager_grad.median_s / hybrid.median_s,
-               compile_us=compiled_t.median_s * 1e6 if compiled_t else None,
-               compile_time_s=compile_s, torchscript_us=torchscript.median_s * 1e6,
+               compile_us=t["compile"].median_s * 1e6 if with_compile else None,
+               compile_time_s=compile_s, torchscript_us=t["torchscript"].median_s * 1e6,
+               graph_us=t["graph"].median_s * 1e6,
                hybrid_backend=choice.backend, hybrid_reason=choice.reason,
                hybrid_first_call_s=first_call_s, hybrid_noisy=hybrid.noisy)
     return rows, out
@@ -135,18 +140,18 @@ def gpu_section(samples: int) -> tuple[list[tuple], dict]:
     x = torch.randn(1, 512, device="cuda")
     sync = torch.cuda.synchronize
     with torch.no_grad():
-        eager = time_calls(model, x, samples, sync)
-        net = hybridize(copy.deepcopy(model), backend="cuda_graphs")
-        net(x)
-        graphs = time_calls(net, x, samples, sync)
+        graphs = hybridize(copy.deepcopy(model), backend="cuda_graphs")
+        graphs(x)
         auto = hybridize(copy.deepcopy(model))
         auto(x)
-        auto_t = time_calls(auto, x, samples, sync)
         (choice,) = auto.choices.values()
-    rows = [("GPU mlp eager", eager, ""), ("GPU mlp cuda_graphs", graphs, ""),
+    t = time_round_robin({"eager": (model, False), "graphs": (graphs, False), "auto": (auto, False)},
+                         x, samples, sync)
+    eager, graphs_t, auto_t = t["eager"], t["graphs"], t["auto"]
+    rows = [("GPU mlp eager", eager, ""), ("GPU mlp cuda_graphs", graphs_t, ""),
             (f"GPU mlp auto -> {choice.backend}", auto_t, "")]
-    return rows, {"gpu_eager_us": eager.median_s * 1e6, "gpu_cuda_graphs_us": graphs.median_s * 1e6,
-                  "gpu_speedup_vs_eager": eager.median_s / graphs.median_s, "gpu_auto_backend": choice.backend}
+    return rows, {"gpu_eager_us": eager.median_s * 1e6, "gpu_cuda_graphs_us": graphs_t.median_s * 1e6,
+                  "gpu_speedup_vs_eager": eager.median_s / graphs_t.median_s, "gpu_auto_backend": choice.backend}
 
 
 def main(argv: list[str] | None = None) -> int:

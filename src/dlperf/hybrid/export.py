@@ -86,7 +86,7 @@ def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple, *,
     doc["files"] = {PARAMS_FILE: {"sha256": _sha256_file(params_path), "bytes": os.path.getsize(params_path)}}
     doc["content_sha256"] = _content_hash(doc)
     graph_path = os.path.join(path, GRAPH_FILE)
-    _write_atomically(graph_path, json.dumps(doc, indent=1).encode())
+    _write_atomically(graph_path, _layout(doc).encode())
     return {"graph": graph_path, "params": params_path}
 
 
@@ -165,6 +165,21 @@ def _meta_value(v) -> dict | None:
     if isinstance(v, torch.Tensor):
         return {"shape": [d if isinstance(d, int) else None for d in v.shape], "dtype": _dtype_name(v.dtype)}
     return None
+
+
+def _layout(doc: dict) -> str:
+    """JSON with one node, input or tensor per line: readable with ``head``, diffable with ``diff``."""
+    lines = []
+    for key, value in doc.items():
+        if isinstance(value, list) and value:
+            body = ",\n".join(f"  {json.dumps(v)}" for v in value)
+            lines.append(f" {json.dumps(key)}: [\n{body}\n ]")
+        elif isinstance(value, dict) and value:
+            body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
+            lines.append(f" {json.dumps(key)}: {{\n{body}\n }}")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def _op_name(target) -> str:
