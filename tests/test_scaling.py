@@ -39,3 +39,16 @@ def test_unknown_network_is_refused():
     args = argparse.Namespace(networks=["lstm"], devices=[cpu(0)], steps=1, warmup=0, quick=True, json=False)
     with pytest.raises(UsageError, match="Table 8 has no network 'lstm'"):
         main_scaling(args)
+
+
+def test_through_the_bench_verb(capsys, tmp_path):
+    from dlperf.cli import main
+
+    out_file = tmp_path / "t8.json"
+    argv = ["bench", "--scaling", "--networks", "resnet-56", "--devices", "cpu:0,cpu:1", "--steps", "1",
+            "--warmup", "0", "--batch-size", "4"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert [r["global_batch"] for r in doc["rows"]] == [4, 4]
+    assert main([*argv, "--json", str(out_file)]) == 0
+    assert json.loads(out_file.read_text())["table"] == 8

@@ -124,12 +124,19 @@ def main_scaling(args) -> int:
     quick = bool(getattr(args, "quick", False))
     steps = args.steps if args.steps is not None else (3 if quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
-    batches = getattr(args, "global_batch", None) or {}
+    batches = dict(getattr(args, "global_batch", None) or {})
+    if getattr(args, "batch_size", None):  # one global batch for every network (quick checks)
+        batches = {net: args.batch_size for net in networks}
     rows: list[dict[str, Any]] = []
     for net in networks:
         rows += measure_scaling(net, devices, steps=steps, warmup=warmup, global_batch=batches.get(net))
     _print_table(rows, devices)
     if args.json:
-        print(json.dumps({"table": 8, "devices": [str(d) for d in devices], "steps": steps, "warmup": warmup,
-                          "rows": rows}))
+        doc = json.dumps({"table": 8, "devices": [str(d) for d in devices], "steps": steps, "warmup": warmup,
+                          "rows": rows})
+        if isinstance(args.json, str) and args.json != "-":  # --json FILE
+            with open(args.json, "w") as f:
+                f.write(doc + "\n")
+        else:
+            print(doc)
     return 0
