@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -169,28 +170,7 @@ class Trainer:
             self._buckets.arm()
 
         def work(i: int):
-            def task() -> torch.Tensor:
-                rep = self.replicas[i]
-                rep.train()
-                if self._buckets is not None:
-                    self._buckets.bind(i)
-                    self._buckets.zero_(i)
-                else:
-                    rep.zero_grad(set_to_none=True)
-                try:
-                    loss = self.loss(rep(self._layout(Xs[i])), ys[i]) * (Xs[i].shape[0] / total)
-                    loss.backward()
-                except BaseException as exc:
-                    if overlapped:  # the other replicas wait for this one's gradients: release them
-                        self._buckets.abort(exc)
-                    raise
-                if overlapped:
-                    self._buckets.replica_done()
-                    self._buckets.wait()
-                if update_here:
-                    self.optimizers[i].step()
-                return loss.detach()
-            return task
+            return partial(self._replica_step, i, Xs[i], ys[i], Xs[i].shape[0] / total, overlapped, update_here)
 
         try:
             losses = self.workers.run_each([work(i) for i in range(self.k)])
@@ -200,8 +180,35 @@ class Trainer:
         if not update_here:
             self._aggregate_and_update(scale=1.0)
         self._after_update()
+        if len(losses) == 1:
+            return losses[0]
         first = self.devices[0].torch_device
-        return sum(loss.to(first) for loss in losses)
+        return torch.stack([loss.to(first) for loss in losses]).sum()
+
+    def _replica_step(self, i: int, X: torch.Tensor, y: torch.Tensor, share: float, overlapped: bool,
+                      update_here: bool) -> torch.Tensor:
+        """Device ``i``'s part of a step, run on its worker thread."""
+        rep = self.replicas[i]
+        if not rep.training:  # walking every submodule each step costs tens of microseconds
+            rep.train()
+        if self._buckets is not None:
+            self._buckets.bind(i)
+            self._buckets.zero_(i)
+        else:
+            rep.zero_grad(set_to_none=True)
+        try:
+            loss = self.loss(rep(self._layout(X)), y) * share
+            loss.backward()
+        except BaseException as exc:
+            if overlapped:  # the other replicas wait for this one's gradients: release them
+                self._buckets.abort(exc)
+            raise
+        if overlapped:
+            self._buckets.replica_done()
+            self._buckets.wait()
+        if update_here:
+            self.optimizers[i].step()
+        return loss.detach()
 
     def _layout(self, x: torch.Tensor) -> torch.Tensor:
         if self.channels_last and x.dim() == 4:
