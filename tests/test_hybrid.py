@@ -336,3 +336,15 @@ def test_auto_in_training_times_forward_and_backward():
     net(torch.randn(2, 512))
     (choice,) = net.choices.values()
     assert "us/forward+backward" in choice.reason
+
+
+def test_layers_with_hooks_keep_running_their_hooks():
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    seen = []
+    model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    net = hybridize(model, backend="graph")
+    net(torch.randn(2, 3))
+    before = len(seen)
+    net(torch.randn(2, 3))
+    assert len(seen) == before + 1  # the replay still ran the hook
+    assert "call_module" in {n.op for n in net._captured.graph_module.graph.nodes}

@@ -194,6 +194,8 @@ def _lower_leaf_modules(gm: fx.GraphModule) -> None:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             continue
+        if _has_hooks(module):
+            continue  # a lowered layer would skip the user's hooks; keep calling the module
         lower = _LOWERINGS.get(type(module))  # exact type: a subclass may override forward
         lowered = lower(gm, node, module) if lower else None
         if lowered is None:
@@ -206,6 +208,11 @@ def _lower_leaf_modules(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return any(getattr(module, name, None) for name in (
+        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
 
 
 @contextlib.contextmanager
