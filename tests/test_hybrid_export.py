@@ -166,3 +166,19 @@ def test_unexportable_model_is_a_dlperf_error(tmp_path):
     with pytest.raises(DlperfError, match="cannot export Branchy"):
         export(Branchy(), tmp_path, (torch.randn(2),))
     assert not os.listdir(tmp_path)
+
+
+def test_optional_pt2_program(tmp_path):
+    from dlperf.hybrid.export import load_pt2
+
+    model = get_spec("lenet").build().eval()
+    x = torch.randn(2, 1, 28, 28)
+    paths = export(model, tmp_path, (x,), pt2=True)
+    assert set(paths) == {"graph", "params", "pt2"}
+    program = load_pt2(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), model(x))
+    _damage(tmp_path, "model.pt2", "truncate")
+    with pytest.raises(ExportFormatError, match="checksum"):
+        load_pt2(tmp_path)
+    torch.testing.assert_close(load(tmp_path)(x), model(x))  # the JSON graph does not need it

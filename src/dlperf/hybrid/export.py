@@ -48,6 +48,7 @@ FORMAT_NAME = "dlperf-graph"
 FORMAT_VERSION = 1
 GRAPH_FILE = "graph.json"
 PARAMS_FILE = "params.safetensors"
+PT2_FILE = "model.pt2"
 
 # Python-level operators torch.export leaves between ATen calls (tuple outputs, symbolic sizes).
 _OPERATORS = {f"operator.{name}": getattr(operator, name)
@@ -61,12 +62,14 @@ class ExportFormatError(DlperfError, ValueError):
 # --- writing ----------------------------------------------------------------------------
 
 def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple, *,
-           dynamic_batch: bool = True) -> dict[str, str]:
+           dynamic_batch: bool = True, pt2: bool = False) -> dict[str, str]:
     """Write ``module``'s inference graph and parameters to the directory ``path``.
 
     Args:
         example_inputs: positional inputs of a forward call; they fix dtypes and shapes.
         dynamic_batch: let dimension 0 of every input vary (kept static if the model needs it).
+        pt2: also write ``model.pt2`` (``torch.export.save``) for PyTorch tools that read
+            ExportedPrograms (AOTInductor, ExecuTorch); :func:`load` does not need it.
 
     Returns:
         The paths written, ``{"graph": ..., "params": ...}``.
@@ -83,11 +86,17 @@ def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple, *,
     os.makedirs(path, exist_ok=True)
     params_path = os.path.join(path, PARAMS_FILE)
     _write_safetensors_atomically(tensors, params_path)
-    doc["files"] = {PARAMS_FILE: {"sha256": _sha256_file(params_path), "bytes": os.path.getsize(params_path)}}
+    written = {"graph": os.path.join(path, GRAPH_FILE), "params": params_path}
+    if pt2:
+        written["pt2"] = os.path.join(path, PT2_FILE)
+        with _temp_beside(written["pt2"]) as tmp:
+            torch.export.save(program, tmp)
+    doc["files"] = {os.path.basename(p): {"sha256": _sha256_file(p), "bytes": os.path.getsize(p)}
+                    for kind, p in written.items() if kind != "graph"}
     doc["content_sha256"] = _content_hash(doc)
     graph_path = os.path.join(path, GRAPH_FILE)
     _write_atomically(graph_path, _layout(doc).encode())
-    return {"graph": graph_path, "params": params_path}
+    return written
 
 
 def _export_program(module: nn.Module, args: tuple, dynamic_batch: bool):
@@ -295,6 +304,18 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> Exporte
         return ExportedModule(doc, tensors)
     except (KeyError, TypeError, ValueError) as exc:
         raise ExportFormatError(f"{graph_path}: malformed graph: {type(exc).__name__}: {exc}") from exc
+
+
+def load_pt2(path: str | os.PathLike):
+    """The ``torch.export`` program saved with ``export(..., pt2=True)``, after its checksum."""
+    doc = _read_graph(os.path.join(path, GRAPH_FILE))
+    pt2_path = os.path.join(path, PT2_FILE)
+    expected = doc["files"].get(PT2_FILE)
+    if expected is None or not os.path.isfile(pt2_path):
+        raise ExportFormatError(f"{path}: no {PT2_FILE} in this export (export with pt2=True)")
+    if _sha256_file(pt2_path) != expected.get("sha256"):
+        raise ExportFormatError(f"{pt2_path}: checksum does not match graph.json (truncated or modified)")
+    return torch.export.load(pt2_path)
 
 
 def _read_graph(graph_path: str) -> dict:
