@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from .backends import backend_names, get_backend, register_backend
 from .capture import CaptureError
-from .export import FORMAT_VERSION, ExportedModule, export, load
+from .export import FORMAT_VERSION, ExportedModule, ExportFormatError, export, load, load_pt2
 from .hybridize import HybridizeWarning, HybridModule, hybridize
 
-__all__ = ["FORMAT_VERSION", "CaptureError", "ExportedModule", "HybridModule", "HybridizeWarning",
-           "backend_names", "export", "get_backend", "hybridize", "load", "register_backend"]
+__all__ = ["FORMAT_VERSION", "CaptureError", "ExportFormatError", "ExportedModule", "HybridModule",
+           "HybridizeWarning", "backend_names", "export", "get_backend", "hybridize", "load", "load_pt2",
+           "register_backend"]

@@ -24,6 +24,7 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--weights", help="a state_dict saved with torch.save to load before exporting "
                    "(default: random initialization)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random initialization and example")
+    p.add_argument("--pt2", action="store_true", help="also write model.pt2 (torch.export program)")
     p.add_argument("--no-check", action="store_true", help="skip loading the export back and comparing outputs")
     p.set_defaults(func=run)
     return p
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--weights {args.weights!r}: no such file")
         model.load_state_dict(torch.load(args.weights, map_location="cpu", weights_only=True))
     x, _ = spec.input.make_batch(args.batch, generator=torch.Generator().manual_seed(args.seed))
-    paths = export(model, args.directory, (x,))
+    paths = export(model, args.directory, (x,), pt2=args.pt2)
     for kind, path in paths.items():
         print(f"{kind:<7} {path}  {os.path.getsize(path) / 1e6:.2f} MB")
     if not args.no_check:

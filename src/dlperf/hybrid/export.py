@@ -1,6 +1,6 @@
 """``export(module, path, example_inputs)`` and ``load(path)``: a model that outlives its Python class.
 
-An export is a directory of two files:
+An export is a directory of two files (three on request):
 
 ``graph.json``
     human-readable: a format name and version, the inputs (name, shape, dtype; ``null`` for a
@@ -10,6 +10,8 @@ An export is a directory of two files:
     of its own content, so a truncated or edited export is refused instead of silently misread.
 ``params.safetensors``
     every parameter and buffer, by the module's ``state_dict`` names.
+``model.pt2`` (only with ``pt2=True``)
+    the ``torch.export`` program, for PyTorch's own deployment tools; checksummed like the rest.
 
 The graph comes from ``torch.export`` of the module in eval mode: the exported computation is
 inference (BatchNorm uses running statistics, dropout is off), as in MXNet's ``export``. ``load``
