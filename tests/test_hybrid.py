@@ -348,3 +348,22 @@ def test_layers_with_hooks_keep_running_their_hooks():
     net(torch.randn(2, 3))
     assert len(seen) == before + 1  # the replay still ran the hook
     assert "call_module" in {n.op for n in net._captured.graph_module.graph.nodes}
+
+
+def test_two_input_module_replays_without_re_preparing():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 2), nn.Linear(4, 2)
+
+        def forward(self, x, z):
+            return self.a(x) * self.b(z)
+
+    model = Pair()
+    net = hybridize(model, backend="graph")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HybridizeWarning)
+        for _ in range(3):
+            x, z = torch.randn(2, 3), torch.randn(2, 4)
+            torch.testing.assert_close(net(x, z), model(x, z))
+    assert len(net.choices) == 1

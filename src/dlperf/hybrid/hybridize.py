@@ -189,6 +189,9 @@ class HybridModule(nn.Module):
         if self._state is CAPTURE and not self._capture_or_fallback(args):
             return self.module(*args)
         key = self._signature(args)
+        run = self._runs.get(key)
+        if run is not None:  # a known signature of a multi-input call (single inputs hit __call__)
+            return run(*args)
         if len(self._choices) >= self.max_signatures:
             if not self._warned_full:
                 self._warned_full = True
