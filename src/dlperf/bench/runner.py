@@ -21,18 +21,12 @@ from ..errors import UsageError, unknown_choice
 from ..models import get_spec, model_names
 from .modes import get_mode, mode_names
 from .reference import PaperFigure, paper_figure
-from .timing import Timing, time_steps
+from .timing import Timing, doubling_up_to, time_steps
 
 
 def default_threads(cores: int | None = None) -> list[int]:
     """1, 2, 4, ... up to the core count, plus the core count itself if it is not a power of two."""
-    cores = cores or cpu_count()
-    out, t = [], 1
-    while t < cores:
-        out.append(t)
-        t *= 2
-    out.append(cores)
-    return out
+    return doubling_up_to(cores or cpu_count())
 
 
 def default_devices() -> list[Device]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..devices import Device, cpu, cpu_count, gpu, num_gpus
-from .timing import time_steps
+from .timing import doubling_up_to, time_steps
 
 __all__ = ["PAPER_TABLE8", "GLOBAL_BATCH", "PAPER_DEVICE_COUNTS", "main_scaling", "measure_scaling",
            "device_counts"]
@@ -51,12 +51,7 @@ def device_counts(k: int) -> list[int]:
     >>> device_counts(6)
     [1, 2, 4, 6]
     """
-    out, n = [], 1
-    while n < k:
-        out.append(n)
-        n *= 2
-    out.append(k)
-    return out
+    return doubling_up_to(k)
 
 
 def _paper(network: str, n: int) -> dict[str, float]:

@@ -12,6 +12,20 @@ from dataclasses import asdict, dataclass
 NOISY_REL_SPREAD = 0.10
 
 
+def doubling_up_to(k: int) -> list[int]:
+    """1, 2, 4, ... below ``k``, then ``k`` itself: the sweep points for threads and devices.
+
+    >>> doubling_up_to(6)
+    [1, 2, 4, 6]
+    """
+    out, n = [], 1
+    while n < k:
+        out.append(n)
+        n *= 2
+    out.append(max(k, 1))
+    return out
+
+
 @dataclass(frozen=True)
 class Timing:
     """Seconds per step over the timed steps (warm-up excluded)."""
