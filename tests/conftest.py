@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from dlperf._threads import fresh_thread_default
+
 # Variables that pytest or torch itself set on first use (torch's inductor cache dir is set lazily
 # by some ops and by torch.compile); a test that sets them has not leaked anything of its own.
 _IGNORED_ENV = ("PYTEST_", "TORCHINDUCTOR_", "_TORCHINDUCTOR_")
@@ -38,6 +40,7 @@ def no_leaked_threads_or_env():
             break
         time.sleep(0.05)
     torch_threads = torch.get_num_threads()
+    new_thread_default = fresh_thread_default()
     torch.set_num_threads(before_torch_threads)
     changed = {k for k in set(before_env) | set(os.environ)
                if before_env.get(k) != os.environ.get(k) and not k.startswith(_IGNORED_ENV)}
@@ -50,3 +53,6 @@ def no_leaked_threads_or_env():
     assert not changed, f"test changed environment variables: {sorted(changed)}"
     assert torch_threads == before_torch_threads, (
         f"test changed torch's intra-op threads from {before_torch_threads} to {torch_threads}")
+    assert new_thread_default == before_torch_threads, (
+        f"test changed the intra-op threads that new threads start with, from {before_torch_threads} "
+        f"to {new_thread_default}")
