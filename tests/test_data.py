@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -37,6 +38,23 @@ def test_idx_bad_magic_and_truncation(tmp_path):
     short.write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 5, 1, 2]))
     with pytest.raises(UsageError, match="5 bytes"):
         read_idx(short)
+
+
+def test_idx_truncated_or_corrupt_gzip_names_the_file(tmp_path):
+    good = tmp_path / "x-idx1-ubyte.gz"
+    write_idx(good, np.arange(200, dtype=np.uint8))
+    cut = tmp_path / "cut-idx1-ubyte.gz"
+    cut.write_bytes(good.read_bytes()[:-12])  # stream without its end marker: gzip raises EOFError
+    with pytest.raises(UsageError, match="cut-idx1-ubyte.gz.*damaged gzip"):
+        read_idx(cut)
+    garbled = tmp_path / "garbled-idx1-ubyte.gz"
+    raw = bytearray(good.read_bytes())
+    raw[-8] ^= 0xFF  # wrong CRC-32 in the trailer
+    garbled.write_bytes(bytes(raw))
+    with pytest.raises(UsageError, match="garbled-idx1-ubyte.gz"):
+        read_idx(garbled)
+    with pytest.raises(UsageError, match="cannot read .*missing"):
+        read_idx(tmp_path / "missing")
 
 
 def _write_fashion(root, n_train=6, n_test=4, gz=True):
@@ -106,6 +124,18 @@ def test_loader_stopped_early_leaves_no_thread():
     next(it)
     it.close()
     assert threading.active_count() == before
+
+
+def test_loader_closed_after_producer_finished_does_not_hang():
+    # the producer has put every batch and waits to put the end marker into a full queue
+    X, y = torch.zeros(12, 28, 28, dtype=torch.uint8), torch.arange(12)
+    it = ArrayLoader(X, y, batch_size=4, shuffle=False, prefetch=2).epoch_batches(0)
+    next(it)
+    time.sleep(0.5)
+    closer = threading.Thread(target=it.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive(), "closing the loader hung"
 
 
 def test_loader_bad_arguments():

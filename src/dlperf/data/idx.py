@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +40,14 @@ def read_idx(path: str | Path) -> torch.Tensor:
     [0, 1, 2]
     """
     path = Path(path)
-    with _open(path) as f:
-        raw = f.read()
+    try:
+        with _open(path) as f:
+            raw = f.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        # a download cut short leaves a gzip stream without its end marker
+        raise UsageError(f"{path} is a damaged gzip file ({exc}); download it again") from exc
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from exc
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _TYPES:
         raise UsageError(f"{path} is not an IDX file (bad magic number {raw[:4].hex() or 'empty'})")
     dtype, ndim = np.dtype(_TYPES[raw[2]]), raw[3]

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .._threads import set_thread_budget
 from ..errors import UsageError
 
 __all__ = ["ArrayLoader"]
@@ -65,24 +66,28 @@ class ArrayLoader:
         chunks = list(torch.split(order, self.batch_size))
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
+        process_default = torch.get_num_threads()
+
+        def put(item: object) -> bool:
+            # every put polls ``stop``: a consumer that quit early never drains a full queue again
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
         def produce() -> None:
-            torch.set_num_threads(1)  # gathers are memory-bound; leave the cores to the devices
+            set_thread_budget(1, process_default)  # gathers are memory-bound; leave the cores to the devices
             try:
                 for idx in chunks:
-                    item = self._batch(idx)
-                    while not stop.is_set():
-                        try:
-                            q.put(item, timeout=0.05)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not put(self._batch(idx)):
                         return
             except BaseException as exc:
-                q.put(exc)
+                put(exc)
                 return
-            q.put(_END)
+            put(_END)
 
         worker = threading.Thread(target=produce, name="dlperf-loader", daemon=True)
         worker.start()
