@@ -199,6 +199,33 @@ def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+def test_cli_refuses_an_unwritable_output_before_running(tmp_path, capsys, monkeypatch):
+    import dlperf.bench.runner as runner
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the sweep ran although its output could not be written")
+
+    monkeypatch.setattr(runner, "run_bench", must_not_run)
+    assert main(["bench", "--networks", "mlp", "--csv", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "--networks", "mlp", "--json", str(blocker / "out.json")]) == 2
+    assert "cannot write --json" in capsys.readouterr().err
+
+
+def test_atomic_writes_keep_the_usual_file_mode(tmp_path):
+    import os
+
+    from dlperf._io import atomic_write_text
+
+    path = atomic_write_text(tmp_path / "a.txt", "x")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask
+    assert path.read_text() == "x" and not list(tmp_path.glob(".a.txt.*"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
 def test_cli_gpu_on_a_machine_without_one(capsys):
     assert main(["bench", "--devices", "gpu(0)"]) == 2

@@ -31,7 +31,7 @@ def test_device_specs_parse(spec, expected):
     assert to_device(spec) == expected
 
 
-@pytest.mark.parametrize("bad", ["xpu", "gpu(-1)", "cpu:x", "", "cuda:1:2", 3])
+@pytest.mark.parametrize("bad", ["xpu", "gpu(-1)", "cpu:x", "", "cuda:1:2", 3, "gpu(1", "cpu:1)"])
 def test_bad_device_spec_names_the_value_and_the_valid_forms(bad):
     with pytest.raises(UsageError) as err:
         to_device(bad)
@@ -61,6 +61,13 @@ def test_absent_gpu_is_a_clear_error():
         require_available("gpu")
     with pytest.raises(DeviceUnavailableError, match="try_gpu"):
         copy_to(torch.ones(1), gpu(0))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
+def test_plain_cuda_device_without_cuda_is_a_clear_error():
+    assert to_device(torch.device("cuda")) == gpu(0)
+    with pytest.raises(DeviceUnavailableError):
+        require_available(torch.device("cuda"))
 
 
 def test_as_in_returns_the_same_tensor_when_already_there():

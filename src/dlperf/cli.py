@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     except DlperfError as exc:
         print(f"dlperf {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path the user gave cannot be read or written
+        print(f"dlperf {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("dlperf: interrupted", file=sys.stderr)
         return 130

@@ -93,7 +93,7 @@ class Device:
 
 DeviceLike = Device | torch.device | str
 
-_SPEC = re.compile(r"^\s*(cpu|gpu|cuda)\s*(?:[:(]\s*(\d+)\s*\)?)?\s*$", re.IGNORECASE)
+_SPEC = re.compile(r"^\s*(cpu|gpu|cuda)\s*(?::\s*(\d+)|\(\s*(\d+)\s*\))?\s*$", re.IGNORECASE)
 _VALID_SPECS = "cpu, cpu:N, cpu(N), gpu, gpu:N, gpu(N), cuda, cuda:N, or a torch.device"
 
 
@@ -147,13 +147,16 @@ def to_device(spec: DeviceLike) -> Device:
         if spec.type == "cpu":
             return cpu(spec.index or 0)
         if spec.type == "cuda":
-            return gpu(spec.index if spec.index is not None else torch.cuda.current_device())
+            if spec.index is not None:
+                return gpu(spec.index)
+            # torch.device("cuda") means the current device; without CUDA there is none to ask.
+            return gpu(torch.cuda.current_device() if torch.cuda.is_available() else 0)
         raise UsageError(f"device {str(spec)!r} is not supported; expected {_VALID_SPECS}")
     if isinstance(spec, str):
         m = _SPEC.match(spec)
         if m:
             kind = "cpu" if m.group(1).lower() == "cpu" else "gpu"
-            return Device(kind, int(m.group(2) or 0))
+            return Device(kind, int(m.group(2) or m.group(3) or 0))
     raise UsageError(f"device {spec!r} is not valid; expected {_VALID_SPECS}")
 
 

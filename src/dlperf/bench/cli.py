@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..devices import to_device
+from ..errors import UsageError
 from ..models import model_names
 from .modes import mode_names
 
@@ -80,9 +81,29 @@ def run(args: argparse.Namespace) -> int:
             args.devices = [to_device(d) for d in args.devices]
         return main_scaling(args)
     config = build_config(args)
+    _check_outputs(args)
     result = _run_with_progress(config)
     _emit(result, args)
     return 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse unwritable output paths and a missing matplotlib before the sweep, not after it."""
+    from .._io import check_writable
+
+    for flag in ("json", "csv", "markdown", "plot"):
+        target = getattr(args, flag)
+        if target and target != "-":
+            try:
+                check_writable(target)
+            except OSError as exc:
+                raise UsageError(f"cannot write --{flag} {target}: {exc.strerror or exc}; "
+                                 "give a path in a writable directory") from None
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib; install it with: pip install 'dlperf[plot]'") from None
 
 
 def _run_with_progress(config):
