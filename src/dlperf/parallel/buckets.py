@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .._threads import set_thread_budget
 from ..devices import _tag, device_of
 from .allreduce import AllreduceAlgorithm, allreduce, get_algorithm
 from .workers import DeviceWorkers
@@ -86,6 +87,7 @@ class GradientBuckets:
         self._error: BaseException | None = None
         # Set to a list to record (bucket, start_s, end_s) of each overlapped reduction (perf_counter).
         self.trace: list[tuple[int, float, float]] | None = None
+        self._process_default = torch.get_num_threads()
         self._comm = threading.Thread(target=self._comm_loop, name="dlperf-grad-sync", daemon=True)
         self._comm.start()
         self.bind()
@@ -168,7 +170,8 @@ class GradientBuckets:
             raise self._error
 
     def _comm_loop(self) -> None:
-        torch.set_num_threads(1)  # reductions are memory-bound; more threads would steal compute cores
+        # reductions are memory-bound; more threads would steal compute cores
+        set_thread_budget(1, self._process_default)
         while True:
             _, b = self._queue.get()
             if b < 0:

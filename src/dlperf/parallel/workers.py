@@ -4,7 +4,9 @@ PyTorch operators release the GIL while they compute, so k Python threads that e
 really run k forward/backward passes at once. Logical CPU devices share the cores: each worker calls
 ``torch.set_num_threads(budget)`` from inside its own thread. With the OpenMP backend that sets the
 calling thread's OpenMP ``nthreads`` value only (an OpenMP per-thread setting), so two workers with one
-thread each use two cores without oversubscribing them, and the main thread's count is untouched.
+thread each use two cores without oversubscribing them, and the main thread's count is untouched. The
+same call also stores the value as the default for threads that have not used torch yet, so each
+worker puts that default back (``dlperf._threads.set_thread_budget``).
 Measured here (2 cores, LeNet, batch 256): one thread 96 ms/step, two workers x 128 examples x 1
 thread 47.5 ms/step.
 
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .._threads import set_thread_budget
 from ..devices import Device, cpu_count
 
 __all__ = ["DeviceWorkers", "thread_budget"]
@@ -47,15 +50,16 @@ def thread_budget(devices: Sequence[Device], cores: int | None = None) -> list[i
 
 
 class _Worker(threading.Thread):
-    def __init__(self, device: Device, threads: int, name: str) -> None:
+    def __init__(self, device: Device, threads: int, name: str, process_default: int) -> None:
         super().__init__(name=name, daemon=True)
         self.device = device
         self.threads = threads
+        self.process_default = process_default
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
 
     def run(self) -> None:
-        # Per-thread settings: they affect this worker only, never the caller's thread.
-        torch.set_num_threads(self.threads)
+        # Per-thread settings: they affect this worker only, never the caller's thread nor threads started later.
+        set_thread_budget(self.threads, self.process_default)
         if self.device.is_gpu:
             torch.cuda.set_device(self.device.index)
         while True:
@@ -81,7 +85,8 @@ class DeviceWorkers:
         if len(budget) != len(self.devices):
             raise ValueError(f"got {len(budget)} thread budgets for {len(self.devices)} devices")
         self.threads = budget
-        self._workers = [_Worker(d, t, f"{name}-{d}") for d, t in zip(self.devices, budget)]
+        process_default = torch.get_num_threads()
+        self._workers = [_Worker(d, t, f"{name}-{d}", process_default) for d, t in zip(self.devices, budget)]
         for w in self._workers:
             w.start()
         self._closed = False
