@@ -61,6 +61,7 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     (["--batch-size", "0"], "batch-size"),
     (["--algorithm", "tree"], "unknown allreduce algorithm"),
     (["--resume", "/nonexistent/ck.pt"], "does not exist"),
+    (["--devices", "cpu:0,cpu:1,cpu:2", "--batch-size", "2"], "smaller than the 3 devices"),
 ])
 def test_bad_input_is_one_clear_error(argv, match):
     with pytest.raises(UsageError, match=match):
@@ -81,3 +82,36 @@ def test_lenet_two_epochs_two_devices_reaches_one_device_accuracy(capsys):
     two = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert one["test_acc"] > 0.6  # it learned (chance is 0.1)
     assert abs(one["test_acc"] - two["test_acc"]) <= 0.05
+
+
+def test_last_batch_smaller_than_the_device_count_is_skipped(capsys):
+    # 33 examples in batches of 32: the last batch has one example for two devices
+    assert _run(["--train-size", "33", "--test-size", "33", "--batch-size", "32", "--devices", "cpu:0,cpu:1",
+                 "--epochs", "1", "--no-progress", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert len(doc["epochs"]) == 1 and 0 <= doc["test_acc"] <= 1
+
+
+class _NotData:
+    pass
+
+
+@pytest.mark.parametrize("content", ["garbage", "truncated", "object", "tensor", "wrong-trainer"])
+def test_resume_from_a_bad_file_is_one_clear_error(tmp_path, content):
+    ck = tmp_path / "ck.pt"
+    if content == "garbage":
+        ck.write_bytes(b"\x00not a checkpoint" * 10)
+    elif content == "truncated":
+        _run(["--epochs", "1", "--checkpoint", str(ck), *SMALL])
+        ck.write_bytes(ck.read_bytes()[:300])
+    elif content == "object":  # unpickling it would run code outside the allow-list
+        torch.save({"format": 1, "payload": _NotData()}, ck)
+    elif content == "tensor":
+        torch.save(torch.zeros(3), ck)
+    else:
+        _run(["--epochs", "1", "--checkpoint", str(ck), *SMALL])
+        state = torch.load(ck, weights_only=True)
+        state["trainer"]["model"] = {"bogus": torch.zeros(1)}
+        torch.save(state, ck)
+    with pytest.raises(UsageError, match="ck.pt"):
+        _run(["--epochs", "2", "--resume", str(ck), *SMALL])

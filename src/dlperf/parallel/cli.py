@@ -38,7 +38,9 @@ def register(sub) -> None:
                        description=__doc__.splitlines()[0])
     p.add_argument("--model", default="lenet", choices=TRAIN_MODELS)
     p.add_argument("--devices", default="cpu:0", help="comma-separated, e.g. cpu:0,cpu:1 or gpu:0,gpu:1")
-    p.add_argument("--batch-size", type=int, default=256, help="global mini-batch, split across devices")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="global mini-batch, split across devices (at least one example per device); an "
+                        "epoch's last batch with fewer examples than devices is skipped")
     p.add_argument("--lr", type=float, default=0.2)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--data", metavar="DIR", help="Fashion-MNIST IDX directory (default: embedded glyphs)")
@@ -80,11 +82,23 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint`; any unreadable file is one :class:`UsageError`.
+
+    Only tensors and plain containers are unpickled (``weights_only``): a checkpoint is data, and a
+    file from elsewhere must not be able to run code.
+    """
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"checkpoint {str(path)!r} does not exist")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # corrupt zip, truncated file, pickled objects outside the allow-list
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"{path} is not a readable dlperf train checkpoint: {first[:200]}") from None
+    if (not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT
+            or not isinstance(state.get("config"), dict) or not isinstance(state.get("history"), list)
+            or not isinstance(state.get("trainer"), dict)
+            or not {"model", "buffers", "steps"} <= state["trainer"].keys()):
         raise UsageError(f"{path} is not a dlperf train checkpoint")
     return state
 
@@ -118,7 +132,11 @@ def _progress(enabled: bool, total: int, description: str):
 
 def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, epochs: int,
                  show_progress: bool = False, on_epoch=None) -> list[dict[str, Any]]:
-    """Train epochs ``first_epoch .. epochs-1``; return one record per epoch (loss, test acc, seconds)."""
+    """Train epochs ``first_epoch .. epochs-1``; return one record per epoch (loss, test acc, seconds).
+
+    Every device needs at least one example of each step, so an epoch's last batch with fewer
+    examples than devices is skipped (at most ``devices - 1`` examples an epoch).
+    """
     history = []
     for epoch in range(first_epoch, epochs):
         bar = _progress(show_progress, len(train_loader), f"epoch {epoch + 1}/{epochs}")
@@ -127,6 +145,8 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
         try:
             start = time.perf_counter()
             for X, y in train_loader.epoch_batches(epoch):
+                if X.shape[0] < trainer.k:
+                    continue  # only an epoch's last batch can be this short: see the docstring
                 # summed where it is: reading it on the host every step would stall a GPU's queue
                 loss_sum = loss_sum + trainer.train_step(X, y).detach().float()
                 batches += 1
@@ -152,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
 
     _check_args(args)
     devices = check_devices(parse_devices(args.devices))  # fail before any data is made or read
+    if args.batch_size < len(devices):
+        raise UsageError(f"--batch-size {args.batch_size} is smaller than the {len(devices)} devices; each "
+                         f"device needs at least one example per step: use --batch-size {len(devices)} or more")
     get_algorithm(args.algorithm)
     config = _config(args)
     resume = load_checkpoint(args.resume) if args.resume else None
@@ -166,7 +189,12 @@ def run(args: argparse.Namespace) -> int:
     with Trainer(spec.build(), devices, "sgd", {"lr": args.lr}, loss=spec.loss, algorithm=args.algorithm,
                  kvstore=args.kvstore) as trainer:
         if resume is not None:
-            trainer.load_state_dict(resume["trainer"])
+            try:
+                trainer.load_state_dict(resume["trainer"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                raise UsageError(f"--resume {args.resume}: the checkpoint does not fit this model "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+                                 ) from None
         first = len(history)
 
         def on_epoch(rec: dict[str, Any]) -> None:
