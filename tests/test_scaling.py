@@ -52,3 +52,45 @@ def test_through_the_bench_verb(capsys, tmp_path):
     assert [r["global_batch"] for r in doc["rows"]] == [4, 4]
     assert main([*argv, "--json", str(out_file)]) == 0
     assert json.loads(out_file.read_text())["table"] == 8
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--batch-size", "1"], "at least the 2 devices"),
+    (["--mode", "hybrid"], "does not take --mode hybrid"),
+    (["--threads", "1,2"], "does not take --threads"),
+    (["--csv"], "does not take --csv"),
+    (["--markdown", "t.md"], "does not take --markdown"),
+    (["--plot", "t.png"], "does not take --plot"),
+])
+def test_bad_or_ignored_options_are_refused_before_any_work(extra, match, monkeypatch):
+    import dlperf.bench.scaling as scaling
+    from dlperf.bench import cli as bench_cli
+
+    def no_work(*a, **k):
+        raise AssertionError("measured before checking the options")
+
+    monkeypatch.setattr(scaling, "measure_scaling", no_work)
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--scaling", "--networks", "resnet-56", "--devices", "cpu:0,cpu:1",
+                              "--steps", "1", *extra])
+    with pytest.raises(UsageError, match=match):
+        args.func(args)
+
+
+def test_json_file_is_written_atomically(tmp_path, monkeypatch):
+    import dlperf._io
+    import dlperf.bench.scaling as scaling
+
+    written = []
+    real = dlperf._io.atomic_write_text
+    monkeypatch.setattr(dlperf._io, "atomic_write_text", lambda p, t: written.append(p) or real(p, t))
+    monkeypatch.setattr(scaling, "measure_scaling", lambda *a, **k: [])
+    out = tmp_path / "sub" / "t8.json"
+    args = argparse.Namespace(networks=["fcn-r"], devices=[cpu(0)], steps=1, warmup=0, quick=True, json=str(out))
+    assert main_scaling(args) == 0
+    assert written == [str(out)] and json.loads(out.read_text())["rows"] == []
+    assert not [p for p in out.parent.iterdir() if p.name != "t8.json"]  # no temporary left behind

@@ -106,8 +106,30 @@ def _print_table(rows: list[dict[str, Any]], devices: Sequence[Device]) -> None:
         print(line + ("  (noisy)" if r["noisy"] else ""))
 
 
+def _check_scaling_args(args, n_devices: int) -> None:
+    """Refuse what Table 8 cannot honour before any model is built or timed."""
+    from ..errors import UsageError
+
+    ignored = [f"--mode {args.mode}" if getattr(args, "mode", "eager") != "eager" else None,
+               "--threads" if getattr(args, "threads", None) is not None else None,
+               *(f"--{o}" for o in ("csv", "markdown", "plot") if getattr(args, o, None) is not None)]
+    ignored = [o for o in ignored if o]
+    if ignored:
+        raise UsageError(f"--scaling does not take {', '.join(ignored)}: it times eager steps with one worker "
+                         f"thread per device and writes its table and --json only")
+    for name, low in (("steps", 1), ("warmup", 0)):
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise UsageError(f"--{name} must be >= {low}, got {value}")
+    batch = getattr(args, "batch_size", None)
+    if batch is not None and batch < max(1, n_devices):
+        raise UsageError(f"--batch-size must be >= 1 and at least the {n_devices} devices (each device needs one "
+                         f"example per step), got {batch}")
+
+
 def main_scaling(args) -> int:
     """Run Table 8 (``dlperf bench --scaling``); see the module docstring for the protocol."""
+    from .._io import atomic_write_text, check_writable
     from ..errors import UsageError
     from ..parallel import check_devices
 
@@ -116,11 +138,18 @@ def main_scaling(args) -> int:
         if n not in GLOBAL_BATCH:
             raise UsageError(f"Table 8 has no network {n!r}; valid choices: {', '.join(GLOBAL_BATCH)}")
     devices = check_devices(args.devices or default_devices())
+    _check_scaling_args(args, len(devices))
+    json_file = args.json if isinstance(args.json, str) and args.json != "-" else None
+    if json_file:
+        try:
+            check_writable(json_file)  # fail now, not after minutes of timing
+        except OSError as exc:
+            raise UsageError(f"cannot write --json {json_file}: {exc}") from None
     quick = bool(getattr(args, "quick", False))
     steps = args.steps if args.steps is not None else (3 if quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
     batches = dict(getattr(args, "global_batch", None) or {})
-    if getattr(args, "batch_size", None):  # one global batch for every network (quick checks)
+    if getattr(args, "batch_size", None) is not None:  # one global batch for every network (quick checks)
         batches = {net: args.batch_size for net in networks}
     rows: list[dict[str, Any]] = []
     for net in networks:
@@ -129,9 +158,8 @@ def main_scaling(args) -> int:
     if args.json:
         doc = json.dumps({"table": 8, "devices": [str(d) for d in devices], "steps": steps, "warmup": warmup,
                           "rows": rows})
-        if isinstance(args.json, str) and args.json != "-":  # --json FILE
-            with open(args.json, "w") as f:
-                f.write(doc + "\n")
+        if json_file:
+            atomic_write_text(json_file, doc + "\n")  # a reader never sees half a document
         else:
             print(doc)
     return 0
