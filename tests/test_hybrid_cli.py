@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import pytest
 import torch
 
-from dlperf.errors import UsageError
+from dlperf.errors import DlperfError, UsageError
 from dlperf.hybrid import load
 from dlperf.hybrid.cli import register
 from dlperf.models import get_spec
@@ -40,3 +41,68 @@ def test_export_verb_rejects_bad_input(tmp_path):
     args = _parse(["export", "mlp", str(tmp_path), "--weights", str(tmp_path / "missing.pt")])
     with pytest.raises(UsageError, match="no such file"):
         args.func(args)
+
+
+def test_output_path_that_is_a_file_is_a_usage_error(tmp_path):
+    target = tmp_path / "taken.json"
+    target.write_text("{}")
+    args = _parse(["export", "mlp", str(target), "--no-check"])
+    with pytest.raises(DlperfError, match="not a directory"):
+        args.func(args)
+    assert target.read_text() == "{}"
+
+
+@pytest.mark.parametrize("content, match", [
+    (lambda p: torch.save({"a": torch.zeros(1)}, p), "does not fit model 'mlp': missing .*unexpected a"),
+    (lambda p: torch.save(torch.zeros(3), p), "holds a Tensor, not a state_dict"),
+    (lambda p: p.write_text('{"not": "torch"}'), "not a state_dict of tensors"),
+    (lambda p: torch.save({"x": _Opaque()}, p), "not a state_dict of tensors"),
+], ids=["wrong-keys", "tensor", "json", "arbitrary-object"])
+def test_bad_weights_file_is_a_usage_error(tmp_path, content, match):
+    weights = tmp_path / "w.pt"
+    content(weights)
+    args = _parse(["export", "mlp", str(tmp_path / "out"), "--weights", str(weights)])
+    with pytest.raises(UsageError, match=match):
+        args.func(args)
+
+
+def test_wrong_shapes_in_weights_is_a_usage_error(tmp_path):
+    state = {k: torch.zeros(1) for k in get_spec("mlp").build().state_dict()}
+    torch.save(state, tmp_path / "w.pt")
+    args = _parse(["export", "mlp", str(tmp_path / "out"), "--weights", str(tmp_path / "w.pt")])
+    with pytest.raises(UsageError, match="tensor shapes differ"):
+        args.func(args)
+
+
+class _Opaque:
+    """A picklable object that a weights-only load must refuse."""
+
+
+@pytest.mark.parametrize("perturb", [lambda y: y + 0.5, lambda y: torch.full_like(y, float("nan"))],
+                         ids=["offset", "nan"])
+def test_check_fails_when_the_loaded_export_differs(tmp_path, capsys, monkeypatch, perturb):
+    export_mod = importlib.import_module("dlperf.hybrid.export")  # the package re-exports a function of that name
+    real_load = export_mod.load
+
+    def perturbed_load(path, *a, **kw):
+        module = real_load(path, *a, **kw)
+        return lambda x: perturb(module(x))
+
+    monkeypatch.setattr(export_mod, "load", perturbed_load)
+    args = _parse(["export", "mlp", str(tmp_path / "out")])
+    assert args.func(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not reproduce the model" in err[0]
+
+
+def test_check_passes_within_float_tolerance(tmp_path, capsys, monkeypatch):
+    export_mod = importlib.import_module("dlperf.hybrid.export")  # the package re-exports a function of that name
+    real_load = export_mod.load
+    def nudged_load(path, *a, **kw):
+        module = real_load(path, *a, **kw)
+        return lambda x: module(x) * (1 + 1e-7)
+
+    monkeypatch.setattr(export_mod, "load", nudged_load)
+    args = _parse(["export", "mlp", str(tmp_path / "out")])
+    assert args.func(args) == 0
+    assert capsys.readouterr().err == ""

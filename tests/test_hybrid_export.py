@@ -182,3 +182,51 @@ def test_optional_pt2_program(tmp_path):
     with pytest.raises(ExportFormatError, match="checksum"):
         load_pt2(tmp_path)
     torch.testing.assert_close(load(tmp_path)(x), model(x))  # the JSON graph does not need it
+
+
+def test_export_into_a_regular_file_is_a_clear_error(tmp_path):
+    target = tmp_path / "taken.json"
+    target.write_text("{}")
+    with pytest.raises(ExportFormatError, match="exists and is not a directory"):
+        export(nn.Linear(3, 2), target, (torch.randn(2, 3),))
+    assert target.read_text() == "{}"
+
+
+def test_a_failed_rewrite_never_leaves_a_misreadable_export(tmp_path, monkeypatch):
+    """Each file goes to a temporary name and is renamed into place; a crash between the two files
+    leaves the graph's checksum pointing at the old parameters, so load refuses instead of misreading."""
+    import importlib
+
+    import safetensors.torch
+
+    export_mod = importlib.import_module("dlperf.hybrid.export")
+    old, new = nn.Linear(3, 2).eval(), nn.Linear(3, 2).eval()
+    x = torch.randn(2, 3)
+    export(old, tmp_path, (x,))
+    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+    real_save = safetensors.torch.save_file
+
+    def crash_mid_write(tensors, filename, metadata=None):
+        real_save(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:
+            f.truncate(10)  # half-written
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash_mid_write)
+    with pytest.raises(OSError, match="disk full"):
+        export(new, tmp_path, (x,))
+    assert {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)} == before  # no temp file left
+    with torch.no_grad():
+        torch.testing.assert_close(load(tmp_path)(x), old(x))
+    monkeypatch.undo()
+
+    def crash_before_graph(doc):
+        raise OSError("killed")
+
+    monkeypatch.setattr(export_mod, "_layout", crash_before_graph)
+    with pytest.raises(OSError, match="killed"):
+        export(new, tmp_path, (x,))
+    assert sorted(os.listdir(tmp_path)) == sorted(before)
+    assert (tmp_path / "graph.json").read_bytes() == before["graph.json"]
+    with pytest.raises(ExportFormatError, match="checksum"):
+        load(tmp_path)

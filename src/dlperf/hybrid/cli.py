@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 
@@ -25,7 +26,8 @@ def register(sub) -> argparse.ArgumentParser:
                    "(default: random initialization)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random initialization and example")
     p.add_argument("--pt2", action="store_true", help="also write model.pt2 (torch.export program)")
-    p.add_argument("--no-check", action="store_true", help="skip loading the export back and comparing outputs")
+    p.add_argument("--no-check", action="store_true", help="skip loading the export back and comparing outputs "
+                   "(otherwise a mismatch beyond float tolerance exits with status 1)")
     p.set_defaults(func=run)
     return p
 
@@ -40,15 +42,63 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = spec.build().eval()
     if args.weights:
-        if not os.path.isfile(args.weights):
-            raise UsageError(f"--weights {args.weights!r}: no such file")
-        model.load_state_dict(torch.load(args.weights, map_location="cpu", weights_only=True))
+        _load_weights(model, args.weights, args.model)
     x, _ = spec.input.make_batch(args.batch, generator=torch.Generator().manual_seed(args.seed))
     paths = export(model, args.directory, (x,), pt2=args.pt2)
     for kind, path in paths.items():
         print(f"{kind:<7} {path}  {os.path.getsize(path) / 1e6:.2f} MB")
     if not args.no_check:
         with torch.no_grad():
-            diff = (load(args.directory)(x) - model(x)).abs().max().item()
+            got, want = load(args.directory)(x), model(x)
+        diff = (got - want).abs().max().item()
         print(f"check   loaded output differs from the model's by at most {diff:.3g}")
+        if not _close(got, want):
+            print(f"dlperf export: error: the export in {args.directory} does not reproduce the model "
+                  f"(max difference {diff:.3g}, tolerance rtol={CHECK_RTOL:g} atol={CHECK_ATOL:g})", file=sys.stderr)
+            return 1
     return 0
+
+
+# The export replays the same ATen kernels in the same order, so float32 outputs normally agree
+# bit for bit; the tolerance only absorbs kernel choices that depend on the batch (dynamic shapes).
+CHECK_RTOL = 1e-4
+CHECK_ATOL = 1e-5
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """True when the loaded export's output matches the model's (NaN only where the model has NaN)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    return bool(torch.allclose(got, want, rtol=CHECK_RTOL, atol=CHECK_ATOL, equal_nan=True))
+
+
+def _load_weights(model: torch.nn.Module, path: str, name: str) -> None:
+    """Load a state_dict file into ``model``; a wrong file is a one-line UsageError."""
+    if not os.path.isfile(path):
+        raise UsageError(f"--weights {path!r}: no such file")
+    try:
+        # weights_only: a state_dict is tensors in dicts; nothing in the file may run code.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError, zip errors, EOFError: not a torch.save file of tensors
+        raise UsageError(f"--weights {path!r}: not a state_dict of tensors saved with torch.save "
+                         f"({type(exc).__name__})") from exc
+    if not isinstance(state, dict):
+        raise UsageError(f"--weights {path!r}: holds a {type(state).__name__}, not a state_dict "
+                         "(save model.state_dict())")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        missing = sorted(set(model.state_dict()) - set(state))
+        unexpected = sorted(set(state) - set(model.state_dict()))
+        if missing or unexpected:
+            detail = f"missing {_few(missing)}, unexpected {_few(unexpected)}"
+        else:
+            detail = "tensor shapes differ"
+        raise UsageError(f"--weights {path!r}: does not fit model {name!r}: {detail}") from exc
+
+
+def _few(keys: list[str], n: int = 3) -> str:
+    if not keys:
+        return "none"
+    shown = ", ".join(keys[:n])
+    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")

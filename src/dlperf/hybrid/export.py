@@ -85,7 +85,7 @@ def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple, *,
     program = _export_program(module, tuple(example_inputs), dynamic_batch)
     state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     doc, tensors = _describe(program, state, example_inputs)
-    os.makedirs(path, exist_ok=True)
+    _make_export_dir(path)
     params_path = os.path.join(path, PARAMS_FILE)
     _write_safetensors_atomically(tensors, params_path)
     written = {"graph": os.path.join(path, GRAPH_FILE), "params": params_path}
@@ -93,12 +93,24 @@ def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple, *,
         written["pt2"] = os.path.join(path, PT2_FILE)
         with _temp_beside(written["pt2"]) as tmp:
             torch.export.save(program, tmp)
+            _fsync(tmp)
     doc["files"] = {os.path.basename(p): {"sha256": _sha256_file(p), "bytes": os.path.getsize(p)}
                     for kind, p in written.items() if kind != "graph"}
     doc["content_sha256"] = _content_hash(doc)
     graph_path = os.path.join(path, GRAPH_FILE)
     _write_atomically(graph_path, _layout(doc).encode())
     return written
+
+
+def _make_export_dir(path: str | os.PathLike) -> None:
+    """Create the export directory, with one clear error when the path cannot be one."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ExportFormatError(f"{os.fspath(path)}: exists and is not a directory; give a directory for the export")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ExportFormatError(f"{os.fspath(path)}: cannot create the export directory: "
+                                f"{exc.strerror or exc}") from exc
 
 
 def _export_program(module: nn.Module, args: tuple, dynamic_batch: bool):
@@ -424,3 +436,9 @@ def _write_safetensors_atomically(tensors: dict[str, torch.Tensor], path: str) -
 
     with _temp_beside(path) as tmp:
         save_file(tensors, tmp, metadata={"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)})
+        _fsync(tmp)  # the bytes reach the disk before the rename makes them the export's
+
+
+def _fsync(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
