@@ -103,3 +103,24 @@ def test_allreduce_on_gpus(algorithm):
     allreduce(xs, algorithm=algorithm)
     for x in xs:
         torch.testing.assert_close(x.cpu(), expected)
+
+
+def test_run_schedule_waits_for_the_whole_phase_before_raising():
+    import threading
+    import time
+
+    from dlperf.parallel.allreduce import run_schedule
+
+    finished = threading.Event()
+
+    def fail():
+        raise RuntimeError("task 0 failed")
+
+    def slow():
+        time.sleep(0.3)
+        finished.set()
+
+    with DeviceWorkers([cpu(0), cpu(1)], threads=[1, 1]) as w:
+        with pytest.raises(RuntimeError, match="task 0 failed"):
+            run_schedule([[fail, slow]], w)
+        assert finished.is_set(), "returned while another task of the phase still ran"

@@ -252,3 +252,44 @@ def test_auto_memory_format_only_for_convolutions_on_cpu():
         assert t.channels_last
     with pytest.raises(UsageError, match="unknown memory format"):
         Trainer(nn.Linear(3, 2), _devices(1), memory_format="nhwc")
+
+
+def test_reduction_left_over_from_a_failed_step_does_not_leak_into_the_next(monkeypatch):
+    import threading
+
+    import dlperf.parallel.buckets as buckets_mod
+    from dlperf.parallel.buckets import GradientBuckets
+    from dlperf.parallel.replicas import replicate
+
+    calls = []
+    started = threading.Event()
+    real = buckets_mod.allreduce
+
+    def slow_then_ok(tensors, algorithm):
+        calls.append(len(calls))
+        if len(calls) == 1:  # the failed step's reduction: still running when the next step starts
+            started.set()
+            time.sleep(0.3)
+            raise RuntimeError("stale reduction failed")
+        return real(tensors, algorithm)
+
+    monkeypatch.setattr(buckets_mod, "allreduce", slow_then_ok)
+    replicas = replicate(nn.Linear(3, 2), [cpu(0), cpu(1)])
+    gb = GradientBuckets(replicas, "naive", bucket_bytes=16)
+    try:
+        assert len(gb.buckets) >= 2
+        gb.arm()
+        with gb._lock:
+            gb._enqueue(0)
+            gb._enqueue(1)  # queued behind bucket 0, never reduced in this step
+        started.wait(5)
+        gb.abort(RuntimeError("replica 1 failed"))
+        with pytest.raises(RuntimeError, match="replica 1 failed"):
+            gb.wait()
+        gb.arm()  # next step
+        for _ in range(2):
+            gb.replica_done()
+        gb.wait()  # neither the stale failure nor a stale completion reaches this step
+        assert len(calls) == 1 + len(gb.buckets)  # bucket 1's stale entry was skipped, not reduced
+    finally:
+        gb.close()

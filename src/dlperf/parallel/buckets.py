@@ -28,7 +28,7 @@ __all__ = ["GradientBuckets", "DEFAULT_BUCKET_BYTES"]
 # 1 MiB: small enough that LeNet's 1.7 MB of gradients form two buckets (so communication overlaps
 # backward), large enough that per-bucket overhead (a queue hop, ~20 us) stays below 2%.
 DEFAULT_BUCKET_BYTES = 1 << 20
-_STOP = (float("inf"), -1)
+_STOP = (float("inf"), -1, -1)  # (priority, generation, bucket)
 
 
 def _plan(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[int]]:
@@ -80,6 +80,11 @@ class GradientBuckets:
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self._lock = threading.Lock()
         self._armed = False
+        # Each armed step is a generation; queue entries carry theirs, so reductions left over from a
+        # failed step are skipped instead of completing (or failing) buckets of the next one.
+        self._gen = 0
+        self._busy = False  # the comm thread is reducing a bucket (guarded by _lock)
+        self._idle = threading.Condition(self._lock)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(r, i))
                        for r in range(self.k) for i, p in enumerate(self.params[r])]
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
@@ -119,6 +124,10 @@ class GradientBuckets:
     # -- overlapped synchronization -----------------------------------------------------------------
     def arm(self) -> None:
         """Start a step: the next backward on every replica triggers bucket reductions."""
+        with self._lock:
+            self._gen += 1  # entries still queued from an earlier step are now stale
+            # a reduction already running writes into the buffers this step is about to zero: let it end
+            self._idle.wait_for(lambda: not self._busy)
         self._pending = [[len(idx) for idx in self.buckets] for _ in range(self.k)]
         self._arrived = [0] * len(self.buckets)
         self._queued = [False] * len(self.buckets)
@@ -145,7 +154,7 @@ class GradientBuckets:
         # caller holds the lock; priority = the bucket's first layer in forward order
         if not self._queued[b]:
             self._queued[b] = True
-            self._queue.put((min(self.buckets[b]), b))
+            self._queue.put((min(self.buckets[b]), self._gen, b))
 
     def replica_done(self) -> None:
         """A replica finished backward; after the last one, flush buckets whose parameters got no grad."""
@@ -173,20 +182,30 @@ class GradientBuckets:
         # reductions are memory-bound; more threads would steal compute cores
         set_thread_budget(1, self._process_default)
         while True:
-            _, b = self._queue.get()
+            _, gen, b = self._queue.get()
             if b < 0:
                 return
+            with self._lock:
+                if gen != self._gen:
+                    continue  # left over from a step that failed: its waiters were already released
+                self._busy = True
             t0 = time.perf_counter()
+            error: BaseException | None = None
             try:
                 allreduce(self.flats[b], self.algorithm)
                 for f in self.flats[b]:
                     if f.is_cuda:
                         torch.cuda.current_stream(f.device).synchronize()
             except BaseException as exc:  # reported by wait()
-                self._error = exc
-            if self.trace is not None:
-                self.trace.append((b, t0, time.perf_counter()))
-            self._done[b].set()
+                error = exc
+            with self._lock:
+                if error is not None:
+                    self._error = error
+                if self.trace is not None:
+                    self.trace.append((b, t0, time.perf_counter()))
+                self._done[b].set()
+                self._busy = False
+                self._idle.notify_all()
 
     # -- all at once -------------------------------------------------------------------------------
     def allreduce_all(self, workers: DeviceWorkers | None = None) -> None:

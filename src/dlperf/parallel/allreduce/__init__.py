@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..workers import DeviceWorkers
+from ..workers import DeviceWorkers, wait_all
 from . import host, naive, ring, sharded  # noqa: F401  (registers the algorithms)
 from .base import (
     DEFAULT_ALGORITHM,
@@ -45,9 +45,8 @@ def run_schedule(phases: list[Phase], workers: DeviceWorkers | None = None) -> N
         if len(busy) == 1:
             busy[0]()  # one task: no point handing it to another thread and waiting
             continue
-        futs = [workers.submit(i, t) for i, t in enumerate(phase) if t is not None]
-        for f in futs:
-            f.result()
+        # wait for every task of the phase even when one fails: none may still write a buffer after we return
+        wait_all([workers.submit(i, t) for i, t in enumerate(phase) if t is not None])
 
 
 def allreduce(tensors: Sequence[torch.Tensor], algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM,
