@@ -109,7 +109,11 @@ class KVStore(ABC):
 
     def push(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor],
              priority: int = 0) -> None:
-        """Sum ``value`` (a tensor or one per device) into the store: assign it, or update with it."""
+        """Sum ``value`` (a tensor or one per device) into the store: assign it, or update with it.
+
+        ``priority`` is accepted for the distributed interface and ignored: this store runs the push
+        now, in call order.
+        """
         self._check_open()
         if isinstance(key, (list, tuple)):
             for k, v in zip(key, value, strict=True):
@@ -129,7 +133,7 @@ class KVStore(ABC):
 
     def pull(self, key: Key | Sequence[Key], out: torch.Tensor | Sequence[torch.Tensor],
              priority: int = 0) -> None:
-        """Copy the stored value into ``out`` (a tensor or one per device)."""
+        """Copy the stored value into ``out`` (a tensor or one per device); ``priority`` is ignored here."""
         self._check_open()
         if isinstance(key, (list, tuple)):
             for k, o in zip(key, out, strict=True):

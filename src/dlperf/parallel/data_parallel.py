@@ -13,17 +13,18 @@ in one thread; :class:`~dlperf.parallel.Trainer` runs backward in parallel as we
 >>> import torch
 >>> from torch import nn
 >>> from dlperf.devices import cpu, device_of
->>> class Dummy(nn.Module):
+>>> seen = []  # the workers run at once: collect what each saw, then sort
+>>> class Record(nn.Module):
 ...     def __init__(self, m):
 ...         super().__init__()
 ...         self.m = m
 ...     def forward(self, x):
-...         print("Dummy.forward", tuple(x.shape), device_of(x))
+...         seen.append((tuple(x.shape), str(device_of(x))))
 ...         return self.m(x)
->>> with DataParallel(Dummy(nn.Linear(10, 5)), [cpu(0), cpu(1)], threads=[1, 1]) as dp:
-...     y = dp(torch.randn(50, 10))  # doctest: +SKIP
-Dummy.forward (25, 10) cpu(0)
-Dummy.forward (25, 10) cpu(1)
+>>> with DataParallel(Record(nn.Linear(10, 5)), [cpu(0), cpu(1)], threads=[1, 1]) as dp:
+...     y = dp(torch.randn(50, 10))
+>>> sorted(seen), tuple(y.shape), device_of(y)
+([((25, 10), 'cpu(0)'), ((25, 10), 'cpu(1)')], (50, 5), cpu(0))
 """
 
 from __future__ import annotations

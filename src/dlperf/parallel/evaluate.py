@@ -30,8 +30,11 @@ def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[torch.
 
     >>> from dlperf.devices import cpu
     >>> net = nn.Linear(2, 2)
-    >>> evaluate_accuracy([net], [(torch.eye(2), torch.tensor([0, 1]))], [cpu(0)]) in (0.0, 0.5, 1.0)
-    True
+    >>> with torch.no_grad():  # identity: the prediction for row i is class i
+    ...     _ = net.weight.copy_(torch.eye(2)), net.bias.zero_()
+    >>> X = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0], [0.0, 3.0]])
+    >>> evaluate_accuracy([net], [(X, torch.tensor([0, 1, 1, 1]))], [cpu(0)])
+    0.75
     """
     modes = [r.training for r in replicas]
     for r in replicas:

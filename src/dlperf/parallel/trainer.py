@@ -252,7 +252,9 @@ class Trainer:
             grads = [ps[i].grad if ps[i].grad is not None else torch.zeros_like(ps[i]) for ps in params]
             if scale != 1.0:
                 grads = [g * scale for g in grads]
-            # negative priority: the first layers (needed first by the next forward) go first
+            # Keys are pushed in layer order. The priority (first layers first: the next forward needs them
+            # first) is for a store that queues traffic; the single-process stores run each call at once
+            # and ignore it.
             self._kv.push(i, grads, priority=-i)
             self._kv.pull(i, out=[ps[i] for ps in params], priority=-i)
         for r in self.replicas:
