@@ -10,6 +10,12 @@ Implicit blockers: anything that needs the values waits for them: ``asnumpy()``,
 the ``shape``/``dtype`` properties (shapes are known only once the op has run). Explicit barriers:
 ``x.wait_to_read()`` and :func:`waitall`.
 
+No aliasing: the engine orders operations per array, so two arrays must never share memory. An
+operation whose result would share storage with one of its inputs (indexing ``a[0:2]``, ``view``,
+``reshape``, ``t``, ``narrow``, ``expand``, ``detach``, ...) returns a copy instead: after
+``b = a[0:2]``, writing to ``a`` does not change ``b`` (unlike a NumPy view). Change part of an
+array with ``a[key] = value``, which is one engine write of ``a``.
+
 Example (d2l §12.2.1 with dlperf names):
     >>> from dlperf.engine import array as dnp
     >>> from dlperf.engine import create_engine
@@ -78,10 +84,25 @@ def _record_streams(arrays: Sequence[Array]) -> None:
 
 
 # Functions run by the engine's workers ---------------------------------------------------------
+def _storages(inputs: Sequence[Array]) -> set[int]:
+    return {a._data.untyped_storage().data_ptr() for a in inputs if isinstance(a._data, torch.Tensor)}
+
+
+def _unalias(res: Any, storages: set[int]) -> Any:
+    # A result sharing memory with an input (a view, or the input itself) would escape the
+    # engine's ordering: a later write to the input would change it behind its readers' backs.
+    if isinstance(res, torch.Tensor):
+        return res.clone() if res.untyped_storage().data_ptr() in storages else res
+    if type(res) is tuple or type(res) is list:  # split, chunk, unbind, ...
+        return type(res)(_unalias(r, storages) for r in res)
+    return res
+
+
 def _run_generic(func: Any, args: tuple, kwargs: dict, out: Array, inputs: list[Array]) -> None:
     if out.device.is_gpu:
         _record_streams(inputs)
-    out._data = _fix(func(*_unwrap(args), **_unwrap(kwargs)), out.device)
+    res = func(*_unwrap(args), **_unwrap(kwargs))
+    out._data = _fix(_unalias(res, _storages(inputs)), out.device)
 
 
 def _run_unary(func: Any, a: Array, out: Array) -> None:
