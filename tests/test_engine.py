@@ -455,3 +455,71 @@ def test_a_worker_that_cannot_start_fails_its_ops_instead_of_hanging(monkeypatch
             eng.wait_to_read(v)
         with pytest.raises(RuntimeError, match="device init failed"):
             op.wait()
+
+
+# ------------------------------------------------------------------------------------------ close and lifetime
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_raises_an_error_no_wait_reported(kind):
+    with pytest.raises(ZeroDivisionError):
+        with create_engine(kind) as eng:
+            eng.push(lambda: 1 / 0)
+    eng = create_engine(kind)
+    eng.push(_boom)
+    with pytest.raises(Boom):
+        eng.close()
+    eng.close()  # idempotent: the error was raised once
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_does_not_repeat_reported_errors_or_mask_the_block_s_own(kind):
+    with create_engine(kind) as eng:
+        op = eng.push(_boom)
+        with pytest.raises(Boom):
+            op.wait()  # reported here: leaving the block raises nothing
+    with pytest.raises(KeyError):  # the exception leaving the block wins over the stored one
+        with create_engine(kind) as eng:
+            eng.push(_boom)
+            raise KeyError("own")
+
+
+def test_an_unclosed_engine_that_is_dropped_stops_its_threads():
+    for i in range(3):
+        eng = create_engine("threaded")
+        v = eng.new_var()
+        eng.push(lambda: None, writes=[v], device=cpu(i)).wait()
+        eng.push(torch.ones, args=(2,), reads=[v], device=cpu(i)).wait()
+        del eng, v
+    # Finished operations and their variables form reference cycles that hold the engine until
+    # the cyclic collector runs; a worker may also still hold a finished operation briefly.
+    deadline = time.monotonic() + 5
+    while _engine_threads() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert _engine_threads() == []
+
+
+def test_a_push_waiting_for_room_fails_when_the_engine_closes_meanwhile():
+    gate = threading.Event()
+    eng = create_engine(max_queued=1)
+    eng.push(gate.wait, args=(10,))
+    caught: list[BaseException] = []
+
+    def frontend():
+        try:
+            eng.push(print)
+        except EngineClosedError as exc:
+            caught.append(exc)
+
+    pusher = threading.Thread(target=frontend)
+    pusher.start()
+    time.sleep(0.1)  # the push now waits for room
+    closer = threading.Thread(target=eng.close)
+    closer.start()
+    deadline = time.monotonic() + 10
+    while not eng.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    pusher.join(timeout=10)
+    closer.join(timeout=10)
+    assert len(caught) == 1 and "closed" in str(caught[0])
+    assert _engine_threads() == []

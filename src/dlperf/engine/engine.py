@@ -360,7 +360,24 @@ class Engine:
 
     # ----------------------------------------------------------------- lifetime
     def close(self) -> None:
-        """Finish pending work, stop and join every worker thread. Idempotent."""
+        """Finish pending work, stop and join every worker thread; raise the first unreported error.
+
+        An error that no wait point raised (no ``wait_to_read``, ``Op.wait`` or ``waitall`` touched
+        it) is raised here, so a failed operation is never silently dropped. Leaving a ``with``
+        block closes the engine the same way, except that an exception already leaving the block
+        wins. Idempotent: a second ``close()`` does nothing.
+
+        >>> from dlperf.engine import create_engine
+        >>> eng = create_engine()
+        >>> _ = eng.push(lambda: 1 / 0)
+        >>> eng.close()
+        Traceback (most recent call last):
+        ...
+        ZeroDivisionError: division by zero
+        """
+        self._close(raise_errors=True)
+
+    def _close(self, raise_errors: bool) -> None:
         if self._closed:
             return
         try:
@@ -369,6 +386,10 @@ class Engine:
             pass
         self._closed = True
         self._shutdown()
+        with self._errors_lock:
+            errors, self._errors = self._errors, []
+        if errors and raise_errors:
+            raise errors[0]
 
     def _shutdown(self) -> None:
         pass
@@ -380,13 +401,19 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        self._close(raise_errors=exc_type is None)
+
+    def _abandon(self) -> None:
+        """Called when the engine is garbage-collected unclosed: let its threads end (must not block)."""
 
     def __del__(self) -> None:  # best effort; explicit close() is the contract
+        # Nothing can be pending here (queued operations keep their engine alive), and this may
+        # run in any thread, even one holding the engine's lock: signal, never wait or join.
         try:
             if not self._closed:
-                self.close()
+                self._closed = True
+                self._abandon()
         except Exception:
             pass
 

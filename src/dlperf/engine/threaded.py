@@ -113,6 +113,9 @@ class ThreadedEngine(Engine):
                 while worker.unfinished >= limit:  # bound memory held by queued work
                     self._cond.wait()
                 self._waiters -= 1
+                if self._closed:  # closed while we waited: its workers may be stopped already
+                    raise EngineClosedError("this threaded engine was closed while a push waited for room "
+                                            "(max_queued); create a new one to push more work")
             if self._trace is not None:
                 self._trace_deps(op, self._ids)
             for v in op.reads:
@@ -224,6 +227,17 @@ class ThreadedEngine(Engine):
                 w.stop()
         for w in workers:
             w.thread.join()
+
+    def _abandon(self) -> None:
+        # Garbage-collected unclosed, possibly in a thread that holds the lock: never block here.
+        # Workers that miss this signal see their engine gone at their next idle check.
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            for w in self._workers.values():
+                w.stop()
+        finally:
+            self._lock.release()
 
 
 register_engine("threaded", ThreadedEngine)

@@ -7,11 +7,15 @@ pass and releases their dependents in groups (at least every ``batch_latency_us`
 of tiny operations do not pay one lock round trip each, while a long operation's dependents start
 as soon as it ends.
 
-CPU workers (:class:`CpuWorker`) set their own intra-op thread budget: ``torch.set_num_threads``
-sets OpenMP's per-thread ``nthreads-var``, so a worker's budget does not touch the main thread's
-or other workers' (checked by ``tests/test_engine_workers.py``). With two logical CPU devices on
-two cores each gets one thread, and two matrix products really run side by side: PyTorch releases
-the GIL while it computes.
+CPU workers (:class:`CpuWorker`) set their own intra-op thread budget with
+:func:`dlperf._threads.set_thread_budget`: ``torch.set_num_threads`` sets OpenMP's per-thread
+``nthreads-var``, so a worker's budget does not touch the main thread's or other workers', and the
+process-wide default that threads started later pick up is put back (checked by
+``tests/test_engine.py``). With two logical CPU devices on two cores each gets one thread, and two
+matrix products really run side by side: PyTorch releases the GIL while it computes.
+
+A worker holds its engine only weakly, so an engine dropped without :meth:`close` is still
+garbage-collected; its workers notice (at once, or at their next idle check) and end.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import weakref
 from collections import deque
 from time import perf_counter
 from typing import TYPE_CHECKING
 
 import torch
 
+from .._threads import restore_process_default, set_thread_budget
 from ..devices import Device, cpu_count
 from .var import QUEUED, RUNNING, Op
 
@@ -34,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["Worker", "CpuWorker", "MAX_BATCH"]
 
 MAX_BATCH = 256  # ready operations taken per lock acquisition: bounds how long priorities wait
+IDLE_CHECK_S = 1.0  # an idle worker checks this often whether its engine was dropped unclosed
 _seq = itertools.count()
 
 
@@ -43,7 +50,10 @@ class Worker:
     can_steal = False  # may a thread waiting on one of our queued ops run it itself?
 
     def __init__(self, engine: ThreadedEngine, device: Device, lane: str) -> None:
-        self.engine = engine
+        # Weak: the thread must not keep an unclosed, unreferenced engine alive (see _loop).
+        self._engine_ref = weakref.ref(engine)
+        self._lock = engine._lock
+        self._latency = engine.config.batch_latency_us * 1e-6
         self.device = device
         self.lane = lane
         self.label = f"{device}/{lane}"
@@ -57,6 +67,11 @@ class Worker:
         self._wake = threading.Lock()
         self._wake.acquire()     # held = "no news"; enqueue() releases it once per sleep
         self.thread = threading.Thread(target=self._loop, name=f"dlperf-engine-{self.label}", daemon=True)
+
+    @property
+    def engine(self) -> ThreadedEngine:
+        """The owning engine (alive whenever an operation of this worker is queued or running)."""
+        return self._engine_ref()  # type: ignore[return-value]
 
     def start(self) -> None:
         self.thread.start()
@@ -77,8 +92,11 @@ class Worker:
             self._sleeping = False
             self._wake.release()
 
-    def _take(self) -> list[Op]:
+    def _take(self) -> tuple[list[Op], list[Op]]:
+        # Returns (ops to run, ops a waiting thread already ran); the caller drops the latter
+        # outside the lock, since one of them may hold the last reference to the engine.
         out: list[Op] = []
+        skipped: list[Op] = []
         q, heap = self._q, self._heap
         while len(out) < MAX_BATCH:
             if heap and (heap[0][0] < 0 or not q):  # positive priority first, negative after the FIFO
@@ -90,7 +108,9 @@ class Worker:
             if op.state == QUEUED:  # skip ops a waiting thread already ran
                 op.state = RUNNING
                 out.append(op)
-        return out
+            else:
+                skipped.append(op)
+        return out, skipped
 
     # worker thread ---------------------------------------------------------------------------
     def setup(self) -> None:
@@ -108,6 +128,29 @@ class Worker:
         self.run_op(op, where)
 
     def _loop(self) -> None:
+        # No local here may hold the engine (or an operation, which holds its engine) while the
+        # worker sleeps, and none may be dropped while the lock is held: dropping the last
+        # reference runs Engine.__del__ in this thread.
+        self._start()
+        lock = self._lock
+        while True:
+            with lock:
+                batch, skipped = self._take()
+                if not batch:
+                    if self._stop:
+                        break
+                    self._sleeping = True
+                self.busy = bool(batch)
+            del skipped  # outside the lock (see _take)
+            if not batch:
+                if not self._wake.acquire(timeout=IDLE_CHECK_S) and self._engine_ref() is None:
+                    break  # the engine was collected unclosed and could not signal us
+                continue
+            self._process(batch)
+            batch = None
+        self.teardown()
+
+    def _start(self) -> None:
         eng = self.engine
         eng._local.is_worker = True
         eng._local.worker = self
@@ -115,28 +158,16 @@ class Worker:
             self.setup()
         except BaseException as exc:  # e.g. CUDA init failed: fail this worker's ops, do not hang
             self.setup_error = exc
-        setup_error = self.setup_error
-        lock = eng._lock
-        latency = eng.config.batch_latency_us * 1e-6
-        while True:
-            with lock:
-                batch = self._take()
-                if not batch:
-                    if self._stop:
-                        break
-                    self._sleeping = True
-                self.busy = bool(batch)
-            if not batch:
-                self._wake.acquire()
-                continue
-            if setup_error is not None:
-                for op in batch:
-                    eng._fail(op, setup_error)
-                eng._complete(batch)
-                continue
-            self.before_batch()
-            self._run_batch(batch, latency)
-        self.teardown()
+
+    def _process(self, batch: list[Op]) -> None:
+        if self.setup_error is not None:
+            eng = self.engine
+            for op in batch:
+                eng._fail(op, self.setup_error)
+            eng._complete(batch)
+            return
+        self.before_batch()
+        self._run_batch(batch, self._latency)
 
     def _run_batch(self, batch: list[Op], latency: float) -> None:
         eng = self.engine
@@ -190,9 +221,8 @@ class CpuWorker(Worker):
     def before_batch(self) -> None:
         want = self.budget()
         if want != self.threads:  # per-thread OpenMP/MKL setting: other threads keep theirs
-            torch.set_num_threads(want)
+            set_thread_budget(want, self.engine._host_threads)
             self.threads = want
-            _restore_process_default(self.engine._host_threads)
 
     def run_stolen(self, op: Op, where: str) -> None:
         """Run ``op`` in a waiting thread, under this device's thread budget."""
@@ -203,7 +233,9 @@ class CpuWorker(Worker):
             self.run_op(op, where)
         finally:
             if want != have:
-                torch.set_num_threads(have)
+                torch.set_num_threads(have)  # also the process default: put the engine's back
+                if have != self.engine._host_threads:
+                    restore_process_default(self.engine._host_threads)
 
     def run_op(self, op: Op, where: str) -> None:
         if self.engine._has_gpu:
@@ -224,18 +256,6 @@ def _has_dependents(op: Op) -> bool:
         if v._queue:
             return True
     return False
-
-
-def _restore_process_default(n: int) -> None:
-    """Put PyTorch's process-wide default thread count back to ``n``.
-
-    ``torch.set_num_threads`` in a worker also stores its value as the default that threads not
-    yet initialised (the user's, a DataLoader's) pick up. The only setter also sets the calling
-    thread's count, so a throw-away thread does it. Runs only when a worker's budget changes.
-    """
-    helper = threading.Thread(target=torch.set_num_threads, args=(n,), name="dlperf-threads-reset")
-    helper.start()
-    helper.join()
 
 
 def _host_wait_for_events(op: Op) -> None:
