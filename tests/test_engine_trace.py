@@ -12,7 +12,7 @@ import pytest
 from dlperf.devices import cpu
 from dlperf.engine import create_engine, load_trace
 from dlperf.engine.cli import register
-from dlperf.engine.trace import TraceEvent, format_summary, summarize
+from dlperf.engine.trace import Trace, TraceEvent, format_summary, summarize
 from dlperf.errors import UsageError
 
 
@@ -105,3 +105,55 @@ def test_trace_verb_rejects_bad_files(tmp_path):
     bad.write_text('{"traceEvents": 3}')
     with pytest.raises(UsageError, match="traceEvents"):
         _cli(["trace", str(bad)])
+
+
+MALFORMED = {
+    "args_string": '{"traceEvents": [{"ph": "X", "ts": 0, "dur": 1, "args": "x"}]}',
+    "id_not_int": '{"traceEvents": [{"ph": "X", "ts": 0, "dur": 1, "args": {"id": "abc"}}]}',
+    "deps_not_ints": '{"traceEvents": [{"ph": "X", "ts": 0, "dur": 1, "args": {"deps": ["a"]}}]}',
+    "meta_args_string": '{"traceEvents": [{"ph": "M", "name": "thread_name", "args": "x"}]}',
+    "pid_list": '{"traceEvents": [{"ph": "X", "ts": 0, "dur": 1, "pid": [1], "tid": 1}]}',
+    "no_ts": '{"traceEvents": [{"ph": "X"}]}',
+    "list_of_numbers": "[1, 2]",
+    "no_operations": '{"traceEvents": []}',
+    "events_not_a_list": '{"traceEvents": "x"}',
+    "not_utf8": b"\xff\xfe",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_traces_give_one_usage_error_and_exit_2(tmp_path, capsys, name):
+    from dlperf.cli import main
+
+    bad = tmp_path / f"{name}.json"
+    content = MALFORMED[name]
+    bad.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(UsageError, match=f"trace file .*{name}"):
+        load_trace(bad)
+    assert main(["trace", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: trace file" in err and "Traceback" not in err
+
+
+def test_json_array_format_traces_are_read(tmp_path):
+    path = tmp_path / "array.json"
+    path.write_text(json.dumps([{"ph": "X", "name": "op", "ts": 5, "dur": 2, "pid": 1, "tid": 1}]))
+    (ev,) = load_trace(path).events
+    assert (ev.name, ev.worker, ev.start_us, ev.end_us) == ("op", "1/1", 5.0, 7.0)
+
+
+def test_save_replaces_the_file_atomically(tmp_path, monkeypatch):
+    import os
+
+    trace = _parallel_trace()
+    path = trace.save(tmp_path / "t.json")
+    before = path.read_text()
+
+    def interrupted(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(OSError, match="disk full"):
+        Trace([]).save(path)
+    assert path.read_text() == before  # a failed save leaves the old file whole
+    assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # and no temporary file behind

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._io import atomic_write_text
 from ..errors import UsageError
 
 __all__ = ["TraceEvent", "Trace", "WorkerSummary", "TraceSummary", "summarize", "load_trace", "format_summary"]
@@ -81,16 +82,19 @@ class Trace:
 
     def save(self, path: str | Path) -> Path:
         """Write Chrome trace JSON to ``path`` (open it at ui.perfetto.dev); return the path."""
-        path = Path(path)
-        path.write_text(json.dumps(self.to_chrome()))
-        return path
+        # Atomic: a viewer (or `dlperf trace`) never reads half a file.
+        return atomic_write_text(path, json.dumps(self.to_chrome()))
 
     def summary(self) -> TraceSummary:
         return summarize(self.events)
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read a Chrome trace JSON written by :meth:`Trace.save` (or any with complete ``X`` events)."""
+    """Read a Chrome trace JSON written by :meth:`Trace.save` (or any with complete ``X`` events).
+
+    Anything else (not JSON, no event list, malformed events, no operations at all) raises one
+    :class:`~dlperf.errors.UsageError` that names the file and the problem.
+    """
     path = Path(path)
     try:
         doc = json.loads(path.read_text())
@@ -98,29 +102,57 @@ def load_trace(path: str | Path) -> Trace:
         raise UsageError(f"trace file {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"trace file {str(path)!r} is not Chrome trace JSON: {exc}") from None
-    raw = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    raw = doc.get("traceEvents") if isinstance(doc, dict) else doc  # object or JSON Array Format
     if not isinstance(raw, list):
         raise UsageError(f"trace file {str(path)!r} has no 'traceEvents' list")
-    names: dict[tuple[Any, Any], str] = {}
-    for ev in raw:
-        if isinstance(ev, dict) and ev.get("ph") == "M" and ev.get("name") == "thread_name":
-            names[(ev.get("pid"), ev.get("tid"))] = str(ev.get("args", {}).get("name", ""))
-    events = []
-    for ev in raw:
-        if not isinstance(ev, dict) or ev.get("ph") != "X":
-            continue
-        try:
-            start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
-        except (KeyError, TypeError, ValueError):
-            raise UsageError(f"trace file {str(path)!r} has an X event without numeric ts/dur: {ev}") from None
-        key = (ev.get("pid"), ev.get("tid"))
-        args = ev.get("args") or {}
-        events.append(TraceEvent(id=int(args.get("id", 0) or 0), name=str(ev.get("name", "")),
-                                 worker=names.get(key, f"{key[0]}/{key[1]}"), start_us=start,
-                                 end_us=start + dur, deps=tuple(args.get("deps", ()) or ()),
-                                 failed=bool(args.get("failed", False))))
+    try:
+        events = _parse_events(raw)
+    except _BadEvent as exc:
+        raise UsageError(f"trace file {str(path)!r} is not a valid Chrome trace: {exc}") from None
+    if not events:
+        raise UsageError(f"trace file {str(path)!r} has no operations (no complete 'X' events)")
     events.sort(key=lambda e: e.start_us)
     return Trace(events)
+
+
+class _BadEvent(ValueError):
+    pass
+
+
+def _parse_events(raw: list) -> list[TraceEvent]:
+    for i, ev in enumerate(raw):
+        if not isinstance(ev, dict):
+            raise _BadEvent(f"event {i} is {type(ev).__name__} {_short(ev)}, expected an object")
+        if not isinstance(ev.get("args", {}), dict):
+            raise _BadEvent(f"event {i} has 'args' {_short(ev['args'])}, expected an object")
+        for k in ("pid", "tid"):
+            if isinstance(ev.get(k), (list, dict)):
+                raise _BadEvent(f"event {i} has {k!r} {_short(ev[k])}, expected a number or string")
+    names: dict[tuple[Any, Any], str] = {}
+    for ev in raw:
+        if ev.get("ph") == "M" and ev.get("name") == "thread_name":
+            names[(ev.get("pid"), ev.get("tid"))] = str((ev.get("args") or {}).get("name", ""))
+    events = []
+    for i, ev in enumerate(raw):
+        if ev.get("ph") != "X":
+            continue
+        args = ev.get("args") or {}
+        try:
+            start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+            op_id = int(args.get("id", 0) or 0)
+            deps = tuple(int(d) for d in args.get("deps", ()) or ())
+        except (KeyError, TypeError, ValueError):
+            raise _BadEvent(f"X event {i} needs numeric ts/dur and integer args.id/args.deps: {_short(ev)}") from None
+        key = (ev.get("pid"), ev.get("tid"))
+        events.append(TraceEvent(id=op_id, name=str(ev.get("name", "")),
+                                 worker=names.get(key, f"{key[0]}/{key[1]}"), start_us=start,
+                                 end_us=start + dur, deps=deps, failed=bool(args.get("failed", False))))
+    return events
+
+
+def _short(x: Any) -> str:
+    text = json.dumps(x)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)
