@@ -12,7 +12,8 @@ default):
 Both keep the same error contract: an exception raised by a pushed function is stored, every
 later operation that reads or writes a variable the failed one wrote is skipped, and the error is
 raised at the first wait point that touches it (``wait_to_read``, ``Op.wait``) or else at
-``waitall``. The engine stays usable for everything else.
+``waitall``, or at the latest by ``close()`` (leaving a ``with`` block). The engine stays usable
+for everything else.
 
 Example:
     >>> import torch
