@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import copy
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from dlperf.hybrid import hybridize
-from dlperf.hybrid.backends import BackendUnsupported, native
+from dlperf.hybrid.backends import BackendUnsupported, native, native_cache
 from dlperf.hybrid.capture import capture
 
 
@@ -121,3 +132,280 @@ def test_python_fallback_without_a_compiler(monkeypatch):
             torch.testing.assert_close(net(x), model(x))
     (choice,) = net.choices.values()
     assert "Python graph replay" in choice.reason and "no g++" in choice.reason
+
+
+# --- the compiled-library cache: tested on a tiny C library that compiles in a fraction of a second ---
+_TINY_C = "int answer(void) { return 42; }\n"
+_EVIL_C = """#include <stdio.h>
+__attribute__((constructor)) static void plant(void) {
+    FILE *f = fopen("%s", "w");
+    if (f) { fputs("constructor ran", f); fclose(f); }
+}
+int answer(void) { return 666; }
+"""
+
+
+def _gcc_or_skip() -> str:
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler on PATH")
+    return gcc
+
+
+def _compile_c(source: str, directory: Path, name: str = "lib.so") -> Path:
+    c_file, library = directory / f"{name}.c", directory / name
+    c_file.write_text(source)
+    subprocess.run([_gcc_or_skip(), "-shared", "-fPIC", "-o", str(library), str(c_file)], check=True, timeout=60)
+    return library
+
+
+class TinyLibrary:
+    """build/load callbacks for native_cache.load_or_build that count how often each runs."""
+
+    def __init__(self):
+        self.builds = 0
+        self.loads: list[str] = []
+
+    def build(self, workdir: str):
+        self.builds += 1
+        library = _compile_c(_TINY_C, Path(workdir))
+        return str(library), ctypes.CDLL(str(library))
+
+    def load(self, path: str):
+        self.loads.append(path)
+        return ctypes.CDLL(path)
+
+    def get(self, base: Path, wait_s: float = 30.0):
+        return native_cache.load_or_build(base=str(base), subdirs=["dlperf", "tiny"], filename="tiny.so",
+                                          what="the tiny test library", expected_time="under a second",
+                                          build=self.build, load=self.load, wait_s=wait_s)
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    home = tmp_path / "cache"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    monkeypatch.setattr(native_cache, "_warned", set())
+    return home
+
+
+@pytest.mark.timeout(60)
+def test_cache_builds_once_then_loads_a_verified_private_copy(cache_home, capfd):
+    tiny = TinyLibrary()
+    assert tiny.get(cache_home).answer() == 42
+    err = capfd.readouterr().err
+    assert "compiling the tiny test library once" in err and "compiled the tiny test library in" in err
+    directory = cache_home / "dlperf" / "tiny"
+    for level in (cache_home / "dlperf", directory):
+        assert stat.S_IMODE(level.stat().st_mode) == 0o700 and level.stat().st_uid == os.geteuid()
+    manifest = json.loads((directory / native_cache.MANIFEST).read_text())
+    assert manifest["sha256"] == hashlib.sha256((directory / "tiny.so").read_bytes()).hexdigest()
+
+    assert tiny.get(cache_home).answer() == 42
+    assert tiny.builds == 1 and len(tiny.loads) == 1
+    # What was loaded is a copy in a scratch directory, gone once the library is mapped.
+    assert not tiny.loads[0].startswith(str(directory / "tiny.so")) and not os.path.exists(tiny.loads[0])
+    assert "compiling" not in capfd.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("manifest", ["kept", "missing"])
+def test_planted_constructor_library_never_runs_in_process(cache_home, tmp_path, capfd, manifest):
+    tiny = TinyLibrary()
+    tiny.get(cache_home)
+    directory = cache_home / "dlperf" / "tiny"
+    canary = tmp_path / "canary"
+    evil = _compile_c(_EVIL_C % canary, tmp_path, "evil.so")
+    shutil.copyfile(evil, directory / "tiny.so")
+    if manifest == "missing":
+        (directory / native_cache.MANIFEST).unlink()
+    with pytest.warns(native_cache.NativeCacheWarning) as caught:
+        assert tiny.get(cache_home).answer() == 42
+    assert not canary.exists()
+    assert tiny.builds == 2
+    reason = "does not match the one recorded in" if manifest == "kept" else "no manifest.json records its hash"
+    (warning,) = caught
+    assert f"not loading {directory / 'tiny.so'}: " in str(warning.message)
+    assert f"{reason}" in str(warning.message) and str(warning.message).endswith("; rebuilding it")
+    assert tiny.get(cache_home).answer() == 42 and tiny.builds == 2  # the rebuild was published
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("manifest", ["missing", "forged"])
+def test_planted_constructor_library_never_runs_in_a_fresh_process(cache_home, tmp_path, manifest):
+    directory = Path(native.cache_dir()) / native.build_key()
+    directory.mkdir(parents=True, mode=0o700)
+    canary = tmp_path / "canary"
+    evil = _compile_c(_EVIL_C % canary, tmp_path, "evil.so")
+    library = directory / f"dlperf_plan_{native.build_key()}.so"
+    shutil.copyfile(evil, library)
+    if manifest == "forged":
+        (directory / native_cache.MANIFEST).write_text(json.dumps(
+            {"format": 1, "file": library.name, "size": library.stat().st_size, "sha256": "0" * 64}))
+    # The child cannot compile (that would take minutes here): it must refuse the planted library
+    # and fall back to the Python replay, which still gives the right answer.
+    script = textwrap.dedent("""
+        import sys, torch
+        from torch import nn
+        from dlperf.hybrid import hybridize
+        from dlperf.hybrid.backends import native
+
+        def no_compiler(name, workdir):
+            raise RuntimeError("compiler disabled in this test")
+
+        native._compile = no_compiler
+        print(native.build_key())
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 2))
+        net = hybridize(model, backend="native")
+        with torch.no_grad():
+            x = torch.randn(3, 6)
+            torch.testing.assert_close(net(x), model(x))
+        (choice,) = net.choices.values()
+        print(choice.reason)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(native.__file__).parents[3])] + sys.path)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr
+    key, reason = proc.stdout.splitlines()[:2]
+    assert key == native.build_key()  # the child looked at the very file that was planted
+    assert not canary.exists()
+    assert "Python graph replay" in reason and "compiler disabled in this test" in reason
+    assert f"NativeCacheWarning: dlperf: not loading {library}" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flaw", ["group-writable", "foreign-owned", "symlink"])
+def test_cache_directory_others_could_write_is_refused(cache_home, tmp_path, capfd, monkeypatch, flaw):
+    target = cache_home / "dlperf"
+    if flaw == "symlink":
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir(mode=0o700)
+        target.symlink_to(elsewhere)
+    else:
+        target.mkdir(mode=0o700)
+    if flaw == "group-writable":
+        target.chmod(0o770)
+    if flaw == "foreign-owned":
+        if os.geteuid() == 0:
+            os.chown(target, 54321, -1)
+        else:  # without the right to give a directory away, make every existing one look foreign
+            real = os.geteuid()
+            monkeypatch.setattr(os, "geteuid", lambda: real + 1)
+    with pytest.raises(native_cache.CacheUnsafe, match="expected a directory owned by uid"):
+        native_cache.private_dir(str(cache_home), ["dlperf", "tiny"])
+    tiny = TinyLibrary()
+    with pytest.warns(native_cache.NativeCacheWarning) as caught:
+        assert tiny.get(cache_home).answer() == 42
+        tiny.get(cache_home)
+    (warning,) = caught  # one warning per process, however often the cache is refused
+    message = str(warning.message)
+    assert message.startswith(f"dlperf: not using the cache for the tiny test library: {target} is ")
+    assert "expected a directory owned by uid" in message and "building in a private temporary directory" in message
+    assert not (target / "tiny").exists() and not (tmp_path / "elsewhere" / "tiny").exists()
+    assert tiny.builds == 2 and tiny.loads == []
+    assert "not cached" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_lock_of_a_killed_builder_does_not_block(cache_home, tmp_path):
+    directory = native_cache.private_dir(str(cache_home), ["dlperf", "tiny"])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            sys.path[:0] = {sys.path!r}
+            from dlperf.hybrid.backends import native_cache
+            with native_cache.build_lock({directory!r}, 5, "x"):
+                print("locked", flush=True)
+                time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+    finally:
+        holder.kill()  # SIGKILL mid-"compile": no chance to clean up
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    lock = Path(directory) / native_cache.LOCK
+    assert str(holder.pid) in lock.read_text()  # the dead holder's record is still there
+    (Path(directory) / "lock").write_text("")  # and torch's FileBaton file from an old-style build
+    child = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = {sys.path!r}
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from test_hybrid_native import TinyLibrary
+        print(TinyLibrary().get(Path({str(cache_home)!r}), wait_s=5).answer())
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=45)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "42"
+
+
+@pytest.mark.timeout(60)
+def test_live_builder_is_waited_for_with_a_bound(cache_home, capfd):
+    directory = native_cache.private_dir(str(cache_home), ["dlperf", "tiny"])
+    with native_cache.build_lock(directory, 1, "x"):
+        start = time.monotonic()
+        with pytest.raises(native_cache.BuildWaitTimeout, match=f"process {os.getpid()} .* longer than 0 s"):
+            TinyLibrary().get(cache_home, wait_s=0.5)
+        assert time.monotonic() - start < 10
+    assert f"waiting up to 0 s for process {os.getpid()}" in capfd.readouterr().err
+    assert TinyLibrary().get(cache_home, wait_s=0.5).answer() == 42  # released: the next one builds
+
+
+@pytest.mark.timeout(60)
+def test_native_backend_falls_back_while_another_process_compiles(cache_home, monkeypatch):
+    monkeypatch.setattr(native, "_extension", None)
+    monkeypatch.setattr(native, "_extension_error", None)
+    monkeypatch.setattr(native, "BUILD_WAIT_S", 0.5)
+    directory = native_cache.private_dir(native.cache_base(), ["dlperf", "native", native.build_key()])
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    with native_cache.build_lock(directory, 1, "x"):
+        net = _net(model)
+        with torch.no_grad():
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(net(x), model(x))
+    (choice,) = net.choices.values()
+    assert "Python graph replay" in choice.reason and "longer than 0 s" in choice.reason
+
+
+def test_build_key_covers_the_environment(monkeypatch):
+    from torch.utils import cpp_extension
+
+    base = native.build_key()
+    assert native.build_key() == base
+    with monkeypatch.context() as m:
+        m.setattr(sys, "prefix", "/elsewhere/venv")
+        assert native.build_key() != base
+    with monkeypatch.context() as m:
+        m.setattr(sys, "executable", "/elsewhere/venv/bin/python")
+        assert native.build_key() != base
+    with monkeypatch.context() as m:
+        m.setattr(cpp_extension, "include_paths", lambda *a, **k: ["/other/torch/include"])
+        assert native.build_key() != base
+    with monkeypatch.context() as m:
+        m.setattr(native, "_compiler_identity", lambda compiler: "clang version 99")
+        assert native.build_key() != base
+    environment = native.build_environment()
+    assert native.build_key(environment) == base
+    assert native.build_key({**environment, "flags": "-O0"}) != base
+
+
+@pytest.mark.timeout(60)
+def test_compiling_is_announced_before_it_starts(cache_home, monkeypatch, capfd):
+    monkeypatch.setattr(native, "_extension", None)
+    monkeypatch.setattr(native, "_extension_error", None)
+    seen_before_compile = []
+
+    def fake_compile(name, workdir):
+        seen_before_compile.append(capfd.readouterr().err)
+        raise RuntimeError("stopped before compiling")
+
+    monkeypatch.setattr(native, "_compile", fake_compile)
+    with pytest.raises(RuntimeError, match="stopped before compiling"):
+        native.load_extension()
+    (err,) = seen_before_compile
+    assert "dlperf: compiling the native plan interpreter once for this machine and environment " \
+           "(about a minute; cached in" in err
+    assert err.count("\n") == 1

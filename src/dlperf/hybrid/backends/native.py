@@ -1,10 +1,12 @@
 """Inference replay in one C++ call: the captured graph compiled into a plan of fused instructions.
 
 The plan interpreter (:mod:`.native_src`) is compiled with the machine's C++ compiler on first
-use and cached under the user's cache directory, keyed by source, PyTorch, Python and CPU flags
-(the code is built with ``-march=native``), so later processes load it in milliseconds. When no
-compiler works the backend still serves, replaying the graph in Python under ``no_grad``; the
-runner's ``detail`` says which path is live.
+use (a line on stderr says so, and how long it took) and cached under the user's cache directory,
+keyed by everything the build depends on: source, flags, PyTorch and its headers, the Python
+environment, the compiler and the CPU flags (the code is built with ``-march=native``). Later
+processes load it in milliseconds, after checking its SHA-256 against the manifest written at build
+time (:mod:`.native_cache`). When no compiler works the backend still serves, replaying the graph
+in Python under ``no_grad``; the runner's ``detail`` says which path is live.
 
 Supported graphs: one tensor input, one tensor output, and linear layers, ReLU/sigmoid/tanh,
 flatten, add and mul in between; anything else raises :class:`BackendUnsupported`, and ``auto``
@@ -15,11 +17,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
+import json
 import logging
 import operator
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import sysconfig
 import threading
 
 import torch
@@ -27,6 +34,7 @@ from torch import fx
 from torch.nn import functional as F
 
 from ..capture import Captured
+from . import native_cache
 from . import native_src as src
 from .registry import Backend, BackendUnsupported, Runner, register_backend
 
@@ -39,27 +47,64 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
           # Reassociation lets the dot products vectorize; results differ from BLAS in the last bits.
           "-fassociative-math", "-fno-signed-zeros"]
 
+_CACHE_SUBDIRS = ("dlperf", "native")
+# How long to wait for another process that is compiling the same interpreter before replaying
+# in Python instead (a first compile takes a minute or more on a loaded machine).
+BUILD_WAIT_S = native_cache.DEFAULT_WAIT_S
+
 _lock = threading.Lock()
 _extension: object | None = None
 _extension_error: str | None = None
 
 
+def cache_base() -> str:
+    """$XDG_CACHE_HOME, or ~/.cache."""
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
 def cache_dir() -> str:
-    """Where compiled plan interpreters live: $XDG_CACHE_HOME/dlperf or ~/.cache/dlperf."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "dlperf", "native")
+    """Where compiled plan interpreters live: $XDG_CACHE_HOME/dlperf/native or ~/.cache/dlperf/native."""
+    return os.path.join(cache_base(), *_CACHE_SUBDIRS)
 
 
-def _build_key() -> str:
-    cpu_flags = ""
+def build_environment() -> dict[str, str]:
+    """Everything the compiled library depends on; a change in any of it means a separate build."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")  # the one torch.utils.cpp_extension invokes
+    return {
+        "source": src.SOURCE, "functions": " ".join(src.FUNCTIONS), "flags": " ".join(_FLAGS),
+        "torch": torch.__version__, "torch_dir": os.path.dirname(torch.__file__),
+        "torch_include": os.pathsep.join(cpp_extension.include_paths()),
+        "cxx11_abi": str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")),
+        "python": sys.version, "executable": sys.executable, "prefix": sys.prefix, "base_prefix": sys.base_prefix,
+        "python_include": sysconfig.get_paths()["include"], "soabi": str(sysconfig.get_config_var("SOABI")),
+        "machine": platform.machine(), "cpu_flags": _cpu_flags(), "compiler": _compiler_identity(compiler),
+    }
+
+
+def build_key(environment: dict[str, str] | None = None) -> str:
+    env = build_environment() if environment is None else environment
+    return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            cpu_flags = next((ln for ln in f if ln.startswith("flags")), "")
+            return next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
-        cpu_flags = platform.processor()
-    text = "\n".join([src.SOURCE, " ".join(_FLAGS), torch.__version__, sys.version, platform.machine(),
-                      cpu_flags])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return platform.processor()
+
+
+@functools.cache
+def _compiler_identity(compiler: str) -> str:
+    path = shutil.which(compiler) or compiler
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        version = out.stdout.strip() or out.stderr.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        version = f"unavailable ({type(exc).__name__})"
+    return f"{os.path.realpath(path)}\n{version}"
 
 
 def load_extension():
@@ -71,20 +116,36 @@ def load_extension():
         if _extension_error is not None:
             raise RuntimeError(_extension_error)
         try:
-            from torch.utils.cpp_extension import load_inline
-
-            key = _build_key()
-            build = os.path.join(cache_dir(), key)
-            os.makedirs(build, exist_ok=True)
-            log.info("dlperf.hybrid: loading the native plan interpreter from %s "
-                     "(compiled on first use, about 30 s)", build)
-            _extension = load_inline(f"dlperf_plan_{key}", cpp_sources=[src.SOURCE],
-                                     functions=src.FUNCTIONS, build_directory=build,
-                                     extra_cflags=_FLAGS, verbose=False)
+            key = build_key()
+            name = f"dlperf_plan_{key}"
+            _extension = native_cache.load_or_build(
+                base=cache_base(), subdirs=[*_CACHE_SUBDIRS, key], filename=f"{name}.so",
+                what="the native plan interpreter", expected_time="about a minute",
+                build=functools.partial(_compile, name), load=functools.partial(_import, name),
+                wait_s=BUILD_WAIT_S)
         except Exception as exc:  # a missing compiler, headers or ninja all land here
             _extension_error = f"cannot build the native plan interpreter: {type(exc).__name__}: {exc}"
             raise RuntimeError(_extension_error) from exc
         return _extension
+
+
+def _compile(name: str, workdir: str):
+    from torch.utils.cpp_extension import load_inline
+
+    # workdir is new and private: load_inline imports whatever library its build directory holds,
+    # and here that can only be the one it has just compiled.
+    module = load_inline(name, cpp_sources=[src.SOURCE], functions=src.FUNCTIONS, build_directory=workdir,
+                         extra_cflags=_FLAGS, verbose=False)
+    return module.__file__, module
+
+
+def _import(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a loadable extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_code(gm: fx.GraphModule) -> tuple[list[int], list[torch.Tensor], int, int]:

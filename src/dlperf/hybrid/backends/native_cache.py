@@ -1,0 +1,276 @@
+"""A per-user cache of compiled shared libraries that only ever loads bytes it has verified.
+
+Layout: ``<base>/<subdirs...>/`` (every level created 0700 and checked to belong to the effective
+user, with no group or other write permission) holds the library, ``manifest.json`` (its size and
+SHA-256, written atomically after the library) and ``.lock``.
+
+Loading reads the cached library into memory, compares its hash with the manifest, writes those
+same bytes to a fresh ``mkdtemp`` directory (0700, created by this process) and loads that copy, so
+a file swapped in after the check is never the one loaded. Building happens in another fresh
+private directory, so a compiler front end that imports whatever library already sits in its build
+directory (``torch.utils.cpp_extension.load_inline`` does) only ever sees its own output.
+
+Concurrent builders serialize on ``flock`` of ``.lock``: the kernel drops the lock when its holder
+dies, so a process killed mid-compile leaves nothing that blocks the next one, and a live holder is
+waited for at most ``wait_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import stat
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from ..._io import atomic_write_bytes, atomic_write_text
+
+log = logging.getLogger("dlperf.hybrid")
+
+T = TypeVar("T")
+
+MANIFEST = "manifest.json"
+LOCK = ".lock"
+MANIFEST_FORMAT = 1
+DEFAULT_WAIT_S = 900.0  # a first compile takes minutes on a loaded two-core machine
+_MAX_MANIFEST_BYTES = 64 * 1024
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+class NativeCacheWarning(UserWarning):
+    """The cache was not used, or a cached library was not loaded; the message says why."""
+
+
+class CacheUnsafe(RuntimeError):
+    """A cache directory that another user could write to (or that is not a plain directory)."""
+
+
+class BuildWaitTimeout(RuntimeError):
+    """Another live process held the build lock for longer than the caller is willing to wait."""
+
+
+def say(message: str) -> None:
+    """One line on stderr, where a user running a script sees it without configuring logging."""
+    print(message, file=sys.stderr, flush=True)
+    log.info("%s", message)
+
+
+def warn_once(message: str) -> None:
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    warnings.warn(message, NativeCacheWarning, stacklevel=3)
+
+
+# --- private directories ---------------------------------------------------------------------
+def private_dir(base: str, subdirs: Sequence[str]) -> str:
+    """``base/subdirs...``, creating missing levels 0700; raise CacheUnsafe if any level is not ours."""
+    _check_base(base)
+    path = base
+    for part in subdirs:
+        path = os.path.join(path, part)
+        try:
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # the umask may have taken bits away; never adds group/other ones
+        except FileExistsError:
+            pass
+        _check_ours(path)
+    return path
+
+
+def _check_base(base: str) -> None:
+    if not os.path.isdir(base):
+        os.makedirs(base, mode=0o700, exist_ok=True)
+    st = os.stat(base)
+    euid = os.geteuid()
+    sticky = bool(st.st_mode & stat.S_ISVTX)
+    # A shared sticky directory such as /tmp is fine as a base: nobody else can rename or remove
+    # the private directory made inside it.
+    if st.st_uid not in (euid, 0) or (st.st_mode & 0o022 and not sticky):
+        raise CacheUnsafe(f"{base} is {_describe(st)}; expected a directory owned by uid {euid} that "
+                          f"group and others cannot write (fix: chmod go-w {base}, or set XDG_CACHE_HOME "
+                          f"to a private directory)")
+
+
+def _check_ours(path: str) -> None:
+    st = os.lstat(path)
+    euid = os.geteuid()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != euid or st.st_mode & 0o022:
+        raise CacheUnsafe(f"{path} is {_describe(st)}; expected a directory owned by uid {euid} that group "
+                          f"and others cannot write (fix: remove it, or chmod go-w it if it is yours)")
+
+
+def _describe(st: os.stat_result) -> str:
+    kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a symbolic link" if stat.S_ISLNK(st.st_mode) \
+        else "not a directory"
+    return f"{kind} owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+# --- build lock ------------------------------------------------------------------------------
+class build_lock:  # noqa: N801 - used as a context manager, reads like one
+    """Exclusive ``flock`` on ``directory/.lock``, waited for at most ``wait_s`` seconds.
+
+    The file records the holder (pid, host, start time) only to name it in the waiting message;
+    the lock itself is the kernel's, released when the holder exits or is killed.
+    """
+
+    def __init__(self, directory: str, wait_s: float, what: str):
+        self.path = os.path.join(directory, LOCK)
+        self.wait_s = wait_s
+        self.what = what
+        self._fd: int | None = None
+
+    def __enter__(self) -> build_lock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            self._acquire(fd)
+            os.ftruncate(fd, 0)
+            owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+            os.pwrite(fd, json.dumps(owner).encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return self
+
+    def _acquire(self, fd: int) -> None:
+        deadline = time.monotonic() + self.wait_s
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            if not told:
+                say(f"dlperf: waiting up to {self.wait_s:.0f} s for {self._holder(fd)}, which is compiling "
+                    f"{self.what} into {os.path.dirname(self.path)}")
+                told = True
+            if time.monotonic() >= deadline:
+                raise BuildWaitTimeout(
+                    f"{self._holder(fd)} has been compiling {self.what} for longer than {self.wait_s:.0f} s "
+                    f"(lock {self.path}); let it finish, or stop it and run again")
+            time.sleep(0.2)
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        try:
+            owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            return f"process {int(owner['pid'])} on {str(owner['host'])[:64]}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "another process"
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor releases the flock
+            self._fd = None
+
+
+# --- verified load and build -------------------------------------------------------------------
+def load_or_build(*, base: str, subdirs: Sequence[str], filename: str, what: str, expected_time: str,
+                  build: Callable[[str], tuple[str, T]], load: Callable[[str], T],
+                  wait_s: float = DEFAULT_WAIT_S) -> T:
+    """The cached library ``filename`` loaded by ``load(path)`` if its hash checks out, else a fresh build.
+
+    ``build(workdir)`` compiles into the empty private ``workdir`` and returns the library's path and
+    the loaded object; the library's bytes are then published to the cache with their hash.
+    """
+    try:
+        directory = private_dir(base, subdirs)
+    except (CacheUnsafe, OSError) as exc:
+        warn_once(f"dlperf: not using the cache for {what}: {exc}; building in a private temporary "
+                  f"directory instead, and not keeping the result")
+        return _build(None, filename, what, expected_time, build)
+    loaded, problem = _load_verified(directory, filename, load)
+    if loaded is not None:
+        return loaded
+    with build_lock(directory, wait_s, what):
+        # A builder that held the lock while we waited has published by now.
+        loaded, problem = _load_verified(directory, filename, load)
+        if loaded is not None:
+            return loaded
+        if problem:
+            warn_once(f"dlperf: not loading {os.path.join(directory, filename)}: {problem}; rebuilding it")
+        return _build(directory, filename, what, expected_time, build)
+
+
+def _load_verified(directory: str, filename: str, load: Callable[[str], T]) -> tuple[T | None, str | None]:
+    """(loaded, None) on success, (None, None) when nothing is cached, (None, reason) otherwise."""
+    path = os.path.join(directory, filename)
+    try:
+        data = _read_regular(path, limit=None)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"cannot read it ({exc})"
+    try:
+        manifest = json.loads(_read_regular(os.path.join(directory, MANIFEST), limit=_MAX_MANIFEST_BYTES))
+    except FileNotFoundError:
+        return None, f"no {MANIFEST} records its hash"
+    except (OSError, ValueError) as exc:
+        return None, f"its {MANIFEST} is unreadable ({exc})"
+    digest = hashlib.sha256(data).hexdigest()
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT \
+            or manifest.get("file") != filename:
+        return None, f"its {MANIFEST} is not a format-{MANIFEST_FORMAT} manifest for {filename}"
+    if manifest.get("sha256") != digest or manifest.get("size") != len(data):
+        return None, f"its SHA-256 {digest[:16]}... does not match the one recorded in {MANIFEST}"
+    scratch = tempfile.mkdtemp(prefix=".load-", dir=directory)
+    try:
+        copy = os.path.join(scratch, filename)
+        # The bytes just hashed go to a file in a directory only this process has seen: what gets
+        # loaded is exactly what was verified, whatever happens to the cached file meanwhile.
+        fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o700)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            return load(copy), None
+        except (ImportError, OSError) as exc:
+            return None, f"it does not load ({type(exc).__name__}: {exc})"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # the mapping outlives the file
+
+
+def _read_regular(path: str, limit: int | None) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise OSError(f"{path} is larger than {limit} bytes")
+    return data
+
+
+def _build(directory: str | None, filename: str, what: str, expected_time: str,
+           build: Callable[[str], tuple[str, T]]) -> T:
+    where = f"cached in {directory}" if directory else "not cached"
+    say(f"dlperf: compiling {what} once for this machine and environment ({expected_time}; {where})...")
+    start = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix=".build-", dir=directory)
+    try:
+        library, loaded = build(workdir)
+        if directory is not None:
+            data = _read_regular(library, limit=None)
+            manifest = {"format": MANIFEST_FORMAT, "file": filename, "size": len(data),
+                        "sha256": hashlib.sha256(data).hexdigest(), "built": time.time()}
+            # Library first, manifest second: a reader in between sees a mismatch and takes the lock.
+            atomic_write_bytes(os.path.join(directory, filename), data)
+            atomic_write_text(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1) + "\n")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    say(f"dlperf: compiled {what} in {time.monotonic() - start:.0f} s")
+    return loaded
