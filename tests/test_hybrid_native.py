@@ -229,6 +229,20 @@ def test_planted_constructor_library_never_runs_in_process(cache_home, tmp_path,
     assert f"not loading {directory / 'tiny.so'}: " in str(warning.message)
     assert f"{reason}" in str(warning.message) and str(warning.message).endswith("; rebuilding it")
     assert tiny.get(cache_home).answer() == 42 and tiny.builds == 2  # the rebuild was published
+    assert sorted(p.name for p in directory.iterdir()) == [native_cache.LOCK, native_cache.MANIFEST, "tiny.so"]
+
+
+@pytest.mark.timeout(60)
+def test_scratch_left_by_a_killed_process_is_removed_on_the_next_build(cache_home):
+    directory = Path(native_cache.private_dir(str(cache_home), ["dlperf", "tiny"]))
+    old, recent = directory / ".build-old", directory / ".load-recent"
+    for scratch in (old, recent):
+        scratch.mkdir()
+        (scratch / "tiny.so").write_bytes(b"partial")
+    day_ago = time.time() - 2 * 24 * 3600
+    os.utime(old, (day_ago, day_ago))
+    TinyLibrary().get(cache_home)
+    assert not old.exists() and recent.exists()  # a recent one may belong to a live process
 
 
 @pytest.mark.timeout(240)

@@ -44,6 +44,7 @@ LOCK = ".lock"
 MANIFEST_FORMAT = 1
 DEFAULT_WAIT_S = 900.0  # a first compile takes minutes on a loaded two-core machine
 _MAX_MANIFEST_BYTES = 64 * 1024
+_SCRATCH_MAX_AGE_S = 24 * 3600.0
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -204,7 +205,17 @@ def load_or_build(*, base: str, subdirs: Sequence[str], filename: str, what: str
             return loaded
         if problem:
             warn_once(f"dlperf: not loading {os.path.join(directory, filename)}: {problem}; rebuilding it")
+        _remove_abandoned_scratch(directory)
         return _build(directory, filename, what, expected_time, build)
+
+
+def _remove_abandoned_scratch(directory: str) -> None:
+    # A process killed while building or loading leaves its scratch directory behind; none lives a day.
+    cutoff = time.time() - _SCRATCH_MAX_AGE_S
+    for entry in os.scandir(directory):
+        if entry.name.startswith((".build-", ".load-")) and entry.is_dir(follow_symlinks=False) \
+                and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _load_verified(directory: str, filename: str, load: Callable[[str], T]) -> tuple[T | None, str | None]:
