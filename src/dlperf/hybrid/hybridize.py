@@ -79,6 +79,7 @@ class _Observed:
     output: object
     grads: tuple
     inputs: tuple
+    modifies_inputs: bool
     state: dict[str, torch.Tensor]  # tensors changed in place -> their new values
     rebound: list[str]  # attributes rebound or Python values changed
 
@@ -280,7 +281,8 @@ class HybridModule(nn.Module):
             if rejected:
                 reason += "; skipped " + "; ".join(rejected)
             return Choice(backend.name, run, reason), run(*args)
-        timed = [(self._time_runner(run, args, device, state), backend, run) for backend, run in ready]
+        timed = [(self._time_runner(run, args, device, state, reference.modifies_inputs), backend, run)
+                 for backend, run in ready]
         timed.sort(key=lambda t: t[0])
         best_s, backend, run = timed[0]
         others = ", ".join(f"{b.name} {s * 1e6:.1f} us" for s, b, _ in timed[1:])
@@ -318,8 +320,10 @@ class HybridModule(nn.Module):
     def _observe(self, run: Callable, args: tuple, needs_grad: bool, state: ModuleState) -> _Observed:
         """Run ``run`` on copies of ``args`` and record all that eager's result consists of."""
         copies, leaves = _copies(args)
+        versions = [c._version for c in copies]
         output, grads = self._forward_backward(run, copies, leaves, needs_grad)
-        return _Observed(output, grads, copies, state.changed_tensors(), state.replaced())
+        modifies_inputs = versions != [c._version for c in copies]
+        return _Observed(output, grads, copies, modifies_inputs, state.changed_tensors(), state.replaced())
 
     def _forward_backward(self, run: Callable, args: tuple, arg_leaves: list, needs_grad: bool):
         """Output of ``run(*args)`` and, when autograd records, the gradients of its sum.
@@ -337,7 +341,8 @@ class HybridModule(nn.Module):
         grads = torch.autograd.grad(sum(total), leaves, allow_unused=True)
         return out, tuple(g if g is not None else torch.zeros(()) for g in grads)
 
-    def _time_runner(self, run: Callable, args: tuple, device: torch.device, state: ModuleState) -> float:
+    def _time_runner(self, run: Callable, args: tuple, device: torch.device, state: ModuleState,
+                     modifies_inputs: bool) -> float:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         samples: list[float] = []
         start = time.perf_counter()
@@ -348,6 +353,8 @@ class HybridModule(nn.Module):
         try:
             self._forward_backward(run, copies, leaves, needs_grad)  # untimed: lazy allocations, algorithms
             while len(samples) < AUTO_MAX_TRIALS:
+                if modifies_inputs:  # untimed: x.mul_(0.5) a hundred times would time denormals
+                    copies, leaves = _copies(args)
                 sync()
                 t0 = time.perf_counter()
                 self._forward_backward(run, copies, leaves, needs_grad)
