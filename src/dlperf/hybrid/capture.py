@@ -9,6 +9,10 @@ exactly what a replayed graph would get wrong, and capture stops there with the 
 * Values leaving the graph (``x.numpy()``, ``x.item()``, ``x.tolist()``): a replay would not
   re-run the Python that consumes them.
 
+* Updates of module state outside the graph (``self.calls += 1``, ``self.count += 1`` on a
+  buffer, ``self.cache = x``): buffers and attributes are real objects while tracing, so the
+  update would run once at capture and never on replay. Capture undoes it and refuses.
+
 Control flow on Python values (``if self.stride != 1:``, ``for block in self.blocks:``) is fine:
 it is decided at capture and unrolled. Side effects such as ``print`` run during capture (they
 see the stand-ins, not numbers) and never again on replay.
@@ -26,11 +30,10 @@ Dropout, LSTM and unknown layers stay module calls and keep reading their mode a
 
 from __future__ import annotations
 
-import contextlib
 import linecache
 import os
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +76,20 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
     """
     tracer = fx.Tracer()
     tracer.record_stack_traces = True
+    # Parameters are symbolic while tracing; buffers and plain attributes are real objects, so an
+    # update of them runs once, for real, and is not in the graph: undo it and refuse the graph.
+    state = ModuleState(module, parameters=False)
     try:
         graph = tracer.trace(module)
     except Exception as exc:  # fx raises TraceError, TypeError, AttributeError... all mean "not a graph"
         raise CaptureError(_describe_trace_failure(exc), _user_line(exc.__traceback__)) from exc
+    finally:
+        changed = state.replaced() + list(state.changed_tensors())
+        state.restore()
+    if changed:
+        raise CaptureError(f"forward updates module state ({', '.join(f'self.{n}' for n in changed)}) "
+                           "outside the graph, so a replay would skip the update; move the update out of "
+                           "forward or keep the module eager")
     gm = fx.GraphModule(module, graph, class_name=f"Captured{type(module).__name__}")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_args):
@@ -215,18 +228,138 @@ def _has_hooks(module: nn.Module) -> bool:
         "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
 
 
-@contextlib.contextmanager
-def preserved_state(module: nn.Module) -> Iterator[None]:
-    """Undo side effects of trial runs: buffer updates (BatchNorm statistics) and RNG draws."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
+# nn.Module's own bookkeeping in __dict__; everything else there is the user's state.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training"}
+_SCALARS = (int, float, complex, bool, str, bytes, type(None))
+
+
+def _same_value(now: object, then: object) -> bool:
+    return now is then or (type(now) is type(then) and isinstance(then, _SCALARS) and now == then)
+
+
+def _same_tensor(now: torch.Tensor, then: torch.Tensor, rtol: float = 0.0, atol: float = 0.0) -> bool:
+    if now.shape != then.shape or now.dtype != then.dtype:
+        return False
+    if now.is_floating_point() or now.is_complex():
+        return torch.allclose(now.detach(), then, rtol, atol, equal_nan=True)
+    return torch.equal(now.detach(), then)
+
+
+@dataclass
+class _TensorSlot:
+    """One tensor a forward can change: a parameter, a buffer or a plain tensor attribute."""
+
+    name: str  # qualified, as the user would spell it: "bn.running_mean"
+    table: dict  # owner._parameters, owner._buffers or owner.__dict__
+    key: str
+    live: torch.Tensor
+    saved: torch.Tensor
+
+
+@dataclass
+class _ValueSlot:
+    """A plain Python attribute (``self.calls``): its object and, for containers, their items."""
+
+    name: str
+    table: dict
+    key: str
+    live: object
+    fingerprint: object  # the identities of a list/dict/set's items, else None
+    items: object  # a shallow copy of a list/dict/set, else None
+
+
+class ModuleState:
+    """What a forward can change on a module, snapshotted so trial runs can be undone and compared.
+
+    Covers parameters (optional: at capture they are symbolic and cannot change), buffers, plain
+    tensor attributes, plain Python attributes of every submodule, and the RNG. Restoring writes
+    through ``.data``, so it neither bumps version counters nor disturbs autograd graphs of earlier
+    calls that saved these tensors (as eager's in-kernel BatchNorm update does not either).
+    """
+
+    def __init__(self, module: nn.Module, *, parameters: bool = True):
+        self._tensors: list[_TensorSlot] = []
+        self._values: list[_ValueSlot] = []
+        self._keys: list[tuple[str, dict, frozenset]] = []
         with torch.no_grad():
-            for live, saved in buffers:
-                live.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+            for prefix, sub in module.named_modules():
+                tables = [sub._parameters] if parameters else []
+                for table in [*tables, sub._buffers, sub.__dict__]:
+                    for key, value in table.items():
+                        if table is sub.__dict__ and key in _MODULE_INTERNALS:
+                            continue
+                        name = f"{prefix}.{key}" if prefix else key
+                        if isinstance(value, torch.Tensor):
+                            self._tensors.append(_TensorSlot(name, table, key, value, value.detach().clone()))
+                        elif table is sub.__dict__:
+                            self._values.append(_ValueSlot(name, table, key, value, _fingerprint(value),
+                                                                  _shallow_copy(value)))
+                self._keys.append((prefix, sub.__dict__, frozenset(sub.__dict__)))
+        self._cpu_rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def replaced(self) -> list[str]:
+        """Attributes the forward rebound or whose Python value changed (a graph cannot replay these)."""
+        names = [s.name for s in self._tensors if s.table.get(s.key) is not s.live]
+        names += [s.name for s in self._values
+                  if not _same_value(s.table.get(s.key, _MISSING), s.live) or _fingerprint(s.live) != s.fingerprint]
+        for prefix, table, keys in self._keys:
+            names += [f"{prefix}.{k}" if prefix else k for k in sorted(set(table) - keys)]
+        return names
+
+    def changed_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors whose values the forward changed in place, as copies of their new values."""
+        with torch.no_grad():
+            return {s.name: s.live.detach().clone() for s in self._tensors
+                    if s.table.get(s.key) is s.live and not _same_tensor(s.live, s.saved)}
+
+    def differences(self, expected: dict[str, torch.Tensor], rtol: float, atol: float) -> list[str]:
+        """Tensors whose values now differ from ``expected`` (a ``changed_tensors()``), else from the snapshot."""
+        return [s.name for s in self._tensors
+                if not _same_tensor(s.live, expected.get(s.name, s.saved), rtol, atol)]
+
+    def restore(self) -> None:
+        """Put every tensor, attribute and the RNG back as they were at the snapshot."""
+        with torch.no_grad():
+            for s in self._tensors:
+                s.table[s.key] = s.live
+                if s.live.shape == s.saved.shape and s.live.dtype == s.saved.dtype:
+                    s.live.data.copy_(s.saved)
+                else:  # resized in place
+                    s.live.data = s.saved.clone()
+        for s in self._values:
+            s.table[s.key] = s.live
+            _refill(s.live, s.items)
+        for _prefix, table, keys in self._keys:
+            for extra in set(table) - keys:
+                del table[extra]
+        torch.set_rng_state(self._cpu_rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self._cuda_rng)
+
+
+_MISSING = object()
+
+
+def _fingerprint(value: object) -> object:
+    if type(value) is list:
+        return [id(v) for v in value]
+    if type(value) is dict:
+        return [(id(k), id(v)) for k, v in value.items()]
+    if type(value) is set:
+        return {id(v) for v in value}
+    return None
+
+
+def _shallow_copy(value: object) -> object:
+    return type(value)(value) if type(value) in (list, dict, set) else None
+
+
+def _refill(container: object, items: object) -> None:
+    if items is None:
+        return
+    if type(container) is list:
+        container[:] = items
+    else:
+        container.clear()
+        container.update(items)

@@ -9,15 +9,22 @@ A :class:`HybridModule` is an explicit state machine:
 ``replay``
     every call is keyed by its *signature*: the shape, dtype, device and ``requires_grad`` of each
     input, whether autograd is recording, and ``module.training``. A known signature goes straight
-    to its runner. A new one warns, prepares a runner for it (checked against eager on that very
-    input) and caches it, up to ``max_signatures``; beyond that calls run eagerly, with a warning.
+    to its runner. A new one warns, prepares a runner for it (checked against eager on a copy of
+    that very input: output, gradients, the input after the call and the module state after it)
+    and caches it, up to ``max_signatures``; beyond that calls run eagerly, with a warning. The
+    checks and ``auto``'s timing runs work on copies of the inputs and are undone on the module,
+    so each call changes the caller's tensors and the module's buffers exactly once, as eager.
 ``eager``
     the original module runs, as if never hybridized (``reset()`` goes back to ``capture``).
 
 Replays do not run forward's Python: a ``print`` in forward prints the symbolic stand-ins during
 capture and never again, as the d2l book observes of MXNet. Python values read by forward
 (``self.scale = 2.0``) are frozen into the graph at capture; call ``reset()`` after changing them
-or the module's structure. Inference-only backends (``native``) serve only calls made under
+or the module's structure. A forward that updates module state outside the graph
+(``self.calls += 1`` on a Python int or a buffer) runs eagerly, with a warning naming the
+attribute; in-place updates inside the graph (BatchNorm statistics, ``self.total.add_(x.sum())``)
+are replayed. Outputs may be tensors or any nesting of tuples, lists, dicts and namedtuples of
+them. Inference-only backends (``native``) serve only calls made under
 ``torch.no_grad()``/``torch.inference_mode()``; with autograd recording, a backend that keeps
 gradients is used, so training through a hybridized module is exactly eager's.
 
@@ -42,10 +49,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from ..errors import UsageError
 from .backends.registry import Backend, BackendUnsupported, get_backend
-from .capture import Captured, CaptureError, capture, preserved_state
+from .capture import Captured, CaptureError, ModuleState, capture
 
 log = logging.getLogger("dlperf.hybrid")
 
@@ -58,6 +66,22 @@ AUTO_MIN_TRIALS, AUTO_MAX_TRIALS, AUTO_BUDGET_S = 3, 200, 0.05
 # A runner whose output differs from eager's beyond this is never used (float32 reassociation
 # in fused kernels moves results by ~1e-6 relative; anything larger is a bug).
 CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5
+
+
+class _Unreplayable(Exception):
+    """The forward does something no replay reproduces; the module runs eagerly from now on."""
+
+
+@dataclass
+class _Observed:
+    """One run's result: output, gradients, the inputs after it, and what it changed on the module."""
+
+    output: object
+    grads: tuple
+    inputs: tuple
+    modifies_inputs: bool
+    state: dict[str, torch.Tensor]  # tensors changed in place -> their new values
+    rebound: list[str]  # attributes rebound or Python values changed
 
 
 class HybridizeWarning(UserWarning):
@@ -202,7 +226,14 @@ class HybridModule(nn.Module):
             known = ", ".join(_format_signature(k) for k in self._choices)
             self._warn(f"input signature changed to {_format_signature(key)} (prepared: {known}); "
                        "preparing a replay for it")
-        choice, output = self._prepare(args)
+        try:
+            choice, output = self._prepare(args)
+        except _Unreplayable as exc:
+            if self.strict:
+                raise CaptureError(str(exc)) from None
+            self._state, self._fallback_reason, self._choices, self._runs = EAGER, str(exc), {}, {}
+            self._warn(f"cannot hybridize {type(self.module).__name__}: {exc}; running eagerly")
+            return self.module(*args)
         self._choices[key] = choice
         self._runs[key] = choice.run
         log.info("dlperf.hybrid: %s for %s: %s", choice.backend, _format_signature(key), choice.reason)
@@ -210,18 +241,29 @@ class HybridModule(nn.Module):
 
     # --- choosing a runner for a new signature --------------------------------------------
     def _prepare(self, args: tuple) -> tuple[Choice, object]:
-        """Pick the runner for this signature; returns it and this call's output."""
+        """Pick the runner for this signature; returns it and this call's output.
+
+        The eager reference, every trial and every timing run work on copies of the inputs and
+        are undone on the module (parameters, buffers, attributes, RNG) afterwards, so only the
+        final call, on the caller's tensors, has side effects: exactly one call's worth, as eager.
+        """
         assert self._captured is not None
         device = args[0].device if args else torch.device("cpu")
         needs_grad = torch.is_grad_enabled()
-        with preserved_state(self.module):
-            reference = self._forward_backward(self.module, args, needs_grad)
+        state = ModuleState(self.module)
+        try:
+            reference = self._observe(self.module, args, needs_grad, state)
+        finally:
+            state.restore()
+        if reference.rebound:
+            raise _Unreplayable(f"forward rebinds module attributes ({_attrs(reference.rebound)}), "
+                                "which a replayed graph would not")
         names = self._candidate_names() if self.backend == "auto" else [self.backend]
         ready: list[tuple[Backend, Callable]] = []
         rejected: list[str] = []
         for name in names:
             backend = get_backend(name)
-            run, why_not = self._try_backend(backend, args, device, needs_grad, reference)
+            run, why_not = self._try_backend(backend, args, device, needs_grad, reference, state)
             if run is None:
                 if backend.unsupported_reason(device, False) is None or self.backend != "auto":
                     rejected.append(f"{name}: {why_not}")  # device mismatches are not news
@@ -239,7 +281,8 @@ class HybridModule(nn.Module):
             if rejected:
                 reason += "; skipped " + "; ".join(rejected)
             return Choice(backend.name, run, reason), run(*args)
-        timed = [(self._time_runner(run, args, device), backend, run) for backend, run in ready]
+        timed = [(self._time_runner(run, args, device, state, reference.modifies_inputs), backend, run)
+                 for backend, run in ready]
         timed.sort(key=lambda t: t[0])
         best_s, backend, run = timed[0]
         others = ", ".join(f"{b.name} {s * 1e6:.1f} us" for s, b, _ in timed[1:])
@@ -257,27 +300,32 @@ class HybridModule(nn.Module):
             return list(self.candidates)
         return [n for n in backend_names() if get_backend(n).in_auto]
 
-    def _try_backend(self, backend: Backend, args, device, needs_grad, reference):
+    def _try_backend(self, backend: Backend, args, device, needs_grad, reference: _Observed,
+                     state: ModuleState):
         why_not = backend.unsupported_reason(device, needs_grad)
         if why_not:
             return None, why_not
         try:
-            run = backend.prepare(self._captured, args)
-            with preserved_state(self.module):
-                out = self._forward_backward(run, args, needs_grad)
+            # prepare() may run the graph (CUDA graph warm-up): copies, and undone like a trial.
+            run = backend.prepare(self._captured, _copies(args)[0])
+            why_not = _differences(self._observe(run, args, needs_grad, state), reference, state)
         except BackendUnsupported as exc:
             return None, str(exc)
         except Exception as exc:  # a backend bug must not take the user's model down
             return None, f"failed: {type(exc).__name__}: {exc}"
-        mismatch = _mismatch(out[0], reference[0])
-        if mismatch:
-            return None, f"output differs from eager ({mismatch})"
-        mismatch = _mismatch(out[1], reference[1])
-        if mismatch:
-            return None, f"gradients differ from eager ({mismatch})"
-        return run, None
+        finally:
+            state.restore()
+        return (None, why_not) if why_not else (run, None)
 
-    def _forward_backward(self, run: Callable, args: tuple, needs_grad: bool) -> tuple[object, tuple]:
+    def _observe(self, run: Callable, args: tuple, needs_grad: bool, state: ModuleState) -> _Observed:
+        """Run ``run`` on copies of ``args`` and record all that eager's result consists of."""
+        copies, leaves = _copies(args)
+        versions = [c._version for c in copies]
+        output, grads = self._forward_backward(run, copies, leaves, needs_grad)
+        modifies_inputs = versions != [c._version for c in copies]
+        return _Observed(output, grads, copies, modifies_inputs, state.changed_tensors(), state.replaced())
+
+    def _forward_backward(self, run: Callable, args: tuple, arg_leaves: list, needs_grad: bool):
         """Output of ``run(*args)`` and, when autograd records, the gradients of its sum.
 
         torch.autograd.grad returns gradients without touching ``.grad``, so trial runs leave
@@ -286,32 +334,36 @@ class HybridModule(nn.Module):
         out = run(*args)
         if not needs_grad:
             return out, ()
-        leaves = [p for p in self.module.parameters() if p.requires_grad]
-        leaves += [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        flat = out if isinstance(out, (tuple, list)) else (out,)
-        total = [o.float().sum() for o in flat if isinstance(o, torch.Tensor) and o.requires_grad]
+        leaves = [p for p in self.module.parameters() if p.requires_grad] + arg_leaves
+        total = [o.float().sum() for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not total or not leaves:
             return out, ()
         grads = torch.autograd.grad(sum(total), leaves, allow_unused=True)
         return out, tuple(g if g is not None else torch.zeros(()) for g in grads)
 
-    def _time_runner(self, run: Callable, args: tuple, device: torch.device) -> float:
+    def _time_runner(self, run: Callable, args: tuple, device: torch.device, state: ModuleState,
+                     modifies_inputs: bool) -> float:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         samples: list[float] = []
         start = time.perf_counter()
         needs_grad = torch.is_grad_enabled()
         # With autograd on, a trial is forward and backward: a backend that speeds up the forward
         # but slows down the backward must not win a training run.
-        with preserved_state(self.module):
-            self._forward_backward(run, args, needs_grad)  # untimed: lazy allocations, algorithms
+        copies, leaves = _copies(args)  # a forward that mutates its input mutates these, not the caller's
+        try:
+            self._forward_backward(run, copies, leaves, needs_grad)  # untimed: lazy allocations, algorithms
             while len(samples) < AUTO_MAX_TRIALS:
+                if modifies_inputs:  # untimed: x.mul_(0.5) a hundred times would time denormals
+                    copies, leaves = _copies(args)
                 sync()
                 t0 = time.perf_counter()
-                self._forward_backward(run, args, needs_grad)
+                self._forward_backward(run, copies, leaves, needs_grad)
                 sync()
                 samples.append(time.perf_counter() - t0)
                 if len(samples) >= AUTO_MIN_TRIALS and time.perf_counter() - start > AUTO_BUDGET_S:
                     break
+        finally:
+            state.restore()
         return statistics.median(samples)
 
     def _warn(self, message: str) -> None:
@@ -360,6 +412,45 @@ def hybridize(module: nn.Module, backend: str = "auto", *, strict: bool = False,
                         candidates=candidates)
 
 
+def _copies(args: tuple) -> tuple[tuple, list]:
+    """Stand-ins for the caller's inputs, and those whose gradient the checks compare.
+
+    An input that is not a leaf stays one, so a forward that modifies it in place runs as in eager
+    (autograd refuses in-place changes of a leaf that requires grad).
+    """
+    copies, leaves = [], []
+    for a in args:
+        c = a.detach().clone()
+        if a.requires_grad:
+            c.requires_grad_(True)
+            if a.is_leaf:
+                leaves.append(c)
+            else:
+                c = c.clone()
+        copies.append(c)
+    return tuple(copies), leaves
+
+
+def _differences(trial: _Observed, reference: _Observed, state: ModuleState) -> str | None:
+    """Why a trial run is not eager's reference run (None when it is, within float tolerance)."""
+    for what, got, expected in (("output", trial.output, reference.output),
+                                ("gradients", trial.grads, reference.grads),
+                                ("the inputs after the call", trial.inputs, reference.inputs)):
+        mismatch = _mismatch(got, expected)
+        if mismatch:
+            return f"{what} differ{'s' if what == 'output' else ''} from eager ({mismatch})"
+    if trial.rebound:
+        return f"rebinds module attributes ({_attrs(trial.rebound)})"
+    differ = state.differences(reference.state, CHECK_RTOL, CHECK_ATOL)
+    if differ:
+        return f"module state after the call differs from eager ({_attrs(differ)})"
+    return None
+
+
+def _attrs(names: list[str]) -> str:
+    return ", ".join(f"self.{n}" for n in names)
+
+
 def _uncapturable_call(args: tuple, kwargs: dict) -> str | None:
     if kwargs:
         return f"keyword arguments ({', '.join(kwargs)}) are not captured; pass inputs positionally"
@@ -384,7 +475,22 @@ def _format_signature(key: tuple) -> str:
 
 
 def _mismatch(out, ref) -> str | None:
-    """Why ``out`` is not eager's ``ref`` (None when they agree within float tolerance)."""
+    """Why ``out`` is not eager's ``ref`` (None when they agree within float tolerance).
+
+    Outputs may be any pytree (dicts, nested tuples and lists, namedtuples) of tensors and values.
+    """
+    out_leaves, out_spec = tree_flatten(out)
+    ref_leaves, ref_spec = tree_flatten(ref)
+    if out_spec != ref_spec:
+        return "output structure differs"
+    for o, r in zip(out_leaves, ref_leaves):
+        why = _leaf_mismatch(o, r)
+        if why:
+            return why
+    return None
+
+
+def _leaf_mismatch(out, ref) -> str | None:
     if isinstance(ref, torch.Tensor):
         if not isinstance(out, torch.Tensor):
             return f"got {type(out).__name__}, expected a tensor"
@@ -397,12 +503,9 @@ def _mismatch(out, ref) -> str | None:
         if not ref.is_floating_point() and not torch.equal(out, ref):
             return "values differ"
         return None
-    if isinstance(ref, (tuple, list)):
-        if not isinstance(out, (tuple, list)) or len(out) != len(ref):
-            return "output structure differs"
-        for o, r in zip(out, ref):
-            why = _mismatch(o, r)
-            if why:
-                return why
-        return None
-    return None if out == ref else "non-tensor outputs differ"
+    if isinstance(out, torch.Tensor):
+        return f"got a tensor, expected {type(ref).__name__}"
+    try:
+        return None if type(out) is type(ref) and bool(out == ref) else "non-tensor outputs differ"
+    except Exception:  # an object whose == is not a truth value
+        return None if out is ref else "non-tensor outputs differ"

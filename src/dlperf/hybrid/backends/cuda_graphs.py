@@ -2,14 +2,16 @@
 
 On a GPU a small network is bound by kernel-launch latency (5-10 us per launch from Python), not
 by arithmetic; a graph replay launches everything at once. Inputs are copied into the static
-buffers the graph was recorded with, and outputs are copied out so the caller never holds memory
-that the next replay overwrites. Training uses ``torch.cuda.make_graphed_callables``, which
+buffers the graph was recorded with, and outputs (any structure of tensors) are copied out so the
+caller never holds memory that the next replay overwrites; an input the forward modifies in place
+is copied back, so the caller sees the change as in eager. Training uses ``torch.cuda.make_graphed_callables``, which
 records the backward pass too.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture import Captured
 from .registry import Backend, BackendUnsupported, Runner, register_backend
@@ -30,6 +32,7 @@ def _prepare(captured: Captured, example_args: tuple) -> Runner:
 
 def _inference_runner(gm, example_args: tuple) -> Runner:
     static_in = [a.detach().clone() for a in example_args]
+    versions = [t._version for t in static_in]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     # Warm up on a side stream, as graph capture requires, so lazy initialization is not recorded.
@@ -37,17 +40,22 @@ def _inference_runner(gm, example_args: tuple) -> Runner:
         for _ in range(WARMUP_CALLS):
             gm(*static_in)
     torch.cuda.current_stream().wait_stream(side)
+    # Inputs the forward modifies in place: the replay changes the static copy, so copy it back.
+    modified = [i for i, t in enumerate(static_in) if t._version != versions[i]]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = gm(*static_in)
-    if not isinstance(static_out, torch.Tensor):
-        raise BackendUnsupported("cuda graphs replay only single-tensor outputs here")
+    out_leaves, out_spec = tree_flatten(static_out)
+    if not all(isinstance(t, torch.Tensor) for t in out_leaves):
+        raise BackendUnsupported("cuda graphs replay only outputs made of tensors")
 
     def replay(*args):
         for buf, a in zip(static_in, args):
             buf.copy_(a, non_blocking=True)
         graph.replay()
-        return static_out.clone()
+        for i in modified:
+            args[i].copy_(static_in[i], non_blocking=True)
+        return tree_unflatten([t.clone() for t in out_leaves], out_spec)
 
     return replay
 
