@@ -14,17 +14,26 @@ import torch
 
 from ..errors import UsageError
 
+MAX_BATCH = 2**24
+
 
 def register(sub) -> argparse.ArgumentParser:
+    from .. import _cliargs as va
+    from ..models import model_names
+
     p = sub.add_parser("export", help="export a zoo model as graph.json + params.safetensors",
                        description=__doc__.splitlines()[0])
-    p.add_argument("model", help="zoo model name (dlperf.models.model_names())")
-    p.add_argument("directory", help="output directory (created; existing export files are replaced)")
-    p.add_argument("--batch", type=int, default=2, help="batch size of the example input (dimension 0 stays "
-                   "dynamic where the model allows)")
-    p.add_argument("--weights", help="a state_dict saved with torch.save to load before exporting "
-                   "(default: random initialization)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the random initialization and example")
+    p.add_argument("model", type=va.choice("MODEL", model_names()),
+                   help="zoo model name (dlperf.models.model_names())")
+    p.add_argument("directory", type=va.existing_dir("DIRECTORY"),
+                   help="output directory (created; existing export files are replaced)")
+    p.add_argument("--batch", type=va.int_in(1, MAX_BATCH, "--batch"), default=2,
+                   help="batch size of the example input (dimension 0 stays dynamic where the model allows)")
+    p.add_argument("--weights", type=va.existing_file("--weights"),
+                   help="a state_dict saved with torch.save to load before exporting (default: random "
+                        "initialization)")
+    p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0,
+                   help="seed for the random initialization and example")
     p.add_argument("--pt2", action="store_true", help="also write model.pt2 (torch.export program)")
     p.add_argument("--no-check", action="store_true", help="skip loading the export back and comparing outputs "
                    "(otherwise a mismatch beyond float tolerance exits with status 1)")
@@ -39,8 +48,11 @@ def run(args: argparse.Namespace) -> int:
     spec = get_spec(args.model)  # a miss lists the zoo
     if args.batch < 1:
         raise UsageError(f"--batch must be >= 1, got {args.batch}")
+    if os.path.exists(args.directory) and not os.path.isdir(args.directory):
+        raise UsageError(f"{args.directory!r} is not a directory; give a directory for the export files")
     torch.manual_seed(args.seed)
     model = spec.build().eval()
+    _check_batch_memory(model, spec, args.batch)
     if args.weights:
         _load_weights(model, args.weights, args.model)
     x, _ = spec.input.make_batch(args.batch, generator=torch.Generator().manual_seed(args.seed))
@@ -63,6 +75,33 @@ def run(args: argparse.Namespace) -> int:
 # bit for bit; the tolerance only absorbs kernel choices that depend on the batch (dynamic shapes).
 CHECK_RTOL = 1e-4
 CHECK_ATOL = 1e-5
+
+
+def _check_batch_memory(model: torch.nn.Module, spec, batch: int) -> None:
+    """Refuse a ``--batch`` whose input plus largest activation would not fit in memory, before making it.
+
+    One example is run through the model to measure its per-example input and largest layer output;
+    the check needs ``batch`` times that (a lower bound: a forward pass holds at least both).
+    """
+    from .._cliargs import require_memory
+
+    x1, _ = spec.input.make_batch(1, generator=torch.Generator().manual_seed(0))
+    largest = [0]
+
+    def measure(_module, _inputs, output) -> None:
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, torch.Tensor):
+                largest[0] = max(largest[0], t.numel() * t.element_size())
+
+    handles = [m.register_forward_hook(measure) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model(x1)
+    finally:
+        for h in handles:
+            h.remove()
+    per_example = x1.numel() * x1.element_size() + largest[0]
+    require_memory(batch * per_example, f"--batch {batch}", "give a smaller --batch")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
