@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from dlperf.errors import DlperfError, UsageError
+from dlperf.errors import UsageError
 from dlperf.hybrid import load
 from dlperf.hybrid.cli import register
 from dlperf.models import get_spec

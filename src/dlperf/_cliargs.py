@@ -77,7 +77,9 @@ def positive_float(name: str, *, max_value: float = math.inf, finite: bool = Tru
 
     def parse(text: str) -> float:
         try:
-            value = float(text) if len(text) <= 64 else math.nan
+            if len(text) > 64:  # no float needs more digits; a 5000-digit "number" is a mistake
+                raise ValueError(text)
+            value = float(text)
         except ValueError:
             raise _fail(f"{_show(text)} is not a number; give {name} a positive number such as 0.1") from None
         if math.isnan(value) or (finite and math.isinf(value)):

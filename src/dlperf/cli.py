@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dlperf", description="Fast deep-learning training on the hardware you have, "
                                                 "and where the time goes.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    # Not required here: main() reports a missing verb itself, so that `dlperf --bogus` names --bogus
+    # rather than the missing verb.
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
-    sub.required = True
     for name in VERB_MODULES:
         importlib.import_module(name).register(sub)
     return parser
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if args.verb is None:
+            verbs = ", ".join(parser._subparsers._group_actions[0].choices)
+            parser.error(f"the following arguments are required: VERB (one of {verbs})")
     except SystemExit as exc:  # a usage error, --help or --version: the status, not an exception
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2
     try:

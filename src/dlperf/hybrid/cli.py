@@ -23,9 +23,9 @@ def register(sub) -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="export a zoo model as graph.json + params.safetensors",
                        description=__doc__.splitlines()[0])
-    p.add_argument("model", type=va.choice("MODEL", model_names()),
+    p.add_argument("model", metavar="MODEL", type=va.choice("MODEL", model_names()),
                    help="zoo model name (dlperf.models.model_names())")
-    p.add_argument("directory", type=va.existing_dir("DIRECTORY"),
+    p.add_argument("directory", metavar="DIRECTORY", type=va.existing_dir("DIRECTORY"),
                    help="output directory (created; existing export files are replaced)")
     p.add_argument("--batch", type=va.int_in(1, MAX_BATCH, "--batch"), default=2,
                    help="batch size of the example input (dimension 0 stays dynamic where the model allows)")
