@@ -26,7 +26,7 @@ from pathlib import Path
 from .errors import UsageError
 
 __all__ = ["int_in", "positive_float", "csv_list", "int_list", "device_list", "choice", "existing_file",
-           "existing_dir", "output_path", "available_memory_bytes", "require_memory", "warn", "one_line",
+           "existing_dir", "output_path", "available_memory_bytes", "require_memory", "batch_bytes", "warn", "one_line",
            "SEED_MAX", "MAX_DEVICE_INDEX"]
 
 SEED_MAX = 2**32 - 1
@@ -253,6 +253,41 @@ def require_memory(nbytes: float, what: str, fix: str) -> None:
     if available is not None and nbytes > available:
         raise UsageError(one_line(f"{what} needs about {_gib(nbytes)} but only {_gib(available)} of memory is "
                                   f"available; {fix}"))
+
+
+def batch_bytes(spec, batch: int, *, training: bool) -> int:
+    """Estimated bytes a batch of ``batch`` examples of zoo network ``spec`` needs, without allocating it.
+
+    The network runs one example on PyTorch's meta device (shapes only, no memory), and every layer's
+    output is measured: a training step keeps them all for the backward pass, inference at least the
+    largest. A network the meta device cannot run is estimated by its input alone.
+    """
+    import torch
+
+    sizes: dict[int, int] = {}  # by tensor id: an in-place layer's output is its input, counted once
+    outputs: list = []  # keeps measured tensors alive so that their ids stay unique
+
+    def measure(_module, _inputs, output) -> None:
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, torch.Tensor):
+                sizes[id(t)] = t.numel() * t.element_size()
+                outputs.append(t)
+
+    with torch.device("meta"):
+        x, _ = spec.input.make_batch(1, device="meta")
+        try:
+            model = spec.build()
+            # leaves only: a block's output is its last layer's, already counted
+            handles = [m.register_forward_hook(measure) for m in model.modules() if not any(m.children())]
+            with torch.no_grad():
+                model(x)
+            for h in handles:
+                h.remove()
+        except Exception:  # noqa: BLE001 (an estimate: any failure falls back to the input's size)
+            sizes = {}
+    measured = list(sizes.values())
+    per_example = x.numel() * x.element_size() + ((sum(measured) if training else max(measured)) if measured else 0)
+    return batch * per_example
 
 
 def warn(verb: str, message: str) -> None:

@@ -86,24 +86,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def input_bytes(network: str, batch: int) -> int:
-    """Bytes of one batch of ``network``'s inputs: a lower bound on what a step of it allocates."""
-    from ..models import get_spec
-
-    spec = get_spec(network).input
-    per_example = 8 if spec.kind == "tokens" else 4
-    for n in spec.shape:
-        per_example *= n
-    return per_example * batch
-
-
 def check_batch_memory(networks: list[str], batch: int | None, flag: str = "--batch-size") -> None:
-    """Refuse a batch whose inputs alone would not fit in the memory available now."""
+    """Refuse a batch whose training step would not fit in the memory available now, before building anything."""
     if batch is None:
         return
-    worst = max(networks, key=lambda n: input_bytes(n, batch))
-    va.require_memory(input_bytes(worst, batch), f"{flag} {batch} ({worst} inputs alone)",
-                      f"give a smaller {flag}")
+    from ..models import get_spec
+
+    need = {n: va.batch_bytes(get_spec(n), batch, training=True) for n in networks}
+    worst = max(need, key=need.__getitem__)
+    va.require_memory(need[worst], f"{flag} {batch} (a training step of {worst})", f"give a smaller {flag}")
 
 
 def _warn_oversubscribed(threads: list[int]) -> None:

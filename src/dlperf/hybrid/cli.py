@@ -42,6 +42,7 @@ def register(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .._cliargs import batch_bytes, require_memory
     from ..models import get_spec
     from .export import export, load
 
@@ -50,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch must be >= 1, got {args.batch}")
     if os.path.exists(args.directory) and not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory!r} is not a directory; give a directory for the export files")
+    require_memory(batch_bytes(spec, args.batch, training=False), f"--batch {args.batch}", "give a smaller --batch")
     torch.manual_seed(args.seed)
     model = spec.build().eval()
-    _check_batch_memory(model, spec, args.batch)
     if args.weights:
         _load_weights(model, args.weights, args.model)
     x, _ = spec.input.make_batch(args.batch, generator=torch.Generator().manual_seed(args.seed))
@@ -75,33 +76,6 @@ def run(args: argparse.Namespace) -> int:
 # bit for bit; the tolerance only absorbs kernel choices that depend on the batch (dynamic shapes).
 CHECK_RTOL = 1e-4
 CHECK_ATOL = 1e-5
-
-
-def _check_batch_memory(model: torch.nn.Module, spec, batch: int) -> None:
-    """Refuse a ``--batch`` whose input plus largest activation would not fit in memory, before making it.
-
-    One example is run through the model to measure its per-example input and largest layer output;
-    the check needs ``batch`` times that (a lower bound: a forward pass holds at least both).
-    """
-    from .._cliargs import require_memory
-
-    x1, _ = spec.input.make_batch(1, generator=torch.Generator().manual_seed(0))
-    largest = [0]
-
-    def measure(_module, _inputs, output) -> None:
-        for t in output if isinstance(output, (tuple, list)) else (output,):
-            if isinstance(t, torch.Tensor):
-                largest[0] = max(largest[0], t.numel() * t.element_size())
-
-    handles = [m.register_forward_hook(measure) for m in model.modules()]
-    try:
-        with torch.no_grad():
-            model(x1)
-    finally:
-        for h in handles:
-            h.remove()
-    per_example = x1.numel() * x1.element_size() + largest[0]
-    require_memory(batch * per_example, f"--batch {batch}", "give a smaller --batch")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -36,9 +36,6 @@ _CHECKPOINT_FORMAT = 1
 MAX_BATCH = 2**24
 MAX_EPOCHS = 100_000
 MAX_LR = 100.0  # beyond this SGD on these models only diverges to NaN
-# Lower bounds on what one training example costs: its float image plus the first layer's output
-# (6 channels for LeNet, 64 for ResNet-18, both 28x28 float32), kept for the backward pass.
-_EXAMPLE_BYTES = {"lenet": (1 + 6) * 28 * 28 * 4, "resnet18": (1 + 64) * 28 * 28 * 4}
 # The embedded dataset keeps each uint8 image and its int64 label, plus two int64 permutations.
 _STORED_EXAMPLE_BYTES = 28 * 28 + 3 * 8
 
@@ -134,7 +131,7 @@ def _config(args) -> dict[str, Any]:
 
 def _check_args(args) -> None:
     """What the option types cannot see alone: combinations, and work that would not fit in memory."""
-    from .._cliargs import require_memory
+    from .._cliargs import batch_bytes, require_memory
 
     for name in ("batch_size", "epochs", "train_size", "test_size"):
         if getattr(args, name) < 1:
@@ -150,8 +147,10 @@ def _check_args(args) -> None:
         require_memory((args.train_size + args.test_size) * _STORED_EXAMPLE_BYTES,
                        f"--train-size {args.train_size} --test-size {args.test_size}",
                        "give smaller sizes")
-    require_memory(args.batch_size * _EXAMPLE_BYTES[args.model], f"--batch-size {args.batch_size} on {args.model}",
-                   "give a smaller --batch-size")
+    from ..models import get_spec
+
+    require_memory(batch_bytes(get_spec(args.model), args.batch_size, training=True),
+                   f"--batch-size {args.batch_size} on {args.model}", "give a smaller --batch-size")
 
 
 def _progress(enabled: bool, total: int, description: str):
