@@ -290,7 +290,24 @@ TOP = [
     (["bench\n"], "'bench\\n'"),
 ]
 
-CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP
+NAME_TOO_LONG = "{T}/" + "a" * 300  # one component beyond the file system's 255 bytes
+PATHS = [
+    (_train("--resume", NAME_TOO_LONG), "'{T}/aaa"),
+    (_train("--checkpoint", NAME_TOO_LONG), "'{T}/aaa"),
+    (_train("--data", NAME_TOO_LONG), "'{T}/aaa"),
+    (["trace", NAME_TOO_LONG], "'{T}/aaa"),
+    (["export", "mlp", NAME_TOO_LONG], "'{T}/aaa"),
+    (_export("--weights", NAME_TOO_LONG), "'{T}/aaa"),
+    (_bench("--csv", NAME_TOO_LONG + "/x.csv"), "'{T}/aaa"),
+    (_train("--checkpoint", "/dev/null"), "'/dev/null'"),
+    (["trace", "/dev/zero"], "'/dev/zero'"),
+    (_train("--data", "/dev/null"), "'/dev/null'"),
+    (_train("--resume", "{T}/" + "x" * 5000), "'{T}/xxx"),
+    (_bench("--networks", "\udcff"), "'\\udcff'"),
+    (_train("--lr", "\udcff"), "'\\udcff'"),
+]
+
+CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS
 # In-process only: a NUL cannot be passed to a process, and pytest's own arguments could not either.
 IN_PROCESS_ONLY = [
     (_train("--checkpoint", "{T}/ck\0.pt"), "'"),

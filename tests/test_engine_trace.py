@@ -6,6 +6,7 @@ import argparse
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -189,3 +190,13 @@ def test_save_replaces_the_file_atomically(tmp_path, monkeypatch):
         Trace([]).save(path)
     assert path.read_text() == before  # a failed save leaves the old file whole
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # and no temporary file behind
+
+
+def test_a_trace_larger_than_the_cap_is_refused_unread(tmp_path, monkeypatch):
+    import dlperf.engine.trace as trace_mod
+
+    path = _parallel_trace().save(tmp_path / "run.json")
+    monkeypatch.setattr(trace_mod, "MAX_TRACE_BYTES", 10)
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: pytest.fail("read a file over the cap"))
+    with pytest.raises(UsageError, match=r"run.json' is \d+ bytes, more than the 10 bytes"):
+        load_trace(path)

@@ -170,9 +170,28 @@ def _path_text(text: str, name: str) -> Path:
     return Path(text)
 
 
+def _path_type(name: str, kind: str) -> Callable[[Callable[[str], str]], Callable[[str], str]]:
+    """Decorate a path check: an OSError from looking at the path (name too long, no permission) is a
+    usage error too."""
+
+    def wrap(check: Callable[[str], str]) -> Callable[[str], str]:
+        def parse(text: str) -> str:
+            try:
+                return check(text)
+            except OSError as exc:
+                raise _fail(f"{_show(text, _PATH_SHOWN)} cannot be used: {exc.strerror or exc}; give {name} "
+                            "another path") from None
+
+        parse.__name__ = kind
+        return parse
+
+    return wrap
+
+
 def existing_file(name: str) -> Callable[[str], str]:
     """A path to an existing regular file (a directory, FIFO or device is refused by name)."""
 
+    @_path_type(name, "existing file")
     def parse(text: str) -> str:
         path = _path_text(text, name)
         if path.is_dir():
@@ -183,13 +202,13 @@ def existing_file(name: str) -> Callable[[str], str]:
             raise _fail(f"{_show(text, _PATH_SHOWN)} is not a regular file; give {name} a file's path")
         return text
 
-    parse.__name__ = "existing file"
     return parse
 
 
 def existing_dir(name: str) -> Callable[[str], str]:
     """A path that, if it exists, is a directory (whether it must exist is the caller's call)."""
 
+    @_path_type(name, "directory")
     def parse(text: str) -> str:
         path = _path_text(text, name)
         if path.exists() and not path.is_dir():
@@ -197,7 +216,6 @@ def existing_dir(name: str) -> Callable[[str], str]:
         _check_parents(path, name, text)
         return text
 
-    parse.__name__ = "directory"
     return parse
 
 
@@ -213,6 +231,7 @@ def _check_parents(path: Path, name: str, text: str) -> None:
 def output_path(name: str, *, allow_stdout: bool = False) -> Callable[[str], str]:
     """A file to write: not a directory, and no parent of it is a file (``-`` is stdout when allowed)."""
 
+    @_path_type(name, "output file")
     def parse(text: str) -> str:
         if allow_stdout and text == "-":
             return text
@@ -224,7 +243,6 @@ def output_path(name: str, *, allow_stdout: bool = False) -> Callable[[str], str
             raise _fail(f"{_show(text, _PATH_SHOWN)} is not a regular file; give {name} a file name")
         return text
 
-    parse.__name__ = "output file"
     return parse
 
 

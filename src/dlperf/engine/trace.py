@@ -131,8 +131,8 @@ def _read_json(path: Path, where: str) -> Any:
     try:
         size = path.stat().st_size
         if size > MAX_TRACE_BYTES:
-            raise UsageError(f"{where} is {size / 2**20:.0f} MiB, more than the {MAX_TRACE_BYTES >> 20} MiB "
-                             "a trace may have; trace a shorter run")
+            raise UsageError(f"{where} is {size} bytes, more than the {MAX_TRACE_BYTES} bytes a trace may "
+                             "have; trace a shorter run")
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"{where} is not Chrome trace JSON: {exc}") from None
