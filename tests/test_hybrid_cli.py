@@ -36,7 +36,7 @@ def test_export_verb_writes_a_loadable_model(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["export", "nonet", "{tmp}"], "unknown value 'nonet'; valid choices for MODEL"),
+    (["export", "nonet", "{tmp}"], "unknown network 'nonet'; valid choices: "),
     (["export", "mlp", "{tmp}", "--weights", "{tmp}/missing.pt"], "missing.pt' does not exist"),
     (["export", "mlp", "{tmp}", "--weights", "{tmp}"], "is a directory, not a file"),
     (["export", "mlp", "{tmp}", "--batch", "0"], "'0' is out of range; give --batch"),

@@ -61,7 +61,7 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     (["--devices", "cpu:0,cpu"], "lists cpu\\(0\\) twice"),
     (["--devices", "tpu:0"], "not valid"),
     (["--batch-size", "0"], "batch-size"),
-    (["--algorithm", "tree"], "unknown value 'tree'; valid choices for --algorithm"),
+    (["--algorithm", "tree"], "unknown allreduce algorithm 'tree'; valid choices: "),
     (["--resume", "/nonexistent/ck.pt"], "does not exist"),
     (["--lr", "nan"], "'nan' is not a finite number"),
     (["--lr", "1e300"], "'1e300' is out of range"),

@@ -1,9 +1,10 @@
 """Validated option types for every ``dlperf`` verb: one place decides what a good number, list or path is.
 
 Each factory returns an argparse ``type=`` callable. A bad value raises ``argparse.ArgumentTypeError``
-whose message names the option, the value (as ``repr``, so a control character cannot break the
-line), what was expected and how to fix it; argparse turns it into one line on stderr and exit 2
-before any model is built or file is read.
+whose message names the value (as ``repr``, so a control character cannot break the line), what was
+expected and how to fix it; argparse prefixes the option and turns it into one line on stderr and
+exit status 2, before any model is built or file is read. The memory helpers refuse work that could
+not fit before it is allocated.
 
 >>> int_in(1, 8, "--threads")("4")
 4
@@ -23,7 +24,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import UsageError, unknown_choice
 
 __all__ = ["int_in", "positive_float", "csv_list", "int_list", "device_list", "choice", "existing_file",
            "existing_dir", "output_path", "available_memory_bytes", "require_memory", "batch_bytes", "warn", "one_line",
@@ -92,8 +93,8 @@ def positive_float(name: str, *, max_value: float = math.inf, finite: bool = Tru
     return parse
 
 
-def csv_list(name: str, choices: Sequence[str] | None = None) -> Callable[[str], list[str]]:
-    """A comma-separated list: no empty entries, no duplicates, each one of ``choices`` when given."""
+def csv_list(name: str, choices: Sequence[str] | None = None, what: str = "name") -> Callable[[str], list[str]]:
+    """A comma-separated list: no empty entries, no duplicates, each one of ``choices`` (a ``what``) when given."""
 
     def parse(text: str) -> list[str]:
         parts = [p.strip() for p in text.split(",")]
@@ -102,7 +103,7 @@ def csv_list(name: str, choices: Sequence[str] | None = None) -> Callable[[str],
                         f"empty ones, e.g. {','.join((choices or ['a', 'b'])[:2])}")
         for p in parts:
             if choices is not None and p.lower() not in choices:
-                raise _fail(f"unknown name {_show(p)}; valid choices for {name}: {', '.join(choices)}")
+                raise _fail(str(unknown_choice(what, p, choices)))
         lowered = [p.lower() for p in parts]
         dup = next((p for i, p in enumerate(lowered) if p in lowered[:i]), None)
         if dup is not None:
@@ -118,7 +119,10 @@ def int_list(lo: int, hi: int, name: str) -> Callable[[str], list[int]]:
     names = csv_list(name)
 
     def parse(text: str) -> list[int]:
-        return [_parse_int(p, name, lo, hi) for p in names(text)]
+        try:
+            return [_parse_int(p, name, lo, hi) for p in names(text)]
+        except argparse.ArgumentTypeError as exc:
+            raise _fail(f"{exc}; expected comma-separated integers such as 1,2,4") from None
 
     parse.__name__ = "comma-separated integers"
     return parse
@@ -149,13 +153,13 @@ def device_list(name: str) -> Callable[[str], list]:
     return parse
 
 
-def choice(name: str, choices: Iterable[str]) -> Callable[[str], str]:
-    """One of ``choices`` (case-insensitive), returned lower-case."""
+def choice(what: str, choices: Iterable[str]) -> Callable[[str], str]:
+    """One of ``choices`` (case-insensitive), returned lower-case; a miss names the ``what`` and lists them."""
     valid = list(choices)
 
     def parse(text: str) -> str:
         if text.strip().lower() not in valid:
-            raise _fail(f"unknown value {_show(text)}; valid choices for {name}: {', '.join(valid)}")
+            raise _fail(str(unknown_choice(what, text, valid)))
         return text.strip().lower()
 
     parse.__name__ = "choice"
@@ -223,7 +227,7 @@ def _check_parents(path: Path, name: str, text: str) -> None:
     for parent in path.absolute().parents:
         if parent.exists():
             if not parent.is_dir():
-                raise _fail(f"{_show(text, _PATH_SHOWN)}: {parent} is a file, not a directory; "
+                raise _fail(f"cannot write {name} {_show(text, _PATH_SHOWN)}: {parent} is a file, not a directory; "
                             f"give {name} a path in a directory")
             return
 

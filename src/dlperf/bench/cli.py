@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__)
     p.add_argument("--quick", action="store_true",
                    help="fewer timed steps (same batch sizes): the whole CPU table in minutes")
-    p.add_argument("--networks", type=va.csv_list("--networks", model_names()), default=None,
+    p.add_argument("--networks", type=va.csv_list("--networks", model_names(), what="network"), default=None,
                    help=f"comma-separated, default the paper's seven; choices: {', '.join(model_names())}")
     p.add_argument("--devices", type=va.device_list("--devices"), default=None,
                    help="comma-separated, e.g. cpu,gpu(0),cuda:1 (default: the CPU and every GPU)")
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="timed steps per cell (default 10, quick 5)")
     p.add_argument("--warmup", type=va.int_in(0, MAX_STEPS, "--warmup"), default=None,
                    help="untimed steps per cell (default 2, quick 1; at least 1 except with --scaling)")
-    p.add_argument("--mode", type=va.choice("--mode", mode_names()), default="eager",
+    p.add_argument("--mode", type=va.choice("mode", mode_names()), default="eager",
                    help=f"how the step runs: {', '.join(mode_names())}")
     p.add_argument("--scaling", action="store_true",
                    help="Table 8 instead: time per mini-batch on 1..k devices, global batch split")

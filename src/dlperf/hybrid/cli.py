@@ -23,7 +23,7 @@ def register(sub) -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="export a zoo model as graph.json + params.safetensors",
                        description=__doc__.splitlines()[0])
-    p.add_argument("model", metavar="MODEL", type=va.choice("MODEL", model_names()),
+    p.add_argument("model", metavar="MODEL", type=va.choice("network", model_names()),
                    help="zoo model name (dlperf.models.model_names())")
     p.add_argument("directory", metavar="DIRECTORY", type=va.existing_dir("DIRECTORY"),
                    help="output directory (created; existing export files are replaced)")

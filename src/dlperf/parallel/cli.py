@@ -61,9 +61,9 @@ def register(sub) -> None:
                    help="embedded dataset: training images")
     p.add_argument("--test-size", type=va.int_in(1, 10**12, "--test-size"), default=2000,
                    help="embedded dataset: test images")
-    p.add_argument("--algorithm", default=DEFAULT_ALGORITHM, type=va.choice("--algorithm", algorithm_names()),
+    p.add_argument("--algorithm", default=DEFAULT_ALGORITHM, type=va.choice("allreduce algorithm", algorithm_names()),
                    help=f"allreduce: {', '.join(algorithm_names())}")
-    p.add_argument("--kvstore", default=None, type=va.choice("--kvstore", kvstore_types()),
+    p.add_argument("--kvstore", default=None, type=va.choice("kvstore type", kvstore_types()),
                    help="aggregate through a KVStore: local or device")
     p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0)
     p.add_argument("--checkpoint", metavar="FILE", type=va.output_path("--checkpoint"),
