@@ -310,9 +310,9 @@ PATHS = [
 CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS
 # In-process only: a NUL cannot be passed to a process, and pytest's own arguments could not either.
 IN_PROCESS_ONLY = [
-    (_train("--checkpoint", "{T}/ck\0.pt"), "'"),
-    (["trace", "{T}/a\0b.json"], "'"),
-    (_export("--weights", "{T}/w\0.pt"), "'"),
+    (_train("--checkpoint", "{T}/ck\0.pt"), "ck\\x00.pt'"),
+    (["trace", "{T}/a\0b.json"], "a\\x00b.json'"),
+    (_export("--weights", "{T}/w\0.pt"), "w\\x00.pt'"),
 ]
 
 
