@@ -36,3 +36,46 @@ def test_ci_runs_the_test_command_written_in_the_readme():
     commands = [line.strip() for b in blocks for line in b.splitlines() if "pytest" in line]
     assert commands, "README.md must give the test command"
     assert commands[0] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_validated_numbers_take_their_range_and_nothing_else():
+    import argparse
+
+    import pytest
+
+    from dlperf import _cliargs as va
+
+    seeds = va.int_in(0, 2**32 - 1, "--seed")
+    assert [seeds(t) for t in ("0", " 7 ", "+3", str(2**32 - 1))] == [0, 7, 3, 2**32 - 1]
+    for bad in ("-1", str(2**32), "1.0", "1e3", "0x10", "", "1_000", "٣", "9" * 5000, "+-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="give --seed a whole number from 0 to 4294967295"):
+            seeds(bad)
+    lr = va.positive_float("--lr", max_value=100)
+    assert lr("1e-3") == 1e-3 and lr("100") == 100
+    for bad in ("0", "-1", "nan", "inf", "-inf", "1e300", "1e-400", "100.5", "x", "9" * 100):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"^'.*' is (not a (finite )?number|out of range)"):
+            lr(bad)
+    names = va.csv_list("--networks", ["a", "b"])
+    assert names("a, B") == ["a", "B"]
+    for bad in (",", "a,", ",a", "a,,b", "", " ", "a,a", "c"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            names(bad)
+    assert va.one_line("a\nb\r\x00c") == "a\\nb\\r\\x00c"
+
+
+def test_batch_bytes_counts_every_layer_output_for_training_and_the_largest_for_inference():
+    import torch
+    from torch import nn
+
+    from dlperf import _cliargs as va
+    from dlperf.models.spec import InputSpec, ModelSpec
+
+    spec = ModelSpec("toy", lambda: nn.Sequential(nn.Linear(4, 30), nn.ReLU(), nn.Linear(30, 2)),
+                     InputSpec((4,), 2), 1, 1, "toy")
+    # input 4 floats; outputs 30 (linear), 30 (relu), 2 (linear)
+    assert va.batch_bytes(spec, 10, training=True) == 10 * 4 * (4 + 30 + 30 + 2)
+    assert va.batch_bytes(spec, 10, training=False) == 10 * 4 * (4 + 30)
+    inplace = ModelSpec("toy2", lambda: nn.Sequential(nn.Linear(4, 30), nn.ReLU(inplace=True)),
+                        InputSpec((4,), 2), 1, 1, "toy")
+    assert va.batch_bytes(inplace, 1, training=True) == 4 * (4 + 30)
+    assert torch.empty(0).device.type == "cpu"  # the meta device did not become the default

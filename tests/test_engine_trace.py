@@ -6,6 +6,7 @@ import argparse
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -95,9 +96,17 @@ def test_trace_verb_prints_summary(tmp_path, capsys):
     assert doc["overlap_fraction"] > 0
 
 
-def test_trace_verb_rejects_bad_files(tmp_path):
+def test_trace_verb_rejects_bad_files(tmp_path, capsys):
+    from dlperf.cli import main
+
+    assert main(["trace", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json' does not exist" in capsys.readouterr().err
+    assert main(["trace", str(tmp_path)]) == 2
+    assert "is a directory, not a file" in capsys.readouterr().err
     with pytest.raises(UsageError, match="does not exist"):
-        _cli(["trace", str(tmp_path / "missing.json")])
+        load_trace(tmp_path / "missing.json")
+    with pytest.raises(UsageError, match="is a directory"):
+        load_trace(tmp_path)
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(UsageError, match="not Chrome trace JSON"):
@@ -118,6 +127,21 @@ MALFORMED = {
     "no_operations": '{"traceEvents": []}',
     "events_not_a_list": '{"traceEvents": "x"}',
     "not_utf8": b"\xff\xfe",
+    "ts_nan": '{"traceEvents": [{"ph": "X", "ts": NaN, "dur": 1}]}',
+    "dur_infinity": '{"traceEvents": [{"ph": "X", "ts": 0, "dur": Infinity}]}',
+    "dur_overflows_to_inf": '{"traceEvents": [{"ph": "X", "ts": 0, "dur": 1e999}]}',
+    "dur_negative": '{"traceEvents": [{"ph": "X", "ts": 0, "dur": -100}]}',
+    "ts_negative": '{"traceEvents": [{"ph": "X", "ts": -5, "dur": 1}]}',
+    "ts_absurd": '{"traceEvents": [{"ph": "X", "ts": 1e300, "dur": 1}]}',
+    "ts_string": '{"traceEvents": [{"ph": "X", "ts": "0", "dur": 1}]}',
+    "ts_bool": '{"traceEvents": [{"ph": "X", "ts": true, "dur": 1}]}',
+    "ts_5000_digits": '{"traceEvents": [{"ph": "X", "ts": ' + "9" * 5000 + ', "dur": 1}]}',
+    "id_5000_digits": '{"traceEvents": [{"ph": "X", "ts": 0, "args": {"id": ' + "9" * 5000 + '}}]}',
+    "id_negative": '{"traceEvents": [{"ph": "X", "ts": 0, "args": {"id": -1}}]}',
+    "id_too_big": '{"traceEvents": [{"ph": "X", "ts": 0, "args": {"id": 99999999999999999999}}]}',
+    "deps_not_list": '{"traceEvents": [{"ph": "X", "ts": 0, "args": {"deps": 3}}]}',
+    "nested_100000": "[" * 100000 + "]" * 100000,
+    "nested_args": '{"traceEvents": [{"ph": "X", "ts": 0, "args": {"x": ' + "[" * 500 + "]" * 500 + '}}]}',
 }
 
 
@@ -133,6 +157,15 @@ def test_malformed_traces_give_one_usage_error_and_exit_2(tmp_path, capsys, name
     assert main(["trace", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "error: trace file" in err and "Traceback" not in err
+
+
+def test_busy_fraction_is_never_negative_or_above_one(tmp_path):
+    doc = {"traceEvents": [{"ph": "X", "ts": 10, "dur": 5, "pid": 1, "tid": 1},
+                           {"ph": "X", "ts": 0, "dur": 0, "pid": 1, "tid": 2}]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    s = load_trace(path).summary()
+    assert s.span_us == 15 and [w.busy_fraction for w in s.workers] == [5 / 15, 0.0]
 
 
 def test_json_array_format_traces_are_read(tmp_path):
@@ -157,3 +190,13 @@ def test_save_replaces_the_file_atomically(tmp_path, monkeypatch):
         Trace([]).save(path)
     assert path.read_text() == before  # a failed save leaves the old file whole
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # and no temporary file behind
+
+
+def test_a_trace_larger_than_the_cap_is_refused_unread(tmp_path, monkeypatch):
+    import dlperf.engine.trace as trace_mod
+
+    path = _parallel_trace().save(tmp_path / "run.json")
+    monkeypatch.setattr(trace_mod, "MAX_TRACE_BYTES", 10)
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: pytest.fail("read a file over the cap"))
+    with pytest.raises(UsageError, match=r"run.json' is \d+ bytes, more than the 10 bytes"):
+        load_trace(path)

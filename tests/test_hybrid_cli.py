@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 
 import pytest
 import torch
 
-from dlperf.errors import DlperfError, UsageError
+from dlperf.errors import UsageError
 from dlperf.hybrid import load
 from dlperf.hybrid.cli import register
 from dlperf.models import get_spec
@@ -34,22 +35,41 @@ def test_export_verb_writes_a_loadable_model(tmp_path, capsys):
         torch.testing.assert_close(load(tmp_path / "out")(x), model(x))
 
 
-def test_export_verb_rejects_bad_input(tmp_path):
-    args = _parse(["export", "nonet", str(tmp_path)])
-    with pytest.raises(UsageError, match="valid choices"):
-        args.func(args)
-    args = _parse(["export", "mlp", str(tmp_path), "--weights", str(tmp_path / "missing.pt")])
-    with pytest.raises(UsageError, match="no such file"):
-        args.func(args)
+@pytest.mark.parametrize("argv, match", [
+    (["export", "nonet", "{tmp}"], "unknown network 'nonet'; valid choices: "),
+    (["export", "mlp", "{tmp}", "--weights", "{tmp}/missing.pt"], "missing.pt' does not exist"),
+    (["export", "mlp", "{tmp}", "--weights", "{tmp}"], "is a directory, not a file"),
+    (["export", "mlp", "{tmp}", "--batch", "0"], "'0' is out of range; give --batch"),
+    (["export", "mlp", "{tmp}", "--batch", "2.5"], "'2.5' is not an integer"),
+    (["export", "mlp", "{tmp}", "--seed", "-1"], "'-1' is out of range; give --seed"),
+])
+def test_export_verb_rejects_bad_input(tmp_path, capsys, argv, match):
+    from dlperf.cli import main
+
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and err.count("\n") == 1, err
 
 
-def test_output_path_that_is_a_file_is_a_usage_error(tmp_path):
+def test_output_path_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+    from dlperf.cli import main
+
     target = tmp_path / "taken.json"
     target.write_text("{}")
-    args = _parse(["export", "mlp", str(target), "--no-check"])
-    with pytest.raises(DlperfError, match="not a directory"):
-        args.func(args)
+    assert main(["export", "mlp", str(target), "--no-check"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
     assert target.read_text() == "{}"
+
+
+def test_batch_beyond_memory_is_refused_before_allocating(tmp_path, capsys, monkeypatch):
+    import dlperf._cliargs
+    from dlperf.cli import main
+
+    monkeypatch.setattr(dlperf._cliargs, "available_memory_bytes", lambda: 10 * 2**20)
+    assert main(["export", "mlp", str(tmp_path / "out"), "--batch", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch 1000000 needs about" in err and "10.0 MiB of memory is available" in err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("content, match", [

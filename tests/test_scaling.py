@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -55,9 +56,27 @@ def test_through_the_bench_verb(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["--warmup", "-1"], "--warmup must be >= 0"),
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--steps", "0"], "argument --steps: '0' is out of range"),
+    (["--warmup", "-1"], "argument --warmup: '-1' is out of range"),
+    (["--batch-size", "0"], "argument --batch-size: '0' is out of range"),
+    (["--networks", "lenet"], "Table 8 has no network 'lenet'"),
+    (["--devices", "cpu:0,"], "argument --devices: 'cpu:0,' has an empty entry"),
+])
+def test_bad_values_are_one_line_before_any_work(extra, match, monkeypatch, capsys):
+    import dlperf.bench.scaling as scaling
+    from dlperf.cli import main
+
+    def no_work(*a, **k):
+        raise AssertionError("measured before checking the options")
+
+    monkeypatch.setattr(scaling, "measure_scaling", no_work)
+    argv = ["bench", "--scaling", "--networks", "resnet-56", "--devices", "cpu:0,cpu:1", "--steps", "1", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("extra,match", [
     (["--batch-size", "1"], "at least the 2 devices"),
     (["--mode", "hybrid"], "does not take --mode hybrid"),
     (["--threads", "1,2"], "does not take --threads"),

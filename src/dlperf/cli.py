@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from ._cliargs import one_line
 from .errors import DlperfError
 
 # Verb modules, imported lazily so that `dlperf devices` does not pay for the engine or compiler.
@@ -24,15 +25,18 @@ VERB_MODULES: tuple[str, ...] = (
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        # argparse quotes some values verbatim (unrecognized arguments): keep a newline in one from
+        # splitting the error over several lines
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dlperf", description="Fast deep-learning training on the hardware you have, "
                                                 "and where the time goes.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    # Not required here: main() reports a missing verb itself, so that `dlperf --bogus` names --bogus
+    # rather than the missing verb.
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
-    sub.required = True
     for name in VERB_MODULES:
         importlib.import_module(name).register(sub)
     return parser
@@ -45,15 +49,22 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one verb; return its exit status (2 for bad input, with one line on stderr)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+        if args.verb is None:
+            verbs = ", ".join(parser._subparsers._group_actions[0].choices)
+            parser.error(f"the following arguments are required: VERB (one of {verbs})")
+    except SystemExit as exc:  # a usage error, --help or --version: the status, not an exception
+        return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2
     try:
         return int(args.func(args) or 0)
     except DlperfError as exc:
-        print(f"dlperf {args.verb}: error: {exc}", file=sys.stderr)
+        print(f"dlperf {args.verb}: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path the user gave cannot be read or written
-        print(f"dlperf {args.verb}: error: {exc}", file=sys.stderr)
+        print(f"dlperf {args.verb}: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dlperf: interrupted", file=sys.stderr)

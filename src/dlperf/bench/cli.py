@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from ..devices import to_device
+from .. import _cliargs as va
 from ..errors import UsageError
 from ..models import model_names
 from .modes import mode_names
 
-
-def _csv_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(p) for p in _csv_list(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4, got {text!r}") from None
+MAX_BATCH = 2**20
+MAX_STEPS = 100_000
+MAX_THREADS = 1024
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,26 +21,34 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__)
     p.add_argument("--quick", action="store_true",
                    help="fewer timed steps (same batch sizes): the whole CPU table in minutes")
-    p.add_argument("--networks", type=_csv_list, default=None,
+    p.add_argument("--networks", type=va.csv_list("--networks", model_names(), what="network"), default=None,
                    help=f"comma-separated, default the paper's seven; choices: {', '.join(model_names())}")
-    p.add_argument("--devices", type=_csv_list, default=None,
+    p.add_argument("--devices", type=va.device_list("--devices"), default=None,
                    help="comma-separated, e.g. cpu,gpu(0),cuda:1 (default: the CPU and every GPU)")
-    p.add_argument("--threads", type=_int_list, default=None,
+    p.add_argument("--threads", type=va.int_list(1, MAX_THREADS, "--threads"), default=None,
                    help="intra-op thread counts for CPU cells, e.g. 1,2,4 (default: 1, 2, 4, ... cores)")
-    p.add_argument("--batch-size", type=int, default=None, help="override every network's batch size")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per cell (default 10, quick 5)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per cell (default 2, quick 1)")
-    p.add_argument("--mode", default="eager", help=f"how the step runs: {', '.join(mode_names())}")
+    p.add_argument("--batch-size", type=va.int_in(1, MAX_BATCH, "--batch-size"), default=None,
+                   help="override every network's batch size")
+    p.add_argument("--steps", type=va.int_in(1, MAX_STEPS, "--steps"), default=None,
+                   help="timed steps per cell (default 10, quick 5)")
+    p.add_argument("--warmup", type=va.int_in(0, MAX_STEPS, "--warmup"), default=None,
+                   help="untimed steps per cell (default 2, quick 1; at least 1 except with --scaling)")
+    p.add_argument("--mode", type=va.choice("mode", mode_names()), default="eager",
+                   help=f"how the step runs: {', '.join(mode_names())}")
     p.add_argument("--scaling", action="store_true",
                    help="Table 8 instead: time per mini-batch on 1..k devices, global batch split")
     fmt = p.add_argument_group("output")
     fmt.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                     type=va.output_path("--json", allow_stdout=True),
                      help="also print one JSON document as the last stdout line (or write it to FILE)")
     fmt.add_argument("--csv", nargs="?", const="-", default=None, metavar="FILE",
+                     type=va.output_path("--csv", allow_stdout=True),
                      help="one row per cell as CSV, to stdout instead of the table, or to FILE")
     fmt.add_argument("--markdown", nargs="?", const="-", default=None, metavar="FILE",
+                     type=va.output_path("--markdown", allow_stdout=True),
                      help="the table as Markdown, to stdout instead of the terminal table, or to FILE")
-    fmt.add_argument("--plot", default=None, metavar="FILE.png", help="thread-scaling plot (needs matplotlib)")
+    fmt.add_argument("--plot", default=None, metavar="FILE.png", type=va.output_path("--plot"),
+                     help="thread-scaling plot (needs matplotlib)")
     p.set_defaults(func=run)
 
 
@@ -57,7 +59,7 @@ def build_config(args: argparse.Namespace):
     if args.networks is not None:
         overrides["networks"] = args.networks
     if args.devices is not None:
-        overrides["devices"] = [to_device(d) for d in args.devices]
+        overrides["devices"] = args.devices
     if args.threads is not None:
         overrides["threads"] = args.threads
     if args.batch_size is not None:
@@ -70,21 +72,50 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.mode not in mode_names():
-        from ..errors import unknown_choice
-
-        raise unknown_choice("mode", args.mode, mode_names())
+    _check_distinct_outputs(args)
     if args.scaling:
         from .scaling import main_scaling
 
-        if args.devices is not None:
-            args.devices = [to_device(d) for d in args.devices]
         return main_scaling(args)
     config = build_config(args)
     _check_outputs(args)
+    check_batch_memory(config.networks, config.batch_size)
+    _warn_oversubscribed(config.threads if args.threads is not None else [])
     result = _run_with_progress(config)
     _emit(result, args)
     return 0
+
+
+def check_batch_memory(networks: list[str], batch: int | None, flag: str = "--batch-size") -> None:
+    """Refuse a batch whose training step would not fit in the memory available now, before building anything."""
+    if batch is None:
+        return
+    from ..models import get_spec
+
+    need = {n: va.batch_bytes(get_spec(n), batch, training=True) for n in networks}
+    worst = max(need, key=need.__getitem__)
+    va.require_memory(need[worst], f"{flag} {batch} (a training step of {worst})", f"give a smaller {flag}")
+
+
+def _warn_oversubscribed(threads: list[int]) -> None:
+    from ..devices import cpu_count
+
+    over = [t for t in threads if t > cpu_count()]
+    if over:
+        va.warn("bench", f"--threads {','.join(map(str, over))} is more than the {cpu_count()} cores this "
+                         "process may use; those cells time oversubscribed threads")
+
+
+def _check_distinct_outputs(args: argparse.Namespace) -> None:
+    """Two outputs to one file would leave only the last one written."""
+    seen: dict[str, str] = {}
+    for flag in ("json", "csv", "markdown", "plot"):
+        target = getattr(args, flag, None)
+        if target and target != "-":
+            key = str(Path(target).resolve())
+            if key in seen:
+                raise UsageError(f"--{seen[key]} and --{flag} both write {target!r}; give each its own file")
+            seen[key] = flag
 
 
 def _check_outputs(args: argparse.Namespace) -> None:

@@ -139,6 +139,9 @@ def main_scaling(args) -> int:
             raise UsageError(f"Table 8 has no network {n!r}; valid choices: {', '.join(GLOBAL_BATCH)}")
     devices = check_devices(args.devices or default_devices())
     _check_scaling_args(args, len(devices))
+    from .cli import check_batch_memory
+
+    check_batch_memory(networks, getattr(args, "batch_size", None))
     json_file = args.json if isinstance(args.json, str) and args.json != "-" else None
     if json_file:
         try:

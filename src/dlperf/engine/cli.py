@@ -18,7 +18,9 @@ __all__ = ["register", "run"]
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="summarise an engine timeline: busy %% per worker, overlap",
                        description="Summarise a Chrome trace JSON written by Engine.stop_trace().save().")
-    p.add_argument("file", metavar="FILE", help="Chrome trace JSON file")
+    from .._cliargs import existing_file
+
+    p.add_argument("file", metavar="FILE", type=existing_file("FILE"), help="Chrome trace JSON file")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=run)
 

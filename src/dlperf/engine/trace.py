@@ -89,45 +89,116 @@ class Trace:
         return summarize(self.events)
 
 
+MAX_TRACE_BYTES = 1 << 30
+"""Largest trace file read (a long engine run writes tens of MB); bigger files are refused, not loaded."""
+MAX_TIME_US = 1e15
+"""Largest timestamp or duration accepted, in microseconds (about 31 years)."""
+MAX_ARGS_DEPTH = 32
+"""Deepest nesting accepted inside an event (engine traces nest two levels)."""
+_ID_MAX = 2**63 - 1
+
+
 def load_trace(path: str | Path) -> Trace:
     """Read a Chrome trace JSON written by :meth:`Trace.save` (or any with complete ``X`` events).
 
-    Anything else (not JSON, no event list, malformed events, no operations at all) raises one
+    Anything else (not JSON, no event list, malformed events, NaN, infinite, negative or absurd times,
+    nesting deeper than any trace has, no operations at all) raises one
     :class:`~dlperf.errors.UsageError` that names the file and the problem.
     """
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"trace file {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"trace file {str(path)!r} is not Chrome trace JSON: {exc}") from None
+    where = f"trace file {str(path)!r}"
+    doc = _read_json(path, where)
     raw = doc.get("traceEvents") if isinstance(doc, dict) else doc  # object or JSON Array Format
     if not isinstance(raw, list):
-        raise UsageError(f"trace file {str(path)!r} has no 'traceEvents' list")
+        raise UsageError(f"{where} has no 'traceEvents' list")
     try:
         events = _parse_events(raw)
     except _BadEvent as exc:
-        raise UsageError(f"trace file {str(path)!r} is not a valid Chrome trace: {exc}") from None
+        raise UsageError(f"{where} is not a valid Chrome trace: {exc}") from None
     if not events:
-        raise UsageError(f"trace file {str(path)!r} has no operations (no complete 'X' events)")
+        raise UsageError(f"{where} has no operations (no complete 'X' events)")
     events.sort(key=lambda e: e.start_us)
     return Trace(events)
+
+
+def _read_json(path: Path, where: str) -> Any:
+    if path.is_dir():
+        raise UsageError(f"{where} is a directory; give the trace's JSON file")
+    if not path.exists():
+        raise UsageError(f"{where} does not exist")
+    if not path.is_file():  # a FIFO or device could block or never end
+        raise UsageError(f"{where} is not a regular file; give the trace's JSON file")
+    try:
+        size = path.stat().st_size
+        if size > MAX_TRACE_BYTES:
+            raise UsageError(f"{where} is {size} bytes, more than the {MAX_TRACE_BYTES} bytes a trace may "
+                             "have; trace a shorter run")
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where} is not Chrome trace JSON: {exc}") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except _BadEvent as exc:
+        raise UsageError(f"{where} is not Chrome trace JSON: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"{where} is not a Chrome trace: its JSON nests too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and integers longer than Python converts
+        raise UsageError(f"{where} is not Chrome trace JSON: {str(exc)[:200]}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise _BadEvent(f"it holds {name}, which is not a number JSON allows")
 
 
 class _BadEvent(ValueError):
     pass
 
 
-def _parse_events(raw: list) -> list[TraceEvent]:
+def _depth_ok(obj: Any, limit: int) -> bool:
+    """True when ``obj`` nests at most ``limit`` containers deep (checked without recursion)."""
+    stack = [(obj, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= limit:
+                return False
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return True
+
+
+def _number(ev: dict, key: str, i: int, default: float | None = None) -> float:
+    value = ev.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _BadEvent(f"X event {i} has {key!r} {_short(value)}, expected a number of microseconds")
+    value = float(value)
+    if not 0.0 <= value <= MAX_TIME_US:  # also NaN and infinities (1e999 parses as inf)
+        raise _BadEvent(f"X event {i} has {key!r} {value!r}, expected a number from 0 to {MAX_TIME_US:g}")
+    return value
+
+
+def _integer(value: Any, what: str, i: int) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _ID_MAX:
+        raise _BadEvent(f"X event {i} has {what} {_short(value)}, expected an integer from 0 to {_ID_MAX}")
+    return value
+
+
+def _check_shapes(raw: list) -> None:
     for i, ev in enumerate(raw):
         if not isinstance(ev, dict):
             raise _BadEvent(f"event {i} is {type(ev).__name__} {_short(ev)}, expected an object")
+        if not _depth_ok(ev, MAX_ARGS_DEPTH):
+            raise _BadEvent(f"event {i} nests more than {MAX_ARGS_DEPTH} levels deep")
         if not isinstance(ev.get("args", {}), dict):
             raise _BadEvent(f"event {i} has 'args' {_short(ev['args'])}, expected an object")
         for k in ("pid", "tid"):
             if isinstance(ev.get(k), (list, dict)):
                 raise _BadEvent(f"event {i} has {k!r} {_short(ev[k])}, expected a number or string")
+
+
+def _parse_events(raw: list) -> list[TraceEvent]:
+    _check_shapes(raw)
     names: dict[tuple[Any, Any], str] = {}
     for ev in raw:
         if ev.get("ph") == "M" and ev.get("name") == "thread_name":
@@ -137,21 +208,28 @@ def _parse_events(raw: list) -> list[TraceEvent]:
         if ev.get("ph") != "X":
             continue
         args = ev.get("args") or {}
-        try:
-            start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
-            op_id = int(args.get("id", 0) or 0)
-            deps = tuple(int(d) for d in args.get("deps", ()) or ())
-        except (KeyError, TypeError, ValueError):
-            raise _BadEvent(f"X event {i} needs numeric ts/dur and integer args.id/args.deps: {_short(ev)}") from None
+        if "ts" not in ev:
+            raise _BadEvent(f"X event {i} has no 'ts': {_short(ev)}")
+        start, dur = _number(ev, "ts", i), _number(ev, "dur", i, 0.0)
+        if start + dur > MAX_TIME_US:
+            raise _BadEvent(f"X event {i} ends at {start + dur!r} us, after {MAX_TIME_US:g}")
+        op_id = _integer(args.get("id", 0) or 0, "args.id", i)
+        deps = args.get("deps", ()) or ()
+        if not isinstance(deps, list | tuple):
+            raise _BadEvent(f"X event {i} has args.deps {_short(deps)}, expected a list of integers")
         key = (ev.get("pid"), ev.get("tid"))
         events.append(TraceEvent(id=op_id, name=str(ev.get("name", "")),
                                  worker=names.get(key, f"{key[0]}/{key[1]}"), start_us=start,
-                                 end_us=start + dur, deps=deps, failed=bool(args.get("failed", False))))
+                                 end_us=start + dur, deps=tuple(_integer(d, "args.deps", i) for d in deps),
+                                 failed=bool(args.get("failed", False))))
     return events
 
 
 def _short(x: Any) -> str:
-    text = json.dumps(x)
+    try:
+        text = json.dumps(x)
+    except (ValueError, RecursionError):
+        text = type(x).__name__
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -14,17 +14,26 @@ import torch
 
 from ..errors import UsageError
 
+MAX_BATCH = 2**24
+
 
 def register(sub) -> argparse.ArgumentParser:
+    from .. import _cliargs as va
+    from ..models import model_names
+
     p = sub.add_parser("export", help="export a zoo model as graph.json + params.safetensors",
                        description=__doc__.splitlines()[0])
-    p.add_argument("model", help="zoo model name (dlperf.models.model_names())")
-    p.add_argument("directory", help="output directory (created; existing export files are replaced)")
-    p.add_argument("--batch", type=int, default=2, help="batch size of the example input (dimension 0 stays "
-                   "dynamic where the model allows)")
-    p.add_argument("--weights", help="a state_dict saved with torch.save to load before exporting "
-                   "(default: random initialization)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the random initialization and example")
+    p.add_argument("model", metavar="MODEL", type=va.choice("network", model_names()),
+                   help="zoo model name (dlperf.models.model_names())")
+    p.add_argument("directory", metavar="DIRECTORY", type=va.existing_dir("DIRECTORY"),
+                   help="output directory (created; existing export files are replaced)")
+    p.add_argument("--batch", type=va.int_in(1, MAX_BATCH, "--batch"), default=2,
+                   help="batch size of the example input (dimension 0 stays dynamic where the model allows)")
+    p.add_argument("--weights", type=va.existing_file("--weights"),
+                   help="a state_dict saved with torch.save to load before exporting (default: random "
+                        "initialization)")
+    p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0,
+                   help="seed for the random initialization and example")
     p.add_argument("--pt2", action="store_true", help="also write model.pt2 (torch.export program)")
     p.add_argument("--no-check", action="store_true", help="skip loading the export back and comparing outputs "
                    "(otherwise a mismatch beyond float tolerance exits with status 1)")
@@ -33,12 +42,16 @@ def register(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .._cliargs import batch_bytes, require_memory
     from ..models import get_spec
     from .export import export, load
 
     spec = get_spec(args.model)  # a miss lists the zoo
     if args.batch < 1:
         raise UsageError(f"--batch must be >= 1, got {args.batch}")
+    if os.path.exists(args.directory) and not os.path.isdir(args.directory):
+        raise UsageError(f"{args.directory!r} is not a directory; give a directory for the export files")
+    require_memory(batch_bytes(spec, args.batch, training=False), f"--batch {args.batch}", "give a smaller --batch")
     torch.manual_seed(args.seed)
     model = spec.build().eval()
     if args.weights:

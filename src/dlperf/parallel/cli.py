@@ -33,32 +33,52 @@ TRAIN_MODELS = ("lenet", "resnet18")
 _CHECKPOINT_FORMAT = 1
 
 
+MAX_BATCH = 2**24
+MAX_EPOCHS = 100_000
+MAX_LR = 100.0  # beyond this SGD on these models only diverges to NaN
+# The embedded dataset keeps each uint8 image and its int64 label, plus two int64 permutations.
+_STORED_EXAMPLE_BYTES = 28 * 28 + 3 * 8
+
+
 def register(sub) -> None:
+    from .. import _cliargs as va
+    from ..kvstore import kvstore_types
+
     p = sub.add_parser("train", help="train LeNet or ResNet-18 data-parallel on a list of devices",
                        description=__doc__.splitlines()[0])
     p.add_argument("--model", default="lenet", choices=TRAIN_MODELS)
-    p.add_argument("--devices", default="cpu:0", help="comma-separated, e.g. cpu:0,cpu:1 or gpu:0,gpu:1")
-    p.add_argument("--batch-size", type=int, default=256,
+    p.add_argument("--devices", default="cpu:0", type=va.device_list("--devices"),
+                   help="comma-separated, e.g. cpu:0,cpu:1 or gpu:0,gpu:1")
+    p.add_argument("--batch-size", type=va.int_in(1, MAX_BATCH, "--batch-size"), default=256,
                    help="global mini-batch, split across devices (at least one example per device); an "
                         "epoch's last batch with fewer examples than devices is skipped")
-    p.add_argument("--lr", type=float, default=0.2)
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--data", metavar="DIR", help="Fashion-MNIST IDX directory (default: embedded glyphs)")
+    p.add_argument("--lr", type=va.positive_float("--lr", max_value=MAX_LR), default=0.2)
+    p.add_argument("--epochs", type=va.int_in(1, MAX_EPOCHS, "--epochs"), default=10)
+    p.add_argument("--data", metavar="DIR", type=va.existing_dir("--data"),
+                   help="Fashion-MNIST IDX directory (default: embedded glyphs)")
     p.add_argument("--download", action="store_true", help="download Fashion-MNIST into --data first")
-    p.add_argument("--train-size", type=int, default=12000, help="embedded dataset: training images")
-    p.add_argument("--test-size", type=int, default=2000, help="embedded dataset: test images")
-    p.add_argument("--algorithm", default=DEFAULT_ALGORITHM, help=f"allreduce: {', '.join(algorithm_names())}")
-    p.add_argument("--kvstore", default=None, help="aggregate through a KVStore: local or device")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", metavar="FILE", help="save the state atomically after every epoch")
-    p.add_argument("--resume", metavar="FILE", help="continue bit-identically from a checkpoint")
+    p.add_argument("--train-size", type=va.int_in(1, 10**12, "--train-size"), default=12000,
+                   help="embedded dataset: training images")
+    p.add_argument("--test-size", type=va.int_in(1, 10**12, "--test-size"), default=2000,
+                   help="embedded dataset: test images")
+    p.add_argument("--algorithm", default=DEFAULT_ALGORITHM, type=va.choice("allreduce algorithm", algorithm_names()),
+                   help=f"allreduce: {', '.join(algorithm_names())}")
+    p.add_argument("--kvstore", default=None, type=va.choice("kvstore type", kvstore_types()),
+                   help="aggregate through a KVStore: local or device")
+    p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0)
+    p.add_argument("--checkpoint", metavar="FILE", type=va.output_path("--checkpoint"),
+                   help="save the state atomically after every epoch")
+    p.add_argument("--resume", metavar="FILE", type=va.existing_file("--resume"),
+                   help="continue bit-identically from a checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run)
 
 
-def parse_devices(text: str) -> list:
+def parse_devices(text: str | list) -> list:
     """``"cpu:0,cpu:1"`` -> ``[cpu(0), cpu(1)]``."""
+    if not isinstance(text, str):  # already parsed by the option's type
+        return list(text)
     parts = [t for t in (s.strip() for s in text.split(",")) if t]
     if not parts:
         raise UsageError("--devices is empty; give e.g. cpu:0,cpu:1")
@@ -110,11 +130,27 @@ def _config(args) -> dict[str, Any]:
 
 
 def _check_args(args) -> None:
+    """What the option types cannot see alone: combinations, and work that would not fit in memory."""
+    from .._cliargs import batch_bytes, require_memory
+
     for name in ("batch_size", "epochs", "train_size", "test_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.lr <= 0:
-        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    if not 0 < args.lr <= MAX_LR:  # also NaN
+        raise UsageError(f"--lr must be > 0 and <= {MAX_LR:g}, got {args.lr}")
+    if args.download and not args.data:
+        raise UsageError("--download needs --data DIR to download into; add --data DIR or drop --download")
+    if args.data and not args.download and not os.path.isdir(args.data):
+        raise UsageError(f"--data {args.data!r} does not exist; give the directory holding the Fashion-MNIST "
+                         "IDX files, or add --download to fetch them into it")
+    if args.data is None:
+        require_memory((args.train_size + args.test_size) * _STORED_EXAMPLE_BYTES,
+                       f"--train-size {args.train_size} --test-size {args.test_size}",
+                       "give smaller sizes")
+    from ..models import get_spec
+
+    require_memory(batch_bytes(get_spec(args.model), args.batch_size, training=True),
+                   f"--batch-size {args.batch_size} on {args.model}", "give a smaller --batch-size")
 
 
 def _progress(enabled: bool, total: int, description: str):

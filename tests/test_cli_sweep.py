@@ -1,0 +1,459 @@
+"""Bad input to every verb: exit status 2, one line on stderr naming the value, no traceback, no file harmed.
+
+Each case is ``(argv, named)``: ``{T}`` in an argument stands for a scratch directory holding files
+the command must leave alone (one of them given as an output path where a verb writes), and
+``named`` is text the error line must contain: the offending value, or the file it came from.
+The cases run in-process through ``dlperf.cli.main``; a few also run as a real ``dlperf`` process.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dlperf.cli import main
+from dlperf.data.fashion_mnist import FILES
+from dlperf.data.idx import write_idx
+from dlperf.devices import cpu_count
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG = "9" * 5000
+FAKE_AVAILABLE = 2**30  # memory checks see 1 GiB available, whatever this machine has
+
+OUT = "{T}/out.json"  # an existing file passed as an output path: it must survive every refusal
+
+
+def _bench(*argv):
+    return ["bench", "--networks", "mlp", "--devices", "cpu", "--json", OUT, *argv]
+
+
+def _scaling(*argv):
+    return ["bench", "--scaling", "--networks", "fcn-r", "--devices", "cpu:0,cpu:1", "--steps", "1", *argv]
+
+
+def _train(*argv):
+    return ["train", "--epochs", "1", "--train-size", "100", "--test-size", "50", "--batch-size", "10",
+            "--no-progress", "--checkpoint", "{T}/ck.pt", *argv]
+
+
+def _export(*argv):
+    return ["export", "mlp", "{T}/export", *argv]
+
+
+BENCH = [
+    (_bench("--networks", ","), "','"),
+    (_bench("--networks", ""), "''"),
+    (_bench("--networks", " "), "' '"),
+    (_bench("--networks", "lenet,,mlp"), "'lenet,,mlp'"),
+    (_bench("--networks", "lenet,"), "'lenet,'"),
+    (_bench("--networks", "nope"), "'nope'"),
+    (_bench("--networks", "lenet,lenet"), "'lenet'"),
+    (_bench("--networks", "le\nnet"), "'le\\nnet'"),
+    (_bench("--devices", ","), "','"),
+    (_bench("--devices", ""), "''"),
+    (_bench("--devices", "tpu:0"), "'tpu:0'"),
+    (_bench("--devices", "cpu:0,cpu:0"), "'cpu:0'"),
+    (_bench("--devices", "cpu:0,cpu"), "cpu(0)"),
+    (_bench("--devices", "cpu:99999"), "'cpu:99999'"),
+    (_bench("--devices", "cpu:" + LONG), "'cpu:999"),
+    (_bench("--devices", "cpu:-1"), "'cpu:-1'"),
+    (_bench("--devices", "cpu:0x1"), "'cpu:0x1'"),
+    (_bench("--devices", "gpu:1000"), "gpu(1000)"),
+    (_bench("--threads", "0"), "'0'"),
+    (_bench("--threads", "-1"), "'-1'"),
+    (_bench("--threads", "1.5"), "'1.5'"),
+    (_bench("--threads", ","), "','"),
+    (_bench("--threads", "1,,2"), "'1,,2'"),
+    (_bench("--threads", "abc"), "'abc'"),
+    (_bench("--threads", "100000"), "'100000'"),
+    (_bench("--threads", "1,1"), "'1'"),
+    (_bench("--threads", "9" * 30), "'999"),
+    (_bench("--threads", "1e2"), "'1e2'"),
+    (_bench("--batch-size", "0"), "'0'"),
+    (_bench("--batch-size", "-5"), "'-5'"),
+    (_bench("--batch-size", "1e3"), "'1e3'"),
+    (_bench("--batch-size", "nan"), "'nan'"),
+    (_bench("--batch-size", str(2**21)), f"'{2**21}'"),
+    (_bench("--batch-size", ""), "''"),
+    (_bench("--batch-size", LONG), "'999"),
+    (_bench("--batch-size", "1048576"), "--batch-size 1048576"),
+    (_bench("--steps", "0"), "'0'"),
+    (_bench("--steps", "-1"), "'-1'"),
+    (_bench("--steps", "1.0"), "'1.0'"),
+    (_bench("--steps", "inf"), "'inf'"),
+    (_bench("--steps", "100001"), "'100001'"),
+    (_bench("--warmup", "-1"), "'-1'"),
+    (_bench("--warmup", "x"), "'x'"),
+    (_bench("--warmup", "0"), "--warmup >= 1"),
+    (_bench("--mode", "nope"), "'nope'"),
+    (_bench("--mode", ""), "''"),
+    (_bench("--csv", ""), "''"),
+    (_bench("--csv", "{T}/adir"), "adir"),
+    (_bench("--csv", "{T}/notes.txt/x.csv"), "notes.txt"),
+    (_bench("--markdown", "{T}/adir/"), "adir/"),
+    (_bench("--plot", "{T}/adir"), "adir"),
+    (_bench("--plot", ""), "''"),
+    (_bench("--csv", "{T}/same.txt", "--markdown", "{T}/same.txt"), "same.txt"),
+    (_bench("--csv", OUT), "out.json"),
+    (["bench", "--json", "{T}/adir"], "adir"),
+    (["bench", "--json", ""], "''"),
+    (["bench", "--bogus-flag"], "--bogus-flag"),
+    (["bench", "extra"], "extra"),
+    (["bench", "--quick=1"], "'1'"),
+    (["bench", "--networks"], "--networks"),
+]
+
+SCALING = [
+    (_scaling("--networks", "lenet"), "'lenet'"),
+    (_scaling("--networks", "alexnet-r,,"), "'alexnet-r,,'"),
+    (_scaling("--networks", "nope"), "'nope'"),
+    (_scaling("--mode", "hybrid"), "--mode hybrid"),
+    (_scaling("--threads", "1"), "--threads"),
+    (_scaling("--csv"), "--csv"),
+    (_scaling("--markdown", "{T}/t.md"), "--markdown"),
+    (_scaling("--plot", "{T}/t.png"), "--plot"),
+    (_scaling("--batch-size", "1"), "got 1"),
+    (_scaling("--batch-size", "0"), "'0'"),
+    (_scaling("--batch-size", "1048576"), "--batch-size 1048576"),
+    (_scaling("--steps", "0"), "'0'"),
+    (_scaling("--steps", "1e9"), "'1e9'"),
+    (_scaling("--warmup", "-1"), "'-1'"),
+    (_scaling("--devices", ","), "','"),
+    (_scaling("--devices", "cpu:0,cpu:0"), "'cpu:0'"),
+    (_scaling("--devices", "gpu:1000"), "gpu(1000)"),
+    (_scaling("--json", "{T}/adir"), "adir"),
+    (_scaling("--json", ""), "''"),
+    (_scaling("--json", OUT, "--mode", "compile"), "--mode compile"),
+]
+
+DEVICES = [
+    (["devices", "--json=yes"], "'yes'"),
+    (["devices", "extra"], "extra"),
+    (["devices", "--bogus"], "--bogus"),
+    (["devices", "--json", "--all"], "--all"),
+]
+
+TRAIN = [
+    (_train("--lr", "1e300"), "'1e300'"),
+    (_train("--lr", "nan"), "'nan'"),
+    (_train("--lr", "NaN"), "'NaN'"),
+    (_train("--lr", "inf"), "'inf'"),
+    (_train("--lr=-inf"), "'-inf'"),
+    (_train("--lr", "0"), "'0'"),
+    (_train("--lr", "-0.1"), "'-0.1'"),
+    (_train("--lr", "abc"), "'abc'"),
+    (_train("--lr", ""), "''"),
+    (_train("--lr", "1e-400"), "'1e-400'"),
+    (_train("--lr", "101"), "'101'"),
+    (_train("--lr", LONG), "'999"),
+    (_train("--lr", "0x10"), "'0x10'"),
+    (_train("--seed", str(2**64)), f"'{2**64}'"),
+    (_train("--seed", str(2**70)), f"'{2**70}'"),
+    (_train("--seed", "-1"), "'-1'"),
+    (_train("--seed", "1.5"), "'1.5'"),
+    (_train("--seed", "abc"), "'abc'"),
+    (_train("--seed", LONG), "'999"),
+    (_train("--epochs", "0"), "'0'"),
+    (_train("--epochs", "-3"), "'-3'"),
+    (_train("--epochs", "1e6"), "'1e6'"),
+    (_train("--epochs", "100001"), "'100001'"),
+    (_train("--epochs", "1\n2"), "'1\\n2'"),
+    (_train("--batch-size", "0"), "'0'"),
+    (_train("--batch-size", "1.5"), "'1.5'"),
+    (_train("--batch-size", str(2**25)), f"'{2**25}'"),
+    (_train("--batch-size", "1000000"), "--batch-size 1000000"),
+    (_train("--train-size", "0"), "'0'"),
+    (_train("--train-size", str(10**13)), f"'{10**13}'"),
+    (_train("--train-size", str(10**11)), f"--train-size {10**11}"),
+    (_train("--test-size", "0"), "'0'"),
+    (_train("--test-size", "-1"), "'-1'"),
+    (_train("--test-size", str(10**11)), f"--test-size {10**11}"),
+    (_train("--devices", ""), "''"),
+    (_train("--devices", ","), "','"),
+    (_train("--devices", "cpu:0,,cpu:1"), "'cpu:0,,cpu:1'"),
+    (_train("--devices", "npu"), "'npu'"),
+    (_train("--devices", "cpu:0,cpu"), "cpu(0)"),
+    (_train("--devices", "gpu:1000"), "gpu(1000)"),
+    (_train("--devices", "cpu:2000"), "'cpu:2000'"),
+    (_train("--devices", "cpu:0,cpu:1,cpu:2", "--batch-size", "2"), "--batch-size 2"),
+    (_train("--model", "vgg"), "'vgg'"),
+    (_train("--algorithm", "tree"), "'tree'"),
+    (_train("--algorithm", ""), "''"),
+    (_train("--kvstore", "remote"), "'remote'"),
+    (_train("--data", "{T}/notes.txt"), "notes.txt"),
+    (_train("--data", "{T}/nonexistent"), "nonexistent"),
+    (_train("--download"), "--download"),
+    (_train("--data", "{T}/idx_empty"), "idx_empty"),
+    (_train("--data", "{T}/idx_label12"), "label 12"),
+    (_train("--data", "{T}/idx_32x32"), "(2, 32, 32)"),
+    (_train("--data", "{T}/idx_magic"), "idx_magic"),
+    (_train("--data", "{T}/idx_truncated"), "idx_truncated"),
+    (_train("--data", "{T}/idx_bomb"), "idx_bomb"),
+    (_train("--data", "{T}/idx_huge_header"), "idx_huge_header"),
+    (_train("--data", "{T}/idx_count_mismatch"), "3 labels"),
+    (_train("--data", "{T}/idx_float_labels"), "idx_float_labels"),
+    (_train("--data", "{T}/adir"), "adir"),
+    (_train("--checkpoint", "{T}/adir"), "adir"),
+    (_train("--checkpoint", ""), "''"),
+    (_train("--checkpoint", "{T}/notes.txt/ck.pt"), "notes.txt"),
+    (_train("--resume", "{T}/adir"), "adir"),
+    (_train("--resume", "{T}/missing.pt"), "missing.pt"),
+    (_train("--resume", "{T}/notes.txt"), "notes.txt"),
+    (_train("--resume", ""), "''"),
+    (_train("--resume", "{T}/fifo"), "fifo"),
+    (_train("--no-progress=1"), "'1'"),
+    (_train("--checkpoint", OUT, "--lr", "nan"), "'nan'"),
+]
+
+EXPORT = [
+    (["export", "nonet", "{T}/export"], "'nonet'"),
+    (["export", "", "{T}/export"], "''"),
+    (["export", "mlp", "{T}/notes.txt"], "notes.txt"),
+    (["export", "mlp", OUT], "out.json"),
+    (["export", "mlp"], "DIRECTORY"),
+    (["export"], "MODEL"),
+    (_export("--batch", "0"), "'0'"),
+    (_export("--batch", "-1"), "'-1'"),
+    (_export("--batch", "1e9"), "'1e9'"),
+    (_export("--batch", str(2**25)), f"'{2**25}'"),
+    (_export("--batch", "1000000"), "--batch 1000000"),
+    (_export("--batch", ""), "''"),
+    (_export("--batch", LONG), "'999"),
+    (_export("--seed", "-1"), "'-1'"),
+    (_export("--seed", str(2**64)), f"'{2**64}'"),
+    (_export("--weights", "{T}/missing.pt"), "missing.pt"),
+    (_export("--weights", "{T}/adir"), "adir"),
+    (_export("--weights", "{T}/notes.txt"), "notes.txt"),
+    (_export("--weights", ""), "''"),
+    (["export", "mlp", "{T}/notes.txt/sub"], "notes.txt"),
+    (["export", "mlp", ""], "''"),
+    (_export("--pt2=yes"), "'yes'"),
+]
+
+TRACE_FILES = {
+    "nan.json": '{"traceEvents": [{"ph": "X", "ts": NaN, "dur": 1}]}',
+    "infinity.json": '{"traceEvents": [{"ph": "X", "ts": 0, "dur": Infinity}]}',
+    "neg_infinity.json": '{"traceEvents": [{"ph": "X", "ts": -Infinity, "dur": 1}]}',
+    "overflow.json": '{"traceEvents": [{"ph": "X", "ts": 0, "dur": 1e999}]}',
+    "neg_dur.json": '{"traceEvents": [{"ph": "X", "ts": 0, "dur": -100}]}',
+    "neg_ts.json": '{"traceEvents": [{"ph": "X", "ts": -5, "dur": 1}]}',
+    "absurd_ts.json": '{"traceEvents": [{"ph": "X", "ts": 1e300, "dur": 1}]}',
+    "digits_ts.json": '{"traceEvents": [{"ph": "X", "ts": ' + LONG + ', "dur": 1}]}',
+    "digits_dur.json": '{"traceEvents": [{"ph": "X", "ts": 0, "dur": ' + LONG + '}]}',
+    "digits_id.json": '{"traceEvents": [{"ph": "X", "ts": 0, "args": {"id": ' + LONG + '}}]}',
+    "deep.json": "[" * 100000 + "]" * 100000,
+    "deep_object.json": '{"a":' * 50000 + "1" + "}" * 50000,
+    "deep_args.json": '{"traceEvents": [{"ph": "X", "ts": 0, "args": {"x": ' + "[" * 500 + "]" * 500 + "}}]}",
+    "not_json.json": "{not json",
+    "empty.json": "",
+    "events_number.json": '{"traceEvents": 3}',
+    "no_ops.json": '{"traceEvents": []}',
+    "only_meta.json": '{"traceEvents": [{"ph": "M", "name": "thread_name", "pid": 1, "tid": 1}]}',
+    "ts_string.json": '{"traceEvents": [{"ph": "X", "ts": "0", "dur": 1}]}',
+    "ts_bool.json": '{"traceEvents": [{"ph": "X", "ts": true, "dur": 1}]}',
+    "no_ts.json": '{"traceEvents": [{"ph": "X", "dur": 1}]}',
+    "id_negative.json": '{"traceEvents": [{"ph": "X", "ts": 0, "args": {"id": -1}}]}',
+    "id_fraction.json": '{"traceEvents": [{"ph": "X", "ts": 0, "args": {"id": 1.5}}]}',
+    "deps_number.json": '{"traceEvents": [{"ph": "X", "ts": 0, "args": {"deps": 3}}]}',
+    "deps_strings.json": '{"traceEvents": [{"ph": "X", "ts": 0, "args": {"deps": ["a"]}}]}',
+    "pid_list.json": '{"traceEvents": [{"ph": "X", "ts": 0, "pid": [1], "tid": 1}]}',
+    "args_string.json": '{"traceEvents": [{"ph": "X", "ts": 0, "args": "x"}]}',
+    "top_number.json": "3",
+    "top_string.json": '"trace"',
+    "events_of_numbers.json": "[1, 2]",
+    "not_utf8.json": b"\xff\xfe\x00",
+    "end_overflows.json": '{"traceEvents": [{"ph": "X", "ts": 1e15, "dur": 1e15}]}',
+}
+
+TRACE = [(["trace", f"{{T}}/{name}"], name) for name in TRACE_FILES] + [
+    (["trace", "{T}/missing.json"], "missing.json"),
+    (["trace", "{T}/adir"], "adir"),
+    (["trace", ""], "''"),
+    (["trace", "{T}/fifo"], "fifo"),
+    (["trace"], "FILE"),
+    (["trace", "{T}/no_ops.json", "extra"], "extra"),
+    (["trace", "{T}/no_ops.json", "--json=1"], "'1'"),
+]
+
+TOP = [
+    ([], "VERB"),
+    (["nosuchverb"], "'nosuchverb'"),
+    (["--bogus"], "--bogus"),
+    (["bench\n"], "'bench\\n'"),
+]
+
+NAME_TOO_LONG = "{T}/" + "a" * 300  # one component beyond the file system's 255 bytes
+PATHS = [
+    (_train("--resume", NAME_TOO_LONG), "'{T}/aaa"),
+    (_train("--checkpoint", NAME_TOO_LONG), "'{T}/aaa"),
+    (_train("--data", NAME_TOO_LONG), "'{T}/aaa"),
+    (["trace", NAME_TOO_LONG], "'{T}/aaa"),
+    (["export", "mlp", NAME_TOO_LONG], "'{T}/aaa"),
+    (_export("--weights", NAME_TOO_LONG), "'{T}/aaa"),
+    (_bench("--csv", NAME_TOO_LONG + "/x.csv"), "'{T}/aaa"),
+    (_train("--checkpoint", "/dev/null"), "'/dev/null'"),
+    (["trace", "/dev/zero"], "'/dev/zero'"),
+    (_train("--data", "/dev/null"), "'/dev/null'"),
+    (_train("--resume", "{T}/" + "x" * 5000), "'{T}/xxx"),
+    (_bench("--networks", "\udcff"), "'\\udcff'"),
+    (_train("--lr", "\udcff"), "'\\udcff'"),
+]
+
+CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS
+# In-process only: a NUL cannot be passed to a process, and pytest's own arguments could not either.
+IN_PROCESS_ONLY = [
+    (_train("--checkpoint", "{T}/ck\0.pt"), "ck\\x00.pt'"),
+    (["trace", "{T}/a\0b.json"], "a\\x00b.json'"),
+    (_export("--weights", "{T}/w\0.pt"), "w\\x00.pt'"),
+]
+
+
+def _idx_dir(root: Path, images: np.ndarray, labels: np.ndarray, test: tuple | None = None) -> None:
+    root.mkdir()
+    test_images, test_labels = test if test is not None else (images, labels)
+    write_idx(root / FILES["train_images"], images)
+    write_idx(root / FILES["train_labels"], labels)
+    write_idx(root / FILES["test_images"], test_images)
+    write_idx(root / FILES["test_labels"], test_labels)
+
+
+def _gzip_bomb(path: Path, header_count: int, expanded_bytes: int) -> None:
+    """An IDX .gz whose header declares ``header_count`` images but whose stream expands much further."""
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(bytes([0, 0, 8, 3]) + header_count.to_bytes(4, "big") + (28).to_bytes(4, "big") * 2)
+        zeros = bytes(1 << 20)
+        for _ in range(expanded_bytes >> 20):
+            f.write(zeros)
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    t = tmp_path_factory.mktemp("sweep")
+    (t / "adir").mkdir()
+    (t / "notes.txt").write_text("keep me\n")
+    (t / "out.json").write_text('{"precious": true}\n')
+    (t / "same.txt").write_text("also kept\n")
+    os.mkfifo(t / "fifo")
+    for name, content in TRACE_FILES.items():
+        (t / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    images = np.zeros((2, 28, 28), np.uint8)
+    labels = np.array([1, 2], np.uint8)
+    _idx_dir(t / "idx_empty", np.zeros((0, 28, 28), np.uint8), np.zeros(0, np.uint8))
+    _idx_dir(t / "idx_label12", images, np.array([1, 12], np.uint8))
+    _idx_dir(t / "idx_32x32", np.zeros((2, 32, 32), np.uint8), labels)
+    _idx_dir(t / "idx_count_mismatch", images, np.array([1, 2, 3], np.uint8))
+    _idx_dir(t / "idx_float_labels", images, np.array([1.0, 2.0], np.float32))
+    for name in ("idx_magic", "idx_truncated", "idx_bomb", "idx_huge_header"):
+        _idx_dir(t / name, images, labels)
+    (t / "idx_magic" / FILES["train_images"]).write_bytes(b"PK\x03\x04" + bytes(100))
+    full = (t / "idx_truncated" / FILES["train_images"]).read_bytes()
+    (t / "idx_truncated" / FILES["train_images"]).write_bytes(full[:-10])
+    (t / "idx_bomb" / FILES["train_images"]).unlink()
+    _gzip_bomb(t / "idx_bomb" / (FILES["train_images"] + ".gz"), 2, 64 << 20)
+    (t / "idx_huge_header" / FILES["train_images"]).unlink()
+    _gzip_bomb(t / "idx_huge_header" / (FILES["train_images"] + ".gz"), 2**32 - 1, 1 << 20)
+    return t
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_fifo()}
+
+
+def _argv(argv: list[str], root: Path) -> list[str]:
+    return [a.replace("{T}", str(root)) for a in argv]
+
+
+def _check_one_line(rc: int, out: str, err: str, named: str, root: Path) -> None:
+    assert "Traceback" not in out + err, err
+    assert rc == 2, (rc, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and err.endswith("\n"), err
+    assert "error:" in lines[0]
+    assert named.replace("{T}", str(root)) in lines[0], (named, lines[0])
+
+
+@pytest.fixture
+def limited_memory(monkeypatch):
+    import dlperf._cliargs
+
+    monkeypatch.setattr(dlperf._cliargs, "available_memory_bytes", lambda: FAKE_AVAILABLE)
+
+
+def _ids(cases):
+    return [" ".join(argv)[:80].replace("\n", "\\n").replace("\0", "\\0") for argv, _ in cases]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv, named", CASES + IN_PROCESS_ONLY, ids=_ids(CASES + IN_PROCESS_ONLY))
+def test_bad_input_is_one_line_exit_2_and_harms_nothing(argv, named, scratch, capsys, limited_memory):
+    before = _hashes(scratch)
+    rc = main(_argv(argv, scratch))
+    captured = capsys.readouterr()
+    _check_one_line(rc, captured.out, captured.err, named, scratch)
+    assert _hashes(scratch) == before
+    assert not (scratch / "export").exists() and not (scratch / "ck.pt").exists()
+
+
+def test_the_sweep_is_broad():
+    verbs = {argv[0] for argv, _ in CASES if argv}
+    assert len(CASES) + len(IN_PROCESS_ONLY) >= 150
+    assert len({tuple(argv) for argv, _ in CASES}) == len(CASES)
+    assert verbs == {"bench", "devices", "train", "export", "trace", "nosuchverb", "--bogus", "bench\n"}
+    assert len(SCALING) >= 15
+
+
+# Real-memory cases are refused on any machine (hundreds of GB to hundreds of TB).
+SUBPROCESS_CASES = [
+    (_train("--lr", "nan"), "'nan'"),
+    (_train("--train-size", str(10**12)), f"--train-size {10**12}"),
+    (["bench", "--batch-size", "1048576", "--networks", "alexnet-s", "--devices", "cpu"], "--batch-size 1048576"),
+    (["export", "mlp", OUT], "out.json"),
+]
+
+
+@pytest.mark.timeout(180)
+def test_real_processes_exit_2_with_one_line(scratch):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    before = _hashes(scratch)
+    procs = [subprocess.Popen([sys.executable, "-m", "dlperf.cli", *_argv(argv, scratch)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv, _ in SUBPROCESS_CASES]
+    for proc, (_, named) in zip(procs, SUBPROCESS_CASES):
+        out, err = proc.communicate(timeout=150)
+        _check_one_line(proc.returncode, out, err, named, scratch)
+    assert _hashes(scratch) == before
+
+
+def test_threads_above_the_core_count_warn_and_run(monkeypatch, capsys):
+    import dlperf.bench.cli as bench_cli
+
+    ran = []
+    monkeypatch.setattr(bench_cli, "_run_with_progress", lambda config: ran.append(config.threads))
+    monkeypatch.setattr(bench_cli, "_emit", lambda result, args: None)
+    many = cpu_count() + 1
+    assert main(["bench", "--networks", "mlp", "--devices", "cpu", "--threads", f"1,{many}"]) == 0
+    err = capsys.readouterr().err
+    assert ran == [[1, many]]
+    assert err.count("\n") == 1 and f"warning: --threads {many} is more than the {cpu_count()} cores" in err
+
+
+def test_good_values_still_parse(scratch, monkeypatch):
+    from dlperf.cli import build_parser
+
+    args = build_parser().parse_args(_argv(_train("--lr", "0.5", "--seed", str(2**32 - 1), "--devices",
+                                                  "cpu:0, cpu(1)"), scratch))
+    assert args.lr == 0.5 and args.seed == 2**32 - 1 and [str(d) for d in args.devices] == ["cpu(0)", "cpu(1)"]
+    args = build_parser().parse_args(["bench", "--threads", "1,2", "--networks", "LeNet,mlp", "--csv"])
+    assert args.threads == [1, 2] and args.networks == ["LeNet", "mlp"] and args.csv == "-"
+    doc = json.dumps({"traceEvents": [{"ph": "X", "ts": 0, "dur": 5, "pid": 1, "tid": 1}]})
+    (scratch / "good_trace.json").write_text(doc)
+    assert main(["trace", str(scratch / "good_trace.json")]) == 0
