@@ -175,12 +175,14 @@ def test_optional_pt2_program(tmp_path):
     x = torch.randn(2, 1, 28, 28)
     paths = export(model, tmp_path, (x,), pt2=True)
     assert set(paths) == {"graph", "params", "pt2"}
-    program = load_pt2(tmp_path)
+    with pytest.raises(ExportFormatError, match="can run code embedded.*trusted=True"):
+        load_pt2(tmp_path)  # torch.export.load unpickles: never on a file of unknown origin
+    program = load_pt2(tmp_path, trusted=True)
     with torch.no_grad():
         torch.testing.assert_close(program.module()(x), model(x))
     _damage(tmp_path, "model.pt2", "truncate")
     with pytest.raises(ExportFormatError, match="checksum"):
-        load_pt2(tmp_path)
+        load_pt2(tmp_path, trusted=True)
     torch.testing.assert_close(load(tmp_path)(x), model(x))  # the JSON graph does not need it
 
 
@@ -192,18 +194,19 @@ def test_export_into_a_regular_file_is_a_clear_error(tmp_path):
     assert target.read_text() == "{}"
 
 
-def test_a_failed_rewrite_never_leaves_a_misreadable_export(tmp_path, monkeypatch):
-    """Each file goes to a temporary name and is renamed into place; a crash between the two files
-    leaves the graph's checksum pointing at the old parameters, so load refuses instead of misreading."""
+def test_a_failed_export_leaves_the_previous_export(tmp_path, monkeypatch):
+    """The files are written into a temporary directory that replaces the export in one rename:
+    a crash anywhere before it leaves the previous export whole, and no temporary behind."""
     import importlib
 
     import safetensors.torch
 
     export_mod = importlib.import_module("dlperf.hybrid.export")
+    target = tmp_path / "net"
     old, new = nn.Linear(3, 2).eval(), nn.Linear(3, 2).eval()
     x = torch.randn(2, 3)
-    export(old, tmp_path, (x,))
-    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+    export(old, target, (x,))
+    before = {p: (target / p).read_bytes() for p in os.listdir(target)}
     real_save = safetensors.torch.save_file
 
     def crash_mid_write(tensors, filename, metadata=None):
@@ -214,10 +217,7 @@ def test_a_failed_rewrite_never_leaves_a_misreadable_export(tmp_path, monkeypatc
 
     monkeypatch.setattr(safetensors.torch, "save_file", crash_mid_write)
     with pytest.raises(OSError, match="disk full"):
-        export(new, tmp_path, (x,))
-    assert {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)} == before  # no temp file left
-    with torch.no_grad():
-        torch.testing.assert_close(load(tmp_path)(x), old(x))
+        export(new, target, (x,))
     monkeypatch.undo()
 
     def crash_before_graph(doc):
@@ -225,8 +225,8 @@ def test_a_failed_rewrite_never_leaves_a_misreadable_export(tmp_path, monkeypatc
 
     monkeypatch.setattr(export_mod, "_layout", crash_before_graph)
     with pytest.raises(OSError, match="killed"):
-        export(new, tmp_path, (x,))
-    assert sorted(os.listdir(tmp_path)) == sorted(before)
-    assert (tmp_path / "graph.json").read_bytes() == before["graph.json"]
-    with pytest.raises(ExportFormatError, match="checksum"):
-        load(tmp_path)
+        export(new, target, (x,))
+    assert {p: (target / p).read_bytes() for p in os.listdir(target)} == before
+    assert os.listdir(tmp_path) == ["net"]  # no temporary directory left
+    with torch.no_grad():
+        torch.testing.assert_close(load(target)(x), old(x))
