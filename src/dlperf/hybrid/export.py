@@ -182,6 +182,8 @@ def _write_files(staging: str, doc: dict, tensors: dict[str, torch.Tensor], prog
                            "bytes": os.path.getsize(os.path.join(staging, name))} for name in names}
     doc["content_sha256"] = _content_hash(doc)
     atomic_write_bytes(os.path.join(staging, GRAPH_FILE), _layout(doc).encode())
+    for name in names:  # safetensors creates its file 0600; an export is as readable as any file
+        os.chmod(os.path.join(staging, name), 0o666 & ~_umask())
     _fsync_path(staging)
 
 
