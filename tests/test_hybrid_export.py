@@ -287,8 +287,10 @@ def test_crafted_names_are_refused_without_side_effects(mlp_export, monkeypatch,
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda d: d["nodes"][1]["inputs"].__setitem__(0, {"node": "nowhere"}), r"nodes\[1\] \(relu\)\.inputs\[0\].*'nowhere'"),
-    (lambda d: d["nodes"][0]["inputs"].__setitem__(0, {"node": d["nodes"][2]["name"]}), "not an input, parameter or earlier"),
+    (lambda d: d["nodes"][1]["inputs"].__setitem__(0, {"node": "nowhere"}),
+     r"nodes\[1\] \(relu\)\.inputs\[0\].*'nowhere'"),
+    (lambda d: d["nodes"][0]["inputs"].__setitem__(0, {"node": d["nodes"][2]["name"]}),
+     "not an input, parameter or earlier"),
     (lambda d: d["files"].pop("params.safetensors"), "files"),
     (lambda d: d["files"]["params.safetensors"].update(bytes="12"), "bytes"),
     (lambda d: d["nodes"][0].update(shape="[null, 256]"), r"nodes\[0\].*shape"),
@@ -298,7 +300,8 @@ def test_crafted_names_are_refused_without_side_effects(mlp_export, monkeypatch,
     (lambda d: d["inputs"][0].update(shape=[None, 1 << 20, 1 << 20]), "more than"),
     (lambda d: next(iter(d["state"].values())).update(tensor="ghost"), "tensor 'ghost' is missing"),
     (lambda d: next(iter(d["state"].values())).update(shape=[3, 3]), "parameter file.*graph.json says"),
-    (lambda d: d["nodes"][0].update(shape=[None, 255]), r"node 'linear' \(aten.linear.default\) gives float32\[2, 256\]"),
+    (lambda d: d["nodes"][0].update(shape=[None, 255]),
+     r"node 'linear' \(aten.linear.default\) gives float32\[2, 256\]"),
     (lambda d: d["nodes"][0].update(dtype="float64"), "trial run|graph.json records"),
     (lambda d: d["nodes"][1].update(op="aten.conv2d.default"), "node 'relu' .* fails in the trial run"),
     (lambda d: d["nodes"].append(d["nodes"][0]), "defined twice"),
@@ -327,7 +330,8 @@ def test_params_with_other_shapes_are_refused_even_with_matching_checksums(mlp_e
     save_file({name: torch.zeros(2, 2) for name in names}, str(path / "params.safetensors"))
     digest, size = _sha256_file(str(path / "params.safetensors")), (path / "params.safetensors").stat().st_size
     _rewrite(path, lambda d: d["files"]["params.safetensors"].update(sha256=digest, bytes=size))
-    with pytest.raises(ExportFormatError, match=r"tensor '0.weight' is float32\[2, 2\], graph.json says float32\[256, 512\]"):
+    with pytest.raises(ExportFormatError,
+                       match=r"tensor '0.weight' is float32\[2, 2\], graph.json says float32\[256, 512\]"):
         load(path)
 
 
