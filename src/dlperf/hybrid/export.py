@@ -99,8 +99,10 @@ _MAX_DEPTH = 6  # nesting of lists in one argument
 _MAX_LIST = 4096
 _MAX_STR = 256
 _INT64 = 1 << 63
-# A dimension recorded as dynamic (``null``) takes this size in the trial run at load.
+# A dimension recorded as dynamic (``null``) takes this size in the trial runs at load, whose
+# results together may take at most MAX_TRIAL_BYTES.
 TRIAL_DIM = 2
+MAX_TRIAL_BYTES = 1 << 31
 
 
 class ExportFormatError(DlperfError, ValueError):
@@ -471,6 +473,7 @@ class ExportedModule(nn.Module):
 
     def _interpret(self, env: dict, device: torch.device, trial: bool = False):
         env["@device"] = device
+        produced = 0
         for step in self._program:
             try:
                 value = _call(step, env)
@@ -478,30 +481,43 @@ class ExportedModule(nn.Module):
                 raise
             except Exception as exc:
                 # ATen errors at forward are the caller's (wrong device, out-of-range token);
-                # anything in the trial run, and Python operators on the graph's own values, are the file's.
+                # anything in the trial runs, and Python operators on the graph's own values, are the file's.
                 if not trial and step.op not in _OPERATORS:
                     raise
                 raise ExportFormatError(f"node {step.name!r} ({step.op}) fails{' in the trial run' if trial else ''}: "
                                         f"{type(exc).__name__}: {_first_line(exc)}") from exc
             if trial:
-                _check_result(step, value)
+                produced += _check_result(step, value)
+                if produced > MAX_TRIAL_BYTES:
+                    raise ExportFormatError(f"node {step.name!r} ({step.op}): the graph's results take more than "
+                                            f"{MAX_TRIAL_BYTES} bytes at input dimension {TRIAL_DIM}")
             env[step.name] = value
         outs = [_decode(o, env) for o in self._outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _trial_run(self, where: str) -> None:
-        """Run the graph on the meta device (shapes only) and compare every node with its record."""
-        env: dict[str, object] = {
-            spec["name"]: torch.empty([TRIAL_DIM if d is None else d for d in spec["shape"]],
-                                      dtype=_DTYPES[spec["dtype"]], device="meta")
-            for spec in self._inputs}
-        env.update((node_name, getattr(self, attr).detach().to("meta")) for node_name, attr in self._names.items())
-        try:
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self._interpret(env, torch.device("meta"), trial=True)
-        except ExportFormatError as exc:
-            raise ExportFormatError(f"{where}: {exc}") from exc.__cause__
+        """Run the graph twice with the declared input shapes, comparing every node with its record.
+
+        First on the meta device (shapes only, no memory), which bounds every result's size; then
+        on zeros where the parameters are, because meta kernels skip some checks the real kernels
+        make (an int64 input to ``linear``, say), and a graph that loads must not fail in forward.
+        """
+        params_device = next((t.device for t in self._state_tensors()), torch.device("cpu"))
+        for device in (torch.device("meta"), params_device):
+            env: dict[str, object] = {
+                spec["name"]: torch.zeros([TRIAL_DIM if d is None else d for d in spec["shape"]],
+                                          dtype=_DTYPES[spec["dtype"]], device=device)
+                for spec in self._inputs}
+            env.update((name, getattr(self, attr).detach().to(device)) for name, attr in self._names.items())
+            try:
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    self._interpret(env, device, trial=True)
+            except ExportFormatError as exc:
+                raise ExportFormatError(f"{where}: {exc}") from exc.__cause__
+
+    def _state_tensors(self):
+        return (getattr(self, attr) for attr in self._names.values())
 
     def _check_inputs(self, args: tuple) -> None:
         if len(args) != len(self._inputs):
@@ -536,24 +552,23 @@ def _call(step: _Step, env: dict):
     return value
 
 
-def _check_result(step: _Step, value) -> None:
-    """A trial-run value against the shape and dtype graph.json records for its node."""
+def _check_result(step: _Step, value) -> int:
+    """A trial-run value against the shape and dtype graph.json records for its node; its size in bytes."""
     meta = step.meta
     if "outputs" in meta:
         if not isinstance(value, (tuple, list)) or len(value) != len(meta["outputs"]):
             raise ExportFormatError(f"node {step.name!r} ({step.op}) gives {_describe_value(value)}, "
                                     f"graph.json records {len(meta['outputs'])} outputs")
-        for i, (v, m) in enumerate(zip(value, meta["outputs"])):
-            _check_tensor(f"node {step.name!r} ({step.op}) output {i}", v, m)
-    else:
-        _check_tensor(f"node {step.name!r} ({step.op})", value, meta if "shape" in meta else None)
+        return sum(_check_tensor(f"node {step.name!r} ({step.op}) output {i}", v, m)
+                   for i, (v, m) in enumerate(zip(value, meta["outputs"])))
+    return _check_tensor(f"node {step.name!r} ({step.op})", value, meta if "shape" in meta else None)
 
 
-def _check_tensor(what: str, value, meta: dict | None) -> None:
+def _check_tensor(what: str, value, meta: dict | None) -> int:
     if meta is None:
         if not isinstance(value, (int, float, bool)) and value is not None:
             raise ExportFormatError(f"{what} gives {_describe_value(value)}, graph.json records no tensor there")
-        return
+        return 0
     want = f"{meta['dtype']}{['N' if d is None else d for d in meta['shape']]}"
     if not isinstance(value, torch.Tensor):
         raise ExportFormatError(f"{what} gives {_describe_value(value)}, graph.json records {want}")
@@ -564,6 +579,7 @@ def _check_tensor(what: str, value, meta: dict | None) -> None:
     if value.numel() > MAX_ELEMENTS:
         raise ExportFormatError(f"{what} gives {value.numel()} elements (more than {MAX_ELEMENTS}) "
                                 f"at input dimension {TRIAL_DIM}")
+    return value.numel() * value.element_size()
 
 
 def _describe_value(value) -> str:
