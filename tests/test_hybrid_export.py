@@ -488,3 +488,27 @@ def test_sigkill_at_random_moments_leaves_a_loadable_export(tmp_path):
 @pytest.mark.timeout(600)
 def test_sigkill_at_random_moments_many_times(tmp_path):
     _random_kills(tmp_path, 15)
+
+
+class _AddBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x + self.b
+
+
+@pytest.mark.parametrize("inputs, written", [(None, "x"), ("swap", "p_b")], ids=["input", "parameter"])
+def test_a_graph_that_writes_into_its_inputs_or_parameters_is_refused(tmp_path, inputs, written):
+    export(_AddBias(), tmp_path, (torch.zeros(4),), dynamic_batch=False)
+
+    def in_place(doc):
+        node = doc["nodes"][0]
+        node["op"] = "aten.add_.Tensor"
+        if inputs == "swap":
+            node["inputs"].reverse()
+
+    _rewrite(tmp_path, in_place)
+    with pytest.raises(ExportFormatError, match=f"writes into '{written}'"):
+        load(tmp_path)

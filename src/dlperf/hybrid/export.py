@@ -31,12 +31,18 @@ not attackers (anyone can recompute them), so every field is checked on its own:
   references only to inputs, parameters and earlier nodes, every listed file present with its size
   and SHA-256, and the parameter file holding exactly the recorded tensors with their shapes and
   dtypes. Node counts, nesting, strings and tensor sizes are bounded.
-* The graph then runs once on the ``meta`` device (shapes only, no memory, no data) with the
-  declared input shapes, and each node's result must have the recorded dtype and shape.
+* The graph then runs with the declared input shapes (``TRIAL_DIM`` for a dynamic dimension):
+  first on the ``meta`` device (shapes only, no memory), where every node's result must have the
+  recorded dtype and shape and all results together at most ``MAX_TRIAL_BYTES``; then on zeros
+  where the parameters are, since meta kernels skip some checks real kernels make. Neither run may
+  write into an input or a parameter (their version counters must not move).
 
-Any violation raises :class:`ExportFormatError` from ``load`` naming the file and field or node;
-a graph that passes runs the recorded ATen kernels, so its results are those of the exported
-model. What stays possible is what any model can do: cost CPU time and memory within the bounds.
+Any violation raises :class:`ExportFormatError` from ``load`` naming the file and the field or
+node, never later from ``forward``, except for what depends on the caller's values (a token id out
+of the embedding's range) or, for a graph crafted to pass the trial, Python arithmetic on sizes at
+another batch size (also ExportFormatError). A graph that passes runs the recorded ATen kernels, so
+its results are those of the computation graph.json describes. What stays possible is what any
+model can do: spend CPU time and memory within the bounds.
 ``load_pt2`` is different: ``torch.export.load`` unpickles parts of the archive, so it refuses
 unless called with ``trusted=True`` (see its docstring).
 
@@ -411,9 +417,10 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 _OP_NAME = re.compile(r"aten\.([a-z][a-z0-9_]{0,99})\.([A-Za-z][A-Za-z0-9_]{0,99})")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _DEVICE = re.compile(r"(cpu|cuda|meta|mps|xpu)(:[0-9]{1,3})?")
-# Dispatcher operators whose effects reach past the graph's tensors: reading files, and sparse
-# constructors whose invariant checks an argument can switch off (unchecked indices read out of bounds).
-_DENIED_OPS = re.compile(r"from_file|get_gradients|.*sparse.*|.*unsafe.*")
+# Dispatcher operators whose effects reach past the graph's tensors: reading files, sparse
+# constructors whose invariant checks an argument can switch off (unchecked indices read out of
+# bounds), and set_ (a tensor that takes over a parameter's storage, writing it unseen).
+_DENIED_OPS = re.compile(r"from_file|get_gradients|set_.*|.*sparse.*|.*unsafe.*")
 
 _DTYPES = {_dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 _LAYOUTS = {"strided": torch.strided}  # other layouts (sparse) are refused, see _DENIED_OPS
@@ -509,12 +516,19 @@ class ExportedModule(nn.Module):
                                           dtype=_DTYPES[spec["dtype"]], device=device)
                 for spec in self._inputs}
             env.update((name, getattr(self, attr).detach().to(device)) for name, attr in self._names.items())
+            # Writes show in version counters (views share their base's); the graph may only
+            # write into its own results, never into the caller's inputs or the parameters.
+            versions = {name: t._version for name, t in env.items()}
             try:
                 with torch.no_grad(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     self._interpret(env, device, trial=True)
             except ExportFormatError as exc:
                 raise ExportFormatError(f"{where}: {exc}") from exc.__cause__
+            written = [name for name, version in versions.items() if env[name]._version != version]
+            if written:
+                raise ExportFormatError(f"{where}: the graph writes into {written[0]!r}, an input or parameter; "
+                                        f"a loaded graph may only write into its own results")
 
     def _state_tensors(self):
         return (getattr(self, attr) for attr in self._names.values())
