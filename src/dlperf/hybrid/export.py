@@ -677,11 +677,15 @@ def _export_root(path: str | os.PathLike) -> str:
 def _read_graph(graph_path: str) -> dict:
     try:
         info = os.stat(graph_path)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_GRAPH_BYTES:
-            raise ExportFormatError(f"{graph_path}: not a regular file of at most {MAX_GRAPH_BYTES} bytes")
+    except OSError as exc:
+        raise ExportFormatError(f"{graph_path}: missing ({exc.strerror}); is this a dlperf export?") from exc
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_GRAPH_BYTES:
+        raise ExportFormatError(f"{graph_path}: not a regular file of at most {MAX_GRAPH_BYTES} bytes")
+    try:
         with open(graph_path, "rb") as f:
             data = f.read(MAX_GRAPH_BYTES + 1)
         doc = json.loads(data.decode(), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        digest = _content_hash(doc) if isinstance(doc, dict) else None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ExportFormatError(f"{graph_path}: not a readable JSON graph ({type(exc).__name__}: "
                                 f"{_first_line(exc)})") from exc
@@ -691,7 +695,7 @@ def _read_graph(graph_path: str) -> dict:
     if version != FORMAT_VERSION or isinstance(version, bool):
         raise ExportFormatError(f"{graph_path}: format_version {version!r} is not supported "
                                 f"(this dlperf reads version {FORMAT_VERSION}); re-export the model")
-    if doc.get("content_sha256") != _content_hash(doc):
+    if doc.get("content_sha256") != digest:
         raise ExportFormatError(f"{graph_path}: content checksum does not match (file was modified)")
     _GraphSchema(graph_path).check(doc)
     return doc
