@@ -270,8 +270,14 @@ def _swap_into_place(staging: str, target: str) -> None:
     """Make ``staging`` the directory at ``target``; what was there ends up at ``staging`` or deleted."""
     parent = os.path.dirname(target)
     if not os.path.exists(target):
-        os.rename(staging, target)
-    elif not _exchange(staging, target):
+        try:
+            os.rename(staging, target)
+            _fsync_path(parent)
+            return
+        except OSError as exc:  # another export created it meanwhile: swap with that one
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    if not _exchange(staging, target):
         # Two renames: a kill between them leaves no ``target`` but a complete ``.old-`` directory,
         # which _recover (next export) puts back and load reads meanwhile.
         aside = os.path.join(parent, os.path.basename(staging).replace(".export-", ".old-", 1))
