@@ -452,7 +452,7 @@ class _Step(NamedTuple):
 class ExportedModule(nn.Module):
     """A loaded export: interprets the graph's ATen nodes over the saved tensors.
 
-    The constructor validates ``doc`` (see :func:`load`) and runs it once on the meta device;
+    The constructor validates ``doc`` and ``tensors`` and trial-runs the graph (see :func:`load`);
     ``forward`` checks the number, dtype and fixed dimensions of its inputs against the export.
     """
 
