@@ -135,11 +135,29 @@ json_values = st.recursive(
 def mutate_op(data, doc, params):
     node = data.draw(st.sampled_from(doc["nodes"]))
     new = data.draw(st.sampled_from(VALID_OPS + ATTACK_OPS))
-    if data.draw(st.booleans()):  # the payload's argument, as the observed exploits passed it
-        node["inputs"] = [PAYLOAD]
+    if data.draw(st.booleans()):
+        node["inputs"] = data.draw(st.lists(st.sampled_from(_attack_arguments(doc)), max_size=3))
     preserving = new == node["op"] or {new, node["op"]} == {"aten.relu.default", "aten.relu_.default"}
     node["op"] = new
     return params, preserving
+
+
+def _attack_arguments(doc):
+    return [PAYLOAD, "relu", "linear", "system", 0, {"node": doc["inputs"][0]["name"]}, {"dtype": "float32"},
+            {"dtype": "os"}]
+
+
+def mutate_exploit(data, doc, params):
+    """The shapes of the observed exploits: overwrite an attribute of torch.ops.aten, then call through it."""
+    node = data.draw(st.sampled_from(doc["nodes"]))
+    victim = data.draw(st.sampled_from(["relu", "linear", "add", "conv2d", "system"]))
+    node["op"] = data.draw(st.sampled_from(["aten.__setattr__.__call__", "aten.__dict__.__setitem__",
+                                            f"aten.{victim}.system", f"aten.{victim}.__call__",
+                                            "aten.__getattr__.__call__", f"aten.{victim}.__class__"]))
+    node["inputs"] = [victim, data.draw(st.sampled_from(_attack_arguments(doc)))]
+    if data.draw(st.booleans()):
+        node["inputs"] = [PAYLOAD]
+    return params, False
 
 
 def mutate_dtype(data, doc, params):
@@ -262,7 +280,7 @@ def mutate_params(data, doc, params):
     return save({info["tensor"]: torch.zeros(2, 2) for info in doc["state"].values()}), False
 
 
-MUTATIONS = [mutate_op, mutate_dtype, mutate_encoding, mutate_reference, mutate_nodes, mutate_rename,
+MUTATIONS = [mutate_exploit, mutate_op, mutate_dtype, mutate_encoding, mutate_reference, mutate_nodes, mutate_rename,
              mutate_files, mutate_shape, mutate_literal, mutate_blind, mutate_params]
 
 
