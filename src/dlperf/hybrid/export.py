@@ -484,7 +484,7 @@ class ExportedModule(nn.Module):
         # the export was traced on.
         return self._interpret(env, args[0].device if args else torch.device("cpu"))
 
-    def _interpret(self, env: dict, device: torch.device, trial: bool = False):
+    def _interpret(self, env: dict, device: torch.device, trial: bool = False, limit: int | None = None):
         env["@device"] = device
         produced = 0
         for step in self._program:
@@ -501,24 +501,28 @@ class ExportedModule(nn.Module):
                                         f"{type(exc).__name__}: {_first_line(exc)}") from exc
             if trial:
                 produced += _check_result(step, value)
-                if produced > MAX_TRIAL_BYTES:
+                if limit is not None and produced > limit:
                     raise ExportFormatError(f"node {step.name!r} ({step.op}): the graph's results take more than "
-                                            f"{MAX_TRIAL_BYTES} bytes at input dimension {TRIAL_DIM}")
+                                            f"{limit} bytes")
             env[step.name] = value
         outs = [_decode(o, env) for o in self._outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _trial_run(self, where: str) -> None:
-        """Run the graph twice with the declared input shapes, comparing every node with its record.
+        """Run the graph with the declared input shapes, comparing every node with its record.
 
-        First on the meta device (shapes only, no memory), which bounds every result's size; then
-        on zeros where the parameters are, because meta kernels skip some checks the real kernels
-        make (an int64 input to ``linear``, say), and a graph that loads must not fail in forward.
+        On the meta device (shapes only, no memory) with dynamic dimensions of ``TRIAL_DIM``, which
+        bounds the results' size; again with a size that equals no fixed dimension of the graph, so
+        that no broadcast or reshape works only by coincidence; then on zeros where the parameters
+        are, because meta kernels skip some checks the real kernels make (an int64 input to
+        ``linear``, say). A graph that loads must not fail in forward.
         """
         params_device = next((t.device for t in self._state_tensors()), torch.device("cpu"))
-        for device in (torch.device("meta"), params_device):
+        meta = torch.device("meta")
+        for device, dim, limit in ((meta, TRIAL_DIM, MAX_TRIAL_BYTES), (meta, _unlike_any_dimension(self.doc), None),
+                                   (params_device, TRIAL_DIM, MAX_TRIAL_BYTES)):
             env: dict[str, object] = {
-                spec["name"]: torch.zeros([TRIAL_DIM if d is None else d for d in spec["shape"]],
+                spec["name"]: torch.zeros([dim if d is None else d for d in spec["shape"]],
                                           dtype=_DTYPES[spec["dtype"]], device=device)
                 for spec in self._inputs}
             env.update((name, getattr(self, attr).detach().to(device)) for name, attr in self._names.items())
@@ -528,9 +532,9 @@ class ExportedModule(nn.Module):
             try:
                 with torch.no_grad(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    self._interpret(env, device, trial=True)
+                    self._interpret(env, device, trial=True, limit=limit)
             except ExportFormatError as exc:
-                raise ExportFormatError(f"{where}: {exc}") from exc.__cause__
+                raise ExportFormatError(f"{where}: {exc} (dynamic dimensions of size {dim})") from exc.__cause__
             written = [name for name, version in versions.items() if env[name]._version != version]
             if written:
                 raise ExportFormatError(f"{where}: the graph writes into {written[0]!r}, an input or parameter; "
@@ -596,10 +600,19 @@ def _check_tensor(what: str, value, meta: dict | None) -> int:
         and all(w is None or w == d for w, d in zip(meta["shape"], value.shape))
     if not fits:
         raise ExportFormatError(f"{what} gives {_describe_value(value)}, graph.json records {want}")
-    if value.numel() > MAX_ELEMENTS:
-        raise ExportFormatError(f"{what} gives {value.numel()} elements (more than {MAX_ELEMENTS}) "
-                                f"at input dimension {TRIAL_DIM}")
     return value.numel() * value.element_size()
+
+
+def _unlike_any_dimension(doc: dict) -> int:
+    """A prime size for dynamic dimensions that equals no fixed dimension recorded in the graph."""
+    shapes = [spec["shape"] for spec in doc["inputs"]] + [info["shape"] for info in doc["state"].values()]
+    shapes += [n["shape"] for n in doc["nodes"] if "shape" in n]
+    shapes += [o["shape"] for n in doc["nodes"] for o in n.get("outputs", []) if o]
+    fixed = {d for shape in shapes for d in shape}
+    candidate = 11
+    while candidate in fixed or any(candidate % k == 0 for k in range(2, math.isqrt(candidate) + 1)):
+        candidate += 1
+    return candidate
 
 
 def _describe_value(value) -> str:
