@@ -515,8 +515,8 @@ def test_a_graph_that_writes_into_its_inputs_or_parameters_is_refused(tmp_path, 
 
 
 def test_a_graph_that_only_works_when_the_batch_equals_a_fixed_size_is_refused(mlp_export):
-    """linear with a weight of shape [N, 128] and a bias of [2] broadcasts only when N == 2, the
-    output size: the trial also runs at a batch size equal to no fixed dimension."""
+    """linear with the batch-sized linear_1 as its weight and a bias of [2] broadcasts only when
+    N == 2, the output size: the trial also runs at a batch size equal to no fixed dimension."""
     _, path = mlp_export
     _rewrite(path, lambda d: d["nodes"][-1]["inputs"].__setitem__(1, {"node": "linear_1"}))
     with pytest.raises(ExportFormatError, match=r"node 'linear_2' .* fails in the trial run.*dynamic dimensions "

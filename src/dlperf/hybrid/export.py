@@ -31,11 +31,13 @@ not attackers (anyone can recompute them), so every field is checked on its own:
   references only to inputs, parameters and earlier nodes, every listed file present with its size
   and SHA-256, and the parameter file holding exactly the recorded tensors with their shapes and
   dtypes. Node counts, nesting, strings and tensor sizes are bounded.
-* The graph then runs with the declared input shapes (``TRIAL_DIM`` for a dynamic dimension):
-  first on the ``meta`` device (shapes only, no memory), where every node's result must have the
-  recorded dtype and shape and all results together at most ``MAX_TRIAL_BYTES``; then on zeros
-  where the parameters are, since meta kernels skip some checks real kernels make. Neither run may
-  write into an input or a parameter (their version counters must not move).
+* The graph then runs with the declared input shapes: on the ``meta`` device (shapes only, no
+  memory) with dynamic dimensions of ``TRIAL_DIM``, where every node's result must have the
+  recorded dtype and shape and all results together take at most ``MAX_TRIAL_BYTES``; again on
+  ``meta`` with dynamic dimensions of a prime that equals no fixed dimension of the graph (so that
+  nothing broadcasts only by coincidence); then on zeros where the parameters are, since meta
+  kernels skip some checks real kernels make. No run may write into an input or a parameter
+  (their version counters must not move).
 
 Any violation raises :class:`ExportFormatError` from ``load`` naming the file and the field or
 node, never later from ``forward``, except for what depends on the caller's values (a token id out
