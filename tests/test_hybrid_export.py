@@ -522,3 +522,15 @@ def test_a_graph_that_only_works_when_the_batch_equals_a_fixed_size_is_refused(m
     with pytest.raises(ExportFormatError, match=r"node 'linear_2' .* fails in the trial run.*dynamic dimensions "
                                                 r"of size 11"):
         load(path)
+
+
+def test_decoded_values_come_from_tables_of_torch_values():
+    import importlib
+
+    ex = importlib.import_module("dlperf.hybrid.export")
+    assert ex._DTYPES["float32"] is torch.float32 and ex._DTYPES["int64"] is torch.int64
+    assert all(isinstance(v, torch.dtype) for v in ex._DTYPES.values())
+    assert ex._LAYOUTS == {"strided": torch.strided}
+    assert ex._MEMORY_FORMATS["channels_last"] is torch.channels_last
+    assert all(isinstance(v, torch.memory_format) for v in ex._MEMORY_FORMATS.values())
+    assert not {"os", "__builtins__", "__class__", "Tensor"} & set(ex._DTYPES) | set(ex._MEMORY_FORMATS)
