@@ -533,4 +533,4 @@ def test_decoded_values_come_from_tables_of_torch_values():
     assert ex._LAYOUTS == {"strided": torch.strided}
     assert ex._MEMORY_FORMATS["channels_last"] is torch.channels_last
     assert all(isinstance(v, torch.memory_format) for v in ex._MEMORY_FORMATS.values())
-    assert not {"os", "__builtins__", "__class__", "Tensor"} & set(ex._DTYPES) | set(ex._MEMORY_FORMATS)
+    assert not {"os", "__builtins__", "__class__", "Tensor"} & (set(ex._DTYPES) | set(ex._MEMORY_FORMATS))
