@@ -175,12 +175,14 @@ def test_optional_pt2_program(tmp_path):
     x = torch.randn(2, 1, 28, 28)
     paths = export(model, tmp_path, (x,), pt2=True)
     assert set(paths) == {"graph", "params", "pt2"}
-    program = load_pt2(tmp_path)
+    with pytest.raises(ExportFormatError, match="can run code embedded.*trusted=True"):
+        load_pt2(tmp_path)  # torch.export.load unpickles: never on a file of unknown origin
+    program = load_pt2(tmp_path, trusted=True)
     with torch.no_grad():
         torch.testing.assert_close(program.module()(x), model(x))
     _damage(tmp_path, "model.pt2", "truncate")
     with pytest.raises(ExportFormatError, match="checksum"):
-        load_pt2(tmp_path)
+        load_pt2(tmp_path, trusted=True)
     torch.testing.assert_close(load(tmp_path)(x), model(x))  # the JSON graph does not need it
 
 
@@ -192,18 +194,19 @@ def test_export_into_a_regular_file_is_a_clear_error(tmp_path):
     assert target.read_text() == "{}"
 
 
-def test_a_failed_rewrite_never_leaves_a_misreadable_export(tmp_path, monkeypatch):
-    """Each file goes to a temporary name and is renamed into place; a crash between the two files
-    leaves the graph's checksum pointing at the old parameters, so load refuses instead of misreading."""
+def test_a_failed_export_leaves_the_previous_export(tmp_path, monkeypatch):
+    """The files are written into a temporary directory that replaces the export in one rename:
+    a crash anywhere before it leaves the previous export whole, and no temporary behind."""
     import importlib
 
     import safetensors.torch
 
     export_mod = importlib.import_module("dlperf.hybrid.export")
+    target = tmp_path / "net"
     old, new = nn.Linear(3, 2).eval(), nn.Linear(3, 2).eval()
     x = torch.randn(2, 3)
-    export(old, tmp_path, (x,))
-    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+    export(old, target, (x,))
+    before = {p: (target / p).read_bytes() for p in os.listdir(target)}
     real_save = safetensors.torch.save_file
 
     def crash_mid_write(tensors, filename, metadata=None):
@@ -214,10 +217,7 @@ def test_a_failed_rewrite_never_leaves_a_misreadable_export(tmp_path, monkeypatc
 
     monkeypatch.setattr(safetensors.torch, "save_file", crash_mid_write)
     with pytest.raises(OSError, match="disk full"):
-        export(new, tmp_path, (x,))
-    assert {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)} == before  # no temp file left
-    with torch.no_grad():
-        torch.testing.assert_close(load(tmp_path)(x), old(x))
+        export(new, target, (x,))
     monkeypatch.undo()
 
     def crash_before_graph(doc):
@@ -225,8 +225,312 @@ def test_a_failed_rewrite_never_leaves_a_misreadable_export(tmp_path, monkeypatc
 
     monkeypatch.setattr(export_mod, "_layout", crash_before_graph)
     with pytest.raises(OSError, match="killed"):
-        export(new, tmp_path, (x,))
-    assert sorted(os.listdir(tmp_path)) == sorted(before)
-    assert (tmp_path / "graph.json").read_bytes() == before["graph.json"]
-    with pytest.raises(ExportFormatError, match="checksum"):
+        export(new, target, (x,))
+    assert {p: (target / p).read_bytes() for p in os.listdir(target)} == before
+    assert os.listdir(tmp_path) == ["net"]  # no temporary directory left
+    with torch.no_grad():
+        torch.testing.assert_close(load(target)(x), old(x))
+
+
+# --- hostile exports: the attacker recomputes every checksum -------------------------------------
+
+def _rewrite(path, edit):
+    """Apply ``edit`` to graph.json as an attacker would: checksums recomputed, so only validation stops it."""
+    from dlperf.hybrid.export import _content_hash
+
+    doc = json.loads((path / "graph.json").read_text())
+    edit(doc)
+    if isinstance(doc, dict):
+        doc["content_sha256"] = _content_hash(doc)
+    (path / "graph.json").write_text(json.dumps(doc))
+
+
+def _aten_snapshot():
+    return set(vars(torch.ops.aten)), torch.ops.aten.add, torch.ops.aten.linear.default, torch.ops.aten.relu
+
+
+def _set_node(i, key, value):
+    def edit(doc):
+        doc["nodes"][i][key] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit", [
+    # the two payloads that used to run: overwrite an attribute of torch.ops.aten with a module, then call it
+    _set_node(1, "op", "aten.__setattr__.__call__"),
+    lambda d: d["nodes"][1].update(op="aten.__setattr__.__call__",
+                                   inputs=["relu", {"dtype": "os"}], kwargs={}),
+    lambda d: d["nodes"][1].update(op="aten.relu.system", inputs=["touch CANARY"]),
+    _set_node(1, "op", "aten.relu.__call__"),
+    _set_node(1, "op", "aten._ops.default"),
+    _set_node(1, "op", "aten.save.default"),  # a TorchScript builtin that writes files
+    _set_node(1, "op", "aten.from_file.default"),  # a dispatcher op that reads files
+    _set_node(1, "op", "aten.relu.default.__globals__"),
+    _set_node(1, "op", "operator.attrgetter"),
+    lambda d: d["nodes"][1]["inputs"].append({"dtype": "__builtins__"}),
+    lambda d: d["nodes"][1]["inputs"].append({"layout": "os"}),
+    lambda d: d["nodes"][1]["inputs"].append({"memory_format": "__class__"}),
+    lambda d: d["nodes"][1]["inputs"].append({"device": "cpu; rm -rf /"}),
+    lambda d: d["inputs"][0].update(dtype="os"),
+], ids=["setattr", "setattr-os", "system", "dunder-overload", "private-op", "jit-save", "from-file",
+        "attr-path", "operator-table", "dtype-builtins", "layout-os", "memory-format-dunder", "device-string",
+        "input-dtype"])
+def test_crafted_names_are_refused_without_side_effects(mlp_export, monkeypatch, edit):
+    _, path = mlp_export
+    monkeypatch.chdir(path)  # where a "touch CANARY" payload would write
+    before = _aten_snapshot()
+    _rewrite(path, edit)
+    with pytest.raises(ExportFormatError):
+        load(path)
+    assert not (path / "CANARY").exists()
+    assert _aten_snapshot() == before
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d["nodes"][1]["inputs"].__setitem__(0, {"node": "nowhere"}),
+     r"nodes\[1\] \(relu\)\.inputs\[0\].*'nowhere'"),
+    (lambda d: d["nodes"][0]["inputs"].__setitem__(0, {"node": d["nodes"][2]["name"]}),
+     "not an input, parameter or earlier"),
+    (lambda d: d["files"].pop("params.safetensors"), "files"),
+    (lambda d: d["files"]["params.safetensors"].update(bytes="12"), "bytes"),
+    (lambda d: d["nodes"][0].update(shape="[null, 256]"), r"nodes\[0\].*shape"),
+    (lambda d: d["nodes"][0].update(inputs={"0": 1}), r"inputs.*expected an array"),
+    (lambda d: d["nodes"][0].update(kwargs=[]), "kwargs"),
+    (lambda d: d["inputs"][0].update(shape=[None, 1 << 40]), "inputs.*dimension"),
+    (lambda d: d["inputs"][0].update(shape=[None, 1 << 20, 1 << 20]), "more than"),
+    (lambda d: next(iter(d["state"].values())).update(tensor="ghost"), "tensor 'ghost' is missing"),
+    (lambda d: next(iter(d["state"].values())).update(shape=[3, 3]), "parameter file.*graph.json says"),
+    (lambda d: d["nodes"][0].update(shape=[None, 255]),
+     r"node 'linear' \(aten.linear.default\) gives float32\[2, 256\]"),
+    (lambda d: d["nodes"][0].update(dtype="float64"), "trial run|graph.json records"),
+    (lambda d: d["nodes"][1].update(op="aten.conv2d.default"), "node 'relu' .* fails in the trial run"),
+    (lambda d: d["nodes"].append(d["nodes"][0]), "defined twice"),
+    (lambda d: d["nodes"].__setitem__(slice(None), [{}] * 200_000), "nodes"),
+    (lambda d: d.update(extra=1), "unknown"),
+    (lambda d: d["outputs"].__setitem__(0, {"node": "linear_2", "dtype": "float32"}), "outputs"),
+    (lambda d: d["nodes"][1]["inputs"].append([[[[[[[[1]]]]]]]]), "nests deeper"),
+    (lambda d: d["nodes"][1]["inputs"].append(1 << 70), "64 bits"),
+], ids=["dangling", "forward-ref", "no-file-entry", "bytes-type", "shape-type", "inputs-type", "kwargs-type",
+        "huge-dim", "huge-product", "missing-tensor", "param-shape", "recorded-shape", "recorded-dtype",
+        "wrong-op", "duplicate-node", "node-count", "unknown-field", "bad-encoding", "deep-nesting", "huge-int"])
+def test_malformed_graph_is_refused_at_load(mlp_export, edit, match):
+    _, path = mlp_export
+    _rewrite(path, edit)
+    with pytest.raises(ExportFormatError, match=match):
+        load(path)
+
+
+def test_params_with_other_shapes_are_refused_even_with_matching_checksums(mlp_export):
+    from safetensors.torch import save_file
+
+    from dlperf.hybrid.export import _sha256_file
+
+    _, path = mlp_export
+    names = [v["tensor"] for v in json.loads((path / "graph.json").read_text())["state"].values()]
+    save_file({name: torch.zeros(2, 2) for name in names}, str(path / "params.safetensors"))
+    digest, size = _sha256_file(str(path / "params.safetensors")), (path / "params.safetensors").stat().st_size
+    _rewrite(path, lambda d: d["files"]["params.safetensors"].update(sha256=digest, bytes=size))
+    with pytest.raises(ExportFormatError,
+                       match=r"tensor '0.weight' is float32\[2, 2\], graph.json says float32\[256, 512\]"):
+        load(path)
+
+
+def test_special_files_are_refused_without_reading(mlp_export):
+    _, path = mlp_export
+    (path / "params.safetensors").unlink()
+    os.symlink("/dev/zero", path / "params.safetensors")  # would hash forever
+    with pytest.raises(ExportFormatError, match="missing params.safetensors|not a regular file"):
+        load(path)
+
+
+def test_json_edge_cases_are_one_error(mlp_export):
+    _, path = mlp_export
+    graph = path / "graph.json"
+    for text in ["[" * 100_000, '{"format": "dlperf-graph", "format": "x"}', '{"a": NaN}', "1" * 5000, "[]"]:
+        graph.write_text(text)
+        with pytest.raises(ExportFormatError):
+            load(path)
+
+
+def test_a_graph_that_passes_gives_the_model_results(mlp_export):
+    """A semantic-preserving edit (another spelling of the same computation) loads and runs correctly."""
+    model, path = mlp_export
+    _rewrite(path, _set_node(1, "op", "aten.relu_.default"))
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        torch.testing.assert_close(load(path)(x), model(x))
+
+
+# --- atomic export ------------------------------------------------------------------------------
+
+def test_export_files_have_the_usual_mode(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        export(nn.Linear(3, 2), tmp_path / "net", (torch.randn(2, 3),), pt2=True)
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [tmp_path / "net", *(tmp_path / "net").iterdir()]}
+    assert modes == {"net": 0o755, "graph.json": 0o644, "params.safetensors": 0o644, "model.pt2": 0o644}
+
+
+def test_export_refuses_a_directory_with_other_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ExportFormatError, match="holds 'notes.txt'.*new or empty directory"):
+        export(nn.Linear(3, 2), tmp_path, (torch.randn(2, 3),))
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+_KILLER = r"""
+import importlib, os, signal, sys
+import torch
+from torch import nn
+from dlperf.hybrid import export
+
+ex = importlib.import_module("dlperf.hybrid.export")
+target, point = sys.argv[1], sys.argv[2]
+
+
+def die(*_):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def after(fn):
+    def wrapped(*a, **kw):
+        result = fn(*a, **kw)
+        die()
+    return wrapped
+
+
+if point == "before-swap":
+    ex._swap_into_place = die
+elif point == "after-exchange":
+    ex._exchange = after(ex._exchange)
+elif point == "between-renames":  # the fallback for systems without renameat2(RENAME_EXCHANGE)
+    ex._renameat2 = None
+    real_rename, calls = os.rename, []
+
+    def rename(a, b):
+        calls.append(b)
+        if len(calls) == 2:
+            die()
+        real_rename(a, b)
+
+    os.rename = rename
+torch.manual_seed(1)
+model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+print("ready", flush=True)
+while True:
+    export(model, target, (torch.randn(2, 3),))
+"""
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+
+
+def _kill_during_export(tmp_path, point, delay=0.0):
+    import random
+    import time
+
+    target = tmp_path / "net"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLER, str(target), point], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        if point == "random":
+            time.sleep(random.uniform(0, delay))
+            proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert proc.returncode == -9
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("point", ["before-swap", "after-exchange", "between-renames"])
+def test_sigkill_at_each_step_of_the_swap_leaves_a_loadable_export(tmp_path, point):
+    target = tmp_path / "net"
+    old, new = _model(0), _model(1)
+    x = torch.randn(5, 3)
+    export(old, target, (x,))
+    _kill_during_export(tmp_path, point)
+    with torch.no_grad():
+        got = load(target)(x)  # the previous export, or the complete new one
+        want = new(x) if point == "after-exchange" else old(x)
+        torch.testing.assert_close(got, want)
+        export(old, target, (x,))  # the next export cleans up after the dead one
+        assert os.listdir(tmp_path) == ["net"]
+        torch.testing.assert_close(load(target)(x), old(x))
+
+
+def _random_kills(tmp_path, rounds):
+    target = tmp_path / "net"
+    old, new = _model(0), _model(1)
+    x = torch.randn(5, 3)
+    export(old, target, (x,))
+    for _ in range(rounds):
+        _kill_during_export(tmp_path, "random", delay=0.5)
+        with torch.no_grad():
+            got = load(target)(x)
+            assert torch.equal(got, old(x)) or torch.equal(got, new(x))
+    export(old, target, (x,))
+    assert os.listdir(tmp_path) == ["net"]
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_at_random_moments_leaves_a_loadable_export(tmp_path):
+    _random_kills(tmp_path, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkill_at_random_moments_many_times(tmp_path):
+    _random_kills(tmp_path, 15)
+
+
+class _AddBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x + self.b
+
+
+@pytest.mark.parametrize("inputs, written", [(None, "x"), ("swap", "p_b")], ids=["input", "parameter"])
+def test_a_graph_that_writes_into_its_inputs_or_parameters_is_refused(tmp_path, inputs, written):
+    export(_AddBias(), tmp_path, (torch.zeros(4),), dynamic_batch=False)
+
+    def in_place(doc):
+        node = doc["nodes"][0]
+        node["op"] = "aten.add_.Tensor"
+        if inputs == "swap":
+            node["inputs"].reverse()
+
+    _rewrite(tmp_path, in_place)
+    with pytest.raises(ExportFormatError, match=f"writes into '{written}'"):
         load(tmp_path)
+
+
+def test_a_graph_that_only_works_when_the_batch_equals_a_fixed_size_is_refused(mlp_export):
+    """linear with the batch-sized linear_1 as its weight and a bias of [2] broadcasts only when
+    N == 2, the output size: the trial also runs at a batch size equal to no fixed dimension."""
+    _, path = mlp_export
+    _rewrite(path, lambda d: d["nodes"][-1]["inputs"].__setitem__(1, {"node": "linear_1"}))
+    with pytest.raises(ExportFormatError, match=r"node 'linear_2' .* fails in the trial run.*dynamic dimensions "
+                                                r"of size 11"):
+        load(path)
+
+
+def test_decoded_values_come_from_tables_of_torch_values():
+    import importlib
+
+    ex = importlib.import_module("dlperf.hybrid.export")
+    assert ex._DTYPES["float32"] is torch.float32 and ex._DTYPES["int64"] is torch.int64
+    assert all(isinstance(v, torch.dtype) for v in ex._DTYPES.values())
+    assert ex._LAYOUTS == {"strided": torch.strided}
+    assert ex._MEMORY_FORMATS["channels_last"] is torch.channels_last
+    assert all(isinstance(v, torch.memory_format) for v in ex._MEMORY_FORMATS.values())
+    assert not {"os", "__builtins__", "__class__", "Tensor"} & (set(ex._DTYPES) | set(ex._MEMORY_FORMATS))
