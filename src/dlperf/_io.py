@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterator
@@ -248,19 +249,21 @@ def safe_torch_load(path: str | os.PathLike, what: str = "checkpoint", expected:
         raise UsageError(f"{what} {str(p)!r} does not exist (no such file); check the path") from None
     except OSError as exc:
         raise UsageError(f"cannot read {what} {str(p)!r}: {exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
         if stat.S_ISDIR(mode):
             raise UsageError(f"{what} {str(p)!r} is a directory, not a file; give the path of the file")
-        if not stat.S_ISREG(mode):
-            raise UsageError(f"{what} {str(p)!r} is a {_kind(mode)}, not a regular file; give {expected}")
+        raise UsageError(f"{what} {str(p)!r} is a {_kind(mode)}, not a regular file; give {expected}")
+    with os.fdopen(fd, "rb") as f:
         try:
             return torch.load(f, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
-            if "weights only" in str(exc).lower() or "weights_only" in str(exc):
-                raise UsageError(f"{what} {str(p)!r} is not {expected}: it holds Python objects other than "
-                                 "tensors and plain containers, which are not loaded because unpickling them "
-                                 "could run code") from None
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+            if found:
+                raise UsageError(f"{what} {str(p)!r} is not {expected}: it holds Python objects ({found[1]}) "
+                                 "other than tensors and plain containers, which are not loaded because "
+                                 "unpickling them could run code") from None
             raise UsageError(f"{what} {str(p)!r} is not {expected} (not a torch.save file)") from None
         except Exception as exc:  # noqa: BLE001 - zip errors, EOFError, RuntimeError: all mean "not that file"
             raise UsageError(f"{what} {str(p)!r} is not {expected} ({_short_reason(exc)})") from None
