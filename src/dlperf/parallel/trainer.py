@@ -374,6 +374,8 @@ class Trainer:
             return
         self._closed = True
         timeout = _ABORT_JOIN_S if abort else None
+        if abort:  # before waiters are released, or they would go on to the next queued task
+            self.workers.cancel_pending()
         if self._buckets is not None:
             self._buckets.close(timeout)
         if self._kv is not None and self._own_kv:

@@ -107,6 +107,11 @@ class DeviceWorkers:
         futs = [self.submit(i, fn) for i, fn in enumerate(fns)]
         return wait_all(futs)
 
+    def cancel_pending(self) -> None:
+        """Cancel every queued task that has not started (their futures report cancelled)."""
+        for w in self._workers:
+            _cancel_queued(w.tasks)
+
     def close(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Stop and join every worker.
 
@@ -117,9 +122,9 @@ class DeviceWorkers:
         if self._closed:
             return
         self._closed = True
+        if cancel:
+            self.cancel_pending()
         for w in self._workers:
-            if cancel:
-                _cancel_queued(w.tasks)
             w.tasks.put(_STOP)
         for w in self._workers:
             w.join(timeout)
