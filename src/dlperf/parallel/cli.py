@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -179,25 +180,29 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
         batches = 0
         try:
             start = time.perf_counter()
-            for X, y in train_loader.epoch_batches(epoch):
-                if X.shape[0] < trainer.k:
-                    continue  # only an epoch's last batch can be this short: see the docstring
-                # summed where it is: reading it on the host every step would stall a GPU's queue
-                loss = trainer.train_step(X, y).detach().float()
-                loss_sum = loss_sum + loss
-                bad = torch.where(torch.isfinite(loss), float("inf"), float(trainer.steps))
-                first_bad = bad if first_bad is None else torch.minimum(first_bad, bad)
-                batches += 1
-                if bar:
-                    bar.advance(0, 1)
+            # closing(): after Ctrl-C the loader's thread stops now, not when the traceback is freed
+            with closing(train_loader.epoch_batches(epoch)) as train_batches:
+                for X, y in train_batches:
+                    if X.shape[0] < trainer.k:
+                        continue  # only an epoch's last batch can be this short: see the docstring
+                    # summed where it is: reading it on the host every step would stall a GPU's queue
+                    loss = trainer.train_step(X, y).detach().float()
+                    loss_sum = loss_sum + loss
+                    bad = torch.where(torch.isfinite(loss), float("inf"), float(trainer.steps))
+                    first_bad = bad if first_bad is None else torch.minimum(first_bad, bad)
+                    batches += 1
+                    if bar:
+                        bar.advance(0, 1)
             for d in trainer.devices:
                 d.synchronize()
             seconds = time.perf_counter() - start
         finally:
             if bar:
                 bar.stop()
-        record = {"epoch": epoch + 1, "loss": float(loss_sum) / max(batches, 1),
-                  "test_acc": trainer.evaluate_accuracy(test_loader.epoch_batches(0)), "seconds": seconds}
+        with closing(test_loader.epoch_batches(0)) as test_batches:
+            test_acc = trainer.evaluate_accuracy(test_batches)
+        record = {"epoch": epoch + 1, "loss": float(loss_sum) / max(batches, 1), "test_acc": test_acc,
+                  "seconds": seconds}
         if first_bad is not None and float(first_bad) != float("inf"):
             record["nonfinite_since_step"] = int(first_bad)
         history.append(record)
