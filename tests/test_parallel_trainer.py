@@ -359,8 +359,8 @@ def test_check_finite_stops_before_a_nan_loss_reaches_the_weights(kind):
     with Trainer(net, _devices(k), "sgd", {"lr": 0.1}, loss=loss_fn, check_finite=True, **opts) as trainer:
         trainer.train_step(X, y)
         after_one = [p.detach().clone() for p in trainer.module.parameters()]
-        with pytest.raises(Exception, match=r"^step 2: the loss is not finite \(.*nan.*\); the weights were not "
-                                            "updated") as info:
+        expected = r"^step 2: the loss is not finite \(cpu\(0\): .*nan.*\); the weights were not updated"
+        with pytest.raises(Exception, match=expected) as info:
             trainer.train_step(bad, y)
         from dlperf.errors import DlperfError
         from dlperf.parallel.trainer import NonFiniteError

@@ -281,7 +281,7 @@ class Trainer:
             return
         detail = ""
         if what == "loss":
-            detail = " (" + ", ".join(f"{float(t.sum()):g}" for t in tensors) + ")"
+            detail = " (" + ", ".join(f"{d}: {float(t.sum()):g}" for d, t in zip(self.devices, tensors)) + ")"
         raise NonFiniteError(f"step {self.steps + 1}: the {what} is not finite{detail}; the weights were not "
                              "updated. Look for NaN/inf in the batch's inputs, or lower the learning rate")
 
