@@ -247,3 +247,67 @@ def test_compile_mode_times_a_real_compiled_step():
     result = run_bench(_small_config(networks=["mlp"], threads=[1], mode="compile", warmup=2, steps=2))
     (cell,) = result.cells
     assert cell.error is None and cell.timing is not None and cell.mode == "compile"
+
+
+def _interrupting_mode(after_cells: int):
+    """A step mode that behaves like Ctrl-C in the middle of cell ``after_cells + 1``."""
+    built = {"n": 0}
+
+    def mode(model, loss_fn, optimizer, x, y):
+        built["n"] += 1
+        inner = eager_step(model, loss_fn, optimizer)
+        if built["n"] <= after_cells:
+            return inner
+        calls = {"n": 0}
+
+        def step(a, b):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt
+            return inner(a, b)
+
+        return step
+
+    return mode
+
+
+def test_interrupted_sweep_keeps_the_finished_cells():
+    register_mode("interrupt-after-2", _interrupting_mode(2))
+    before = torch.get_num_threads()
+    result = run_bench(_small_config(mode="interrupt-after-2"))
+    assert torch.get_num_threads() == before
+    assert result.interrupted and result.planned == 4
+    assert [(c.network, c.threads) for c in result.cells] == [("mlp", 1), ("mlp", 2)]
+    assert all(c.timing is not None for c in result.cells)
+    doc = json.loads(report.render_json(result))
+    assert doc["interrupted"] is True and doc["cells_planned"] == 4 and len(doc["cells"]) == 2
+    md = report.render_markdown(result)
+    assert "INTERRUPTED: 2 of 4 cells finished" in md
+    assert "alexnet-r" not in md  # a network that never ran has no empty rows
+    assert len(report.render_csv(result).splitlines()) == 3
+
+
+def test_a_complete_sweep_is_not_marked_interrupted(small_result):
+    assert not small_result.interrupted
+    assert json.loads(report.render_json(small_result))["interrupted"] is False
+    assert "INTERRUPTED" not in report.render_markdown(small_result)
+
+
+def test_cli_interrupted_sweep_writes_every_output_and_exits_130(tmp_path, capsys):
+    register_mode("interrupt-after-1", _interrupting_mode(1))
+    files = {flag: tmp_path / f"out.{flag}" for flag in ("json", "csv", "markdown")}
+    argv = ["bench", "--networks", "mlp", "--threads", "1,2", "--steps", "2", "--warmup", "1",
+            "--mode", "interrupt-after-1"]
+    for flag, path in files.items():
+        argv += [f"--{flag}", str(path)]
+    argv += ["--plot", str(tmp_path / "plot.png")]
+    rc = main(argv)
+    captured = capsys.readouterr()
+    assert rc == 130
+    assert "interrupted after 1 of 2 cells" in captured.err
+    assert "INTERRUPTED: 1 of 2 cells finished" in captured.out  # the note under the terminal table
+    doc = json.loads(files["json"].read_text())
+    assert doc["interrupted"] is True and [c["threads"] for c in doc["cells"]] == [1]
+    assert len(files["csv"].read_text().splitlines()) == 2
+    assert "INTERRUPTED" in files["markdown"].read_text()
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"

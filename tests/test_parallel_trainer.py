@@ -293,3 +293,131 @@ def test_reduction_left_over_from_a_failed_step_does_not_leak_into_the_next(monk
         assert len(calls) == 1 + len(gb.buckets)  # bucket 1's stale entry was skipped, not reduced
     finally:
         gb.close()
+
+
+# -- interrupts: closing never waits on a step that will not complete ----------------------------
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("abort", [False, True])
+def test_close_releases_a_replica_waiting_for_gradient_buckets(abort):
+    """A step interrupted half-way leaves replicas waiting for buckets that will never complete."""
+    trainer = Trainer(nn.Linear(4, 3), _devices(2), "sgd", {"lr": 0.1})
+    trainer._buckets.arm()
+    waiting = trainer.workers.submit(0, trainer._buckets.wait)  # no gradient will ever arrive
+    queued = trainer.workers.submit(0, lambda: "ran")
+    time.sleep(0.1)
+    start = time.monotonic()
+    trainer.close(abort=abort)
+    assert time.monotonic() - start < 3.0
+    with pytest.raises(RuntimeError, match="closed while a step was waiting"):
+        waiting.result(timeout=1)
+    if abort:  # nobody waits for it any more: it does not run
+        assert queued.cancelled()
+    else:
+        assert queued.result(timeout=1) == "ran"
+
+
+def test_an_exception_inside_the_with_block_closes_with_abort(monkeypatch):
+    closes = []
+    real_close = Trainer.close
+
+    def recording_close(self, abort=False):
+        closes.append(abort)
+        real_close(self, abort)
+
+    monkeypatch.setattr(Trainer, "close", recording_close)
+    with pytest.raises(KeyboardInterrupt):
+        with Trainer(nn.Linear(4, 3), _devices(2), "sgd", {"lr": 0.1}):
+            raise KeyboardInterrupt
+    with Trainer(nn.Linear(4, 3), _devices(2), "sgd", {"lr": 0.1}):
+        pass
+    assert closes == [True, False]
+
+
+# -- check_finite --------------------------------------------------------------------------------
+
+def _nan_batch(seed=0):
+    net, X, y, loss_fn = _lenet_batch(8, seed)
+    bad = X.clone()
+    bad[5] = float("nan")  # one example, on the second device's part
+    return net, X, y, bad, loss_fn
+
+
+TRAINER_KINDS = {
+    "one-device": dict(k=1),
+    "overlapped": dict(k=2),
+    "kvstore": dict(k=2, kvstore="local"),
+    "update-on-kvstore": dict(k=2, kvstore="local", update_on_kvstore=True),
+}
+
+
+@pytest.mark.parametrize("kind", TRAINER_KINDS)
+def test_check_finite_stops_before_a_nan_loss_reaches_the_weights(kind):
+    opts = dict(TRAINER_KINDS[kind])
+    k = opts.pop("k")
+    net, X, y, bad, loss_fn = _nan_batch()
+    with Trainer(net, _devices(k), "sgd", {"lr": 0.1}, loss=loss_fn, check_finite=True, **opts) as trainer:
+        trainer.train_step(X, y)
+        after_one = [p.detach().clone() for p in trainer.module.parameters()]
+        expected = r"^step 2: the loss is not finite \(cpu\(0\): .*nan.*\); the weights were not updated"
+        with pytest.raises(Exception, match=expected) as info:
+            trainer.train_step(bad, y)
+        from dlperf.errors import DlperfError
+        from dlperf.parallel.trainer import NonFiniteError
+
+        assert isinstance(info.value, NonFiniteError) and isinstance(info.value, DlperfError)
+        assert trainer.steps == 1
+        for p, q in zip(trainer.module.parameters(), after_one):
+            assert torch.equal(p.detach(), q)
+        assert trainer.max_replica_difference() == 0.0
+        trainer.train_step(X, y)  # the trainer is still usable
+        assert trainer.steps == 2
+        assert all(torch.isfinite(p).all() for p in trainer.module.parameters())
+
+
+def test_without_check_finite_one_nan_example_poisons_every_replica():
+    """What check_finite guards against (and that the NaN batch above really is poisonous)."""
+    net, X, y, bad, loss_fn = _nan_batch()
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.1}, loss=loss_fn) as trainer:
+        loss = trainer.train_step(bad, y)
+        assert not torch.isfinite(loss)
+        for r in trainer.replicas:
+            assert all(torch.isnan(p).all() for p in r.parameters())
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_check_finite_catches_a_nan_gradient_with_a_finite_loss(k):
+    net, X, y, loss_fn = _lenet_batch(8)
+
+    def loss_with_nan_gradient(out, target):
+        # sqrt'(0) is inf and 0 * inf is NaN: the value stays finite, the gradient does not
+        return loss_fn(out, target) + 0.0 * (out - out.detach()).abs().sqrt().sum()
+
+    with Trainer(net, _devices(k), "sgd", {"lr": 0.1}, loss=loss_with_nan_gradient, check_finite=True) as trainer:
+        before = [p.detach().clone() for p in trainer.module.parameters()]
+        with pytest.raises(Exception, match="^step 1: the gradient is not finite; the weights were not updated"):
+            trainer.train_step(X, y)
+        for p, q in zip(trainer.module.parameters(), before):
+            assert torch.equal(p.detach(), q)
+
+
+def test_epoch_record_says_since_which_step_the_loss_was_not_finite():
+    from dlperf.data.loader import ArrayLoader
+    from dlperf.parallel.cli import _epoch_line, train_epochs
+
+    torch.manual_seed(0)
+    images = torch.rand(40, 28, 28)
+    labels = torch.randint(0, 10, (40,))
+    test = ArrayLoader(images[:8], labels[:8], batch_size=8, shuffle=False, pin_memory=False)
+    spec = get_spec("lenet")
+    with Trainer(spec.build(), _devices(1), "sgd", {"lr": 0.1}, loss=spec.loss) as trainer:
+        clean = ArrayLoader(images, labels, batch_size=8, shuffle=False, pin_memory=False)
+        (rec,) = train_epochs(trainer, clean, test, 0, 1)
+        assert "nonfinite_since_step" not in rec and "non-finite" not in _epoch_line(rec)
+        poisoned = images.clone()
+        poisoned[17] = float("nan")  # batch 3 of epoch 2, i.e. step 8 overall
+        dirty = ArrayLoader(poisoned, labels, batch_size=8, shuffle=False, pin_memory=False)
+        (rec,) = train_epochs(trainer, dirty, test, 1, 2)
+    assert rec["nonfinite_since_step"] == 8
+    assert rec["loss"] != rec["loss"]  # NaN
+    assert _epoch_line(rec).startswith("epoch 2: loss nan (non-finite since step 8;")

@@ -1,29 +1,50 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+"""The one way dlperf writes and reads the files a user names.
+
+Writes are atomic for regular files: the data goes to a temporary file beside the target, is flushed
+to disk, then renamed over it, so a reader (or a crash, or SIGKILL) sees the old file or the new one,
+never half of one. A target that exists and is not a regular file (``/dev/full``, a FIFO someone
+reads from) is written in place: replacing it would swap a device node or pipe for a plain file.
+
+Reads of torch files go through :func:`safe_torch_load`, which unpickles tensors and plain containers
+only and turns every failure into one line naming the file.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
-import tempfile
+import re
+import secrets
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO, Any
+
+from .errors import DlperfError, UsageError
+
+__all__ = ["FileAccessError", "atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable",
+           "safe_torch_load"]
+
+_TMP_SUFFIX = ".tmp"
+# Room for ".", ".<pid>.<token>.tmp" within the usual 255-byte NAME_MAX.
+_MAX_STEM = 200
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to a temporary file beside ``path``, flush it to disk, then rename it over."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        # mkstemp creates the file 0600; give it the mode a plain open() would have.
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+class FileAccessError(DlperfError, OSError):
+    """A path the user named cannot be written or read; the message names it, says why and what to do.
+
+    It is an :class:`OSError` too (``errno`` and ``filename`` are kept), so callers that handle
+    file-system errors keep working.
+    """
+
+    def __init__(self, path: str | os.PathLike, reason: str, err: int | None = None,
+                 action: str = "write") -> None:
+        super().__init__(err, reason, os.fspath(path))
+        self.action = action
+
+    def __str__(self) -> str:
+        return f"cannot {self.action} {self.filename}: {self.strerror}"
 
 
 def _umask() -> int:
@@ -32,17 +53,224 @@ def _umask() -> int:
     return mask
 
 
-def check_writable(path: str | os.PathLike) -> Path:
-    """Fail now, with the reason, if ``path`` could not be written later (before hours of work)."""
-    target = Path(path)
-    if target.is_dir():
-        raise OSError(f"{target} is a directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".probe")
-    os.close(fd)
-    Path(tmp).unlink()
-    return target
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _wrap(path: Path, exc: OSError, action: str = "write") -> FileAccessError:
+    if isinstance(exc, FileAccessError):
+        return exc
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is not None and os.fspath(exc.filename) != os.fspath(path):
+        reason = f"{reason}: {exc.filename}"  # e.g. the parent directory could not be created
+    return FileAccessError(path, reason, exc.errno, action)
+
+
+def _inspect(path: Path) -> tuple[Path, os.stat_result | None]:
+    """The file a write to ``path`` lands in (symlinks followed) and its status, or None if it is new."""
+    real = Path(os.path.realpath(path))
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return real, None
+    if stat.S_ISDIR(st.st_mode):
+        raise FileAccessError(path, "it is a directory; give the path of a file (inside it, or beside it)",
+                              errno.EISDIR)
+    return real, st
+
+
+def _tmp_prefix(target: Path) -> str:
+    return f".{target.name[:_MAX_STEM]}."
+
+
+def _remove_orphans(target: Path) -> None:
+    """Delete temporaries of ``target`` whose writer process no longer exists (it was killed mid-write)."""
+    prefix = _tmp_prefix(target)
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(_TMP_SUFFIX)):
+            continue
+        pid_text = name[len(prefix):-len(_TMP_SUFFIX)].split(".", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(target.parent / name)
+        except OSError:
+            pass  # another writer removed it first, or we may not: it is only litter
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # another thread of ours may be writing it now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable; file systems that cannot sync a directory are left as they are."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EROFS):
+            raise
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open ``path`` for writing; on a clean exit the new content replaces the old one atomically.
+
+    ``mode`` is ``"wb"`` or ``"w"`` (UTF-8 text). If the block raises, the target is untouched and
+    the temporary file is removed. A new file gets the mode ``open()`` would give it (0o666 less the
+    umask); a replaced file keeps its mode. A symlink keeps pointing where it did: the file it points
+    to is replaced. An existing non-regular target (device, FIFO) is opened and written directly.
+    Any :class:`OSError` becomes a :class:`FileAccessError` naming ``path``.
+    """
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_open writes with mode 'wb' or 'w', not {mode!r}")
+    given = Path(path)
+    try:
+        real, st = _inspect(given)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            f = open(real, mode, **({"encoding": "utf-8"} if mode == "w" else {}))
+            with f:
+                yield f
+            return
+        if st is not None and not os.access(real, os.W_OK):
+            raise FileAccessError(given, "permission denied (the file is read-only)", errno.EACCES)
+        real.parent.mkdir(parents=True, exist_ok=True)
+        _remove_orphans(real)
+        tmp = real.parent / f"{_tmp_prefix(real)}{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as exc:
+        raise _wrap(given, exc) from None
+    try:
+        _match_mode(fd, st)
+        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, real)  # atomic on POSIX within one file system
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise _wrap(given, exc) from None
+        raise
+    try:
+        _fsync_dir(real.parent)
+    except OSError as exc:
+        raise _wrap(given, exc) from None
+
+
+def _match_mode(fd: int, st: os.stat_result | None) -> None:
+    """Give the temporary file the mode (and, when allowed, the owner) the target has or would get."""
+    if st is None:
+        os.fchmod(fd, 0o666 & ~_umask())
+        return
+    os.fchmod(fd, stat.S_IMODE(st.st_mode))
+    if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+        try:
+            os.fchown(fd, st.st_uid, st.st_gid)
+        except OSError:
+            pass  # only root may give a file away; the content still arrives
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_open`); return the path."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+    return Path(path)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` as UTF-8 to ``path`` atomically (see :func:`atomic_open`); return the path."""
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def check_writable(path: str | os.PathLike) -> Path:
+    """Fail now, with the reason, if ``path`` could not be written later (before hours of work).
+
+    Creates missing parent directories, as the write itself would. Nothing is written to ``path``.
+    """
+    given = Path(path)
+    try:
+        real, st = _inspect(given)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            if not os.access(real, os.W_OK):
+                raise FileAccessError(given, "permission denied", errno.EACCES)
+            return given
+        if st is not None and not os.access(real, os.W_OK):
+            raise FileAccessError(given, "permission denied (the file is read-only)", errno.EACCES)
+        real.parent.mkdir(parents=True, exist_ok=True)
+        # The rename needs a file created in the directory: try exactly that.
+        probe = real.parent / f"{_tmp_prefix(real)}{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as exc:
+        raise _wrap(given, exc) from None
+    return given
+
+
+def safe_torch_load(path: str | os.PathLike, what: str = "checkpoint", expected: str | None = None) -> Any:
+    """Load a ``torch.save`` file as data: tensors and plain containers only, onto the CPU.
+
+    ``what`` names the file in messages (e.g. ``"--resume checkpoint"``), ``expected`` says what it
+    should hold. Every failure (missing, a directory, a FIFO, corrupt, truncated, pickled objects
+    that would run code) is one :class:`~dlperf.errors.UsageError` naming the file. Never blocks on
+    a FIFO and never unpickles arbitrary objects.
+    """
+    import pickle
+
+    import torch
+
+    p = Path(path)
+    expected = expected or f"a {what} saved with torch.save"
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; regular files ignore the flag.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise UsageError(f"{what} {str(p)!r} does not exist (no such file); check the path") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {str(p)!r}: {exc.strerror or exc}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise UsageError(f"{what} {str(p)!r} is a directory, not a file; give the path of the file")
+        raise UsageError(f"{what} {str(p)!r} is a {_kind(mode)}, not a regular file; give {expected}")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+            if found:
+                raise UsageError(f"{what} {str(p)!r} is not {expected}: it holds Python objects ({found[1]}) "
+                                 "other than tensors and plain containers, which are not loaded because "
+                                 "unpickling them could run code") from None
+            raise UsageError(f"{what} {str(p)!r} is not {expected} (not a torch.save file)") from None
+        except Exception as exc:  # noqa: BLE001 - zip errors, EOFError, RuntimeError: all mean "not that file"
+            raise UsageError(f"{what} {str(p)!r} is not {expected} ({_short_reason(exc)})") from None
+
+
+def _short_reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0].strip() if str(exc).strip() else ""
+    if not text or "weights_only" in text or "weights only" in text.lower() or len(text) > 120:
+        return f"{type(exc).__name__}: unreadable or truncated"
+    return text

@@ -83,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
     _warn_oversubscribed(config.threads if args.threads is not None else [])
     result = _run_with_progress(config)
     _emit(result, args)
+    if result.interrupted:
+        # the finished cells are in every output; 130 tells a script the sweep is incomplete
+        print(f"dlperf bench: interrupted after {len(result.cells)} of {result.planned} cells; "
+              "the outputs hold the finished ones", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 
@@ -120,6 +125,8 @@ def _check_distinct_outputs(args: argparse.Namespace) -> None:
 
 def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse unwritable output paths and a missing matplotlib before the sweep, not after it."""
+    import errno
+
     from .._io import check_writable
 
     for flag in ("json", "csv", "markdown", "plot"):
@@ -128,8 +135,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
             try:
                 check_writable(target)
             except OSError as exc:
-                raise UsageError(f"cannot write --{flag} {target}: {exc.strerror or exc}; "
-                                 "give a path in a writable directory") from None
+                hint = "; give a path in a writable directory" if exc.errno in (errno.EACCES, errno.EROFS) else ""
+                raise UsageError(f"cannot write --{flag} {target}: {exc.strerror or exc}{hint}") from None
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -153,9 +160,12 @@ def _run_with_progress(config):
 
         def on_cell_start(net, dev, threads):
             # Re-align the bar when a cell stopped early (time budget) or failed.
-            progress.update(task, completed=done_cells["n"] * per_cell,
-                            description=f"{net} on {dev}" + (f", {threads} thr" if threads else ""))
+            description = f"{net} on {dev}" + (f", {threads} thr" if threads else "")
+            progress.update(task, completed=done_cells["n"] * per_cell, description=description)
             done_cells["n"] += 1
+            if not console.is_terminal:  # no live bar in a log: one line per cell instead
+                console.print(f"dlperf bench: cell {done_cells['n']}/{len(cells)}: {description}",
+                              highlight=False, markup=False, soft_wrap=True)
 
         result = run_bench(config, on_cell_start=on_cell_start, on_step=lambda: progress.advance(task))
     return result

@@ -58,7 +58,8 @@ def table_grid(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     by_key = {(c.network, c.device, c.threads): c for c in result.cells}
     header = ["network", "batch", ""] + [column_label(d, t) for d, t in cols]
     rows: list[list[str]] = []
-    for net in result.config.networks:
+    # an interrupted sweep lists only the networks it reached
+    for net in [n for n in result.config.networks if any(c.network == n for c in result.cells)]:
         per_col = [_cell_rows(by_key.get((net, d, t))) for d, t in cols]
         batches = sorted({c.batch_size for c in result.cells if c.network == net})
         for i, label in enumerate(ROW_LABELS):
@@ -71,7 +72,9 @@ def footnotes(result: BenchResult) -> list[str]:
     m = result.machine
     c = result.config
     gpus = ", ".join(m["gpus"]) or "none"
-    return [
+    notes = [f"INTERRUPTED: {len(result.cells)} of {result.planned} cells finished; the rest did not run."] \
+        if result.interrupted else []
+    return notes + [
         f"Time per mini-batch (median of timed steps; forward, loss, backward, SGD update), mode {c.mode}.",
         f"Machine: {m['cpu']}, {m['cores']} cores; GPUs: {gpus}; torch {m['torch']}; {m['date']}.",
         "Paper: Shi et al. 2016, Table 7 (desktop i7-3820 for CPU columns, GTX 1080 for GPUs). "

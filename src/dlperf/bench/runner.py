@@ -1,7 +1,8 @@
 """Run the Table-7 sweep: every network on every device and thread count, one training step timed.
 
 Each (network, device, threads) is a *cell*. A cell that fails (out of memory, a compile error, an
-absent kernel) records its reason and the sweep goes on, as the paper's "-" entries do.
+absent kernel) records its reason and the sweep goes on, as the paper's "-" entries do. Ctrl-C stops
+the sweep: the cell it interrupts is dropped, the finished ones are kept and the result says so.
 """
 
 from __future__ import annotations
@@ -144,11 +145,20 @@ class BenchResult:
     cells: list[CellResult]
     machine: dict
     seconds: float
+    interrupted: bool = False
+    """The sweep was stopped (Ctrl-C) before every cell ran; ``cells`` holds the finished ones."""
+
+    @property
+    def planned(self) -> int:
+        """How many cells the configuration asks for."""
+        return sum(1 for _ in self.config.cells())
 
     def to_dict(self) -> dict:
         c = self.config
         return {
             "schema": "dlperf.bench/1",
+            "interrupted": self.interrupted,
+            "cells_planned": self.planned,
             "machine": self.machine,
             "config": {"networks": c.networks, "devices": [str(d) for d in c.devices], "threads": c.threads,
                        "batch_size": c.batch_size, "warmup": c.warmup, "steps": c.steps, "mode": c.mode,
@@ -246,15 +256,23 @@ def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
 
 def run_bench(config: BenchConfig, on_cell_start: Callable[[str, Device, int | None], None] | None = None,
               on_step: Callable[[], None] | None = None) -> BenchResult:
-    """Time every cell of ``config``; callbacks let a caller show progress."""
+    """Time every cell of ``config``; callbacks let a caller show progress.
+
+    A KeyboardInterrupt (Ctrl-C) ends the sweep early instead of losing it: the interrupted cell is
+    dropped and the result, marked ``interrupted``, holds every cell that finished.
+    """
     t0 = time.perf_counter()
     flops: dict[tuple[str, int], float | None] = {}
     cells = []
-    for net, dev, threads in config.cells():
-        if on_cell_start:
-            on_cell_start(net, dev, threads)
-        batch = config.batch_size or get_spec(net).batch_size_for(dev.kind)
-        if (net, batch) not in flops:
-            flops[(net, batch)] = count_step_flops(net, batch)
-        cells.append(run_cell(net, dev, threads, config, flops[(net, batch)], on_step))
-    return BenchResult(config, cells, machine_info(), time.perf_counter() - t0)
+    interrupted = False
+    try:
+        for net, dev, threads in config.cells():
+            if on_cell_start:
+                on_cell_start(net, dev, threads)
+            batch = config.batch_size or get_spec(net).batch_size_for(dev.kind)
+            if (net, batch) not in flops:
+                flops[(net, batch)] = count_step_flops(net, batch)
+            cells.append(run_cell(net, dev, threads, config, flops[(net, batch)], on_step))
+    except KeyboardInterrupt:
+        interrupted = True
+    return BenchResult(config, cells, machine_info(), time.perf_counter() - t0, interrupted)

@@ -147,7 +147,7 @@ def main_scaling(args) -> int:
         try:
             check_writable(json_file)  # fail now, not after minutes of timing
         except OSError as exc:
-            raise UsageError(f"cannot write --json {json_file}: {exc}") from None
+            raise UsageError(f"cannot write --json {json_file}: {exc.strerror or exc}") from None
     quick = bool(getattr(args, "quick", False))
     steps = args.steps if args.steps is not None else (3 if quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if quick else 2)

@@ -87,14 +87,10 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def _load_weights(model: torch.nn.Module, path: str, name: str) -> None:
     """Load a state_dict file into ``model``; a wrong file is a one-line UsageError."""
-    if not os.path.isfile(path):
-        raise UsageError(f"--weights {path!r}: no such file")
-    try:
-        # weights_only: a state_dict is tensors in dicts; nothing in the file may run code.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # UnpicklingError, zip errors, EOFError: not a torch.save file of tensors
-        raise UsageError(f"--weights {path!r}: not a state_dict of tensors saved with torch.save "
-                         f"({type(exc).__name__})") from exc
+    from .._io import safe_torch_load
+
+    # tensors in dicts only: nothing in the file may run code
+    state = safe_torch_load(path, "--weights", "a state_dict of tensors saved with torch.save")
     if not isinstance(state, dict):
         raise UsageError(f"--weights {path!r}: holds a {type(state).__name__}, not a state_dict "
                          "(save model.state_dict())")

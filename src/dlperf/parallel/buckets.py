@@ -214,10 +214,18 @@ class GradientBuckets:
         for row in self.flats:
             allreduce(row, self.algorithm, workers=workers)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Release every replica still waiting in :meth:`wait`, then stop the communication thread.
+
+        Waiters are released first: a step interrupted half-way (Ctrl-C) has replicas waiting for
+        buckets that will never complete, and the thread that would complete them is stopping.
+        """
+        with self._lock:
+            self._gen += 1  # queued reductions belong to the abandoned step: skip them
+        self.abort(RuntimeError("the gradient buckets were closed while a step was waiting for them"))
         if self._comm.is_alive():
             self._queue.put(_STOP)
-            self._comm.join()
+            self._comm.join(timeout)
         for h in self._hooks:
             h.remove()
         self._hooks = []

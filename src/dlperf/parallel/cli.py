@@ -14,13 +14,14 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .._io import atomic_open, check_writable, safe_torch_load
 from ..devices import to_device
 from ..errors import UsageError
 from .allreduce import DEFAULT_ALGORITHM, algorithm_names, get_algorithm
@@ -70,6 +71,8 @@ def register(sub) -> None:
                    help="save the state atomically after every epoch")
     p.add_argument("--resume", metavar="FILE", type=va.existing_file("--resume"),
                    help="continue bit-identically from a checkpoint")
+    p.add_argument("--check-finite", action="store_true",
+                   help="stop at the first step whose loss or gradients are NaN/inf, before it updates the weights")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run)
@@ -87,18 +90,58 @@ def parse_devices(text: str | list) -> list:
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Write ``state`` so that a crash leaves either the old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX within one file system
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as f:
+        torch.save(state, f)
+
+
+_CONFIG_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,), "devices": (int,), "batch_size": (int,), "lr": (float, int), "data": (str, type(None)),
+    "train_size": (int,), "test_size": (int,), "seed": (int,), "algorithm": (str,), "kvstore": (str, type(None))}
+_HISTORY_TYPES: dict[str, tuple[type, ...]] = {
+    "epoch": (int,), "loss": (float, int), "test_acc": (float, int), "seconds": (float, int)}
+_HISTORY_OPTIONAL: dict[str, tuple[type, ...]] = {"nonfinite_since_step": (int, type(None))}
+_TRAINER_TYPES: dict[str, tuple[type, ...]] = {"model": (dict,), "buffers": (list,), "steps": (int,)}
+
+
+def _check_fields(where: str, d: object, required: dict[str, tuple[type, ...]],
+                  optional: dict[str, tuple[type, ...]] | None = None) -> str | None:
+    """The first problem with dict ``d`` (missing, unexpected or wrong-typed key), or None."""
+    if not isinstance(d, dict):
+        return f"{where} is a {type(d).__name__}, not a dict"
+    allowed = {**required, **(optional or {})}
+    for key, types in allowed.items():
+        if key not in d:
+            if key in required:
+                return f"{where} has no {key!r}"
+            continue
+        v = d[key]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            return f"{where}[{key!r}] is a {type(v).__name__}, expected {' or '.join(t.__name__ for t in types)}"
+    extra = sorted(map(str, set(d) - set(allowed)))
+    return f"{where} has unexpected keys {extra}" if extra else None
+
+
+def _checkpoint_problem(state: object) -> str | None:
+    problem = _check_fields("the file", state, {"format": (int,), "config": (dict,), "history": (list,),
+                                                "trainer": (dict,)})
+    if problem:
+        return problem
+    if state["format"] != _CHECKPOINT_FORMAT:
+        return f"format {state['format']} (this dlperf reads format {_CHECKPOINT_FORMAT})"
+    problem = _check_fields("config", state["config"], _CONFIG_TYPES)
+    for i, rec in enumerate(state["history"]):
+        problem = problem or _check_fields(f"history[{i}]", rec, _HISTORY_TYPES, _HISTORY_OPTIONAL)
+    trainer = state["trainer"]
+    problem = problem or _check_fields("trainer", {k: v for k, v in trainer.items()
+                                                   if k not in ("optimizer", "kvstore")}, _TRAINER_TYPES)
+    if problem:
+        return problem
+    if not any(isinstance(trainer.get(k), dict) for k in ("optimizer", "kvstore")):
+        return "trainer has no optimizer state"
+    tensors = [trainer["model"], *trainer["buffers"]]
+    if not all(isinstance(t, dict) and all(isinstance(v, torch.Tensor) for v in t.values()) for t in tensors):
+        return "trainer's model or buffers are not dicts of tensors"
+    return None
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -107,19 +150,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     Only tensors and plain containers are unpickled (``weights_only``): a checkpoint is data, and a
     file from elsewhere must not be able to run code.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"checkpoint {str(path)!r} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # corrupt zip, truncated file, pickled objects outside the allow-list
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"{path} is not a readable dlperf train checkpoint: {first[:200]}") from None
-    if (not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT
-            or not isinstance(state.get("config"), dict) or not isinstance(state.get("history"), list)
-            or not isinstance(state.get("trainer"), dict)
-            or not {"model", "buffers", "steps"} <= state["trainer"].keys()):
-        raise UsageError(f"{path} is not a dlperf train checkpoint")
+    state = safe_torch_load(path, "--resume checkpoint", "a checkpoint written by dlperf train --checkpoint")
+    problem = _checkpoint_problem(state)
+    if problem:
+        raise UsageError(f"--resume checkpoint {str(path)!r} is not a dlperf train checkpoint: {problem}; "
+                         "give a file written by dlperf train --checkpoint")
     return state
 
 
@@ -177,29 +212,47 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
     for epoch in range(first_epoch, epochs):
         bar = _progress(show_progress, len(train_loader), f"epoch {epoch + 1}/{epochs}")
         loss_sum: torch.Tensor | float = 0.0
+        # the first step whose loss was NaN/inf, kept on the device and read with loss_sum at the end
+        first_bad: torch.Tensor | None = None
         batches = 0
         try:
             start = time.perf_counter()
-            for X, y in train_loader.epoch_batches(epoch):
-                if X.shape[0] < trainer.k:
-                    continue  # only an epoch's last batch can be this short: see the docstring
-                # summed where it is: reading it on the host every step would stall a GPU's queue
-                loss_sum = loss_sum + trainer.train_step(X, y).detach().float()
-                batches += 1
-                if bar:
-                    bar.advance(0, 1)
+            # closing(): after Ctrl-C the loader's thread stops now, not when the traceback is freed
+            with closing(train_loader.epoch_batches(epoch)) as train_batches:
+                for X, y in train_batches:
+                    if X.shape[0] < trainer.k:
+                        continue  # only an epoch's last batch can be this short: see the docstring
+                    # summed where it is: reading it on the host every step would stall a GPU's queue
+                    loss = trainer.train_step(X, y).detach().float()
+                    loss_sum = loss_sum + loss
+                    bad = torch.where(torch.isfinite(loss), float("inf"), float(trainer.steps))
+                    first_bad = bad if first_bad is None else torch.minimum(first_bad, bad)
+                    batches += 1
+                    if bar:
+                        bar.advance(0, 1)
             for d in trainer.devices:
                 d.synchronize()
             seconds = time.perf_counter() - start
         finally:
             if bar:
                 bar.stop()
-        record = {"epoch": epoch + 1, "loss": float(loss_sum) / max(batches, 1),
-                  "test_acc": trainer.evaluate_accuracy(test_loader.epoch_batches(0)), "seconds": seconds}
+        with closing(test_loader.epoch_batches(0)) as test_batches:
+            test_acc = trainer.evaluate_accuracy(test_batches)
+        record = {"epoch": epoch + 1, "loss": float(loss_sum) / max(batches, 1), "test_acc": test_acc,
+                  "seconds": seconds}
+        if first_bad is not None and float(first_bad) != float("inf"):
+            record["nonfinite_since_step"] = int(first_bad)
         history.append(record)
         if on_epoch:
             on_epoch(record)
     return history
+
+
+def _epoch_line(rec: dict[str, Any]) -> str:
+    loss = f"loss {rec['loss']:.3f}"
+    if rec.get("nonfinite_since_step") is not None:
+        loss += f" (non-finite since step {rec['nonfinite_since_step']}; --check-finite stops there)"
+    return f"epoch {rec['epoch']}: {loss}, test acc {rec['test_acc']:.3f}, {rec['seconds']:.1f} sec"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,6 +265,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch-size {args.batch_size} is smaller than the {len(devices)} devices; each "
                          f"device needs at least one example per step: use --batch-size {len(devices)} or more")
     get_algorithm(args.algorithm)
+    if args.checkpoint:
+        try:
+            check_writable(args.checkpoint)  # now, not after the first epoch
+        except OSError as exc:
+            raise UsageError(f"--checkpoint: {exc}") from None
     config = _config(args)
     resume = load_checkpoint(args.resume) if args.resume else None
     if resume is not None and resume["config"] != config:
@@ -222,27 +280,14 @@ def run(args: argparse.Namespace) -> int:
     train_loader, test_loader = load_data(args.batch_size, args.data, seed=args.seed, train=args.train_size,
                                           test=args.test_size, download=args.download)
     history: list[dict[str, Any]] = list(resume["history"]) if resume else []
-    with Trainer(spec.build(), devices, "sgd", {"lr": args.lr}, loss=spec.loss, algorithm=args.algorithm,
-                 kvstore=args.kvstore) as trainer:
-        if resume is not None:
-            try:
-                trainer.load_state_dict(resume["trainer"])
-            except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-                raise UsageError(f"--resume {args.resume}: the checkpoint does not fit this model "
-                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
-                                 ) from None
-        first = len(history)
-
-        def on_epoch(rec: dict[str, Any]) -> None:
-            history.append(rec)
-            print(f"epoch {rec['epoch']}: loss {rec['loss']:.3f}, test acc {rec['test_acc']:.3f}, "
-                  f"{rec['seconds']:.1f} sec", flush=True)
-            if args.checkpoint:
-                save_checkpoint(args.checkpoint, {"format": _CHECKPOINT_FORMAT, "config": config,
-                                                  "history": history, "trainer": trainer.state_dict()})
-
-        show = not (args.no_progress or args.json) and sys.stderr.isatty()
-        train_epochs(trainer, train_loader, test_loader, first, args.epochs, show, on_epoch)
+    saved: list[int] = []  # epochs whose checkpoint this run wrote
+    first = len(history)
+    try:
+        _train(args, spec, devices, config, train_loader, test_loader, resume, history, saved)
+    except KeyboardInterrupt:
+        kept = f"; {args.checkpoint} holds epoch {saved[-1]}" if saved else ""
+        print(f"dlperf train: interrupted{kept}", file=sys.stderr, flush=True)
+        return 130
     timed = [h["seconds"] for h in history[first:]] or [h["seconds"] for h in history]
     per_epoch = sum(timed) / len(timed) if timed else 0.0
     acc = history[-1]["test_acc"] if history else float("nan")
@@ -252,3 +297,27 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"model": args.model, "devices": [str(d) for d in devices], "test_acc": acc,
                           "sec_per_epoch": per_epoch, "epochs": history}))
     return 0
+
+
+def _train(args, spec, devices, config, train_loader, test_loader, resume, history, saved) -> None:
+    with Trainer(spec.build(), devices, "sgd", {"lr": args.lr}, loss=spec.loss, algorithm=args.algorithm,
+                 kvstore=args.kvstore, check_finite=getattr(args, "check_finite", False)) as trainer:
+        if resume is not None:
+            try:
+                trainer.load_state_dict(resume["trainer"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                raise UsageError(f"--resume {args.resume}: the checkpoint does not fit this model "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+                                 ) from None
+        first = len(history)  # before on_epoch appends
+
+        def on_epoch(rec: dict[str, Any]) -> None:
+            history.append(rec)
+            print(_epoch_line(rec), flush=True)
+            if args.checkpoint:
+                save_checkpoint(args.checkpoint, {"format": _CHECKPOINT_FORMAT, "config": config,
+                                                  "history": history, "trainer": trainer.state_dict()})
+                saved.append(rec["epoch"])
+
+        show = not (args.no_progress or args.json) and sys.stderr.isatty()
+        train_epochs(trainer, train_loader, test_loader, first, args.epochs, show, on_epoch)

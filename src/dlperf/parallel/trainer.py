@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..devices import DeviceLike
-from ..errors import UsageError, unknown_choice
+from ..errors import DlperfError, UsageError, unknown_choice
 from ..kvstore import KVStore, create_kvstore
 from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
 from .buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
@@ -31,7 +31,7 @@ from .replicas import broadcast_buffers, max_replica_difference, replicate
 from .split import check_devices, check_placed, split_batch
 from .workers import DeviceWorkers
 
-__all__ = ["Trainer", "make_optimizer", "OPTIMIZERS"]
+__all__ = ["Trainer", "make_optimizer", "OPTIMIZERS", "NonFiniteError"]
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -40,6 +40,9 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 BUFFER_MODES = ("per-device", "broadcast")
 MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
+
+# How long an aborting close waits for each thread: a step in flight finishes in well under this.
+_ABORT_JOIN_S = 2.0
 
 OptimizerLike = str | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -54,6 +57,10 @@ def make_optimizer(optimizer: OptimizerLike, params: Iterable[nn.Parameter],
     except KeyError:
         raise unknown_choice("optimizer", optimizer, OPTIMIZERS) from None
     return cls(params, **(optimizer_params or {}))
+
+
+class NonFiniteError(DlperfError, FloatingPointError):
+    """A training step produced a NaN or infinite loss or gradient; the weights were not updated."""
 
 
 def _default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -79,6 +86,10 @@ class Trainer:
         memory_format: layout of 4-D activations and conv weights. ``"auto"`` picks channels-last
             for models with 2-D convolutions on CPU devices: oneDNN's convolutions and PyTorch's
             pooling then skip layout reorders (LeNet, batch 128, one core: 71 -> 46 ms per step).
+        check_finite: before each update, check that the loss and the aggregated gradients are
+            finite and raise :class:`NonFiniteError` naming the step if not, so one bad example
+            cannot turn every replica's weights into NaN. It reads one flag per step on the host,
+            so it is off by default.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[DeviceLike], optimizer: OptimizerLike = "sgd",
@@ -87,8 +98,10 @@ class Trainer:
                  algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM,
                  kvstore: str | KVStore | None = None, update_on_kvstore: bool = False,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, buffers: str = "per-device",
-                 threads: Sequence[int] | None = None, memory_format: str = "auto") -> None:
+                 threads: Sequence[int] | None = None, memory_format: str = "auto",
+                 check_finite: bool = False) -> None:
         self.devices = check_devices(devices)
+        self.check_finite = check_finite
         if memory_format not in MEMORY_FORMATS:
             raise unknown_choice("memory format", memory_format, MEMORY_FORMATS)
         self.algorithm = get_algorithm(algorithm)
@@ -164,8 +177,9 @@ class Trainer:
         Xs, ys = self._split(X, y)
         total = sum(int(t.shape[0]) for t in Xs)
         overlapped = self._buckets is not None and self._kv is None
-        # one device and no store: update inside the same task, saving a second hand-off per step
-        update_here = overlapped or (self.k == 1 and self._kv is None)
+        # one device and no store: update inside the same task, saving a second hand-off per step;
+        # a finiteness check must see every replica's loss first, so it updates after the tasks
+        update_here = (overlapped or (self.k == 1 and self._kv is None)) and not self.check_finite
         if overlapped:
             self._buckets.arm()
 
@@ -177,8 +191,10 @@ class Trainer:
         finally:
             if overlapped:
                 self._buckets._armed = False
+        if self.check_finite:
+            self._raise_if_nonfinite("loss", losses)
         if not update_here:
-            self._aggregate_and_update(scale=1.0)
+            self._aggregate_and_update(scale=1.0, reduced=overlapped)
         self._after_update()
         if len(losses) == 1:
             return losses[0]
@@ -226,11 +242,14 @@ class Trainer:
         self._aggregate_and_update(scale=1.0 / batch_size)
         self._after_update()
 
-    def _aggregate_and_update(self, scale: float) -> None:
+    def _aggregate_and_update(self, scale: float, reduced: bool = False) -> None:
+        """Sum the replicas' gradients (unless ``reduced`` already), scale them, step every optimizer."""
         if self.update_on_kvstore:
+            if self.check_finite:
+                self._raise_if_nonfinite("gradient", self._grads(all_replicas=True))
             self._update_on_store(scale)
             return
-        if self._buckets is not None:
+        if self._buckets is not None and not reduced:
             if self._kv is not None:
                 self._buckets.bind()
                 for b, row in enumerate(self._buckets.flats):
@@ -239,11 +258,32 @@ class Trainer:
                 self._buckets.allreduce_all(self.workers)
             if scale != 1.0:
                 self._buckets.scale_(scale)
-        elif scale != 1.0:
+        elif self._buckets is None and scale != 1.0:
             for p in self.replicas[0].parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
+        if self.check_finite:
+            self._raise_if_nonfinite("gradient", self._grads(all_replicas=self._buckets is None))
         self.workers.run_each([opt.step for opt in self.optimizers])
+
+    def _grads(self, all_replicas: bool) -> list[torch.Tensor]:
+        if self._buckets is not None and not all_replicas:
+            return [row[0] for row in self._buckets.flats]  # reduced: every replica holds the same sums
+        return [p.grad for r in self.replicas for p in r.parameters() if p.grad is not None]
+
+    def _raise_if_nonfinite(self, what: str, tensors: Sequence[torch.Tensor]) -> None:
+        if not tensors:
+            return
+        first = self.devices[0].torch_device
+        # one host read per step for all tensors together
+        ok = torch.stack([torch.isfinite(t).all().to(first) for t in tensors]).all()
+        if bool(ok):
+            return
+        detail = ""
+        if what == "loss":
+            detail = " (" + ", ".join(f"{d}: {float(t.sum()):g}" for d, t in zip(self.devices, tensors)) + ")"
+        raise NonFiniteError(f"step {self.steps + 1}: the {what} is not finite{detail}; the weights were not "
+                             "updated. Look for NaN/inf in the batch's inputs, or lower the learning rate")
 
     @torch.no_grad()
     def _update_on_store(self, scale: float) -> None:
@@ -323,19 +363,27 @@ class Trainer:
         if self._closed:
             raise RuntimeError("this Trainer is closed")
 
-    def close(self) -> None:
-        """Join the worker and communication threads; the replicas stay usable."""
+    def close(self, abort: bool = False) -> None:
+        """Join the worker and communication threads; the replicas stay usable.
+
+        ``abort`` (used when an exception such as Ctrl-C leaves a step half done): tasks not yet
+        started are cancelled and each join waits a bounded time, so closing cannot hang on a step
+        that will never complete. Replicas waiting for gradient buckets are always released first.
+        """
         if self._closed:
             return
         self._closed = True
+        timeout = _ABORT_JOIN_S if abort else None
+        if abort:  # before waiters are released, or they would go on to the next queued task
+            self.workers.cancel_pending()
         if self._buckets is not None:
-            self._buckets.close()
+            self._buckets.close(timeout)
         if self._kv is not None and self._own_kv:
             self._kv.close()
-        self.workers.close()
+        self.workers.close(cancel=abort, timeout=timeout)
 
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(abort=exc_type is not None)

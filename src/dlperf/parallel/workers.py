@@ -107,21 +107,43 @@ class DeviceWorkers:
         futs = [self.submit(i, fn) for i, fn in enumerate(fns)]
         return wait_all(futs)
 
-    def close(self) -> None:
-        """Stop and join every worker (queued tasks finish first)."""
+    def cancel_pending(self) -> None:
+        """Cancel every queued task that has not started (their futures report cancelled)."""
+        for w in self._workers:
+            _cancel_queued(w.tasks)
+
+    def close(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop and join every worker.
+
+        Queued tasks finish first, unless ``cancel``: then tasks not yet started are cancelled (after
+        an interrupt nobody waits for them). ``timeout`` bounds the wait for each worker; a worker
+        still inside a task after it is a daemon thread and does not keep the process alive.
+        """
         if self._closed:
             return
         self._closed = True
+        if cancel:
+            self.cancel_pending()
         for w in self._workers:
             w.tasks.put(_STOP)
         for w in self._workers:
-            w.join()
+            w.join(timeout)
 
     def __enter__(self) -> DeviceWorkers:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cancel_queued(tasks: queue.SimpleQueue) -> None:
+    while True:
+        try:
+            item = tasks.get_nowait()
+        except queue.Empty:
+            return
+        if item is not _STOP:
+            item[0].cancel()
 
 
 def wait_all(futs: Sequence[Future]) -> list[Any]:

@@ -1,0 +1,392 @@
+"""dlperf._io: the one atomic writer and the one safe torch loader, on every kind of target."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import dlperf._io as io_mod
+from dlperf._io import (
+    FileAccessError,
+    atomic_open,
+    atomic_write_bytes,
+    atomic_write_text,
+    check_writable,
+    safe_torch_load,
+)
+from dlperf.errors import DlperfError, UsageError
+
+IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _temporaries(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    return proc.pid
+
+
+# -- regular files and new paths ------------------------------------------------------------------
+
+def test_new_path_gets_the_mode_open_would_give_and_its_parents(tmp_path):
+    target = tmp_path / "a" / "b" / "out.json"
+    assert atomic_write_text(target, "{}") == target
+    assert target.read_text() == "{}"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~_umask()
+    assert _temporaries(target.parent) == []
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o644])
+def test_replacing_a_regular_file_keeps_its_mode(tmp_path, mode):
+    target = tmp_path / "run.pt"
+    target.write_bytes(b"old")
+    os.chmod(target, mode)
+    atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert stat.S_IMODE(target.stat().st_mode) == mode
+    assert _temporaries(tmp_path) == []
+
+
+def test_replacing_is_atomic_a_new_inode_takes_the_name(tmp_path):
+    target = tmp_path / "f"
+    target.write_bytes(b"old")
+    with open(target, "rb") as reader:  # a reader that opened the old file keeps reading the old file
+        atomic_write_bytes(target, b"new content")
+        assert reader.read() == b"old"
+    assert target.read_bytes() == b"new content"
+
+
+def test_a_failing_writer_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "f"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_open(target) as f:
+            f.write(b"half")
+            raise RuntimeError("boom")
+    assert target.read_bytes() == b"old"
+    assert _temporaries(tmp_path) == []
+
+
+def test_text_mode_writes_utf8(tmp_path):
+    with atomic_open(tmp_path / "t.txt", "w") as f:
+        f.write("ü")
+    assert (tmp_path / "t.txt").read_bytes() == "ü".encode()
+    with pytest.raises(ValueError, match="mode"):
+        with atomic_open(tmp_path / "t.txt", "ab"):
+            pass
+
+
+def test_symlink_to_a_file_replaces_the_file_and_keeps_the_link(tmp_path):
+    real = tmp_path / "data" / "real.json"
+    real.parent.mkdir()
+    real.write_text("old")
+    os.chmod(real, 0o600)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    atomic_write_text(link, "new")
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert real.read_text() == "new" and stat.S_IMODE(real.stat().st_mode) == 0o600
+    assert _temporaries(tmp_path) == [] and _temporaries(real.parent) == []
+
+
+# -- targets that are not regular files -----------------------------------------------------------
+
+def test_directory_target_is_one_clear_error(tmp_path):
+    with pytest.raises(FileAccessError) as info:
+        atomic_write_text(tmp_path, "x")
+    err = info.value
+    assert isinstance(err, DlperfError) and isinstance(err, OSError) and err.errno == errno.EISDIR
+    assert str(err) == f"cannot write {tmp_path}: it is a directory; give the path of a file (inside it, or beside it)"
+    with pytest.raises(FileAccessError, match="is a directory"):
+        check_writable(tmp_path)
+    assert tmp_path.is_dir()
+
+
+@pytest.mark.timeout(20)
+def test_fifo_is_written_in_place_not_replaced(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+
+    def read() -> None:
+        with open(fifo, "rb") as f:
+            got.append(f.read())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        atomic_write_text(fifo, "through the pipe")
+    finally:
+        reader.join(10)
+        if reader.is_alive():  # unblock the reader so the test cannot hang
+            with open(fifo, "wb"):
+                pass
+            reader.join(5)
+    assert got == [b"through the pipe"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert _temporaries(tmp_path) == []
+
+
+@pytest.mark.timeout(10)
+def test_check_writable_does_not_open_a_fifo(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    check_writable(fifo)  # no reader: opening it would block
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def _char_device(tmp_path, name: str, minor: int):
+    """A private copy of /dev/null (minor 3) or /dev/full (minor 7): a bug can then only break the copy."""
+    path = tmp_path / name
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
+        with open(path, "wb"):
+            pass
+    except OSError:
+        path.unlink(missing_ok=True)
+        return None
+    return path
+
+
+def test_character_device_is_written_not_replaced(tmp_path):
+    if IS_ROOT:
+        null = _char_device(tmp_path, "null", 3)
+        if null is None:
+            pytest.skip("cannot create a device node here (nodev mount)")
+    else:
+        null = "/dev/null"  # without root, a replacing writer would fail instead of breaking it
+    atomic_write_text(null, "discarded")
+    assert stat.S_ISCHR(os.stat(null).st_mode)
+    if IS_ROOT:
+        assert _temporaries(tmp_path) == []
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="creating a device node needs root")
+def test_full_device_gives_one_line_naming_it_and_survives(tmp_path):
+    full = _char_device(tmp_path, "full", 7)
+    if full is None:
+        pytest.skip("cannot create a device node here (nodev mount)")
+    check_writable(full)
+    with pytest.raises(FileAccessError) as info:
+        atomic_write_text(full, "x" * 100_000)
+    assert str(info.value) == f"cannot write {full}: No space left on device"
+    assert info.value.errno == errno.ENOSPC
+    assert stat.S_ISCHR(os.stat(full).st_mode)
+    assert _temporaries(tmp_path) == []
+
+
+@pytest.mark.skipif(IS_ROOT, reason="root may write read-only files")
+def test_read_only_file_is_refused_not_replaced(tmp_path):
+    target = tmp_path / "ro"
+    target.write_text("old")
+    os.chmod(target, 0o444)
+    with pytest.raises(FileAccessError, match="read-only"):
+        atomic_write_text(target, "new")
+    with pytest.raises(FileAccessError, match="read-only"):
+        check_writable(target)
+    assert target.read_text() == "old"
+
+
+def test_unwritable_parent_is_one_error_naming_the_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(FileAccessError, match=f"cannot write {blocker}/out.json: "):
+        atomic_write_text(blocker / "out.json", "x")
+    with pytest.raises(FileAccessError, match="Not a directory"):
+        check_writable(blocker / "out.json")
+
+
+def test_check_writable_creates_no_file(tmp_path):
+    target = tmp_path / "sub" / "out.csv"
+    check_writable(target)
+    assert not target.exists() and os.listdir(target.parent) == []
+
+
+# -- temporaries and durability -------------------------------------------------------------------
+
+def test_temporaries_of_dead_writers_are_removed_by_the_next_write(tmp_path):
+    target = tmp_path / "run.pt"
+    dead = tmp_path / f".run.pt.{_dead_pid()}.0a1b2c3d.tmp"
+    dead.write_bytes(b"orphan")
+    alive = tmp_path / f".run.pt.{os.getppid()}.0a1b2c3d.tmp"  # a live writer's: not ours to delete
+    alive.write_bytes(b"in progress")
+    other = tmp_path / f".other.pt.{_dead_pid()}.0a1b2c3d.tmp"  # another target's
+    other.write_bytes(b"x")
+    atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert not dead.exists() and alive.exists() and other.exists()
+
+
+def test_file_and_directory_are_fsynced(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        mode = os.fstat(fd).st_mode
+        synced.append("dir" if stat.S_ISDIR(mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(io_mod.os, "fsync", recording_fsync)
+    atomic_write_bytes(tmp_path / "f", b"data")
+    assert synced == ["file", "dir"]
+
+
+def test_a_directory_that_cannot_be_fsynced_does_not_fail_the_write(tmp_path, monkeypatch):
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(io_mod.os, "fsync", fsync)
+    atomic_write_bytes(tmp_path / "f", b"data")
+    assert (tmp_path / "f").read_bytes() == b"data"
+
+
+def test_a_failing_file_fsync_keeps_the_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "f"
+    target.write_bytes(b"old")
+
+    def fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(io_mod.os, "fsync", fsync)
+    with pytest.raises(FileAccessError, match=f"cannot write {target}: Input/output error"):
+        atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"old" and _temporaries(tmp_path) == []
+
+
+# -- safe loading ---------------------------------------------------------------------------------
+
+class _Opaque:
+    """A picklable object that a weights-only load must refuse."""
+
+
+def test_safe_torch_load_reads_tensors_onto_the_cpu(tmp_path):
+    state = {"w": torch.arange(4.0), "meta": [1, "two", {"x": 3.0}]}
+    torch.save(state, tmp_path / "s.pt")
+    got = safe_torch_load(tmp_path / "s.pt")
+    assert torch.equal(got["w"], state["w"]) and got["meta"] == state["meta"]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind, match", [
+    ("missing", "does not exist"),
+    ("directory", "is a directory, not a file"),
+    ("fifo", "is a FIFO, not a regular file"),
+    ("garbage", r"is not a checkpoint saved with torch.save \(not a torch.save file\)"),
+    ("truncated", r"is not a checkpoint saved with torch.save \("),
+    ("empty", r"is not a checkpoint saved with torch.save \("),
+    ("object", r"holds Python objects \(test_io._Opaque\) other than tensors"),
+])
+def test_safe_torch_load_gives_one_line_naming_the_file(tmp_path, kind, match):
+    path = tmp_path / "ck.pt"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)  # no writer: a plain open would block forever
+    elif kind == "garbage":
+        path.write_bytes(b"\x00not a checkpoint" * 10)
+    elif kind == "truncated":
+        torch.save({"w": torch.zeros(1000)}, path)
+        path.write_bytes(path.read_bytes()[:300])
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "object":
+        torch.save({"x": _Opaque()}, path)
+    with pytest.raises(UsageError, match=match) as info:
+        safe_torch_load(path)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message and len(message) < 300
+    assert "weights_only" not in message  # never torch's advice to load untrusted code
+
+
+# -- dlperf train checkpoints ---------------------------------------------------------------------
+
+def _checkpoint(tmp_path):
+    from dlperf.devices import cpu
+    from dlperf.parallel.cli import _CHECKPOINT_FORMAT
+    from dlperf.parallel.trainer import Trainer
+
+    with Trainer(torch.nn.Linear(3, 2), [cpu(0)], "sgd", {"lr": 0.1}) as trainer:
+        trainer.train_step(torch.randn(4, 3), torch.randint(0, 2, (4,)))
+        state = trainer.state_dict()
+    config = {"model": "lenet", "devices": 1, "batch_size": 4, "lr": 0.1, "data": None, "train_size": 8,
+              "test_size": 8, "seed": 0, "algorithm": "ring", "kvstore": None}
+    history = [{"epoch": 1, "loss": 0.5, "test_acc": 0.25, "seconds": 1.0}]
+    return {"format": _CHECKPOINT_FORMAT, "config": config, "history": history, "trainer": state}
+
+
+def test_checkpoint_round_trip_and_mode(tmp_path):
+    from dlperf.parallel.cli import load_checkpoint, save_checkpoint
+
+    path = tmp_path / "ck.pt"
+    state = _checkpoint(tmp_path)
+    save_checkpoint(path, state)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()  # the same as every other output
+    got = load_checkpoint(path)
+    assert got["history"] == state["history"] and got["config"] == state["config"]
+    assert _temporaries(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda s: s["history"][0].pop("loss"), r"history\[0\] has no 'loss'"),
+    (lambda s: s["history"][0].update(extra=1), r"history\[0\] has unexpected keys \['extra'\]"),
+    (lambda s: s["history"].append("epoch 2"), r"history\[1\] is a str, not a dict"),
+    (lambda s: s["history"][0].update(epoch="1"), r"history\[0\]\['epoch'\] is a str, expected int"),
+    (lambda s: s["config"].pop("lr"), "config has no 'lr'"),
+    (lambda s: s.update(format=99), "format 99"),
+    (lambda s: s.pop("trainer"), "the file has no 'trainer'"),
+    (lambda s: s["trainer"].update(steps=1.5), r"trainer\['steps'\] is a float"),
+    (lambda s: s["trainer"].pop("optimizer"), "no optimizer state"),
+    (lambda s: s["trainer"]["model"].update(w=[1, 2]), "not dicts of tensors"),
+])
+def test_damaged_checkpoint_is_one_line(tmp_path, damage, match):
+    from dlperf.parallel.cli import load_checkpoint
+
+    state = _checkpoint(tmp_path)
+    damage(state)
+    torch.save(state, tmp_path / "ck.pt")
+    with pytest.raises(UsageError, match=match) as info:
+        load_checkpoint(tmp_path / "ck.pt")
+    assert "ck.pt" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_checkpoint_directory_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    from dlperf.cli import main
+    from dlperf.parallel import cli as train_cli
+
+    def must_not_train(*a, **k):
+        raise AssertionError("trained although the checkpoint could not be written")
+
+    monkeypatch.setattr(train_cli, "_train", must_not_train)
+    rc = main(["train", "--checkpoint", str(tmp_path), "--epochs", "1", "--train-size", "10", "--test-size", "10",
+               "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert f"--checkpoint: cannot write {tmp_path}: it is a directory" in err and ".tmp" not in err
+
+
+def test_resume_from_a_directory_says_so(tmp_path, capsys):
+    from dlperf.cli import main
+
+    rc = main(["train", "--resume", str(tmp_path), "--epochs", "1", "--train-size", "10", "--test-size", "10"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "is a directory, not a file" in err and "does not exist" not in err
