@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -437,7 +438,8 @@ def test_threads_above_the_core_count_warn_and_run(monkeypatch, capsys):
     import dlperf.bench.cli as bench_cli
 
     ran = []
-    monkeypatch.setattr(bench_cli, "_run_with_progress", lambda config: ran.append(config.threads))
+    monkeypatch.setattr(bench_cli, "_run_with_progress",
+                        lambda config: ran.append(config.threads) or SimpleNamespace(interrupted=False))
     monkeypatch.setattr(bench_cli, "_emit", lambda result, args: None)
     many = cpu_count() + 1
     assert main(["bench", "--networks", "mlp", "--devices", "cpu", "--threads", f"1,{many}"]) == 0

@@ -381,7 +381,7 @@ def test_checkpoint_directory_is_refused_before_training(tmp_path, capsys, monke
                "--no-progress"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1
-    assert f"--checkpoint: cannot write {tmp_path}: it is a directory" in err and ".tmp" not in err
+    assert "--checkpoint" in err and str(tmp_path) in err and "is a directory" in err and ".tmp" not in err
 
 
 def test_resume_from_a_directory_says_so(tmp_path, capsys):
