@@ -128,8 +128,8 @@ def cache_sizes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> tuple[dict[
         if kind in ("Data", "Unified") and size and level.isdigit():
             sizes[f"L{level}"] = size
     if "L1" in sizes and "L2" in sizes:
-        return sizes, root
-    return dict(_DEFAULT_CACHES), f"defaults ({root} unreadable)"
+        return sizes, "sysfs"
+    return dict(_DEFAULT_CACHES), "defaults: sysfs unreadable"
 
 
 def cores() -> int:
@@ -190,10 +190,10 @@ def _latency_rows(lib, plan: Plan) -> list[ProbeRow]:
         sets.append((key, "memory", max(size, 4 * last)))
     for key, level, size in sets:
         value, note = _checked(lib.dlp_chase(size, plan.chase_loads, plan.reps, 1), "the pointer chase")
-        cache_note = f"{level} {_fmt_bytes(caches[level])} from {origin}" if level in caches else \
+        cache_note = f"{level} is {_fmt_bytes(caches[level])} ({origin})" if level in caches else \
             f"beyond the {_fmt_bytes(last)} last-level cache"
         rows.append(_row(key, f"{level} reference: random chase over {_fmt_bytes(size)}", value,
-                         note or f"ns per dependent load; {cache_note}; huge pages requested"))
+                         note or f"per dependent load; {cache_note}"))
     return rows
 
 
