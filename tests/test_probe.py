@@ -231,3 +231,25 @@ def test_gpu_rows_on_a_gpu():
     assert {"gpu0_launch_issue", "gpu0_launch_round_trip", "gpu0_graph_replay", "gpu0_h2d_pinned_1m",
             "gpu0_d2d"} <= keys
     assert all(r.value is not None and r.value > 0 for r in rows)
+
+
+@pytest.mark.timeout(180)
+def test_cli_cached_with_corrupt_cache_measures_again(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = probe_cache.save_probe(_result())
+    with open(path, "w") as f:
+        f.write('{"format": 1, "machine": {}, "rows": "__import__(\'os\')"}')
+    assert main(["probe", "--cached", "--tiny", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "measuring again" in captured.err and "Traceback" not in captured.err
+    rows = json.loads(captured.out.strip().splitlines()[-1])["rows"]
+    assert any(r["key"] == "l1" for r in rows)
+
+
+@pytest.mark.timeout(180)
+def test_unwritable_cache_keeps_the_figures(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    os.makedirs(probe_cache.cache_path())  # a directory where the cache file belongs
+    result = hardware.run_probe(_plan=hardware.TINY)
+    assert result.row("l1") is not None
+    assert "not saved" in capsys.readouterr().err

@@ -149,8 +149,9 @@ def gpu_rows(plan) -> list:
     sizes.sort()
     rows = []
     for device in range(torch.cuda.device_count()):
-        rows += launch_rows(torch, device, 2000 if quick else 20000)
-        rows += transfer_rows(torch, device, sizes, plan.reps)
-        rows += device_copy_rows(torch, device, (64 if quick else 256) * _MIB, plan.reps)
+        with torch.cuda.device(device):  # every synchronize() and stream here is this device's
+            rows += launch_rows(torch, device, 2000 if quick else 20000)
+            rows += transfer_rows(torch, device, sizes, plan.reps)
+            rows += device_copy_rows(torch, device, (64 if quick else 256) * _MIB, plan.reps)
     rows += peer_rows(torch, plan.reps)
     return rows

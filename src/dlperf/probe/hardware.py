@@ -12,12 +12,15 @@ import functools
 import math
 import os
 import socket
+import sys
 import tempfile
 import time
 import timeit
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from .._cliargs import one_line
+from ..errors import DlperfError
 from .reference import GBPS, GFLOPS, NS, SEED, mm_seed
 
 FORMAT = 1
@@ -427,7 +430,10 @@ def run_probe(quick: bool = False, *, progress: Callable[[str], None] | None = N
     if save and not result.interrupted:
         from .cache import save_probe
 
-        save_probe(result)
+        try:
+            save_probe(result)
+        except (DlperfError, OSError, RuntimeError) as exc:  # the figures still reach the caller
+            print(f"dlperf probe: warning: {one_line(str(exc))}; the figures were not saved", file=sys.stderr)
     return result
 
 
