@@ -63,6 +63,7 @@ def test_stream_bandwidth_is_plausible_beside_numpy(lib):
 def test_locks_threads_sockets_and_reads(lib, tmp_path):
     assert 0 < lib.dlp_mutex(100_000, 1) < 10_000
     assert lib.dlp_handoff(200) > 0
+    assert lib.dlp_spin_handoff(2000) > 0
     assert lib.dlp_tcp(0, 200, 4096) > 0
     assert lib.dlp_tcp(1, 100, 64) > 0
     path = tmp_path / "data.bin"

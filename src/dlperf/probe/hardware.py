@@ -211,6 +211,11 @@ def _thread_rows(lib, plan: Plan) -> list[ProbeRow]:
     value, note = _checked(_best(lambda: lib.dlp_handoff(plan.handoff_rounds), plan.reps), "the ping-pong")
     rows.append(_row("handoff", "Thread hand-off (condition variable)", value,
                      note or "one way, two threads ping-pong; includes sleeping and waking"))
+    if cores() > 1:
+        spin = _best(lambda: lib.dlp_spin_handoff(plan.handoff_rounds * 10), plan.reps)
+        value, note = _checked(spin, "the spinning ping-pong (another program may hold the other core)")
+        rows.append(_row("spin_handoff", "Cache-line hand-off between cores (spinning)", value,
+                         note or "one way: a modified line moves to the other core", seed_key="handoff"))
     return rows
 
 
