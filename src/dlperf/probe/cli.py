@@ -57,7 +57,9 @@ def render(result, cache_file: str | None, console=None) -> None:
     console.print(table, highlight=False)
     footer = ["ratio = this machine / d2l: above 1 is slower for times, faster for GB/s and GFLOP/s."]
     if load:
-        footer.append(f"load average {load[0]} before, {load[1]} after, on {info.get('cores')} cores.")
+        busy = max(load) > (info.get("cores") or 1)
+        footer.append(f"load average {load[0]} before, {load[1]} after, on {info.get('cores')} cores"
+                      f"{': other work shared the cores, so the figures are pessimistic' if busy else '.'}")
     if result.interrupted:
         footer.append("interrupted: the rows above are the ones finished; nothing was saved.")
     elif cache_file:
