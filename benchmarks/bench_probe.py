@@ -22,6 +22,7 @@ chase_ratio, chase_l1_ratio, contended, loadavg and the raw figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -238,7 +239,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--full", action="store_true", help="the probe's full plan instead of --quick's")
     args = parser.parse_args()
-    plan = hardware.FULL if args.full else hardware.QUICK
+    # STREAM's own default of 10 repetitions on both sides: three are too few on a shared machine.
+    plan = hardware.FULL if args.full else dataclasses.replace(hardware.QUICK, stream_reps=10)
     cores = hardware.cores()
     lib = kernels()
     loads = [os.getloadavg()[0]]

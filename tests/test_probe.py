@@ -254,3 +254,21 @@ def test_unwritable_cache_keeps_the_figures(monkeypatch, tmp_path, capsys):
     result = hardware.run_probe(_plan=hardware.TINY)
     assert result.row("l1") is not None
     assert "not saved" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_keeps_finished_rows_and_saves_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def interrupted(_plan):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hardware, "_mm_rows", interrupted)
+    monkeypatch.setattr(hardware, "QUICK", hardware.TINY)  # the compiled rows at test size, then Ctrl-C
+    assert main(["probe", "--quick", "--json"]) == 130
+    out = capsys.readouterr().out
+    doc = json.loads(out.strip().splitlines()[-1])
+    keys = {r["key"] for r in doc["rows"]}
+    assert doc["interrupted"] is True and "l1" in keys and "py_call" not in keys
+    assert "interrupted" in out
+    assert not os.path.exists(probe_cache.cache_path())
