@@ -146,6 +146,8 @@ HOSTILE = {
     "nan value": None,  # filled in below from a valid document
     "code in a field": None,
     "too big": b" " * (2 * MIB),
+    "far-future time": None,
+    "nested machine": None,
 }
 
 
@@ -158,6 +160,12 @@ def test_corrupt_cache_is_reported_and_ignored(case, monkeypatch, tmp_path, caps
     data = HOSTILE[case]
     if case == "nan value":
         data = json.dumps(doc).replace('"value": 3.0', '"value": NaN').encode()
+    elif case == "far-future time":
+        doc["created"] = 1e300
+        data = json.dumps(doc).encode()
+    elif case == "nested machine":
+        doc["machine"]["cpu"] = {"a": [1, 2]}
+        data = json.dumps(doc).encode()
     elif case == "code in a field":
         doc["rows"][0]["value"] = {"__reduce__": "os.system"}
         data = json.dumps(doc).encode()
@@ -181,6 +189,20 @@ def test_cache_from_another_machine_or_not_a_file(monkeypatch, tmp_path, capsys)
     os.symlink("/etc/passwd", probe_cache.cache_path())
     assert probe_cache.load_probe() is None
     assert "cannot be read" in capsys.readouterr().err
+    os.unlink(probe_cache.cache_path())
+    os.mkfifo(probe_cache.cache_path())  # opening must not wait for a writer
+    assert probe_cache.load_probe() is None
+    assert "not a regular file" in capsys.readouterr().err
+
+
+def test_cli_cached_prints_markup_in_a_cache_file_as_text(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    result = _result()
+    result.rows[0].what = "[/bold] [link=file:///etc/passwd]L1[/link]"
+    result.rows[0].note = "[red]"
+    probe_cache.save_probe(result)
+    assert main(["probe", "--cached"]) == 0
+    assert "[/bold] [link=file:///etc/passwd]L1[/link]" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(180)

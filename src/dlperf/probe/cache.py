@@ -21,6 +21,7 @@ from .reference import GBPS, GFLOPS, NS
 
 _MAX_BYTES = 1024 * 1024
 _MAX_ROWS = 2000
+_LATEST_TIME = 1e11  # seconds since 1970: year 5138, far beyond any real timestamp
 _KEY_FIELDS = ("hostname", "cpu", "cores", "memory_bytes", "torch")
 _TEXT_LIMITS = {"key": 100, "what": 200, "unit": 16, "seed_source": 400, "note": 600}
 
@@ -100,6 +101,22 @@ def _row_from(doc, path: str, index: int) -> ProbeRow:
     return ProbeRow(texts["key"], texts["what"], value, texts["unit"], seed, texts["seed_source"], texts["note"])
 
 
+def _check_machine(info: dict, path: str) -> None:
+    if len(info) > 32:
+        raise _fail(path, "'machine' has more than 32 fields")
+    for name, value in info.items():
+        if not isinstance(name, str) or len(name) > 64:
+            raise _fail(path, "'machine' has a field name that is not a short string")
+        if name == "loadavg":
+            if not isinstance(value, list) or len(value) != 2:
+                raise _fail(path, "'machine.loadavg' is not a pair of numbers")
+            for x in value:
+                _number(x, path, "'machine.loadavg'")
+        elif value is not None and not isinstance(value, (str, int, float)) or isinstance(value, str) \
+                and len(value) > 400:
+            raise _fail(path, f"'machine.{name}' is not a short string or a number")
+
+
 def parse_probe(data: bytes, path: str = "<probe cache>") -> ProbeResult:
     """A ProbeResult from a cache file's bytes; raise ProbeCacheError naming what is wrong."""
     try:
@@ -114,6 +131,9 @@ def parse_probe(data: bytes, path: str = "<probe cache>") -> ProbeResult:
     if not isinstance(doc.get("quick"), bool):
         raise _fail(path, "'quick' is not true or false")
     created = _number(doc.get("created"), path, "'created'")
+    if not 0 <= created < _LATEST_TIME:
+        raise _fail(path, f"'created' {created:g} is not a time in seconds since 1970")
+    _check_machine(info, path)
     return ProbeResult(machine=info, quick=doc["quick"], created=created,
                        rows=[_row_from(r, path, i) for i, r in enumerate(rows)])
 

@@ -45,14 +45,15 @@ def render(result, cache_file: str | None, console=None) -> None:
     load = info.get("loadavg")
     title = (f"dlperf probe: {info.get('cpu')}, {info.get('cores')} cores, torch {info.get('torch')}"
              f"{' (quick)' if result.quick else ''}")
-    table = Table(title=title, header_style="bold")
+    # Every string may come from a cache file: Text keeps square brackets from being read as markup.
+    table = Table(title=Text(title), header_style="bold")
     table.add_column("what", no_wrap=True)
     table.add_column("this machine", justify="right", no_wrap=True)
     table.add_column("d2l 12.4", justify="right", no_wrap=True)
     table.add_column("ratio", justify="right", no_wrap=True)
     table.add_column("note")
     for row in result.rows:
-        table.add_row(row.what, format_value(row.value, row.unit), format_value(row.seed, row.unit),
+        table.add_row(Text(row.what), format_value(row.value, row.unit), format_value(row.seed, row.unit),
                       format_ratio(row), Text(f"{row.note} (d2l: {row.seed_source})"))
     console.print(table, highlight=False)
     footer = ["ratio = this machine / d2l: above 1 is slower for times, faster for GB/s and GFLOP/s."]
