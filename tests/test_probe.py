@@ -238,10 +238,15 @@ def test_cli_cached_shows_saved_figures_without_measuring(monkeypatch, tmp_path,
     assert json.loads(out_file.read_text())["rows"][0]["value"] == 7.5
 
 
-def test_cli_bad_json_path_is_one_line(tmp_path, capsys):
+def test_cli_bad_json_path_is_one_line(tmp_path, capsys, monkeypatch):
     assert main(["probe", "--tiny", "--json", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--json" in err and "Traceback" not in err
+    monkeypatch.setattr(hardware, "measure", lambda *a, **k: pytest.fail("measured before checking --json"))
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert main(["probe", "--tiny", "--json", str(blocked / "sub" / "out.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 @pytest.mark.gpu

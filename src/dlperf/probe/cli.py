@@ -73,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from .cache import cache_path, load_probe
     from .hardware import QUICK, TINY, run_probe
 
+    if args.json not in (None, "-"):
+        from .._io import check_writable
+
+        check_writable(args.json)  # now, not after a minute of measuring
     result = load_probe() if args.cached else None
     source = cache_path(result.machine) if result is not None else None
     if result is None:
