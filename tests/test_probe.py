@@ -62,10 +62,18 @@ def test_stream_bandwidth_is_plausible_beside_numpy(lib):
 @pytest.mark.timeout(120)
 def test_locks_threads_sockets_and_reads(lib, tmp_path):
     assert 0 < lib.dlp_mutex(100_000, 1) < 10_000
-    assert lib.dlp_handoff(200) > 0
-    assert lib.dlp_spin_handoff(2000) > 0
-    assert lib.dlp_tcp(0, 200, 4096) > 0
-    assert lib.dlp_tcp(1, 100, 64) > 0
+    assert lib.dlp_handoff(200, 5.0) > 0
+    assert lib.dlp_spin_handoff(2000, 5.0) > 0
+    start = time.perf_counter()
+    assert lib.dlp_spin_handoff(10**12, 0.2) > 0  # stops at its time budget with the rounds done so far
+    assert lib.dlp_handoff(10**12, 0.2) > 0
+    assert time.perf_counter() - start < 3
+    assert lib.dlp_tcp(0, 200, 4096, 5.0) > 0
+    assert lib.dlp_tcp(1, 100, 64, 5.0) > 0
+    start = time.perf_counter()
+    assert lib.dlp_tcp(0, 10**12, 4096, 0.2) > 0
+    assert lib.dlp_tcp(1, 10**12, 64, 0.2) > 0
+    assert time.perf_counter() - start < 3
     path = tmp_path / "data.bin"
     path.write_bytes(os.urandom(MIB))
     fd = os.open(path, os.O_RDONLY)

@@ -120,13 +120,13 @@ double dlp_mutex(uint64_t iters, int reps) {
 typedef struct {
     pthread_mutex_t m;
     pthread_cond_t c;
-    int turn, failed;
+    int turn, failed, stop;
     uint64_t rounds;
 } pingpong;
 
 /* Called with s->m held; every wait is bounded, so a lost partner ends the run instead of hanging. */
 static int wait_turn(pingpong *s, int me) {
-    while (s->turn != me && !s->failed) {
+    while (s->turn != me && !s->failed && !s->stop) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         ts.tv_sec += WAIT_S;
@@ -135,7 +135,7 @@ static int wait_turn(pingpong *s, int me) {
             pthread_cond_broadcast(&s->c);
         }
     }
-    return !s->failed;
+    return !s->failed && !s->stop;
 }
 
 static void *pong(void *arg) {
@@ -150,36 +150,42 @@ static void *pong(void *arg) {
     return NULL;
 }
 
-/* Two threads hand a token back and forth through a mutex and condition variable:
-   ns per one-way hand-off, or < 0 on failure. */
-double dlp_handoff(uint64_t rounds) {
+/* Two threads hand a token back and forth through a mutex and condition variable: ns per one-way
+   hand-off over the rounds done, stopping early after max_s seconds (a busy machine makes each
+   hand-off wait for a time slice); < 0 on failure. */
+double dlp_handoff(uint64_t rounds, double max_s) {
     pingpong s;
     pthread_mutex_init(&s.m, NULL);
     pthread_cond_init(&s.c, NULL);
-    s.turn = 0; s.failed = 0; s.rounds = rounds;
+    s.turn = 0; s.failed = 0; s.stop = 0; s.rounds = rounds;
     pthread_t t;
-    if (pthread_create(&t, NULL, pong, &s) != 0) return -1.0;
-    double t0 = now_ns();
+    if (rounds == 0 || pthread_create(&t, NULL, pong, &s) != 0) return -1.0;
+    double t0 = now_ns(), end = t0 + max_s * 1e9;
+    uint64_t done = 0;
     pthread_mutex_lock(&s.m);
-    for (uint64_t i = 0; i < rounds; i++) {
+    while (done < rounds) {
         s.turn = 1;
         pthread_cond_broadcast(&s.c);
         if (!wait_turn(&s, 0)) break;
+        done++;
+        if ((done & 63) == 0 && now_ns() > end) break;
     }
-    pthread_mutex_unlock(&s.m);
     double dt = now_ns() - t0;
+    s.stop = 1;
+    pthread_cond_broadcast(&s.c);
+    pthread_mutex_unlock(&s.m);
     pthread_join(t, NULL);
-    int failed = s.failed;
+    int failed = s.failed || done == 0;
     pthread_cond_destroy(&s.c);
     pthread_mutex_destroy(&s.m);
-    return failed ? -2.0 : dt / (2.0 * (double)rounds);
+    return failed ? -2.0 : dt / (2.0 * (double)done);
 }
 
 /* ---- the same hand-off by spinning on one shared cache line: what moving a modified line between
    cores costs, with no sleeping. A spinner checks the clock now and then and gives up after WAIT_S. ---- */
 typedef struct {
     volatile int turn __attribute__((aligned(64)));
-    volatile int failed;
+    volatile int failed, stop;
     uint64_t rounds;
 } spinpair;
 
@@ -187,7 +193,7 @@ static int spin_until(spinpair *s, int me) {
     uint64_t spins = 0;
     double deadline = 0.0;
     while (__atomic_load_n(&s->turn, __ATOMIC_ACQUIRE) != me) {
-        if (s->failed) return 0;
+        if (s->failed || s->stop) return 0;
         if ((++spins & 4095) == 0) {
             double t = now_ns();
             if (deadline == 0.0) deadline = t + WAIT_S * 1e9;
@@ -206,21 +212,26 @@ static void *spin_partner(void *arg) {
     return NULL;
 }
 
-/* ns per one-way hand-off of a spun-on cache line, or < 0 on failure or timeout. */
-double dlp_spin_handoff(uint64_t rounds) {
+/* ns per one-way hand-off of a spun-on cache line over the rounds done in at most about max_s
+   seconds, or < 0 on failure. */
+double dlp_spin_handoff(uint64_t rounds, double max_s) {
     spinpair *s = aligned_alloc(64, sizeof(spinpair));
     if (!s) return -1.0;
-    s->turn = 0; s->failed = 0; s->rounds = rounds;
+    s->turn = 0; s->failed = 0; s->stop = 0; s->rounds = rounds;
     pthread_t t;
-    if (pthread_create(&t, NULL, spin_partner, s) != 0) { free(s); return -1.0; }
-    double t0 = now_ns();
-    for (uint64_t i = 0; i < rounds; i++) {
+    if (rounds == 0 || pthread_create(&t, NULL, spin_partner, s) != 0) { free(s); return -1.0; }
+    double t0 = now_ns(), end = t0 + max_s * 1e9;
+    uint64_t done = 0;
+    while (done < rounds) {
         __atomic_store_n(&s->turn, 1, __ATOMIC_RELEASE);
         if (!spin_until(s, 0)) break;
+        done++;
+        if ((done & 255) == 0 && now_ns() > end) break;
     }
     double dt = now_ns() - t0;
+    __atomic_store_n(&s->stop, 1, __ATOMIC_RELEASE);
     pthread_join(t, NULL);
-    int failed = s->failed;
+    int failed = s->failed || done == 0;
     free(s);
     return failed ? -2.0 : dt / (2.0 * (double)rounds);
 }
@@ -372,58 +383,64 @@ static int recv_all(int fd, char *buf, size_t n) {
 typedef struct {
     int fd, failed;
     uint32_t msg;
-    uint64_t count;
+    uint64_t received;
     double end_ns;
 } tcp_peer;
 
+/* Receives until the sender shuts its side down (EOF); a timeout or error marks the run failed. */
 static void *drain(void *arg) {
     tcp_peer *p = arg;
     char buf[65536];
-    uint64_t want = p->count * p->msg, got = 0;
-    while (got < want) {
+    for (;;) {
         ssize_t k = recv(p->fd, buf, sizeof buf, 0);
-        if (k <= 0) { p->failed = 1; break; }
-        got += (uint64_t)k;
+        if (k == 0) break;
+        if (k < 0) { p->failed = 1; break; }
+        p->received += (uint64_t)k;
     }
     p->end_ns = now_ns();
     return NULL;
 }
 
+/* Echoes whole messages until the client goes away; the client checks every echo itself. */
 static void *echo(void *arg) {
     tcp_peer *p = arg;
     char *buf = malloc(p->msg);
     if (!buf) { p->failed = 1; return NULL; }
-    for (uint64_t i = 0; i < p->count; i++) {
-        if (recv_all(p->fd, buf, p->msg) || send_all(p->fd, buf, p->msg)) { p->failed = 1; break; }
-    }
+    while (recv_all(p->fd, buf, p->msg) == 0 && send_all(p->fd, buf, p->msg) == 0) {}
     free(buf);
     return NULL;
 }
 
-/* mode 0: stream `count` messages of `msg` bytes one way, ns per message until the receiver has
-   them all; mode 1: `count` request/echo round trips of `msg` bytes, ns per round trip. */
-double dlp_tcp(int mode, uint64_t count, uint32_t msg) {
+/* mode 0: stream up to `count` messages of `msg` bytes one way, ns per message until the receiver
+   has them all; mode 1: up to `count` request/echo round trips of `msg` bytes, ns per round trip.
+   Either stops after about max_s seconds with the messages done so far. */
+double dlp_tcp(int mode, uint64_t count, uint32_t msg, double max_s) {
     if (count == 0 || msg == 0 || msg > (1u << 24)) return -1.0;
     int cfd, sfd;
     int rc = tcp_pair(&cfd, &sfd);
     if (rc) return -10.0 + rc;
     char *buf = calloc(1, msg);
-    tcp_peer peer = {sfd, 0, msg, count, 0.0};
+    tcp_peer peer = {sfd, 0, msg, 0, 0.0};
     pthread_t t;
     if (!buf || pthread_create(&t, NULL, mode ? echo : drain, &peer) != 0) {
         free(buf); close(cfd); close(sfd); return -3.0;
     }
     int failed = 0;
-    double t0 = now_ns(), t1;
-    for (uint64_t i = 0; i < count && !failed; i++) {
+    uint64_t done = 0;
+    double t0 = now_ns(), end = t0 + max_s * 1e9, t1;
+    while (done < count && !failed) {
         failed = send_all(cfd, buf, msg) != 0;
         if (mode && !failed) failed = recv_all(cfd, buf, msg) != 0;
+        if (!failed) done++;
+        if ((done & 63) == 0 && now_ns() > end) break;
     }
     t1 = now_ns();
-    shutdown(cfd, SHUT_WR);  /* a receiver still waiting sees EOF now, not after its timeout */
+    shutdown(cfd, SHUT_WR);  /* the receiver sees EOF once it has drained everything sent */
     pthread_join(t, NULL);
     close(cfd); close(sfd); free(buf);
-    if (failed || peer.failed) return -4.0;
-    return ((mode ? t1 : peer.end_ns) - t0) / (double)count;
+    if (failed || peer.failed || done == 0) return -4.0;
+    if (mode) return (t1 - t0) / (double)done;
+    if (peer.received != done * msg) return -5.0;
+    return (peer.end_ns - t0) / (double)done;
 }
 """

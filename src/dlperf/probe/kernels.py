@@ -71,11 +71,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "dlp_chase": ([u64, u64, i32, u64], dbl),
         "dlp_fadd_latency": ([u64, i32], dbl),
         "dlp_mutex": ([u64, i32], dbl),
-        "dlp_handoff": ([u64], dbl),
-        "dlp_spin_handoff": ([u64], dbl),
+        "dlp_handoff": ([u64, dbl], dbl),
+        "dlp_spin_handoff": ([u64, dbl], dbl),
         "dlp_stream": ([u64, i32, i32, ctypes.POINTER(dbl)], i32),
         "dlp_pread": ([i32, u64, u32, u64, i32, u64], dbl),
-        "dlp_tcp": ([i32, u64, u32], dbl),
+        "dlp_tcp": ([i32, u64, u32, dbl], dbl),
     }
     for name, (args, res) in signatures.items():
         fn = getattr(lib, name)  # AttributeError (a stale or foreign library) is reported by the caller
