@@ -144,6 +144,7 @@ def test_cache_round_trip(monkeypatch, tmp_path):
     assert [(r.key, r.value, r.seed, r.note) for r in loaded.rows] == [(r.key, r.value, r.seed, r.note)
                                                                       for r in result.rows]
     assert loaded.row("l1").ratio == pytest.approx(2.0)
+    assert loaded.figures() == {"l1": 3.0, "x": None}
 
 
 HOSTILE = {

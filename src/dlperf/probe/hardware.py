@@ -66,6 +66,10 @@ class ProbeResult:
     def row(self, key: str) -> ProbeRow | None:
         return next((r for r in self.rows if r.key == key), None)
 
+    def figures(self) -> dict[str, float | None]:
+        """Each row's figure by key, in the row's unit (ns, GB/s or GFLOP/s); None where unavailable."""
+        return {r.key: r.value for r in self.rows}
+
 
 @dataclass(frozen=True)
 class Plan:
