@@ -356,10 +356,14 @@ def _mm_rows(plan: Plan) -> list[ProbeRow]:
         for dtype_name in ("float32", "bfloat16", "float64"):
             for threads in counts:
                 torch.set_num_threads(threads)
+                cpu_before, wall_before = time.process_time(), time.perf_counter()
                 value = _time_mm(torch, plan.mm_n, getattr(torch, dtype_name), plan.mm_min_s, plan.reps)
+                busy = (time.process_time() - cpu_before) / max(time.perf_counter() - wall_before, 1e-9)
+                note = f"{plan.mm_n}x{plan.mm_n}, fastest ~10 ms block"
+                if threads > 1 and busy < 0.8 * threads:  # other programs held some of the cores
+                    note += f"; contended: this process kept only {busy:.1f} of {threads} cores busy"
                 rows.append(_row(f"mm_{dtype_name}_{threads}t", f"torch.mm {dtype_name}, {threads} thread"
-                                 f"{'s' if threads > 1 else ''}", value,
-                                 f"{plan.mm_n}x{plan.mm_n}, fastest ~10 ms block", seed_key="mm",
+                                 f"{'s' if threads > 1 else ''}", value, note, seed_key="mm",
                                  seed=mm_seed(dtype_name, threads)))
     finally:
         torch.set_num_threads(before)
