@@ -19,7 +19,7 @@ import timeit
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from .._cliargs import one_line
+from .._cliargs import available_memory_bytes, one_line
 from ..errors import DlperfError
 from .reference import GBPS, GFLOPS, NS, SEED, mm_seed
 
@@ -231,9 +231,13 @@ def _stream_rows(lib, plan: Plan) -> list[ProbeRow]:
     caches, _ = cache_sizes()
     last = max(caches.values())
     n = plan.stream_min_elems if plan.tiny else max(plan.stream_min_elems, 4 * last // 8)
+    available = available_memory_bytes()
+    if available is not None and 3 * 8 * n > available // 2:  # never push the machine into swapping
+        n = max(available // 2 // 24, plan.stream_min_elems // 8)
     rule = f"3 arrays of {_fmt_bytes(n * 8)}, each >= 4x the {_fmt_bytes(last)} LLC; best of {plan.stream_reps}"
     if n * 8 < 4 * last:
-        rule = f"arrays of {_fmt_bytes(n * 8)}: smaller than STREAM's 4x LLC rule (test size)"
+        rule = (f"arrays of {_fmt_bytes(n * 8)}: smaller than STREAM's 4x LLC rule "
+                f"({'test size' if plan.tiny else 'limited by available memory'})")
     names = ("copy", "scale", "add", "triad")
     bytes_per_elem = (16, 16, 24, 24)  # STREAM's convention: reads plus writes, no write-allocate traffic
     rows = []
