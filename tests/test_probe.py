@@ -308,3 +308,13 @@ def test_ctrl_c_keeps_finished_rows_and_saves_nothing(monkeypatch, tmp_path, cap
     assert doc["interrupted"] is True and "l1" in keys and "py_call" not in keys
     assert "interrupted" in out
     assert not os.path.exists(probe_cache.cache_path())
+
+
+def test_unwritable_temp_dir_costs_only_the_disk_rows(lib, monkeypatch):
+    def full(_nbytes):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hardware, "_write_temp_file", full)
+    rows = hardware._disk_rows(lib, hardware.TINY)
+    assert [r.key for r in rows] == ["disk_seq_1m", "disk_rand_4k"]
+    assert all(r.value is None and "No space left" in r.note for r in rows)

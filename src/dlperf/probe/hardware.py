@@ -284,7 +284,12 @@ def _write_temp_file(nbytes: int) -> str:
 
 def _disk_rows(lib, plan: Plan) -> list[ProbeRow]:
     size = plan.disk_file
-    path = _write_temp_file(size)
+    try:
+        path = _write_temp_file(size)
+    except OSError as exc:  # a full or read-only temporary directory costs these rows, not the others
+        reason = f"cannot write a {_fmt_bytes(size)} file in {tempfile.gettempdir()} ({exc.strerror or exc})"
+        return [_row(key, what, None, reason, seed_key=key) for key, what in (
+            ("disk_seq_1m", "Read 1MB sequentially"), ("disk_rand_4k", "Read 4KB randomly"))]
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
