@@ -1,0 +1,170 @@
+"""The probe's figures, saved per machine under the user's cache directory and read back with checks.
+
+A cache file is only ever data: it is parsed as JSON of a known shape, every field checked, and
+anything else (truncated, hostile, from another machine) is reported in one line and measured again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import stat
+import sys
+
+from .._cliargs import one_line
+from .._io import atomic_write_text
+from ..errors import DlperfError
+from .hardware import FORMAT, ProbeResult, ProbeRow, machine
+from .reference import GBPS, GFLOPS, NS
+
+_MAX_BYTES = 1024 * 1024
+_MAX_ROWS = 2000
+_LATEST_TIME = 1e11  # seconds since 1970: year 5138, far beyond any real timestamp
+_KEY_FIELDS = ("hostname", "cpu", "cores", "memory_bytes", "torch")
+_TEXT_LIMITS = {"key": 100, "what": 200, "unit": 16, "seed_source": 400, "note": 600}
+
+
+class ProbeCacheError(DlperfError, ValueError):
+    """A probe cache file that cannot be used; the message names it, says why and how to fix it."""
+
+
+def machine_key(info: dict | None = None) -> str:
+    """16 hex digits naming this machine: hostname, CPU model, core count, memory and torch version."""
+    info = machine() if info is None else info
+    ident = {name: info.get(name) for name in _KEY_FIELDS}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_dir() -> str:
+    from .kernels import cache_base
+
+    return os.path.join(cache_base(), "dlperf", "probe")
+
+
+def cache_path(info: dict | None = None) -> str:
+    """$XDG_CACHE_HOME/dlperf/probe/<machine key>.json (~/.cache when XDG_CACHE_HOME is unset)."""
+    return os.path.join(cache_dir(), f"{machine_key(info)}.json")
+
+
+def save_probe(result: ProbeResult, path: str | None = None) -> str:
+    """Write ``result`` atomically to its machine's cache file (or ``path``); return where."""
+    if path is None:
+        from ..hybrid.backends.native_cache import private_dir
+        from .kernels import cache_base
+
+        path = os.path.join(private_dir(cache_base(), ["dlperf", "probe"]), f"{machine_key(result.machine)}.json")
+    atomic_write_text(path, json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def _fail(path: str, problem: str) -> ProbeCacheError:
+    return ProbeCacheError(one_line(f"probe cache {path}: {problem}; expected a file written by `dlperf probe` "
+                                    f"(fix: delete it, or run `dlperf probe` to measure again)"))
+
+
+def _read_bytes(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise _fail(path, "not a regular file")
+        data = f.read(_MAX_BYTES + 1)
+    if len(data) > _MAX_BYTES:
+        raise _fail(path, f"larger than {_MAX_BYTES} bytes")
+    return data
+
+
+def _number(value, path: str, where: str, *, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(path, f"{where} is {one_line(repr(value))[:60]}, not a finite number")
+    return float(value)
+
+
+def _text(value, path: str, where: str, limit: int) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise _fail(path, f"{where} is not a string of at most {limit} characters")
+    return value
+
+
+def _row_from(doc, path: str, index: int) -> ProbeRow:
+    where = f"rows[{index}]"
+    if not isinstance(doc, dict):
+        raise _fail(path, f"{where} is not an object")
+    texts = {name: _text(doc.get(name), path, f"{where}.{name}", limit) for name, limit in _TEXT_LIMITS.items()}
+    if texts["unit"] not in (NS, GBPS, GFLOPS):
+        raise _fail(path, f"{where}.unit {texts['unit']!r} is not one of {NS}, {GBPS}, {GFLOPS}")
+    value = _number(doc.get("value"), path, f"{where}.value", allow_none=True)
+    seed = _number(doc.get("seed"), path, f"{where}.seed")
+    return ProbeRow(texts["key"], texts["what"], value, texts["unit"], seed, texts["seed_source"], texts["note"])
+
+
+def _check_machine(info: dict, path: str) -> None:
+    if len(info) > 32:
+        raise _fail(path, "'machine' has more than 32 fields")
+    for name, value in info.items():
+        if not isinstance(name, str) or len(name) > 64:
+            raise _fail(path, "'machine' has a field name that is not a short string")
+        if name == "loadavg":
+            if not isinstance(value, list) or len(value) != 2:
+                raise _fail(path, "'machine.loadavg' is not a pair of numbers")
+            for x in value:
+                _number(x, path, "'machine.loadavg'")
+        elif value is not None and not isinstance(value, (str, int, float)) or isinstance(value, str) \
+                and len(value) > 400:
+            raise _fail(path, f"'machine.{name}' is not a short string or a number")
+
+
+def parse_probe(data: bytes, path: str = "<probe cache>") -> ProbeResult:
+    """A ProbeResult from a cache file's bytes; raise ProbeCacheError naming what is wrong."""
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _fail(path, f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise _fail(path, f"not a format-{FORMAT} probe document")
+    info, rows = doc.get("machine"), doc.get("rows")
+    if not isinstance(info, dict) or not isinstance(rows, list) or len(rows) > _MAX_ROWS:
+        raise _fail(path, f"needs a 'machine' object and a 'rows' list of at most {_MAX_ROWS} rows")
+    if not isinstance(doc.get("quick"), bool):
+        raise _fail(path, "'quick' is not true or false")
+    created = _number(doc.get("created"), path, "'created'")
+    if not 0 <= created < _LATEST_TIME:
+        raise _fail(path, f"'created' {created:g} is not a time in seconds since 1970")
+    _check_machine(info, path)
+    return ProbeResult(machine=info, quick=doc["quick"], created=created,
+                       rows=[_row_from(r, path, i) for i, r in enumerate(rows)])
+
+
+def read_probe(path: str) -> ProbeResult:
+    """Read and check one probe file; raise ProbeCacheError (or FileNotFoundError when there is none)."""
+    try:
+        data = _read_bytes(path)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _fail(path, f"cannot be read ({exc.strerror or exc})") from None
+    return parse_probe(data, path)
+
+
+def load_probe(path: str | None = None, *, quiet: bool = False) -> ProbeResult | None:
+    """This machine's saved figures, or None when there are none or they cannot be used.
+
+    A corrupt file, or one recorded on another machine, is reported in one line on stderr (unless
+    ``quiet``) and treated as missing, so the caller measures again.
+    """
+    current = machine()
+    path = path or cache_path(current)
+    try:
+        result = read_probe(path)
+        if machine_key(result.machine) != machine_key(current):
+            raise _fail(path, "it was recorded on another machine or torch version")
+    except FileNotFoundError:
+        return None
+    except ProbeCacheError as exc:
+        if not quiet:
+            print(f"dlperf probe: warning: {exc}; measuring again", file=sys.stderr)
+        return None
+    return result
