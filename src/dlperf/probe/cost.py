@@ -34,7 +34,7 @@ from ..errors import UsageError
 
 __all__ = ["Link", "Hardware", "LINK_KINDS", "ALLREDUCE_FORMULAS", "PROJECT_ALGORITHMS", "allreduce_time",
            "rank_allreduce", "AllreduceChoice", "parameter_server_time", "StepCounts", "count_step",
-           "StepFloor", "step_floor", "classify_op"]
+           "StepFloor", "step_floor", "classify_op", "TrainingStep"]
 
 LINK_KINDS = ("copy", "host", "device", "network")
 """``copy``: within host memory; ``host``: a device to host memory (PCIe); ``device``: device to device
@@ -310,12 +310,12 @@ _LAYOUT_OPS = frozenset({
     "alias", "cat", "stack", "empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones_like", "fill_",
     "zero_", "new_empty", "new_zeros", "new_empty_strided", "resize_", "set_", "lift_fresh", "split", "chunk",
     "unbind", "narrow", "numpy_T", "_copy_from", "_copy_from_and_resize", "mkldnn_reorder_conv2d_weight",
-    "to_mkldnn", "_nested_tensor_from_mask", "repeat", "index_select",
+    "to_mkldnn", "repeat", "index_select", "unsafe_view", "reshape_alias", "accumulate_grad",
 })
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "dot", "mv", "addmv", "einsum",
                          "_addmm_activation", "linear_backward", "mkldnn_linear"})
-_LOSS_WORDS = ("nll_loss", "cross_entropy", "log_softmax", "mse_loss", "l1_loss", "smooth_l1", "binary_cross",
-               "_softmax_backward", "kl_div", "huber")
+_LOSS_WORDS = ("nll_loss", "nllloss", "cross_entropy", "log_softmax", "mse_loss", "l1_loss", "smooth_l1",
+               "binary_cross", "_softmax_backward", "kl_div", "huber")
 GROUPS = ("conv", "matmul", "norm", "elementwise", "pooling", "loss", "optimizer", "layout", "python")
 """Operator groups, in report order; ``python`` is the time between operators (interpreter, dispatch)."""
 
@@ -398,45 +398,44 @@ class _Tally(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def default_loss(output: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Cross-entropy on random labels of the output's width for 2-D outputs, else MSE against zeros."""
-    if output.dim() == 2 and output.shape[1] >= 1:
-        labels = torch.randint(0, output.shape[1], (output.shape[0],), device=output.device, generator=generator)
-        return nn.functional.cross_entropy(output, labels)
-    return nn.functional.mse_loss(output, torch.zeros_like(output))
+class TrainingStep:
+    """One SGD step of a model on a fixed batch: cross-entropy on random labels of the output's width for
+    a 2-D output, MSE against zeros otherwise.
 
-
-def _labels(output: torch.Tensor) -> torch.Tensor | None:
-    if output.dim() == 2 and output.shape[1] >= 1:
-        return torch.zeros(output.shape[0], dtype=torch.long, device=output.device)
-    return None
-
-
-def run_phased_step(model: nn.Module, x: torch.Tensor, optimizer: torch.optim.Optimizer,
-                    on_phase: Callable[[str], object] = lambda phase: None) -> torch.Tensor:
-    """One SGD step of ``model`` on ``x`` with :func:`default_loss`; ``on_phase`` hears each phase's name.
-
-    The labels are fixed (class 0) rather than random, so that the step draws no random numbers and a
-    counted step does exactly the work of a timed one.
+    The labels are drawn once, from their own seeded generator, at the first call: the timed steps then
+    draw no random numbers (and leave torch's global generator alone), so a counted step does exactly
+    the work of a timed one. ``on_phase`` hears "forward", "loss", "backward", "optimizer", then "".
     """
-    optimizer.zero_grad(set_to_none=True)
-    on_phase("forward")
-    out = model(x)
-    if not isinstance(out, torch.Tensor):
-        raise UsageError(f"the model returned {type(out).__name__}, not a tensor; profile a model whose forward "
-                         "returns one tensor (wrap it to pick the output)")
-    on_phase("loss")
-    labels = _labels(out)
-    if labels is not None:
-        loss = nn.functional.cross_entropy(out, labels)
-    else:
-        loss = nn.functional.mse_loss(out, torch.zeros_like(out))
-    on_phase("backward")
-    loss.backward()
-    on_phase("optimizer")
-    optimizer.step()
-    on_phase("")
-    return loss
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, *, lr: float = 1e-3, seed: int = 0,
+                 on_phase: Callable[[str], object] = lambda phase: None):
+        self.model, self.x, self.on_phase, self.seed = model, x, on_phase, seed
+        self.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+        self.labels: torch.Tensor | None = None
+
+    def _loss(self, out: torch.Tensor) -> torch.Tensor:
+        if out.dim() == 2 and out.shape[1] >= 1:
+            if self.labels is None or self.labels.shape[0] != out.shape[0]:
+                g = torch.Generator().manual_seed(self.seed)
+                self.labels = torch.randint(0, out.shape[1], (out.shape[0],), generator=g).to(out.device)
+            return nn.functional.cross_entropy(out, self.labels)
+        return nn.functional.mse_loss(out, torch.zeros_like(out))
+
+    def __call__(self) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.on_phase("forward")
+        out = self.model(self.x)
+        if not isinstance(out, torch.Tensor):
+            raise UsageError(f"the model returned {type(out).__name__}, not a tensor; profile a model whose "
+                             "forward returns one tensor (wrap it to pick the output)")
+        self.on_phase("loss")
+        loss = self._loss(out)
+        self.on_phase("backward")
+        loss.backward()
+        self.on_phase("optimizer")
+        self.optimizer.step()
+        self.on_phase("")
+        return loss
 
 
 def _count_on(model: nn.Module, x: torch.Tensor) -> StepCounts:
@@ -444,7 +443,6 @@ def _count_on(model: nn.Module, x: torch.Tensor) -> StepCounts:
 
     counts = StepCounts(dtype=str(x.dtype).removeprefix("torch.") if x.is_floating_point() else "float32")
     counts.param_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     tally = _Tally(counts)
     flop_phases: dict[str, dict] = {}
     counter = FlopCounterMode(display=False)
@@ -457,7 +455,7 @@ def _count_on(model: nn.Module, x: torch.Tensor) -> StepCounts:
         tally.phase = phase
 
     with counter, tally:
-        run_phased_step(model, x, optimizer, on_phase)
+        TrainingStep(model, x, lr=0.0, on_phase=on_phase)()
     for phase, per_op in flop_phases.items():
         if phase == "_seen":
             continue
