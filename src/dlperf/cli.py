@@ -20,6 +20,7 @@ VERB_MODULES: tuple[str, ...] = (
     "dlperf.parallel.cli",
     "dlperf.hybrid.cli",
     "dlperf.engine.cli",
+    "dlperf.probe.profile_cli",
 )
 
 
