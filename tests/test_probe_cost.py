@@ -196,3 +196,17 @@ def test_unknown_names_are_usage_errors():
         allreduce_time("butterfly", 1, 2, _toy())
     with pytest.raises(UsageError, match="float16"):
         Hardware.from_seed("cpu-4core").peak_flops(torch.float16)
+
+
+def test_a_model_the_meta_device_cannot_run_is_counted_for_real():
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y[:, : int((y > -1e9).sum().item()) // x.shape[0]]  # needs the values: not on meta
+
+    counts = count_step(DataDependent(), torch.randn(3, 4))
+    assert counts.flops["matmul"] == 2 * (2 * 3 * 4 * 4)

@@ -23,6 +23,7 @@ measured step lies above both, and how far says what to fix.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -466,6 +467,15 @@ def _count_on(model: nn.Module, x: torch.Tensor) -> StepCounts:
     return counts
 
 
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the meta device; no weight is copied."""
+    memo: dict[int, object] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo).to("meta")
+
+
 def count_step(model: nn.Module, example_input: torch.Tensor, *, on_meta: bool = True) -> StepCounts:
     """FLOPs, bytes and operator calls of one training step of ``model`` on ``example_input``.
 
@@ -475,9 +485,7 @@ def count_step(model: nn.Module, example_input: torch.Tensor, *, on_meta: bool =
     """
     if on_meta:
         try:
-            with torch.device("meta"):
-                meta_model = copy.deepcopy(model).to("meta")
-            return _count_on(meta_model, example_input.to("meta"))
+            return _count_on(_meta_copy(model), example_input.to("meta"))
         except UsageError:
             raise
         except Exception:  # noqa: BLE001 (the meta device is an optimisation: fall back to a real step)
