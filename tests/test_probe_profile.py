@@ -209,3 +209,16 @@ def test_cli_bad_input_is_one_line_and_exit_2(user_module, capsys, args, expecte
     assert rc == 2
     assert len(lines) == 1 and expected in lines[0], err
     assert "Traceback" not in err
+
+
+def test_an_estimate_below_what_the_step_reached_is_raised():
+    from dlperf.probe.cost import StepCounts
+    from dlperf.probe.profile import _at_least_observed
+
+    slow = Hardware("slow", {"float32": 10.0}, 10.0, 1e-6, _hardware().links)
+    counts = StepCounts(flops={"conv": 1000.0}, bytes={"pooling": 500.0}, ops={"conv": 1})
+    raised = _at_least_observed(slow, counts, {"conv": 2.0, "pooling": 1.0, "python": 0.0})
+    assert raised.flops["float32"] == 500.0 and raised.memory_bandwidth == 500.0
+    assert "raised" in raised.notes
+    fast = _hardware()
+    assert _at_least_observed(fast, counts, {"conv": 2.0, "pooling": 1.0}) is fast

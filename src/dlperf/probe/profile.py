@@ -23,7 +23,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
@@ -152,7 +152,7 @@ class ProfileReport:
 
 # --- this machine's figures, when none are given -------------------------------------------------------------
 
-def estimate_hardware(repeats: int = 3) -> Hardware:
+def estimate_hardware(repeats: int = 5) -> Hardware:
     """Rough figures for this machine at the current thread count, in well under a second.
 
     A stand-in for a full probe: the best of a few float32 matmuls, a 32 MiB copy, and a loop of tiny
@@ -179,6 +179,22 @@ def estimate_hardware(repeats: int = 3) -> Hardware:
     return Hardware(f"this machine ({torch.get_num_threads()} threads, estimated)", {"float32": flops}, copy_bw,
                     dispatch, {k: copy_link for k in ("copy", "host", "device", "network")},
                     notes="estimated in-process: matmul 384^2, 32 MiB copy, 200 tiny adds")
+
+
+def _at_least_observed(hw: Hardware, counts: StepCounts, seconds: dict[str, float]) -> Hardware:
+    """``hw`` with its peak FLOP/s and bandwidth raised to any rate a group of the step actually reached.
+
+    A quick estimate taken while another process holds the cores reads low, and a floor above the
+    measured time would be nonsense: what the step itself achieved is a lower bound on the peak.
+    """
+    flops_rate = max((counts.flops.get(g, 0.0) / t for g, t in seconds.items() if t > 0), default=0.0)
+    bytes_rate = max((counts.bytes.get(g, 0.0) / t for g, t in seconds.items() if t > 0), default=0.0)
+    peak = hw.flops.get(counts.dtype, hw.flops.get("float32", 0.0))
+    if flops_rate <= peak and bytes_rate <= hw.memory_bandwidth:
+        return hw
+    return replace(hw, flops={**hw.flops, counts.dtype: max(peak, flops_rate)},
+                   memory_bandwidth=max(hw.memory_bandwidth, bytes_rate),
+                   notes=hw.notes + "; raised to the rates the profiled step reached")
 
 
 # --- grouping the profiler's events --------------------------------------------------------------------------
@@ -415,7 +431,7 @@ def _profile(model: nn.Module, x: torch.Tensor, steps: int, warmup: int, hardwar
     timing = time_steps(step, warmup=max(warmup - 1, 0), steps=steps)
     seconds, profiled = _profiled_step(step, trace)
     counts = count_step(model, x)
-    hw = hardware or estimate_hardware()
+    hw = hardware or _at_least_observed(estimate_hardware(), counts, seconds)
     floor = step_floor(counts, hw, measured_s=timing.median_s)
     report = ProfileReport(name, tuple(x.shape), torch.get_num_threads(), timing, profiled,
                            _group_rows(seconds, counts, hw), floor, hw, counts)
