@@ -153,7 +153,11 @@ USER_MODULE = textwrap.dedent("""
 def user_module(tmp_path, monkeypatch):
     (tmp_path / "user_nets_for_profile.py").write_text(USER_MODULE)
     (tmp_path / "user_broken_import.py").write_text("import torch\nraise RuntimeError('bad import')\n")
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "nan.json").write_text('{"flops": {"float32": NaN}}')
+    (tmp_path / "zero.json").write_text('{"flops": {"float32": 1e9}, "memory_bandwidth": 0, "dispatch_s": 1e-6}')
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
     return tmp_path
 
 
@@ -175,9 +179,11 @@ def test_cli_profiles_a_user_module_with_json(user_module, capsys):
     assert not [p.name for p in user_module.iterdir() if p.name.startswith(".")]  # no temporaries left
 
     rc = main(["profile", "user_nets_for_profile:make_model", "--input", "2x1x6x6", "--steps", "1", "--no-suggest",
-               "--json"])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert rc == 0 and json.loads(last)["input_shape"] == [2, 1, 6, 6]
+               "--hardware", "seed:cpu-4core", "--json"])
+    out = capsys.readouterr().out
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert rc == 0 and doc["input_shape"] == [2, 1, 6, 6]
+    assert doc["hardware"]["flops"] == {"float32": 64e9, "float64": 32e9} and "quad-core" in out
 
 
 @pytest.mark.timeout(60)
@@ -195,6 +201,11 @@ def test_cli_profiles_a_user_module_with_json(user_module, capsys):
     (["user_nets_for_profile:make_model", "--input", "abc"], "'abc' is not a shape"),
     (["user_nets_for_profile:make_model", "--input", "4x"], "'4x' is not a shape"),
     (["not a target"], "is not MODULE:FACTORY"),
+    (["user_nets_for_profile:make_model", "--hardware", "seed:tpu"], "unknown seed hardware 'tpu'"),
+    (["user_nets_for_profile:make_model", "--hardware", "missing.json"], "does not exist"),
+    (["user_nets_for_profile:make_model", "--hardware", "bad.json"], "is not valid JSON"),
+    (["user_nets_for_profile:make_model", "--hardware", "nan.json"], "is not valid JSON"),
+    (["user_nets_for_profile:make_model", "--hardware", "zero.json"], "memory_bandwidth is 0"),
     (["user_nets_for_profile:make_model", "--steps", "0"], "--steps"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(user_module, capsys, args, expected):

@@ -54,6 +54,50 @@ def input_shape(text: str) -> tuple[int, ...]:
     return dims
 
 
+MAX_HARDWARE_BYTES = 1 << 20
+
+
+def hardware_source(text: str) -> str:
+    """``seed:NAME`` or the path of an existing regular file (read later, in :func:`read_hardware`)."""
+    from .. import _cliargs as va
+    from .cost import SEED_PRESETS
+
+    if text.startswith("seed:"):
+        if text[5:] not in SEED_PRESETS:
+            raise argparse.ArgumentTypeError(f"unknown seed hardware {_shown(text[5:])}; valid choices: "
+                                             + ", ".join(f"seed:{n}" for n in SEED_PRESETS))
+        return text
+    return va.existing_file("--hardware")(text)
+
+
+def read_hardware(source: str):
+    """The :class:`~dlperf.probe.cost.Hardware` a ``--hardware`` value names; a bad file is one clear error."""
+    import json
+
+    from .cost import Hardware
+
+    if source.startswith("seed:"):
+        return Hardware.from_seed(source[5:])
+    with open(source, "rb") as f:
+        data = f.read(MAX_HARDWARE_BYTES + 1)
+    if len(data) > MAX_HARDWARE_BYTES:
+        raise UsageError(f"--hardware {source!r} is larger than {MAX_HARDWARE_BYTES} bytes; give a JSON file of "
+                         "hardware figures (Hardware.from_probe's format)")
+
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not a number")
+
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"--hardware {source!r} is not valid JSON ({str(exc)[:80]}); give a JSON file of "
+                         "hardware figures (Hardware.from_probe's format)") from None
+    try:
+        return Hardware.from_probe(doc)
+    except UsageError as exc:
+        raise UsageError(f"--hardware {source!r}: {exc}") from None
+
+
 def register(sub) -> argparse.ArgumentParser:
     from .. import _cliargs as va
 
@@ -66,6 +110,10 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=va.int_in(1, 1024, "--threads"), help="torch intra-op threads (default: as is)")
     p.add_argument("--steps", type=va.int_in(1, 1000, "--steps"), default=5, help="timed steps (default 5)")
     p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0, help="seed for weights and input")
+    p.add_argument("--hardware", metavar="FILE|seed:NAME", type=hardware_source,
+                   help="figures for the floors: a JSON file in Hardware.from_probe's format, or one of d2l's "
+                        "machines (seed:pcie-4gpu, seed:v100-8gpu, seed:cpu-4core); default: a quick estimate "
+                        "of this machine")
     p.add_argument("--no-suggest", action="store_true", help="skip measuring the suggestions")
     p.add_argument("--trace", type=va.output_path("--trace"), metavar="FILE",
                    help="write the profiled step as a Chrome trace (chrome://tracing, Perfetto)")
@@ -133,11 +181,12 @@ def run(args: argparse.Namespace) -> int:
     # the input, its gradient-free copies for the suggestions, and a doubled batch
     require_memory(4 * 4 * math.prod(args.input), f"--input {'x'.join(map(str, args.input))}",
                    "give a smaller --input")
+    hardware = read_hardware(args.hardware) if args.hardware else None  # a bad file fails before user code runs
     torch.manual_seed(args.seed)
     model = build_model(args.target)
     x = torch.randn(args.input, generator=torch.Generator().manual_seed(args.seed))
     report = profile(model, x, steps=args.steps, threads=args.threads, suggest=not args.no_suggest,
-                     trace=args.trace, name=args.target)
+                     trace=args.trace, name=args.target, hardware=hardware)
     print(report, flush=True)
     if args.trace:
         print(f"trace written to {args.trace}")
