@@ -283,7 +283,16 @@ def _group_rows(seconds: dict[str, float], counts: StepCounts, hw: Hardware) -> 
 # --- timing and suggestions ---------------------------------------------------------------------------------
 
 def _trainer(model: nn.Module, x: torch.Tensor) -> Callable[[], object]:
-    return TrainingStep(model, x)
+    step = TrainingStep(model, x)
+    if x.device.type != "cuda":
+        return step
+
+    def synced() -> object:  # GPU work is asynchronous: without the wait a timer sees only the launches
+        out = step()
+        torch.cuda.synchronize(x.device)
+        return out
+
+    return synced
 
 
 def _paired(baseline: Callable[[], object], variant: Callable[[], object], steps: int,
