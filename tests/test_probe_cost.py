@@ -107,6 +107,14 @@ def test_linear_flops_exact():
     assert counts.param_bytes == (i * o + o) * 4
 
 
+def test_bytes_read_and_written_by_hand():
+    counts = count_step(nn.Linear(5, 3), torch.randn(4, 5))
+    forward = 4 * (3 + 4 * 5 + 5 * 3) + 4 * (4 * 3)  # addmm reads bias, x, W^T; writes the 4x3 output
+    weight_grad = 4 * (3 * 4 + 4 * 5) + 4 * (3 * 5)  # mm reads grad^T and x; writes the 3x5 gradient
+    assert counts.bytes["matmul"] == forward + weight_grad
+    assert counts.bytes["optimizer"] == 3 * counts.param_bytes  # p.add_(g): read p and g, write p
+
+
 def test_hidden_linear_costs_three_forwards():
     """A Linear fed by another layer also computes its input's gradient: 3x its forward FLOPs."""
     b = 4

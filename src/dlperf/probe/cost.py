@@ -379,9 +379,9 @@ def _op_bytes(func, args, kwargs, out) -> float:
     returns = func._schema.returns
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
         return 0.0
-    written = 0.0 if returns and all(r.alias_info is not None for r in returns) else _tensor_bytes(out)
+    # an in-place or out= operator returns the tensor it wrote: counted once as read, once as written
     read = sum(_tensor_bytes(a) for a in args) + sum(_tensor_bytes(v) for v in kwargs.values())
-    return read + written
+    return read + _tensor_bytes(out)
 
 
 class _Tally(torch.utils._python_dispatch.TorchDispatchMode):
