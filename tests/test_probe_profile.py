@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 
 import pytest
@@ -145,6 +146,9 @@ USER_MODULE = textwrap.dedent("""
     def frozen():
         return nn.Flatten()
 
+    def quits():
+        raise SystemExit(3)
+
     NOT_CALLABLE = 3
 """)
 
@@ -153,12 +157,15 @@ USER_MODULE = textwrap.dedent("""
 def user_module(tmp_path, monkeypatch):
     (tmp_path / "user_nets_for_profile.py").write_text(USER_MODULE)
     (tmp_path / "user_broken_import.py").write_text("import torch\nraise RuntimeError('bad import')\n")
+    (tmp_path / "user_script_that_exits.py").write_text("import sys\nsys.exit(1)\n")
     (tmp_path / "bad.json").write_text("{")
     (tmp_path / "nan.json").write_text('{"flops": {"float32": NaN}}')
     (tmp_path / "zero.json").write_text('{"flops": {"float32": 1e9}, "memory_bandwidth": 0, "dispatch_s": 1e-6}')
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    return tmp_path
+    yield tmp_path
+    for name in ("user_nets_for_profile", "user_broken_import", "user_script_that_exits"):
+        sys.modules.pop(name, None)  # the next test's tmp_path holds its own copy
 
 
 @pytest.mark.timeout(120)
@@ -193,6 +200,8 @@ def test_cli_profiles_a_user_module_with_json(user_module, capsys):
     (["user_nets_for_profile:missing"], "has no attribute 'missing'"),
     (["user_nets_for_profile:NOT_CALLABLE"], "is a int, not callable"),
     (["user_nets_for_profile:broken"], "raised ValueError: no weights here"),
+    (["user_nets_for_profile:quits"], "raised SystemExit: 3"),
+    (["user_script_that_exits:make"], "importing 'user_script_that_exits' failed: SystemExit"),
     (["user_nets_for_profile:not_a_model"], "returned int, not a torch.nn.Module"),
     (["user_nets_for_profile:pair"], "not a tensor"),
     (["user_nets_for_profile:frozen"], "has no trainable parameters"),

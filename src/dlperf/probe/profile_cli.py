@@ -137,8 +137,9 @@ def load_factory(spec: str):
             raise UsageError(f"no module named {module_name!r} (missing: {exc.name!r}); run from the directory that "
                              "holds it or add that directory to PYTHONPATH") from None
         raise UsageError(f"importing {module_name!r} failed: {exc}; install what it imports") from None
-    except Exception as exc:  # noqa: BLE001 (user code: any failure at import is the module's)
-        raise UsageError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}; fix the module") from None
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 (user code: any failure at import is the module's)
+        raise UsageError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}; fix the module (a script "
+                         "that runs on import needs an `if __name__ == '__main__':` guard)") from None
     finally:
         if added and os.getcwd() in sys.path:
             sys.path.remove(os.getcwd())
@@ -160,7 +161,7 @@ def build_model(spec: str):
     factory = load_factory(spec)
     try:
         model = factory()
-    except Exception as exc:  # noqa: BLE001 (user code)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 (user code; sys.exit in a factory is a failure too)
         raise UsageError(f"{spec}() raised {type(exc).__name__}: {exc}; fix the factory, or name one that takes "
                          "no arguments") from None
     if not isinstance(model, nn.Module):
