@@ -92,6 +92,16 @@ def test_profile_threads_are_restored_and_reported():
     assert report.threads == 1 and torch.get_num_threads() == before
 
 
+@pytest.mark.timeout(60)
+def test_an_overhead_bound_step_gets_a_measured_larger_batch():
+    report = profile(MLP(), torch.randn(2, 12), steps=2, hardware=_hardware())
+    overhead = sum(r.time_s for r in report.groups if r.verdict == "overhead-bound")
+    assert overhead > 0.3 * report.profiled_step_s
+    batch = next(s for s in report.suggestions if s.name == "larger batch")
+    assert batch.unit == "example" and batch.baseline_s > 0 and batch.measured_s > 0
+    assert "batch 4 instead of 2" in batch.how
+
+
 def test_suggestion_effect_and_line():
     faster = Suggestion("x", "do x", 2.0, 1.0)
     assert faster.speedup == 2.0 and faster.recommended and "2.00x (recommended)" in faster.line()
@@ -157,6 +167,7 @@ USER_MODULE = textwrap.dedent("""
 def user_module(tmp_path, monkeypatch):
     (tmp_path / "user_nets_for_profile.py").write_text(USER_MODULE)
     (tmp_path / "user_broken_import.py").write_text("import torch\nraise RuntimeError('bad import')\n")
+    (tmp_path / "user_needs_dep.py").write_text("import not_installed_dep_xyz\n")
     (tmp_path / "user_script_that_exits.py").write_text("import sys\nsys.exit(1)\n")
     (tmp_path / "bad.json").write_text("{")
     (tmp_path / "nan.json").write_text('{"flops": {"float32": NaN}}')
@@ -164,7 +175,7 @@ def user_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     yield tmp_path
-    for name in ("user_nets_for_profile", "user_broken_import", "user_script_that_exits"):
+    for name in ("user_nets_for_profile", "user_broken_import", "user_script_that_exits", "user_needs_dep"):
         sys.modules.pop(name, None)  # the next test's tmp_path holds its own copy
 
 
@@ -200,6 +211,7 @@ def test_cli_profiles_a_user_module_with_json(user_module, capsys):
     (["user_nets_for_profile:missing"], "has no attribute 'missing'"),
     (["user_nets_for_profile:NOT_CALLABLE"], "is a int, not callable"),
     (["user_nets_for_profile:broken"], "raised ValueError: no weights here"),
+    (["user_needs_dep:make"], "No module named 'not_installed_dep_xyz'; install what it imports"),
     (["user_nets_for_profile:quits"], "raised SystemExit: 3"),
     (["user_script_that_exits:make"], "importing 'user_script_that_exits' failed: SystemExit"),
     (["user_nets_for_profile:not_a_model"], "returned int, not a torch.nn.Module"),

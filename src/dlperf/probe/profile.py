@@ -1,12 +1,13 @@
 """Where a training step of any model spends its time, what it could take at least, and what would help.
 
-:func:`profile` times SGD steps of a model (cross-entropy on random labels of the output's width for a 2-D
-output, MSE otherwise), runs one more under ``torch.profiler``, and sorts every operator's own time
-into groups (convolution, matmul, norm, elementwise, pooling, loss, optimizer, layout copies, and the
-Python/dispatch time between operators). Each group gets its FLOPs and bytes (counted on the meta
-device), a floor from the :class:`~dlperf.probe.cost.Hardware` figures and a verdict: compute-,
-bandwidth- or overhead-bound. Then it tries what dlperf can change and measures each: channels-last
-memory for convolutions, more threads, a larger batch when overhead dominates, and a hybridized graph.
+:func:`profile` times SGD steps of a model (cross-entropy on random labels of the output's width
+for a 2-D output, MSE otherwise), profiles up to three more with ``torch.profiler`` (keeping the least
+disturbed), and sorts every operator's own time into groups (convolution, matmul, norm, elementwise,
+pooling, loss, optimizer, layout copies, and the Python/dispatch time between operators). Each group
+gets its FLOPs and bytes (counted on the meta device), a floor from the
+:class:`~dlperf.probe.cost.Hardware` figures and a verdict: compute-, bandwidth- or overhead-bound.
+Then it tries what dlperf can change and measures each: channels-last memory for convolutions, more
+threads, a larger batch when overhead dominates, and a hybridized graph.
 
 >>> import torch
 >>> from torch import nn
@@ -45,7 +46,7 @@ from .cost import (
 __all__ = ["profile", "ProfileReport", "GroupRow", "Suggestion", "estimate_hardware", "VERDICTS", "GROUPS"]
 
 VERDICTS = ("compute-bound", "bandwidth-bound", "overhead-bound")
-# A step whose Python gaps and dispatch floors take more than this share is worth a larger batch.
+# A step that spends more than this share of its time in overhead-bound groups is worth a larger batch.
 OVERHEAD_SHARE = 0.3
 # A suggestion must beat the baseline by this much to be recommended: timings on a busy machine wobble.
 WORTHWHILE = 1.05
