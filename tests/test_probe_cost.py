@@ -105,6 +105,7 @@ def test_linear_flops_exact():
     counts = count_step(nn.Linear(i, o), torch.randn(b, i))
     assert counts.flops == {"matmul": 2 * (2 * b * i * o)}
     assert counts.param_bytes == (i * o + o) * 4
+    assert counts.input_bytes == b * i * 4
 
 
 def test_bytes_read_and_written_by_hand():
@@ -166,6 +167,10 @@ def test_step_floor_components_and_table():
     assert floor.overlap_s == pytest.approx(5.0) and floor.bottleneck == "compute"
     text = str(floor)
     assert "allreduce:ring" in text and "no overlap" in text and "measured" in text
+    counts.input_bytes = 40.0
+    copied = step_floor(counts, hw, devices=2, allreduce=None, input_from_host=True)
+    assert copied.components["input copy"] == pytest.approx(2 * 1e-3 + 40 / 1e3)
+    assert "allreduce:ring" not in copied.components
     ps = step_floor(counts, hw, devices=4, servers=2)
     assert ps.components["push/pull"] == pytest.approx(parameter_server_time(8.0, 4, 2, hw))
 

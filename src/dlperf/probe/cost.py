@@ -18,6 +18,16 @@ measured step lies above both, and how far says what to fix.
 60
 >>> round(allreduce_time("sharded", 160e6, 4, hw) * 1e3)  # split aggregation
 15
+
+A model's step, data-parallel over the 4 GPUs with the ring:
+
+>>> import torch
+>>> from torch import nn
+>>> counts = count_step(nn.Linear(512, 10), torch.randn(64, 512))
+>>> counts.total_flops == 2 * (2 * 64 * 512 * 10)  # forward, and the weight gradient (the input needs none)
+True
+>>> sorted(step_floor(counts, hw, devices=4, allreduce="ring").components)
+['allreduce:ring', 'compute', 'dispatch', 'memory']
 """
 
 from __future__ import annotations
@@ -351,6 +361,7 @@ class StepCounts:
     bytes: dict[str, float] = field(default_factory=dict)
     ops: dict[str, int] = field(default_factory=dict)
     param_bytes: float = 0.0
+    input_bytes: float = 0.0
     dtype: str = "float32"
 
     @property
@@ -444,6 +455,7 @@ def _count_on(model: nn.Module, x: torch.Tensor) -> StepCounts:
 
     counts = StepCounts(dtype=str(x.dtype).removeprefix("torch.") if x.is_floating_point() else "float32")
     counts.param_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))
+    counts.input_bytes = float(x.numel() * x.element_size())
     tally = _Tally(counts)
     flop_phases: dict[str, dict] = {}
     counter = FlopCounterMode(display=False)
@@ -532,12 +544,14 @@ class StepFloor:
 
 
 def step_floor(counts: StepCounts, hardware: Hardware, *, devices: int = 1, allreduce: str | None = "sharded",
-               servers: int | None = None, measured_s: float | None = None) -> StepFloor:
+               servers: int | None = None, input_from_host: bool = False,
+               measured_s: float | None = None) -> StepFloor:
     """The floor of a data-parallel step whose whole-batch counts are ``counts``, split over ``devices``.
 
     Each device does 1/k of the work; the gradients (as many bytes as the parameters) are then summed
     with ``allreduce`` over the device links, or, with ``servers``, pushed to and pulled from that many
-    parameter servers over the network (one worker per device).
+    parameter servers over the network (one worker per device). With ``input_from_host`` the batch
+    first crosses the host link (a GPU's PCIe): all k slices leave through the host's one link.
     """
     if devices < 1:
         raise UsageError(f"need devices >= 1, got {devices}")
@@ -546,6 +560,9 @@ def step_floor(counts: StepCounts, hardware: Hardware, *, devices: int = 1, allr
         "memory": counts.total_bytes / devices / hardware.memory_bandwidth,
         "dispatch": counts.total_ops * hardware.dispatch_s,
     }
+    if input_from_host:
+        host = hardware.link("host")
+        components["input copy"] = devices * host.alpha_s + counts.input_bytes * host.beta
     if servers is not None:
         components["push/pull"] = parameter_server_time(counts.param_bytes, devices, servers, hardware)
     elif allreduce is not None and devices > 1:
