@@ -181,7 +181,9 @@ def test_from_probe_round_trip_and_defaults():
     hw = Hardware.from_seed("v100-8gpu")
     again = Hardware.from_probe(hw.to_dict())
     assert again.flops == hw.flops and again.links == hw.links and again.dispatch_s == hw.dispatch_s
-    minimal = Hardware.from_probe({"flops": {"float32": 1e11}, "memory_bandwidth": 2e10, "dispatch_s": 5e-6})
+    minimal = Hardware.from_probe({"flops": {"torch.float32": 1e11}, "memory_bandwidth": 2e10, "dispatch_s": 5e-6,
+                                   "cpu_model": "anything else is ignored"})
+    assert minimal.peak_flops(torch.float32) == 1e11
     assert minimal.link("device") == minimal.link("copy") == Link(1e-7, 1e10)
 
 

@@ -126,6 +126,7 @@ class Hardware:
         (bytes/s); ``dispatch_s`` (seconds per operator); ``links`` ({kind: {"alpha_s": s, "bandwidth":
         bytes/s}} for kinds among :data:`LINK_KINDS`; a missing kind falls back to ``copy``, and a missing
         ``copy`` to memory_bandwidth / 2 with 100 ns latency: a copy reads and writes every byte).
+        Other keys are ignored, so a probe may record more than the model needs.
         """
         if not isinstance(figures, Mapping):
             raise UsageError(f"hardware figures must be a mapping, got {type(figures).__name__}; "
@@ -137,7 +138,7 @@ class Hardware:
         if not isinstance(raw_flops, Mapping) or not raw_flops:
             raise UsageError(f"hardware 'flops' must map dtype names to FLOP/s, got {_short(raw_flops)}; "
                              "give e.g. {'float32': 1e11}")
-        flops = {str(k): _positive(v, f"flops[{k!r}]") for k, v in raw_flops.items()}
+        flops = {str(k).removeprefix("torch."): _positive(v, f"flops[{k!r}]") for k, v in raw_flops.items()}
         bandwidth = _positive(figures.get("memory_bandwidth"), "memory_bandwidth")
         dispatch = _positive(figures.get("dispatch_s"), "dispatch_s")
         raw_links = figures.get("links", {})
