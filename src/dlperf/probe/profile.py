@@ -159,7 +159,7 @@ def estimate_hardware(repeats: int = 5) -> Hardware:
     A stand-in for a full probe: the best of a few float32 matmuls, a 32 MiB copy, and a loop of tiny
     additions (the per-operator cost). Pass measured figures to :func:`profile` for a better floor.
     """
-    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    a, b = torch.randn(768, 768), torch.randn(768, 768)
     src, dst = torch.empty(1 << 23), torch.empty(1 << 23)
     tiny = torch.zeros(1)
 
@@ -172,14 +172,14 @@ def estimate_hardware(repeats: int = 5) -> Hardware:
             times.append(time.perf_counter() - t0)
         return max(min(times), 1e-9)
 
-    flops = 2 * 384**3 / best(lambda: torch.mm(a, b))
+    flops = 2 * 768**3 / best(lambda: torch.mm(a, b))
     copy_bw = 2 * src.numel() * 4 / best(lambda: dst.copy_(src))  # read + write
     ops = 200
     dispatch = best(lambda: [torch.add(tiny, tiny) for _ in range(ops)]) / ops
     copy_link = Link(1e-7, copy_bw / 2)
     return Hardware(f"this machine ({torch.get_num_threads()} threads, estimated)", {"float32": flops}, copy_bw,
                     dispatch, {k: copy_link for k in ("copy", "host", "device", "network")},
-                    notes="estimated in-process: matmul 384^2, 32 MiB copy, 200 tiny adds")
+                    notes="estimated in-process: matmul 768^2, 32 MiB copy, 200 tiny adds")
 
 
 def _at_least_observed(hw: Hardware, counts: StepCounts, seconds: dict[str, float], step_s: float) -> Hardware:
