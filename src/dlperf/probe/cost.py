@@ -107,9 +107,9 @@ class Hardware:
         * ``cpu-4core``: 12.4.4's modest quad-core: 2 GHz, IPC 1, 256-bit AVX2 (8 float32 lanes);
           40 GB/s memory (the top of the 20-40 GB/s the text gives such a chip: a floor takes the best case).
 
-        Latencies: PCIe 5 us (12.4.6), NVLink 30 us per 1 MB at 33 GB/s leaves ~0 so its PCIe-like
-        5 us is kept, memory 100 ns per burst (12.4.2), network 250 us one-way (Table 12.4.1's
-        datacenter round trip halved). Dispatch: 10 us, Table 12.4.2's kernel launch. The seed gives no
+        Latencies: PCIe 5 us (12.4.6), also used for NVLink, whose latency the text does not give;
+        memory 100 ns per burst (12.4.2); network 250 us one-way (Table 12.4.1's datacenter round
+        trip halved). Dispatch: 10 us, Table 12.4.2's kernel launch. The seed gives no
         GPU FLOP/s: V100's are its datasheet's (15.7 TFLOP/s float32, 125 float16 on Tensor Cores,
         900 GB/s HBM2), said so in ``notes``.
         """
