@@ -21,6 +21,7 @@ VERB_MODULES: tuple[str, ...] = (
     "dlperf.hybrid.cli",
     "dlperf.engine.cli",
     "dlperf.probe.cli",
+    "dlperf.probe.profile_cli",
 )
 
 

@@ -1,0 +1,476 @@
+"""Where a training step of any model spends its time, what it could take at least, and what would help.
+
+:func:`profile` times SGD steps of a model (cross-entropy on random labels of the output's width
+for a 2-D output, MSE otherwise), profiles up to three more with ``torch.profiler`` (keeping the least
+disturbed), and sorts every operator's own time into groups (convolution, matmul, norm, elementwise,
+pooling, loss, optimizer, layout copies, and the Python/dispatch time between operators). Each group
+gets its FLOPs and bytes (counted on the meta device), a floor from the
+:class:`~dlperf.probe.cost.Hardware` figures and a verdict: compute-, bandwidth- or overhead-bound.
+Then it tries what dlperf can change and measures each: channels-last memory for convolutions, more
+threads, a larger batch when overhead dominates, and a hybridized graph.
+
+>>> import torch
+>>> from torch import nn
+>>> report = profile(nn.Sequential(nn.Linear(8, 4)), torch.randn(16, 8), steps=2, suggest=False)
+>>> sorted(report.groups_by_name()) == sorted(GROUPS)
+True
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from torch import nn
+
+from ..bench.timing import Timing, time_steps
+from ..errors import UsageError
+from .cost import (
+    GROUPS,
+    Hardware,
+    Link,
+    StepCounts,
+    StepFloor,
+    TrainingStep,
+    classify_op,
+    count_step,
+    step_floor,
+)
+
+__all__ = ["profile", "ProfileReport", "GroupRow", "Suggestion", "estimate_hardware", "VERDICTS", "GROUPS"]
+
+VERDICTS = ("compute-bound", "bandwidth-bound", "overhead-bound")
+# A step that spends more than this share of its time in overhead-bound groups is worth a larger batch.
+OVERHEAD_SHARE = 0.3
+# A suggestion must beat the baseline by this much to be recommended: timings on a busy machine wobble.
+WORTHWHILE = 1.05
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    group: str
+    time_s: float
+    share: float
+    flops: float
+    bytes: float
+    ops: int
+    floor_s: float
+    verdict: str
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One change, timed: ``baseline_s`` and ``measured_s`` are seconds per ``unit`` without and with it,
+    measured alternately."""
+
+    name: str
+    how: str
+    baseline_s: float | None = None
+    measured_s: float | None = None
+    unit: str = "step"
+    note: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        if self.baseline_s is None or not self.measured_s:
+            return None
+        return self.baseline_s / self.measured_s
+
+    @property
+    def recommended(self) -> bool:
+        return self.speedup is not None and self.speedup >= WORTHWHILE
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "how": self.how, "baseline_s": self.baseline_s, "measured_s": self.measured_s,
+                "unit": self.unit, "speedup": self.speedup, "recommended": self.recommended, "note": self.note}
+
+    def line(self) -> str:
+        if self.speedup is None:
+            return f"{self.name:<14} not measured: {self.note}"
+        verdict = "recommended" if self.recommended else "no gain here"
+        note = f"; {self.note}" if self.note else ""
+        return (f"{self.name:<14} {self.baseline_s * 1e3:.3g} -> {self.measured_s * 1e3:.3g} ms/{self.unit}, "
+                f"{self.speedup:.2f}x ({verdict}): {self.how}{note}")
+
+
+@dataclass
+class ProfileReport:
+    model: str
+    input_shape: tuple[int, ...]
+    threads: int
+    step: Timing
+    profiled_step_s: float
+    groups: list[GroupRow]
+    floor: StepFloor
+    hardware: Hardware
+    counts: StepCounts
+    suggestions: list[Suggestion] = field(default_factory=list)
+
+    def groups_by_name(self) -> dict[str, GroupRow]:
+        return {g.group: g for g in self.groups}
+
+    @property
+    def examples_per_s(self) -> float:
+        return self.input_shape[0] / self.step.median_s if self.input_shape else 0.0
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "input_shape": list(self.input_shape), "threads": self.threads,
+                "step": self.step.to_dict(), "examples_per_s": self.examples_per_s,
+                "profiled_step_s": self.profiled_step_s,
+                "groups": [asdict(g) for g in self.groups], "floor": self.floor.to_dict(),
+                "hardware": self.hardware.to_dict() | {"notes": self.hardware.notes},
+                "suggestions": [s.to_dict() for s in self.suggestions]}
+
+    def __str__(self) -> str:
+        shape = "x".join(map(str, self.input_shape))
+        noisy = " (noisy)" if self.step.noisy else ""
+        lines = [f"{self.model}, input {shape}, {self.threads} thread(s), {len(self.step.samples)} timed steps",
+                 f"step {self.step.median_s * 1e3:.3f} ms median{noisy}, {self.examples_per_s:,.0f} examples/s; "
+                 f"the profiled step took {self.profiled_step_s * 1e3:.3f} ms",
+                 "",
+                 f"{'group':<12}{'ms':>9}{'share':>7}{'MFLOP':>10}{'MB':>9}{'ops':>6}{'floor ms':>10}  verdict"]
+        for g in self.groups:
+            if not g.time_s and not g.ops:
+                continue  # a group this model does not use
+            lines.append(f"{g.group:<12}{g.time_s * 1e3:>9.3f}{g.share:>7.1%}{g.flops / 1e6:>10.1f}"
+                         f"{g.bytes / 1e6:>9.2f}{g.ops:>6}{g.floor_s * 1e3:>10.3f}  {g.verdict}")
+        total = sum(g.time_s for g in self.groups)
+        lines.append(f"{'total':<12}{total * 1e3:>9.3f}{1:>7.0%}{self.counts.total_flops / 1e6:>10.1f}"
+                     f"{self.counts.total_bytes / 1e6:>9.2f}{self.counts.total_ops:>6}")
+        lines += ["", f"floor on {self.hardware.name}: {self.floor.no_overlap_s * 1e3:.3f} ms with no overlap, "
+                      f"{self.floor.overlap_s * 1e3:.3f} ms with full overlap ({self.floor.bottleneck}); measured "
+                      f"{self.step.median_s / max(self.floor.no_overlap_s, 1e-12):.1f}x the no-overlap floor"]
+        if self.suggestions:
+            lines += ["", "suggestions (each measured):"] + [f"  {s.line()}" for s in self.suggestions]
+        return "\n".join(lines)
+
+
+# --- this machine's figures, when none are given -------------------------------------------------------------
+
+def estimate_hardware(repeats: int = 5) -> Hardware:
+    """Rough figures for this machine at the current thread count, in well under a second.
+
+    A stand-in for a full probe: the best of a few float32 matmuls, a 32 MiB copy, and a loop of tiny
+    additions (the per-operator cost). Pass measured figures to :func:`profile` for a better floor.
+    """
+    a, b = torch.randn(768, 768), torch.randn(768, 768)
+    src, dst = torch.empty(1 << 23), torch.empty(1 << 23)
+    tiny = torch.zeros(1)
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return max(min(times), 1e-9)
+
+    flops = 2 * 768**3 / best(lambda: torch.mm(a, b))
+    copy_bw = 2 * src.numel() * 4 / best(lambda: dst.copy_(src))  # read + write
+    ops = 200
+    dispatch = best(lambda: [torch.add(tiny, tiny) for _ in range(ops)]) / ops
+    copy_link = Link(1e-7, copy_bw / 2)
+    return Hardware(f"this machine ({torch.get_num_threads()} threads, estimated)", {"float32": flops}, copy_bw,
+                    dispatch, {k: copy_link for k in ("copy", "host", "device", "network")},
+                    notes="estimated in-process: matmul 768^2, 32 MiB copy, 200 tiny adds")
+
+
+def _this_machine() -> Hardware:
+    """The cached ``dlperf probe`` figures at the current thread count when there are some, else an estimate."""
+    from .cache import load_probe
+
+    result = load_probe(quiet=True)
+    if result is not None:
+        try:
+            return Hardware.from_probe_result(result, threads=torch.get_num_threads())
+        except UsageError:  # the cached run lacks a figure (an interrupted probe): estimate instead
+            pass
+    return estimate_hardware()
+
+
+def _at_least_observed(hw: Hardware, counts: StepCounts, seconds: dict[str, float], step_s: float) -> Hardware:
+    """``hw`` with its peak FLOP/s and bandwidth raised to any rate the step or a group of it reached.
+
+    A quick estimate taken while another process holds the cores reads low, and a floor above the
+    measured time would be nonsense: what the step itself achieved is a lower bound on the peak.
+    """
+    spans = {**seconds, "": step_s}
+    flops = {**counts.flops, "": counts.total_flops}
+    nbytes = {**counts.bytes, "": counts.total_bytes}
+    flops_rate = max((flops.get(g, 0.0) / t for g, t in spans.items() if t > 0), default=0.0)
+    bytes_rate = max((nbytes.get(g, 0.0) / t for g, t in spans.items() if t > 0), default=0.0)
+    peak = hw.flops.get(counts.dtype, hw.flops.get("float32", 0.0))
+    if flops_rate <= peak and bytes_rate <= hw.memory_bandwidth:
+        return hw
+    return replace(hw, flops={**hw.flops, counts.dtype: max(peak, flops_rate)},
+                   memory_bandwidth=max(hw.memory_bandwidth, bytes_rate),
+                   notes=hw.notes + "; raised to the rates the measured step reached")
+
+
+# --- grouping the profiler's events --------------------------------------------------------------------------
+
+_BACKWARD = re.compile(r"Backward\d*$")
+_CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
+
+
+def _backward_group(node: str) -> str:
+    """The group of an autograd node such as ``ConvolutionBackward0`` or ``torch::autograd::AccumulateGrad``."""
+    base = node.rsplit("::", 1)[-1]
+    base = _CAMEL.sub("_", _BACKWARD.sub("", base)).lower()
+    return classify_op(base)
+
+
+def _event_group(event) -> str:
+    chain = []
+    node = event
+    while node is not None:
+        chain.append(node.name)
+        node = node.cpu_parent
+    if any(name.startswith("Optimizer.") for name in chain):
+        return "optimizer"
+    for name in reversed(chain):  # the outermost operator decides: a copy inside addmm is matmul time
+        if name.startswith("autograd::engine::evaluate_function: "):
+            return _backward_group(name.split(": ", 1)[1])
+        if name.startswith("aten::"):
+            return classify_op(name)
+    return "python"  # a user's record_function: Python time between operators
+
+
+def _profiled_step(step: Callable[[], object], trace: str | os.PathLike | None,
+                   tries: int = 1) -> tuple[dict[str, float], float]:
+    """Own time per group of a step under torch.profiler, and the step's wall time; optionally the trace.
+
+    Of ``tries`` profiled steps the fastest is kept: on a shared machine it is the one another
+    process disturbed least, and its groups then add up to a step like the timed ones.
+    """
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    best: tuple[dict[str, float], float, object] | None = None
+    for _ in range(max(tries, 1)):
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            step()
+            wall = time.perf_counter() - t0
+        seconds = dict.fromkeys(GROUPS, 0.0)
+        for event in prof.events():
+            seconds[_event_group(event)] += event.self_cpu_time_total * 1e-6
+        covered = sum(seconds.values())
+        seconds["python"] += max(wall - covered, 0.0)
+        if best is None or max(wall, covered) < best[1]:
+            best = (seconds, max(wall, covered), prof)
+    seconds, wall, prof = best
+    if trace is not None:
+        _write_trace(prof, trace)
+    return seconds, wall
+
+
+def _write_trace(prof, path: str | os.PathLike) -> None:
+    from .._io import atomic_write_bytes
+
+    # export_chrome_trace writes in place; a temporary file and the atomic writer keep a reader (or an
+    # interruption) from ever seeing half a trace at the user's path
+    with tempfile.TemporaryDirectory(prefix="dlperf-trace-") as tmp:
+        scratch = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(scratch)
+        with open(scratch, "rb") as f:
+            atomic_write_bytes(path, f.read())
+
+
+def _verdict(floors: dict[str, float]) -> tuple[float, str]:
+    bound = max(floors, key=floors.__getitem__)
+    if floors[bound] <= 0:
+        return 0.0, "overhead-bound"
+    return floors[bound], bound
+
+
+def _group_rows(seconds: dict[str, float], counts: StepCounts, hw: Hardware) -> list[GroupRow]:
+    total = sum(seconds.values()) or 1.0
+    peak = hw.peak_flops(counts.dtype) if counts.dtype in hw.flops else hw.peak_flops("float32")
+    rows = []
+    for group in GROUPS:
+        flops = counts.flops.get(group, 0.0)
+        nbytes = counts.bytes.get(group, 0.0)
+        ops = counts.ops.get(group, 0)
+        floor, verdict = _verdict({"compute-bound": flops / peak, "bandwidth-bound": nbytes / hw.memory_bandwidth,
+                                   "overhead-bound": ops * hw.dispatch_s})
+        if group == "python":
+            floor, verdict = 0.0, "overhead-bound"
+        rows.append(GroupRow(group, seconds[group], seconds[group] / total, flops, nbytes, ops, floor, verdict))
+    return rows
+
+
+# --- timing and suggestions ---------------------------------------------------------------------------------
+
+def _trainer(model: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    step = TrainingStep(model, x)
+    if x.device.type != "cuda":
+        return step
+
+    def synced() -> object:  # GPU work is asynchronous: without the wait a timer sees only the launches
+        out = step()
+        torch.cuda.synchronize(x.device)
+        return out
+
+    return synced
+
+
+def _paired(baseline: Callable[[], object], variant: Callable[[], object], steps: int,
+            warmup: int = 1) -> tuple[float, float]:
+    """Median seconds of ``baseline`` and ``variant`` steps, timed alternately.
+
+    Alternating puts both under the same background load: on a shared machine a baseline timed a
+    minute earlier can be off by more than the effect being measured.
+    """
+    for _ in range(warmup):
+        baseline()
+        variant()
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(max(steps, 2)):
+        for fn, out in ((baseline, a), (variant, b)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return Timing.from_samples(a).median_s, Timing.from_samples(b).median_s
+
+
+def _failed(name: str, how: str, exc: Exception, prefix: str = "failed") -> Suggestion:
+    return Suggestion(name, how, note=f"{prefix}: {type(exc).__name__}: {exc}")
+
+
+def _suggest_channels_last(model: nn.Module, x: torch.Tensor, steps: int) -> Suggestion | None:
+    if x.dim() != 4 or not any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        return None
+    how = "model.to(memory_format=torch.channels_last) and the same for each input batch"
+    try:
+        cl_model = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        base, cl = _paired(_trainer(model, x),
+                           _trainer(cl_model, x.contiguous(memory_format=torch.channels_last)), steps)
+    except Exception as exc:  # noqa: BLE001 (a suggestion that cannot run is reported, not fatal)
+        return _failed("channels-last", how, exc)
+    return Suggestion("channels-last", how, base, cl)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _with_threads(n: int, fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(before)
+
+    return run
+
+
+def _suggest_threads(model: nn.Module, x: torch.Tensor, steps: int) -> Suggestion | None:
+    current, cores = torch.get_num_threads(), _usable_cores()
+    if current >= cores:
+        return None
+    how = f"--threads {cores} (torch.set_num_threads({cores})): this machine has {cores} usable cores"
+    step = _trainer(model, x)
+    base, more = _paired(step, _with_threads(cores, step), steps)
+    return Suggestion("threads", how, base, more)
+
+
+def _suggest_batch(model: nn.Module, x: torch.Tensor, steps: int) -> Suggestion:
+    b = x.shape[0]
+    how = f"batch {2 * b} instead of {b}: the fixed per-operator cost is shared by twice the examples"
+    try:
+        base, double = _paired(_trainer(model, x), _trainer(model, torch.cat([x, x])), steps)
+    except (RuntimeError, MemoryError) as exc:
+        return _failed("larger batch", how, exc)
+    return Suggestion("larger batch", how, base / b, double / (2 * b), unit="example")
+
+
+def _suggest_hybridize(model: nn.Module, x: torch.Tensor, steps: int) -> Suggestion:
+    import warnings
+
+    from ..hybrid import hybridize
+
+    how = 'dlperf.hybrid.hybridize(model, backend="graph")'
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hybrid = hybridize(copy.deepcopy(model), backend="graph", strict=True)
+            base, graph = _paired(_trainer(model, x), _trainer(hybrid, x), steps, warmup=2)  # 1st call captures
+    except Exception as exc:  # noqa: BLE001 (capture refuses many models; that is a finding, not a failure)
+        return _failed("hybridize", how, exc, "not applicable")
+    return Suggestion("hybridize", how, base, graph)
+
+
+def _suggestions(model: nn.Module, x: torch.Tensor, report: ProfileReport, steps: int) -> list[Suggestion]:
+    out = [s for s in (_suggest_channels_last(model, x, steps), _suggest_threads(model, x, steps)) if s is not None]
+    overhead = sum(g.time_s for g in report.groups if g.verdict == "overhead-bound")
+    if overhead > OVERHEAD_SHARE * sum(g.time_s for g in report.groups):
+        out.append(_suggest_batch(model, x, steps))
+    out.append(_suggest_hybridize(model, x, steps))
+    return out
+
+
+# --- the entry point ----------------------------------------------------------------------------------------
+
+def profile(model: nn.Module, example_input: torch.Tensor, *, steps: int = 5, warmup: int = 1,
+            threads: int | None = None, hardware: Hardware | None = None, suggest: bool = True,
+            trace: str | os.PathLike | None = None, name: str | None = None) -> ProfileReport:
+    """Profile training steps of ``model`` on batches like ``example_input``; ``model`` itself is not changed.
+
+    ``threads`` sets torch's intra-op threads for the run (restored after); ``hardware`` gives the
+    figures for the floors (default: :func:`estimate_hardware`); ``trace`` writes the profiled step's
+    Chrome trace there. Raises :class:`~dlperf.errors.UsageError` when the model cannot train on the input.
+    """
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"profile needs a torch.nn.Module, got {type(model).__name__}; build the model first")
+    if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1 or example_input.shape[0] < 1:
+        raise UsageError(f"profile needs an input tensor with a batch dimension, got {example_input!r:.60}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UsageError(f"{name or type(model).__name__} has no trainable parameters, so it has no training step "
+                         "to profile; give a model with parameters that require gradients")
+    if steps < 1 or warmup < 0:
+        raise UsageError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    before = torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return _profile(copy.deepcopy(model).train(), example_input, steps, warmup, hardware, suggest, trace,
+                        name or type(model).__name__)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _profile(model: nn.Module, x: torch.Tensor, steps: int, warmup: int, hardware: Hardware | None,
+             suggest: bool, trace, name: str) -> ProfileReport:
+    step = _trainer(model, x)
+    try:
+        step()  # the first step also checks that the model trains on this input at all
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (user code: any failure is reported as a usage error)
+        shape = "x".join(map(str, x.shape))
+        raise UsageError(f"the model failed on an input of shape {shape}: {type(exc).__name__}: {exc}; "
+                         "give the input shape the model expects (batch first)") from None
+    timing = time_steps(step, warmup=max(warmup - 1, 0), steps=steps)
+    seconds, profiled = _profiled_step(step, trace, tries=min(steps, 3))
+    counts = count_step(model, x)
+    hw = hardware or _at_least_observed(_this_machine(), counts, seconds, timing.median_s)
+    floor = step_floor(counts, hw, measured_s=timing.median_s)
+    report = ProfileReport(name, tuple(x.shape), torch.get_num_threads(), timing, profiled,
+                           _group_rows(seconds, counts, hw), floor, hw, counts)
+    if suggest:
+        report.suggestions = _suggestions(model, x, report, steps)
+    return report

@@ -1,0 +1,202 @@
+"""``dlperf profile MODULE:FACTORY --input SHAPE``: where a training step of your model spends its time.
+
+    dlperf profile mypkg.nets:make_model --input 64x3x32x32
+    dlperf profile dlperf.models.lenet:lenet --input 256x1x28x28 --threads 2 --trace step.json --json
+
+The factory is imported and called with no arguments: that runs your code, which is why the verb
+exists only for a module you name. The current directory is searched first, as ``python -m`` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import re
+import sys
+
+from ..errors import UsageError
+
+MAX_DIM = 2**24
+MAX_ELEMENTS = 2**31
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+_TARGET = re.compile(f"{_DOTTED}:{_DOTTED}")
+
+
+def _shown(text: str) -> str:
+    from .._cliargs import one_line
+
+    return one_line(repr(text if len(text) <= 60 else text[:57] + "..."))
+
+
+def target(text: str) -> str:
+    """``package.module:factory`` (a dotted attribute path after the colon is allowed)."""
+    if len(text) > 500 or not _TARGET.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(
+            f"{_shown(text)} is not MODULE:FACTORY; give a dotted module and a callable in it that builds the "
+            "model, e.g. mypkg.nets:make_model")
+    return text.strip()
+
+
+def input_shape(text: str) -> tuple[int, ...]:
+    """A shape such as ``64x3x32x32``: batch first, every dimension a whole number >= 1."""
+    parts = text.strip().lower().split("x")
+    fix = "give --input the shape of one batch, batch first, e.g. 64x3x32x32"
+    if len(text) > 100 or not 1 <= len(parts) <= 8 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a shape; {fix}")
+    dims = tuple(int(p) for p in parts)
+    if any(not 1 <= d <= MAX_DIM for d in dims):
+        raise argparse.ArgumentTypeError(f"{_shown(text)} has a dimension outside 1..{MAX_DIM}; {fix}")
+    if math.prod(dims) > MAX_ELEMENTS:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} has more than {MAX_ELEMENTS} elements; "
+                                         "give a smaller --input")
+    return dims
+
+
+MAX_HARDWARE_BYTES = 1 << 20
+
+
+def hardware_source(text: str) -> str:
+    """``seed:NAME`` or the path of an existing regular file (read later, in :func:`read_hardware`)."""
+    from .. import _cliargs as va
+    from .cost import SEED_PRESETS
+
+    if text.startswith("seed:"):
+        if text[5:] not in SEED_PRESETS:
+            raise argparse.ArgumentTypeError(f"unknown seed hardware {_shown(text[5:])}; valid choices: "
+                                             + ", ".join(f"seed:{n}" for n in SEED_PRESETS))
+        return text
+    return va.existing_file("--hardware")(text)
+
+
+def read_hardware(source: str):
+    """The :class:`~dlperf.probe.cost.Hardware` a ``--hardware`` value names; a bad file is one clear error."""
+    import json
+
+    from .cost import Hardware
+
+    if source.startswith("seed:"):
+        return Hardware.from_seed(source[5:])
+    with open(source, "rb") as f:
+        data = f.read(MAX_HARDWARE_BYTES + 1)
+    if len(data) > MAX_HARDWARE_BYTES:
+        raise UsageError(f"--hardware {source!r} is larger than {MAX_HARDWARE_BYTES} bytes; give a JSON file of "
+                         "hardware figures (Hardware.from_probe's format)")
+
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not a number")
+
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"--hardware {source!r} is not valid JSON ({str(exc)[:80]}); give a JSON file of "
+                         "hardware figures (Hardware.from_probe's format)") from None
+    try:
+        return Hardware.from_probe(doc)
+    except UsageError as exc:
+        raise UsageError(f"--hardware {source!r}: {exc}") from None
+
+
+def register(sub) -> argparse.ArgumentParser:
+    from .. import _cliargs as va
+
+    p = sub.add_parser("profile", help="profile training steps of any model: time per operator group, floors, "
+                                       "measured suggestions", description=__doc__.splitlines()[0])
+    p.add_argument("target", metavar="MODULE:FACTORY", type=target,
+                   help="a callable that takes no arguments and returns a torch.nn.Module")
+    p.add_argument("--input", required=True, type=input_shape, metavar="SHAPE",
+                   help="shape of one float32 input batch, batch first, e.g. 64x3x32x32")
+    p.add_argument("--threads", type=va.int_in(1, 1024, "--threads"), help="torch intra-op threads (default: as is)")
+    p.add_argument("--steps", type=va.int_in(1, 1000, "--steps"), default=5, help="timed steps (default 5)")
+    p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0, help="seed for weights and input")
+    p.add_argument("--hardware", metavar="FILE|seed:NAME", type=hardware_source,
+                   help="figures for the floors: a JSON file in Hardware.from_probe's format, or one of d2l's "
+                        "machines (seed:pcie-4gpu, seed:v100-8gpu, seed:cpu-4core); default: a quick estimate "
+                        "of this machine")
+    p.add_argument("--no-suggest", action="store_true", help="skip measuring the suggestions")
+    p.add_argument("--trace", type=va.output_path("--trace"), metavar="FILE",
+                   help="write the profiled step as a Chrome trace (chrome://tracing, Perfetto)")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   type=va.output_path("--json", allow_stdout=True),
+                   help="also print one JSON document as the last stdout line (or write it to FILE)")
+    p.set_defaults(func=run)
+    return p
+
+
+def load_factory(spec: str):
+    """Import ``module:attr`` and return the attribute, which must be callable; errors say how to fix."""
+    module_name, _, attr_path = spec.partition(":")
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise UsageError(f"no module named {module_name!r} (missing: {exc.name!r}); run from the directory that "
+                             "holds it or add that directory to PYTHONPATH") from None
+        raise UsageError(f"importing {module_name!r} failed: {exc}; install what it imports") from None
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 (user code: any failure at import is the module's)
+        raise UsageError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}; fix the module (a script "
+                         "that runs on import needs an `if __name__ == '__main__':` guard)") from None
+    finally:
+        if added and os.getcwd() in sys.path:
+            sys.path.remove(os.getcwd())
+    obj = module
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"module {module_name!r} has no attribute {attr_path!r}; name a function or class in it "
+                             "that builds the model")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"{spec!r} is a {type(obj).__name__}, not callable; name a function or class that "
+                         "builds the model")
+    return obj
+
+
+def build_model(spec: str):
+    from torch import nn
+
+    factory = load_factory(spec)
+    try:
+        model = factory()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 (user code; sys.exit in a factory is a failure too)
+        raise UsageError(f"{spec}() raised {type(exc).__name__}: {exc}; fix the factory, or name one that takes "
+                         "no arguments") from None
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"{spec}() returned {type(model).__name__}, not a torch.nn.Module; return the model")
+    return model
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .._cliargs import require_memory
+    from .._io import atomic_write_text, check_writable
+    from .profile import profile
+
+    for path in (args.trace, args.json):
+        if path and path != "-":
+            check_writable(path)  # before minutes of profiling
+    # the input, its gradient-free copies for the suggestions, and a doubled batch
+    require_memory(4 * 4 * math.prod(args.input), f"--input {'x'.join(map(str, args.input))}",
+                   "give a smaller --input")
+    hardware = read_hardware(args.hardware) if args.hardware else None  # a bad file fails before user code runs
+    torch.manual_seed(args.seed)
+    model = build_model(args.target)
+    x = torch.randn(args.input, generator=torch.Generator().manual_seed(args.seed))
+    report = profile(model, x, steps=args.steps, threads=args.threads, suggest=not args.no_suggest,
+                     trace=args.trace, name=args.target, hardware=hardware)
+    print(report, flush=True)
+    if args.trace:
+        print(f"trace written to {args.trace}")
+    if args.json == "-":
+        import json
+
+        print(json.dumps(report.to_dict()), flush=True)
+    elif args.json:
+        import json
+
+        atomic_write_text(args.json, json.dumps(report.to_dict(), indent=1) + "\n")
+    return 0
