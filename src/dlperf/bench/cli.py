@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
         return main_scaling(args)
     config = build_config(args)
-    _check_outputs(args)
+    check_outputs(args)
     check_batch_memory(config.networks, config.batch_size)
     _warn_oversubscribed(config.threads if args.threads is not None else [])
     result = _run_with_progress(config)
@@ -124,21 +124,21 @@ def _check_distinct_outputs(args: argparse.Namespace) -> None:
             seen[key] = flag
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
+def check_outputs(args: argparse.Namespace) -> None:
     """Refuse unwritable output paths and a missing matplotlib before the sweep, not after it."""
     import errno
 
     from .._io import check_writable
 
     for flag in ("json", "csv", "markdown", "plot"):
-        target = getattr(args, flag)
-        if target and target != "-":
+        target = getattr(args, flag, None)
+        if isinstance(target, str) and target != "-":
             try:
                 check_writable(target)
             except OSError as exc:
                 hint = "; give a path in a writable directory" if exc.errno in (errno.EACCES, errno.EROFS) else ""
                 raise UsageError(f"cannot write --{flag} {target}: {exc.strerror or exc}{hint}") from None
-    if args.plot:
+    if getattr(args, "plot", None):
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -230,22 +230,37 @@ def _run_with_progress(config):
                          on_step=progress.step, on_cell_done=on_cell_done)
 
 
-def _emit(result, args: argparse.Namespace) -> None:
+def emit_outputs(result, args: argparse.Namespace, renderer) -> None:
+    """Write ``result`` in every format asked for; ``renderer`` is a module with ``render_<format>`` functions.
+
+    CSV or Markdown to stdout replaces the terminal table; JSON to stdout is the last line.
+    """
     from .._io import atomic_write_text
-    from . import report
 
     wrote_stdout_format = False
-    for flag, render in (("csv", report.render_csv), ("markdown", report.render_markdown)):
-        target = getattr(args, flag)
+    for flag, render in (("csv", renderer.render_csv), ("markdown", renderer.render_markdown)):
+        target = getattr(args, flag, None)
         if target == "-":
             sys.stdout.write(render(result))
             wrote_stdout_format = True
         elif target:
             atomic_write_text(target, render(result))
     if not wrote_stdout_format:
-        report.render_terminal(result)
-    if args.plot:
-        report.render_plot(result, args.plot)
+        renderer.render_terminal(result)
+    if getattr(args, "plot", None):
+        renderer.render_plot(result, args.plot)
+    target = getattr(args, "json", None)
+    if target is True or target == "-":
+        sys.stdout.flush()
+        print(renderer.render_json(result), flush=True)
+    elif target:
+        atomic_write_text(target, renderer.render_json(result) + "\n")
+
+
+def _emit(result, args: argparse.Namespace) -> None:
+    from . import report
+
+    emit_outputs(result, args, report)
     failed = [c for c in result.cells if c.error]
     if failed:
         print(f"{len(failed)} cell(s) failed; the reason is in the table.", file=sys.stderr)
@@ -253,8 +268,3 @@ def _emit(result, args: argparse.Namespace) -> None:
         marked = sum(c.contended for c in result.cells)
         print(f"dlperf bench: {marked} cell(s) were timed on a busy machine and are marked "
               f"{report.CONTENDED_MARK}; rerun them when the machine is quiet.", file=sys.stderr)
-    if args.json == "-":
-        sys.stdout.flush()
-        print(report.render_json(result), flush=True)
-    elif args.json:
-        atomic_write_text(args.json, report.render_json(result) + "\n")
