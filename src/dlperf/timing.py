@@ -49,8 +49,10 @@ at random. Such cells are marked only for steal; their per-step spread remains t
 
 The one-minute load average is reported but never decides: it counts our own threads (a previous
 2-thread cell would make the next one look contended) and lags the window by a minute. The limits
-were calibrated on a 2-core machine: quiet runs of dlperf's networks waited < 5 % with 1 or 2
-threads, and a pinned ``while True`` hog raised a 2-thread cell's wait to 25-50 %.
+were calibrated on a 2-core machine: quiet runs of LeNet, AlexNet-R and the MLP waited 0-1 % of the
+time with 1 or 2 threads (Table-8 rows with their extra worker threads up to 6 %), while a ``while
+True`` hog pinned to one core raised a 2-thread cell's wait to 50-73 % (and its time 4-10x) and left
+the 1-thread cell, which the scheduler moved to the free core, at about 1 %.
 """
 
 from __future__ import annotations
