@@ -29,10 +29,9 @@ def test_time_steps_runs_warmup_then_timed_steps_and_synchronizes_each():
     calls = []
     t = time_steps(lambda: calls.append("step"), warmup=2, steps=3,
                    synchronize=lambda: calls.append("sync"))
-    assert calls.count("step") == 5 and len(t.samples) == 3
-    # every timed step is bracketed by synchronizations
-    timed = calls[calls.index("sync"):]
-    assert timed == ["sync"] + ["sync", "step", "sync"] * 3
+    assert calls.count("step") == 5 and len(t.samples) == 3 and len(t.warmup_samples) == 2
+    # each warm-up step is waited for (its time is the compile time), every timed step is bracketed
+    assert calls == ["step", "sync"] * 2 + ["sync"] + ["sync", "step", "sync"] * 3
 
 
 def test_time_steps_stops_early_on_a_time_budget():
@@ -311,3 +310,116 @@ def test_cli_interrupted_sweep_writes_every_output_and_exits_130(tmp_path, capsy
     assert len(files["csv"].read_text().splitlines()) == 2
     assert "INTERRUPTED" in files["markdown"].read_text()
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _slow_first_call_mode(first_call_s: float):
+    """A mode whose first step pays a one-off cost, like a compiler, and names its backend."""
+
+    def mode(model, loss_fn, optimizer, x, y):
+        inner = eager_step(model, loss_fn, optimizer)
+        calls = {"n": 0}
+
+        def step(a, b):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                import time
+
+                time.sleep(first_call_s)
+            return inner(a, b)
+
+        step.backend = "sleepy"
+        return step
+
+    return mode
+
+
+def test_compile_time_and_backend_are_reported_outside_eager_mode():
+    register_mode("sleepy", _slow_first_call_mode(0.3))
+    result = run_bench(_small_config(networks=["mlp"], threads=[1], mode="sleepy", steps=3))
+    (cell,) = result.cells
+    assert cell.backend == "sleepy"
+    assert 0.3 <= cell.compile_s < 0.3 + 0.5  # the first call's extra cost, not a steady step
+    doc = json.loads(report.render_json(result))["cells"][0]
+    assert doc["backend"] == "sleepy" and doc["compile_s"] == pytest.approx(cell.compile_s)
+    header, rows = report.table_grid(result)
+    labels = [r[2] for r in rows]
+    assert labels[-2:] == ["compile (s)", "backend"] and rows[-1][3] == "sleepy"
+    assert rows[-2][3].startswith("0.")
+    assert ",sleepy," in report.render_csv(result)
+
+
+def test_eager_mode_has_no_compile_rows(small_result):
+    assert all(c.compile_s is None and c.backend is None for c in small_result.cells)
+    assert [r[2] for r in report.table_grid(small_result)[1]][:5] == list(report.ROW_LABELS)
+    assert "compile (s)" not in report.render_markdown(small_result)
+
+
+def test_hybrid_mode_reports_the_backend_it_chose():
+    result = run_bench(_small_config(networks=["mlp"], threads=[1], mode="hybrid", steps=2))
+    (cell,) = result.cells
+    assert cell.error is None and cell.compile_s is not None and cell.compile_s >= 0
+    assert cell.backend and cell.backend != "capture"
+
+
+def _cell(threads, median, contention=None):
+    from dlperf.timing import ContentionSignals, Timing, judge_contention
+
+    verdict = None
+    if contention:
+        verdict = judge_contention(ContentionSignals(wall_s=1, cpu_s=1, threads=threads, cores=2, run_s=1,
+                                                     wait_s=1, others_mean=1, others_max=1))
+    from dlperf.bench.runner import CellResult
+
+    return CellResult("alexnet-r", cpu(), threads, 16, "eager",
+                      timing=Timing.from_samples([median] * 3, contention=verdict))
+
+
+def _result(cells):
+    from dlperf.bench.runner import BenchResult
+
+    return BenchResult(_small_config(networks=["alexnet-r"]), cells, {"cpu": "x", "cores": 2, "gpus": [],
+                                                                       "torch": "t", "date": "d"}, 1.0)
+
+
+def test_contended_cells_are_marked_in_every_output():
+    result = _result([_cell(1, 0.010), _cell(2, 0.040, contention=True)])
+    md = report.render_markdown(result)
+    assert "| 0.010 | 0.040! |" in md
+    assert "! alexnet-r, cpu(0) 2 threads: threads waited for a CPU 50% of the time" in md
+    doc = json.loads(report.render_json(result))
+    assert doc["contended"] is True
+    assert [(c["contended"], c["contention"] is not None) for c in doc["cells"]] == [(False, False), (True, True)]
+    rows = report.render_csv(result).splitlines()
+    assert "contended,contention" in rows[0] and ",False,," in rows[1] and ",True,threads waited" in rows[2]
+
+
+def test_a_quiet_run_has_no_marks():
+    result = _result([_cell(1, 0.010), _cell(2, 0.006)])
+    md = report.render_markdown(result)
+    assert "!" not in md and "warning" not in md
+    assert json.loads(report.render_json(result))["contended"] is False
+
+
+def test_more_threads_slower_than_fewer_is_called_out():
+    result = _result([_cell(1, 0.010), _cell(2, 0.040, contention=True)])
+    (line,) = result.thread_warnings()
+    assert line.startswith("alexnet-r on cpu(0): 2 threads took 4.0x as long as 1") and "contended" in line
+    assert "warning: alexnet-r on cpu(0): 2 threads took 4.0x" in report.render_markdown(result)
+    assert json.loads(report.render_json(result))["thread_warnings"] == [line]
+    # within the timer's noise, or faster: nothing to say
+    assert _result([_cell(1, 0.010), _cell(2, 0.0105)]).thread_warnings() == []
+
+
+def test_progress_lines_give_the_time_left(capsys):
+    assert main(["bench", "--networks", "mlp", "--threads", "1,2", "--steps", "2", "--warmup", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    lines = [e for e in err if e.startswith("dlperf bench: cell ")]
+    assert lines[0] == "dlperf bench: cell 1/2: mlp on cpu(0), 1 thr"
+    assert lines[1].startswith("dlperf bench: cell 2/2: mlp on cpu(0), 2 thr (about ") and lines[1].endswith(" left)")
+
+
+def test_format_duration():
+    from dlperf.bench.cli import format_duration
+
+    assert [format_duration(s) for s in (0, 59.4, 61, 3599, 3600, 86399)] == \
+        ["0s", "59s", "1m 01s", "59m 59s", "1h 00m", "23h 59m"]

@@ -118,9 +118,9 @@ SCALING = [
     (_scaling("--networks", "nope"), "'nope'"),
     (_scaling("--mode", "hybrid"), "--mode hybrid"),
     (_scaling("--threads", "1"), "--threads"),
-    (_scaling("--csv"), "--csv"),
-    (_scaling("--markdown", "{T}/t.md"), "--markdown"),
-    (_scaling("--plot", "{T}/t.png"), "--plot"),
+    (_scaling("--csv", "{T}/adir"), "adir"),
+    (_scaling("--markdown", ""), "''"),
+    (_scaling("--plot", "{T}/adir"), "adir"),
     (_scaling("--batch-size", "1"), "got 1"),
     (_scaling("--batch-size", "0"), "'0'"),
     (_scaling("--batch-size", "1048576"), "--batch-size 1048576"),
@@ -438,8 +438,8 @@ def test_threads_above_the_core_count_warn_and_run(monkeypatch, capsys):
     import dlperf.bench.cli as bench_cli
 
     ran = []
-    monkeypatch.setattr(bench_cli, "_run_with_progress",
-                        lambda config: ran.append(config.threads) or SimpleNamespace(interrupted=False))
+    finished = SimpleNamespace(interrupted=False)
+    monkeypatch.setattr(bench_cli, "_run_with_progress", lambda config: ran.append(config.threads) or finished)
     monkeypatch.setattr(bench_cli, "_emit", lambda result, args: None)
     many = cpu_count() + 1
     assert main(["bench", "--networks", "mlp", "--devices", "cpu", "--threads", f"1,{many}"]) == 0

@@ -2,7 +2,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -80,9 +87,6 @@ def test_bad_values_are_one_line_before_any_work(extra, match, monkeypatch, caps
     (["--batch-size", "1"], "at least the 2 devices"),
     (["--mode", "hybrid"], "does not take --mode hybrid"),
     (["--threads", "1,2"], "does not take --threads"),
-    (["--csv"], "does not take --csv"),
-    (["--markdown", "t.md"], "does not take --markdown"),
-    (["--plot", "t.png"], "does not take --plot"),
 ])
 def test_bad_or_ignored_options_are_refused_before_any_work(extra, match, monkeypatch):
     import dlperf.bench.scaling as scaling
@@ -113,3 +117,84 @@ def test_json_file_is_written_atomically(tmp_path, monkeypatch):
     assert main_scaling(args) == 0
     assert written == [str(out)] and json.loads(out.read_text())["rows"] == []
     assert not [p for p in out.parent.iterdir() if p.name != "t8.json"]  # no temporary left behind
+
+
+def test_every_output_of_a_small_sweep(tmp_path, capsys):
+    from dlperf.cli import main
+
+    files = {"json": tmp_path / "t8.json", "csv": tmp_path / "t8.csv", "markdown": tmp_path / "t8.md"}
+    argv = ["bench", "--scaling", "--networks", "resnet-56", "--devices", "cpu:0,cpu:1", "--steps", "2",
+            "--warmup", "0", "--batch-size", "4", "--plot", str(tmp_path / "t8.png")]
+    for flag, path in files.items():
+        argv += [f"--{flag}", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Table 8") and "speedup" in out and "resnet-56" in out  # the rich table
+    doc = json.loads(files["json"].read_text())
+    assert doc["interrupted"] is False and doc["rows_planned"] == 2 and isinstance(doc["contended"], bool)
+    assert [r["devices"] for r in doc["rows"]] == [1, 2]
+    assert all(isinstance(r["contended"], bool) and (r["contention"] is None) is (not r["contended"])
+               for r in doc["rows"])
+    rows = files["csv"].read_text().splitlines()
+    assert rows[0].startswith("network,devices,global_batch,median_s") and "contended" in rows[0]
+    assert len(rows) == 3 and rows[1].startswith("resnet-56,1,4,")
+    md = files["markdown"].read_text()
+    assert "| resnet-56 | 2 | 4 |" in md and "0.301" in md  # the paper's Torch figure on one device
+    assert (tmp_path / "t8.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_contended_row_is_marked_in_every_output():
+    from dlperf.bench import scaling
+
+    row = {"network": "fcn-r", "devices": 1, "global_batch": 16, "median_s": 0.5, "q1_s": 0.5, "q3_s": 0.5,
+           "noisy": False, "contended": True, "contention": "threads waited for a CPU 40% of the time",
+           "samples": 3, "speedup": 1.0, "paper_s": {}}
+    result = scaling.ScalingResult(["fcn-r"], [cpu(0)], 3, 1, rows=[row])
+    assert "0.500!" in scaling.render_markdown(result)
+    assert "! fcn-r, 1 devices: threads waited for a CPU 40% of the time" in scaling.render_markdown(result)
+    assert json.loads(scaling.render_json(result))["contended"] is True
+    assert ",True,threads waited" in scaling.render_csv(result)
+
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_after_the_first_row_keeps_it_in_every_output_and_exits_130(tmp_path):
+    files = {"json": tmp_path / "t8.json", "csv": tmp_path / "t8.csv", "markdown": tmp_path / "t8.md"}
+    argv = ["bench", "--scaling", "--networks", "resnet-56", "--devices", "cpu:0,cpu:1", "--steps", "40",
+            "--warmup", "0", "--batch-size", "4", "--plot", str(tmp_path / "t8.png")]
+    for flag, path in files.items():
+        argv += [f"--{flag}", str(path)]
+    env = {**os.environ, "PYTHONPATH": SRC}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dlperf.cli", *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 150
+        while not any("row 2/2" in line for line in list(err)):  # the first row finished
+            assert proc.poll() is None, "".join(err)
+            assert time.monotonic() < deadline, "".join(err)
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    text = "".join(err)
+    assert proc.returncode == 130, text
+    assert "interrupted after 1 of 2 rows" in text and "Traceback" not in text
+    assert "INTERRUPTED: 1 of 2 rows finished" in out
+    doc = json.loads(files["json"].read_text())
+    assert doc["interrupted"] is True and [r["devices"] for r in doc["rows"]] == [1]
+    assert doc["rows"][0]["samples"] == 40
+    assert len(files["csv"].read_text().splitlines()) == 2
+    assert "INTERRUPTED: 1 of 2 rows finished" in files["markdown"].read_text()
+    assert (tmp_path / "t8.png").read_bytes()[:4] == b"\x89PNG"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

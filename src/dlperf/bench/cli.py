@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from .. import _cliargs as va
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
         return main_scaling(args)
     config = build_config(args)
-    _check_outputs(args)
+    check_outputs(args)
     check_batch_memory(config.networks, config.batch_size)
     _warn_oversubscribed(config.threads if args.threads is not None else [])
     result = _run_with_progress(config)
@@ -123,75 +124,147 @@ def _check_distinct_outputs(args: argparse.Namespace) -> None:
             seen[key] = flag
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
+def check_outputs(args: argparse.Namespace) -> None:
     """Refuse unwritable output paths and a missing matplotlib before the sweep, not after it."""
     import errno
 
     from .._io import check_writable
 
     for flag in ("json", "csv", "markdown", "plot"):
-        target = getattr(args, flag)
-        if target and target != "-":
+        target = getattr(args, flag, None)
+        if isinstance(target, str) and target != "-":
             try:
                 check_writable(target)
             except OSError as exc:
                 hint = "; give a path in a writable directory" if exc.errno in (errno.EACCES, errno.EROFS) else ""
                 raise UsageError(f"cannot write --{flag} {target}: {exc.strerror or exc}{hint}") from None
-    if args.plot:
+    if getattr(args, "plot", None):
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib; install it with: pip install 'dlperf[plot]'") from None
 
 
-def _run_with_progress(config):
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+def format_duration(seconds: float) -> str:
+    """A short human duration: ``45s``, ``3m 05s``, ``2h 03m``.
 
+    >>> format_duration(185), format_duration(7380), format_duration(4.2)
+    ('3m 05s', '2h 03m', '4s')
+    """
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+class SweepProgress:
+    """A sweep's progress on stderr, with the time left estimated from the items finished so far.
+
+    On a terminal it is a live bar; in a log (stderr not a terminal) one line per item as it starts,
+    ``dlperf bench: cell 2/4: ...``, which scripts and tests watch to know an item finished. An item
+    timed on a busy machine gets a line saying so as soon as it ends.
+    """
+
+    def __init__(self, what: str, total: int, steps_per_item: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.what, self.total, self.per_item = what, total, steps_per_item
+        self.console = Console(stderr=True)
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(),
+                                 TextColumn("{task.fields[left]}"), console=self.console, transient=True)
+        self.started = self.done = 0
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> SweepProgress:
+        self.progress.__enter__()
+        self.task = self.progress.add_task("starting", total=self.total * self.per_item, left="")
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def time_left(self) -> str:
+        """``about 3m 05s left`` once an item finished: the mean time per finished item times those left."""
+        if not self.done:
+            return ""
+        per_item = (time.perf_counter() - self._t0) / self.done
+        return f"about {format_duration(per_item * (self.total - self.done))} left"
+
+    def start(self, description: str) -> None:
+        # Re-align the bar when an item stopped early (time budget) or failed.
+        left = self.time_left()
+        self.progress.update(self.task, completed=self.started * self.per_item, description=description, left=left)
+        self.started += 1
+        if not self.console.is_terminal:  # no live bar in a log: one line per item instead
+            self.console.print(f"dlperf bench: {self.what} {self.started}/{self.total}: {description}"
+                               + (f" ({left})" if left else ""), highlight=False, markup=False, soft_wrap=True)
+
+    def step(self) -> None:
+        self.progress.advance(self.task)
+
+    def finish(self, description: str, contention: str | None = None) -> None:
+        self.done += 1
+        self.progress.update(self.task, left=self.time_left())
+        if contention:
+            self.console.print(f"dlperf bench: {description} was timed on a busy machine ({contention})",
+                               style="yellow", highlight=False, markup=False, soft_wrap=True)
+
+
+def cell_description(net: str, dev, threads: int | None) -> str:
+    return f"{net} on {dev}" + (f", {threads} thr" if threads else "")
+
+
+def _run_with_progress(config):
     from .runner import run_bench
 
-    cells = list(config.cells())
-    per_cell = config.warmup + config.steps
-    console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("starting", total=len(cells) * per_cell)
-        done_cells = {"n": 0}
+    with SweepProgress("cell", sum(1 for _ in config.cells()), config.warmup + config.steps) as progress:
+        def on_cell_done(cell):
+            progress.finish(cell_description(cell.network, cell.device, cell.threads), cell.contention)
 
-        def on_cell_start(net, dev, threads):
-            # Re-align the bar when a cell stopped early (time budget) or failed.
-            description = f"{net} on {dev}" + (f", {threads} thr" if threads else "")
-            progress.update(task, completed=done_cells["n"] * per_cell, description=description)
-            done_cells["n"] += 1
-            if not console.is_terminal:  # no live bar in a log: one line per cell instead
-                console.print(f"dlperf bench: cell {done_cells['n']}/{len(cells)}: {description}",
-                              highlight=False, markup=False, soft_wrap=True)
-
-        result = run_bench(config, on_cell_start=on_cell_start, on_step=lambda: progress.advance(task))
-    return result
+        return run_bench(config, on_cell_start=lambda *cell: progress.start(cell_description(*cell)),
+                         on_step=progress.step, on_cell_done=on_cell_done)
 
 
-def _emit(result, args: argparse.Namespace) -> None:
+def emit_outputs(result, args: argparse.Namespace, renderer) -> None:
+    """Write ``result`` in every format asked for; ``renderer`` is a module with ``render_<format>`` functions.
+
+    CSV or Markdown to stdout replaces the terminal table; JSON to stdout is the last line.
+    """
     from .._io import atomic_write_text
-    from . import report
 
     wrote_stdout_format = False
-    for flag, render in (("csv", report.render_csv), ("markdown", report.render_markdown)):
-        target = getattr(args, flag)
+    for flag, render in (("csv", renderer.render_csv), ("markdown", renderer.render_markdown)):
+        target = getattr(args, flag, None)
         if target == "-":
             sys.stdout.write(render(result))
             wrote_stdout_format = True
         elif target:
             atomic_write_text(target, render(result))
     if not wrote_stdout_format:
-        report.render_terminal(result)
-    if args.plot:
-        report.render_plot(result, args.plot)
+        renderer.render_terminal(result)
+    if getattr(args, "plot", None):
+        renderer.render_plot(result, args.plot)
+    target = getattr(args, "json", None)
+    if target is True or target == "-":
+        sys.stdout.flush()
+        print(renderer.render_json(result), flush=True)
+    elif target:
+        atomic_write_text(target, renderer.render_json(result) + "\n")
+
+
+def _emit(result, args: argparse.Namespace) -> None:
+    from . import report
+
+    emit_outputs(result, args, report)
     failed = [c for c in result.cells if c.error]
     if failed:
         print(f"{len(failed)} cell(s) failed; the reason is in the table.", file=sys.stderr)
-    if args.json == "-":
-        sys.stdout.flush()
-        print(report.render_json(result), flush=True)
-    elif args.json:
-        atomic_write_text(args.json, report.render_json(result) + "\n")
+    if result.contended:
+        marked = sum(c.contended for c in result.cells)
+        print(f"dlperf bench: {marked} cell(s) were timed on a busy machine and are marked "
+              f"{report.CONTENDED_MARK}; rerun them when the machine is quiet.", file=sys.stderr)

@@ -2,6 +2,10 @@
 
 In each network's block, today's time comes first, then the achieved FLOP/s, then the paper's
 Torch figure and its best tool for the same column, and how many times faster today is than Torch.
+Outside eager mode two more rows give the compile time and the backend that ran the step.
+A time is followed by ``~`` when its steps disagreed and by ``!`` when the machine was busy while it
+was measured (the footnotes say why); a line under the table calls out thread counts that were
+slower than fewer threads.
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ from ..devices import Device
 from .runner import BenchResult, CellResult
 
 ROW_LABELS = ("dlperf (s)", "GFLOP/s", "Torch 2016 (s)", "best 2016 (s)", "vs Torch 2016")
+COMPILE_ROW_LABELS = ("compile (s)", "backend")
 NOISY_MARK = "~"
+CONTENDED_MARK = "!"
+
+
+def row_labels(result: BenchResult) -> tuple[str, ...]:
+    """The rows of each network's block: compile time and backend only where something is compiled."""
+    return ROW_LABELS + (COMPILE_ROW_LABELS if result.config.mode != "eager" else ())
 
 
 def column_label(device: Device, threads: int | None) -> str:
@@ -36,20 +47,22 @@ def _fmt_s(x: float | None) -> str:
     return f"{x:.3f}" if x >= 0.01 else f"{x * 1e3:.2f}ms"
 
 
-def _cell_rows(cell: CellResult | None) -> list[str]:
+def _cell_rows(cell: CellResult | None, n_rows: int) -> list[str]:
     if cell is None:
-        return [""] * len(ROW_LABELS)
+        return [""] * n_rows
     paper = cell.paper
     if cell.timing is None:
         ours = f"- ({cell.error})" if cell.error else "-"
     else:
-        ours = _fmt_s(cell.timing.median_s) + (NOISY_MARK if cell.timing.noisy else "")
+        ours = _fmt_s(cell.timing.median_s) + (NOISY_MARK if cell.timing.noisy else "") \
+            + (CONTENDED_MARK if cell.contended else "")
     gflops = f"{cell.achieved_flops / 1e9:.1f}" if cell.achieved_flops else "-"
     torch_s = _fmt_s(paper.torch_s) if paper else "n/a"
     best = f"{_fmt_s(paper.best_s)} {paper.best_framework}" if paper and paper.best_s else ("-" if paper else "n/a")
     ratio = cell.speedup_vs_paper_torch
     vs = f"{ratio:.1f}x faster" if ratio and ratio >= 1 else (f"{1 / ratio:.1f}x slower" if ratio else "-")
-    return [ours, gflops, torch_s, best, vs]
+    compiled = [_fmt_s(cell.compile_s), cell.backend or "-"]
+    return ([ours, gflops, torch_s, best, vs] + compiled)[:n_rows]
 
 
 def table_grid(result: BenchResult) -> tuple[list[str], list[list[str]]]:
@@ -57,12 +70,13 @@ def table_grid(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     cols = _columns(result)
     by_key = {(c.network, c.device, c.threads): c for c in result.cells}
     header = ["network", "batch", ""] + [column_label(d, t) for d, t in cols]
+    labels = row_labels(result)
     rows: list[list[str]] = []
     # an interrupted sweep lists only the networks it reached
     for net in [n for n in result.config.networks if any(c.network == n for c in result.cells)]:
-        per_col = [_cell_rows(by_key.get((net, d, t))) for d, t in cols]
+        per_col = [_cell_rows(by_key.get((net, d, t)), len(labels)) for d, t in cols]
         batches = sorted({c.batch_size for c in result.cells if c.network == net})
-        for i, label in enumerate(ROW_LABELS):
+        for i, label in enumerate(labels):
             first = [net, "/".join(map(str, batches)), label] if i == 0 else ["", "", label]
             rows.append(first + [pc[i] for pc in per_col])
     return header, rows
@@ -74,12 +88,31 @@ def footnotes(result: BenchResult) -> list[str]:
     gpus = ", ".join(m["gpus"]) or "none"
     notes = [f"INTERRUPTED: {len(result.cells)} of {result.planned} cells finished; the rest did not run."] \
         if result.interrupted else []
-    return notes + [
+    notes += [
         f"Time per mini-batch (median of timed steps; forward, loss, backward, SGD update), mode {c.mode}.",
         f"Machine: {m['cpu']}, {m['cores']} cores; GPUs: {gpus}; torch {m['torch']}; {m['date']}.",
         "Paper: Shi et al. 2016, Table 7 (desktop i7-3820 for CPU columns, GTX 1080 for GPUs). "
         f"{NOISY_MARK} marks a noisy cell (interquartile range > 10% of median).",
     ]
+    if c.mode != "eager":
+        notes.append("compile (s): building the step and its first call, beyond a steady step; "
+                     "backend: what ran it.")
+    return notes + contention_notes(result)
+
+
+def contention_notes(result: BenchResult) -> list[str]:
+    """Why each marked cell is not to be trusted; empty on a quiet run."""
+    marked = [c for c in result.cells if c.contended]
+    if not marked:
+        return []
+    notes = [f"{CONTENDED_MARK} marks a cell timed while other work competed for its CPUs; its time is "
+             "not the step's cost. Rerun on a quiet machine:"]
+    notes += [f"  {CONTENDED_MARK} {c.network}, {column_label(c.device, c.threads)}: {c.contention}" for c in marked]
+    return notes
+
+
+def warning_lines(result: BenchResult) -> list[str]:
+    return [f"warning: {line}" for line in result.thread_warnings()]
 
 
 def render_terminal(result: BenchResult, console=None) -> None:
@@ -96,12 +129,15 @@ def render_terminal(result: BenchResult, console=None) -> None:
                   show_lines=False, header_style="bold")
     for i, h in enumerate(header):
         table.add_column(h, justify="left" if i < 3 else "right", no_wrap=i < 3)
-    n = len(ROW_LABELS)
+    n = len(row_labels(result))
     for i, row in enumerate(rows):
         table.add_row(*row, end_section=(i % n == n - 1))
     console.print(table)
+    for line in warning_lines(result):
+        console.print(line, style="yellow", highlight=False, markup=False)
     for line in footnotes(result):
-        console.print(line, style="dim", highlight=False)
+        console.print(line, style="bold yellow" if line.lstrip().startswith(CONTENDED_MARK) else "dim",
+                      highlight=False, markup=False)
 
 
 def render_markdown(result: BenchResult) -> str:
@@ -109,13 +145,13 @@ def render_markdown(result: BenchResult) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     out.append("")
-    out += [f"{line}  " for line in footnotes(result)]
+    out += [f"{line}  " for line in warning_lines(result) + footnotes(result)]
     return "\n".join(out) + "\n"
 
 
 CSV_FIELDS = ("network", "device", "threads", "batch_size", "mode", "median_s", "q1_s", "q3_s", "min_s",
-              "max_s", "noisy", "samples", "achieved_gflops", "paper_torch_s", "paper_best_s",
-              "paper_best_framework", "speedup_vs_paper_torch", "error")
+              "max_s", "noisy", "contended", "contention", "samples", "achieved_gflops", "paper_torch_s",
+              "paper_best_s", "paper_best_framework", "speedup_vs_paper_torch", "compile_s", "backend", "error")
 
 
 def render_csv(result: BenchResult) -> str:
@@ -128,7 +164,8 @@ def render_csv(result: BenchResult) -> str:
         paper = d["paper"] or {}
         w.writerow({
             **{k: d[k] for k in ("network", "device", "threads", "batch_size", "mode", "median_s", "noisy",
-                                 "achieved_gflops", "speedup_vs_paper_torch", "error")},
+                                 "contended", "contention", "achieved_gflops", "speedup_vs_paper_torch",
+                                 "compile_s", "backend", "error")},
             **{k: spread.get(k) for k in ("q1_s", "q3_s", "min_s", "max_s")},
             "samples": len(d["samples"]),
             "paper_torch_s": paper.get("torch_s"),

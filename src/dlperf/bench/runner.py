@@ -3,6 +3,11 @@
 Each (network, device, threads) is a *cell*. A cell that fails (out of memory, a compile error, an
 absent kernel) records its reason and the sweep goes on, as the paper's "-" entries do. Ctrl-C stops
 the sweep: the cell it interrupts is dropped, the finished ones are kept and the result says so.
+
+Every cell carries the timer's contention verdict (:mod:`dlperf.timing`): a cell timed while other
+work competed for its CPUs is marked, and so is the whole run. A thread sweep in which more threads
+were slower than fewer is called out too: on a quiet machine that points at the network (too little
+work per op to share), on a busy one at the machine.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..devices import Device, cpu, cpu_count, num_gpus, require_available, to_device
 from ..errors import UsageError, unknown_choice
 from ..models import get_spec, model_names
+from ..timing import Timing, doubling_up_to, time_steps
 from .modes import get_mode, mode_names
 from .reference import PaperFigure, paper_figure
-from .timing import Timing, doubling_up_to, time_steps
 
 
 def default_threads(cores: int | None = None) -> list[int]:
@@ -98,6 +103,19 @@ class CellResult:
     timing: Timing | None = None
     flops_per_step: float | None = None
     error: str | None = None
+    compile_s: float | None = None
+    """Building the step plus its first call, beyond a steady step (compile and hybrid modes)."""
+    backend: str | None = None
+    """What ran the step: torch.compile's backend, or the hybrid backend(s) chosen."""
+
+    @property
+    def contended(self) -> bool:
+        return self.timing is not None and self.timing.contended
+
+    @property
+    def contention(self) -> str | None:
+        """Why the cell's timing is not to be trusted, when it is contended."""
+        return self.timing.contention.reason if self.timing and self.timing.contention else None
 
     @property
     def paper(self) -> PaperFigure | None:
@@ -129,6 +147,11 @@ class CellResult:
             "spread": {"q1_s": t.q1_s, "q3_s": t.q3_s, "iqr_s": t.iqr_s, "min_s": t.min_s, "max_s": t.max_s,
                        "rel": t.rel_spread} if t else None,
             "noisy": t.noisy if t else None,
+            "contended": self.contended,
+            "contention": self.contention,
+            "contention_signals": t.contention.to_dict() if t and t.contention else None,
+            "compile_s": self.compile_s,
+            "backend": self.backend,
             "samples": list(t.samples) if t else [],
             "flops_per_step": self.flops_per_step,
             "achieved_gflops": self.achieved_flops / 1e9 if self.achieved_flops else None,
@@ -153,6 +176,14 @@ class BenchResult:
         """How many cells the configuration asks for."""
         return sum(1 for _ in self.config.cells())
 
+    @property
+    def contended(self) -> bool:
+        return any(c.contended for c in self.cells)
+
+    def thread_warnings(self) -> list[str]:
+        """One line per network and device whose time grew with more threads."""
+        return slower_with_more_threads(self.cells)
+
     def to_dict(self) -> dict:
         c = self.config
         return {
@@ -164,8 +195,35 @@ class BenchResult:
                        "batch_size": c.batch_size, "warmup": c.warmup, "steps": c.steps, "mode": c.mode,
                        "max_cell_seconds": c.max_cell_seconds},
             "seconds": self.seconds,
+            "contended": self.contended,
+            "thread_warnings": self.thread_warnings(),
             "cells": [cell.to_dict() for cell in self.cells],
         }
+
+
+SLOWER_TOLERANCE = 0.10
+"""More threads must be this much slower than fewer before a sweep is called out (timer noise)."""
+
+
+def slower_with_more_threads(cells: list[CellResult]) -> list[str]:
+    """Lines naming each network and device where a thread count was slower than a smaller one."""
+    lines = []
+    groups: dict[tuple[str, Device], list[CellResult]] = {}
+    for c in cells:
+        if c.threads is not None and c.timing is not None:
+            groups.setdefault((c.network, c.device), []).append(c)
+    for (net, dev), group in groups.items():
+        group.sort(key=lambda c: c.threads)
+        for i, more in enumerate(group):
+            fewer = min(group[:i], key=lambda c: c.timing.median_s, default=None)
+            if fewer is None or more.timing.median_s <= fewer.timing.median_s * (1 + SLOWER_TOLERANCE):
+                continue
+            ratio = more.timing.median_s / fewer.timing.median_s
+            why = ("marked contended: other work took the cores" if more.contended or fewer.contended
+                   else "not contended: the ops may be too small to share, or the cores are shared")
+            lines.append(f"{net} on {dev}: {more.threads} threads took {ratio:.1f}x as long as {fewer.threads} "
+                         f"({why})")
+    return lines
 
 
 def machine_info() -> dict:
@@ -226,6 +284,19 @@ def describe_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:160]}"
 
 
+# torch.compile's documented default backend, which compiled_step does not override
+_MODE_BACKENDS = {"compile": "inductor"}
+
+
+def step_backend(step: Callable, mode: str) -> str | None:
+    """What runs a built step: a hybridized model's chosen backend(s), or the mode's compiler backend."""
+    hybrid = getattr(step, "hybrid_module", None)
+    if hybrid is not None:
+        chosen = sorted({choice.backend for choice in hybrid.choices.values()})
+        return ",".join(chosen) if chosen else hybrid.state
+    return getattr(step, "backend", None) or _MODE_BACKENDS.get(mode)
+
+
 def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
              flops: float | None, on_step: Callable[[], None] | None = None) -> CellResult:
     spec = get_spec(net)
@@ -239,10 +310,17 @@ def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
             gen = torch.Generator().manual_seed(config.seed)
             x, y = spec.input.make_batch(batch, dev.torch_device, generator=gen)
+            built = time.perf_counter()
             step = get_mode(config.mode)(model, spec.loss, optimizer, x, y)
+            build_s = time.perf_counter() - built
+            # a GPU cell keeps one host thread busy launching kernels
             cell.timing = time_steps(lambda: step(x, y), warmup=config.warmup, steps=config.steps,
                                      synchronize=dev.synchronize, on_step=on_step,
-                                     max_seconds=config.max_cell_seconds)
+                                     max_seconds=config.max_cell_seconds, threads=threads or 1)
+            if config.mode != "eager":
+                overhead = cell.timing.first_call_overhead_s
+                cell.compile_s = build_s + (overhead or 0.0)
+                cell.backend = step_backend(step, config.mode)
     except Exception as exc:  # noqa: BLE001 - one cell's failure must not lose the others
         cell.error = describe_failure(exc)
     finally:
@@ -255,7 +333,8 @@ def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
 
 
 def run_bench(config: BenchConfig, on_cell_start: Callable[[str, Device, int | None], None] | None = None,
-              on_step: Callable[[], None] | None = None) -> BenchResult:
+              on_step: Callable[[], None] | None = None,
+              on_cell_done: Callable[[CellResult], None] | None = None) -> BenchResult:
     """Time every cell of ``config``; callbacks let a caller show progress.
 
     A KeyboardInterrupt (Ctrl-C) ends the sweep early instead of losing it: the interrupted cell is
@@ -273,6 +352,8 @@ def run_bench(config: BenchConfig, on_cell_start: Callable[[str, Device, int | N
             if (net, batch) not in flops:
                 flops[(net, batch)] = count_step_flops(net, batch)
             cells.append(run_cell(net, dev, threads, config, flops[(net, batch)], on_step))
+            if on_cell_done:
+                on_cell_done(cells[-1])
     except KeyboardInterrupt:
         interrupted = True
     return BenchResult(config, cells, machine_info(), time.perf_counter() - t0, interrupted)

@@ -5,23 +5,33 @@ AlexNet-R, 128 for ResNet-56), so perfect scaling halves the time per mini-batch
 devices. dlperf's :class:`~dlperf.parallel.Trainer` is timed on 1..k devices with the shared timing
 protocol, and the paper's figures (Tesla K80 GK210 GPUs) are printed beside it.
 
+The outputs are the Table-7 sweep's: a rich table, ``--csv``, ``--markdown``, ``--json`` and a
+``--plot`` of time against devices. A row timed while other work competed for the CPUs is marked
+``!`` (see :mod:`dlperf.timing`). Ctrl-C stops the sweep: the row it interrupts is dropped, the
+finished rows go to every output and the exit status is 130.
+
 >>> sorted(PAPER_TABLE8) == sorted(GLOBAL_BATCH)
 True
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..devices import Device, cpu, cpu_count, gpu, num_gpus
-from .timing import doubling_up_to, time_steps
+from ..timing import doubling_up_to, time_steps
 
-__all__ = ["PAPER_TABLE8", "GLOBAL_BATCH", "PAPER_DEVICE_COUNTS", "main_scaling", "measure_scaling",
-           "device_counts"]
+__all__ = ["PAPER_TABLE8", "GLOBAL_BATCH", "PAPER_DEVICE_COUNTS", "ScalingResult", "main_scaling",
+           "measure_scaling", "device_counts"]
 
 PAPER_DEVICE_COUNTS = (1, 2, 4)
 # Seconds per mini-batch on 1, 2 and 4 GK210 GPUs (Table 8).
@@ -62,10 +72,18 @@ def _paper(network: str, n: int) -> dict[str, float]:
 
 
 def measure_scaling(network: str, devices: Sequence[Device], *, steps: int, warmup: int,
-                    global_batch: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
-    """Time one training step of ``network`` on the first 1, 2, 4, ... of ``devices``."""
+                    global_batch: int | None = None, seed: int = 0,
+                    on_row_start: Callable[[str, int], None] | None = None,
+                    on_row: Callable[[dict[str, Any]], None] | None = None,
+                    on_step: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """Time one training step of ``network`` on the first 1, 2, 4, ... of ``devices``.
+
+    ``on_row`` gets each row as soon as it is measured, so a caller keeps the finished rows when a
+    later one is interrupted.
+    """
     from ..models import get_spec
     from ..parallel import Trainer
+    from ..parallel.workers import thread_budget
 
     spec = get_spec(network)
     batch = global_batch or GLOBAL_BATCH[network]
@@ -77,33 +95,169 @@ def measure_scaling(network: str, devices: Sequence[Device], *, steps: int, warm
     rows, base = [], None
     for n in device_counts(len(devices)):
         devs = list(devices[:n])
+        if on_row_start:
+            on_row_start(network, n)
         with Trainer(model, devs, "sgd", {"lr": 0.01, "momentum": 0.9}, loss=spec.loss) as trainer:
             def sync(devs=devs) -> None:
                 for d in devs:
                     d.synchronize()
 
-            timing = time_steps(lambda: trainer.train_step(X, y), warmup=warmup, steps=steps, synchronize=sync)
+            timing = time_steps(lambda: trainer.train_step(X, y), warmup=warmup, steps=steps, synchronize=sync,
+                                on_step=on_step, threads=sum(thread_budget(devs)))
         base = base or timing.median_s
         rows.append({"network": network, "devices": n, "device_list": [str(d) for d in devs],
                      "global_batch": batch, "median_s": timing.median_s, "q1_s": timing.q1_s,
-                     "q3_s": timing.q3_s, "noisy": timing.noisy, "speedup": base / timing.median_s,
+                     "q3_s": timing.q3_s, "noisy": timing.noisy, "contended": timing.contended,
+                     "contention": timing.contention.reason if timing.contention else None,
+                     "samples": len(timing.samples), "speedup": base / timing.median_s,
                      "paper_s": _paper(network, n)})
+        if on_row:
+            on_row(rows[-1])
     return rows
 
 
-def _print_table(rows: list[dict[str, Any]], devices: Sequence[Device]) -> None:
-    kind = "GPU" if devices[0].is_gpu else "logical CPU device"
-    print(f"Table 8: time per mini-batch (s), global batch fixed and split across {kind}s; "
-          f"paper: Tesla K80 (GK210) GPUs")
-    head = f"{'network':<10} {'dev':>3} {'batch':>5} {'dlperf s':>9} {'IQR s':>7} {'speedup':>7}"
-    head += "".join(f" {fw:>6}" for fw in _FRAMEWORKS)
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        line = (f"{r['network']:<10} {r['devices']:>3} {r['global_batch']:>5} {r['median_s']:>9.3f} "
-                f"{r['q3_s'] - r['q1_s']:>7.3f} {r['speedup']:>6.2f}x")
-        line += "".join(f" {r['paper_s'][fw]:>6.3f}" if r["paper_s"] else f" {'-':>6}" for fw in _FRAMEWORKS)
-        print(line + ("  (noisy)" if r["noisy"] else ""))
+@dataclass
+class ScalingResult:
+    """The rows of a Table-8 sweep, finished or interrupted."""
+
+    networks: list[str]
+    devices: list[Device]
+    steps: int
+    warmup: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    interrupted: bool = False
+    seconds: float = 0.0
+    machine: dict = field(default_factory=dict)
+
+    @property
+    def planned(self) -> int:
+        return len(self.networks) * len(device_counts(len(self.devices)))
+
+    @property
+    def contended(self) -> bool:
+        return any(r.get("contended") for r in self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": "dlperf.scaling/1", "table": 8, "devices": [str(d) for d in self.devices],
+                "steps": self.steps, "warmup": self.warmup, "interrupted": self.interrupted,
+                "rows_planned": self.planned, "contended": self.contended, "machine": self.machine,
+                "seconds": self.seconds, "rows": self.rows}
+
+
+# --- outputs: the same set as the Table-7 sweep's -------------------------------------------------
+
+NOISY_MARK, CONTENDED_MARK = "~", "!"
+CSV_FIELDS = ("network", "devices", "global_batch", "median_s", "q1_s", "q3_s", "noisy", "contended",
+              "contention", "samples", "speedup", *(f"paper_{fw}_s" for fw in _FRAMEWORKS))
+
+
+def title(result: ScalingResult) -> str:
+    kind = "GPU" if result.devices and result.devices[0].is_gpu else "logical CPU device"
+    return (f"Table 8: time per mini-batch (s), global batch fixed and split across {kind}s; "
+            "paper: Tesla K80 (GK210) GPUs")
+
+
+def table_grid(result: ScalingResult) -> tuple[list[str], list[list[str]]]:
+    header = ["network", "devices", "batch", "dlperf (s)", "IQR (s)", "speedup", *_FRAMEWORKS]
+    rows = []
+    for r in result.rows:
+        marks = (NOISY_MARK if r["noisy"] else "") + (CONTENDED_MARK if r.get("contended") else "")
+        paper = [f"{r['paper_s'][fw]:.3f}" if r["paper_s"] else "-" for fw in _FRAMEWORKS]
+        rows.append([r["network"], str(r["devices"]), str(r["global_batch"]), f"{r['median_s']:.3f}{marks}",
+                     f"{r['q3_s'] - r['q1_s']:.3f}", f"{r['speedup']:.2f}x", *paper])
+    return header, rows
+
+
+def footnotes(result: ScalingResult) -> list[str]:
+    notes = [f"INTERRUPTED: {len(result.rows)} of {result.planned} rows finished; the rest did not run."] \
+        if result.interrupted else []
+    m = result.machine
+    if m:
+        notes.append(f"Machine: {m.get('cpu')}, {m.get('cores')} cores; torch {m.get('torch')}; {m.get('date')}.")
+    notes.append(f"{NOISY_MARK} marks a noisy row (interquartile range > 10% of median).")
+    marked = [r for r in result.rows if r.get("contended")]
+    if marked:
+        notes.append(f"{CONTENDED_MARK} marks a row timed while other work competed for its CPUs; its time is "
+                     "not the step's cost. Rerun on a quiet machine:")
+        notes += [f"  {CONTENDED_MARK} {r['network']}, {r['devices']} devices: {r['contention']}" for r in marked]
+    return notes
+
+
+def render_terminal(result: ScalingResult, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    console.print(title(result), highlight=False, markup=False, soft_wrap=True)
+    header, rows = table_grid(result)
+    table = Table(show_lines=False, header_style="bold")
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i == 0 else "right", no_wrap=True)
+    for i, row in enumerate(rows):
+        last_of_network = i + 1 == len(rows) or result.rows[i + 1]["network"] != result.rows[i]["network"]
+        table.add_row(*row, end_section=last_of_network)
+    console.print(table)
+    for line in footnotes(result):
+        console.print(line, style="bold yellow" if line.lstrip().startswith(CONTENDED_MARK) else "dim",
+                      highlight=False, markup=False)
+
+
+def render_markdown(result: ScalingResult) -> str:
+    header, rows = table_grid(result)
+    out = [title(result), "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    out.append("")
+    out += [f"{line}  " for line in footnotes(result)]
+    return "\n".join(out) + "\n"
+
+
+def render_csv(result: ScalingResult) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
+    w.writeheader()
+    for r in result.rows:
+        w.writerow({**{k: r.get(k) for k in CSV_FIELDS if not k.startswith("paper_")},
+                    **{f"paper_{fw}_s": r["paper_s"].get(fw) for fw in _FRAMEWORKS}})
+    return buf.getvalue()
+
+
+def render_json(result: ScalingResult) -> str:
+    """One line, so that ``| tail -1`` gives a parseable document."""
+    return json.dumps(result.to_dict(), separators=(",", ":"))
+
+
+def render_plot(result: ScalingResult, path: str) -> None:
+    """Time per mini-batch against devices, one line per network, with perfect scaling dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .._io import atomic_write_bytes
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for net in result.networks:
+        pts = [(r["devices"], r["median_s"]) for r in result.rows if r["network"] == net]
+        if not pts:
+            continue
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=net)
+        ax.plot([p[0] for p in pts], [pts[0][1] / p[0] for p in pts], linestyle=":", color=line.get_color())
+    counts = sorted({r["devices"] for r in result.rows}) or [1]
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(c) for c in counts])
+    ax.set_yscale("log")
+    ax.set_xlabel("devices (global batch split across them; dotted: perfect scaling)")
+    ax.set_ylabel("seconds per mini-batch")
+    ax.set_title(title(result), fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    ax.grid(True, which="both", alpha=0.3)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+# --- the command ------------------------------------------------------------------------------------
 
 
 def _check_scaling_args(args, n_devices: int) -> None:
@@ -111,12 +265,11 @@ def _check_scaling_args(args, n_devices: int) -> None:
     from ..errors import UsageError
 
     ignored = [f"--mode {args.mode}" if getattr(args, "mode", "eager") != "eager" else None,
-               "--threads" if getattr(args, "threads", None) is not None else None,
-               *(f"--{o}" for o in ("csv", "markdown", "plot") if getattr(args, o, None) is not None)]
+               "--threads" if getattr(args, "threads", None) is not None else None]
     ignored = [o for o in ignored if o]
     if ignored:
-        raise UsageError(f"--scaling does not take {', '.join(ignored)}: it times eager steps with one worker "
-                         f"thread per device and writes its table and --json only")
+        raise UsageError(f"--scaling does not take {', '.join(ignored)}: it times eager steps with the cores "
+                         f"split among the device workers")
     for name, low in (("steps", 1), ("warmup", 0)):
         value = getattr(args, name, None)
         if value is not None and value < low:
@@ -127,11 +280,35 @@ def _check_scaling_args(args, n_devices: int) -> None:
                          f"example per step), got {batch}")
 
 
+def _measure_all(result: ScalingResult, batches: dict[str, int]) -> None:
+    """Fill ``result.rows``, network by network; Ctrl-C keeps the rows finished so far."""
+    from .cli import SweepProgress
+
+    with SweepProgress("row", result.planned, result.warmup + result.steps) as progress:
+        for net in result.networks:
+            finished: list[dict[str, Any]] = []
+
+            def row_done(row: dict[str, Any], finished: list = finished) -> None:
+                finished.append(row)
+                progress.finish(f"{row['network']} on {row['devices']} devices", row["contention"])
+
+            try:
+                rows = measure_scaling(net, result.devices, steps=result.steps, warmup=result.warmup,
+                                       global_batch=batches.get(net), on_row=row_done, on_step=progress.step,
+                                       on_row_start=lambda n, k: progress.start(f"{n} on {k} devices"))
+            except KeyboardInterrupt:
+                result.rows += finished
+                result.interrupted = True
+                return
+            result.rows += rows
+
+
 def main_scaling(args) -> int:
     """Run Table 8 (``dlperf bench --scaling``); see the module docstring for the protocol."""
-    from .._io import atomic_write_text, check_writable
     from ..errors import UsageError
     from ..parallel import check_devices
+    from .cli import check_batch_memory, check_outputs, emit_outputs
+    from .runner import machine_info
 
     networks = list(args.networks or GLOBAL_BATCH)
     for n in networks:
@@ -139,30 +316,24 @@ def main_scaling(args) -> int:
             raise UsageError(f"Table 8 has no network {n!r}; valid choices: {', '.join(GLOBAL_BATCH)}")
     devices = check_devices(args.devices or default_devices())
     _check_scaling_args(args, len(devices))
-    from .cli import check_batch_memory
-
     check_batch_memory(networks, getattr(args, "batch_size", None))
-    json_file = args.json if isinstance(args.json, str) and args.json != "-" else None
-    if json_file:
-        try:
-            check_writable(json_file)  # fail now, not after minutes of timing
-        except OSError as exc:
-            raise UsageError(f"cannot write --json {json_file}: {exc.strerror or exc}") from None
+    check_outputs(args)  # fail now, not after minutes of timing
     quick = bool(getattr(args, "quick", False))
     steps = args.steps if args.steps is not None else (3 if quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
     batches = dict(getattr(args, "global_batch", None) or {})
     if getattr(args, "batch_size", None) is not None:  # one global batch for every network (quick checks)
         batches = {net: args.batch_size for net in networks}
-    rows: list[dict[str, Any]] = []
-    for net in networks:
-        rows += measure_scaling(net, devices, steps=steps, warmup=warmup, global_batch=batches.get(net))
-    _print_table(rows, devices)
-    if args.json:
-        doc = json.dumps({"table": 8, "devices": [str(d) for d in devices], "steps": steps, "warmup": warmup,
-                          "rows": rows})
-        if json_file:
-            atomic_write_text(json_file, doc + "\n")  # a reader never sees half a document
-        else:
-            print(doc)
+    result = ScalingResult(networks, list(devices), steps, warmup)
+    t0 = time.perf_counter()
+    _measure_all(result, batches)
+    result.seconds, result.machine = time.perf_counter() - t0, machine_info()
+    emit_outputs(result, args, sys.modules[__name__])
+    if result.contended:
+        print(f"dlperf bench: {sum(bool(r['contended']) for r in result.rows)} row(s) were timed on a busy "
+              f"machine and are marked {CONTENDED_MARK}; rerun them when the machine is quiet.", file=sys.stderr)
+    if result.interrupted:
+        print(f"dlperf bench: interrupted after {len(result.rows)} of {result.planned} rows; "
+              "the outputs hold the finished ones", file=sys.stderr, flush=True)
+        return 130
     return 0

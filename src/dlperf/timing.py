@@ -1,0 +1,428 @@
+"""dlperf's one timer: warm up, synchronize around each step, take the median, and say whether to trust it.
+
+Every measurement in dlperf (``dlperf bench``, Table 8 scaling, hybridize's ``auto`` backend choice,
+the hardware probe) goes through :func:`time_steps`. Besides the per-step samples it watches the
+machine while the timed steps run and marks the timing ``contended`` when other work competed for
+the CPUs the steps needed, so that a number measured on a busy machine is never mistaken for the
+cost of the step (d2l 12.4: "make sure nothing else runs when you benchmark").
+
+The contention rule
+-------------------
+A small spread does not prove a quiet machine: a CPU hog that shares a core with one of our
+threads slows *every* step by the same factor, so the steps agree with each other and are all
+wrong. The timer therefore measures the machine directly over the timed window (warm-up excluded)
+and reads four signals:
+
+``wait``
+    Per-thread scheduler statistics (``/proc/self/task/*/schedstat``): the time our threads were
+    ready to run but sat in a run queue because the CPU was given to something else, as a fraction
+    of the time they wanted a CPU (on-CPU + waiting). This is the direct signal: it is near zero on
+    a quiet machine however small the ops are (a thread idle at a barrier is sleeping, not waiting),
+    and it rises exactly when another task takes our core. With more threads than cores our own
+    threads queue behind each other, a share ``(threads - cores) / threads`` that is expected and
+    allowed for.
+``others``
+    Runnable tasks that are not ours, sampled between steps: ``/proc/loadavg``'s running count
+    minus our own threads in state R. It names the cause (another process) and backs up ``wait``.
+``cpu``
+    Cores our process used (process CPU time over wall time) against the threads asked for. Low
+    use alone means nothing (tiny ops run on one thread; a thread may wait on memory), so it only
+    counts together with ``others``, and only where ``wait`` cannot be read.
+``steal``
+    ``/proc/stat``'s steal ticks over all ticks in the window: a hypervisor ran another guest on
+    our virtual CPUs. Trusted only when the window spans at least ``MIN_TICKS`` ticks.
+
+A timing is contended when any of these holds:
+
+1. steal > ``STEAL_LIMIT`` (5 %) of the CPU time in the window;
+2. ``wait`` is readable and exceeds the self-inflicted share by ``WAIT_LIMIT`` (15 % of the time our
+   threads wanted a CPU), and other runnable tasks were seen at least once (so that our own helper
+   threads can never mark a cell on their own);
+3. schedstat is not readable at all (not Linux, or a kernel without it), the window lasted at least
+   ``MIN_WANTED_S``, the process used less than ``CPU_USE_LIMIT`` (0.75) of the
+   ``min(threads, cores)`` cores it asked for, and the mean number of other runnable tasks plus
+   those threads exceeds the cores by more than ``LOAD_MARGIN`` (0.5).
+
+A window shorter than ``MIN_WANTED_S`` of CPU demand (a few steps of a tiny network) is not judged
+by wait or CPU use: a single scheduler tick or one sample decides it, which would mark quiet cells
+at random. Such cells are marked only for steal; their per-step spread remains the guide.
+
+The one-minute load average is reported but never decides: it counts our own threads (a previous
+2-thread cell would make the next one look contended) and lags the window by a minute. The limits
+were calibrated on a 2-core machine: quiet runs of LeNet, AlexNet-R and the MLP waited 0-1 % of the
+time with 1 or 2 threads (Table-8 rows with their extra worker threads up to 6 %), while a ``while
+True`` hog pinned to one core raised a 2-thread cell's wait to 50-73 % (and its time 4-10x) and left
+the 1-thread cell, which the scheduler moved to the free core, at about 1 %.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["NOISY_REL_SPREAD", "Contention", "ContentionMonitor", "ContentionSignals", "Timing",
+           "doubling_up_to", "judge_contention", "time_steps"]
+
+# A cell whose interquartile range exceeds this fraction of its median is flagged as noisy: the
+# median is still reported, but the reader should rerun with more steps on a quieter machine.
+NOISY_REL_SPREAD = 0.10
+
+STEAL_LIMIT = 0.05
+WAIT_LIMIT = 0.15
+CPU_USE_LIMIT = 0.75
+LOAD_MARGIN = 0.5
+MIN_TICKS = 20
+"""Fewer scheduler ticks than this (10 ms each on most kernels, per core) say nothing about steal."""
+MIN_WANTED_S = 0.02
+"""Less CPU demand than this in a window is too short for the wait fraction to mean anything."""
+SAMPLE_EVERY_S = 0.02
+"""Runnable-task samples are taken between steps, at most this often, outside the timed brackets."""
+
+
+def doubling_up_to(k: int) -> list[int]:
+    """1, 2, 4, ... below ``k``, then ``k`` itself: the sweep points for threads and devices.
+
+    >>> doubling_up_to(6)
+    [1, 2, 4, 6]
+    """
+    out, n = [], 1
+    while n < k:
+        out.append(n)
+        n *= 2
+    out.append(max(k, 1))
+    return out
+
+
+# --- contention: the signals and the rule -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContentionSignals:
+    """What was measured over one timed window; ``None`` where the platform could not say."""
+
+    wall_s: float
+    cpu_s: float
+    """CPU time of the whole process (every thread) over the window."""
+    threads: int
+    """Threads the steps were asked to keep busy."""
+    cores: int
+    """Cores this process may run on."""
+    run_s: float | None = None
+    """Our threads' on-CPU time from schedstat."""
+    wait_s: float | None = None
+    """Our threads' run-queue waiting time from schedstat."""
+    others_mean: float | None = None
+    others_max: int | None = None
+    load1: float | None = None
+    steal_ticks: int | None = None
+    total_ticks: int | None = None
+
+    @property
+    def cores_used(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def wait_fraction(self) -> float | None:
+        if self.run_s is None or self.wait_s is None or self.run_s + self.wait_s < MIN_WANTED_S:
+            return None
+        return self.wait_s / (self.run_s + self.wait_s)
+
+    @property
+    def steal_fraction(self) -> float | None:
+        if self.steal_ticks is None or not self.total_ticks or self.total_ticks < MIN_TICKS:
+            return None
+        return self.steal_ticks / self.total_ticks
+
+
+@dataclass(frozen=True)
+class Contention:
+    """The verdict on one timed window: ``contended`` and, if so, why, with the numbers behind it."""
+
+    contended: bool
+    reason: str | None
+    signals: ContentionSignals
+
+    def to_dict(self) -> dict:
+        s = self.signals
+        return {"contended": self.contended, "reason": self.reason, "wall_s": s.wall_s,
+                "cores_used": round(s.cores_used, 3), "threads": s.threads, "cores": s.cores,
+                "wait_fraction": _round(s.wait_fraction), "others_runnable": _round(s.others_mean),
+                "others_runnable_max": s.others_max, "load1": s.load1, "steal_fraction": _round(s.steal_fraction)}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def judge_contention(s: ContentionSignals) -> Contention:
+    """Apply the module docstring's rule to measured (or, in tests, made-up) signals."""
+    busy = min(s.threads, s.cores)
+    others_seen = s.others_max is not None and s.others_max >= 1
+    triggers: list[str] = []
+    steal = s.steal_fraction
+    if steal is not None and steal > STEAL_LIMIT:
+        triggers.append(f"steal {steal:.0%} of CPU time")
+    schedstat = s.run_s is not None and s.wait_s is not None
+    wait = s.wait_fraction
+    if wait is not None:
+        allowed = max(0, s.threads - s.cores) / s.threads
+        if wait > allowed + WAIT_LIMIT and others_seen:
+            triggers.append(f"threads waited for a CPU {wait:.0%} of the time")
+    elif not schedstat and s.wall_s >= MIN_WANTED_S and s.others_mean is not None \
+            and s.cores_used < CPU_USE_LIMIT * busy and s.others_mean + busy > s.cores + LOAD_MARGIN:
+        triggers.append("other tasks were runnable while our threads were not all running")
+    if not triggers:
+        return Contention(False, None, s)
+    context = [f"cpu {s.cores_used:.1f} of {busy}.0 cores"]
+    if s.others_mean is not None:
+        context.append(f"{s.others_mean:.1f} other runnable tasks on {s.cores} cores")
+    if s.load1 is not None:
+        context.append(f"load {s.load1:.1f} on {s.cores} cores")
+    return Contention(True, "; ".join(triggers + context), s)
+
+
+# --- contention: reading the machine ----------------------------------------------------------
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _task_ids() -> list[str]:
+    try:
+        return os.listdir("/proc/self/task")
+    except OSError:
+        return []
+
+
+def _schedstat() -> dict[str, tuple[int, int]] | None:
+    """Per thread: (ns on a CPU, ns waiting in a run queue); None where the kernel does not say."""
+    out: dict[str, tuple[int, int]] = {}
+    for tid in _task_ids():
+        text = _read(f"/proc/self/task/{tid}/schedstat")
+        if text is None:
+            continue  # the thread ended meanwhile
+        fields = text.split()
+        if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
+            out[tid] = (int(fields[0]), int(fields[1]))
+    # a kernel without schedstats reports zeros for a thread that surely ran (this one)
+    return out if out and any(run > 0 for run, _ in out.values()) else None
+
+
+def _own_running() -> int:
+    n = 0
+    for tid in _task_ids():
+        text = _read(f"/proc/self/task/{tid}/stat")
+        # the state follows the parenthesised name, which may itself contain ") "
+        if text and text[text.rfind(")") + 2:text.rfind(")") + 3] == "R":
+            n += 1
+    return n
+
+
+def _system_running() -> int | None:
+    text = _read("/proc/loadavg")
+    try:
+        return int(text.split()[3].split("/")[0]) if text else None
+    except (IndexError, ValueError):
+        return None
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(steal, total) ticks of all CPUs so far."""
+    text = _read("/proc/stat")
+    if not text or not text.startswith("cpu "):
+        return None
+    try:
+        values = [int(v) for v in text.split("\n", 1)[0].split()[1:]]
+    except ValueError:
+        return None
+    # guest time is already counted in user time; leave it out of the total
+    counted = values[:8]
+    return (counted[7] if len(counted) > 7 else 0), sum(counted)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _load1() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+class ContentionMonitor:
+    """Watches the machine over one timed window: ``start()``, ``sample()`` between steps, ``stop()``."""
+
+    def __init__(self, threads: int, cores: int | None = None) -> None:
+        self.threads = max(1, threads)
+        self.cores = cores or _cores()
+        self._others: list[int] = []
+        self._last_sample = 0.0
+
+    def start(self) -> None:
+        self._others.clear()
+        self._sched0 = _schedstat()
+        self._ticks0 = _cpu_ticks()
+        self._cpu0 = time.process_time()
+        self._wall0 = time.perf_counter()
+        self.sample(force=True)
+
+    def sample(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last_sample < SAMPLE_EVERY_S:
+            return
+        self._last_sample = now
+        system = _system_running()
+        if system is not None:
+            self._others.append(max(0, system - _own_running()))
+
+    def stop(self) -> Contention:
+        wall = time.perf_counter() - self._wall0
+        cpu = time.process_time() - self._cpu0
+        self.sample(force=True)
+        sched1, ticks1 = _schedstat(), _cpu_ticks()
+        run_s = wait_s = None
+        if self._sched0 is not None and sched1 is not None:
+            # a thread started inside the window counts from zero; one that ended is lost (rare, small)
+            run_ns = sum(r - self._sched0.get(t, (0, 0))[0] for t, (r, _) in sched1.items())
+            wait_ns = sum(w - self._sched0.get(t, (0, 0))[1] for t, (_, w) in sched1.items())
+            run_s, wait_s = max(0, run_ns) / 1e9, max(0, wait_ns) / 1e9
+        steal = total = None
+        if self._ticks0 is not None and ticks1 is not None:
+            steal, total = ticks1[0] - self._ticks0[0], ticks1[1] - self._ticks0[1]
+        others = self._others
+        signals = ContentionSignals(
+            wall_s=wall, cpu_s=cpu, threads=self.threads, cores=self.cores, run_s=run_s, wait_s=wait_s,
+            others_mean=statistics.fmean(others) if others else None, others_max=max(others) if others else None,
+            load1=_load1(), steal_ticks=steal, total_ticks=total)
+        return judge_contention(signals)
+
+
+# --- the timer ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per step over the timed steps (warm-up excluded), and whether the machine was busy."""
+
+    median_s: float
+    q1_s: float
+    q3_s: float
+    min_s: float
+    max_s: float
+    samples: tuple[float, ...]
+    warmup_samples: tuple[float, ...] = ()
+    """Seconds of each untimed warm-up step: the first holds compilation, allocation, autotuning."""
+    contention: Contention | None = field(default=None, compare=False)
+
+    @property
+    def iqr_s(self) -> float:
+        return self.q3_s - self.q1_s
+
+    @property
+    def rel_spread(self) -> float:
+        """Interquartile range over median; with fewer than 4 samples, (max - min) over median."""
+        width = self.iqr_s if len(self.samples) >= 4 else self.max_s - self.min_s
+        return width / self.median_s if self.median_s > 0 else 0.0
+
+    @property
+    def noisy(self) -> bool:
+        return self.rel_spread > NOISY_REL_SPREAD
+
+    @property
+    def contended(self) -> bool:
+        return self.contention is not None and self.contention.contended
+
+    @property
+    def first_call_overhead_s(self) -> float | None:
+        """How much longer the first warm-up step took than a timed one (compilation, first allocations)."""
+        if not self.warmup_samples:
+            return None
+        return max(0.0, self.warmup_samples[0] - self.median_s)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["samples"] = list(self.samples)
+        d["warmup_samples"] = list(self.warmup_samples)
+        d["contention"] = self.contention.to_dict() if self.contention else None
+        d.update(iqr_s=self.iqr_s, rel_spread=self.rel_spread, noisy=self.noisy, contended=self.contended)
+        return d
+
+    @classmethod
+    def from_samples(cls, samples: list[float], warmup_samples: list[float] | tuple[float, ...] = (),
+                     contention: Contention | None = None) -> Timing:
+        if not samples:
+            raise ValueError("at least one timed sample is needed")
+        s = sorted(samples)
+        if len(s) >= 2:
+            q1, _, q3 = statistics.quantiles(s, n=4, method="inclusive")
+        else:
+            q1 = q3 = s[0]
+        return cls(statistics.median(s), q1, q3, s[0], s[-1], tuple(samples), tuple(warmup_samples), contention)
+
+
+def _default_threads() -> int:
+    try:
+        import torch
+
+        return torch.get_num_threads()
+    except ImportError:
+        return 1
+
+
+def time_steps(step: Callable[[], object], *, warmup: int, steps: int,
+               synchronize: Callable[[], None] = lambda: None,
+               on_step: Callable[[], None] | None = None,
+               max_seconds: float | None = None, min_steps: int = 3,
+               threads: int | None = None) -> Timing:
+    """Run ``step`` ``warmup`` times untimed, then ``steps`` times timed one by one.
+
+    ``synchronize`` waits for the device: GPU work is asynchronous, so a timer read without it
+    measures only the launch. Each step is bracketed separately so one slow step (a page fault,
+    a background process) moves the spread, not the median. With ``max_seconds``, timing stops
+    early once that much time went into timed steps and at least ``min_steps`` were taken, so a
+    slow network cannot blow a time budget. ``threads`` is how many threads a step keeps busy
+    (default: torch's intra-op threads); the contention check compares the machine against it.
+
+    >>> t = time_steps(lambda: sum(range(1000)), warmup=1, steps=5)
+    >>> len(t.samples), t.median_s > 0, isinstance(t.contended, bool)
+    (5, True, True)
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    warm: list[float] = []
+    for _ in range(warmup):
+        t0 = time.perf_counter()
+        step()
+        synchronize()
+        warm.append(time.perf_counter() - t0)
+        if on_step:
+            on_step()
+    synchronize()
+    monitor = ContentionMonitor(threads if threads is not None else _default_threads())
+    samples: list[float] = []
+    monitor.start()
+    for _ in range(steps):
+        if max_seconds is not None and len(samples) >= min_steps and sum(samples) >= max_seconds:
+            break
+        synchronize()
+        t0 = time.perf_counter()
+        step()
+        synchronize()
+        samples.append(time.perf_counter() - t0)
+        monitor.sample()
+        if on_step:
+            on_step()
+    return Timing.from_samples(samples, warm, monitor.stop())
