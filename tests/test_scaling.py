@@ -181,7 +181,8 @@ def test_ctrl_c_after_the_first_row_keeps_it_in_every_output_and_exits_130(tmp_p
             assert time.monotonic() < deadline, "".join(err)
             time.sleep(0.02)
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        out = proc.stdout.read()  # to EOF: the process has ended; stderr stays with the reader thread alone
+        proc.wait(timeout=60)
         reader.join(10)
     finally:
         if proc.poll() is None:
