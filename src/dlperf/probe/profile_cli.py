@@ -112,8 +112,8 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0, help="seed for weights and input")
     p.add_argument("--hardware", metavar="FILE|seed:NAME", type=hardware_source,
                    help="figures for the floors: a JSON file in Hardware.from_probe's format, or one of d2l's "
-                        "machines (seed:pcie-4gpu, seed:v100-8gpu, seed:cpu-4core); default: a quick estimate "
-                        "of this machine")
+                        "machines (seed:pcie-4gpu, seed:v100-8gpu, seed:cpu-4core); default: this machine's "
+                        "saved `dlperf probe` figures, else a quick estimate")
     p.add_argument("--no-suggest", action="store_true", help="skip measuring the suggestions")
     p.add_argument("--trace", type=va.output_path("--trace"), metavar="FILE",
                    help="write the profiled step as a Chrome trace (chrome://tracing, Perfetto)")
