@@ -240,6 +240,41 @@ def test_a_thread_running_a_waited_op_inline_joins_the_cycle():
         _still_works(eng)
 
 
+@pytest.mark.timeout(20)
+def test_wait_to_write_inside_an_op_holding_the_variable_raises():
+    with create_engine("threaded") as eng:
+        v = eng.new_var("v")
+        started = threading.Event()
+
+        def a():
+            started.set()
+            eng.wait_to_write(v)
+
+        op = eng.push(a, reads=[v], device=cpu(0), name="A")
+        started.wait(10)
+        with pytest.raises(EngineDeadlockError, match=r"'wait_to_write' .* needs var 'v' after op 'A'"):
+            op.wait()
+        _still_works(eng)
+
+
+@pytest.mark.timeout(20)
+def test_an_op_waiting_for_an_earlier_op_of_its_own_batch_finishes():
+    # X and C run back to back in one batch of cpu(0)'s worker; X has finished when C waits for
+    # it, but the batch releases finished ops in groups: the wait must release X, not hang or raise.
+    with create_engine("threaded") as eng:
+        v = eng.new_var("v")
+        gate, box = threading.Event(), []
+        eng.push(gate.wait, args=(10,), device=cpu(0))
+        time.sleep(0.05)  # the worker is inside the gate; X and C queue up behind it
+        eng.push(box.append, args=("x",), writes=[v], device=cpu(0), name="X")
+        c = eng.push(lambda: (eng.wait_to_read(v), box[:])[1], device=cpu(0), name="C")
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not c.done and time.monotonic() < deadline:  # no wait here: it would release X early
+            time.sleep(0.01)
+        assert c.wait() == ["x"]
+
+
 # ------------------------------------------------------------------------------------------ 4: bulk writes
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("kind", KINDS)

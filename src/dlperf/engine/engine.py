@@ -15,6 +15,14 @@ raised at the first wait point that touches it (``wait_to_read``, ``Op.wait``) o
 ``waitall``, or at the latest by ``close()`` (leaving a ``with`` block). The engine stays usable
 for everything else.
 
+Waiting inside a pushed function is allowed, but a wait that could never return raises
+:class:`EngineDeadlockError` in that function instead of hanging: waiting for an operation that
+is queued behind it on its own worker or ordered after it on one of its variables, or waits in
+operations on several workers that wait for each other (see :mod:`dlperf.engine.waitgraph`).
+``waitall()`` inside a pushed function would wait for that function itself: the threaded engine
+raises :class:`EngineDeadlockError`; ``close()`` there raises :class:`EngineUsageError` on both
+engines.
+
 Example:
     >>> import torch
     >>> from dlperf.engine import create_engine

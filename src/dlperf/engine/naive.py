@@ -22,7 +22,8 @@ from .engine import DEADLOCK_FIX, Engine, EngineConfig, EngineDeadlockError, reg
 from .var import DONE, RUNNING, Op, Var
 from .waitgraph import Waiter, find_cycle
 
-RECHECK_S = 0.1  # a thread blocked inside an operation re-checks for a wait cycle this often
+RECHECK_S = 0.05  # a thread blocked inside an operation re-checks for a wait cycle this often...
+RECHECK_MAX_S = 0.5  # ...doubling the pause up to this
 
 __all__ = ["NaiveEngine"]
 
@@ -79,6 +80,7 @@ class NaiveEngine(Engine):
             self._waiters += 1
             if me is not None:
                 self._blocked[key] = me
+            pause = RECHECK_S
             try:
                 while op.state != DONE:
                     if me is not None:
@@ -86,7 +88,10 @@ class NaiveEngine(Engine):
                         if cycle is not None:
                             raise EngineDeadlockError(
                                 f"this wait would deadlock, so it was not started: {cycle}. {DEADLOCK_FIX}")
-                    self._cond.wait(RECHECK_S if me is not None else None)
+                        self._cond.wait(pause)
+                        pause = min(2 * pause, RECHECK_MAX_S)
+                    else:
+                        self._cond.wait()
             finally:
                 self._waiters -= 1
                 self._blocked.pop(key, None)

@@ -11,6 +11,13 @@ A thread that waits on a ready operation of an idle CPU worker runs that operati
 instead of waking the worker and sleeping: that saves two thread switches, which dominate the
 cost of a synchronous ``y = x + 1; y.wait_to_read()`` loop.
 
+A thread that blocks while it runs an operation (a pushed function that waits) is a node of the
+wait-for graph (:mod:`dlperf.engine.waitgraph`): it first releases its batch's finished
+operations, then checks under the lock whether its wait closes a cycle, and again after
+``RECHECK_S`` (backing off to ``RECHECK_MAX_S``) while it waits; a cycle raises
+:class:`~dlperf.engine.engine.EngineDeadlockError` in that thread. Threads that run no operation
+skip all of this: nothing can wait for them.
+
 Python costs to know about: the frontend and the workers share the GIL, so for tiny operations
 the engine's throughput is that of one thread (PyTorch drops the GIL inside each kernel, which is
 what lets large operations on different devices overlap). Each pending operation keeps a few
@@ -33,10 +40,12 @@ from .var import DONE, QUEUED, RUNNING, Op, Var
 from .waitgraph import Waiter, describe_op, find_cycle
 from .worker import CpuWorker, Worker
 
-__all__ = ["ThreadedEngine", "RECHECK_S"]
+__all__ = ["ThreadedEngine", "RECHECK_S", "RECHECK_MAX_S"]
 
-RECHECK_S = 0.1
-"""A thread blocked inside an operation re-checks the wait-for graph this often (seconds)."""
+RECHECK_S = 0.05
+"""A thread blocked inside an operation re-checks the wait-for graph after this long (seconds)..."""
+RECHECK_MAX_S = 0.5
+"""...then twice as long each time up to this: a long legitimate wait costs little."""
 
 
 class ThreadedEngine(Engine):
@@ -239,14 +248,16 @@ class ThreadedEngine(Engine):
             self._waiters += 1
             try:
                 self._check_cycle(me)
-                next_check = monotonic() + RECHECK_S
+                pause = RECHECK_S
+                next_check = monotonic() + pause
                 while op.state != DONE:
                     # A cycle can also close without a new wait (an operation it waits for becomes
                     # queued on a stuck worker, a bulk batch is sent): look again now and then.
-                    self._cond.wait(RECHECK_S)
+                    self._cond.wait(pause)
                     if op.state != DONE and monotonic() >= next_check:
                         self._check_cycle(me)
-                        next_check = monotonic() + RECHECK_S
+                        pause = min(2 * pause, RECHECK_MAX_S)
+                        next_check = monotonic() + pause
             finally:
                 self._waiters -= 1
                 del self._blocked[key]
