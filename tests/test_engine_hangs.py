@@ -382,3 +382,74 @@ def test_naive_ops_in_two_threads_waiting_for_each_other_raise():
         assert len(errors) == 2 and errors[0] is errors[1]  # one detects; the other fails through its var
         assert "'A' (cpu(0))" in str(errors[0]) and "'B' (cpu(0))" in str(errors[0])
         _still_works(eng)
+
+
+# ------------------------------------------------------------------------------------------ no false alarms
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", range(4))
+def test_waits_on_earlier_pushes_never_raise(seed):
+    # Ops without shared variables are ready when pushed, so each worker runs them in push order;
+    # an op that only waits for earlier pushes can never be part of a cycle. The detector must agree.
+    import random
+
+    rng = random.Random(seed)
+    with create_engine("threaded") as eng:
+        ops, vars_, expected = [], [], []
+        for i in range(80):
+            v = eng.new_var(f"v{i}")
+            j = rng.randrange(i) if i and rng.random() < 0.7 else None
+            how = rng.choice(["op", "var"])
+            nap = 0.002 if rng.random() < 0.6 else 0.0  # so that many waits really block
+
+            def body(i=i, j=j, how=how, nap=nap):
+                time.sleep(nap)
+                if j is not None:
+                    if how == "op":
+                        ops[j].wait()
+                    else:
+                        eng.wait_to_read(vars_[j])
+                return i
+
+            ops.append(eng.push(body, writes=[v], device=cpu(rng.randrange(3)), name=f"op{i}"))
+            vars_.append(v)
+            expected.append(i)
+            if rng.random() < 0.1:
+                ops[rng.randrange(len(ops))].wait()  # the main thread may run queued ops itself
+        eng.waitall()
+        assert [op.wait() for op in ops] == expected
+
+
+def _random_program(eng, rng, n_ops=30, n_vars=6, n_devices=3):
+    """Ops on shared variables, some waiting inside for a random earlier op: some programs deadlock."""
+    vs = [eng.new_var(f"s{k}") for k in range(n_vars)]
+    ops = []
+    for i in range(n_ops):
+        reads = rng.sample(vs, rng.randrange(2))
+        writes = [v for v in rng.sample(vs, rng.randrange(2)) if v not in reads]
+        j = rng.randrange(i) if i and rng.random() < 0.25 else None
+        nap = 0.002 if rng.random() < 0.5 else 0.0
+
+        def body(j=j, nap=nap):
+            time.sleep(nap)
+            if j is not None:
+                ops[j].wait()
+
+        ops.append(eng.push(body, reads=reads, writes=writes, device=cpu(rng.randrange(n_devices)), name=f"op{i}"))
+    return ops
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_programs_with_waits_inside_ops_finish_or_report_a_deadlock(seed):
+    import random
+
+    rng = random.Random(seed)
+    with create_engine("threaded") as eng:
+        _random_program(eng, rng)
+        t0 = time.monotonic()
+        try:
+            eng.waitall()
+        except EngineDeadlockError as exc:
+            assert "deadlock" in str(exc)
+        assert time.monotonic() - t0 < 30
+        _still_works(eng)
