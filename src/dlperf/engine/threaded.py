@@ -238,7 +238,7 @@ class ThreadedEngine(Engine):
 
     def _wait_inside_op(self, op: Op, var: Var | None, running: list[Op]) -> None:
         """Block a thread that runs operations, as a node of the wait-for graph; raise on a cycle."""
-        worker = getattr(self._local, "worker", None)
+        worker = self._local.worker
         if worker is not None:
             worker.release_finished()  # they ran: nothing may wait for them behind this wait
         me = Waiter(running, worker, op, var)

@@ -170,7 +170,6 @@ class Worker:
 
     def _start(self) -> None:
         eng = self.engine
-        eng._local.is_worker = True
         eng._local.worker = self
         try:
             self.setup()
