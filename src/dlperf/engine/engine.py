@@ -227,6 +227,8 @@ class Engine:
         per-operation scheduling cost is paid once. A change of device, ``size`` pushes, any wait
         in this thread, or the end of the block sends the collected batch. If one member raises,
         the rest of its batch is skipped and all the batch's written variables carry the error.
+        A write collected here already counts as pushed for other threads: their ``wait_to_read``
+        of that variable (or ``wait()`` on the operation) waits until the batch is sent and done.
 
         >>> from dlperf.engine import create_engine
         >>> with create_engine() as eng:
