@@ -18,8 +18,8 @@ KINDS = ["threaded", "naive"]
 PROMPT_S = 2.0  # detection is immediate or within one re-check (0.1 s); slack for a loaded machine
 
 
-def _engine_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("dlperf-engine-")]
+def _workers_stopped(eng) -> bool:
+    return all(not w.thread.is_alive() for w in getattr(eng, "_workers", {}).values())
 
 
 def _still_works(eng) -> None:
@@ -46,7 +46,7 @@ def test_waitall_inside_a_pushed_function_raises_on_the_threaded_engine():
             op.wait()
         assert time.monotonic() - t0 < PROMPT_S
         _still_works(eng)
-    assert _engine_threads() == []
+    assert _workers_stopped(eng)
 
 
 @pytest.mark.timeout(20)
@@ -70,7 +70,7 @@ def test_close_inside_a_pushed_function_raises_and_leaves_the_engine_open(kind):
     _still_works(eng)
     eng.close()  # the error was reported by op.wait(): closing raises nothing
     assert eng.closed
-    assert _engine_threads() == []
+    assert _workers_stopped(eng)
 
 
 @pytest.mark.timeout(20)
@@ -80,7 +80,7 @@ def test_close_inside_a_pushed_function_nobody_waited_for_is_raised_by_close(kin
         with create_engine(kind) as eng:
             eng.push(lambda: eng.close())
     assert eng.closed
-    assert _engine_threads() == []
+    assert _workers_stopped(eng)
 
 
 # ------------------------------------------------------------------------------------------ 3: waits forming a cycle
@@ -128,7 +128,7 @@ def test_two_ops_on_two_workers_waiting_for_each_other_raise(how):
             with pytest.raises(EngineDeadlockError):
                 ops[name].wait()
         _still_works(eng)
-    assert _engine_threads() == []
+    assert _workers_stopped(eng)
 
 
 @pytest.mark.timeout(20)
