@@ -15,6 +15,14 @@ raised at the first wait point that touches it (``wait_to_read``, ``Op.wait``) o
 ``waitall``, or at the latest by ``close()`` (leaving a ``with`` block). The engine stays usable
 for everything else.
 
+Waiting inside a pushed function is allowed, but a wait that could never return raises
+:class:`EngineDeadlockError` in that function instead of hanging: waiting for an operation that
+is queued behind it on its own worker or ordered after it on one of its variables, or waits in
+operations on several workers that wait for each other (see :mod:`dlperf.engine.waitgraph`).
+``waitall()`` inside a pushed function would wait for that function itself: the threaded engine
+raises :class:`EngineDeadlockError`; ``close()`` there raises :class:`EngineUsageError` on both
+engines.
+
 Example:
     >>> import torch
     >>> from dlperf.engine import create_engine
@@ -41,13 +49,15 @@ from typing import Any
 
 from ..devices import Device, DeviceLike, cpu, require_available
 from ..errors import DlperfError, UsageError, unknown_choice
-from .var import DONE, PENDING, Op, Var
+from .var import DONE, Op, Var
 
 __all__ = [
     "ENGINE_ENV",
     "EngineConfig",
     "Engine",
     "EngineClosedError",
+    "EngineUsageError",
+    "EngineDeadlockError",
     "register_engine",
     "engine_kinds",
     "create_engine",
@@ -61,6 +71,22 @@ ENGINE_ENV = "DLPERF_ENGINE"
 
 class EngineClosedError(DlperfError, RuntimeError):
     """Work was pushed to an engine after :meth:`Engine.close`."""
+
+
+class EngineUsageError(UsageError, RuntimeError):
+    """An engine call was made where it cannot work, e.g. ``close()`` inside a pushed function."""
+
+
+class EngineDeadlockError(EngineUsageError):
+    """A wait could never return: it waits, directly or through other waits, for its own operation.
+
+    Raised in the waiting thread (so inside the pushed function that waits) instead of hanging;
+    the message names every operation, variable and worker on the cycle.
+    """
+
+
+DEADLOCK_FIX = ("A pushed function must not wait for work that can only run after it: declare what it needs "
+                "as reads=/writes= so the engine orders the operations, or wait outside pushed functions")
 
 
 @dataclass
@@ -97,6 +123,15 @@ class _Bulk:
         self.kind = "compute"
 
 
+class _ThreadState(threading.local):
+    """Per-thread engine state. Class attributes are the defaults each thread starts with, so
+    reading one never raises AttributeError inside ``getattr`` (that costs ~0.3 us a push)."""
+
+    bulk: _Bulk | None = None
+    worker: Any = None                 # the Worker whose thread this is
+    running: list[Op] | None = None    # operations this thread runs inline, innermost last
+
+
 def _run_bulk(ops: list[Op]) -> None:
     # Runs in one worker call, in push order, so dependencies inside the batch hold trivially.
     # The first failure stops the batch: later members may depend on what it should have written.
@@ -124,7 +159,7 @@ class Engine:
         self.config = config or EngineConfig()
         self._errors: list[BaseException] = []
         self._errors_lock = threading.Lock()
-        self._local = threading.local()
+        self._local = _ThreadState()
         self._trace: list[tuple] | None = [] if self.config.trace else None
         self._trace_t0 = perf_counter_ns()
         self._ids = iter(range(1, 1 << 62))
@@ -173,7 +208,7 @@ class Engine:
         if self._closed:
             raise EngineClosedError(f"this {self.kind} engine is closed; create a new one to push more work")
         op = Op(self, fn, args, reads, writes, None, priority, name)
-        bulk = getattr(self._local, "bulk", None)
+        bulk = self._local.bulk
         if bulk is not None:
             self._add_to_bulk(bulk, op, dev, kind)
             return op
@@ -192,6 +227,8 @@ class Engine:
         per-operation scheduling cost is paid once. A change of device, ``size`` pushes, any wait
         in this thread, or the end of the block sends the collected batch. If one member raises,
         the rest of its batch is skipped and all the batch's written variables carry the error.
+        A write collected here already counts as pushed for other threads: their ``wait_to_read``
+        of that variable (or ``wait()`` on the operation) waits until the batch is sent and done.
 
         >>> from dlperf.engine import create_engine
         >>> with create_engine() as eng:
@@ -205,7 +242,7 @@ class Engine:
         """
         if not isinstance(size, int) or size < 1:
             raise UsageError(f"bulk size {size!r} is not valid; expected an integer >= 1")
-        outer = getattr(self._local, "bulk", None)
+        outer = self._local.bulk
         if outer is not None:  # nested: the outer batch keeps collecting
             yield
             return
@@ -221,11 +258,13 @@ class Engine:
             self._flush_bulk()
         bulk.device, bulk.kind = device, kind
         bulk.ops.append(op)
+        for v in op.writes:  # readers in other threads wait for it (see wait_to_read)
+            v._bulk_write = op
         if len(bulk.ops) >= bulk.size:
             self._flush_bulk()
 
     def _flush_bulk(self) -> None:
-        bulk = getattr(self._local, "bulk", None)
+        bulk = self._local.bulk
         if bulk is None or not bulk.ops:
             return
         ops, bulk.ops = bulk.ops, []
@@ -235,7 +274,18 @@ class Engine:
         parent = Op(self, _run_bulk, (ops,), reads, writes, None, 0, f"bulk[{len(ops)}]")
         for op in ops:
             op.worker = parent  # an inner op's "worker" field points at its batch: see wait_op
-        self._submit(parent, bulk.device, bulk.kind)
+        try:
+            self._submit(parent, bulk.device, bulk.kind)
+        except BaseException as exc:  # never sent: whoever waits on a member must not wait forever
+            _finish_unrun(parent, exc)
+            self._wake_waiters()
+            raise
+        finally:
+            # After _submit set each variable's _last_write: a reader checks _bulk_write first.
+            for v in writes:
+                held = v._bulk_write
+                if held is not None and held.worker is parent:
+                    v._bulk_write = None
 
     # ----------------------------------------------------------------- running (both engines)
     def _execute(self, op: Op, where: str) -> None:
@@ -269,6 +319,10 @@ class Engine:
         op.exc = exc
         for v in op.writes:
             v.exc = exc
+        if op.fn is _run_bulk:
+            for inner in op.args[0]:
+                inner.exc = exc
+                inner.state = DONE
         with self._errors_lock:
             if not any(e is exc for e in self._errors):
                 self._errors.append(exc)
@@ -282,18 +336,15 @@ class Engine:
 
     # ----------------------------------------------------------------- waiting
     def wait_op(self, op: Op) -> Any:
-        """Block until ``op`` is done; return its result or raise its (or an upstream) error."""
+        """Block until ``op`` is done; return its result or raise its (or an upstream) error.
+
+        An operation still held in another thread's open ``bulk()`` block is waited for until
+        that thread sends its batch and the batch has run.
+        """
         if op.state != DONE:
-            if op.state == PENDING and isinstance(op.worker, Op):  # member of a sent batch
-                self._wait_done(op.worker)
-            elif op.state == PENDING and op.worker is None:  # member of an open batch
+            if op.worker is None:  # in an open bulk() batch; if it is ours, send it first
                 self._flush_bulk()
-                if op.worker is None:
-                    raise UsageError("this operation is in another thread's open bulk() block; "
-                                     "wait for it after that block ends")
-                self._wait_done(op.worker)
-            else:
-                self._wait_done(op)
+            self._wait_done(op)
         if op.exc is not None:
             self._report(op.exc)
             raise op.exc
@@ -303,15 +354,19 @@ class Engine:
         """Block until every pushed write to ``x`` (a :class:`Var` or an engine array) is done.
 
         Raises the stored error if that write, or anything it depended on, failed. Other work keeps
-        running meanwhile.
+        running meanwhile. A write another thread holds in its open ``bulk()`` block counts as
+        pushed: this waits until that thread sends its batch and the write is done.
         """
         var = x if isinstance(x, Var) else getattr(x, "_var", None)
         if var is None:
             raise UsageError(f"wait_to_read expects a Var or an engine array, got {type(x).__name__}")
         self._flush_bulk()
+        held = var._bulk_write  # read before _last_write: a flush sets that first, then clears this
         op = var._last_write
         if op is not None and op.state != DONE:
-            self._wait_done(op)
+            self._wait_done(op, var)
+        if held is not None and held.state != DONE:
+            self._wait_done(held, var)
         self._sync_var(var)
         if var.exc is not None:
             self._report(var.exc)
@@ -321,7 +376,10 @@ class Engine:
         """Block until no pushed operation reads or writes ``var`` any more (safe to modify it)."""
         op = self.push(_noop, writes=(var,), name="wait_to_write")
         self._flush_bulk()
-        self._wait_done(op)
+        held = var._bulk_write  # a write still in another thread's open bulk() block
+        self._wait_done(op, var)
+        if held is not None and held.state != DONE:
+            self._wait_done(held, var)
         self._sync_var(var)
 
     def waitall(self) -> None:
@@ -337,8 +395,39 @@ class Engine:
         with self._errors_lock:
             self._errors = [e for e in self._errors if e is not exc]
 
-    def _wait_done(self, op: Op) -> None:
+    def _wait_done(self, op: Op, var: Var | None = None) -> None:
+        """Block until ``op`` (or, for a bulk member, its batch) is done; ``var``: what the caller reads."""
         raise NotImplementedError
+
+    def _wake_waiters(self) -> None:
+        """Wake threads blocked in a wait so they look at operation states again."""
+
+    # ----------------------------------------------------------------- what this thread runs
+    def _running_stack(self) -> list[Op]:
+        """This thread's operations run inline (stolen or synchronous), innermost last."""
+        loc = self._local
+        stack = loc.running
+        if stack is None:
+            loc.running = stack = []
+        return stack
+
+    def _running_ops(self) -> list[Op]:
+        """Every operation this thread is in the middle of running, outermost first (empty: none)."""
+        loc = self._local
+        ops = list(loc.running or ())
+        worker = loc.worker
+        if worker is not None and worker.current is not None:
+            ops.insert(0, worker.current)
+        return ops
+
+    def _refuse_inside_op(self, call: str, consequence: str) -> None:
+        running = self._running_ops()
+        if running:
+            from .waitgraph import describe_op
+
+            raise EngineUsageError(f"{call} was called inside the pushed function of {describe_op(running[-1])}; "
+                                   f"{consequence}. Call it from the thread that pushes the work, outside "
+                                   "pushed functions")
 
     def _wait_all(self) -> None:
         raise NotImplementedError
@@ -379,6 +468,9 @@ class Engine:
         self._close(raise_errors=True)
 
     def _close(self, raise_errors: bool) -> None:
+        # Refused even when closed already, so the outcome does not depend on a race with the owner.
+        self._refuse_inside_op("close()", "closing waits for every operation, including that one, and stops "
+                               "the worker running it")
         if self._closed:
             return
         try:
@@ -431,6 +523,15 @@ def _upstream_error(op: Op) -> BaseException | None:
 
 def _noop() -> None:
     return None
+
+
+def _finish_unrun(parent: Op, exc: BaseException) -> None:
+    """Mark a batch that was never sent, and its members, done with ``exc``."""
+    parent.exc = exc
+    parent.state = DONE
+    for inner in parent.args[0]:
+        inner.exc = exc
+        inner.state = DONE
 
 
 # --------------------------------------------------------------------- registry and default

@@ -11,6 +11,13 @@ A thread that waits on a ready operation of an idle CPU worker runs that operati
 instead of waking the worker and sleeping: that saves two thread switches, which dominate the
 cost of a synchronous ``y = x + 1; y.wait_to_read()`` loop.
 
+A thread that blocks while it runs an operation (a pushed function that waits) is a node of the
+wait-for graph (:mod:`dlperf.engine.waitgraph`): it first releases its batch's finished
+operations, then checks under the lock whether its wait closes a cycle, and again after
+``RECHECK_S`` (backing off to ``RECHECK_MAX_S``) while it waits; a cycle raises
+:class:`~dlperf.engine.engine.EngineDeadlockError` in that thread. Threads that run no operation
+skip all of this: nothing can wait for them.
+
 Python costs to know about: the frontend and the workers share the GIL, so for tiny operations
 the engine's throughput is that of one thread (PyTorch drops the GIL inside each kernel, which is
 what lets large operations on different devices overlap). Each pending operation keeps a few
@@ -23,16 +30,22 @@ long-lived objects.
 from __future__ import annotations
 
 import threading
+from time import monotonic
 
 import torch
 
 from ..devices import Device, require_available
-from ..errors import UsageError
-from .engine import Engine, EngineClosedError, EngineConfig, register_engine
+from .engine import DEADLOCK_FIX, Engine, EngineClosedError, EngineConfig, EngineDeadlockError, register_engine
 from .var import DONE, QUEUED, RUNNING, Op, Var
+from .waitgraph import Waiter, describe_op, find_cycle
 from .worker import CpuWorker, Worker
 
-__all__ = ["ThreadedEngine"]
+__all__ = ["ThreadedEngine", "RECHECK_S", "RECHECK_MAX_S"]
+
+RECHECK_S = 0.05
+"""A thread blocked inside an operation re-checks the wait-for graph after this long (seconds)..."""
+RECHECK_MAX_S = 0.5
+"""...then twice as long each time up to this: a long legitimate wait costs little."""
 
 
 class ThreadedEngine(Engine):
@@ -58,6 +71,7 @@ class ThreadedEngine(Engine):
         self._cpu_workers = 0
         self._has_gpu = False
         self._last: tuple[Device | None, Worker | None] = (None, None)
+        self._blocked: dict[int, Waiter] = {}  # threads waiting inside operations, by thread id
         # Initialise this thread's PyTorch thread count now (see CpuWorker.setup) and remember it
         # as the process default that workers restore after setting their own budgets.
         self._host_threads = torch.get_num_threads()
@@ -108,7 +122,8 @@ class ThreadedEngine(Engine):
         with self._lock:
             if self._closed:
                 raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
-            if limit is not None and worker.unfinished >= limit and not getattr(self._local, "is_worker", False):
+            # A thread inside an operation may not wait for room: the room may be its own operation.
+            if limit is not None and worker.unfinished >= limit and not self._running_ops():
                 self._waiters += 1
                 while worker.unfinished >= limit:  # bound memory held by queued work
                     self._cond.wait()
@@ -186,28 +201,83 @@ class ThreadedEngine(Engine):
                 self._cond.notify_all()
 
     # ----------------------------------------------------------------- waiting
-    def _wait_done(self, op: Op) -> None:
+    def _wait_done(self, op: Op, var: Var | None = None) -> None:
         if op.state == DONE:
             return
+        w = op.worker
+        if w.__class__ is Op:  # a member of a sent batch: wait for (or run) the batch
+            self._wait_done(w, var)
+            return
         steal = False
-        with self._lock:
-            w = op.worker
-            if op.state == QUEUED and w.can_steal and not w.busy and w.setup_error is None:
-                op.state = RUNNING  # the worker will skip it
-                steal = True
+        if w is not None:  # None: held in another thread's open bulk(), nothing to run yet
+            with self._lock:
+                if op.state == QUEUED and w.can_steal and not w.busy and w.setup_error is None:
+                    op.state = RUNNING  # the worker will skip it
+                    steal = True
         if steal:
-            w.run_stolen(op, f"{w.device}/caller")
+            stack = self._running_stack()
+            stack.append(op)
+            try:
+                w.run_stolen(op, f"{w.device}/caller")
+            finally:
+                stack.pop()
             self._complete([op])
             return
-        if getattr(self._local, "is_worker", False) and op.worker is getattr(self._local, "worker", None):
-            raise UsageError("a pushed function waited on an operation of its own worker; that would deadlock")
+        running = self._running_ops()
+        if running:
+            self._wait_inside_op(op, var, running)
+            return
+        # Not running an operation: nothing waits for this thread, so it cannot close a cycle.
         with self._lock:
             self._waiters += 1
-            while op.state != DONE:
-                self._cond.wait()
-            self._waiters -= 1
+            try:
+                while op.state != DONE:
+                    self._cond.wait()
+            finally:
+                self._waiters -= 1
+
+    def _wait_inside_op(self, op: Op, var: Var | None, running: list[Op]) -> None:
+        """Block a thread that runs operations, as a node of the wait-for graph; raise on a cycle."""
+        worker = self._local.worker
+        if worker is not None:
+            worker.release_finished()  # they ran: nothing may wait for them behind this wait
+        me = Waiter(running, worker, op, var)
+        key = threading.get_ident()
+        with self._lock:
+            self._blocked[key] = me
+            self._waiters += 1
+            try:
+                self._check_cycle(me)
+                pause = RECHECK_S
+                next_check = monotonic() + pause
+                while op.state != DONE:
+                    # A cycle can also close without a new wait (an operation it waits for becomes
+                    # queued on a stuck worker, a bulk batch is sent): look again now and then.
+                    self._cond.wait(pause)
+                    if op.state != DONE and monotonic() >= next_check:
+                        self._check_cycle(me)
+                        pause = min(2 * pause, RECHECK_MAX_S)
+                        next_check = monotonic() + pause
+            finally:
+                self._waiters -= 1
+                del self._blocked[key]
+
+    def _check_cycle(self, me: Waiter) -> None:
+        cycle = find_cycle(me, list(self._blocked.values()))
+        if cycle is not None:
+            raise EngineDeadlockError(f"this wait would deadlock, so it was not started: {cycle}. {DEADLOCK_FIX}")
+
+    def _wake_waiters(self) -> None:
+        with self._lock:
+            self._cond.notify_all()
 
     def _wait_all(self) -> None:
+        running = self._running_ops()
+        if running:
+            raise EngineDeadlockError(
+                f"waitall() was called inside the pushed function of {describe_op(running[-1])}; it waits for "
+                "every pushed operation, that one included, so it would never return. Wait for what the "
+                "function needs with wait_to_read(), or call waitall() outside pushed functions")
         with self._lock:
             self._waiters += 1
             while self._pending:

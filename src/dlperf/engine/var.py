@@ -44,7 +44,7 @@ class Var:
     All fields except ``name`` belong to the engine and change only under its lock.
     """
 
-    __slots__ = ("name", "_readers", "_writing", "_queue", "_last_write", "exc",
+    __slots__ = ("name", "_readers", "_writing", "_queue", "_last_write", "_bulk_write", "exc",
                  "_wev", "_revs", "__weakref__")
 
     def __init__(self, name: str | None = None) -> None:
@@ -53,6 +53,8 @@ class Var:
         self._writing = False        # a granted write has not finished
         self._queue: deque | None = None  # (op, is_write) not yet granted, in push order
         self._last_write: Op | None = None  # the newest pushed write: what wait_to_read waits on
+        # A write still collected by some thread's open bulk() block: other threads' reads wait for it.
+        self._bulk_write: Op | None = None
         self.exc: BaseException | None = None  # set when a write failed: later users are skipped
         # CUDA events (only used when a GPU worker exists): the last write's event, and the
         # events of reads since that write, so a later writer on another stream waits for them.

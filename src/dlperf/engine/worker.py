@@ -59,6 +59,11 @@ class Worker:
         self.label = f"{device}/{lane}"
         self.unfinished = 0      # pushed, not yet done (engine lock): the max_queued limit counts these
         self.busy = False        # running a batch (engine lock)
+        # What this thread is running, for the wait-for graph (see waitgraph.py) and so that a wait
+        # inside an operation can first release the batch's finished operations.
+        self.current: Op | None = None
+        self.batch: list[Op] | None = None
+        self._done: list[Op] = []  # run, not yet released to the scheduler
         self._q: deque[Op] = deque()
         self._heap: list[tuple[int, int, Op]] = []
         self._sleeping = False
@@ -91,6 +96,19 @@ class Worker:
         if self._sleeping:
             self._sleeping = False
             self._wake.release()
+
+    def stuck_ops(self) -> list[Op]:
+        """Operations that cannot start before the current one ends: rest of the batch, the queue."""
+        out: list[Op] = []
+        batch, current = self.batch, self.current
+        if batch and current is not None:
+            for i, op in enumerate(batch):
+                if op is current:
+                    out.extend(o for o in batch[i + 1:] if o.state == RUNNING)
+                    break
+        out.extend(op for op in self._q if op.state == QUEUED)
+        out.extend(entry[2] for entry in self._heap if entry[2].state == QUEUED)
+        return out
 
     def _take(self) -> tuple[list[Op], list[Op]]:
         # Returns (ops to run, ops a waiting thread already ran); the caller drops the latter
@@ -147,12 +165,11 @@ class Worker:
                     break  # the engine was collected unclosed and could not signal us
                 continue
             self._process(batch)
-            batch = None
+            batch = self.batch = self.current = None
         self.teardown()
 
     def _start(self) -> None:
         eng = self.engine
-        eng._local.is_worker = True
         eng._local.worker = self
         try:
             self.setup()
@@ -172,24 +189,36 @@ class Worker:
     def _run_batch(self, batch: list[Op], latency: float) -> None:
         eng = self.engine
         label = self.label
+        self.batch = batch
         if len(batch) == 1:
-            self.run_op(batch[0], label)
+            self.current = op = batch[0]
+            self.run_op(op, label)
             eng._complete(batch)
             return
-        done: list[Op] = []
+        self._done = []
         start = perf_counter()
         for op in batch:
+            self.current = op
             self.run_op(op, label)
+            done = self._done  # a wait inside the op may have released and replaced it
             done.append(op)
             now = perf_counter()
             # Release now if a long op (or many short ones) ran, or if someone is already waiting:
             # deferring past the next op could hold a dependent back for that op's whole duration.
             if now - start >= latency or eng._waiters or _has_dependents(op):
+                self._done = []
                 eng._complete(done)
-                done = []
                 start = now
+        done, self._done = self._done, []
         if done:
             eng._complete(done)
+
+    def release_finished(self) -> None:
+        """Release the batch's finished operations now (called before this thread blocks in a wait)."""
+        done = self._done
+        if done:
+            self._done = []
+            self.engine._complete(done)
 
     def teardown(self) -> None:
         """Per-thread clean-up before the thread exits."""

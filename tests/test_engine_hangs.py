@@ -1,0 +1,455 @@
+"""Waits that could never return raise a clear error instead of hanging; bulk writes are never read stale.
+
+Every test has a timeout: a regression shows up as a failure, not a stuck suite.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dlperf.devices import cpu
+from dlperf.engine import EngineDeadlockError, EngineUsageError, create_engine
+from dlperf.errors import DlperfError, UsageError
+
+KINDS = ["threaded", "naive"]
+PROMPT_S = 2.0  # detection is immediate or within one re-check (0.1 s); slack for a loaded machine
+
+
+def _workers_stopped(eng) -> bool:
+    return all(not w.thread.is_alive() for w in getattr(eng, "_workers", {}).values())
+
+
+def _still_works(eng) -> None:
+    v = eng.new_var("after")
+    box = []
+    eng.push(box.append, args=(1,), writes=[v], device=cpu(0))
+    eng.push(box.append, args=(2,), reads=[v], device=cpu(1))
+    eng.waitall()
+    assert box == [1, 2]
+
+
+def test_errors_are_usage_errors_of_the_project():
+    assert issubclass(EngineDeadlockError, EngineUsageError)
+    assert issubclass(EngineUsageError, UsageError) and issubclass(EngineUsageError, DlperfError)
+
+
+# ------------------------------------------------------------------------------------------ 1: waitall inside an op
+@pytest.mark.timeout(20)
+def test_waitall_inside_a_pushed_function_raises_on_the_threaded_engine():
+    with create_engine("threaded") as eng:
+        op = eng.push(lambda: eng.waitall(), name="stepper", device=cpu(1))
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadlockError, match=r"waitall\(\).*'stepper' \(cpu\(1\)/compute\)"):
+            op.wait()
+        assert time.monotonic() - t0 < PROMPT_S
+        _still_works(eng)
+    assert _workers_stopped(eng)
+
+
+@pytest.mark.timeout(20)
+def test_waitall_inside_a_pushed_function_returns_on_the_naive_engine():
+    with create_engine("naive") as eng:
+        box = []
+        eng.push(box.append, args=(1,))
+        assert eng.push(lambda: (eng.waitall(), box[:])[1]).wait() == [1]
+        _still_works(eng)
+
+
+# ------------------------------------------------------------------------------------------ 2: close inside an op
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_inside_a_pushed_function_raises_and_leaves_the_engine_open(kind):
+    eng = create_engine(kind)
+    op = eng.push(eng.close, name="closer")
+    with pytest.raises(EngineUsageError, match=r"close\(\).*'closer'"):
+        op.wait()
+    assert not eng.closed
+    _still_works(eng)
+    eng.close()  # the error was reported by op.wait(): closing raises nothing
+    assert eng.closed
+    assert _workers_stopped(eng)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_inside_a_pushed_function_nobody_waited_for_is_raised_by_close(kind):
+    with pytest.raises(EngineUsageError, match=r"close\(\)"):
+        with create_engine(kind) as eng:
+            eng.push(lambda: eng.close())
+    assert eng.closed
+    assert _workers_stopped(eng)
+
+
+# ------------------------------------------------------------------------------------------ 3: waits forming a cycle
+def _deadlock(eng, a_waits, b_waits):
+    """Ops 'A' on cpu(0) (writes va) and 'B' on cpu(1) (writes vb), each waiting once both run."""
+    va, vb = eng.new_var("va"), eng.new_var("vb")
+    both_running = threading.Barrier(2, timeout=10)
+    ops = {}
+
+    def body(wait):
+        both_running.wait()
+        wait(ops)
+
+    ops["A"] = eng.push(body, args=(a_waits,), writes=[va], device=cpu(0), name="A")
+    ops["B"] = eng.push(body, args=(b_waits,), writes=[vb], device=cpu(1), name="B")
+    ops["va"], ops["vb"] = va, vb
+    return ops
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("how", ["vars", "ops", "var_and_op"])
+def test_two_ops_on_two_workers_waiting_for_each_other_raise(how):
+    with create_engine("threaded") as eng:
+        if how == "vars":
+            a = lambda o: eng.wait_to_read(o["vb"])  # noqa: E731
+            b = lambda o: eng.wait_to_read(o["va"])  # noqa: E731
+        elif how == "ops":
+            a = lambda o: o["B"].wait()  # noqa: E731
+            b = lambda o: o["A"].wait()  # noqa: E731
+        else:
+            a = lambda o: eng.wait_to_read(o["vb"])  # noqa: E731
+            b = lambda o: o["A"].wait()  # noqa: E731
+        t0 = time.monotonic()
+        ops = _deadlock(eng, a, b)
+        with pytest.raises(EngineDeadlockError) as info:
+            eng.waitall()
+        assert time.monotonic() - t0 < PROMPT_S
+        msg = str(info.value)
+        assert "deadlock" in msg
+        assert "'A' (cpu(0)/compute)" in msg and "'B' (cpu(1)/compute)" in msg
+        if how == "vars":
+            assert "var 'va'" in msg or "var 'vb'" in msg
+        # The first waiter gets the error through the failed write of the op it waited for.
+        for name in ("A", "B"):
+            with pytest.raises(EngineDeadlockError):
+                ops[name].wait()
+        _still_works(eng)
+    assert _workers_stopped(eng)
+
+
+@pytest.mark.timeout(20)
+def test_a_cycle_through_an_op_queued_behind_a_waiting_one_is_found():
+    # A (cpu0) waits for vb; vb's writer B is queued on cpu1 behind C, and C waits for va (A's).
+    with create_engine("threaded") as eng:
+        va, vb = eng.new_var("va"), eng.new_var("vb")
+        both_running = threading.Barrier(2, timeout=10)
+
+        def a():
+            both_running.wait()
+            eng.wait_to_read(vb)
+
+        def c():
+            both_running.wait()
+            eng.wait_to_read(va)
+
+        t0 = time.monotonic()
+        eng.push(a, writes=[va], device=cpu(0), name="A")
+        eng.push(c, device=cpu(1), name="C")
+        eng.push(lambda: None, writes=[vb], device=cpu(1), name="B")
+        with pytest.raises(EngineDeadlockError) as info:
+            eng.waitall()
+        assert time.monotonic() - t0 < PROMPT_S
+        msg = str(info.value)
+        assert "'B' (cpu(1)/compute) is queued on cpu(1)/compute behind op 'C'" in msg
+        assert "'A' (cpu(0)/compute)" in msg
+        _still_works(eng)
+
+
+@pytest.mark.timeout(20)
+def test_waiting_for_an_op_ordered_after_our_own_on_a_variable_raises():
+    # B (cpu1) reads va after A writes it, so B cannot start before A ends; A waits for B.
+    with create_engine("threaded") as eng:
+        va = eng.new_var("va")
+        ops = {}
+        ready = threading.Event()
+
+        def a():
+            ready.wait(10)
+            return ops["B"].wait()
+
+        ops["A"] = eng.push(a, writes=[va], device=cpu(0), name="A")
+        ops["B"] = eng.push(lambda: 1, reads=[va], device=cpu(1), name="B")
+        ready.set()
+        with pytest.raises(EngineDeadlockError, match=r"'B' \(cpu\(1\)/compute\) needs var 'va' after op 'A'"):
+            ops["A"].wait()
+        _still_works(eng)
+
+
+@pytest.mark.timeout(20)
+def test_waiting_for_a_pending_op_that_must_run_on_our_own_worker_raises():
+    # P waits for var g (held a while by an op on cpu1), then must run on cpu0, whose thread waits for P.
+    with create_engine("threaded") as eng:
+        g = eng.new_var("g")
+        eng.push(time.sleep, args=(0.3,), writes=[g], device=cpu(1))
+        started = threading.Event()
+
+        def a():
+            started.set()
+            return eng.push(lambda: 1, reads=[g], device=cpu(0), name="P").wait()
+
+        op = eng.push(a, device=cpu(0), name="A")
+        started.wait(10)  # cpu(0)'s worker runs A (a wait on a queued op could run it in this thread)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadlockError, match=r"'P' \(cpu\(0\)/compute\) must run on cpu\(0\)/compute"):
+            op.wait()
+        assert time.monotonic() - t0 < PROMPT_S
+        _still_works(eng)
+
+
+@pytest.mark.timeout(20)
+def test_waits_inside_ops_without_a_cycle_finish():
+    # A (cpu2) waits for B (cpu1), which waits for C (cpu0): a chain, not a cycle.
+    with create_engine("threaded") as eng:
+        vb, vc = eng.new_var("vb"), eng.new_var("vc")
+        eng.push(time.sleep, args=(0.2,), writes=[vc], device=cpu(0), name="C")
+        eng.push(lambda: eng.wait_to_read(vc), writes=[vb], device=cpu(1), name="B")
+        op = eng.push(lambda: (eng.wait_to_read(vb), 5)[1], device=cpu(2), name="A")
+        assert op.wait() == 5
+        eng.waitall()
+
+
+@pytest.mark.timeout(20)
+def test_a_thread_running_a_waited_op_inline_joins_the_cycle():
+    # The main thread's wait may run B itself (cpu1 idle); either way B and A wait for each other.
+    with create_engine("threaded") as eng:
+        va, vb = eng.new_var("va"), eng.new_var("vb")
+        a_waiting, pushed = threading.Event(), threading.Event()
+        ops = {}
+
+        def a():
+            pushed.wait(10)
+            a_waiting.set()
+            return ops["B"].wait()
+
+        def b():
+            a_waiting.wait(10)
+            eng.wait_to_read(va)
+
+        ops["A"] = eng.push(a, writes=[va], device=cpu(0), name="A")
+        ops["B"] = eng.push(b, writes=[vb], device=cpu(1), name="B")
+        pushed.set()
+        with pytest.raises(EngineDeadlockError) as info:
+            ops["B"].wait()
+        assert "'A' (cpu(0)/compute)" in str(info.value) and "'B' (cpu(1)/compute)" in str(info.value)
+        with pytest.raises(EngineDeadlockError):
+            ops["A"].wait()
+        _still_works(eng)
+
+
+@pytest.mark.timeout(20)
+def test_wait_to_write_inside_an_op_holding_the_variable_raises():
+    with create_engine("threaded") as eng:
+        v = eng.new_var("v")
+        started = threading.Event()
+
+        def a():
+            started.set()
+            eng.wait_to_write(v)
+
+        op = eng.push(a, reads=[v], device=cpu(0), name="A")
+        started.wait(10)
+        with pytest.raises(EngineDeadlockError, match=r"'wait_to_write' .* needs var 'v' after op 'A'"):
+            op.wait()
+        _still_works(eng)
+
+
+@pytest.mark.timeout(20)
+def test_an_op_waiting_for_an_earlier_op_of_its_own_batch_finishes():
+    # X and C run back to back in one batch of cpu(0)'s worker; X has finished when C waits for
+    # it, but the batch releases finished ops in groups: the wait must release X, not hang or raise.
+    with create_engine("threaded") as eng:
+        v = eng.new_var("v")
+        gate, box = threading.Event(), []
+        eng.push(gate.wait, args=(10,), device=cpu(0))
+        time.sleep(0.05)  # the worker is inside the gate; X and C queue up behind it
+        eng.push(box.append, args=("x",), writes=[v], device=cpu(0), name="X")
+        c = eng.push(lambda: (eng.wait_to_read(v), box[:])[1], device=cpu(0), name="C")
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not c.done and time.monotonic() < deadline:  # no wait here: it would release X early
+            time.sleep(0.01)
+        assert c.wait() == ["x"]
+
+
+# ------------------------------------------------------------------------------------------ 4: bulk writes
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("wait", ["wait_to_read", "op_wait"])
+def test_a_reader_in_another_thread_waits_for_a_write_held_in_an_open_bulk(kind, wait):
+    with create_engine(kind) as eng:
+        v = eng.new_var("v")
+        box = {"v": "old"}
+        held = threading.Event()
+        seen = {}
+
+        def reader(op):
+            held.wait(10)
+            if wait == "wait_to_read":
+                eng.wait_to_read(v)
+            else:
+                op.wait()
+            seen["value"], seen["t"] = box["v"], time.monotonic()
+
+        with eng.bulk(16):
+            op = eng.push(box.__setitem__, args=("v", "new"), writes=[v])
+            t = threading.Thread(target=reader, args=(op,))
+            t.start()
+            held.set()
+            time.sleep(0.2)  # the reader is waiting now; a stale read would have returned already
+            flushed = time.monotonic()
+        t.join(10)
+        assert seen["value"] == "new"
+        assert seen["t"] >= flushed
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", KINDS)
+def test_waiting_on_a_write_in_the_own_open_bulk_sends_the_batch(kind):
+    with create_engine(kind) as eng:
+        v, box = eng.new_var("v"), []
+        with eng.bulk(16):
+            op = eng.push(box.append, args=(1,), writes=[v])
+            eng.wait_to_read(v)
+            assert box == [1]
+            assert op.wait() is None
+
+
+@pytest.mark.timeout(20)
+def test_a_bulk_batch_sent_into_a_cycle_with_a_waiting_op_is_reported():
+    # R (cpu1) writes u, then waits to read v; v's write W sits in the main thread's open bulk and
+    # reads u. When the block ends, W is queued behind R on u: R's wait could never return.
+    with create_engine("threaded") as eng:
+        u, v = eng.new_var("u"), eng.new_var("v")
+        w_held = threading.Event()
+
+        def r():
+            w_held.wait(10)
+            eng.wait_to_read(v)
+
+        op = eng.push(r, writes=[u], device=cpu(1), name="R")
+        with eng.bulk(16):
+            eng.push(lambda: None, reads=[u], writes=[v], device=cpu(0), name="W")
+            w_held.set()
+            time.sleep(0.1)  # R now waits for W, still held here
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadlockError, match=r"'R' \(cpu\(1\)/compute\).*var 'u'"):
+            op.wait()
+        assert time.monotonic() - t0 < PROMPT_S
+        _still_works(eng)
+
+
+# ------------------------------------------------------------------------------------------ 5: the naive engine
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_op_waiting_to_read_its_own_write_raises(kind):
+    with create_engine(kind) as eng:
+        v = eng.new_var("v")
+        op = eng.push(lambda: eng.wait_to_read(v), writes=[v], name="self-waiter")
+        with pytest.raises(EngineDeadlockError, match="'self-waiter'.*waits for var 'v', written by op 'self-waiter'"):
+            op.wait()
+        _still_works(eng)
+
+
+@pytest.mark.timeout(20)
+def test_naive_ops_in_two_threads_waiting_for_each_other_raise():
+    with create_engine("naive") as eng:
+        va, vb = eng.new_var("va"), eng.new_var("vb")
+        both_running = threading.Barrier(2, timeout=10)
+        errors = []
+
+        def body(wait_var):
+            both_running.wait()
+            eng.wait_to_read(wait_var)
+
+        def pusher(name, writes, wait_var):
+            try:
+                eng.push(body, args=(wait_var,), writes=[writes], name=name).wait()
+            except EngineDeadlockError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=pusher, args=("A", va, vb)),
+                   threading.Thread(target=pusher, args=("B", vb, va))]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert time.monotonic() - t0 < PROMPT_S
+        assert len(errors) == 2 and errors[0] is errors[1]  # one detects; the other fails through its var
+        assert "'A' (cpu(0))" in str(errors[0]) and "'B' (cpu(0))" in str(errors[0])
+        _still_works(eng)
+
+
+# ------------------------------------------------------------------------------------------ no false alarms
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", range(4))
+def test_waits_on_earlier_pushes_never_raise(seed):
+    # Ops without shared variables are ready when pushed, so each worker runs them in push order;
+    # an op that only waits for earlier pushes can never be part of a cycle. The detector must agree.
+    import random
+
+    rng = random.Random(seed)
+    with create_engine("threaded") as eng:
+        ops, vars_, expected = [], [], []
+        for i in range(80):
+            v = eng.new_var(f"v{i}")
+            j = rng.randrange(i) if i and rng.random() < 0.7 else None
+            how = rng.choice(["op", "var"])
+            nap = 0.002 if rng.random() < 0.6 else 0.0  # so that many waits really block
+
+            def body(i=i, j=j, how=how, nap=nap):
+                time.sleep(nap)
+                if j is not None:
+                    if how == "op":
+                        ops[j].wait()
+                    else:
+                        eng.wait_to_read(vars_[j])
+                return i
+
+            ops.append(eng.push(body, writes=[v], device=cpu(rng.randrange(3)), name=f"op{i}"))
+            vars_.append(v)
+            expected.append(i)
+            if rng.random() < 0.1:
+                ops[rng.randrange(len(ops))].wait()  # the main thread may run queued ops itself
+        eng.waitall()
+        assert [op.wait() for op in ops] == expected
+
+
+def _random_program(eng, rng, n_ops=30, n_vars=6, n_devices=3):
+    """Ops on shared variables, some waiting inside for a random earlier op: some programs deadlock."""
+    vs = [eng.new_var(f"s{k}") for k in range(n_vars)]
+    ops = []
+    for i in range(n_ops):
+        reads = rng.sample(vs, rng.randrange(2))
+        writes = [v for v in rng.sample(vs, rng.randrange(2)) if v not in reads]
+        j = rng.randrange(i) if i and rng.random() < 0.25 else None
+        nap = 0.002 if rng.random() < 0.5 else 0.0
+
+        def body(j=j, nap=nap):
+            time.sleep(nap)
+            if j is not None:
+                ops[j].wait()
+
+        ops.append(eng.push(body, reads=reads, writes=writes, device=cpu(rng.randrange(n_devices)), name=f"op{i}"))
+    return ops
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_programs_with_waits_inside_ops_finish_or_report_a_deadlock(seed):
+    import random
+
+    rng = random.Random(seed)
+    with create_engine("threaded") as eng:
+        _random_program(eng, rng)
+        t0 = time.monotonic()
+        try:
+            eng.waitall()
+        except EngineDeadlockError as exc:
+            assert "deadlock" in str(exc)
+        assert time.monotonic() - t0 < 30
+        _still_works(eng)
