@@ -2,7 +2,8 @@
 
 Algorithms register themselves (``naive``, ``cpu``, ``sharded``, ``ring``); all give the same sum up
 to float rounding, and each device ends with a bit-identical copy of it. The default is
-``sharded``: see :data:`DEFAULT_ALGORITHM` for why.
+``sharded``: see :data:`DEFAULT_ALGORITHM` for why. ``auto`` picks one of them per call from the
+cost model and the measured links (:func:`choose_algorithm`).
 
 >>> import torch
 >>> from dlperf.devices import cpu, copy_to
@@ -19,6 +20,7 @@ import torch
 
 from ..workers import DeviceWorkers, wait_all
 from . import host, naive, ring, sharded  # noqa: F401  (registers the algorithms)
+from .auto import choose_algorithm  # registers "auto" after the algorithms it chooses among
 from .base import (
     DEFAULT_ALGORITHM,
     AllreduceAlgorithm,
@@ -32,7 +34,7 @@ from .base import (
 )
 
 __all__ = ["allreduce", "AllreduceAlgorithm", "DEFAULT_ALGORITHM", "algorithm_names", "get_algorithm",
-           "register_algorithm", "chunk_bounds", "Phase", "run_schedule"]
+           "register_algorithm", "chunk_bounds", "Phase", "run_schedule", "choose_algorithm"]
 
 
 def run_schedule(phases: list[Phase], workers: DeviceWorkers | None = None) -> None:
