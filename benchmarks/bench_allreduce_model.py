@@ -3,9 +3,9 @@
 For k logical CPU devices (default 2, 3 and 4) and tensors of 4 KB, 1 MB and 64 MB per device, every
 registered algorithm is timed as the Trainer runs it (``allreduce(xs, name, workers=DeviceWorkers)``,
 one thread per device), in alternating rounds whose order rotates; an algorithm's time is the median
-of its per-round medians. Beside it stand the alpha-beta model's prediction (Thakur et al. 2005,
-``dlperf.probe.cost.rank_allreduce``) from the link figures ``auto`` uses (the probe cache, or links
-timed now), and the algorithm ``auto`` picks.
+of its per-round medians. Beside it stand the prediction ``auto`` makes (``dlperf.parallel.allreduce.auto``:
+the textbook bandwidth terms of Thakur et al. 2005, and for the latency the worker hand-offs and operator
+dispatches of each algorithm's schedule) from the link figures ``auto`` uses, and the algorithm it picks.
 
 On a two-core machine k = 3 and 4 run more worker threads than cores: the OS time-shares them, which
 the model does not describe, so those rows test the model beyond its assumptions.
@@ -33,8 +33,8 @@ from dlperf.bench.timing import time_steps
 from dlperf.devices import copy_to, cpu, cpu_count
 from dlperf.parallel import DeviceWorkers, algorithm_names, allreduce
 from dlperf.parallel.allreduce import choose_algorithm
-from dlperf.parallel.allreduce.auto import describe_bytes, link_hardware
-from dlperf.probe.cost import ALLREDUCE_FORMULAS, rank_allreduce
+from dlperf.parallel.allreduce.auto import describe_bytes, link_hardware, predict
+from dlperf.probe.cost import ALLREDUCE_FORMULAS
 
 SIZES = (4 * 1024, 1024 * 1024, 64 * 1024 * 1024)
 _TIE = 1e-9
@@ -71,7 +71,7 @@ def _order_text(pairs: list[tuple[str, float]], tie) -> str:
 def compare(k: int, nbytes: int, measured: dict[str, dict], tolerance: float) -> dict:
     names = [n for n in measured if n in ALLREDUCE_FORMULAS]
     hardware, source = link_hardware([cpu(i) for i in range(k)])
-    predicted = {c.algorithm: c.seconds for c in rank_allreduce(nbytes, k, hardware, tuple(names))}
+    predicted = {p.algorithm: p.seconds for p in predict(nbytes, k, hardware, shared_memory=True, algorithms=names)}
     pick, reason = choose_algorithm(nbytes, k)
     got = {n: measured[n]["median_s"] for n in names}
     best = min(got, key=got.__getitem__)

@@ -11,16 +11,16 @@ from dlperf.devices import Device, copy_to, cpu
 from dlperf.errors import UsageError
 from dlperf.parallel import DeviceWorkers, algorithm_names, allreduce
 from dlperf.parallel.allreduce import choose_algorithm
-from dlperf.parallel.allreduce.auto import handoff_steps, predict
+from dlperf.parallel.allreduce.auto import handoff_steps, operator_steps, predict, schedule_ops
 from dlperf.probe.cost import Hardware, Link
 
 KB, MB = 1024, 1024 * 1024
 
 
-def _hardware(alpha_s: float, device_bw: float, host_bw: float | None = None) -> Hardware:
+def _hardware(alpha_s: float, device_bw: float, host_bw: float | None = None, dispatch_s: float = 0.0) -> Hardware:
     device = Link(alpha_s, device_bw)
     host = Link(alpha_s, host_bw or device_bw)
-    return Hardware("synthetic", {"float32": 1e12}, 2 * device_bw, 1e-6,
+    return Hardware("synthetic", {"float32": 1e12}, 2 * device_bw, dispatch_s,
                     {"copy": host, "host": host, "device": device, "network": host})
 
 
@@ -38,6 +38,23 @@ def test_handoff_steps_are_the_schedules_multi_task_phases(k, steps):
     assert {name: handoff_steps(name, k) for name in steps} == steps
 
 
+def test_naive_dispatches_one_add_then_one_copy_at_k2():
+    assert schedule_ops("naive", 2) == [[1], [1]]
+
+
+@pytest.mark.parametrize("name", ["naive", "cpu", "sharded", "ring"])
+def test_operator_steps_take_the_longest_task_or_share_the_cores(name):
+    rows = schedule_ops(name, 3)
+    assert operator_steps(name, 3, cores=1) == pytest.approx(sum(map(sum, rows)))  # one core runs everything
+    assert operator_steps(name, 3, cores=64) == pytest.approx(sum(max(r) for r in rows))
+
+
+def test_dispatch_cost_ranks_tiny_tensors_when_links_are_free():
+    hw = _hardware(0.0, 1e18, dispatch_s=1e-6)
+    got = {p.algorithm: p.seconds for p in predict(4, 4, hw, shared_memory=True, cores=2)}
+    assert got == pytest.approx({n: operator_steps(n, 4, 2) * 1e-6 for n in got}, rel=1e-6)
+
+
 def test_logical_cpus_small_tensor_is_latency_bound_and_goes_to_naive():
     # 20 us per worker hand-off, 10 GB/s: 4 KB costs 0.8 us to move twice, far below one hand-off
     hw = _hardware(20e-6, 10e9)
@@ -46,7 +63,7 @@ def test_logical_cpus_small_tensor_is_latency_bound_and_goes_to_naive():
     assert "naive" in reason and "sharded" in reason and "4 KB" in reason and "2 logical CPU devices" in reason
     by_hand = {"naive": 2 * 4 * KB / 10e9, "sharded": 20e-6 + 4 * KB / 10e9, "ring": 2 * 20e-6 + 4 * KB / 10e9,
                "cpu": 20e-6 + 4 * 4 * KB / 10e9}
-    got = {p.algorithm: p.seconds for p in predict(4 * KB, 2, hw, shared_memory=True)}
+    got = {p.algorithm: p.seconds for p in predict(4 * KB, 2, hw, shared_memory=True, cores=2)}
     assert got == pytest.approx(by_hand)
 
 

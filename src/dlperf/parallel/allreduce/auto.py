@@ -10,8 +10,9 @@ Rabenseifner & Gropp 2005's alpha-beta model) with the figures of the links in u
   latency is not a message on a wire but a hand-off of a task to a device worker thread and the wait
   for it, timed now, and the number of such steps is counted from the algorithm's own schedule: a
   phase with one task runs on the calling thread and hands nothing off. So at k = 2 ``naive`` (two
-  one-task phases) has no latency at all, where the textbook charges it 2(k-1) messages; the
-  bandwidth terms stay the textbook's.
+  one-task phases) has no hand-off at all, where the textbook charges it 2(k-1) messages. The
+  operators each task dispatches (counted by running the schedule once on tiny tensors) add the
+  probe's per-operator cost; the bandwidth terms stay the textbook's.
 
 Link figures are measured once per process. Each new decision is logged on the
 ``dlperf.parallel.allreduce`` logger with its reason.
@@ -27,12 +28,14 @@ import time
 from collections.abc import Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...devices import Device, DeviceLike, to_device
 from ...errors import UsageError
 from .base import DEFAULT_ALGORITHM, AllreduceAlgorithm, Phase, algorithm_names, get_algorithm, register_algorithm
 
-__all__ = ["AutoAllreduce", "choose_algorithm", "link_hardware", "handoff_steps", "predict", "describe_bytes"]
+__all__ = ["AutoAllreduce", "choose_algorithm", "link_hardware", "handoff_steps", "operator_steps", "schedule_ops",
+           "predict", "Prediction", "describe_bytes"]
 
 log = logging.getLogger("dlperf.parallel.allreduce")
 
@@ -49,7 +52,7 @@ _MAX_DECISIONS = 4096
 _lock = threading.Lock()
 _hardware: dict[tuple, tuple[object, str]] = {}
 _decisions: dict[tuple, tuple[str, str]] = {}
-_steps: dict[tuple[str, int], int] = {}
+_steps: dict[tuple[str, int], list[list[int]]] = {}
 
 
 def describe_bytes(n: float) -> str:
@@ -127,20 +130,33 @@ def _host_links(k: int):
     from ...probe import load_probe
     from ...probe.cost import Hardware, Link
 
-    copy, where = None, "a host copy timed now"
+    copy, dispatch, where = None, None, "a host copy and an operator timed now"
     result = load_probe(quiet=True)
     if result is not None:
         try:
             probed = Hardware.from_probe_result(result)
-            copy, where = probed.link("copy"), "the dlperf probe cache's copy rate"
+            copy, dispatch = probed.link("copy"), probed.dispatch_s
+            where = "the dlperf probe cache's copy rate and dispatch cost"
         except Exception:  # noqa: BLE001 (a cache without the copy figures: measure instead)
             copy = None
     if copy is None:
         copy = _fit_link(torch.device("cpu"), torch.device("cpu"), lambda: None)
+        dispatch = _measure_dispatch_s()
     link = Link(_measure_handoff_s(k), copy.bandwidth)
     links = {"copy": link, "host": link, "device": link, "network": link}
-    what = f"{where} and a worker hand-off timed now"
-    return Hardware("host memory", {}, 2 * link.bandwidth, link.alpha_s, links, notes=what), what
+    what = f"{where}, and a worker hand-off timed now"
+    return Hardware("host memory", {}, 2 * link.bandwidth, dispatch, links, notes=what), what
+
+
+def _measure_dispatch_s(calls: int = 2000) -> float:
+    """Seconds per eager operator on a one-element tensor: Python binding, dispatcher, kernel."""
+    x = torch.zeros(1)
+    for _ in range(100):
+        x.add_(1.0)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        x.add_(1.0)
+    return max((time.perf_counter() - t0) / calls, _MIN_ALPHA_S)
 
 
 def link_hardware(devices: Sequence[DeviceLike]):
@@ -160,16 +176,50 @@ def _candidates() -> list[str]:
     return [n for n in algorithm_names() if n in ALLREDUCE_FORMULAS]
 
 
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def schedule_ops(name: str, k: int) -> list[list[int]]:
+    """Operators each task of ``name``'s schedule dispatches, per phase, for ``k`` small tensors.
+
+    The schedule runs once on k-element host tensors under a dispatch counter: the counts are those
+    of the algorithm as written, slicing included, not of a formula.
+    """
+    key = (name, k)
+    if key not in _steps:
+        phases = get_algorithm(name).schedule([torch.zeros(k) for _ in range(k)])
+        counts = []
+        for phase in phases:
+            row = []
+            for task in (t for t in phase if t is not None):
+                with _CountOps() as counter:
+                    task()
+                row.append(counter.ops)
+            counts.append(row)
+        _steps[key] = counts
+    return _steps[key]
+
+
 def handoff_steps(name: str, k: int) -> int:
     """Phases of ``name``'s schedule for ``k`` devices that hand work to more than one device worker.
 
     A phase with a single task runs on the calling thread (see ``run_schedule``), so it costs no hand-off.
     """
-    key = (name, k)
-    if key not in _steps:
-        phases = get_algorithm(name).schedule([torch.zeros(k) for _ in range(k)])
-        _steps[key] = sum(1 for phase in phases if sum(t is not None for t in phase) > 1)
-    return _steps[key]
+    return sum(1 for row in schedule_ops(name, k) if len(row) > 1)
+
+
+def operator_steps(name: str, k: int, cores: int) -> float:
+    """Operator dispatches on the critical path: per phase its longest task, or its tasks' total over the
+    cores when there are more tasks than cores to run them."""
+    return sum(max(max(row), sum(row) / max(cores, 1)) if len(row) > 1 else sum(row)
+               for row in schedule_ops(name, k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,23 +231,28 @@ class Prediction:
     formula: str  # the latency and bandwidth terms, in words
 
 
-def predict(nbytes: float, k: int, hardware, *, shared_memory: bool,
-            algorithms: Sequence[str] | None = None) -> list[Prediction]:
+def predict(nbytes: float, k: int, hardware, *, shared_memory: bool, algorithms: Sequence[str] | None = None,
+            cores: int | None = None) -> list[Prediction]:
     """The candidates' predicted times, fastest first (ties: the default first, then by name).
 
-    Every candidate keeps its textbook bandwidth term; with ``shared_memory`` (logical CPU devices) its
-    latency term is its hand-off steps times the link's alpha instead of the textbook's message count.
+    Every candidate keeps its textbook bandwidth term. With ``shared_memory`` (logical CPU devices)
+    its latency term is not the textbook's message count but what its schedule does: hand-off steps
+    times the link's alpha, plus operator dispatches on the critical path (``cores`` running the
+    tasks of a phase; default: this machine's) times the hardware's dispatch cost.
     """
+    from ...devices import cpu_count
     from ...probe.cost import rank_allreduce
+
+    cores = cores or cpu_count()
 
     out = []
     for c in rank_allreduce(float(nbytes), k, hardware, tuple(algorithms or _candidates())):
         formula = c.reason.split(":", 1)[0]
         latency = c.latency_s
         if shared_memory:
-            steps = handoff_steps(c.algorithm, k)
-            latency = steps * hardware.link("host").alpha_s
-            formula = f"{steps} hand-off{'s' if steps != 1 else ''} + bandwidth of {formula}"
+            steps, ops = handoff_steps(c.algorithm, k), operator_steps(c.algorithm, k, cores)
+            latency = steps * hardware.link("host").alpha_s + ops * hardware.dispatch_s
+            formula = f"{steps} hand-off{'s' if steps != 1 else ''} + {ops:.3g} ops + bandwidth of {formula}"
         out.append(Prediction(c.algorithm, latency + c.bandwidth_s, latency, c.bandwidth_s, formula))
     best = min(p.seconds for p in out)
     return sorted(out, key=lambda p: (p.seconds > best * (1 + _TIE), p.seconds,
