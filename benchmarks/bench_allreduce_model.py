@@ -33,7 +33,7 @@ from dlperf.bench.timing import time_steps
 from dlperf.devices import copy_to, cpu, cpu_count
 from dlperf.parallel import DeviceWorkers, algorithm_names, allreduce
 from dlperf.parallel.allreduce import choose_algorithm
-from dlperf.parallel.allreduce.auto import describe_bytes, link_hardware, predict
+from dlperf.parallel.allreduce.auto import cache_figures, describe_bytes, link_hardware, predict
 from dlperf.probe.cost import ALLREDUCE_FORMULAS
 
 SIZES = (4 * 1024, 1024 * 1024, 64 * 1024 * 1024)
@@ -71,7 +71,8 @@ def _order_text(pairs: list[tuple[str, float]], tie) -> str:
 def compare(k: int, nbytes: int, measured: dict[str, dict], tolerance: float) -> dict:
     names = [n for n in measured if n in ALLREDUCE_FORMULAS]
     hardware, source = link_hardware([cpu(i) for i in range(k)])
-    predicted = {p.algorithm: p.seconds for p in predict(nbytes, k, hardware, shared_memory=True, algorithms=names)}
+    predicted = {p.algorithm: p.seconds for p in predict(nbytes, k, hardware, shared_memory=True, algorithms=names,
+                                                          cache=cache_figures())}
     pick, reason = choose_algorithm(nbytes, k)
     got = {n: measured[n]["median_s"] for n in names}
     best = min(got, key=got.__getitem__)

@@ -11,7 +11,7 @@ from dlperf.devices import Device, copy_to, cpu
 from dlperf.errors import UsageError
 from dlperf.parallel import DeviceWorkers, algorithm_names, allreduce
 from dlperf.parallel.allreduce import choose_algorithm
-from dlperf.parallel.allreduce.auto import handoff_steps, operator_steps, predict, schedule_ops
+from dlperf.parallel.allreduce.auto import TaskCost, handoff_steps, predict, schedule_costs
 from dlperf.probe.cost import Hardware, Link
 
 KB, MB = 1024, 1024 * 1024
@@ -38,40 +38,64 @@ def test_handoff_steps_are_the_schedules_multi_task_phases(k, steps):
     assert {name: handoff_steps(name, k) for name in steps} == steps
 
 
-def test_naive_dispatches_one_add_then_one_copy_at_k2():
-    assert schedule_ops("naive", 2) == [[1], [1]]
+def test_naive_schedule_is_one_add_then_one_copy_at_k2():
+    # d2l 12.5.4: add the other tensor on the first device, copy the sum back; each reads and writes 3n
+    assert schedule_costs("naive", 2) == [[TaskCost(1, 3.0)], [TaskCost(1, 3.0)]]
 
 
-@pytest.mark.parametrize("name", ["naive", "cpu", "sharded", "ring"])
-def test_operator_steps_take_the_longest_task_or_share_the_cores(name):
-    rows = schedule_ops(name, 3)
-    assert operator_steps(name, 3, cores=1) == pytest.approx(sum(map(sum, rows)))  # one core runs everything
-    assert operator_steps(name, 3, cores=64) == pytest.approx(sum(max(r) for r in rows))
+def _by_hand(name: str, nbytes: float, k: int, alpha: float, rate: float, dispatch: float, cores: int,
+             workers: bool) -> float:
+    total = 0.0
+    for row in schedule_costs(name, k):
+        times = [t.ops * dispatch + t.traffic * nbytes / rate for t in row]
+        if len(row) == 1 or not workers:
+            total += sum(times)
+        else:
+            lat = [t.ops * dispatch for t in row]
+            xfer = [t.traffic * nbytes / rate for t in row]
+            share = max(1.0, len(row) / cores)
+            total += alpha + max(max(lat), sum(lat) / len(row) * share) + max(max(xfer), sum(xfer) / len(row) * share)
+    return total
 
 
-def test_dispatch_cost_ranks_tiny_tensors_when_links_are_free():
-    hw = _hardware(0.0, 1e18, dispatch_s=1e-6)
-    got = {p.algorithm: p.seconds for p in predict(4, 4, hw, shared_memory=True, cores=2)}
-    assert got == pytest.approx({n: operator_steps(n, 4, 2) * 1e-6 for n in got}, rel=1e-6)
+@pytest.mark.parametrize("workers", [True, False])
+@pytest.mark.parametrize(("k", "cores"), [(2, 2), (4, 2), (4, 1), (3, 64)])
+def test_shared_memory_prediction_follows_the_schedules(k, cores, workers):
+    hw = _hardware(20e-6, 10e9, dispatch_s=1e-6)
+    got = {p.algorithm: p.seconds for p in predict(MB, k, hw, shared_memory=True, cores=cores, workers=workers)}
+    assert got == pytest.approx({n: _by_hand(n, MB, k, 20e-6, 10e9, 1e-6, cores, workers) for n in got})
 
 
 def test_logical_cpus_small_tensor_is_latency_bound_and_goes_to_naive():
-    # 20 us per worker hand-off, 10 GB/s: 4 KB costs 0.8 us to move twice, far below one hand-off
-    hw = _hardware(20e-6, 10e9)
+    # 20 us per worker hand-off, 1 us per operator, 10 GB/s: naive's two operators on the calling
+    # thread cost far less than the hand-off every other algorithm needs at k = 2
+    hw = _hardware(20e-6, 10e9, dispatch_s=1e-6)
     name, reason = choose_algorithm(4 * KB, 2, hardware=hw)
-    assert name == "naive"
-    assert "naive" in reason and "sharded" in reason and "4 KB" in reason and "2 logical CPU devices" in reason
-    by_hand = {"naive": 2 * 4 * KB / 10e9, "sharded": 20e-6 + 4 * KB / 10e9, "ring": 2 * 20e-6 + 4 * KB / 10e9,
-               "cpu": 20e-6 + 4 * 4 * KB / 10e9}
-    got = {p.algorithm: p.seconds for p in predict(4 * KB, 2, hw, shared_memory=True, cores=2)}
-    assert got == pytest.approx(by_hand)
+    runner = predict(4 * KB, 2, hw, shared_memory=True)[1].algorithm
+    assert name == "naive" and runner != "naive"
+    assert "naive [" in reason and f"next {runner} [" in reason and "4 KB" in reason
+    assert "2 logical CPU devices" in reason
 
 
 def test_logical_cpus_large_tensor_is_bandwidth_bound_and_goes_to_sharded():
-    hw = _hardware(20e-6, 10e9)
+    hw = _hardware(20e-6, 10e9, dispatch_s=1e-6)
     name, reason = choose_algorithm(64 * MB, 2, hardware=hw)
-    assert name == "sharded"  # moves n once where naive moves it twice; one hand-off is nothing beside 6.7 ms
-    assert "sharded" in reason and "ring" in reason and "64 MB" in reason
+    assert name == "sharded"  # each core moves half the traffic naive's one core does; one hand-off is nothing
+    assert "sharded [" in reason and "next ring [" in reason and "64 MB" in reason
+
+
+def test_without_workers_nothing_runs_in_parallel_and_the_fewest_operators_win():
+    hw = _hardware(20e-6, 10e9, dispatch_s=1e-6)
+    assert choose_algorithm(64 * MB, 2, hardware=hw, workers=True)[0] == "sharded"
+    name, reason = choose_algorithm(64 * MB, 2, hardware=hw, workers=False)
+    assert name == "naive" and "calling thread" in reason
+
+
+def test_small_tensors_in_cache_move_at_the_cache_rate():
+    hw = _hardware(0.0, 1e9, dispatch_s=0.0)
+    slow = predict(MB, 2, hw, shared_memory=True, cache=(MB, 100e9))  # 2 MB do not fit in 1 MB
+    fast = predict(MB, 2, hw, shared_memory=True, cache=(4 * MB, 100e9))
+    assert {p.algorithm: p.seconds / 100 for p in slow} == pytest.approx({p.algorithm: p.seconds for p in fast})
 
 
 def test_gpus_follow_the_textbook_formulas():

@@ -309,7 +309,8 @@ def _announce_auto(model: torch.nn.Module, devices: list) -> None:
     sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
     # the Trainer reduces buckets of up to DEFAULT_BUCKET_BYTES; a larger parameter gets one of its own
     nbytes = max(min(sum(sizes), DEFAULT_BUCKET_BYTES), max(sizes, default=0))
-    name, reason = choose_algorithm(nbytes, devices)
+    # the Trainer reduces each bucket on its gradient-sync thread as backward fills it, without device workers
+    name, reason = choose_algorithm(nbytes, devices, workers=False)
     print(f"allreduce: auto chose {name} for gradient buckets of {describe_bytes(nbytes)} ({reason})", flush=True)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from ..workers import DeviceWorkers, wait_all
 from . import host, naive, ring, sharded  # noqa: F401  (registers the algorithms)
-from .auto import choose_algorithm  # registers "auto" after the algorithms it chooses among
+from .auto import AutoAllreduce, choose_algorithm  # registers "auto" after the algorithms it chooses among
 from .base import (
     DEFAULT_ALGORITHM,
     AllreduceAlgorithm,
@@ -67,7 +67,9 @@ def allreduce(tensors: Sequence[torch.Tensor], algorithm: str | AllreduceAlgorit
     for t in tensors:
         # reshape gives a view for contiguous tensors, so the algorithm writes straight into them
         flats.append(t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1))
-    run_schedule(algo.schedule(flats), workers)
+    # auto's best choice depends on whether workers run the schedule: without them nothing runs in parallel
+    phases = algo.schedule(flats, workers is not None) if isinstance(algo, AutoAllreduce) else algo.schedule(flats)
+    run_schedule(phases, workers)
     for t, f in zip(tensors, flats):
         if f.data_ptr() != t.data_ptr() or not t.is_contiguous():
             t.copy_(f.view(t.shape))

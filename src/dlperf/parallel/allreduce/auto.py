@@ -5,14 +5,14 @@ Rabenseifner & Gropp 2005's alpha-beta model) with the figures of the links in u
 
 * GPUs: the textbook formulas, with device-to-device and device-to-host copies timed now at two
   sizes (the probe times neither).
-* logical CPU devices: every link is host memory. Its bandwidth is the probe's copy figure
-  (``dlperf probe``) when this machine has a cache, else a host copy timed now at two sizes. Its
-  latency is not a message on a wire but a hand-off of a task to a device worker thread and the wait
-  for it, timed now, and the number of such steps is counted from the algorithm's own schedule: a
-  phase with one task runs on the calling thread and hands nothing off. So at k = 2 ``naive`` (two
-  one-task phases) has no hand-off at all, where the textbook charges it 2(k-1) messages. The
-  operators each task dispatches (counted by running the schedule once on tiny tensors) add the
-  probe's per-operator cost; the bandwidth terms stay the textbook's.
+* logical CPU devices: every link is host memory, and the textbook's messages do not describe
+  what the algorithms do there, so each is costed from its own schedule (:func:`schedule_costs`,
+  counted by running it once on small tensors): its operators at the probe's per-operator cost, its
+  memory traffic at the probe's copy rate (``dlperf probe``'s cache; without one, an operator and a
+  host copy at two sizes are timed now), and for every phase that several device workers share, one
+  hand-off to them, timed now. A phase with one task runs on the calling thread and hands nothing
+  off, so at k = 2 ``naive`` has no latency beyond its two operators, where the textbook charges it
+  2(k-1) messages; without device workers every task runs on the calling thread.
 
 Link figures are measured once per process. Each new decision is logged on the
 ``dlperf.parallel.allreduce`` logger with its reason.
@@ -34,7 +34,8 @@ from ...devices import Device, DeviceLike, to_device
 from ...errors import UsageError
 from .base import DEFAULT_ALGORITHM, AllreduceAlgorithm, Phase, algorithm_names, get_algorithm, register_algorithm
 
-__all__ = ["AutoAllreduce", "choose_algorithm", "link_hardware", "handoff_steps", "operator_steps", "schedule_ops",
+__all__ = ["AutoAllreduce", "choose_algorithm", "link_hardware", "cache_figures", "handoff_steps", "schedule_costs",
+           "TaskCost",
            "predict", "Prediction", "describe_bytes"]
 
 log = logging.getLogger("dlperf.parallel.allreduce")
@@ -50,9 +51,9 @@ _TIE = 1e-9  # relative: predictions that agree to this are the same (ring and s
 _MAX_DECISIONS = 4096
 
 _lock = threading.Lock()
-_hardware: dict[tuple, tuple[object, str]] = {}
+_hardware: dict[object, tuple] = {}
 _decisions: dict[tuple, tuple[str, str]] = {}
-_steps: dict[tuple[str, int], list[list[int]]] = {}
+_steps: dict[tuple[str, int], list] = {}
 
 
 def describe_bytes(n: float) -> str:
@@ -140,12 +141,33 @@ def _host_links(k: int):
         except Exception:  # noqa: BLE001 (a cache without the copy figures: measure instead)
             copy = None
     if copy is None:
-        copy = _fit_link(torch.device("cpu"), torch.device("cpu"), lambda: None)
-        dispatch = _measure_dispatch_s()
+        fitted = _fit_link(torch.device("cpu"), torch.device("cpu"), lambda: None)
+        # a copy of n bytes reads n and writes n: the schedules' traffic counts both, as STREAM does
+        copy, dispatch = Link(fitted.alpha_s, 2 * fitted.bandwidth), _measure_dispatch_s()
     link = Link(_measure_handoff_s(k), copy.bandwidth)
     links = {"copy": link, "host": link, "device": link, "network": link}
     what = f"{where}, and a worker hand-off timed now"
-    return Hardware("host memory", {}, 2 * link.bandwidth, dispatch, links, notes=what), what
+    return Hardware("host memory", {}, link.bandwidth, dispatch, links, notes=what), what
+
+
+def _in_cache_rate() -> tuple[int, float]:
+    """(last-level cache bytes, traffic rate of a copy that stays in it): the probe's STREAM figure is
+    memory's, and an allreduce of a few MB on two devices never leaves the cache."""
+    from ...probe.hardware import cache_sizes
+
+    llc = max(cache_sizes()[0].values())
+    elems = max(llc // 16, 1024)  # source and destination together fill half the cache
+    src, dst = torch.ones(elems), torch.empty(elems)
+    seconds = _median_copy_s(dst, src, 20, lambda: None)
+    return llc, 2 * elems * 4 / max(seconds, 1e-9)
+
+
+def cache_figures() -> tuple[int, float]:
+    """``(last-level cache bytes, in-cache traffic rate)`` of this host, measured once per process."""
+    with _lock:
+        if "cache" not in _hardware:
+            _hardware["cache"] = _in_cache_rate()
+        return _hardware["cache"]
 
 
 def _measure_dispatch_s(calls: int = 2000) -> float:
@@ -176,34 +198,63 @@ def _candidates() -> list[str]:
     return [n for n in algorithm_names() if n in ALLREDUCE_FORMULAS]
 
 
+def _traffic(obj: object) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_traffic(o) for o in obj)
+    return 0
+
+
 class _CountOps(TorchDispatchMode):
+    """Operators dispatched, and the bytes they read and write (a view moves nothing)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         self.ops += 1
-        return func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        if not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)):
+            self.bytes += _traffic(args) + _traffic(list(kwargs.values())) + _traffic(out)
+        return out
 
 
-def schedule_ops(name: str, k: int) -> list[list[int]]:
-    """Operators each task of ``name``'s schedule dispatches, per phase, for ``k`` small tensors.
+@dataclasses.dataclass(frozen=True)
+class TaskCost:
+    """One task of a schedule: operators it dispatches, and memory traffic per byte of each device's tensor."""
 
-    The schedule runs once on k-element host tensors under a dispatch counter: the counts are those
-    of the algorithm as written, slicing included, not of a formula.
+    ops: int
+    traffic: float
+
+
+_PROBE_ELEMENTS = 240  # per device: divisible by every k up to 6, so shards are equal and traffic exact
+
+
+def schedule_costs(name: str, k: int) -> list[list[TaskCost]]:
+    """Each task's :class:`TaskCost`, per phase, of ``name``'s schedule for ``k`` devices.
+
+    The schedule runs once on small host tensors under a dispatch counter: the counts are those of
+    the algorithm as written (slicing included), not of a formula. Traffic scales with the tensor;
+    operator counts are those of a tensor below the 1 MiB blocks ``sharded`` cuts large ones into.
     """
     key = (name, k)
     if key not in _steps:
-        phases = get_algorithm(name).schedule([torch.zeros(k) for _ in range(k)])
-        counts = []
+        n = _PROBE_ELEMENTS * k
+        phases = get_algorithm(name).schedule([torch.zeros(n) for _ in range(k)])
+        costs = []
         for phase in phases:
             row = []
             for task in (t for t in phase if t is not None):
                 with _CountOps() as counter:
                     task()
-                row.append(counter.ops)
-            counts.append(row)
-        _steps[key] = counts
+                row.append(TaskCost(counter.ops, counter.bytes / (n * 4)))
+            costs.append(row)
+        _steps[key] = costs
     return _steps[key]
 
 
@@ -212,14 +263,20 @@ def handoff_steps(name: str, k: int) -> int:
 
     A phase with a single task runs on the calling thread (see ``run_schedule``), so it costs no hand-off.
     """
-    return sum(1 for row in schedule_ops(name, k) if len(row) > 1)
+    return sum(1 for row in schedule_costs(name, k) if len(row) > 1)
 
 
-def operator_steps(name: str, k: int, cores: int) -> float:
-    """Operator dispatches on the critical path: per phase its longest task, or its tasks' total over the
-    cores when there are more tasks than cores to run them."""
-    return sum(max(max(row), sum(row) / max(cores, 1)) if len(row) > 1 else sum(row)
-               for row in schedule_ops(name, k))
+def _phase_time(row: list[TaskCost], nbytes: float, hardware, cores: int, workers: bool,
+                rate: float) -> tuple[float, float]:
+    """(latency, transfer) seconds of one phase: its tasks run one after another on the calling thread
+    without workers, else concurrently on the cores after one hand-off."""
+    lat = [t.ops * hardware.dispatch_s for t in row]
+    xfer = [t.traffic * nbytes / rate for t in row]
+    if len(row) == 1 or not workers:
+        return sum(lat), sum(xfer)
+    share = max(1.0, len(row) / max(cores, 1))  # more tasks than cores: they take turns
+    return hardware.link("host").alpha_s + max(max(lat), sum(lat) / len(row) * share), \
+        max(max(xfer), sum(xfer) / len(row) * share)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,32 +285,50 @@ class Prediction:
     seconds: float
     latency_s: float
     bandwidth_s: float
-    formula: str  # the latency and bandwidth terms, in words
+    formula: str  # where the terms come from, in words
+
+
+def _shared_memory_prediction(name: str, nbytes: float, k: int, hardware, cores: int, workers: bool,
+                              rate: float) -> Prediction:
+    latency = transfer = 0.0
+    for row in schedule_costs(name, k):
+        lat, xfer = _phase_time(row, nbytes, hardware, cores, workers, rate)
+        latency, transfer = latency + lat, transfer + xfer
+    rows = schedule_costs(name, k)
+    ops = sum(t.ops for row in rows for t in row)
+    traffic = sum(t.traffic for row in rows for t in row)
+    steps = handoff_steps(name, k) if workers else 0
+    what = (f"{steps} hand-off{'s' if steps != 1 else ''}, {ops} ops, {traffic:.3g}n bytes of traffic in all"
+            + ("" if workers else ", all on the calling thread"))
+    return Prediction(name, latency + transfer, latency, transfer, what)
 
 
 def predict(nbytes: float, k: int, hardware, *, shared_memory: bool, algorithms: Sequence[str] | None = None,
-            cores: int | None = None) -> list[Prediction]:
+            cores: int | None = None, workers: bool = True, cache: tuple[int, float] | None = None
+            ) -> list[Prediction]:
     """The candidates' predicted times, fastest first (ties: the default first, then by name).
 
-    Every candidate keeps its textbook bandwidth term. With ``shared_memory`` (logical CPU devices)
-    its latency term is not the textbook's message count but what its schedule does: hand-off steps
-    times the link's alpha, plus operator dispatches on the critical path (``cores`` running the
-    tasks of a phase; default: this machine's) times the hardware's dispatch cost.
+    Devices with their own memory (``shared_memory=False``) follow the textbook formulas. Logical CPU
+    devices follow their schedules (:func:`schedule_costs`): each task costs its operators at the
+    hardware's dispatch cost plus its memory traffic at the host link's rate; a phase of several
+    tasks costs one hand-off (the link's alpha) and its longest task, or its tasks' total over the
+    ``cores`` (default: this machine's) when there are more tasks than cores. Without device
+    ``workers`` every task runs on the calling thread, one after another. ``cache``, ``(bytes, rate)``:
+    when the k tensors fit in that many bytes, traffic moves at that rate instead.
     """
     from ...devices import cpu_count
     from ...probe.cost import rank_allreduce
 
-    cores = cores or cpu_count()
-
-    out = []
-    for c in rank_allreduce(float(nbytes), k, hardware, tuple(algorithms or _candidates())):
-        formula = c.reason.split(":", 1)[0]
-        latency = c.latency_s
-        if shared_memory:
-            steps, ops = handoff_steps(c.algorithm, k), operator_steps(c.algorithm, k, cores)
-            latency = steps * hardware.link("host").alpha_s + ops * hardware.dispatch_s
-            formula = f"{steps} hand-off{'s' if steps != 1 else ''} + {ops:.3g} ops + bandwidth of {formula}"
-        out.append(Prediction(c.algorithm, latency + c.bandwidth_s, latency, c.bandwidth_s, formula))
+    names = tuple(algorithms or _candidates())
+    if shared_memory:
+        cores = cores or cpu_count()
+        rate = hardware.link("host").bandwidth
+        if cache is not None and k * nbytes <= cache[0]:
+            rate = max(rate, cache[1])
+        out = [_shared_memory_prediction(n, float(nbytes), k, hardware, cores, workers, rate) for n in names]
+    else:
+        out = [Prediction(c.algorithm, c.seconds, c.latency_s, c.bandwidth_s, c.reason.split(":", 1)[0])
+               for c in rank_allreduce(float(nbytes), k, hardware, names)]
     best = min(p.seconds for p in out)
     return sorted(out, key=lambda p: (p.seconds > best * (1 + _TIE), p.seconds,
                                       p.algorithm != DEFAULT_ALGORITHM, p.algorithm))
@@ -264,12 +339,14 @@ def _why(p: Prediction) -> str:
     return f"{p.algorithm} [{p.formula}] {p.seconds * 1e3:.3g} ms, {bound}-bound"
 
 
-def choose_algorithm(nbytes: float, devices: Sequence[DeviceLike] | int, hardware=None) -> tuple[str, str]:
+def choose_algorithm(nbytes: float, devices: Sequence[DeviceLike] | int, hardware=None, *,
+                     workers: bool = True) -> tuple[str, str]:
     """The registered algorithm the cost model predicts fastest, and a one-line reason naming the runner-up.
 
     ``devices`` are the devices in use (or the number of logical CPU devices); ``hardware`` a
-    :class:`~dlperf.probe.cost.Hardware` to predict with instead of the measured links. Predictions
-    that tie go to the project default, :data:`DEFAULT_ALGORITHM`.
+    :class:`~dlperf.probe.cost.Hardware` to predict with instead of the measured links; ``workers``
+    whether the allreduce runs with device workers (``allreduce(..., workers=...)``) or all on the
+    calling thread. Predictions that tie go to the project default, :data:`DEFAULT_ALGORITHM`.
     """
     if isinstance(devices, int) and not isinstance(devices, bool):
         devices = [Device("cpu", i) for i in range(devices)]
@@ -281,19 +358,27 @@ def choose_algorithm(nbytes: float, devices: Sequence[DeviceLike] | int, hardwar
     size = describe_bytes(nbytes)
     if k == 1:
         return DEFAULT_ALGORITHM, f"1 device, {size}: nothing to reduce"
-    source = "the given hardware"
+    source, cache = "the given hardware", None
+    shared = not any(d.is_gpu for d in devs)
     if hardware is None:
         hardware, source = link_hardware(devs)
-    shared = not any(d.is_gpu for d in devs)
-    ranked = predict(nbytes, k, hardware, shared_memory=shared)
+        cache = cache_figures() if shared else None
+    ranked = predict(nbytes, k, hardware, shared_memory=shared, workers=workers, cache=cache)
     pick, runner = ranked[0], ranked[1]
     if runner.seconds <= pick.seconds * (1 + _TIE):
         versus = f"ties with {_why(runner)}; {pick.algorithm} is the default"
     else:
         versus = f"next {_why(runner)}"
     kind = "logical CPU devices" if shared else "devices"
-    reason = (f"{k} {kind}, {size}: {_why(pick)}; {versus}; alpha {hardware.link('host').alpha_s * 1e6:.3g} us "
-              f"from {source}")
+    if shared:
+        in_cache = cache is not None and k * nbytes <= cache[0]
+        rate = cache[1] if in_cache else hardware.link("host").bandwidth
+        figures = (f"hand-off {hardware.link('host').alpha_s * 1e6:.3g} us, {hardware.dispatch_s * 1e6:.3g} us/op, "
+                   f"{rate / 1e9:.3g} GB/s {'in cache, timed now' if in_cache else 'memory traffic'}")
+    else:
+        figures = (f"device link {hardware.link('device').alpha_s * 1e6:.3g} us + "
+                   f"{hardware.link('device').bandwidth / 1e9:.3g} GB/s")
+    reason = f"{k} {kind}, {size}: {_why(pick)}; {versus}; {figures} from {source}"
     return pick.algorithm, reason
 
 
@@ -301,15 +386,15 @@ class AutoAllreduce(AllreduceAlgorithm):
     name = "auto"
     summary = "the algorithm the alpha-beta cost model predicts fastest for this size on the measured links"
 
-    def choose(self, flats: Sequence[torch.Tensor]) -> tuple[str, str]:
+    def choose(self, flats: Sequence[torch.Tensor], workers: bool = True) -> tuple[str, str]:
         nbytes = flats[0].numel() * flats[0].element_size()
         devices = [to_device(f.device) for f in flats]
-        key = (nbytes, tuple(str(d) for d in devices))
+        key = (nbytes, tuple(str(d) for d in devices), workers)
         with _lock:
             known = _decisions.get(key)
         if known is not None:
             return known
-        decision = choose_algorithm(nbytes, devices)
+        decision = choose_algorithm(nbytes, devices, workers=workers)
         with _lock:
             if len(_decisions) >= _MAX_DECISIONS:
                 _decisions.clear()  # a bounded memo: sizes vary little in training, a lot only in sweeps
@@ -317,8 +402,9 @@ class AutoAllreduce(AllreduceAlgorithm):
         log.info("allreduce: %s (%s)", *decision)
         return decision
 
-    def schedule(self, flats: list[torch.Tensor]) -> list[Phase]:
-        name, _ = self.choose(flats)
+    def schedule(self, flats: list[torch.Tensor], workers: bool = True) -> list[Phase]:
+        """The chosen algorithm's schedule; ``workers``: whether device workers will run it (see ``allreduce``)."""
+        name, _ = self.choose(flats, workers)
         return get_algorithm(name).schedule(flats)
 
 
