@@ -1,11 +1,13 @@
 """Does the cost model rank the allreduce algorithms as this machine does?
 
 For k logical CPU devices (default 2, 3 and 4) and tensors of 4 KB, 1 MB and 64 MB per device, every
-registered algorithm is timed as the Trainer runs it (``allreduce(xs, name, workers=DeviceWorkers)``,
-one thread per device), in alternating rounds whose order rotates; an algorithm's time is the median
-of its per-round medians. Beside it stand the prediction ``auto`` makes (``dlperf.parallel.allreduce.auto``:
-the textbook bandwidth terms of Thakur et al. 2005, and for the latency the worker hand-offs and operator
-dispatches of each algorithm's schedule) from the link figures ``auto`` uses, and the algorithm it picks.
+registered algorithm is timed both ways the Trainer runs it: with device workers, one thread per device
+(``allreduce(xs, name, workers=DeviceWorkers)``, as ``allreduce_all`` does), and on the calling thread
+(as its gradient-sync thread reduces each bucket), in alternating rounds whose order rotates; an
+algorithm's time is the median of its per-round medians. Beside it stand the prediction ``auto``
+makes (``dlperf.parallel.allreduce.auto``: each algorithm's schedule, its operators, memory traffic
+and worker hand-offs, costed with the probe's figures and a hand-off timed now) and the algorithm
+it picks.
 
 On a two-core machine k = 3 and 4 run more worker threads than cores: the OS time-shares them, which
 the model does not describe, so those rows test the model beyond its assumptions.
@@ -45,13 +47,14 @@ def _calls_per_round(nbytes: int) -> int:
     return 200 if nbytes <= 64 * 1024 else 40 if nbytes <= 4 * 1024 * 1024 else 5
 
 
-def measure(k: int, nbytes: int, names: list[str], rounds: int) -> dict[str, dict]:
+def measure(k: int, nbytes: int, names: list[str], rounds: int, use_workers: bool) -> dict[str, dict]:
     devs = [cpu(i) for i in range(k)]
     g = torch.Generator().manual_seed(k)
     xs = [copy_to(torch.randn(nbytes // 4, generator=g), d) for d in devs]
     per_round: dict[str, list[float]] = {n: [] for n in names}
     steps = _calls_per_round(nbytes)
-    with DeviceWorkers(devs, threads=[1] * k) as workers:
+    with DeviceWorkers(devs, threads=[1] * k) as pool:
+        workers = pool if use_workers else None
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
@@ -68,12 +71,12 @@ def _order_text(pairs: list[tuple[str, float]], tie) -> str:
     return out
 
 
-def compare(k: int, nbytes: int, measured: dict[str, dict], tolerance: float) -> dict:
+def compare(k: int, nbytes: int, measured: dict[str, dict], tolerance: float, use_workers: bool) -> dict:
     names = [n for n in measured if n in ALLREDUCE_FORMULAS]
     hardware, source = link_hardware([cpu(i) for i in range(k)])
     predicted = {p.algorithm: p.seconds for p in predict(nbytes, k, hardware, shared_memory=True, algorithms=names,
-                                                          cache=cache_figures())}
-    pick, reason = choose_algorithm(nbytes, k)
+                                                          cache=cache_figures(), workers=use_workers)}
+    pick, reason = choose_algorithm(nbytes, k, workers=use_workers)
     got = {n: measured[n]["median_s"] for n in names}
     best = min(got, key=got.__getitem__)
     within = got[pick] <= got[best] * (1 + tolerance)
@@ -85,7 +88,7 @@ def compare(k: int, nbytes: int, measured: dict[str, dict], tolerance: float) ->
             discordant.append(f"{a}<{b}")
     pred_sorted = sorted(predicted.items(), key=lambda kv: kv[1])
     meas_sorted = sorted(got.items(), key=lambda kv: kv[1])
-    return {"k": k, "bytes": nbytes, "predicted_order": [n for n, _ in pred_sorted],
+    return {"k": k, "bytes": nbytes, "workers": use_workers, "predicted_order": [n for n, _ in pred_sorted],
             "predicted_text": _order_text(pred_sorted, lambda x, y: y <= x * (1 + _TIE)),
             "measured_order": [n for n, _ in meas_sorted],
             "measured_text": _order_text(meas_sorted, lambda x, y: y <= x * (1 + tolerance)),
@@ -97,7 +100,8 @@ def compare(k: int, nbytes: int, measured: dict[str, dict], tolerance: float) ->
 
 def print_table(row: dict, measured: dict[str, dict]) -> None:
     k, size = row["k"], describe_bytes(row["bytes"])
-    print(f"\nk = {k}, {size} per device (links from {row['links_from']})")
+    how = "with device workers" if row["workers"] else "on the calling thread (the Trainer's gradient-sync path)"
+    print(f"\nk = {k}, {size} per device, {how}")
     print(f"  {'algorithm':<10} {'predicted ms':>13} {'pred rank':>9} {'measured ms':>12} {'meas rank':>9} "
           f"{'min ms':>9}  round medians ms")
     for name in row["predicted_order"]:
@@ -128,6 +132,9 @@ def main() -> None:
     ap.add_argument("--devices", default="2,3,4", help="comma-separated k values")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tolerance", type=float, default=0.10, help="measured times this close count as equal")
+    ap.add_argument("--modes", default="workers,caller",
+                    help="workers: allreduce(..., workers=DeviceWorkers) as Trainer.allreduce_all runs it; caller: "
+                         "no workers, as the Trainer's gradient-sync thread runs each bucket")
     args = ap.parse_args()
     ks = [int(s) for s in args.devices.split(",") if s.strip()]
     cores = cpu_count()
@@ -136,12 +143,15 @@ def main() -> None:
     names = algorithm_names()
     wall0, cpu0 = time.perf_counter(), time.process_time()
     rows = []
-    for k in ks:
-        for nbytes in SIZES:
-            measured = measure(k, nbytes, names, args.rounds)
-            row = compare(k, nbytes, measured, args.tolerance)
-            print_table(row, measured)
-            rows.append(row)
+    modes = [m.strip() == "workers" for m in args.modes.split(",") if m.strip()]
+    print(f"links from {link_hardware([cpu(0), cpu(1)])[1]}")
+    for use_workers in modes:
+        for k in ks:
+            for nbytes in SIZES:
+                measured = measure(k, nbytes, names, args.rounds, use_workers)
+                row = compare(k, nbytes, measured, args.tolerance, use_workers)
+                print_table(row, measured)
+                rows.append(row)
     busy_ratio = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     ratio_after, load_after = spin_ratio(), os.getloadavg()[0]
     # Others' load before we start, or a spin that got less than 90% of a core, means the figures
@@ -156,7 +166,7 @@ def main() -> None:
     order_ok = all(r["order_agrees"] for r in rows)
     print(f"predicted best within {args.tolerance:.0%} of measured best: {sum(r['best_agrees'] for r in rows)}"
           f"/{len(rows)}; whole order agrees: {sum(r['order_agrees'] for r in rows)}/{len(rows)}")
-    summary = {f"k{r['k']}_{describe_bytes(r['bytes']).replace(' ', '')}": {
+    summary = {f"{'workers' if r['workers'] else 'caller'}_k{r['k']}_{describe_bytes(r['bytes']).replace(' ', '')}": {
         "predicted": r["predicted_order"], "measured": r["measured_order"], "auto": r["auto_pick"],
         "best_agrees": r["best_agrees"], "order_agrees": r["order_agrees"],
         "predicted_ms": {n: round(t * 1e3, 5) for n, t in r["predicted_s"].items()},
