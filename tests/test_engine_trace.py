@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dlperf.devices import cpu
 from dlperf.engine import create_engine, load_trace
@@ -199,4 +200,83 @@ def test_a_trace_larger_than_the_cap_is_refused_unread(tmp_path, monkeypatch):
     monkeypatch.setattr(trace_mod, "MAX_TRACE_BYTES", 10)
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: pytest.fail("read a file over the cap"))
     with pytest.raises(UsageError, match=r"run.json' is \d+ bytes, more than the 10 bytes"):
+        load_trace(path)
+
+
+def _profiled_step(path: Path) -> None:
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(2):
+            with record_function("train_step"):
+                model(x).sum().backward()
+            prof.step()
+    prof.export_chrome_trace(str(path))
+
+
+@pytest.mark.timeout(60)
+def test_torch_profiler_trace_workers_are_threads_that_ran_operators(tmp_path, capsys):
+    from dlperf.cli import main
+
+    path = tmp_path / "profile.json"
+    _profiled_step(path)
+    raw = json.loads(path.read_text())["traceEvents"]
+    op_tracks = {(e["pid"], e["tid"]) for e in raw if e.get("ph") == "X" and e.get("cat") == "cpu_op"}
+    assert main(["trace", str(path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    workers = summary["workers"]
+    # one worker per thread that ran an aten operator; no track for the profiler's span, the
+    # record_function annotations or the Python stacks
+    assert len(workers) == len(op_tracks) >= 1
+    assert all(w["worker"].startswith("thread ") for w in workers)
+    assert all(0 < w["busy_fraction"] <= 1.0 for w in workers) and summary["parallelism"] <= len(workers)
+    # busy time is the union of the thread's operator intervals, computed here by hand
+    pid, tid = next(iter(op_tracks))
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in raw
+                   if e.get("ph") == "X" and e.get("cat") == "cpu_op" and (e["pid"], e["tid"]) == (pid, tid))
+    union, reach = 0.0, float("-inf")
+    for s, e in spans:
+        union += max(0.0, e - max(s, reach))
+        reach = max(reach, e)
+    mine = next(w for w in workers if w["worker"].startswith(f"thread {tid} "))
+    assert mine["busy_us"] == pytest.approx(union, rel=1e-9)
+    assert union < sum(e - s for s, e in spans)  # nested operators: a plain sum would count them twice
+    assert 1 <= mine["ops"] < len(spans)  # outermost operators only
+    assert main(["trace", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "PyTorch Profiler" not in text and "train_step" not in text and "busy %" in text
+
+
+def test_profiler_gpu_streams_are_workers_and_annotations_are_not(tmp_path):
+    doc = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "GPU 0"}},
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": {"name": "stream 7"}},
+        {"ph": "M", "name": "process_name", "pid": 42, "tid": 0, "args": {"name": "python"}},
+        {"ph": "M", "name": "thread_name", "pid": 42, "tid": 42, "args": {"name": "thread 42 (python)"}},
+        {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": "PyTorch Profiler",
+         "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 42, "tid": 42, "ts": 0, "dur": 900},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "pid": 0, "tid": 7, "ts": 0, "dur": 900},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "pid": 42, "tid": 42, "ts": 100, "dur": 200},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "pid": 42, "tid": 42, "ts": 150, "dur": 100},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 42, "tid": 42, "ts": 200, "dur": 20},
+        {"ph": "X", "cat": "kernel", "name": "sgemm", "pid": 0, "tid": 7, "ts": 250, "dur": 150},
+    ]}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(doc))
+    s = load_trace(path).summary()
+    busy = {w.worker: (w.ops, w.busy_us) for w in s.workers}
+    assert busy == {"GPU 0/stream 7": (1, 150.0), "thread 42 (python)": (1, 200.0)}
+    assert s.span_us == 300.0 and s.overlap_us == 50.0
+
+
+def test_a_trace_of_only_profiler_spans_has_no_operations(tmp_path):
+    path = tmp_path / "spans.json"
+    path.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": 1, "ts": 0, "dur": 5}]}))
+    with pytest.raises(UsageError, match="profiler's own spans"):
         load_trace(path)

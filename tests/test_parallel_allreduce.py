@@ -8,7 +8,7 @@ from dlperf.errors import UsageError
 from dlperf.parallel import DeviceWorkers, algorithm_names, allreduce, get_algorithm
 from dlperf.parallel.allreduce import DEFAULT_ALGORITHM, chunk_bounds
 
-ALGORITHMS = ["naive", "cpu", "sharded", "ring"]
+ALGORITHMS = ["naive", "cpu", "sharded", "ring", "auto"]
 
 
 def _per_device(k: int, shape, seed: int, dtype=torch.float32):

@@ -1,4 +1,4 @@
-"""``dlperf trace FILE``: summarise an engine timeline (Chrome trace JSON).
+"""``dlperf trace FILE``: summarise an engine timeline or a torch.profiler trace (Chrome trace JSON).
 
 Example:
     dlperf trace run.json          # busy % per worker, overlap, mean parallelism
@@ -16,8 +16,10 @@ __all__ = ["register", "run"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("trace", help="summarise an engine timeline: busy %% per worker, overlap",
-                       description="Summarise a Chrome trace JSON written by Engine.stop_trace().save().")
+    p = sub.add_parser("trace", help="summarise an engine or torch.profiler timeline: busy %% per worker, overlap",
+                       description="Summarise a Chrome trace JSON written by Engine.stop_trace().save() or by "
+                                   "torch.profiler's export_chrome_trace (workers: threads that ran operators, "
+                                   "GPU streams).")
     from .._cliargs import existing_file
 
     p.add_argument("file", metavar="FILE", type=existing_file("FILE"), help="Chrome trace JSON file")

@@ -25,7 +25,8 @@ from typing import Any
 from .._io import atomic_write_text
 from ..errors import UsageError
 
-__all__ = ["TraceEvent", "Trace", "WorkerSummary", "TraceSummary", "summarize", "load_trace", "format_summary"]
+__all__ = ["TraceEvent", "Trace", "WorkerSummary", "TraceSummary", "summarize", "load_trace", "format_summary",
+           "PROFILER_OWN_CATEGORIES"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,12 @@ _ID_MAX = 2**63 - 1
 def load_trace(path: str | Path) -> Trace:
     """Read a Chrome trace JSON written by :meth:`Trace.save` (or any with complete ``X`` events).
 
+    torch.profiler traces (``export_chrome_trace``) read too: their workers are the CPU threads that
+    ran operators and the GPU streams; the profiler's own span, ``record_function`` annotations
+    (``ProfilerStep#N``) and Python stack tracks are left out (:data:`PROFILER_OWN_CATEGORIES`).
+    Nested operators (``aten::linear`` around ``aten::addmm``) count once: busy time is the union
+    of a track's intervals.
+
     Anything else (not JSON, no event list, malformed events, NaN, infinite, negative or absurd times,
     nesting deeper than any trace has, no operations at all) raises one
     :class:`~dlperf.errors.UsageError` that names the file and the problem.
@@ -116,7 +123,9 @@ def load_trace(path: str | Path) -> Trace:
     except _BadEvent as exc:
         raise UsageError(f"{where} is not a valid Chrome trace: {exc}") from None
     if not events:
-        raise UsageError(f"{where} has no operations (no complete 'X' events)")
+        own = any(isinstance(e, dict) and e.get("ph") == "X" for e in raw)
+        raise UsageError(f"{where} has no operations (no complete 'X' events"
+                         + (" other than the profiler's own spans and annotations)" if own else ")"))
     events.sort(key=lambda e: e.start_us)
     return Trace(events)
 
@@ -197,15 +206,47 @@ def _check_shapes(raw: list) -> None:
                 raise _BadEvent(f"event {i} has {k!r} {_short(ev[k])}, expected a number or string")
 
 
+# torch.profiler (Kineto) tracks that are not work: the profiler's own span ("PyTorch Profiler", in
+# process "Spans"), record_function annotations (ProfilerStep#N among them) and the Python call stacks
+# of with_stack=True. Each encloses operators already on their thread's track, so counting them would
+# make that annotation a worker of its own and every thread look busy for the whole step.
+PROFILER_OWN_CATEGORIES = frozenset({"Trace", "python_function", "user_annotation", "gpu_user_annotation"})
+_PROFILER_OWN_PIDS = frozenset({"Spans", "Traces"})
+
+
+def _is_profiler_own(ev: dict) -> bool:
+    return ev.get("cat") in PROFILER_OWN_CATEGORIES or ev.get("pid") in _PROFILER_OWN_PIDS
+
+
+def _track_names(raw: list) -> dict[tuple[Any, Any], str]:
+    """Worker name per (pid, tid): the thread's name, under its process's name when it does not say it.
+
+    Engine lanes are named ``cpu(0)/compute`` in process ``cpu(0)``; torch.profiler names CPU threads
+    ``thread 123 (python)`` in process ``python`` and GPU streams ``stream 7`` in a process per device.
+    """
+    procs: dict[Any, str] = {}
+    threads: dict[tuple[Any, Any], str] = {}
+    for ev in raw:
+        if ev.get("ph") != "M":
+            continue
+        name = str((ev.get("args") or {}).get("name", "")).strip()[:200]
+        if ev.get("name") == "process_name":
+            procs[ev.get("pid")] = name
+        elif ev.get("name") == "thread_name":
+            threads[(ev.get("pid"), ev.get("tid"))] = name
+    names = {}
+    for (pid, tid), name in threads.items():
+        proc = procs.get(pid, "")
+        names[(pid, tid)] = f"{proc}/{name}" if proc and proc not in name else name
+    return names
+
+
 def _parse_events(raw: list) -> list[TraceEvent]:
     _check_shapes(raw)
-    names: dict[tuple[Any, Any], str] = {}
-    for ev in raw:
-        if ev.get("ph") == "M" and ev.get("name") == "thread_name":
-            names[(ev.get("pid"), ev.get("tid"))] = str((ev.get("args") or {}).get("name", ""))
+    names = _track_names(raw)
     events = []
     for i, ev in enumerate(raw):
-        if ev.get("ph") != "X":
+        if ev.get("ph") != "X" or _is_profiler_own(ev):
             continue
         args = ev.get("args") or {}
         if "ts" not in ev:
@@ -269,8 +310,23 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
+def _outermost(intervals: list[tuple[float, float]]) -> int:
+    """How many intervals no other interval of the same track encloses (a profiler's aten::addmm
+    inside aten::linear is one operation, not two)."""
+    count, end = 0, float("-inf")
+    for s, e in sorted(intervals, key=lambda x: (x[0], -x[1])):
+        if s < end and e <= end:
+            continue
+        count += 1
+        end = max(end, e)
+    return count
+
+
 def summarize(events: list[TraceEvent]) -> TraceSummary:
     """Busy % per worker over the whole span, overlap (>= 2 workers busy) and mean parallelism.
+
+    A worker's ``ops`` are its outermost operations, and its busy time is the union of its
+    intervals, so nested events (a profiler's operator calls) count once.
 
     >>> ev = [TraceEvent(1, "a", "cpu(0)/compute", 0, 10), TraceEvent(2, "b", "cpu(1)/compute", 5, 10)]
     >>> s = summarize(ev)
@@ -286,9 +342,10 @@ def summarize(events: list[TraceEvent]) -> TraceSummary:
         by_worker.setdefault(e.worker, []).append(e)
     workers, edges = [], []
     for name in sorted(by_worker):
-        merged = _union([(e.start_us, e.end_us) for e in by_worker[name]])
+        intervals = [(e.start_us, e.end_us) for e in by_worker[name]]
+        merged = _union(intervals)
         busy = sum(e - s for s, e in merged)
-        workers.append(WorkerSummary(name, len(by_worker[name]), busy, busy / span if span > 0 else 0.0))
+        workers.append(WorkerSummary(name, _outermost(intervals), busy, busy / span if span > 0 else 0.0))
         for s, e in merged:
             edges += [(s, 1), (e, -1)]
     edges.sort(key=lambda x: (x[0], x[1]))  # ends before starts at equal times: touching is not overlap

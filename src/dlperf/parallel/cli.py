@@ -63,7 +63,8 @@ def register(sub) -> None:
     p.add_argument("--test-size", type=va.int_in(1, 10**12, "--test-size"), default=2000,
                    help="embedded dataset: test images")
     p.add_argument("--algorithm", default=DEFAULT_ALGORITHM, type=va.choice("allreduce algorithm", algorithm_names()),
-                   help=f"allreduce: {', '.join(algorithm_names())}")
+                   help=f"allreduce: {', '.join(algorithm_names())} (auto: the cost model's pick for the "
+                        "measured links, printed at start)")
     p.add_argument("--kvstore", default=None, type=va.choice("kvstore type", kvstore_types()),
                    help="aggregate through a KVStore: local or device")
     p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0)
@@ -299,8 +300,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _announce_auto(model: torch.nn.Module, devices: list) -> None:
+    """Say once which algorithm ``--algorithm auto`` takes for this model's gradient buckets, and why."""
+    from .allreduce import choose_algorithm
+    from .allreduce.auto import describe_bytes
+    from .buckets import DEFAULT_BUCKET_BYTES
+
+    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    # the Trainer reduces buckets of up to DEFAULT_BUCKET_BYTES; a larger parameter gets one of its own
+    nbytes = max(min(sum(sizes), DEFAULT_BUCKET_BYTES), max(sizes, default=0))
+    # the Trainer reduces each bucket on its gradient-sync thread as backward fills it, without device workers
+    name, reason = choose_algorithm(nbytes, devices, workers=False)
+    print(f"allreduce: auto chose {name} for gradient buckets of {describe_bytes(nbytes)} ({reason})", flush=True)
+
+
 def _train(args, spec, devices, config, train_loader, test_loader, resume, history, saved) -> None:
-    with Trainer(spec.build(), devices, "sgd", {"lr": args.lr}, loss=spec.loss, algorithm=args.algorithm,
+    model = spec.build()
+    if args.algorithm == "auto" and args.kvstore is None:
+        _announce_auto(model, devices)
+    with Trainer(model, devices, "sgd", {"lr": args.lr}, loss=spec.loss, algorithm=args.algorithm,
                  kvstore=args.kvstore, check_finite=getattr(args, "check_finite", False)) as trainer:
         if resume is not None:
             try:

@@ -2,7 +2,8 @@
 
 Algorithms register themselves (``naive``, ``cpu``, ``sharded``, ``ring``); all give the same sum up
 to float rounding, and each device ends with a bit-identical copy of it. The default is
-``sharded``: see :data:`DEFAULT_ALGORITHM` for why.
+``sharded``: see :data:`DEFAULT_ALGORITHM` for why. ``auto`` picks one of them per call from the
+cost model and the measured links (:func:`choose_algorithm`).
 
 >>> import torch
 >>> from dlperf.devices import cpu, copy_to
@@ -19,6 +20,7 @@ import torch
 
 from ..workers import DeviceWorkers, wait_all
 from . import host, naive, ring, sharded  # noqa: F401  (registers the algorithms)
+from .auto import AutoAllreduce, choose_algorithm  # registers "auto" after the algorithms it chooses among
 from .base import (
     DEFAULT_ALGORITHM,
     AllreduceAlgorithm,
@@ -32,7 +34,7 @@ from .base import (
 )
 
 __all__ = ["allreduce", "AllreduceAlgorithm", "DEFAULT_ALGORITHM", "algorithm_names", "get_algorithm",
-           "register_algorithm", "chunk_bounds", "Phase", "run_schedule"]
+           "register_algorithm", "chunk_bounds", "Phase", "run_schedule", "choose_algorithm"]
 
 
 def run_schedule(phases: list[Phase], workers: DeviceWorkers | None = None) -> None:
@@ -65,7 +67,9 @@ def allreduce(tensors: Sequence[torch.Tensor], algorithm: str | AllreduceAlgorit
     for t in tensors:
         # reshape gives a view for contiguous tensors, so the algorithm writes straight into them
         flats.append(t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1))
-    run_schedule(algo.schedule(flats), workers)
+    # auto's best choice depends on whether workers run the schedule: without them nothing runs in parallel
+    phases = algo.schedule(flats, workers is not None) if isinstance(algo, AutoAllreduce) else algo.schedule(flats)
+    run_schedule(phases, workers)
     for t, f in zip(tensors, flats):
         if f.data_ptr() != t.data_ptr() or not t.is_contiguous():
             t.copy_(f.view(t.shape))
