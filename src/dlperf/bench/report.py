@@ -133,29 +133,63 @@ def warning_lines(result: BenchResult) -> list[str]:
     return [f"warning: {line}" for line in result.thread_warnings()]
 
 
-def render_terminal(result: BenchResult, console=None) -> None:
-    """Print the table with rich (to stdout unless a console is given)."""
-    import sys
+TITLE = "Time per mini-batch (seconds), dlperf today beside Shi et al. 2016"
 
-    from rich.console import Console
+
+def _rich_table(result: BenchResult):
     from rich.table import Table
 
-    # Piped output has no terminal width; keep the table unwrapped for files and pagers.
-    console = console or Console(width=None if sys.stdout.isatty() else 200)
     header, rows = table_grid(result)
-    table = Table(title="Time per mini-batch (seconds), dlperf today beside Shi et al. 2016",
-                  show_lines=False, header_style="bold")
+    table = Table(title=TITLE, show_lines=False, header_style="bold")
     for i, h in enumerate(header):
         table.add_column(h, justify="left" if i < 3 else "right", no_wrap=i < 3)
     n = len(row_labels(result))
     for i, row in enumerate(rows):
         table.add_row(*row, end_section=(i % n == n - 1))
-    console.print(table)
-    for line in warning_lines(result):
-        console.print(line, style="yellow", highlight=False, markup=False)
-    for line in footnotes(result):
-        console.print(line, style="bold yellow" if line.lstrip().startswith(CONTENDED_MARK) else "dim",
-                      highlight=False, markup=False)
+    return table
+
+
+def _styled_lines(result: BenchResult) -> list[tuple[str, str]]:
+    lines = [(line, "yellow") for line in warning_lines(result)]
+    return lines + [(line, "bold yellow" if line.lstrip().startswith(CONTENDED_MARK) else "dim")
+                    for line in footnotes(result)]
+
+
+def rich_renderable(result: BenchResult):
+    """The table and its notes as one rich renderable (what ``rich.print(result)`` shows)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    return Group(_rich_table(result), *(Text(line, style=style) for line, style in _styled_lines(result)))
+
+
+def render_terminal(result: BenchResult, console=None) -> None:
+    """Print the table with rich (to stdout unless a console is given)."""
+    import sys
+
+    from rich.console import Console
+
+    # Piped output has no terminal width; keep the table unwrapped for files and pagers.
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    console.print(_rich_table(result))
+    for line, style in _styled_lines(result):
+        console.print(line, style=style, highlight=False, markup=False)
+
+
+def render_html(result: BenchResult) -> str:
+    """The table as HTML for Jupyter; every value is escaped."""
+    from html import escape
+
+    header, rows = table_grid(result)
+    n = len(row_labels(result))
+    out = [f"<table><caption>{escape(TITLE)}</caption>",
+           "<thead><tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr></thead><tbody>"]
+    for i, row in enumerate(rows):
+        style = ' style="border-bottom: 1px solid"' if i % n == n - 1 else ""
+        out.append(f"<tr{style}>" + "".join(f"<td>{escape(v)}</td>" for v in row) + "</tr>")
+    out.append("</tbody></table>")
+    out += [f"<p><small>{escape(line)}</small></p>" for line, _ in _styled_lines(result)]
+    return "\n".join(out)
 
 
 def render_markdown(result: BenchResult) -> str:
@@ -183,33 +217,35 @@ def csv_fields(result: BenchResult) -> tuple[str, ...]:
     return CSV_FIELDS + (EXPLAIN_CSV_FIELDS if c.explain else ()) + (AUTO_CSV_FIELDS if c.mode == "auto" else ())
 
 
-def _extra_csv(d: dict) -> dict:
-    extra = {k: d[k] for k in EXPLAIN_CSV_FIELDS + AUTO_CSV_FIELDS if k in d}
-    if extra.get("floor_components") is not None:
-        extra["floor_components"] = ";".join(f"{k}={v:.6g}" for k, v in extra["floor_components"].items())
-    return extra
-
-
 def render_csv(result: BenchResult) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=csv_fields(result))
     w.writeheader()
     for cell in result.cells:
-        d = cell.to_dict()
-        spread = d["spread"] or {}
-        paper = d["paper"] or {}
-        w.writerow({
-            **_extra_csv(d),
-            **{k: d[k] for k in ("network", "device", "threads", "batch_size", "mode", "median_s", "noisy",
-                                 "contended", "contention", "achieved_gflops", "speedup_vs_paper_torch",
-                                 "compile_s", "backend", "error")},
-            **{k: spread.get(k) for k in ("q1_s", "q3_s", "min_s", "max_s")},
-            "samples": len(d["samples"]),
-            "paper_torch_s": paper.get("torch_s"),
-            "paper_best_s": paper.get("best_s"),
-            "paper_best_framework": paper.get("best_framework"),
-        })
+        row = flat_row(result, cell)
+        if row.get("floor_components") is not None:
+            row["floor_components"] = ";".join(f"{k}={v:.6g}" for k, v in row["floor_components"].items())
+        w.writerow(row)
     return buf.getvalue()
+
+
+def flat_row(result: BenchResult, cell: CellResult) -> dict:
+    """One cell as a flat dict with the CSV's columns, in order."""
+    d = cell.to_dict()
+    spread = d["spread"] or {}
+    paper = d["paper"] or {}
+    row = {
+        **{k: d[k] for k in EXPLAIN_CSV_FIELDS + AUTO_CSV_FIELDS if k in d},
+        **{k: d[k] for k in ("network", "device", "threads", "batch_size", "mode", "median_s", "noisy",
+                             "contended", "contention", "achieved_gflops", "speedup_vs_paper_torch",
+                             "compile_s", "backend", "error")},
+        **{k: spread.get(k) for k in ("q1_s", "q3_s", "min_s", "max_s")},
+        "samples": len(d["samples"]),
+        "paper_torch_s": paper.get("torch_s"),
+        "paper_best_s": paper.get("best_s"),
+        "paper_best_framework": paper.get("best_framework"),
+    }
+    return {k: row.get(k) for k in csv_fields(result)}
 
 
 def render_json(result: BenchResult) -> str:

@@ -233,6 +233,46 @@ class BenchResult:
             "cells": [cell.to_dict() for cell in self.cells],
         }
 
+    # --- for notebooks: the CLI's table as text, rich, HTML, rows and a DataFrame ---------------------
+
+    def __str__(self) -> str:
+        import io
+
+        from rich.console import Console
+
+        from . import report
+
+        buf = io.StringIO()
+        report.render_terminal(self, Console(file=buf, width=200, color_system=None, force_terminal=False))
+        return buf.getvalue()
+
+    def __rich__(self):
+        from . import report
+
+        return report.rich_renderable(self)
+
+    def _repr_html_(self) -> str:
+        from . import report
+
+        return report.render_html(self)
+
+    def to_rows(self) -> list[dict]:
+        """One flat dict per cell, the CSV's columns (``floor_components`` stays a dict)."""
+        from . import report
+
+        return [report.flat_row(self, cell) for cell in self.cells]
+
+    def to_pandas(self):
+        """The rows as a pandas DataFrame; pandas is optional."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise UsageError("to_pandas() needs pandas; install it with: pip install pandas "
+                             "(or use to_rows(), a list of dicts)") from None
+        from .report import csv_fields
+
+        return pd.DataFrame(self.to_rows(), columns=list(csv_fields(self)))
+
 
 SLOWER_TOLERANCE = 0.10
 """More threads must be this much slower than fewer before a sweep is called out (timer noise)."""
