@@ -130,7 +130,9 @@ def probe_compile_seconds(model: nn.Module, loss_fn: Callable, x: torch.Tensor, 
     with torch.no_grad():
         traced(x, y)
     trace_s = time.perf_counter() - t0
-    torch._dynamo.reset()  # the probe's compiled frames must not serve the real compile
+    # The probe's frames must not serve the real compile; resetting per cell also keeps a sweep's many
+    # models under dynamo's recompile limit, past which it would silently run compile candidates eagerly.
+    torch._dynamo.reset()
     return trace_s * INDUCTOR_OVER_TRACE
 
 
@@ -187,12 +189,16 @@ def _build(name: str, builder: Builder, model: nn.Module, optimizer: torch.optim
 
 
 def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-           y: torch.Tensor, *, compile_bound_s: float = COMPILE_BOUND_S, rounds: int = ROUNDS,
+           y: torch.Tensor, *, compile_bound_s: float | None = None, rounds: int = ROUNDS,
            steps_per_round: int = STEPS_PER_ROUND) -> tuple[AutoChoice, dict[str, Builder]]:
-    """Time every candidate against eager, alternating, and pick; ``model`` and ``optimizer`` are untouched."""
+    """Time every candidate against eager, alternating, and pick; ``model`` and ``optimizer`` are untouched.
+
+    ``compile_bound_s`` defaults to :data:`COMPILE_BOUND_S`, read at the call.
+    """
     threads = torch.get_num_threads()
     notes: dict[str, str] = {}
-    builders = candidates(model, loss_fn, x, y, threads, compile_bound_s, notes)
+    bound = COMPILE_BOUND_S if compile_bound_s is None else compile_bound_s
+    builders = candidates(model, loss_fn, x, y, threads, bound, notes)
     steps = {name: s for name, b in builders.items()
              if (s := _build(name, b, model, optimizer, x, y, notes)) is not None}
     samples: dict[str, list[float]] = {name: [] for name in steps}
@@ -212,7 +218,7 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
 
 
 def make_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-              example_x: torch.Tensor, example_y: torch.Tensor, *, compile_bound_s: float = COMPILE_BOUND_S,
+              example_x: torch.Tensor, example_y: torch.Tensor, *, compile_bound_s: float | None = None,
               rounds: int = ROUNDS) -> StepFn:
     """The fastest applicable step for this model and batch (see the module docstring); eager's math.
 
