@@ -159,7 +159,8 @@ def candidates(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Te
                 out["compile"] = lambda m, o: compiled_step(m, loss_fn, o, x, y)
                 if "channels-last" in out:
                     out["channels-last + compile"] = lambda m, o: channels_last_step(m, loss_fn, o, compiled_step)
-    fewer = sorted({max(1, threads // 2), 1} - {threads}, reverse=True)
+    # a GPU step's host threads only launch kernels: fewer of them is no candidate
+    fewer = [] if x.is_cuda else sorted({max(1, threads // 2), 1} - {threads}, reverse=True)
     for n in fewer:
         for base in ("eager", "channels-last"):
             if base in out:
@@ -203,9 +204,11 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
              if (s := _build(name, b, model, optimizer, x, y, notes)) is not None}
     per_round: dict[str, list[float]] = {name: [] for name in steps}
     samples: dict[str, list[float]] = {name: [] for name in steps}
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     for _ in range(rounds):
         for name, step in steps.items():
-            t = time_steps(lambda step=step: step(x, y), warmup=0, steps=steps_per_round, threads=threads)
+            t = time_steps(lambda step=step: step(x, y), warmup=0, steps=steps_per_round, threads=threads,
+                           synchronize=sync)
             samples[name] += t.samples
             per_round[name].append(t.median_s)
     medians = {name: Timing.from_samples(s).median_s for name, s in samples.items()}
