@@ -93,9 +93,11 @@ def test_compiled_candidates_compute_eagers_losses():
     subprocess.run([sys.executable, "-c", COMPILED_CANDIDATES_SCRIPT], check=True, timeout=580)
 
 
-def fake_costs(monkeypatch, costs: dict[str, float]):
-    """Time each candidate at a fixed cost per step: the decision, not the machine, is under test."""
+def fake_costs(monkeypatch, costs: dict[str, float | list[float]]):
+    """Time each candidate at a fixed cost per step (or one per round, in a list): the decision, not the
+    machine, is under test."""
     current = {}
+    calls: dict[str, int] = {}
 
     def builders(model, loss_fn, x, y, threads, bound, notes):
         out = {}
@@ -110,7 +112,12 @@ def fake_costs(monkeypatch, costs: dict[str, float]):
 
     def time_steps(step, *, warmup, steps, threads=None, **kwargs):
         step()
-        return Timing.from_samples([costs[current["name"]]] * steps)
+        name = current["name"]
+        cost = costs[name]
+        if isinstance(cost, list):
+            cost = cost[calls.get(name, 0)]
+        calls[name] = calls.get(name, 0) + 1
+        return Timing.from_samples([cost] * steps)
 
     monkeypatch.setattr(auto, "candidates", builders)
     monkeypatch.setattr(auto, "time_steps", time_steps)
@@ -122,6 +129,19 @@ def test_eager_is_kept_when_nothing_beats_it_by_more_than_the_noise(monkeypatch)
     choice, _ = auto.choose(model, spec.loss, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
     assert choice.chosen == "eager" and choice.gain_over_eager == 1.0
     assert choice.reason.startswith("eager kept") and "hybrid 0.83x (slower)" in choice.reason
+
+
+def test_a_gain_seen_in_one_round_only_does_not_replace_eager(monkeypatch):
+    spec, model, x, y = lenet_batch()
+    # overall channels-last looks 3x faster, but only because two of eager's rounds were slowed by other work
+    fake_costs(monkeypatch, {"eager": [0.030, 0.030, 0.010], "channels-last": [0.0099, 0.010, 0.0101]})
+    choice, _ = auto.choose(model, spec.loss, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    assert choice.medians["eager"] / choice.medians["channels-last"] == pytest.approx(3.0)
+    assert choice.chosen == "eager" and choice.worst_round_gain == pytest.approx(0.010 / 0.0101)
+    # a burst that slowed eager in one round does not hide a gain seen in every round
+    fake_costs(monkeypatch, {"eager": [0.020, 0.090, 0.020], "channels-last": [0.010, 0.011, 0.010]})
+    choice, _ = auto.choose(model, spec.loss, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    assert choice.chosen == "channels-last" and choice.gain_over_eager == pytest.approx(2.0)
 
 
 def test_a_faster_candidate_is_chosen_and_its_gain_reported(monkeypatch):

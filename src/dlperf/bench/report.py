@@ -112,7 +112,7 @@ def footnotes(result: BenchResult) -> list[str]:
         notes += explain_footnotes([cell.floor.source if cell.floor else cell.floor_note for cell in result.cells])
     if c.mode == "auto":
         notes.append("auto choice: the fastest variant timed alternately against eager in the same cell "
-                     "(eager is kept unless another beats it by more than the noise); vs eager: its gain. Why:")
+                     "(eager is kept unless another beats it by more than 5% in every round); vs eager: its gain. Why:")
         notes += [f"  {cell.network}, {column_label(cell.device, cell.threads)}: {cell.auto_reason}"
                   for cell in result.cells if cell.auto_reason]
     return notes + contention_notes(result)
