@@ -131,6 +131,14 @@ def test_eager_is_kept_when_nothing_beats_it_by_more_than_the_noise(monkeypatch)
     assert choice.reason.startswith("eager kept") and "hybrid 0.83x (slower)" in choice.reason
 
 
+def test_a_slow_search_stops_after_two_rounds_and_says_so(monkeypatch):
+    spec, model, x, y = lenet_batch()
+    fake_costs(monkeypatch, {"eager": [0.02] * 3, "channels-last": [0.01] * 3})
+    monkeypatch.setattr(auto, "SEARCH_BUDGET_S", 0.0)
+    choice, _ = auto.choose(model, spec.loss, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    assert choice.chosen == "channels-last" and "stopped after 2 rounds" in choice.reason
+
+
 def test_a_gain_seen_in_one_round_only_does_not_replace_eager(monkeypatch):
     spec, model, x, y = lenet_batch()
     # overall channels-last looks 3x faster, but only because two of eager's rounds were slowed by other work

@@ -39,6 +39,9 @@ __all__ = ["make_step", "AutoChoice", "choose", "COMPILE_BOUND_S", "MIN_GAIN"]
 ROUNDS = 3
 """Alternating rounds; each candidate takes :data:`STEPS_PER_ROUND` timed steps per round."""
 STEPS_PER_ROUND = 3
+MIN_ROUNDS = 2
+SEARCH_BUDGET_S = 60.0
+"""After :data:`MIN_ROUNDS` rounds, no further round starts once the timing took this long (slow networks)."""
 MIN_GAIN = 0.05
 """A candidate must be at least this much faster than eager (relative) to replace it."""
 COMPILE_BOUND_S = 60.0
@@ -207,7 +210,11 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
     per_round: dict[str, list[float]] = {name: [] for name in steps}
     samples: dict[str, list[float]] = {name: [] for name in steps}
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-    for _ in range(rounds):
+    started = time.perf_counter()
+    for done in range(rounds):
+        if done >= MIN_ROUNDS and time.perf_counter() - started > SEARCH_BUDGET_S:
+            notes["search"] = f"stopped after {done} rounds: the {SEARCH_BUDGET_S:.0f}s budget was spent"
+            break
         for name, step in steps.items():
             t = time_steps(lambda step=step: step(x, y), warmup=0, steps=steps_per_round, threads=threads,
                            synchronize=sync)
