@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="untimed steps per cell (default 2, quick 1; at least 1 except with --scaling)")
     p.add_argument("--mode", type=va.choice("mode", mode_names()), default="eager",
                    help=f"how the step runs: {', '.join(mode_names())}")
+    p.add_argument("--explain", action="store_true",
+                   help="add each cell's floor from the cost model (dlperf.probe.cost), measured/floor and "
+                        "%% of peak FLOP/s")
     p.add_argument("--scaling", action="store_true",
                    help="Table 8 instead: time per mini-batch on 1..k devices, global batch split")
     fmt = p.add_argument_group("output")
@@ -56,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def build_config(args: argparse.Namespace):
     from .runner import BenchConfig
 
-    overrides = {"mode": args.mode}
+    overrides = {"mode": args.mode, "explain": bool(getattr(args, "explain", False))}
     if args.networks is not None:
         overrides["networks"] = args.networks
     if args.devices is not None:

@@ -52,6 +52,7 @@ _MODES: dict[str, MakeStep | str] = {
     "eager": eager_step,
     "compile": compiled_step,
     "hybrid": "dlperf.hybrid.bench_mode:make_step",
+    "auto": "dlperf.bench.auto:make_step",
 }
 
 

@@ -15,17 +15,22 @@ import io
 import json
 
 from ..devices import Device
+from .explain import explain_footnotes, fmt_floor, fmt_pct, fmt_ratio
 from .runner import BenchResult, CellResult
 
 ROW_LABELS = ("dlperf (s)", "GFLOP/s", "Torch 2016 (s)", "best 2016 (s)", "vs Torch 2016")
 COMPILE_ROW_LABELS = ("compile (s)", "backend")
+EXPLAIN_ROW_LABELS = ("floor (s)", "x floor", "% peak")
+AUTO_ROW_LABELS = ("auto choice", "vs eager")
 NOISY_MARK = "~"
 CONTENDED_MARK = "!"
 
 
 def row_labels(result: BenchResult) -> tuple[str, ...]:
     """The rows of each network's block: compile time and backend only where something is compiled."""
-    return ROW_LABELS + (COMPILE_ROW_LABELS if result.config.mode != "eager" else ())
+    c = result.config
+    return ROW_LABELS + (COMPILE_ROW_LABELS if c.mode != "eager" else ()) \
+        + (EXPLAIN_ROW_LABELS if c.explain else ()) + (AUTO_ROW_LABELS if c.mode == "auto" else ())
 
 
 def column_label(device: Device, threads: int | None) -> str:
@@ -47,9 +52,9 @@ def _fmt_s(x: float | None) -> str:
     return f"{x:.3f}" if x >= 0.01 else f"{x * 1e3:.2f}ms"
 
 
-def _cell_rows(cell: CellResult | None, n_rows: int) -> list[str]:
+def _cell_rows(cell: CellResult | None, labels: tuple[str, ...]) -> list[str]:
     if cell is None:
-        return [""] * n_rows
+        return [""] * len(labels)
     paper = cell.paper
     if cell.timing is None:
         ours = f"- ({cell.error})" if cell.error else "-"
@@ -61,8 +66,13 @@ def _cell_rows(cell: CellResult | None, n_rows: int) -> list[str]:
     best = f"{_fmt_s(paper.best_s)} {paper.best_framework}" if paper and paper.best_s else ("-" if paper else "n/a")
     ratio = cell.speedup_vs_paper_torch
     vs = f"{ratio:.1f}x faster" if ratio and ratio >= 1 else (f"{1 / ratio:.1f}x slower" if ratio else "-")
-    compiled = [_fmt_s(cell.compile_s), cell.backend or "-"]
-    return ([ours, gflops, torch_s, best, vs] + compiled)[:n_rows]
+    by_label = dict(zip(ROW_LABELS, [ours, gflops, torch_s, best, vs]))
+    by_label.update(zip(COMPILE_ROW_LABELS, [_fmt_s(cell.compile_s), cell.backend or "-"]))
+    by_label.update(zip(EXPLAIN_ROW_LABELS, [fmt_floor(cell.floor), fmt_ratio(cell.measured_over_floor),
+                                             fmt_pct(cell.pct_of_peak)]))
+    gain = f"{cell.gain_over_eager:.2f}x" if cell.gain_over_eager else "-"
+    by_label.update(zip(AUTO_ROW_LABELS, [cell.mode_chosen or "-", gain]))
+    return [by_label[label] for label in labels]
 
 
 def table_grid(result: BenchResult) -> tuple[list[str], list[list[str]]]:
@@ -74,7 +84,7 @@ def table_grid(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     rows: list[list[str]] = []
     # an interrupted sweep lists only the networks it reached
     for net in [n for n in result.config.networks if any(c.network == n for c in result.cells)]:
-        per_col = [_cell_rows(by_key.get((net, d, t)), len(labels)) for d, t in cols]
+        per_col = [_cell_rows(by_key.get((net, d, t)), labels) for d, t in cols]
         batches = sorted({c.batch_size for c in result.cells if c.network == net})
         for i, label in enumerate(labels):
             first = [net, "/".join(map(str, batches)), label] if i == 0 else ["", "", label]
@@ -96,7 +106,15 @@ def footnotes(result: BenchResult) -> list[str]:
     ]
     if c.mode != "eager":
         notes.append("compile (s): building the step and its first call, beyond a steady step; "
-                     "backend: what ran it.")
+                     "backend: what ran it." + (" In auto mode it includes timing the candidates." if
+                                                c.mode == "auto" else ""))
+    if c.explain:
+        notes += explain_footnotes([cell.floor.source if cell.floor else cell.floor_note for cell in result.cells])
+    if c.mode == "auto":
+        notes.append("auto choice: the fastest variant timed alternately against eager in the same cell "
+                     "(eager is kept unless another beats it by more than 5% in every round); vs eager: its gain. Why:")
+        notes += [f"  {cell.network}, {column_label(cell.device, cell.threads)}: {cell.auto_reason}"
+                  for cell in result.cells if cell.auto_reason]
     return notes + contention_notes(result)
 
 
@@ -115,29 +133,63 @@ def warning_lines(result: BenchResult) -> list[str]:
     return [f"warning: {line}" for line in result.thread_warnings()]
 
 
-def render_terminal(result: BenchResult, console=None) -> None:
-    """Print the table with rich (to stdout unless a console is given)."""
-    import sys
+TITLE = "Time per mini-batch (seconds), dlperf today beside Shi et al. 2016"
 
-    from rich.console import Console
+
+def _rich_table(result: BenchResult):
     from rich.table import Table
 
-    # Piped output has no terminal width; keep the table unwrapped for files and pagers.
-    console = console or Console(width=None if sys.stdout.isatty() else 200)
     header, rows = table_grid(result)
-    table = Table(title="Time per mini-batch (seconds), dlperf today beside Shi et al. 2016",
-                  show_lines=False, header_style="bold")
+    table = Table(title=TITLE, show_lines=False, header_style="bold")
     for i, h in enumerate(header):
         table.add_column(h, justify="left" if i < 3 else "right", no_wrap=i < 3)
     n = len(row_labels(result))
     for i, row in enumerate(rows):
         table.add_row(*row, end_section=(i % n == n - 1))
-    console.print(table)
-    for line in warning_lines(result):
-        console.print(line, style="yellow", highlight=False, markup=False)
-    for line in footnotes(result):
-        console.print(line, style="bold yellow" if line.lstrip().startswith(CONTENDED_MARK) else "dim",
-                      highlight=False, markup=False)
+    return table
+
+
+def _styled_lines(result: BenchResult) -> list[tuple[str, str]]:
+    lines = [(line, "yellow") for line in warning_lines(result)]
+    return lines + [(line, "bold yellow" if line.lstrip().startswith(CONTENDED_MARK) else "dim")
+                    for line in footnotes(result)]
+
+
+def rich_renderable(result: BenchResult):
+    """The table and its notes as one rich renderable (what ``rich.print(result)`` shows)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    return Group(_rich_table(result), *(Text(line, style=style) for line, style in _styled_lines(result)))
+
+
+def render_terminal(result: BenchResult, console=None) -> None:
+    """Print the table with rich (to stdout unless a console is given)."""
+    import sys
+
+    from rich.console import Console
+
+    # Piped output has no terminal width; keep the table unwrapped for files and pagers.
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    console.print(_rich_table(result))
+    for line, style in _styled_lines(result):
+        console.print(line, style=style, highlight=False, markup=False)
+
+
+def render_html(result: BenchResult) -> str:
+    """The table as HTML for Jupyter; every value is escaped."""
+    from html import escape
+
+    header, rows = table_grid(result)
+    n = len(row_labels(result))
+    out = [f"<table><caption>{escape(TITLE)}</caption>",
+           "<thead><tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr></thead><tbody>"]
+    for i, row in enumerate(rows):
+        style = ' style="border-bottom: 1px solid"' if i % n == n - 1 else ""
+        out.append(f"<tr{style}>" + "".join(f"<td>{escape(v)}</td>" for v in row) + "</tr>")
+    out.append("</tbody></table>")
+    out += [f"<p><small>{escape(line)}</small></p>" for line, _ in _styled_lines(result)]
+    return "\n".join(out)
 
 
 def render_markdown(result: BenchResult) -> str:
@@ -154,25 +206,46 @@ CSV_FIELDS = ("network", "device", "threads", "batch_size", "mode", "median_s", 
               "paper_best_s", "paper_best_framework", "speedup_vs_paper_torch", "compile_s", "backend", "error")
 
 
+EXPLAIN_CSV_FIELDS = ("floor_s", "floor_bottleneck", "floor_components", "measured_over_floor", "pct_of_peak",
+                      "floor_source")
+AUTO_CSV_FIELDS = ("mode_chosen", "gain_over_eager", "auto_reason")
+
+
+def csv_fields(result: BenchResult) -> tuple[str, ...]:
+    """The CSV columns: the floor's and auto mode's only when the sweep has them."""
+    c = result.config
+    return CSV_FIELDS + (EXPLAIN_CSV_FIELDS if c.explain else ()) + (AUTO_CSV_FIELDS if c.mode == "auto" else ())
+
+
 def render_csv(result: BenchResult) -> str:
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
+    w = csv.DictWriter(buf, fieldnames=csv_fields(result))
     w.writeheader()
     for cell in result.cells:
-        d = cell.to_dict()
-        spread = d["spread"] or {}
-        paper = d["paper"] or {}
-        w.writerow({
-            **{k: d[k] for k in ("network", "device", "threads", "batch_size", "mode", "median_s", "noisy",
-                                 "contended", "contention", "achieved_gflops", "speedup_vs_paper_torch",
-                                 "compile_s", "backend", "error")},
-            **{k: spread.get(k) for k in ("q1_s", "q3_s", "min_s", "max_s")},
-            "samples": len(d["samples"]),
-            "paper_torch_s": paper.get("torch_s"),
-            "paper_best_s": paper.get("best_s"),
-            "paper_best_framework": paper.get("best_framework"),
-        })
+        row = flat_row(result, cell)
+        if row.get("floor_components") is not None:
+            row["floor_components"] = ";".join(f"{k}={v:.6g}" for k, v in row["floor_components"].items())
+        w.writerow(row)
     return buf.getvalue()
+
+
+def flat_row(result: BenchResult, cell: CellResult) -> dict:
+    """One cell as a flat dict with the CSV's columns, in order."""
+    d = cell.to_dict()
+    spread = d["spread"] or {}
+    paper = d["paper"] or {}
+    row = {
+        **{k: d[k] for k in EXPLAIN_CSV_FIELDS + AUTO_CSV_FIELDS if k in d},
+        **{k: d[k] for k in ("network", "device", "threads", "batch_size", "mode", "median_s", "noisy",
+                             "contended", "contention", "achieved_gflops", "speedup_vs_paper_torch",
+                             "compile_s", "backend", "error")},
+        **{k: spread.get(k) for k in ("q1_s", "q3_s", "min_s", "max_s")},
+        "samples": len(d["samples"]),
+        "paper_torch_s": paper.get("torch_s"),
+        "paper_best_s": paper.get("best_s"),
+        "paper_best_framework": paper.get("best_framework"),
+    }
+    return {k: row.get(k) for k in csv_fields(result)}
 
 
 def render_json(result: BenchResult) -> str:

@@ -26,6 +26,7 @@ from ..devices import Device, cpu, cpu_count, num_gpus, require_available, to_de
 from ..errors import UsageError, unknown_choice
 from ..models import get_spec, model_names
 from ..timing import Timing, doubling_up_to, time_steps
+from .explain import CellFloor, FloorModel
 from .modes import get_mode, mode_names
 from .reference import PaperFigure, paper_figure
 
@@ -61,6 +62,8 @@ class BenchConfig:
     """How the step runs: eager, compile (torch.compile) or hybrid (dlperf.hybrid)."""
     seed: int = 0
     """Seed for weights and synthetic batches."""
+    explain: bool = False
+    """Price every cell's step on the cost model too: its floor, measured / floor, % of peak FLOP/s."""
 
     def __post_init__(self) -> None:
         self.networks = [get_spec(n).name for n in self.networks]  # raises on unknown names
@@ -107,6 +110,15 @@ class CellResult:
     """Building the step plus its first call, beyond a steady step (compile and hybrid modes)."""
     backend: str | None = None
     """What ran the step: torch.compile's backend, or the hybrid backend(s) chosen."""
+    explained: bool = False
+    """The sweep asked for floors (``--explain``): the cell's dict carries the floor fields."""
+    floor: CellFloor | None = None
+    floor_note: str | None = None
+    """Why a cell asked to be explained has no floor (a GPU cell, a model the counter cannot run)."""
+    mode_chosen: str | None = None
+    """With ``--mode auto``: the variant that ran the timed steps, and by how much it beat eager."""
+    gain_over_eager: float | None = None
+    auto_reason: str | None = None
 
     @property
     def contended(self) -> bool:
@@ -159,7 +171,28 @@ class CellResult:
                       "best_framework": p.best_framework} if p else None,
             "speedup_vs_paper_torch": self.speedup_vs_paper_torch,
             "error": self.error,
+            **self._extra_fields(),
         }
+
+    @property
+    def measured_over_floor(self) -> float | None:
+        return self.floor.measured_over_floor(self.timing.median_s if self.timing else None) if self.floor else None
+
+    @property
+    def pct_of_peak(self) -> float | None:
+        return self.floor.pct_of_peak(self.timing.median_s if self.timing else None) if self.floor else None
+
+    def _extra_fields(self) -> dict:
+        """Fields only an explained or auto sweep has, so that other sweeps' documents stay as they were."""
+        extra: dict = {}
+        if self.explained:
+            extra.update(self.floor.to_dict(self.timing.median_s if self.timing else None) if self.floor else
+                         {"floor_s": None, "floor_components": None, "floor_bottleneck": None,
+                          "measured_over_floor": None, "pct_of_peak": None, "floor_source": self.floor_note})
+        if self.mode == "auto":
+            extra.update(mode_chosen=self.mode_chosen, gain_over_eager=self.gain_over_eager,
+                         auto_reason=self.auto_reason)
+        return extra
 
 
 @dataclass
@@ -193,12 +226,52 @@ class BenchResult:
             "machine": self.machine,
             "config": {"networks": c.networks, "devices": [str(d) for d in c.devices], "threads": c.threads,
                        "batch_size": c.batch_size, "warmup": c.warmup, "steps": c.steps, "mode": c.mode,
-                       "max_cell_seconds": c.max_cell_seconds},
+                       "max_cell_seconds": c.max_cell_seconds, **({"explain": True} if c.explain else {})},
             "seconds": self.seconds,
             "contended": self.contended,
             "thread_warnings": self.thread_warnings(),
             "cells": [cell.to_dict() for cell in self.cells],
         }
+
+    # --- for notebooks: the CLI's table as text, rich, HTML, rows and a DataFrame ---------------------
+
+    def __str__(self) -> str:
+        import io
+
+        from rich.console import Console
+
+        from . import report
+
+        buf = io.StringIO()
+        report.render_terminal(self, Console(file=buf, width=200, color_system=None, force_terminal=False))
+        return buf.getvalue()
+
+    def __rich__(self):
+        from . import report
+
+        return report.rich_renderable(self)
+
+    def _repr_html_(self) -> str:
+        from . import report
+
+        return report.render_html(self)
+
+    def to_rows(self) -> list[dict]:
+        """One flat dict per cell, the CSV's columns (``floor_components`` stays a dict)."""
+        from . import report
+
+        return [report.flat_row(self, cell) for cell in self.cells]
+
+    def to_pandas(self):
+        """The rows as a pandas DataFrame; pandas is optional."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise UsageError("to_pandas() needs pandas; install it with: pip install pandas "
+                             "(or use to_rows(), a list of dicts)") from None
+        from .report import csv_fields
+
+        return pd.DataFrame(self.to_rows(), columns=list(csv_fields(self)))
 
 
 SLOWER_TOLERANCE = 0.10
@@ -321,6 +394,9 @@ def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
                 overhead = cell.timing.first_call_overhead_s
                 cell.compile_s = build_s + (overhead or 0.0)
                 cell.backend = step_backend(step, config.mode)
+            cell.mode_chosen = getattr(step, "mode_chosen", None)
+            cell.gain_over_eager = getattr(step, "gain_over_eager", None)
+            cell.auto_reason = getattr(step, "auto_reason", None)
     except Exception as exc:  # noqa: BLE001 - one cell's failure must not lose the others
         cell.error = describe_failure(exc)
     finally:
@@ -330,6 +406,20 @@ def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
         if dev.is_gpu:
             torch.cuda.empty_cache()
     return cell
+
+
+def explain_cell(cell: CellResult, floors: FloorModel) -> None:
+    """Attach the cost model's floor to a timed cell; a cell it cannot price says why instead."""
+    cell.explained = True
+    if cell.device.is_gpu:
+        cell.floor_note = "no floor: the probe measures the CPU, not GPUs"
+        return
+    try:
+        cell.floor = floors.floor(cell.network, cell.batch_size, cell.threads or torch.get_num_threads())
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a model the counter cannot run keeps its measured time
+        cell.floor_note = f"no floor: {describe_failure(exc)}"
 
 
 def run_bench(config: BenchConfig, on_cell_start: Callable[[str, Device, int | None], None] | None = None,
@@ -342,6 +432,7 @@ def run_bench(config: BenchConfig, on_cell_start: Callable[[str, Device, int | N
     """
     t0 = time.perf_counter()
     flops: dict[tuple[str, int], float | None] = {}
+    floors = FloorModel() if config.explain else None
     cells = []
     interrupted = False
     try:
@@ -352,6 +443,8 @@ def run_bench(config: BenchConfig, on_cell_start: Callable[[str, Device, int | N
             if (net, batch) not in flops:
                 flops[(net, batch)] = count_step_flops(net, batch)
             cells.append(run_cell(net, dev, threads, config, flops[(net, batch)], on_step))
+            if floors is not None:
+                explain_cell(cells[-1], floors)
             if on_cell_done:
                 on_cell_done(cells[-1])
     except KeyboardInterrupt:

@@ -75,11 +75,12 @@ def measure_scaling(network: str, devices: Sequence[Device], *, steps: int, warm
                     global_batch: int | None = None, seed: int = 0,
                     on_row_start: Callable[[str, int], None] | None = None,
                     on_row: Callable[[dict[str, Any]], None] | None = None,
-                    on_step: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+                    on_step: Callable[[], None] | None = None, floors: Any = None) -> list[dict[str, Any]]:
     """Time one training step of ``network`` on the first 1, 2, 4, ... of ``devices``.
 
     ``on_row`` gets each row as soon as it is measured, so a caller keeps the finished rows when a
-    later one is interrupted.
+    later one is interrupted. With ``floors`` (a :class:`~dlperf.bench.explain.FloorModel`) each row
+    also carries the cost model's floor, the gradient allreduce on k devices included.
     """
     from ..models import get_spec
     from ..parallel import Trainer
@@ -111,9 +112,32 @@ def measure_scaling(network: str, devices: Sequence[Device], *, steps: int, warm
                      "contention": timing.contention.reason if timing.contention else None,
                      "samples": len(timing.samples), "speedup": base / timing.median_s,
                      "paper_s": _paper(network, n)})
+        if floors is not None:
+            rows[-1].update(row_floor(floors, network, batch, devs, timing.median_s))
         if on_row:
             on_row(rows[-1])
     return rows
+
+
+def row_floor(floors: Any, network: str, batch: int, devs: Sequence[Device], measured_s: float) -> dict[str, Any]:
+    """A row's floor fields: each device does 1/k of the step, then the gradients are allreduced
+    with the Trainer's algorithm; each logical CPU device is priced at its share of the cores."""
+    from ..parallel.allreduce import DEFAULT_ALGORITHM
+    from ..parallel.workers import thread_budget
+    from .runner import describe_failure
+
+    empty = {"floor_s": None, "floor_components": None, "floor_bottleneck": None, "measured_over_floor": None,
+             "pct_of_peak": None}
+    if any(d.is_gpu for d in devs):
+        return {**empty, "floor_source": "no floor: the probe measures the CPU, not GPUs"}
+    try:
+        floor = floors.floor(network, batch, thread_budget(devs)[0], devices=len(devs),
+                             allreduce=DEFAULT_ALGORITHM if len(devs) > 1 else None)
+    except Exception as exc:  # noqa: BLE001 - a row without a floor keeps its measured time
+        return {**empty, "floor_source": f"no floor: {describe_failure(exc)}"}
+    out = floor.to_dict(measured_s)
+    out["floor_source"] += f", {len(devs)} device(s)" + (f", allreduce {DEFAULT_ALGORITHM}" if len(devs) > 1 else "")
+    return out
 
 
 @dataclass
@@ -128,6 +152,7 @@ class ScalingResult:
     interrupted: bool = False
     seconds: float = 0.0
     machine: dict = field(default_factory=dict)
+    explain: bool = False
 
     @property
     def planned(self) -> int:
@@ -141,7 +166,7 @@ class ScalingResult:
         return {"schema": "dlperf.scaling/1", "table": 8, "devices": [str(d) for d in self.devices],
                 "steps": self.steps, "warmup": self.warmup, "interrupted": self.interrupted,
                 "rows_planned": self.planned, "contended": self.contended, "machine": self.machine,
-                "seconds": self.seconds, "rows": self.rows}
+                "seconds": self.seconds, "rows": self.rows, **({"explain": True} if self.explain else {})}
 
 
 # --- outputs: the same set as the Table-7 sweep's -------------------------------------------------
@@ -157,14 +182,32 @@ def title(result: ScalingResult) -> str:
             "paper: Tesla K80 (GK210) GPUs")
 
 
+EXPLAIN_HEADER = ("floor (s)", "x floor", "% peak")
+EXPLAIN_CSV_FIELDS = ("floor_s", "floor_bottleneck", "floor_components", "measured_over_floor", "pct_of_peak",
+                      "floor_source")
+
+
+def _explain_cells(r: dict[str, Any]) -> list[str]:
+    from .explain import fmt_pct, fmt_ratio
+
+    floor = r.get("floor_s")
+    text = "-" if floor is None else (f"{floor:.3f}" if floor >= 0.01 else f"{floor * 1e3:.2f}ms")
+    if floor is not None:
+        text += f" {r['floor_bottleneck']}"
+    return [text, fmt_ratio(r.get("measured_over_floor")), fmt_pct(r.get("pct_of_peak"))]
+
+
 def table_grid(result: ScalingResult) -> tuple[list[str], list[list[str]]]:
     header = ["network", "devices", "batch", "dlperf (s)", "IQR (s)", "speedup", *_FRAMEWORKS]
+    if result.explain:
+        header[6:6] = EXPLAIN_HEADER
     rows = []
     for r in result.rows:
         marks = (NOISY_MARK if r["noisy"] else "") + (CONTENDED_MARK if r.get("contended") else "")
         paper = [f"{r['paper_s'][fw]:.3f}" if r["paper_s"] else "-" for fw in _FRAMEWORKS]
+        explained = _explain_cells(r) if result.explain else []
         rows.append([r["network"], str(r["devices"]), str(r["global_batch"]), f"{r['median_s']:.3f}{marks}",
-                     f"{r['q3_s'] - r['q1_s']:.3f}", f"{r['speedup']:.2f}x", *paper])
+                     f"{r['q3_s'] - r['q1_s']:.3f}", f"{r['speedup']:.2f}x", *explained, *paper])
     return header, rows
 
 
@@ -175,6 +218,10 @@ def footnotes(result: ScalingResult) -> list[str]:
     if m:
         notes.append(f"Machine: {m.get('cpu')}, {m.get('cores')} cores; torch {m.get('torch')}; {m.get('date')}.")
     notes.append(f"{NOISY_MARK} marks a noisy row (interquartile range > 10% of median).")
+    if result.explain:
+        from .explain import explain_footnotes
+
+        notes += explain_footnotes([r.get("floor_source") for r in result.rows])
     marked = [r for r in result.rows if r.get("contended")]
     if marked:
         notes.append(f"{CONTENDED_MARK} marks a row timed while other work competed for its CPUs; its time is "
@@ -213,11 +260,15 @@ def render_markdown(result: ScalingResult) -> str:
 
 def render_csv(result: ScalingResult) -> str:
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
+    fields = CSV_FIELDS + (EXPLAIN_CSV_FIELDS if result.explain else ())
+    w = csv.DictWriter(buf, fieldnames=fields)
     w.writeheader()
     for r in result.rows:
+        extra = {k: r.get(k) for k in EXPLAIN_CSV_FIELDS} if result.explain else {}
+        if extra.get("floor_components"):
+            extra["floor_components"] = ";".join(f"{k}={v:.6g}" for k, v in extra["floor_components"].items())
         w.writerow({**{k: r.get(k) for k in CSV_FIELDS if not k.startswith("paper_")},
-                    **{f"paper_{fw}_s": r["paper_s"].get(fw) for fw in _FRAMEWORKS}})
+                    **{f"paper_{fw}_s": r["paper_s"].get(fw) for fw in _FRAMEWORKS}, **extra})
     return buf.getvalue()
 
 
@@ -283,6 +334,9 @@ def _check_scaling_args(args, n_devices: int) -> None:
 def _measure_all(result: ScalingResult, batches: dict[str, int]) -> None:
     """Fill ``result.rows``, network by network; Ctrl-C keeps the rows finished so far."""
     from .cli import SweepProgress
+    from .explain import FloorModel
+
+    floors = FloorModel() if result.explain else None
 
     with SweepProgress("row", result.planned, result.warmup + result.steps) as progress:
         for net in result.networks:
@@ -295,6 +349,7 @@ def _measure_all(result: ScalingResult, batches: dict[str, int]) -> None:
             try:
                 rows = measure_scaling(net, result.devices, steps=result.steps, warmup=result.warmup,
                                        global_batch=batches.get(net), on_row=row_done, on_step=progress.step,
+                                       floors=floors,
                                        on_row_start=lambda n, k: progress.start(f"{n} on {k} devices"))
             except KeyboardInterrupt:
                 result.rows += finished
@@ -324,7 +379,7 @@ def main_scaling(args) -> int:
     batches = dict(getattr(args, "global_batch", None) or {})
     if getattr(args, "batch_size", None) is not None:  # one global batch for every network (quick checks)
         batches = {net: args.batch_size for net in networks}
-    result = ScalingResult(networks, list(devices), steps, warmup)
+    result = ScalingResult(networks, list(devices), steps, warmup, explain=bool(getattr(args, "explain", False)))
     t0 = time.perf_counter()
     _measure_all(result, batches)
     result.seconds, result.machine = time.perf_counter() - t0, machine_info()

@@ -1,0 +1,274 @@
+"""``dlperf bench --mode auto``: per cell, the fastest training step dlperf can apply, timed and kept.
+
+The candidates are what dlperf knows how to apply to a model without changing its math:
+
+* ``eager``: plain PyTorch, the reference;
+* ``channels-last``: the conv net's weights and each input batch in NHWC (conv nets with a 4-D input);
+* ``hybrid``: the forward replayed from a captured graph (:func:`dlperf.hybrid.hybridize`, ``graph`` backend);
+* ``compile``: ``torch.compile`` of forward and loss (alone, and with channels-last), only when a quick
+  probe predicts its compile time under a bound: the probe traces the step with dynamo alone (no code
+  generation) and scales that by :data:`INDUCTOR_OVER_TRACE`, measured here on LeNet (0.6 s to trace,
+  10 s to compile with inductor);
+* fewer threads than the cell's (half, and one) for eager and channels-last: small ops can lose more to
+  the threads' hand-offs than they gain from sharing. The cell's thread count is never exceeded.
+
+Each candidate runs on its own copy of the model and optimizer, and all are timed in alternating rounds
+with the one timer (:func:`dlperf.timing.time_steps`), so every one sees the same background load. A
+variant qualifies only if it beat eager by more than the noise, :data:`MIN_GAIN`, in every round; the
+fastest that qualifies runs, and with none, eager does. The chosen variant is then applied to the
+caller's model and optimizer, which the timing left untouched, so the first timed step starts from the
+same weights as eager's would.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..timing import Timing, time_steps
+from .modes import StepFn, compiled_step, eager_step
+
+__all__ = ["make_step", "AutoChoice", "choose", "COMPILE_BOUND_S", "MIN_GAIN"]
+
+ROUNDS = 3
+"""Alternating rounds; each candidate takes :data:`STEPS_PER_ROUND` timed steps per round."""
+STEPS_PER_ROUND = 3
+MIN_ROUNDS = 2
+SEARCH_BUDGET_S = 60.0
+"""After :data:`MIN_ROUNDS` rounds, no further round starts once the timing took this long (slow networks)."""
+MIN_GAIN = 0.05
+"""A candidate must be at least this much faster than eager (relative) to replace it."""
+COMPILE_BOUND_S = 60.0
+"""torch.compile is skipped when its predicted compile time exceeds this (seconds)."""
+INDUCTOR_OVER_TRACE = 20.0
+"""Inductor's compile time over dynamo's trace time (LeNet, this project's CPU machine: 10 s / 0.6 s)."""
+
+Builder = Callable[[nn.Module, torch.optim.Optimizer], StepFn]
+
+
+@dataclass
+class AutoChoice:
+    """What auto mode picked for one cell, and the evidence."""
+
+    chosen: str
+    gain_over_eager: float
+    medians: dict[str, float]
+    notes: dict[str, str] = field(default_factory=dict)
+    """Candidates that were skipped or failed, and why."""
+    worst_round_gain: float = 1.0
+    """The fastest candidate's gain in its worst round: it must exceed 1 + MIN_GAIN to replace eager."""
+
+    @property
+    def reason(self) -> str:
+        eager = self.medians.get("eager")
+        parts = []
+        for name, median in sorted(self.medians.items(), key=lambda kv: kv[1]):
+            if name in ("eager", self.chosen):
+                continue
+            gain = eager / median if eager and median else None
+            verdict = " (slower)" if gain is not None and gain < 1 else ""
+            parts.append(f"{name} {gain:.2f}x{verdict}" if gain is not None else f"{name} -")
+        parts += [f"{name}: {why}" for name, why in self.notes.items()]
+        head = (f"{self.chosen}: {self.gain_over_eager:.2f}x over eager" if self.chosen != "eager" else
+                f"eager kept: nothing beat it by more than {MIN_GAIN:.0%} in every round (the fastest's "
+                f"worst round: {self.worst_round_gain:.2f}x)")
+        return "; ".join([head, *parts])
+
+
+def _optimizer_like(optimizer: torch.optim.Optimizer, params) -> torch.optim.Optimizer:
+    return type(optimizer)(params, **optimizer.defaults)
+
+
+def _with_threads(n: int, step: StepFn) -> StepFn:
+    """``step`` run with ``n`` intra-op threads, the caller's count restored after each call."""
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        before = torch.get_num_threads()
+        if before == n:
+            return step(x, y)
+        torch.set_num_threads(n)
+        try:
+            return step(x, y)
+        finally:
+            torch.set_num_threads(before)
+
+    return run
+
+
+def channels_last_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                       inner_step: Callable[..., StepFn] = eager_step) -> StepFn:
+    """``inner_step`` (eager by default) with the model's 4-D weights and each batch in channels-last
+    (NHWC) memory order.
+
+    ``Module.to`` swaps the parameters' storage in place, so ``optimizer`` still updates them. The
+    last batch's converted copy is reused while the batch is unchanged (the benchmark steps one batch).
+    """
+    model.to(memory_format=torch.channels_last)
+    inner = inner_step(model, loss_fn, optimizer)
+    last: list = [None, -1, None]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if last[0] is not x or last[1] != x._version:
+            last[:] = [x, x._version, x.contiguous(memory_format=torch.channels_last)]
+        return inner(last[2], y)
+
+    return step
+
+
+def _is_conv_net(model: nn.Module, x: torch.Tensor) -> bool:
+    return x.dim() == 4 and any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def probe_compile_seconds(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> float:
+    """A prediction of torch.compile's compile time: dynamo's trace alone, timed, times a measured ratio."""
+    import torch._dynamo
+
+    probe_model = copy.deepcopy(model)
+    traced = torch.compile(lambda a, b: loss_fn(probe_model(a), b), backend="eager")
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        traced(x, y)
+    trace_s = time.perf_counter() - t0
+    # The probe's frames must not serve the real compile; resetting per cell also keeps a sweep's many
+    # models under dynamo's recompile limit, past which it would silently run compile candidates eagerly.
+    torch._dynamo.reset()
+    return trace_s * INDUCTOR_OVER_TRACE
+
+
+def candidates(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, threads: int,
+               compile_bound_s: float, notes: dict[str, str]) -> dict[str, Builder]:
+    """The variants worth timing for this model; the ones left out get a line in ``notes``."""
+    from ..hybrid.bench_mode import make_step as hybrid_make_step
+
+    out: dict[str, Builder] = {"eager": lambda m, o: eager_step(m, loss_fn, o)}
+    if _is_conv_net(model, x):
+        out["channels-last"] = lambda m, o: channels_last_step(m, loss_fn, o)
+    out["hybrid"] = lambda m, o: hybrid_make_step(m, loss_fn, o, x, y, backend="graph")
+    if compile_bound_s <= 0:
+        notes["compile"] = "skipped (compile bound is 0 s)"
+    else:
+        try:
+            predicted = probe_compile_seconds(model, loss_fn, x, y)
+        except Exception as exc:  # noqa: BLE001 - a model dynamo cannot trace is not compiled
+            notes["compile"] = f"skipped: the trace probe failed ({type(exc).__name__})"
+        else:
+            if predicted > compile_bound_s:
+                notes["compile"] = f"skipped: predicted compile {predicted:.0f}s > bound {compile_bound_s:.0f}s"
+            else:
+                out["compile"] = lambda m, o: compiled_step(m, loss_fn, o, x, y)
+                if "channels-last" in out:
+                    out["channels-last + compile"] = lambda m, o: channels_last_step(m, loss_fn, o, compiled_step)
+    # a GPU step's host threads only launch kernels: fewer of them is no candidate
+    fewer = [] if x.is_cuda else sorted({max(1, threads // 2), 1} - {threads}, reverse=True)
+    for n in fewer:
+        for base in ("eager", "channels-last"):
+            if base in out:
+                out[f"{base} {n} thr"] = (lambda m, o, b=out[base], n=n: _with_threads(n, b(m, o)))
+    return out
+
+
+def _build(name: str, builder: Builder, model: nn.Module, optimizer: torch.optim.Optimizer, x, y,
+           notes: dict[str, str]) -> StepFn | None:
+    """A candidate on its own copy of the model, called once (capture, compile); None if it cannot run."""
+    from ..hybrid.hybridize import HybridizeWarning
+
+    twin = copy.deepcopy(model)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", HybridizeWarning)
+            step = builder(twin, _optimizer_like(optimizer, twin.parameters()))
+            step(x, y)
+    except Exception as exc:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
+        notes[name] = f"failed ({type(exc).__name__}: {str(exc).strip()[:80]})"
+        return None
+    fell_back = [w for w in caught if issubclass(w.category, HybridizeWarning) and "eager" in str(w.message)]
+    if fell_back:
+        notes[name] = "not applicable (runs eagerly: " + str(fell_back[0].message).splitlines()[0][:80] + ")"
+        return None
+    return step
+
+
+def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+           y: torch.Tensor, *, compile_bound_s: float | None = None, rounds: int = ROUNDS,
+           steps_per_round: int = STEPS_PER_ROUND) -> tuple[AutoChoice, dict[str, Builder]]:
+    """Time every candidate against eager, alternating, and pick; ``model`` and ``optimizer`` are untouched.
+
+    ``compile_bound_s`` defaults to :data:`COMPILE_BOUND_S`, read at the call.
+    """
+    threads = torch.get_num_threads()
+    notes: dict[str, str] = {}
+    bound = COMPILE_BOUND_S if compile_bound_s is None else compile_bound_s
+    builders = candidates(model, loss_fn, x, y, threads, bound, notes)
+    steps = {name: s for name, b in builders.items()
+             if (s := _build(name, b, model, optimizer, x, y, notes)) is not None}
+    per_round: dict[str, list[float]] = {name: [] for name in steps}
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    started = time.perf_counter()
+    for done in range(rounds):
+        if done >= MIN_ROUNDS and time.perf_counter() - started > SEARCH_BUDGET_S:
+            notes["search"] = f"stopped after {done} rounds: the {SEARCH_BUDGET_S:.0f}s budget was spent"
+            break
+        for name, step in steps.items():
+            t = time_steps(lambda step=step: step(x, y), warmup=0, steps=steps_per_round, threads=threads,
+                           synchronize=sync)
+            samples[name] += t.samples
+            per_round[name].append(t.median_s)
+    medians = {name: Timing.from_samples(s).median_s for name, s in samples.items()}
+    best, gain, worst = _pick(medians, per_round)
+    return AutoChoice(best, gain, medians, notes, worst), builders
+
+
+def _pick(medians: dict[str, float], per_round: dict[str, list[float]]) -> tuple[str, float, float]:
+    """The candidate with the largest gain among those faster than eager by more than the noise in every round.
+
+    Alternating rounds see the same background load, so a real gain shows in each; one round that a
+    burst of other work slowed is what the noise is. Requiring the worst round's gain to clear
+    :data:`MIN_GAIN` keeps a variant that only looked fast in one lucky round from replacing eager.
+    Returns (name, gain over eager overall, the worst round's gain of the fastest candidate).
+    """
+    eager = per_round["eager"]
+    best, best_gain = "eager", 1.0
+    worst_of_fastest = 1.0
+    fastest = min((n for n in medians if n != "eager"), key=medians.__getitem__, default=None)
+    for name, rounds in per_round.items():
+        ratios = [e / c for e, c in zip(eager, rounds) if c > 0]
+        if name == "eager" or not ratios:
+            continue
+        if name == fastest:
+            worst_of_fastest = min(ratios)
+        gain = medians["eager"] / medians[name]
+        if min(ratios) > 1 + MIN_GAIN and gain > best_gain:
+            best, best_gain = name, gain
+    return best, best_gain, worst_of_fastest
+
+
+def make_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+              example_x: torch.Tensor, example_y: torch.Tensor, *, compile_bound_s: float | None = None,
+              rounds: int = ROUNDS) -> StepFn:
+    """The fastest applicable step for this model and batch (see the module docstring); eager's math.
+
+    The returned step carries ``mode_chosen``, ``gain_over_eager``, ``auto_reason`` and ``auto_choice``.
+    """
+    choice, builders = choose(model, loss_fn, optimizer, example_x, example_y, compile_bound_s=compile_bound_s,
+                              rounds=rounds)
+    chosen = builders[choice.chosen](model, optimizer)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return chosen(x, y)
+
+    step.mode_chosen = choice.chosen  # type: ignore[attr-defined]
+    step.gain_over_eager = choice.gain_over_eager  # type: ignore[attr-defined]
+    step.auto_reason = choice.reason  # type: ignore[attr-defined]
+    step.auto_choice = choice  # type: ignore[attr-defined]
+    hybrid = getattr(chosen, "hybrid_module", None)
+    if hybrid is not None:  # the report names the backend the hybridized model runs
+        step.hybrid_module = hybrid  # type: ignore[attr-defined]
+    step.backend = "inductor" if "compile" in choice.chosen else choice.chosen  # type: ignore[attr-defined]
+    return step
