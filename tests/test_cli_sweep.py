@@ -133,6 +133,8 @@ SCALING = [
     (_scaling("--json", "{T}/adir"), "adir"),
     (_scaling("--json", ""), "''"),
     (_scaling("--json", OUT, "--mode", "compile"), "--mode compile"),
+    (_scaling("--json", OUT, "--mode", "auto"), "--mode auto"),
+    (_bench("--explain=yes"), "--explain"),
 ]
 
 DEVICES = [
