@@ -132,3 +132,18 @@ def test_gpu_tensor_semantics():
     assert g.is_cuda and device_of(g) == gpu(0) and as_in(g, "cuda:0") is g
     with pytest.raises(DeviceMismatchError, match="gpu\\(0\\)"):
         check_same_device(x, g, names=("x", "g"))
+
+
+def test_tag_marks_a_logical_cpu_device_without_moving_data():
+    from dlperf.devices import _tag, tag
+
+    t = torch.arange(4.0)
+    part = tag(t.view(t.shape), cpu(3))
+    assert device_of(part) == cpu(3) and device_of(t) == cpu(0)
+    assert part.data_ptr() == t.data_ptr()  # same memory: a tag is not a copy
+    net = nn.BatchNorm1d(2)
+    assert tag(net, "cpu(2)") is net
+    assert {device_of(v) for v in (*net.parameters(), *net.buffers())} == {cpu(2)} and device_of(net) == cpu(2)
+    assert device_of(tag(torch.ones(1), gpu(1))) == cpu(0)  # a CUDA device is the tensor's own: nothing to record
+    _tag(part, cpu(1))  # the deprecated alias still works
+    assert device_of(part) == cpu(1)

@@ -328,7 +328,7 @@ def test_a_backend_with_wrong_gradients_is_never_used():
         out.sum().backward()
         assert model.weight.grad is not None
     finally:
-        registry._BACKENDS.pop("test-detached", None)
+        registry._BACKENDS.remove("test-detached")
 
 
 def test_auto_in_training_times_forward_and_backward():
@@ -367,3 +367,26 @@ def test_two_input_module_replays_without_re_preparing():
             x, z = torch.randn(2, 3), torch.randn(2, 4)
             torch.testing.assert_close(net(x, z), model(x, z))
     assert len(net.choices) == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("modifies_inputs", [True, False])
+def test_auto_trials_time_an_input_mutating_forward_on_fresh_copies(modifies_inputs):
+    from dlperf.hybrid.capture import ModuleState
+
+    net = hybridize(nn.Linear(3, 3), backend="auto")
+    seen = []
+
+    def run(x):  # halves its input in place, as `x.mul_(0.5)` in a forward would
+        seen.append(x.detach().clone())
+        return x.mul_(0.5)
+
+    x = torch.full((2, 3), 8.0)
+    with torch.no_grad():
+        seconds = net._time_runner(run, (x,), torch.device("cpu"), ModuleState(net.module), modifies_inputs)
+    assert seconds > 0 and len(seen) >= 4  # one warm-up, at least three timed trials
+    assert torch.equal(x, torch.full((2, 3), 8.0))  # the caller's input is never the one mutated
+    # With fresh copies every timed trial starts from the caller's values; without, they decay.
+    first = [s[0, 0].item() for s in seen[:6]]
+    assert first == ([8.0] * 6 if modifies_inputs else [8.0 * 0.5 ** i for i in range(6)])
+    assert all(torch.equal(s, seen[0]) for s in seen) == modifies_inputs

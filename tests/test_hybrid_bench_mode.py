@@ -65,3 +65,14 @@ def test_uncapturable_model_falls_back_to_eager_with_warning():
         step = make_step(model, loss_fn, opt, x, y)
     torch.testing.assert_close(step(x, y), _eager_step(ref, loss_fn, opt_r, x, y))
     assert step.hybrid_module.state == "eager"
+
+
+@pytest.mark.timeout(120)
+def test_the_hybrid_step_does_not_import_bench():
+    import subprocess
+    import sys
+
+    code = ("import sys, dlperf.hybrid, dlperf.hybrid.bench_mode, dlperf.hybrid.export; "
+            "print(sorted(m for m in sys.modules if m.startswith('dlperf.bench')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=True)
+    assert out.stdout.strip() == "[]"

@@ -235,7 +235,7 @@ def test_backend():
 
     yield register
     for name in names:
-        registry._BACKENDS.pop(name, None)
+        registry._BACKENDS.remove(name)
 
 
 def test_a_backend_that_skips_the_state_update_is_never_used(test_backend):

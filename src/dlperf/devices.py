@@ -5,8 +5,8 @@ Vocabulary (d2l calls these *contexts*; PyTorch calls them *devices*):
 * ``cpu(i)`` is a **logical CPU device**. All logical CPU devices share host memory and the same
   ``torch.device('cpu')``, but dlperf treats them as distinct, so multi-device code (data
   parallelism, the engine's per-device workers) runs and is tested on a machine without GPUs.
-  A tensor's logical CPU device is recorded on the tensor when :func:`copy_to` or :func:`as_in`
-  puts it there; an untagged host tensor belongs to ``cpu(0)``.
+  A tensor's logical CPU device is recorded on the tensor (*tagged*, see :func:`tag`) when
+  :func:`copy_to` or :func:`as_in` puts it there; an untagged host tensor belongs to ``cpu(0)``.
 * ``gpu(i)`` is CUDA device ``i``. Creating ``gpu(3)`` on a machine with one GPU is allowed (as in
   d2l); using it raises :class:`~dlperf.errors.DeviceUnavailableError`.
 
@@ -45,6 +45,7 @@ __all__ = [
     "device_of",
     "as_in",
     "copy_to",
+    "tag",
     "check_same_device",
     "require_available",
     "cpu_count",
@@ -174,15 +175,40 @@ def require_available(device: DeviceLike) -> Device:
     return dev
 
 
+TagT = TypeVar("TagT", torch.Tensor, nn.Module)
+
+
+def tag(x: TagT, device: DeviceLike) -> TagT:
+    """Record that ``x`` (a host tensor or a module) belongs to ``device``; return ``x`` itself.
+
+    Tagging moves no data. Logical CPU devices share host memory, so a host tensor's
+    ``torch.device`` cannot say which of them holds it; the tag can, and :func:`device_of`
+    reads it. Tagging a module tags it and every parameter and buffer it has now. The tag is a
+    plain attribute of the tensor object: results of torch ops are untagged (``cpu(0)``) unless
+    code that knows better tags them, and a view made with ``t.view(t.shape)`` is a separate
+    object that can be tagged without touching ``t``. On a GPU the CUDA device already says where
+    a tensor is, so tagging with ``gpu(i)`` changes nothing.
+
+    >>> t = torch.zeros(3)
+    >>> part = tag(t.view(t.shape), cpu(1))   # same memory, another logical device
+    >>> device_of(part), device_of(t)
+    (cpu(1), cpu(0))
+    >>> device_of(tag(nn.Linear(2, 2), "cpu:2").weight)
+    cpu(2)
+    """
+    dev = device if isinstance(device, Device) else to_device(device)
+    if dev.kind != "cpu":
+        return x
+    setattr(x, _LOGICAL_CPU_ATTR, dev.index)
+    if isinstance(x, nn.Module):
+        for t in (*x.parameters(), *x.buffers()):
+            setattr(t, _LOGICAL_CPU_ATTR, dev.index)
+    return x
+
+
 def _tag(obj: object, dev: Device) -> None:
-    if dev.kind == "cpu":
-        setattr(obj, _LOGICAL_CPU_ATTR, dev.index)
-
-
-def _tag_module(module: nn.Module, dev: Device) -> None:
-    _tag(module, dev)
-    for t in (*module.parameters(), *module.buffers()):
-        _tag(t, dev)
+    """Deprecated: use :func:`tag`. Kept while ``dlperf.parallel.buckets`` still imports it."""
+    tag(obj, dev)
 
 
 def device_of(x: torch.Tensor | nn.Module) -> Device:
@@ -213,13 +239,10 @@ def copy_to(x: T, device: DeviceLike) -> T:
     dev = require_available(device)
     if isinstance(x, nn.Module):
         out = copy.deepcopy(x).to(dev.torch_device)
-        _tag_module(out, dev)
-        return out
+        return tag(out, dev)
     if not isinstance(x, torch.Tensor):
         raise UsageError(f"copy_to expects a torch.Tensor or nn.Module, got {type(x).__name__}")
-    out = x.to(dev.torch_device, copy=True)
-    _tag(out, dev)
-    return out
+    return tag(x.to(dev.torch_device, copy=True), dev)
 
 
 def as_in(x: T, device: DeviceLike) -> T:

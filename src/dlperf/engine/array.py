@@ -37,7 +37,7 @@ from typing import Any
 import numpy
 import torch
 
-from ..devices import Device, DeviceLike, _tag, cpu, require_available
+from ..devices import Device, DeviceLike, cpu, require_available, tag
 from ..errors import DeviceMismatchError, UsageError
 from .engine import Engine, default_engine
 from .var import Var
@@ -48,7 +48,7 @@ __all__ = ["Array", "array", "ones", "zeros", "arange", "dot", "random", "copy_t
 def _fix(res: Any, dev: Device) -> Any:
     # Results of ops on cpu(i), i > 0, carry their logical device (see dlperf.devices).
     if dev.index and dev.kind == "cpu" and isinstance(res, torch.Tensor):
-        _tag(res, dev)
+        tag(res, dev)
     return res
 
 

@@ -17,13 +17,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..bench.modes import eager_step
+from ..steps import StepFn, eager_step
 from .hybridize import HybridModule, hybridize
 
 
 def make_step(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
               optimizer: torch.optim.Optimizer, example_x: torch.Tensor, example_y: torch.Tensor,
-              *, backend: str = "auto") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+              *, backend: str = "auto") -> StepFn:
     """One training step (zero grads, forward, loss, backward, update) through a hybridized model.
 
     Numerically the eager step: the forward replays the captured graph with autograd recording,

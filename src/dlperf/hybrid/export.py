@@ -83,7 +83,7 @@ from typing import NamedTuple
 import torch
 from torch import fx, nn
 
-from .._io import _umask, atomic_write_bytes
+from .._io import _umask
 from ..errors import DlperfError
 
 FORMAT_NAME = "dlperf-graph"
@@ -178,22 +178,31 @@ def _export_target(path: str | os.PathLike) -> str:
 
 
 def _write_files(staging: str, doc: dict, tensors: dict[str, torch.Tensor], program) -> None:
+    """Write the export's files into ``staging`` and flush them to disk.
+
+    ``staging`` is new and only becomes the export by the swap of the whole directory, so no reader
+    can see these files half-written: plain writes suffice, with no temporary file per file. They
+    must be on disk before the swap, though, or a crash right after it could leave an empty file.
+    """
     from safetensors.torch import save_file
 
-    params_path = os.path.join(staging, PARAMS_FILE)
-    save_file(tensors, params_path, metadata={"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)})
-    _fsync_path(params_path)
+    save_file(tensors, os.path.join(staging, PARAMS_FILE),
+              metadata={"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)})
     names = [PARAMS_FILE]
     if program is not None:
         torch.export.save(program, os.path.join(staging, PT2_FILE))
-        _fsync_path(os.path.join(staging, PT2_FILE))
         names.append(PT2_FILE)
+    for name in names:
+        path = os.path.join(staging, name)
+        os.chmod(path, 0o666 & ~_umask())  # safetensors creates its file 0600; an export is as readable as any file
+        _fsync_path(path)
     doc["files"] = {name: {"sha256": _sha256_file(os.path.join(staging, name)),
                            "bytes": os.path.getsize(os.path.join(staging, name))} for name in names}
     doc["content_sha256"] = _content_hash(doc)
-    atomic_write_bytes(os.path.join(staging, GRAPH_FILE), _layout(doc).encode())
-    for name in names:  # safetensors creates its file 0600; an export is as readable as any file
-        os.chmod(os.path.join(staging, name), 0o666 & ~_umask())
+    with open(os.path.join(staging, GRAPH_FILE), "xb") as f:
+        f.write(_layout(doc).encode())
+        f.flush()
+        os.fsync(f.fileno())
     _fsync_path(staging)
 
 

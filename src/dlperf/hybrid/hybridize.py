@@ -41,8 +41,6 @@ gradients is used, so training through a hybridized module is exactly eager's.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +50,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from ..errors import UsageError
+from ..timing import time_steps
 from .backends.registry import Backend, BackendUnsupported, get_backend
 from .capture import Captured, CaptureError, ModuleState, capture
 
@@ -344,27 +343,25 @@ class HybridModule(nn.Module):
     def _time_runner(self, run: Callable, args: tuple, device: torch.device, state: ModuleState,
                      modifies_inputs: bool) -> float:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        samples: list[float] = []
-        start = time.perf_counter()
         needs_grad = torch.is_grad_enabled()
         # With autograd on, a trial is forward and backward: a backend that speeds up the forward
         # but slows down the backward must not win a training run.
-        copies, leaves = _copies(args)  # a forward that mutates its input mutates these, not the caller's
+        inputs = [_copies(args)]  # a forward that mutates its input mutates these, not the caller's
+
+        def trial() -> None:
+            self._forward_backward(run, *inputs[0], needs_grad)
+
+        def fresh_inputs() -> None:  # runs between steps, untimed: x.mul_(0.5) 200 times would time denormals
+            inputs[0] = _copies(args)
+
         try:
-            self._forward_backward(run, copies, leaves, needs_grad)  # untimed: lazy allocations, algorithms
-            while len(samples) < AUTO_MAX_TRIALS:
-                if modifies_inputs:  # untimed: x.mul_(0.5) a hundred times would time denormals
-                    copies, leaves = _copies(args)
-                sync()
-                t0 = time.perf_counter()
-                self._forward_backward(run, copies, leaves, needs_grad)
-                sync()
-                samples.append(time.perf_counter() - t0)
-                if len(samples) >= AUTO_MIN_TRIALS and time.perf_counter() - start > AUTO_BUDGET_S:
-                    break
+            # One untimed warm-up for lazy allocations and algorithm choices; the budget bounds the rest.
+            timing = time_steps(trial, warmup=1, steps=AUTO_MAX_TRIALS, synchronize=sync,
+                                on_step=fresh_inputs if modifies_inputs else None,
+                                max_seconds=AUTO_BUDGET_S, min_steps=AUTO_MIN_TRIALS)
         finally:
             state.restore()
-        return statistics.median(samples)
+        return timing.median_s
 
     def _warn(self, message: str) -> None:
         warnings.warn(message, HybridizeWarning, stacklevel=4)

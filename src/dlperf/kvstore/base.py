@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UsageError, unknown_choice
+from ..errors import UsageError
+from ..registry import Registry
 
 __all__ = ["KVStore", "register_kvstore", "create_kvstore", "kvstore_types", "Key"]
 
@@ -47,11 +48,8 @@ class KVStore(ABC):
         # KVStore("local") picks the registered type, as MXNet's mx.kv.create("local") does.
         if cls is KVStore:
             if kind is None:
-                raise UsageError(f"KVStore needs a type; valid choices: {', '.join(_REGISTRY)}")
-            try:
-                cls = _REGISTRY[str(kind).lower()]
-            except KeyError:
-                raise unknown_choice("kvstore type", kind, _REGISTRY) from None
+                raise UsageError(f"KVStore needs a type; valid choices: {', '.join(_TYPES)}")
+            cls = _TYPES.get(kind)
         return super().__new__(cls)
 
     def __init__(self, kind: str | None = None) -> None:
@@ -208,23 +206,19 @@ class KVStore(ABC):
         self.close()
 
 
-_REGISTRY: dict[str, type[KVStore]] = {}
+_TYPES: Registry[type[KVStore]] = Registry("kvstore type", normalize=str.lower)
 
 
-def register_kvstore(name: str, factory: type[KVStore]) -> None:
-    if name in _REGISTRY:
-        raise ValueError(f"kvstore type {name!r} is registered twice")
-    _REGISTRY[name] = factory
+def register_kvstore(name: str, factory: type[KVStore], *, replace: bool = False) -> None:
+    """Make ``factory`` available as ``create_kvstore(name)``; a name already taken raises unless ``replace``."""
+    _TYPES.register(name, factory, replace=replace)
 
 
 def kvstore_types() -> list[str]:
-    return list(_REGISTRY)
+    """Registered store types in registration order."""
+    return _TYPES.names()
 
 
 def create_kvstore(name: str = "local") -> KVStore:
     """A new store of the given type (``local``: sums on the host; ``device``: sums on the devices)."""
-    try:
-        factory = _REGISTRY[str(name).lower()]
-    except KeyError:
-        raise unknown_choice("kvstore type", name, _REGISTRY) from None
-    return factory()
+    return _TYPES.get(name)()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import unknown_choice
+from ..registry import Registry
 
 
 @dataclass(frozen=True)
@@ -65,26 +65,23 @@ class ModelSpec:
         return self.gpu_batch if device_kind == "gpu" else self.cpu_batch
 
 
-_REGISTRY: dict[str, ModelSpec] = {}
+_MODELS: Registry[ModelSpec] = Registry("network", normalize=str.lower)
 
 
-def register(spec: ModelSpec) -> ModelSpec:
-    if spec.name in _REGISTRY:
-        raise ValueError(f"model {spec.name!r} is registered twice")
-    _REGISTRY[spec.name] = spec
+def register(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
+    """Add a network under ``spec.name``; a name already taken raises unless ``replace=True``."""
+    _MODELS.register(spec.name, spec, replace=replace)
     return spec
 
 
 def model_names(paper_only: bool = False) -> list[str]:
     """Registered names in registration order (the paper's table order first)."""
-    return [n for n, s in _REGISTRY.items() if s.paper or not paper_only]
+    return [n for n, s in _MODELS.items() if s.paper or not paper_only]
 
 
 def get_spec(name: str) -> ModelSpec:
-    try:
-        return _REGISTRY[name.lower()]
-    except KeyError:
-        raise unknown_choice("network", name, _REGISTRY) from None
+    """The registered network called ``name`` (case-insensitive); a miss lists what exists."""
+    return _MODELS.get(name)
 
 
 def get_model(name: str) -> nn.Module:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..devices import Device, DeviceLike, _tag_module, device_of
+from ..devices import Device, DeviceLike, device_of, tag
 from ..errors import DeviceMismatchError
 from .split import check_devices, split_and_load
 from .workers import DeviceWorkers
@@ -46,7 +46,7 @@ __all__ = ["DataParallel"]
 def _skeleton(module: nn.Module, device: Device) -> nn.Module:
     """A copy of ``module`` on ``device`` whose parameter slots are plain attributes, set per forward."""
     rep = copy.deepcopy(module).to(device.torch_device)
-    _tag_module(rep, device)
+    tag(rep, device)
     for sub in rep.modules():
         for name in list(sub._parameters):
             p = sub._parameters.pop(name)

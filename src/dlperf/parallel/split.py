@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..devices import Device, DeviceLike, _tag, device_of, require_available, to_device
+from ..devices import Device, DeviceLike, device_of, require_available, tag, to_device
 from ..errors import DeviceMismatchError, UsageError
 
 __all__ = ["split_sizes", "split_and_load", "split_batch", "check_devices", "check_placed"]
@@ -59,8 +59,7 @@ def _place(part: torch.Tensor, dev: Device) -> torch.Tensor:
         part = part.to("cpu")
     else:
         part = part.view(part.shape)  # a fresh view object, so the tag does not touch the caller's tensor
-    _tag(part, dev)
-    return part
+    return tag(part, dev)
 
 
 def split_and_load(batch: torch.Tensor, devices: Sequence[DeviceLike]) -> list[torch.Tensor]:

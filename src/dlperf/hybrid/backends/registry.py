@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import unknown_choice
+from ...registry import Registry
 from ..capture import Captured
 
 Runner = Callable[..., object]
@@ -49,30 +49,26 @@ class Backend:
         return None
 
 
-_BACKENDS: dict[str, Backend] = {}
+# "auto" is not a backend but a policy (try the in-auto backends, keep the fastest): reserved.
+_BACKENDS: Registry[Backend] = Registry("hybridize backend", extra_choices=("auto",))
 
 
 def register_backend(backend: Backend) -> Backend:
     """Add a backend under its name; names are unique."""
-    if backend.name in _BACKENDS or backend.name == "auto":
-        raise ValueError(f"backend {backend.name!r} is registered twice (or reserved)")
-    _BACKENDS[backend.name] = backend
+    _BACKENDS.register(backend.name, backend)
     return backend
 
 
 def get_backend(name: str) -> Backend:
     """The backend called ``name``; a miss lists what exists."""
     _load_builtin()
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise unknown_choice("hybridize backend", name, ["auto", *_BACKENDS]) from None
+    return _BACKENDS.get(name)
 
 
 def backend_names() -> list[str]:
     """Registered backend names in registration order (``auto`` is not a backend but a policy)."""
     _load_builtin()
-    return list(_BACKENDS)
+    return _BACKENDS.names()
 
 
 def _load_builtin() -> None:
