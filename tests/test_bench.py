@@ -98,7 +98,7 @@ def test_run_bench_times_every_cell_with_threads_really_set():
 
         return step
 
-    register_mode("recording", recording_step)
+    register_mode("recording", recording_step, replace=True)
     before = torch.get_num_threads()
     result = run_bench(_small_config(mode="recording"))
     assert torch.get_num_threads() == before
@@ -117,7 +117,7 @@ def test_a_failing_cell_keeps_its_reason_and_the_rest_completes():
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 TB")
         return eager_step(model, loss_fn, optimizer)
 
-    register_mode("flaky", failing_for_mlp)
+    register_mode("flaky", failing_for_mlp, replace=True)
     result = run_bench(_small_config(mode="flaky", threads=[1]))
     mlp, alex = result.cells
     assert mlp.timing is None and mlp.error == "out of memory"
@@ -271,7 +271,7 @@ def _interrupting_mode(after_cells: int):
 
 
 def test_interrupted_sweep_keeps_the_finished_cells():
-    register_mode("interrupt-after-2", _interrupting_mode(2))
+    register_mode("interrupt-after-2", _interrupting_mode(2), replace=True)
     before = torch.get_num_threads()
     result = run_bench(_small_config(mode="interrupt-after-2"))
     assert torch.get_num_threads() == before
@@ -293,7 +293,7 @@ def test_a_complete_sweep_is_not_marked_interrupted(small_result):
 
 
 def test_cli_interrupted_sweep_writes_every_output_and_exits_130(tmp_path, capsys):
-    register_mode("interrupt-after-1", _interrupting_mode(1))
+    register_mode("interrupt-after-1", _interrupting_mode(1), replace=True)
     files = {flag: tmp_path / f"out.{flag}" for flag in ("json", "csv", "markdown")}
     argv = ["bench", "--networks", "mlp", "--threads", "1,2", "--steps", "2", "--warmup", "1",
             "--mode", "interrupt-after-1"]
@@ -334,7 +334,7 @@ def _slow_first_call_mode(first_call_s: float):
 
 
 def test_compile_time_and_backend_are_reported_outside_eager_mode():
-    register_mode("sleepy", _slow_first_call_mode(0.3))
+    register_mode("sleepy", _slow_first_call_mode(0.3), replace=True)
     result = run_bench(_small_config(networks=["mlp"], threads=[1], mode="sleepy", steps=3))
     (cell,) = result.cells
     assert cell.backend == "sleepy"

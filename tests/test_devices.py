@@ -135,7 +135,7 @@ def test_gpu_tensor_semantics():
 
 
 def test_tag_marks_a_logical_cpu_device_without_moving_data():
-    from dlperf.devices import _tag, tag
+    from dlperf.devices import tag
 
     t = torch.arange(4.0)
     part = tag(t.view(t.shape), cpu(3))
@@ -145,5 +145,5 @@ def test_tag_marks_a_logical_cpu_device_without_moving_data():
     assert tag(net, "cpu(2)") is net
     assert {device_of(v) for v in (*net.parameters(), *net.buffers())} == {cpu(2)} and device_of(net) == cpu(2)
     assert device_of(tag(torch.ones(1), gpu(1))) == cpu(0)  # a CUDA device is the tensor's own: nothing to record
-    _tag(part, cpu(1))  # the deprecated alias still works
+    tag(part, cpu(1))  # a new tag replaces the old one
     assert device_of(part) == cpu(1)

@@ -54,13 +54,13 @@ def test_allreduce_invariant_x_times_world(algorithm):
 
 
 def test_allreduce_non_contiguous_and_integer_tensors():
-    from dlperf.devices import _tag
+    from dlperf.devices import tag
 
     base = [torch.arange(12).reshape(3, 4) * (i + 1) for i in range(2)]
     xs = []
     for i, b in enumerate(base):
         view = b.t()  # non-contiguous
-        _tag(view, cpu(i))
+        tag(view, cpu(i))
         xs.append(view)
     allreduce(xs, algorithm="ring")
     assert not xs[0].is_contiguous()

@@ -206,11 +206,6 @@ def tag(x: TagT, device: DeviceLike) -> TagT:
     return x
 
 
-def _tag(obj: object, dev: Device) -> None:
-    """Deprecated: use :func:`tag`. Kept while ``dlperf.parallel.buckets`` still imports it."""
-    tag(obj, dev)
-
-
 def device_of(x: torch.Tensor | nn.Module) -> Device:
     """The dlperf device of a tensor or module (a module's first parameter or buffer decides)."""
     if isinstance(x, nn.Module):

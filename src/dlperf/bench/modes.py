@@ -7,30 +7,13 @@ those with heavy imports are named by ``"module:function"`` and imported on firs
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from ..errors import unknown_choice
-
-StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MakeStep = Callable[..., StepFn]
-
-
-def eager_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-               example_x: torch.Tensor | None = None, example_y: torch.Tensor | None = None) -> StepFn:
-    """Plain PyTorch: the reference every other mode is checked against."""
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    return step
+from ..registry import Registry
+from ..steps import MakeStep, StepFn, eager_step
 
 
 def compiled_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
@@ -48,30 +31,21 @@ def compiled_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Op
     return step
 
 
-_MODES: dict[str, MakeStep | str] = {
-    "eager": eager_step,
-    "compile": compiled_step,
-    "hybrid": "dlperf.hybrid.bench_mode:make_step",
-    "auto": "dlperf.bench.auto:make_step",
-}
+_MODES: Registry[MakeStep] = Registry("mode")
+_MODES.register("eager", eager_step)
+_MODES.register("compile", compiled_step)
+_MODES.register("hybrid", "dlperf.hybrid.bench_mode:make_step")
+_MODES.register("auto", "dlperf.bench.auto:make_step")
 
 
 def mode_names() -> list[str]:
-    return list(_MODES)
+    return list(_MODES.names())
 
 
-def register_mode(name: str, make_step: MakeStep | str) -> None:
-    _MODES[name] = make_step
+def register_mode(name: str, make_step: MakeStep | str, *, replace: bool = False) -> None:
+    _MODES.register(name, make_step, replace=replace)
 
 
 def get_mode(name: str) -> MakeStep:
     """The step builder for ``name``; an unknown name lists the valid ones."""
-    try:
-        entry = _MODES[name]
-    except KeyError:
-        raise unknown_choice("mode", name, _MODES) from None
-    if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
-        _MODES[name] = entry
-    return entry
+    return _MODES.get(name)

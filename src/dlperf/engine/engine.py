@@ -49,6 +49,7 @@ from typing import Any
 
 from ..devices import Device, DeviceLike, cpu, require_available
 from ..errors import DlperfError, UsageError, unknown_choice
+from ..registry import Registry
 from .var import DONE, Op, Var
 
 __all__ = [
@@ -535,18 +536,18 @@ def _finish_unrun(parent: Op, exc: BaseException) -> None:
 
 
 # --------------------------------------------------------------------- registry and default
-_ENGINES: dict[str, type[Engine]] = {}
+_ENGINES: Registry[type[Engine]] = Registry("engine")
 
 
-def register_engine(name: str, cls: type[Engine]) -> None:
+def register_engine(name: str, cls: type[Engine], *, replace: bool = False) -> None:
     """Make an engine class available to :func:`create_engine` under ``name``."""
-    _ENGINES[name] = cls
+    _ENGINES.register(name, cls, replace=replace)
 
 
 def engine_kinds() -> list[str]:
     """Names :func:`create_engine` accepts."""
     _load_builtin()
-    return sorted(_ENGINES)
+    return sorted(_ENGINES.names())
 
 
 def _load_builtin() -> None:
@@ -565,10 +566,10 @@ def create_engine(kind: str | None = None, config: EngineConfig | None = None, *
     _load_builtin()
     kind = kind or os.environ.get(ENGINE_ENV) or "threaded"
     if kind not in _ENGINES:
-        raise unknown_choice("engine", kind, sorted(_ENGINES))
+        raise unknown_choice("engine", kind, sorted(_ENGINES.names()))
     if config is not None and settings:
         raise UsageError("pass either config= or keyword settings, not both")
-    return _ENGINES[kind](config or EngineConfig(**settings))
+    return _ENGINES.get(kind)(config or EngineConfig(**settings))
 
 
 _default: Engine | None = None

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._threads import set_thread_budget
-from ..devices import _tag, device_of
+from ..devices import device_of, tag
 from .allreduce import AllreduceAlgorithm, allreduce, get_algorithm
 from .workers import DeviceWorkers
 
@@ -67,7 +67,7 @@ class GradientBuckets:
             row = []
             for r in range(self.k):
                 flat = torch.zeros(n, dtype=dtype, device=self.params[r][idx[0]].device)
-                _tag(flat, devices[r])  # logical CPU devices share memory: the tag tells them apart
+                tag(flat, devices[r])  # logical CPU devices share memory: the tag tells them apart
                 off = 0
                 for i in idx:
                     p = self.params[r][i]

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ...devices import Device, device_of
-from ...errors import UsageError, unknown_choice
+from ...errors import UsageError
+from ...registry import Registry
 
 __all__ = ["AllreduceAlgorithm", "Phase", "register_algorithm", "get_algorithm", "algorithm_names",
            "chunk_bounds", "fetch", "DEFAULT_ALGORITHM"]
@@ -41,29 +42,24 @@ class AllreduceAlgorithm(ABC):
         """Phases of per-device tasks that leave the sum in every tensor of ``flats`` (1-D, k >= 2)."""
 
 
-_REGISTRY: dict[str, AllreduceAlgorithm] = {}
+_ALGORITHMS: Registry[AllreduceAlgorithm] = Registry("allreduce algorithm", normalize=str.lower)
 
 
-def register_algorithm(algo: AllreduceAlgorithm) -> AllreduceAlgorithm:
-    if algo.name in _REGISTRY:
-        raise ValueError(f"allreduce algorithm {algo.name!r} is registered twice")
-    _REGISTRY[algo.name] = algo
+def register_algorithm(algo: AllreduceAlgorithm, *, replace: bool = False) -> AllreduceAlgorithm:
+    _ALGORITHMS.register(algo.name, algo, replace=replace)
     return algo
 
 
 def algorithm_names() -> list[str]:
     """Registered algorithm names, in registration order."""
-    return list(_REGISTRY)
+    return list(_ALGORITHMS.names())
 
 
 def get_algorithm(name: str | AllreduceAlgorithm) -> AllreduceAlgorithm:
     """Look an algorithm up by name; a miss lists what exists."""
     if isinstance(name, AllreduceAlgorithm):
         return name
-    try:
-        return _REGISTRY[str(name).lower()]
-    except KeyError:
-        raise unknown_choice("allreduce algorithm", name, _REGISTRY) from None
+    return _ALGORITHMS.get(str(name))
 
 
 def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
