@@ -54,6 +54,13 @@ def _exit_on_rank_1() -> None:
     dist.barrier()
 
 
+def _fail_first_attempt_on_rank_1() -> tuple[int, int]:
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if rank_info().rank == 1 and attempt == 0:
+        raise RuntimeError("first attempt fails")
+    return rank_info().rank, attempt
+
+
 def _hang_on_rank_1() -> int:
     if rank_info().rank == 1:
         time.sleep(120)
@@ -155,13 +162,20 @@ def test_a_rank_that_exits_without_an_exception_is_named_with_its_exit_code():
         ProcessLauncher(2, join_timeout_s=50).launch(_exit_on_rank_1)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_the_agent_restarts_failed_workers_up_to_max_restarts():
+    assert ProcessLauncher(2, max_restarts=1, join_timeout_s=80).launch(_fail_first_attempt_on_rank_1) == [
+        (0, 1), (1, 1)]
+
+
 @needs_proc
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_a_hung_rank_fails_within_the_join_timeout_and_is_killed():
     before = _children()
     t0 = time.monotonic()
-    with pytest.raises(LaunchError, match=r"join_timeout_s=6 s \(local ranks still running: \[(0, )?1\]\)"):
+    with pytest.raises(LaunchError, match=r"join_timeout_s=6 s \(ranks still running: \[(0, )?1\]\)"):
         ProcessLauncher(2, join_timeout_s=HANG_TIMEOUT_S).launch(_hang_on_rank_1)
     assert time.monotonic() - t0 < HANG_TIMEOUT_S + 5
     assert _children() <= before

@@ -59,12 +59,11 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: str | No
             marker_dir: str) -> Any:
     """Entry point of every worker process: the process group around ``fn``."""
     rank, _, local_rank = rank_info()
-    _mark(marker_dir, local_rank, "started")
+    _mark(marker_dir, local_rank, "started", f"{os.getpid()} {rank}")
     if backend is not None:
         import torch.distributed as dist
 
-        # env:// reads MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, which the agent set
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s))
+        _init_process_group(dist, backend, rank, datetime.timedelta(seconds=pg_timeout_s))
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:
@@ -78,6 +77,20 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: str | No
             dist.destroy_process_group()
     _mark(marker_dir, local_rank, "finished")
     return result
+
+
+def _init_process_group(dist: Any, backend: str, rank: int, timeout: datetime.timedelta) -> None:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)  # env://: rank 0 hosts a fresh store
+        return
+    # The agent's store outlives a restart, and env:// keeps no attempt apart from the last: restarted
+    # workers would read their predecessors' addresses and fail to connect. A prefix per attempt keeps them
+    # apart.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    prefixed = dist.PrefixStore(f"dlperf/attempt_{_attempt()}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timeout)
 
 
 def _reported_failures(marker_dir: Path) -> dict[int, tuple[float, str]]:
@@ -147,7 +160,7 @@ class _Watchdog:
     def _run(self) -> None:
         if self._done.wait(self.timeout_s):
             return
-        self.still_running = [r for r in range(self.local_world)
+        self.still_running = [self._rank(r) for r in range(self.local_world)
                               if not self._marker(r, "finished").exists()] or [-1]
         # keep killing until the agent returns: with restarts left it starts replacements
         while not self._done.is_set():
@@ -162,13 +175,20 @@ class _Watchdog:
         attempts = [int(p.name.split(".")[0]) for p in self.marker_dir.glob("*.started")]
         return self.marker_dir / f"{max(attempts, default=0)}.{local_rank}.{what}"
 
+    def _rank(self, local_rank: int) -> int:
+        """The global rank of a local worker, as it wrote it; its local rank if it has not started."""
+        try:
+            return int(self._marker(local_rank, "started").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            return local_rank
+
     def _targets(self) -> set[int]:
         pids = _spawned_children() - self.before
         for r in range(self.local_world):
             if self._marker(r, "finished").exists():
                 continue
             try:
-                pids.add(int(self._marker(r, "started").read_text()))
+                pids.add(int(self._marker(r, "started").read_text().split()[0]))
             except (OSError, ValueError):
                 continue
         pids.discard(os.getpid())
@@ -281,8 +301,7 @@ class ProcessLauncher(Launcher):
                     raise
                 finally:
                     watchdog.stop()
-        if watchdog.fired:  # every worker finished just as the deadline passed
-            raise _timeout_error(self.join_timeout_s, watchdog.still_running)
+        # (had the deadline passed as the last worker finished, the work is still done: it is returned)
         return [results[i] for i in sorted(results)]
 
     def _failure(self, exc: Any, watchdog: _Watchdog, markers: Path) -> LaunchError:
@@ -299,7 +318,7 @@ class ProcessLauncher(Launcher):
 
 
 def _timeout_error(timeout_s: float, still_running: list[int]) -> LaunchError:
-    ranks = "no worker had started" if still_running == [-1] else f"local ranks still running: {still_running}"
+    ranks = "no worker had started" if still_running == [-1] else f"ranks still running: {still_running}"
     return LaunchError(f"the workers did not finish within join_timeout_s={timeout_s:g} s ({ranks}); they "
                        "were stopped. Raise join_timeout_s if the work needs longer, or find the rank that hangs")
 
