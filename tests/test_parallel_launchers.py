@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -178,6 +179,22 @@ def test_a_hung_rank_fails_within_the_join_timeout_and_is_killed():
     with pytest.raises(LaunchError, match=r"join_timeout_s=6 s \(ranks still running: \[(0, )?1\]\)"):
         ProcessLauncher(2, join_timeout_s=HANG_TIMEOUT_S).launch(_hang_on_rank_1)
     assert time.monotonic() - t0 < HANG_TIMEOUT_S + 5
+    assert _children() <= before
+
+
+@needs_proc
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_a_launch_stops_the_workers_and_raises_keyboard_interrupt():
+    before = _children()
+    ctrl_c = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ProcessLauncher(2, join_timeout_s=50).launch(_hang_on_rank_1)
+    finally:
+        ctrl_c.cancel()
+        ctrl_c.join()
     assert _children() <= before
 
 
