@@ -26,29 +26,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 from dlperf.bench.timing import time_steps
 from dlperf.devices import copy_to, cpu
 from dlperf.models import get_spec
 from dlperf.parallel import DEFAULT_ALGORITHM, DeviceWorkers, Trainer, algorithm_names, allreduce
+from dlperf.parallel.launchers import ProcessLauncher, rank_info
 
 BATCH = 256
 ALLREDUCE_BYTES = 64 * 1024 * 1024
 DDP_TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ddp_time(rank: int, world: int, steps: int, warmup: int, channels_last: bool):
@@ -76,63 +68,38 @@ def _ddp_time(rank: int, world: int, steps: int, warmup: int, channels_last: boo
     return time_steps(step, warmup=warmup, steps=steps, synchronize=dist.barrier)
 
 
-def _ddp_worker(rank: int, world: int, port: int, steps: int, warmup: int, reps: int, rounds: int,
-                out) -> None:
-    """One DDP rank: LeNet steps on its half of the batch (both layouts), then gloo allreduce of 64 MB."""
-    import datetime
-
+def _ddp_worker(steps: int, warmup: int, reps: int, rounds: int) -> tuple[float, ...]:
+    """One DDP rank: LeNet steps on its share of the batch (both layouts), then gloo allreduce of 64 MB."""
     import torch.distributed as dist
 
+    rank, world, _ = rank_info()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        plains, nhwcs = [], []
-        for _ in range(rounds):  # alternate, as the single-process measurements do
-            plains.append(_ddp_time(rank, world, steps, warmup, channels_last=False))
-            nhwcs.append(_ddp_time(rank, world, steps, warmup, channels_last=True))
-        plain = min(plains, key=lambda t: t.median_s)
-        nhwc = min(nhwcs, key=lambda t: t.median_s)
-        buf = torch.ones(ALLREDUCE_BYTES // 4)
+    plains, nhwcs = [], []
+    for _ in range(rounds):  # alternate, as the single-process measurements do
+        plains.append(_ddp_time(rank, world, steps, warmup, channels_last=False))
+        nhwcs.append(_ddp_time(rank, world, steps, warmup, channels_last=True))
+    plain = min(plains, key=lambda t: t.median_s)
+    nhwc = min(nhwcs, key=lambda t: t.median_s)
+    buf = torch.ones(ALLREDUCE_BYTES // 4)
+    dist.all_reduce(buf)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
         dist.all_reduce(buf)
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            times.append(time.perf_counter() - t0)
-        out.put((rank, plain.median_s, plain.q1_s, plain.q3_s, statistics.median(times), nhwc.median_s))
-    finally:
-        dist.destroy_process_group()
+        times.append(time.perf_counter() - t0)
+    return plain.median_s, plain.q1_s, plain.q3_s, statistics.median(times), nhwc.median_s
 
 
 def measure_ddp(steps: int, warmup: int, reps: int, rounds: int) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, steps, warmup, reps, rounds, out), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = []
-    deadline = time.monotonic() + DDP_TIMEOUT_S
-    try:
-        while len(results) < 2:
-            results.append(out.get(timeout=max(1.0, deadline - time.monotonic())))
-    except queue.Empty:
-        raise RuntimeError(f"DDP ranks did not report within {DDP_TIMEOUT_S} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
+    launcher = ProcessLauncher(2, backend="gloo", join_timeout_s=DDP_TIMEOUT_S)
+    results = launcher.launch(_ddp_worker, steps, warmup, reps, rounds)
     # a data-parallel step ends when the slower rank ends
-    slow = max(results, key=lambda r: r[1])
-    allreduce_s = max(r[4] for r in results)
-    return {"ddp_ms": slow[1] * 1e3, "ddp_q1_ms": slow[2] * 1e3, "ddp_q3_ms": slow[3] * 1e3,
+    slow = max(results, key=lambda r: r[0])
+    allreduce_s = max(r[3] for r in results)
+    return {"ddp_ms": slow[0] * 1e3, "ddp_q1_ms": slow[1] * 1e3, "ddp_q3_ms": slow[2] * 1e3,
             "gloo_allreduce_ms": allreduce_s * 1e3, "gloo_busbw_gbs": ALLREDUCE_BYTES / allreduce_s / 1e9,
-            "ddp_channels_last_ms": max(r[5] for r in results) * 1e3}
+            "ddp_channels_last_ms": max(r[4] for r in results) * 1e3}
 
 
 def measure_plain(threads: int, steps: int, warmup: int, channels_last: bool = False) -> float:

@@ -1,0 +1,70 @@
+"""The launcher: the third axis of data-parallel training, beside devices and communication.
+
+A launcher starts one worker per rank, runs the same function in each and hands back what each
+returned, in rank order. :class:`~dlperf.parallel.launchers.ThreadLauncher` runs the workers as
+threads of this process; :class:`~dlperf.parallel.launchers.ProcessLauncher` as processes started by
+PyTorch's elastic agent, with a process group around the function.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from ...errors import DlperfError
+
+__all__ = ["Launcher", "LaunchError", "RankInfo", "rank_info"]
+
+
+class LaunchError(DlperfError, RuntimeError):
+    """A worker failed, hung past the join timeout, or could not be started."""
+
+
+class RankInfo(NamedTuple):
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+_thread_rank = threading.local()
+
+
+def rank_info() -> RankInfo:
+    """(rank, world_size, local_rank) of the calling worker.
+
+    Inside a thread worker these come from the launcher; inside a process worker from the environment
+    the agent sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``); outside any worker the caller is rank 0 of 1.
+
+    >>> rank_info()
+    RankInfo(rank=0, world_size=1, local_rank=0)
+    """
+    info = getattr(_thread_rank, "info", None)
+    if info is not None:
+        return info
+    try:
+        return RankInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+                        int(os.environ.get("LOCAL_RANK", "0")))
+    except ValueError:
+        raise LaunchError(f"RANK={os.environ.get('RANK')!r}, WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}, "
+                          f"LOCAL_RANK={os.environ.get('LOCAL_RANK')!r}: expected integers; unset them or "
+                          "start the workers with a launcher") from None
+
+
+class Launcher(ABC):
+    """Starts ``world_size`` workers that each run one function."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """How many workers a launch starts (on every node together)."""
+
+    @abstractmethod
+    def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` in every worker; return each local worker's result, in rank order.
+
+        A failure in any worker raises one :class:`LaunchError` naming the rank and its error, after
+        every worker has stopped.
+        """

@@ -1,0 +1,257 @@
+"""Launchers: results per rank, a process group around the work, failures and hangs, nothing left behind.
+
+Each process launch costs a few seconds (fresh interpreters import torch), so the launches that succeed
+run once per module and the assertions share them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlperf.errors import UsageError
+from dlperf.parallel.launchers import LaunchError, ProcessLauncher, ThreadLauncher, free_port, rank_info
+from dlperf.parallel.launchers.processes import _failure_message
+
+HANG_TIMEOUT_S = 6.0
+
+
+# --- worker functions: top level, so spawned workers can import them -------------------------------
+
+def _pure(x: int) -> tuple[int, int, int, int]:
+    rank, world, local = rank_info()
+    return rank, world, local, x * (rank + 1)
+
+
+def _report(x: int) -> dict:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank_info().rank)])
+    dist.all_reduce(t)
+    return {"pure": _pure(x), "allreduced": t.item(), "pid": os.getpid(),
+            "initialized": dist.is_initialized(), "backend": dist.get_backend(),
+            "master_port": os.environ["MASTER_PORT"]}
+
+
+def _fail_on_rank_1() -> None:
+    import torch.distributed as dist
+
+    if rank_info().rank == 1:
+        raise ValueError("rank one cannot go on")
+    dist.barrier()  # rank 0 waits for a peer that never comes: the launcher must still stop it
+
+
+def _exit_on_rank_1() -> None:
+    import torch.distributed as dist
+
+    if rank_info().rank == 1:
+        os._exit(3)  # no exception, no report of its own: the agent's view is all there is
+    dist.barrier()
+
+
+def _fail_first_attempt_on_rank_1() -> tuple[int, int]:
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if rank_info().rank == 1 and attempt == 0:
+        raise RuntimeError("first attempt fails")
+    return rank_info().rank, attempt
+
+
+def _hang_on_rank_1() -> int:
+    if rank_info().rank == 1:
+        time.sleep(120)
+    return 0
+
+
+# --- a plain reference for "no process left behind" ----------------------------------------------
+
+def _children() -> set[int]:
+    """Live child processes of this process from every /proc/<pid>/stat, except multiprocessing's own
+    resource tracker (one per process, started on first use, gone with us)."""
+    me, out = os.getpid(), set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == me and fields[0] != "Z" and b"resource_tracker" not in cmdline:
+            out.add(int(entry.name))
+    return out
+
+
+def _handlers() -> dict:
+    return {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc to list children")
+
+
+@pytest.fixture(scope="module")
+def launches():
+    """Two launches in a row: 3 workers on a port we name, then 2 on a free one the launcher picks."""
+    children, handlers, port = _children(), _handlers(), free_port()
+    three = ProcessLauncher(3, master_port=port, join_timeout_s=90).launch(_report, 7)
+    two = ProcessLauncher(2, join_timeout_s=90).launch(_report, 7)
+    return {"2": two, "3": three, "port": port, "children_before": children, "children_after": _children(),
+            "handlers_before": handlers, "handlers_after": _handlers()}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 3])
+def test_results_come_back_per_rank_in_order(launches, world):
+    results = launches[str(world)]
+    assert [r["pure"] for r in results] == [(rank, world, rank, 7 * (rank + 1)) for rank in range(world)]
+    assert len({r["pid"] for r in results} | {os.getpid()}) == world + 1
+    assert all(r["initialized"] and r["backend"] == "gloo" for r in results)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 3])
+def test_allreduce_of_ranks_is_the_sum_of_ranks_on_every_rank(launches, world):
+    assert [r["allreduced"] for r in launches[str(world)]] == [world * (world - 1) / 2] * world
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_a_second_launch_works_on_a_new_port(launches):
+    # the second launch ran after the first had torn its process group and rendezvous store down
+    assert launches["2"][0]["master_port"] != launches["3"][0]["master_port"]
+    assert ProcessLauncher(2).master_port is None
+
+
+@needs_proc
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_launches_leave_no_process_or_signal_handler_behind(launches):
+    assert launches["children_after"] <= launches["children_before"]
+    assert launches["handlers_after"] == launches["handlers_before"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_thread_launcher_gives_the_process_launchers_results(launches):
+    assert ThreadLauncher(2).launch(_pure, 7) == [r["pure"] for r in launches["2"]]
+
+
+@needs_proc
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_an_exception_in_rank_1_is_one_error_naming_rank_1():
+    before = _children()
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 failed: ValueError: rank one cannot go on"):
+        ProcessLauncher(2, join_timeout_s=50).launch(_fail_on_rank_1)
+    assert time.monotonic() - t0 < 25  # the agent stops rank 0 at once; no waiting for the join timeout
+    assert _children() <= before
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_rank_that_exits_without_an_exception_is_named_with_its_exit_code():
+    with pytest.raises(LaunchError, match=r"rank 1 failed: exited with code 3"):
+        ProcessLauncher(2, join_timeout_s=50).launch(_exit_on_rank_1)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_the_agent_restarts_failed_workers_up_to_max_restarts():
+    assert ProcessLauncher(2, max_restarts=1, join_timeout_s=80).launch(_fail_first_attempt_on_rank_1) == [
+        (0, 1), (1, 1)]
+
+
+@needs_proc
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_hung_rank_fails_within_the_join_timeout_and_is_killed():
+    before = _children()
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"join_timeout_s=6 s \(ranks still running: \[(0, )?1\]\)"):
+        ProcessLauncher(2, join_timeout_s=HANG_TIMEOUT_S).launch(_hang_on_rank_1)
+    assert time.monotonic() - t0 < HANG_TIMEOUT_S + 5
+    assert _children() <= before
+
+
+@needs_proc
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_a_launch_stops_the_workers_and_raises_keyboard_interrupt():
+    before = _children()
+    ctrl_c = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ProcessLauncher(2, join_timeout_s=50).launch(_hang_on_rank_1)
+    finally:
+        ctrl_c.cancel()
+        ctrl_c.join()
+    assert _children() <= before
+
+
+# --- no processes ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+def test_thread_launcher_names_the_failing_rank():
+    def fail_on_1():
+        if rank_info().rank == 1:
+            raise KeyError("nope")
+        return rank_info()
+
+    with pytest.raises(LaunchError, match=r"rank 1 failed: KeyError"):
+        ThreadLauncher(3).launch(fail_on_1)
+    assert rank_info() == (0, 1, 0)  # the caller's thread is no worker
+
+
+@pytest.mark.timeout(30)
+def test_rank_info_reads_the_agents_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_info() == (3, 4, 1)
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(LaunchError, match="RANK='x'"):
+        rank_info()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nproc_per_node": 0}, "nproc_per_node=0"),
+    ({"nproc_per_node": 2, "nnodes": 2}, "master_port=None with nnodes=2"),
+    ({"nproc_per_node": 2, "node_rank": 1}, "node_rank=1"),
+    ({"nproc_per_node": 2, "master_port": 70000}, "master_port=70000"),
+    ({"nproc_per_node": 2, "join_timeout_s": 0}, "join_timeout_s=0"),
+    ({"nproc_per_node": 2, "max_restarts": -1}, "max_restarts=-1"),
+])
+def test_bad_process_launcher_settings_are_named(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        ProcessLauncher(**kwargs)
+
+
+@pytest.mark.timeout(30)
+def test_a_function_that_cannot_reach_the_workers_fails_before_any_process_starts():
+    with pytest.raises(UsageError, match="top level"):
+        ProcessLauncher(2).launch(lambda: 0)
+
+
+def test_failure_message_without_an_error_file_says_how_the_process_ended():
+    class Failure:
+        error_file_data: dict = {}
+
+        def __init__(self, exitcode):
+            self.exitcode = exitcode
+
+        def signal_name(self):
+            return "SIGKILL"
+
+    assert _failure_message(Failure(-9)) == "killed by SIGKILL (exit code -9)"
+    assert "exited with code 1" in _failure_message(Failure(1))
