@@ -2,7 +2,8 @@
 
 The axes vary independently: *devices* (logical CPUs here, GPUs when present), *communication* (an
 :func:`allreduce` algorithm or a :class:`~dlperf.kvstore.KVStore`), and the *launcher* (threads in one
-process here; processes later). Primitives first (:func:`split_and_load`, :func:`split_batch`,
+process, or processes on one or several hosts through torch's elastic agent:
+:mod:`dlperf.parallel.launchers`). Primitives first (:func:`split_and_load`, :func:`split_batch`,
 :func:`allreduce`, :func:`replicate`), then the :class:`Trainer` that combines them and
 :class:`DataParallel`, the module wrapper.
 """
