@@ -241,11 +241,26 @@ def test_gpu_cells_run_and_compare_with_the_gtx_1080():
     assert cell.paper.column == "GTX 1080"
 
 
+_COMPILE_SCRIPT = """
+import json
+from dlperf.bench.runner import BenchConfig, run_bench
+config = BenchConfig(networks=["mlp"], devices=["cpu"], threads=[1], batch_size=8, mode="compile",
+                     warmup=2, steps=2)
+(cell,) = run_bench(config).cells
+print(json.dumps({"error": cell.error, "timed": cell.timing is not None, "mode": cell.mode}))
+"""
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_compile_mode_times_a_real_compiled_step():
-    result = run_bench(_small_config(networks=["mlp"], threads=[1], mode="compile", warmup=2, steps=2))
-    (cell,) = result.cells
-    assert cell.error is None and cell.timing is not None and cell.mode == "compile"
+    # In a child process: inductor's compile workers are threads that outlive the call by design.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"error": None, "timed": True, "mode": "compile"}
 
 
 def _interrupting_mode(after_cells: int):
