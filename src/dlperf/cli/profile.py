@@ -60,7 +60,7 @@ MAX_HARDWARE_BYTES = 1 << 20
 def hardware_source(text: str) -> str:
     """``seed:NAME`` or the path of an existing regular file (read later, in :func:`read_hardware`)."""
     from .. import _cliargs as va
-    from .cost import SEED_PRESETS
+    from ..probe.cost import SEED_PRESETS
 
     if text.startswith("seed:"):
         if text[5:] not in SEED_PRESETS:
@@ -74,7 +74,7 @@ def read_hardware(source: str):
     """The :class:`~dlperf.probe.cost.Hardware` a ``--hardware`` value names; a bad file is one clear error."""
     import json
 
-    from .cost import Hardware
+    from ..probe.cost import Hardware
 
     if source.startswith("seed:"):
         return Hardware.from_seed(source[5:])
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .._cliargs import require_memory
     from .._io import atomic_write_text, check_writable
-    from .profile import profile
+    from ..probe.profile import profile
 
     for path in (args.trace, args.json):
         if path and path != "-":

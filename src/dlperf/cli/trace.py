@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .trace import format_summary, load_trace
+from ..engine.trace import format_summary, load_trace
 
 __all__ = ["register", "run"]
 

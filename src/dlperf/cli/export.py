@@ -43,8 +43,8 @@ def register(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from .._cliargs import batch_bytes, require_memory
+    from ..hybrid.export import export, load
     from ..models import get_spec
-    from .export import export, load
 
     spec = get_spec(args.model)  # a miss lists the zoo
     if args.batch < 1:
