@@ -11,8 +11,8 @@ import argparse
 import importlib
 import sys
 
-from .._cliargs import one_line
 from ..errors import DlperfError
+from .options import one_line
 
 # Verb modules, imported lazily so that `dlperf devices` does not pay for the engine or compiler.
 VERB_MODULES: tuple[str, ...] = (

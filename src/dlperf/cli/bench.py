@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import _cliargs as va
 from ..bench.modes import mode_names
 from ..bench.scaling import ScalingConfig, run_scaling
 from ..bench.sweep import (
@@ -19,6 +18,7 @@ from ..bench.sweep import (
 )
 from ..errors import UsageError
 from ..models import model_names
+from . import options as va
 
 MAX_BATCH = 2**20
 MAX_STEPS = 100_000

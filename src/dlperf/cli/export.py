@@ -14,8 +14,8 @@ from ..hybrid.zoo_export import CHECK_ATOL, CHECK_RTOL, MAX_BATCH, ZooExportConf
 
 
 def register(sub) -> argparse.ArgumentParser:
-    from .. import _cliargs as va
     from ..models import model_names
+    from . import options as va
 
     p = sub.add_parser("export", help="export a zoo model as graph.json + params.safetensors",
                        description=__doc__.splitlines()[0])

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from .. import _cliargs as va
+from . import options as va
 
 
 def format_value(value: float | None, unit: str) -> str:

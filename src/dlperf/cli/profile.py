@@ -22,7 +22,7 @@ _TARGET = re.compile(f"{_DOTTED}:{_DOTTED}")
 
 
 def _shown(text: str) -> str:
-    from .._cliargs import one_line
+    from .options import one_line
 
     return one_line(repr(text if len(text) <= 60 else text[:57] + "..."))
 
@@ -53,8 +53,8 @@ def input_shape(text: str) -> tuple[int, ...]:
 
 def hardware_source(text: str) -> str:
     """``seed:NAME`` or the path of an existing regular file (read later, in :func:`read_hardware`)."""
-    from .. import _cliargs as va
     from ..probe.cost import SEED_PRESETS
+    from . import options as va
 
     if text.startswith("seed:"):
         if text[5:] not in SEED_PRESETS:
@@ -65,7 +65,7 @@ def hardware_source(text: str) -> str:
 
 
 def register(sub) -> argparse.ArgumentParser:
-    from .. import _cliargs as va
+    from . import options as va
 
     p = sub.add_parser("profile", help="profile training steps of any model: time per operator group, floors, "
                                        "measured suggestions", description=__doc__.splitlines()[0])

@@ -31,8 +31,8 @@ __all__ = ["register", "run", "train_config"]
 
 
 def register(sub) -> None:
-    from .. import _cliargs as va
     from ..kvstore import kvstore_types
+    from . import options as va
 
     p = sub.add_parser("train", help="train LeNet or ResNet-18 data-parallel on a list of devices",
                        description=__doc__.splitlines()[0])
