@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 
 from ..parallel.allreduce import DEFAULT_ALGORITHM, algorithm_names
 from ..parallel.training import (
@@ -69,12 +70,12 @@ def register(sub) -> None:
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
-    """The parsed options as a :class:`~dlperf.parallel.training.TrainConfig` (which checks them)."""
-    return TrainConfig(model=args.model, devices=args.devices, batch_size=args.batch_size, lr=args.lr,
-                       epochs=args.epochs, data=args.data, download=args.download, train_size=args.train_size,
-                       test_size=args.test_size, algorithm=args.algorithm, kvstore=args.kvstore, seed=args.seed,
-                       checkpoint=args.checkpoint, resume=args.resume,
-                       check_finite=getattr(args, "check_finite", False))
+    """The parsed options as a :class:`~dlperf.parallel.training.TrainConfig` (which checks them).
+
+    Every option named like a config field is passed on, so a new option needs only its field and its
+    ``add_argument``.
+    """
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
 
 
 def run(args: argparse.Namespace) -> int:
