@@ -434,7 +434,7 @@ def test_progress_lines_give_the_time_left(capsys):
 
 
 def test_format_duration():
-    from dlperf.bench.cli import format_duration
+    from dlperf.bench.sweep import format_duration
 
     assert [format_duration(s) for s in (0, 59.4, 61, 3599, 3600, 86399)] == \
         ["0s", "59s", "1m 01s", "59m 59s", "1h 00m", "23h 59m"]

@@ -43,7 +43,7 @@ def test_validated_numbers_take_their_range_and_nothing_else():
 
     import pytest
 
-    from dlperf import _cliargs as va
+    from dlperf.cli import options as va
 
     seeds = va.int_in(0, 2**32 - 1, "--seed")
     assert [seeds(t) for t in ("0", " 7 ", "+3", str(2**32 - 1))] == [0, 7, 3, 2**32 - 1]

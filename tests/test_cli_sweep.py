@@ -437,7 +437,7 @@ def test_real_processes_exit_2_with_one_line(scratch):
 
 
 def test_threads_above_the_core_count_warn_and_run(monkeypatch, capsys):
-    import dlperf.bench.cli as bench_cli
+    import dlperf.cli.bench as bench_cli
 
     ran = []
     finished = SimpleNamespace(interrupted=False)

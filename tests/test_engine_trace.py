@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dlperf.cli.trace import register
 from dlperf.devices import cpu
 from dlperf.engine import create_engine, load_trace
-from dlperf.engine.cli import register
 from dlperf.engine.trace import Trace, TraceEvent, format_summary, summarize
 from dlperf.errors import UsageError
 

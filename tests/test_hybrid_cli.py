@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
+from dlperf.cli.export import register
 from dlperf.errors import UsageError
 from dlperf.hybrid import load
-from dlperf.hybrid.cli import register
 from dlperf.models import get_spec
 
 

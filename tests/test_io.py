@@ -322,7 +322,7 @@ def test_safe_torch_load_gives_one_line_naming_the_file(tmp_path, kind, match):
 
 def _checkpoint(tmp_path):
     from dlperf.devices import cpu
-    from dlperf.parallel.cli import _CHECKPOINT_FORMAT
+    from dlperf.parallel.checkpoint import _CHECKPOINT_FORMAT
     from dlperf.parallel.trainer import Trainer
 
     with Trainer(torch.nn.Linear(3, 2), [cpu(0)], "sgd", {"lr": 0.1}) as trainer:
@@ -335,7 +335,7 @@ def _checkpoint(tmp_path):
 
 
 def test_checkpoint_round_trip_and_mode(tmp_path):
-    from dlperf.parallel.cli import load_checkpoint, save_checkpoint
+    from dlperf.parallel.checkpoint import load_checkpoint, save_checkpoint
 
     path = tmp_path / "ck.pt"
     state = _checkpoint(tmp_path)
@@ -359,7 +359,7 @@ def test_checkpoint_round_trip_and_mode(tmp_path):
     (lambda s: s["trainer"]["model"].update(w=[1, 2]), "not dicts of tensors"),
 ])
 def test_damaged_checkpoint_is_one_line(tmp_path, damage, match):
-    from dlperf.parallel.cli import load_checkpoint
+    from dlperf.parallel.checkpoint import load_checkpoint
 
     state = _checkpoint(tmp_path)
     damage(state)
@@ -371,7 +371,7 @@ def test_damaged_checkpoint_is_one_line(tmp_path, damage, match):
 
 def test_checkpoint_directory_is_refused_before_training(tmp_path, capsys, monkeypatch):
     from dlperf.cli import main
-    from dlperf.parallel import cli as train_cli
+    from dlperf.cli import train as train_cli
 
     def must_not_train(*a, **k):
         raise AssertionError("trained although the checkpoint could not be written")

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
+from dlperf.cli import train as cli
 from dlperf.errors import UsageError
-from dlperf.parallel import cli
 
 
 def _run(argv: list[str]) -> int:

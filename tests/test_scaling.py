@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dlperf.bench.scaling import GLOBAL_BATCH, PAPER_TABLE8, device_counts, main_scaling
+from dlperf.bench.scaling import GLOBAL_BATCH, PAPER_TABLE8, device_counts
+from dlperf.cli.bench import main_scaling
 from dlperf.devices import cpu
 from dlperf.errors import UsageError
 
@@ -90,7 +91,7 @@ def test_bad_values_are_one_line_before_any_work(extra, match, monkeypatch, caps
 ])
 def test_bad_or_ignored_options_are_refused_before_any_work(extra, match, monkeypatch):
     import dlperf.bench.scaling as scaling
-    from dlperf.bench import cli as bench_cli
+    from dlperf.cli import bench as bench_cli
 
     def no_work(*a, **k):
         raise AssertionError("measured before checking the options")

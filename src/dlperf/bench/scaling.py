@@ -29,8 +29,9 @@ import torch
 
 from ..devices import Device, cpu, cpu_count, gpu, num_gpus
 from ..timing import doubling_up_to, time_steps
+from .sweep import Outputs
 
-__all__ = ["PAPER_TABLE8", "GLOBAL_BATCH", "PAPER_DEVICE_COUNTS", "ScalingResult", "main_scaling",
+__all__ = ["PAPER_TABLE8", "GLOBAL_BATCH", "PAPER_DEVICE_COUNTS", "ScalingResult", "ScalingConfig", "run_scaling",
            "measure_scaling", "device_counts"]
 
 PAPER_DEVICE_COUNTS = (1, 2, 4)
@@ -308,33 +309,58 @@ def render_plot(result: ScalingResult, path: str) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+@dataclass
+class ScalingConfig:
+    """What Table 8 measures: networks, the devices that share each global batch, and how long to time."""
+
+    networks: list[str] = field(default_factory=lambda: list(GLOBAL_BATCH))
+    """Table 8's networks to time (default: all three)."""
+    devices: list[Device] = field(default_factory=default_devices)
+    """Devices 1..k of each row (default: every GPU, else two CPU devices)."""
+    steps: int | None = None
+    """Timed steps per row (default 10, quick 3)."""
+    warmup: int | None = None
+    """Untimed steps per row (default 2, quick 1)."""
+    quick: bool = False
+    """Fewer steps by default: the whole table in minutes."""
+    batch_size: int | None = None
+    """One global batch for every network instead of the paper's."""
+    global_batch: dict[str, int] = field(default_factory=dict)
+    """A global batch per network, overriding the paper's for those named."""
+    explain: bool = False
+    """Price every row on the cost model too: its floor and measured / floor."""
+    outputs: Outputs = field(default_factory=Outputs)
+    """Files (or stdout) the result goes to besides the terminal table."""
+
+    def __post_init__(self) -> None:
+        from ..errors import UsageError
+        from ..parallel import check_devices
+
+        self.networks = list(self.networks or GLOBAL_BATCH)
+        for n in self.networks:
+            if n not in GLOBAL_BATCH:
+                raise UsageError(f"Table 8 has no network {n!r}; valid choices: {', '.join(GLOBAL_BATCH)}")
+        self.devices = check_devices(self.devices or default_devices())
+        for name, low in (("steps", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise UsageError(f"--{name} must be >= {low}, got {value}")
+        n_devices = len(self.devices)
+        if self.batch_size is not None and self.batch_size < max(1, n_devices):
+            raise UsageError(f"--batch-size must be >= 1 and at least the {n_devices} devices (each device needs "
+                             f"one example per step), got {self.batch_size}")
+        self.steps = self.steps if self.steps is not None else (3 if self.quick else 10)
+        self.warmup = self.warmup if self.warmup is not None else (1 if self.quick else 2)
+        self.global_batch = dict(self.global_batch or {})
+
+
 # --- the command ------------------------------------------------------------------------------------
-
-
-def _check_scaling_args(args, n_devices: int) -> None:
-    """Refuse what Table 8 cannot honour before any model is built or timed."""
-    from ..errors import UsageError
-
-    ignored = [f"--mode {args.mode}" if getattr(args, "mode", "eager") != "eager" else None,
-               "--threads" if getattr(args, "threads", None) is not None else None]
-    ignored = [o for o in ignored if o]
-    if ignored:
-        raise UsageError(f"--scaling does not take {', '.join(ignored)}: it times eager steps with the cores "
-                         f"split among the device workers")
-    for name, low in (("steps", 1), ("warmup", 0)):
-        value = getattr(args, name, None)
-        if value is not None and value < low:
-            raise UsageError(f"--{name} must be >= {low}, got {value}")
-    batch = getattr(args, "batch_size", None)
-    if batch is not None and batch < max(1, n_devices):
-        raise UsageError(f"--batch-size must be >= 1 and at least the {n_devices} devices (each device needs one "
-                         f"example per step), got {batch}")
 
 
 def _measure_all(result: ScalingResult, batches: dict[str, int]) -> None:
     """Fill ``result.rows``, network by network; Ctrl-C keeps the rows finished so far."""
-    from .cli import SweepProgress
     from .explain import FloorModel
+    from .sweep import SweepProgress
 
     floors = FloorModel() if result.explain else None
 
@@ -358,32 +384,24 @@ def _measure_all(result: ScalingResult, batches: dict[str, int]) -> None:
             result.rows += rows
 
 
-def main_scaling(args) -> int:
-    """Run Table 8 (``dlperf bench --scaling``); see the module docstring for the protocol."""
-    from ..errors import UsageError
-    from ..parallel import check_devices
-    from .cli import check_batch_memory, check_outputs, emit_outputs
-    from .runner import machine_info
+def run_scaling(config: ScalingConfig) -> int:
+    """Run Table 8 (``dlperf bench --scaling``) and write its outputs; 130 when Ctrl-C cut it short.
 
-    networks = list(args.networks or GLOBAL_BATCH)
-    for n in networks:
-        if n not in GLOBAL_BATCH:
-            raise UsageError(f"Table 8 has no network {n!r}; valid choices: {', '.join(GLOBAL_BATCH)}")
-    devices = check_devices(args.devices or default_devices())
-    _check_scaling_args(args, len(devices))
-    check_batch_memory(networks, getattr(args, "batch_size", None))
-    check_outputs(args)  # fail now, not after minutes of timing
-    quick = bool(getattr(args, "quick", False))
-    steps = args.steps if args.steps is not None else (3 if quick else 10)
-    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
-    batches = dict(getattr(args, "global_batch", None) or {})
-    if getattr(args, "batch_size", None) is not None:  # one global batch for every network (quick checks)
-        batches = {net: args.batch_size for net in networks}
-    result = ScalingResult(networks, list(devices), steps, warmup, explain=bool(getattr(args, "explain", False)))
+    See the module docstring for the protocol.
+    """
+    from .runner import machine_info
+    from .sweep import check_batch_memory, check_outputs, emit_outputs
+
+    check_batch_memory(config.networks, config.batch_size)
+    check_outputs(config.outputs)  # fail now, not after minutes of timing
+    batches = dict(config.global_batch)
+    if config.batch_size is not None:  # one global batch for every network (quick checks)
+        batches = {net: config.batch_size for net in config.networks}
+    result = ScalingResult(config.networks, list(config.devices), config.steps, config.warmup, explain=config.explain)
     t0 = time.perf_counter()
     _measure_all(result, batches)
     result.seconds, result.machine = time.perf_counter() - t0, machine_info()
-    emit_outputs(result, args, sys.modules[__name__])
+    emit_outputs(result, config.outputs, sys.modules[__name__])
     if result.contended:
         print(f"dlperf bench: {sum(bool(r['contended']) for r in result.rows)} row(s) were timed on a busy "
               f"machine and are marked {CONTENDED_MARK}; rerun them when the machine is quiet.", file=sys.stderr)

@@ -153,7 +153,7 @@ def _cpu_model() -> str:
 
 
 def _memory_bytes() -> int | None:
-    from ..cli_devices import _meminfo
+    from ..inventory import _meminfo
 
     return _meminfo()[0]
 

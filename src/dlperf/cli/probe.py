@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from .. import _cliargs as va
+from . import options as va
 
 
 def format_value(value: float | None, unit: str) -> str:
@@ -70,8 +70,8 @@ def render(result, cache_file: str | None, console=None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cache import cache_path, load_probe
-    from .hardware import QUICK, TINY, run_probe
+    from ..probe.cache import cache_path, load_probe
+    from ..probe.hardware import QUICK, TINY, run_probe
 
     if args.json not in (None, "-"):
         from .._io import check_writable

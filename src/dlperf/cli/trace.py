@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .trace import format_summary, load_trace
+from ..engine.trace import format_summary, load_trace
 
 __all__ = ["register", "run"]
 
@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Summarise a Chrome trace JSON written by Engine.stop_trace().save() or by "
                                    "torch.profiler's export_chrome_trace (workers: threads that ran operators, "
                                    "GPU streams).")
-    from .._cliargs import existing_file
+    from .options import existing_file
 
     p.add_argument("file", metavar="FILE", type=existing_file("FILE"), help="Chrome trace JSON file")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")

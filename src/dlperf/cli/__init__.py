@@ -1,7 +1,8 @@
 """``dlperf <verb>``: a thin shell over the library.
 
-Each verb lives in its own module that exposes ``register(subparsers)``; the parser it adds sets
-``func`` to a callable taking the parsed arguments and returning an exit status.
+Each verb lives in its own module of this package that exposes ``register(subparsers)``; the parser it
+adds sets ``func`` to a callable taking the parsed arguments and returning an exit status. A verb only
+turns options into the library's configs and prints; the library never imports this package.
 """
 
 from __future__ import annotations
@@ -10,18 +11,18 @@ import argparse
 import importlib
 import sys
 
-from ._cliargs import one_line
-from .errors import DlperfError
+from ..errors import DlperfError
+from .options import one_line
 
 # Verb modules, imported lazily so that `dlperf devices` does not pay for the engine or compiler.
 VERB_MODULES: tuple[str, ...] = (
-    "dlperf.bench.cli",
-    "dlperf.cli_devices",
-    "dlperf.parallel.cli",
-    "dlperf.hybrid.cli",
-    "dlperf.engine.cli",
-    "dlperf.probe.cli",
-    "dlperf.probe.profile_cli",
+    "dlperf.cli.bench",
+    "dlperf.cli.devices",
+    "dlperf.cli.train",
+    "dlperf.cli.export",
+    "dlperf.cli.trace",
+    "dlperf.cli.probe",
+    "dlperf.cli.profile",
 )
 
 
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
@@ -71,7 +72,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dlperf: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,53 @@
+"""``dlperf export MODEL DIR``: write a zoo model as a portable graph plus parameters.
+
+    dlperf export lenet out/lenet --batch 2
+    dlperf export mlp out/mlp --weights mlp_state.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..hybrid.zoo_export import CHECK_ATOL, CHECK_RTOL, MAX_BATCH, ZooExportConfig, check_export, export_zoo_model
+
+
+def register(sub) -> argparse.ArgumentParser:
+    from ..models import model_names
+    from . import options as va
+
+    p = sub.add_parser("export", help="export a zoo model as graph.json + params.safetensors",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("model", metavar="MODEL", type=va.choice("network", model_names()),
+                   help="zoo model name (dlperf.models.model_names())")
+    p.add_argument("directory", metavar="DIRECTORY", type=va.existing_dir("DIRECTORY"),
+                   help="output directory (created; existing export files are replaced)")
+    p.add_argument("--batch", type=va.int_in(1, MAX_BATCH, "--batch"), default=2,
+                   help="batch size of the example input (dimension 0 stays dynamic where the model allows)")
+    p.add_argument("--weights", type=va.existing_file("--weights"),
+                   help="a state_dict saved with torch.save to load before exporting (default: random "
+                        "initialization)")
+    p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0,
+                   help="seed for the random initialization and example")
+    p.add_argument("--pt2", action="store_true", help="also write model.pt2 (torch.export program)")
+    p.add_argument("--no-check", action="store_true", help="skip loading the export back and comparing outputs "
+                   "(otherwise a mismatch beyond float tolerance exits with status 1)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    config = ZooExportConfig(args.model, args.directory, batch=args.batch, weights=args.weights, seed=args.seed,
+                             pt2=args.pt2)
+    done = export_zoo_model(config)
+    for kind, path in done.paths.items():
+        print(f"{kind:<7} {path}  {os.path.getsize(path) / 1e6:.2f} MB")
+    if not args.no_check:
+        diff, matches = check_export(done)
+        print(f"check   loaded output differs from the model's by at most {diff:.3g}")
+        if not matches:
+            print(f"dlperf export: error: the export in {args.directory} does not reproduce the model "
+                  f"(max difference {diff:.3g}, tolerance rtol={CHECK_RTOL:g} atol={CHECK_ATOL:g})", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,250 @@
+"""Validated option types for every ``dlperf`` verb: one place decides what a good number, list or path is.
+
+Each factory returns an argparse ``type=`` callable. A bad value raises ``argparse.ArgumentTypeError``
+whose message names the value (as ``repr``, so a control character cannot break the line), what was
+expected and how to fix it; argparse prefixes the option and turns it into one line on stderr and
+exit status 2, before any model is built or file is read. Work that could not fit in memory is refused
+by the library's configs (:mod:`dlperf._cliargs`), which the verbs build from these values.
+
+>>> int_in(1, 8, "--threads")("4")
+4
+>>> positive_float("--lr", max_value=10)("0.5")
+0.5
+>>> csv_list("--networks")("lenet, mlp")
+['lenet', 'mlp']
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from .._cliargs import one_line
+from ..errors import UsageError, unknown_choice
+
+__all__ = ["int_in", "positive_float", "csv_list", "int_list", "device_list", "choice", "existing_file",
+           "existing_dir", "output_path", "warn", "one_line", "SEED_MAX", "MAX_DEVICE_INDEX"]
+
+SEED_MAX = 2**32 - 1
+"""Largest accepted ``--seed``: derived seeds (seed * k + epoch) must stay inside torch's 64-bit range."""
+MAX_DEVICE_INDEX = 1023
+"""Largest device index a list may name (GPUs beyond the visible ones are refused later, by name)."""
+_MAX_TEXT = 4096  # longer paths are refused: no file system takes them
+_PATH_SHOWN = 400
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def _show(value: str, limit: int = 60) -> str:
+    shown = repr(value if len(value) <= limit else value[:limit - 3] + "...")
+    return one_line(shown)
+
+
+def _fail(message: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(one_line(message))
+
+
+def _parse_int(text: str, name: str, lo: int, hi: int) -> int:
+    stripped = text.strip()
+    if len(stripped) > 40 or not _INTEGER.fullmatch(stripped):
+        raise _fail(f"{_show(text)} is not an integer; give {name} a whole number from {lo} to {hi}")
+    value = int(stripped)
+    if not lo <= value <= hi:
+        raise _fail(f"{_show(text)} is out of range; give {name} a whole number from {lo} to {hi}")
+    return value
+
+
+def int_in(lo: int, hi: int, name: str) -> Callable[[str], int]:
+    """An integer in ``[lo, hi]``; no fractions, exponents or 5000-digit numbers."""
+
+    def parse(text: str) -> int:
+        return _parse_int(text, name, lo, hi)
+
+    parse.__name__ = f"integer from {lo} to {hi}"
+    return parse
+
+
+def positive_float(name: str, *, max_value: float = math.inf, finite: bool = True) -> Callable[[str], float]:
+    """A float ``> 0`` and ``<= max_value``; NaN and, when ``finite``, infinity are refused."""
+
+    def parse(text: str) -> float:
+        try:
+            if len(text) > 64:  # no float needs more digits; a 5000-digit "number" is a mistake
+                raise ValueError(text)
+            value = float(text)
+        except ValueError:
+            raise _fail(f"{_show(text)} is not a number; give {name} a positive number such as 0.1") from None
+        if math.isnan(value) or (finite and math.isinf(value)):
+            raise _fail(f"{_show(text)} is not a finite number; give {name} a positive number such as 0.1")
+        if not 0 < value <= max_value:
+            raise _fail(f"{_show(text)} is out of range; give {name} a number > 0 and <= {max_value:g}")
+        return value
+
+    parse.__name__ = "positive number"
+    return parse
+
+
+def csv_list(name: str, choices: Sequence[str] | None = None, what: str = "name") -> Callable[[str], list[str]]:
+    """A comma-separated list: no empty entries, no duplicates, each one of ``choices`` (a ``what``) when given."""
+
+    def parse(text: str) -> list[str]:
+        parts = [p.strip() for p in text.split(",")]
+        if not text.strip() or any(not p for p in parts):
+            raise _fail(f"{_show(text)} has an empty entry; give {name} comma-separated items with no "
+                        f"empty ones, e.g. {','.join((choices or ['a', 'b'])[:2])}")
+        for p in parts:
+            if choices is not None and p.lower() not in choices:
+                raise _fail(str(unknown_choice(what, p, choices)))
+        lowered = [p.lower() for p in parts]
+        dup = next((p for i, p in enumerate(lowered) if p in lowered[:i]), None)
+        if dup is not None:
+            raise _fail(f"{_show(text)} lists {_show(dup)} twice; give {name} each item once")
+        return parts
+
+    parse.__name__ = "comma-separated list"
+    return parse
+
+
+def int_list(lo: int, hi: int, name: str) -> Callable[[str], list[int]]:
+    """Comma-separated integers, each in ``[lo, hi]``, no empties or duplicates."""
+    names = csv_list(name)
+
+    def parse(text: str) -> list[int]:
+        try:
+            return [_parse_int(p, name, lo, hi) for p in names(text)]
+        except argparse.ArgumentTypeError as exc:
+            raise _fail(f"{exc}; expected comma-separated integers such as 1,2,4") from None
+
+    parse.__name__ = "comma-separated integers"
+    return parse
+
+
+def device_list(name: str) -> Callable[[str], list]:
+    """Comma-separated devices (``cpu:0,gpu(1)``), parsed, each once, indices up to MAX_DEVICE_INDEX."""
+    names = csv_list(name)
+
+    def parse(text: str) -> list:
+        from ..devices import to_device
+
+        devices = []
+        for part in names(text):
+            try:
+                dev = to_device(part)
+            except UsageError as exc:
+                raise _fail(str(exc)) from None
+            if dev.index > MAX_DEVICE_INDEX:
+                raise _fail(f"device index in {_show(part)} is out of range; give {name} indices from 0 "
+                            f"to {MAX_DEVICE_INDEX}")
+            if dev in devices:
+                raise _fail(f"{_show(text)} lists {dev} twice; give {name} each device once")
+            devices.append(dev)
+        return devices
+
+    parse.__name__ = "device list"
+    return parse
+
+
+def choice(what: str, choices: Iterable[str]) -> Callable[[str], str]:
+    """One of ``choices`` (case-insensitive), returned lower-case; a miss names the ``what`` and lists them."""
+    valid = list(choices)
+
+    def parse(text: str) -> str:
+        if text.strip().lower() not in valid:
+            raise _fail(str(unknown_choice(what, text, valid)))
+        return text.strip().lower()
+
+    parse.__name__ = "choice"
+    return parse
+
+
+def _path_text(text: str, name: str) -> Path:
+    if not text or not text.strip():
+        raise _fail(f"{_show(text)} is an empty path; give {name} a file name")
+    if "\0" in text or len(text) > _MAX_TEXT:
+        raise _fail(f"{_show(text)} is not a usable path (NUL byte or too long); give {name} a file name")
+    return Path(text)
+
+
+def _path_type(name: str, kind: str) -> Callable[[Callable[[str], str]], Callable[[str], str]]:
+    """Decorate a path check: an OSError from looking at the path (name too long, no permission) is a
+    usage error too."""
+
+    def wrap(check: Callable[[str], str]) -> Callable[[str], str]:
+        def parse(text: str) -> str:
+            try:
+                return check(text)
+            except OSError as exc:
+                raise _fail(f"{_show(text, _PATH_SHOWN)} cannot be used: {exc.strerror or exc}; give {name} "
+                            "another path") from None
+
+        parse.__name__ = kind
+        return parse
+
+    return wrap
+
+
+def existing_file(name: str) -> Callable[[str], str]:
+    """A path to an existing regular file (a directory, FIFO or device is refused by name)."""
+
+    @_path_type(name, "existing file")
+    def parse(text: str) -> str:
+        path = _path_text(text, name)
+        if path.is_dir():
+            raise _fail(f"{_show(text, _PATH_SHOWN)} is a directory, not a file; give {name} a file's path")
+        if not path.exists():
+            raise _fail(f"{_show(text, _PATH_SHOWN)} does not exist; give {name} an existing file")
+        if not path.is_file():
+            raise _fail(f"{_show(text, _PATH_SHOWN)} is not a regular file; give {name} a file's path")
+        return text
+
+    return parse
+
+
+def existing_dir(name: str) -> Callable[[str], str]:
+    """A path that, if it exists, is a directory (whether it must exist is the caller's call)."""
+
+    @_path_type(name, "directory")
+    def parse(text: str) -> str:
+        path = _path_text(text, name)
+        if path.exists() and not path.is_dir():
+            raise _fail(f"{_show(text, _PATH_SHOWN)} is a file, not a directory; give {name} a directory")
+        _check_parents(path, name, text)
+        return text
+
+    return parse
+
+
+def _check_parents(path: Path, name: str, text: str) -> None:
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise _fail(f"cannot write {name} {_show(text, _PATH_SHOWN)}: {parent} is a file, not a directory; "
+                            f"give {name} a path in a directory")
+            return
+
+
+def output_path(name: str, *, allow_stdout: bool = False) -> Callable[[str], str]:
+    """A file to write: not a directory, and no parent of it is a file (``-`` is stdout when allowed)."""
+
+    @_path_type(name, "output file")
+    def parse(text: str) -> str:
+        if allow_stdout and text == "-":
+            return text
+        path = _path_text(text, name)
+        if text.endswith(os.sep) or path.is_dir():
+            raise _fail(f"{_show(text, _PATH_SHOWN)} is a directory; give {name} a file name inside it")
+        _check_parents(path, name, text)
+        if path.exists() and not path.is_file():
+            raise _fail(f"{_show(text, _PATH_SHOWN)} is not a regular file; give {name} a file name")
+        return text
+
+    return parse
+
+
+def warn(verb: str, message: str) -> None:
+    """One warning line on stderr; the run goes on."""
+    print(f"dlperf {verb}: warning: {one_line(message)}", file=sys.stderr)

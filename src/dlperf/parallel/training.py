@@ -1,0 +1,293 @@
+"""Data-parallel training of a zoo model for some epochs, with checkpoints (d2l 12.5-12.6).
+
+:class:`TrainConfig` says what to train; :func:`prepare` checks it against a checkpoint to resume and
+loads the data; :func:`train` runs the epochs. ``dlperf train`` is these three and its printing::
+
+    config = TrainConfig(model="lenet", devices=["cpu:0", "cpu:1"], epochs=2)
+    state = prepare(config)
+    train(config, state, on_epoch=print)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._io import check_writable
+from ..devices import Device, to_device
+from ..errors import UsageError
+from .allreduce import DEFAULT_ALGORITHM, get_algorithm
+from .checkpoint import CHECKPOINT_FORMAT, load_checkpoint, save_checkpoint
+from .split import check_devices
+from .trainer import Trainer
+
+__all__ = ["TrainConfig", "TrainState", "prepare", "train", "train_epochs", "epoch_line", "parse_devices",
+           "TRAIN_MODELS", "MAX_BATCH", "MAX_EPOCHS", "MAX_LR"]
+
+TRAIN_MODELS = ("lenet", "resnet18")
+MAX_BATCH = 2**24
+MAX_EPOCHS = 100_000
+MAX_LR = 100.0  # beyond this SGD on these models only diverges to NaN
+# The embedded dataset keeps each uint8 image and its int64 label, plus two int64 permutations.
+_STORED_EXAMPLE_BYTES = 28 * 28 + 3 * 8
+
+
+def parse_devices(text: str | list) -> list:
+    """``"cpu:0,cpu:1"`` -> ``[cpu(0), cpu(1)]``."""
+    if not isinstance(text, str):  # already parsed by the option's type
+        return list(text)
+    parts = [t for t in (s.strip() for s in text.split(",")) if t]
+    if not parts:
+        raise UsageError("--devices is empty; give e.g. cpu:0,cpu:1")
+    return [to_device(t) for t in parts]
+
+
+@dataclass
+class TrainConfig:
+    """One training run; every field is checked when the config is made, before any data is read."""
+
+    model: str = "lenet"
+    """Zoo network to train: one of TRAIN_MODELS."""
+    devices: list[Device] | str = "cpu:0"
+    """Devices sharing each mini-batch (``"cpu:0,cpu:1"`` or a list); parsed into a list of Device."""
+    batch_size: int = 256
+    """Global mini-batch, split across the devices (at least one example per device)."""
+    lr: float = 0.2
+    """SGD learning rate, > 0 and <= MAX_LR."""
+    epochs: int = 10
+    """Epochs to reach, counting those a resumed checkpoint already holds."""
+    data: str | None = None
+    """Fashion-MNIST IDX directory; None trains on the embedded glyph dataset."""
+    download: bool = False
+    """Download Fashion-MNIST into ``data`` first."""
+    train_size: int = 12000
+    """Embedded dataset: training images."""
+    test_size: int = 2000
+    """Embedded dataset: test images."""
+    algorithm: str = DEFAULT_ALGORITHM
+    """Allreduce algorithm by name (``auto``: the cost model's pick for the measured links)."""
+    kvstore: str | None = None
+    """Aggregate through a KVStore of this type instead of allreduce."""
+    seed: int = 0
+    """Seed for the weights and the data order."""
+    checkpoint: str | None = None
+    """File the state is saved to, atomically, after every epoch."""
+    resume: str | None = None
+    """Checkpoint to continue from, bit-identically."""
+    check_finite: bool = False
+    """Stop at the first step whose loss or gradients are NaN/inf, before it updates the weights."""
+
+    def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_data()
+        from .._cliargs import batch_bytes, require_memory
+        from ..models import get_spec
+
+        require_memory(batch_bytes(get_spec(self.model), self.batch_size, training=True),
+                       f"--batch-size {self.batch_size} on {self.model}", "give a smaller --batch-size")
+        self.devices = check_devices(parse_devices(self.devices))  # fail before any data is made or read
+        if self.batch_size < len(self.devices):
+            raise UsageError(f"--batch-size {self.batch_size} is smaller than the {len(self.devices)} devices; each "
+                             f"device needs at least one example per step: use --batch-size {len(self.devices)} "
+                             "or more")
+        get_algorithm(self.algorithm)
+        if self.checkpoint:
+            try:
+                check_writable(self.checkpoint)  # now, not after the first epoch
+            except OSError as exc:
+                raise UsageError(f"--checkpoint: {exc}") from None
+
+    def _check_numbers(self) -> None:
+        for name in ("batch_size", "epochs", "train_size", "test_size"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.lr <= MAX_LR:  # also NaN
+            raise UsageError(f"--lr must be > 0 and <= {MAX_LR:g}, got {self.lr}")
+
+    def _check_data(self) -> None:
+        from .._cliargs import require_memory
+
+        if self.download and not self.data:
+            raise UsageError("--download needs --data DIR to download into; add --data DIR or drop --download")
+        if self.data and not self.download and not os.path.isdir(self.data):
+            raise UsageError(f"--data {self.data!r} does not exist; give the directory holding the Fashion-MNIST "
+                             "IDX files, or add --download to fetch them into it")
+        if self.data is None:
+            require_memory((self.train_size + self.test_size) * _STORED_EXAMPLE_BYTES,
+                           f"--train-size {self.train_size} --test-size {self.test_size}", "give smaller sizes")
+
+    def checkpoint_config(self) -> dict[str, Any]:
+        """The settings a checkpoint records; resuming needs them all equal."""
+        return {"model": self.model, "devices": len(self.devices), "batch_size": self.batch_size, "lr": self.lr,
+                "data": self.data, "train_size": self.train_size, "test_size": self.test_size, "seed": self.seed,
+                "algorithm": self.algorithm, "kvstore": self.kvstore}
+
+
+@dataclass
+class TrainState:
+    """A run in progress: the data, the checkpoint resumed from, and what is finished so far.
+
+    It outlives an interrupted :func:`train`, so the caller can say which epoch the checkpoint holds.
+    """
+
+    spec: Any
+    """The zoo model's spec (builder, loss)."""
+    train_loader: Any
+    """Training batches, one shuffled order per epoch."""
+    test_loader: Any
+    """Test batches for the accuracy after each epoch."""
+    resume: dict[str, Any] | None = None
+    """The checkpoint continued from, or None."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """One record per finished epoch, those resumed first: epoch, loss, test_acc, seconds."""
+    saved: list[int] = field(default_factory=list)
+    """Epochs whose checkpoint this run wrote."""
+    first: int = 0
+    """How many epochs the resumed checkpoint held (this run's first epoch index)."""
+
+    def seconds_per_epoch(self) -> float:
+        """Mean training seconds of this run's epochs (of the resumed ones when this run finished none)."""
+        timed = [h["seconds"] for h in self.history[self.first:]] or [h["seconds"] for h in self.history]
+        return sum(timed) / len(timed) if timed else 0.0
+
+
+def prepare(config: TrainConfig) -> TrainState:
+    """Check ``config.resume`` against ``config``, seed torch and load the data: everything before training."""
+    from ..data import load_data
+    from ..models import get_spec
+
+    resume = load_checkpoint(config.resume) if config.resume else None
+    settings = config.checkpoint_config()
+    if resume is not None and resume["config"] != settings:
+        diff = {k: (resume["config"].get(k), v) for k, v in settings.items() if resume["config"].get(k) != v}
+        raise UsageError(f"--resume {config.resume}: settings differ from the checkpoint's (was, now): {diff}")
+    torch.manual_seed(config.seed)
+    spec = get_spec(config.model)
+    train_loader, test_loader = load_data(config.batch_size, config.data, seed=config.seed, train=config.train_size,
+                                          test=config.test_size, download=config.download)
+    history = list(resume["history"]) if resume else []
+    return TrainState(spec, train_loader, test_loader, resume, history, first=len(history))
+
+
+def describe_auto_choice(model: torch.nn.Module, devices: list) -> str:
+    """Which algorithm ``algorithm="auto"`` takes for this model's gradient buckets, and why (one line)."""
+    from .allreduce import choose_algorithm
+    from .allreduce.auto import describe_bytes
+    from .buckets import DEFAULT_BUCKET_BYTES
+
+    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    # the Trainer reduces buckets of up to DEFAULT_BUCKET_BYTES; a larger parameter gets one of its own
+    nbytes = max(min(sum(sizes), DEFAULT_BUCKET_BYTES), max(sizes, default=0))
+    # the Trainer reduces each bucket on its gradient-sync thread as backward fills it, without device workers
+    name, reason = choose_algorithm(nbytes, devices, workers=False)
+    return f"allreduce: auto chose {name} for gradient buckets of {describe_bytes(nbytes)} ({reason})"
+
+
+def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[str, Any]], None] | None = None,
+          on_message: Callable[[str], None] | None = None, show_progress: bool = False) -> TrainState:
+    """Train from ``state`` up to ``config.epochs``, saving ``config.checkpoint`` after every epoch.
+
+    ``on_epoch`` gets each finished epoch's record after it is in ``state.history`` and saved;
+    ``on_message`` gets one-line notes (the algorithm ``auto`` chose). Ctrl-C propagates, with
+    ``state`` holding the finished epochs.
+    """
+    model = state.spec.build()
+    if config.algorithm == "auto" and config.kvstore is None and on_message:
+        on_message(describe_auto_choice(model, config.devices))
+    with Trainer(model, config.devices, "sgd", {"lr": config.lr}, loss=state.spec.loss, algorithm=config.algorithm,
+                 kvstore=config.kvstore, check_finite=config.check_finite) as trainer:
+        if state.resume is not None:
+            try:
+                trainer.load_state_dict(state.resume["trainer"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                raise UsageError(f"--resume {config.resume}: the checkpoint does not fit this model "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+                                 ) from None
+        first = len(state.history)  # before record() appends
+        settings = config.checkpoint_config()
+
+        def record(rec: dict[str, Any]) -> None:
+            state.history.append(rec)
+            if on_epoch:
+                on_epoch(rec)
+            if config.checkpoint:
+                save_checkpoint(config.checkpoint, {"format": CHECKPOINT_FORMAT, "config": settings,
+                                                    "history": state.history, "trainer": trainer.state_dict()})
+                state.saved.append(rec["epoch"])
+
+        train_epochs(trainer, state.train_loader, state.test_loader, first, config.epochs, show_progress, record)
+    return state
+
+
+def _progress(enabled: bool, total: int, description: str):
+    if not enabled:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeRemainingColumn(), transient=True, console=Console(stderr=True))
+    bar.start()
+    bar.add_task(description, total=total)  # task id 0
+    return bar
+
+
+def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, epochs: int,
+                 show_progress: bool = False, on_epoch=None) -> list[dict[str, Any]]:
+    """Train epochs ``first_epoch .. epochs-1``; return one record per epoch (loss, test acc, seconds).
+
+    Every device needs at least one example of each step, so an epoch's last batch with fewer
+    examples than devices is skipped (at most ``devices - 1`` examples an epoch).
+    """
+    history = []
+    for epoch in range(first_epoch, epochs):
+        bar = _progress(show_progress, len(train_loader), f"epoch {epoch + 1}/{epochs}")
+        loss_sum: torch.Tensor | float = 0.0
+        # the first step whose loss was NaN/inf, kept on the device and read with loss_sum at the end
+        first_bad: torch.Tensor | None = None
+        batches = 0
+        try:
+            start = time.perf_counter()
+            # closing(): after Ctrl-C the loader's thread stops now, not when the traceback is freed
+            with closing(train_loader.epoch_batches(epoch)) as train_batches:
+                for X, y in train_batches:
+                    if X.shape[0] < trainer.k:
+                        continue  # only an epoch's last batch can be this short: see the docstring
+                    # summed where it is: reading it on the host every step would stall a GPU's queue
+                    loss = trainer.train_step(X, y).detach().float()
+                    loss_sum = loss_sum + loss
+                    bad = torch.where(torch.isfinite(loss), float("inf"), float(trainer.steps))
+                    first_bad = bad if first_bad is None else torch.minimum(first_bad, bad)
+                    batches += 1
+                    if bar:
+                        bar.advance(0, 1)
+            for d in trainer.devices:
+                d.synchronize()
+            seconds = time.perf_counter() - start
+        finally:
+            if bar:
+                bar.stop()
+        with closing(test_loader.epoch_batches(0)) as test_batches:
+            test_acc = trainer.evaluate_accuracy(test_batches)
+        record = {"epoch": epoch + 1, "loss": float(loss_sum) / max(batches, 1), "test_acc": test_acc,
+                  "seconds": seconds}
+        if first_bad is not None and float(first_bad) != float("inf"):
+            record["nonfinite_since_step"] = int(first_bad)
+        history.append(record)
+        if on_epoch:
+            on_epoch(record)
+    return history
+
+
+def epoch_line(rec: dict[str, Any]) -> str:
+    """One finished epoch as printed: loss (and since which step it was not finite), test accuracy, seconds."""
+    loss = f"loss {rec['loss']:.3f}"
+    if rec.get("nonfinite_since_step") is not None:
+        loss += f" (non-finite since step {rec['nonfinite_since_step']}; --check-finite stops there)"
+    return f"epoch {rec['epoch']}: {loss}, test acc {rec['test_acc']:.3f}, {rec['seconds']:.1f} sec"

@@ -1,0 +1,140 @@
+"""The CLI package's shape: verbs are thin over library configs, and the library never imports the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dlperf
+from dlperf.devices import cpu
+from dlperf.errors import UsageError
+
+SRC = Path(dlperf.__file__).parent
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Absolute names of every module ``path`` imports, relative imports resolved."""
+    package = ".".join(("dlperf", *path.relative_to(SRC).parent.parts))
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_import_scan_resolves_relative_imports():
+    # the scan below must be able to fail: an import written relatively is named absolutely
+    assert {"dlperf._io.check_writable", "dlperf.parallel.checkpoint"} <= _imported_modules(
+        SRC / "parallel" / "training.py")
+    assert "dlperf.cli.options" in _imported_modules(SRC / "cli" / "bench.py")
+    assert "dlperf.cli.options.one_line" in _imported_modules(SRC / "cli" / "__init__.py")
+
+
+def test_no_library_module_imports_the_cli_package():
+    offenders = {}
+    for path in SRC.rglob("*.py"):
+        if path.relative_to(SRC).parts[0] == "cli":
+            continue
+        bad = sorted(n for n in _imported_modules(path) if n == "dlperf.cli" or n.startswith("dlperf.cli."))
+        if bad:
+            offenders[str(path.relative_to(SRC))] = bad
+    assert offenders == {}
+
+
+def test_the_old_verb_modules_are_gone():
+    for old in ("cli.py", "cli_devices.py", "bench/cli.py", "parallel/cli.py", "hybrid/cli.py", "engine/cli.py",
+                "probe/cli.py", "probe/profile_cli.py"):
+        assert not (SRC / old).exists(), old
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"lr": 0.0}, "--lr must be > 0 and <= 100, got 0.0"),
+    ({"epochs": 0}, "--epochs must be >= 1, got 0"),
+    ({"download": True}, "--download needs --data DIR to download into; add --data DIR or drop --download"),
+    ({"devices": "cpu:0,cpu:1", "batch_size": 1}, "--batch-size 1 is smaller than the 2 devices"),
+    ({"algorithm": "tree"}, "unknown allreduce algorithm 'tree'"),
+])
+def test_train_config_refuses_what_the_cli_refuses_with_the_same_words(kwargs, message):
+    from dlperf.parallel.training import TrainConfig
+
+    with pytest.raises(UsageError) as info:
+        TrainConfig(**kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_train_verb_passes_every_option_to_the_config():
+    from dlperf.cli import train as train_cli
+
+    parser = argparse.ArgumentParser()
+    train_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["train", "--devices", "cpu:0,cpu:1", "--lr", "0.5", "--seed", "7", "--epochs", "3",
+                              "--batch-size", "64", "--check-finite", "--kvstore", "local"])
+    config = train_cli.train_config(args)
+    assert (config.devices, config.lr, config.seed, config.epochs, config.batch_size, config.check_finite,
+            config.kvstore) == ([cpu(0), cpu(1)], 0.5, 7, 3, 64, True, "local")
+
+
+@pytest.mark.timeout(120)
+def test_library_training_records_every_epoch_without_the_cli(tmp_path):
+    from dlperf.parallel.checkpoint import load_checkpoint
+    from dlperf.parallel.training import TrainConfig, prepare, train
+
+    config = TrainConfig(devices="cpu:0,cpu:1", batch_size=50, epochs=2, train_size=200, test_size=50,
+                         checkpoint=str(tmp_path / "ck.pt"))
+    state = prepare(config)
+    seen: list[dict] = []
+    train(config, state, on_epoch=seen.append)
+    assert [r["epoch"] for r in seen] == [1, 2] and seen == state.history and state.saved == [1, 2]
+    assert load_checkpoint(tmp_path / "ck.pt")["history"] == state.history
+
+
+def test_scaling_config_checks_and_defaults():
+    from dlperf.bench.scaling import ScalingConfig
+
+    with pytest.raises(UsageError, match="Table 8 has no network 'lenet'"):
+        ScalingConfig(networks=["lenet"])
+    with pytest.raises(UsageError, match="at least the 2 devices"):
+        ScalingConfig(networks=["fcn-r"], devices=[cpu(0), cpu(1)], batch_size=1)
+    quick = ScalingConfig(networks=["fcn-r"], devices=[cpu(0)], quick=True)
+    assert (quick.steps, quick.warmup) == (3, 1)
+    full = ScalingConfig(networks=["fcn-r"], devices=[cpu(0)], steps=4, warmup=0)
+    assert (full.steps, full.warmup) == (4, 0)
+
+
+def test_two_outputs_to_one_file_are_refused(tmp_path):
+    from dlperf.bench.sweep import Outputs
+
+    Outputs(json="-", csv="-")  # stdout twice is fine: CSV replaces the table, JSON is the last line
+    with pytest.raises(UsageError, match="--json and --csv both write"):
+        Outputs(json=str(tmp_path / "a"), csv=str(tmp_path / "." / "a"))
+
+
+def test_zoo_export_config_checks_before_building(tmp_path):
+    from dlperf.hybrid.zoo_export import ZooExportConfig
+
+    with pytest.raises(UsageError, match="unknown"):
+        ZooExportConfig("no-such-net", str(tmp_path / "out"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="is not a directory"):
+        ZooExportConfig("mlp", str(tmp_path / "file"))
+    with pytest.raises(UsageError, match="--batch must be >= 1"):
+        ZooExportConfig("mlp", str(tmp_path / "out"), batch=0)
+
+
+@pytest.mark.timeout(120)
+def test_python_dash_m_runs_the_package():
+    done = subprocess.run([sys.executable, "-m", "dlperf.cli", "--version"], capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0 and done.stdout.startswith("dlperf ")
