@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..lanes import EngineLanes
 from ..workers import DeviceWorkers, wait_all
 from . import host, naive, ring, sharded  # noqa: F401  (registers the algorithms)
 from .auto import AutoAllreduce, choose_algorithm  # registers "auto" after the algorithms it chooses among
@@ -37,10 +38,17 @@ __all__ = ["allreduce", "AllreduceAlgorithm", "DEFAULT_ALGORITHM", "algorithm_na
            "register_algorithm", "chunk_bounds", "Phase", "run_schedule", "choose_algorithm"]
 
 
-def run_schedule(phases: list[Phase], workers: DeviceWorkers | None = None) -> None:
-    """Run a schedule: in the calling thread, or each task on its device's worker with a barrier per phase."""
+def run_schedule(phases: list[Phase], workers: EngineLanes | DeviceWorkers | None = None) -> None:
+    """Run a schedule: in the calling thread, or each task on its device's lane with a barrier per phase.
+
+    ``workers`` is either :class:`~dlperf.parallel.lanes.EngineLanes` (every task an engine operation,
+    phases ordered by variables) or a :class:`DeviceWorkers` pool (a blocking barrier per phase).
+    """
     if workers is None:
         run_sequential(phases)
+        return
+    if isinstance(workers, EngineLanes):
+        workers.wait(workers.push_schedule(phases))
         return
     for phase in phases:
         busy = [t for t in phase if t is not None]
@@ -52,7 +60,7 @@ def run_schedule(phases: list[Phase], workers: DeviceWorkers | None = None) -> N
 
 
 def allreduce(tensors: Sequence[torch.Tensor], algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM,
-              workers: DeviceWorkers | None = None) -> list[torch.Tensor]:
+              workers: EngineLanes | DeviceWorkers | None = None) -> list[torch.Tensor]:
     """Replace every tensor (one per device) by the sum of all of them, in place; return the list.
 
     ``workers`` (one per device, same order) runs each device's share of the work concurrently;
