@@ -74,6 +74,8 @@ def register(sub) -> None:
                    help="continue bit-identically from a checkpoint")
     p.add_argument("--check-finite", action="store_true",
                    help="stop at the first step whose loss or gradients are NaN/inf, before it updates the weights")
+    p.add_argument("--trace", metavar="FILE", type=va.output_path("--trace"),
+                   help="write the engine's timeline of the run (Chrome trace JSON; summarise: dlperf trace FILE)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run)
@@ -309,8 +311,8 @@ def _announce_auto(model: torch.nn.Module, devices: list) -> None:
     sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
     # the Trainer reduces buckets of up to DEFAULT_BUCKET_BYTES; a larger parameter gets one of its own
     nbytes = max(min(sum(sizes), DEFAULT_BUCKET_BYTES), max(sizes, default=0))
-    # the Trainer reduces each bucket on its gradient-sync thread as backward fills it, without device workers
-    name, reason = choose_algorithm(nbytes, devices, workers=False)
+    # the Trainer pushes each bucket's phases to the engine, one operation per device lane, as backward fills it
+    name, reason = choose_algorithm(nbytes, devices, workers=True)
     print(f"allreduce: auto chose {name} for gradient buckets of {describe_bytes(nbytes)} ({reason})", flush=True)
 
 
@@ -319,7 +321,8 @@ def _train(args, spec, devices, config, train_loader, test_loader, resume, histo
     if args.algorithm == "auto" and args.kvstore is None:
         _announce_auto(model, devices)
     with Trainer(model, devices, "sgd", {"lr": args.lr}, loss=spec.loss, algorithm=args.algorithm,
-                 kvstore=args.kvstore, check_finite=getattr(args, "check_finite", False)) as trainer:
+                 kvstore=args.kvstore, check_finite=getattr(args, "check_finite", False),
+                 trace=getattr(args, "trace", None)) as trainer:
         if resume is not None:
             try:
                 trainer.load_state_dict(resume["trainer"])
