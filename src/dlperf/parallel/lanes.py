@@ -51,7 +51,8 @@ class EngineLanes:
             for j, task in enumerate(phase):
                 if task is None:
                     continue
-                others = tuple(v for i, v in enumerate(done) if i != j)
+                # the first phase waits for nothing: its tasks touch only their own inputs
+                others = tuple(v for i, v in enumerate(done) if i != j) if p > 1 else ()
                 eng.push(task, reads=others, writes=(done[j],), device=self.lanes[j], priority=priority,
                          name=f"{name} phase {p}", kind=self.kind)
         return done
