@@ -15,13 +15,45 @@ worker thread on the same host memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
-from ..devices import Device, cpu
-from ..engine import Engine
+from ..devices import Device, cpu, cpu_count
+from ..engine import Engine, create_engine
 from ..engine.var import Var
 
-__all__ = ["EngineLanes", "comm_lanes"]
+__all__ = ["EngineLanes", "comm_lanes", "engine_lanes", "thread_budget"]
+
+
+def thread_budget(devices: Sequence[Device], cores: int | None = None) -> list[int]:
+    """Intra-op threads for each device's engine worker: the cores split evenly among logical CPU devices.
+
+    A GPU worker only launches kernels and copies, so one host thread is enough for it.
+
+    >>> from dlperf.devices import cpu, gpu
+    >>> thread_budget([cpu(0), cpu(1)], cores=4), thread_budget([gpu(0)], cores=4)
+    ([2, 2], [1])
+    """
+    cores = cores or cpu_count()
+    n_cpu = sum(1 for d in devices if not d.is_gpu)
+    share = max(1, cores // n_cpu) if n_cpu else 1
+    return [1 if d.is_gpu else share for d in devices]
+
+
+@contextmanager
+def engine_lanes(devices: Sequence[Device], cpu_threads: int | None = None) -> Iterator[EngineLanes]:
+    """Lanes on a threaded engine of their own, one per device, closed on exit.
+
+    >>> import torch
+    >>> from dlperf.devices import copy_to
+    >>> from dlperf.parallel import allreduce
+    >>> xs = [copy_to(torch.ones(4), cpu(i)) for i in range(2)]
+    >>> with engine_lanes([cpu(0), cpu(1)], cpu_threads=1) as lanes:
+    ...     allreduce(xs, "sharded", workers=lanes)[1].tolist()
+    [2.0, 2.0, 2.0, 2.0]
+    """
+    with create_engine("threaded", cpu_threads=cpu_threads) as eng:
+        yield EngineLanes(eng, devices)
 
 
 def comm_lanes(devices: Sequence[Device]) -> tuple[list[Device], str]:

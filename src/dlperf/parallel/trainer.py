@@ -27,14 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import DeviceLike, cpu_count
+from ..devices import DeviceLike
 from ..engine import Engine, Op, Trace, create_engine
 from ..errors import DlperfError, UsageError, unknown_choice
 from ..kvstore import KVStore, create_kvstore
 from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
 from .buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
 from .evaluate import evaluate_accuracy
-from .lanes import EngineLanes, comm_lanes
+from .lanes import EngineLanes, comm_lanes, thread_budget
 from .replicas import broadcast_buffers, max_replica_difference, replicate
 from .split import check_devices, check_placed, split_batch
 
@@ -151,9 +151,8 @@ class Trainer:
             raise
 
     def _cpu_threads(self, threads: Sequence[int] | None) -> int:
-        n_cpu = sum(1 for d in self.devices if not d.is_gpu)
         if threads is None:
-            return max(1, cpu_count() // n_cpu) if n_cpu else 1
+            return max(thread_budget(self.devices))
         budget = list(threads)
         if len(budget) != len(self.devices) or any(not isinstance(t, int) or t < 1 for t in budget):
             raise UsageError(f"threads={budget!r} is not valid; expected one integer >= 1 per device "
