@@ -50,6 +50,15 @@ def _plan(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[int]]:
     return buckets
 
 
+def _after(events: list, task: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        stream = torch.cuda.current_stream()
+        for ev in events:
+            stream.wait_event(ev)  # device-side ordering: no host sync
+        task()
+    return run
+
+
 class GradientBuckets:
     """Flat gradient buffers for k replicas, reduced on the engine's lanes as they fill.
 
@@ -89,6 +98,7 @@ class GradientBuckets:
         self.priorities = [n_params - min(idx) for idx in self.buckets]
         self.reduce: Callable[[int], list[Var]] = self._allreduce_bucket
         self.done: list[list[Var]] = [[] for _ in self.buckets]
+        self._ready: list[list] = [[] for _ in self.buckets]  # per bucket: CUDA events of its producers
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self._lock = threading.Lock()
         self._armed = False
@@ -127,6 +137,9 @@ class GradientBuckets:
         row = self.flats[b]
         algo = self.algorithm
         phases = algo.schedule(row, True) if isinstance(algo, AutoAllreduce) else algo.schedule(row)
+        events = self._ready[b]
+        if events:  # GPU: the lanes' streams wait for the backward kernels that produced the bucket
+            phases = [[None if t is None else _after(events, t) for t in phase] for phase in phases]
         return self.lanes.push_schedule(phases, priority=self.priorities[b], name=f"allreduce bucket {b}")
 
     def done_vars(self) -> list[Var]:
@@ -141,19 +154,24 @@ class GradientBuckets:
             self._pushed = [False] * len(self.buckets)
             self._replicas_done = 0
             self.done = [[] for _ in self.buckets]
+            self._ready = [[] for _ in self.buckets]
             self._armed = True
 
     def disarm(self) -> None:
         self._armed = False
 
     def _hook(self, r: int, i: int):
-        def hook(_p: torch.Tensor) -> None:
+        def hook(param: torch.Tensor) -> None:
             if not self._armed:
                 return
             b = self._bucket_of[i]
             with self._lock:
                 self._pending[r][b] -= 1
                 if self._pending[r][b] == 0:
+                    if param.is_cuda:  # the gradient is complete once this stream's queued kernels ran
+                        ev = torch.cuda.Event()
+                        ev.record(torch.cuda.current_stream(param.device))
+                        self._ready[b].append(ev)
                     self._arrived[b] += 1
                     if self._arrived[b] == self.k:
                         self._push(b)
