@@ -12,7 +12,7 @@ Measured in one run, with the shared timing protocol (warm-up, then the median o
 * allreduce of 64 MB per device across 2 logical devices, for every algorithm (each device's share an
   engine operation on its lane), and gloo's allreduce of 64 MB between the 2 processes. Bus bandwidth
   = size / time * 2(k-1)/k (k = 2: size / time).
-* the Trainer's bucket path on the same 64 MB: gradient buckets of the default size, each bucket's
+* the Trainer's bucket path on the same 64 MB: gradient buckets of the Trainer's default size, each bucket's
   reduction pushed to the engine's communication lanes with its priority, as backward pushes them;
   ``bucket_busbw_ratio`` is its bus bandwidth over the standalone allreduce's.
 * with a GPU: the Trainer on gpu(0) against a plain PyTorch loop on the same GPU.
@@ -45,7 +45,7 @@ from dlperf.devices import copy_to, cpu
 from dlperf.engine import create_engine
 from dlperf.models import get_spec
 from dlperf.parallel import DEFAULT_ALGORITHM, Trainer, algorithm_names, allreduce
-from dlperf.parallel.buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
+from dlperf.parallel.buckets import GradientBuckets
 from dlperf.parallel.lanes import EngineLanes, comm_lanes
 from dlperf.parallel.replicas import replicate
 
@@ -198,7 +198,7 @@ def measure_buckets(reps: int) -> float:
     replicas = replicate(model, devs)
     with create_engine("threaded", cpu_threads=1) as eng:
         lanes, kind = comm_lanes(devs)
-        gb = GradientBuckets(replicas, DEFAULT_ALGORITHM, DEFAULT_BUCKET_BYTES, lanes=EngineLanes(eng, lanes, kind))
+        gb = GradientBuckets(replicas, DEFAULT_ALGORITHM, lanes=EngineLanes(eng, lanes, kind))  # Trainer's default
         try:
             for row in gb.flats:
                 for f in row:

@@ -32,7 +32,7 @@ from ..engine import Engine, Op, Trace, create_engine
 from ..errors import DlperfError, UsageError, unknown_choice
 from ..kvstore import KVStore, create_kvstore
 from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
-from .buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
+from .buckets import GradientBuckets
 from .evaluate import evaluate_accuracy
 from .lanes import EngineLanes, comm_lanes, thread_budget
 from .replicas import broadcast_buffers, max_replica_difference, replicate
@@ -92,7 +92,8 @@ class Trainer:
         algorithm: the allreduce algorithm for gradients (ignored when a kvstore aggregates).
         kvstore: ``None``, ``"local"``, ``"device"`` or a :class:`~dlperf.kvstore.KVStore`.
         update_on_kvstore: let the store run the optimizer and pull the new weights.
-        bucket_bytes: gradient bucket size for overlapping communication with backward.
+        bucket_bytes: gradient bucket size for overlapping communication with backward (default: 1 MiB,
+            or larger so that the model's gradients form at most 16 buckets).
         buffers: ``"per-device"`` BatchNorm statistics (default) or ``"broadcast"`` the first one's.
         threads: intra-op threads per device worker (default: the cores split evenly); the engine
             gives every CPU worker one budget, so the entries must be equal.
@@ -112,7 +113,7 @@ class Trainer:
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM,
                  kvstore: str | KVStore | None = None, update_on_kvstore: bool = False,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, buffers: str = "per-device",
+                 bucket_bytes: int | None = None, buffers: str = "per-device",
                  threads: Sequence[int] | None = None, memory_format: str = "auto",
                  check_finite: bool = False, trace: str | Path | None = None) -> None:
         self.devices = check_devices(devices)
@@ -166,7 +167,7 @@ class Trainer:
                              "device worker one budget: pass equal numbers, e.g. threads=[1, 1]")
         return budget[0]
 
-    def _setup_sync(self, kvstore, update_on_kvstore: bool, bucket_bytes: int) -> None:
+    def _setup_sync(self, kvstore, update_on_kvstore: bool, bucket_bytes: int | None) -> None:
         self.update_on_kvstore = update_on_kvstore
         if kvstore is not None:
             self._kv = create_kvstore(kvstore) if isinstance(kvstore, str) else kvstore
