@@ -1,9 +1,9 @@
 """Does the cost model rank the allreduce algorithms as this machine does?
 
 For k logical CPU devices (default 2, 3 and 4) and tensors of 4 KB, 1 MB and 64 MB per device, every
-registered algorithm is timed both ways the Trainer runs it: with device workers, one thread per device
-(``allreduce(xs, name, workers=DeviceWorkers)``, as ``allreduce_all`` does), and on the calling thread
-(as its gradient-sync thread reduces each bucket), in alternating rounds whose order rotates; an
+registered algorithm is timed two ways: with each device's share an engine operation on its lane, one
+thread per device (``allreduce(xs, name, workers=engine_lanes(...))``, as the Trainer reduces each
+bucket), and on the calling thread, in alternating rounds whose order rotates; an
 algorithm's time is the median of its per-round medians. Beside it stand the prediction ``auto``
 makes (``dlperf.parallel.allreduce.auto``: each algorithm's schedule, its operators, memory traffic
 and worker hand-offs, costed with the probe's figures and a hand-off timed now) and the algorithm
@@ -33,7 +33,7 @@ import torch
 
 from dlperf.bench.timing import time_steps
 from dlperf.devices import copy_to, cpu, cpu_count
-from dlperf.parallel import DeviceWorkers, algorithm_names, allreduce
+from dlperf.parallel import algorithm_names, allreduce, engine_lanes
 from dlperf.parallel.allreduce import choose_algorithm
 from dlperf.parallel.allreduce.auto import cache_figures, describe_bytes, link_hardware, predict
 from dlperf.probe.cost import ALLREDUCE_FORMULAS
@@ -53,7 +53,7 @@ def measure(k: int, nbytes: int, names: list[str], rounds: int, use_workers: boo
     xs = [copy_to(torch.randn(nbytes // 4, generator=g), d) for d in devs]
     per_round: dict[str, list[float]] = {n: [] for n in names}
     steps = _calls_per_round(nbytes)
-    with DeviceWorkers(devs, threads=[1] * k) as pool:
+    with engine_lanes(devs, cpu_threads=1) as pool:
         workers = pool if use_workers else None
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
@@ -100,7 +100,7 @@ def compare(k: int, nbytes: int, measured: dict[str, dict], tolerance: float, us
 
 def print_table(row: dict, measured: dict[str, dict]) -> None:
     k, size = row["k"], describe_bytes(row["bytes"])
-    how = "with device workers" if row["workers"] else "on the calling thread (the Trainer's gradient-sync path)"
+    how = "with device workers" if row["workers"] else "on the calling thread"
     print(f"\nk = {k}, {size} per device, {how}")
     print(f"  {'algorithm':<10} {'predicted ms':>13} {'pred rank':>9} {'measured ms':>12} {'meas rank':>9} "
           f"{'min ms':>9}  round medians ms")
@@ -133,8 +133,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tolerance", type=float, default=0.10, help="measured times this close count as equal")
     ap.add_argument("--modes", default="workers,caller",
-                    help="workers: allreduce(..., workers=DeviceWorkers) as Trainer.allreduce_all runs it; caller: "
-                         "no workers, as the Trainer's gradient-sync thread runs each bucket")
+                    help="workers: allreduce(..., workers=engine lanes) as the Trainer runs each bucket; caller: "
+                         "no workers, every task on the calling thread")
     args = ap.parse_args()
     ks = [int(s) for s in args.devices.split(",") if s.strip()]
     cores = cpu_count()

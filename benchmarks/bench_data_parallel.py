@@ -9,16 +9,21 @@ Measured in one run, with the shared timing protocol (warm-up, then the median o
 * LeNet, global batch 256, one training step: dlperf Trainer on cpu(0) with one thread; on
   cpu(0),cpu(1) with one thread each; a plain PyTorch loop with one and with two threads; and
   DistributedDataParallel with 2 gloo processes of one thread each on 127.0.0.1 (128 examples each).
-* allreduce of 64 MB per device across 2 logical devices, for every algorithm, and gloo's allreduce
-  of 64 MB between the 2 processes. Bus bandwidth = size / time * 2(k-1)/k (k = 2: size / time).
+* allreduce of 64 MB per device across 2 logical devices, for every algorithm (each device's share an
+  engine operation on its lane), and gloo's allreduce of 64 MB between the 2 processes. Bus bandwidth
+  = size / time * 2(k-1)/k (k = 2: size / time).
+* the Trainer's bucket path on the same 64 MB: gradient buckets of the Trainer's default size, each bucket's
+  reduction pushed to the engine's communication lanes with its priority, as backward pushes them;
+  ``bucket_busbw_ratio`` is its bus bandwidth over the standalone allreduce's.
 * with a GPU: the Trainer on gpu(0) against a plain PyTorch loop on the same GPU.
 
 Other work on a shared machine disturbs single runs, so the single-process configurations are
 measured in alternating rounds and the least disturbed round (lowest median) of each is reported;
 every round's median is printed too.
 
-The last stdout line is one JSON object: speedup_vs_one, ratio_vs_ddp, allreduce_busbw_gbs,
-gloo_busbw_gbs and the raw figures.
+The last stdout line is one JSON object: speedup_vs_one, ratio_vs_ddp, ratio_vs_best_plain (the 2-device
+Trainer over the faster plain 2-thread loop, contiguous or channels-last), allreduce_busbw_gbs,
+bucket_busbw_gbs, bucket_busbw_ratio, gloo_busbw_gbs and the raw figures.
 """
 
 from __future__ import annotations
@@ -34,9 +39,13 @@ import torch
 
 from dlperf.bench.timing import time_steps
 from dlperf.devices import copy_to, cpu
+from dlperf.engine import create_engine
 from dlperf.models import get_spec
-from dlperf.parallel import DEFAULT_ALGORITHM, DeviceWorkers, Trainer, algorithm_names, allreduce
+from dlperf.parallel import DEFAULT_ALGORITHM, Trainer, algorithm_names, allreduce
+from dlperf.parallel.buckets import GradientBuckets
+from dlperf.parallel.lanes import EngineLanes, comm_lanes
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
+from dlperf.parallel.replicas import replicate
 
 BATCH = 256
 ALLREDUCE_BYTES = 64 * 1024 * 1024
@@ -140,11 +149,31 @@ def measure_allreduce(reps: int) -> dict[str, float]:
     devs = [cpu(0), cpu(1)]
     xs = [copy_to(torch.ones(ALLREDUCE_BYTES // 4), d) for d in devs]
     out = {}
-    with DeviceWorkers(devs, threads=[1, 1]) as workers:
+    with create_engine("threaded", cpu_threads=1) as eng:
+        lanes = EngineLanes(eng, devs)
         for name in algorithm_names():
-            t = time_steps(lambda name=name: allreduce(xs, name, workers=workers), warmup=2, steps=reps)
+            t = time_steps(lambda name=name: allreduce(xs, name, workers=lanes), warmup=2, steps=reps)
             out[name] = ALLREDUCE_BYTES / t.median_s / 1e9  # k = 2: bus bandwidth = size / time
     return out
+
+
+def measure_buckets(reps: int) -> float:
+    """Bus bandwidth (GB/s) of the Trainer's bucket path on 64 MB of gradients across 2 logical devices."""
+    devs = [cpu(0), cpu(1)]
+    n = ALLREDUCE_BYTES // 4
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(n // (1024 * 1024))])
+    replicas = replicate(model, devs)
+    with create_engine("threaded", cpu_threads=1) as eng:
+        lanes, kind = comm_lanes(devs)
+        gb = GradientBuckets(replicas, DEFAULT_ALGORITHM, lanes=EngineLanes(eng, lanes, kind))  # Trainer's default
+        try:
+            for row in gb.flats:
+                for f in row:
+                    f.fill_(1.0)
+            t = time_steps(gb.allreduce_all, warmup=2, steps=reps)
+        finally:
+            gb.close()
+    return ALLREDUCE_BYTES / t.median_s / 1e9
 
 
 def _gpu_pair(name: str, steps: int, warmup: int) -> tuple[float, float]:
@@ -208,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     best = {k: _best(v) for k, v in rounds.items()}
     ddp = {} if args.no_ddp else measure_ddp(args.steps, args.warmup, args.reps, args.rounds)
     busbw = max((measure_allreduce(args.reps) for _ in range(args.rounds)), key=lambda d: d[DEFAULT_ALGORITHM])
+    bucket_bw = max(measure_buckets(args.reps) for _ in range(args.rounds))
     gpu = measure_gpu(args.steps, args.warmup) if torch.cuda.is_available() else {}
 
     print(f"LeNet, global batch {BATCH}, one training step (median of {args.steps} steps, best of "
@@ -231,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"allreduce, 64 MB per device, 2 devices: bus bandwidth GB/s (default: {DEFAULT_ALGORITHM})")
     for name, bw in busbw.items():
         print(f"  {name:<30} {bw:>6.2f}")
+    print(f"  {'Trainer bucket path (' + DEFAULT_ALGORITHM + ')':<30} {bucket_bw:>6.2f}")
     if ddp:
         print(f"  {'gloo (2 processes, loopback)':<30} {ddp['gloo_busbw_gbs']:>6.2f}")
     for key, value in gpu.items():
@@ -244,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "speedup_vs_one": one / two,
         "ratio_vs_ddp": two / ddp["ddp_ms"] if ddp else None,
+        "ratio_vs_best_plain": two / min(best["plain_2thread"]["ms"], best["plain_2thread_channels_last"]["ms"]),
         "allreduce_busbw_gbs": busbw[DEFAULT_ALGORITHM],
+        "bucket_busbw_gbs": bucket_bw,
+        "bucket_busbw_ratio": bucket_bw / busbw[DEFAULT_ALGORITHM],
         "gloo_busbw_gbs": ddp.get("gloo_busbw_gbs"),
         "trainer_1dev_ms": one, "trainer_2dev_ms": two,
         "plain_1thread_ms": best["plain_1thread"]["ms"], "plain_2thread_ms": best["plain_2thread"]["ms"],

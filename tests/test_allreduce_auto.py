@@ -9,7 +9,7 @@ import torch
 
 from dlperf.devices import Device, copy_to, cpu
 from dlperf.errors import UsageError
-from dlperf.parallel import DeviceWorkers, algorithm_names, allreduce
+from dlperf.parallel import algorithm_names, allreduce, engine_lanes
 from dlperf.parallel.allreduce import choose_algorithm
 from dlperf.parallel.allreduce.auto import TaskCost, handoff_steps, predict, schedule_costs
 from dlperf.probe.cost import Hardware, Link
@@ -137,7 +137,7 @@ def test_auto_allreduce_equals_plain_sum(k, numel):
     for x in xs:
         torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
     ys = [copy_to(t, cpu(i)) for i, t in enumerate(fresh)]
-    with DeviceWorkers([cpu(i) for i in range(k)], threads=[1] * k) as workers:
+    with engine_lanes([cpu(i) for i in range(k)], cpu_threads=1) as workers:
         allreduce(ys, "auto", workers=workers)
     for y in ys:
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)

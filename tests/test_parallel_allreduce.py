@@ -5,7 +5,7 @@ import torch
 
 from dlperf.devices import copy_to, cpu
 from dlperf.errors import UsageError
-from dlperf.parallel import DeviceWorkers, algorithm_names, allreduce, get_algorithm
+from dlperf.parallel import algorithm_names, allreduce, engine_lanes, get_algorithm
 from dlperf.parallel.allreduce import DEFAULT_ALGORITHM, chunk_bounds
 
 ALGORITHMS = ["naive", "cpu", "sharded", "ring", "auto"]
@@ -39,7 +39,7 @@ def test_allreduce_with_device_workers_matches(algorithm):
     k = 3
     xs = _per_device(k, (3 * 1024 * 1024 + 7,), seed=5)  # more than one 1 MiB block per shard
     expected = torch.stack([x.clone() for x in xs]).sum(0)
-    with DeviceWorkers([cpu(i) for i in range(k)], threads=[1] * k) as workers:
+    with engine_lanes([cpu(i) for i in range(k)], cpu_threads=1) as workers:
         allreduce(xs, algorithm=algorithm, workers=workers)
     for x in xs:
         torch.testing.assert_close(x, expected)
@@ -120,7 +120,7 @@ def test_run_schedule_waits_for_the_whole_phase_before_raising():
         time.sleep(0.3)
         finished.set()
 
-    with DeviceWorkers([cpu(0), cpu(1)], threads=[1, 1]) as w:
+    with engine_lanes([cpu(0), cpu(1)], cpu_threads=1) as w:
         with pytest.raises(RuntimeError, match="task 0 failed"):
             run_schedule([[fail, slow]], w)
         assert finished.is_set(), "returned while another task of the phase still ran"

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+import threading
 import time
 
 import pytest
@@ -186,27 +188,21 @@ def test_replicas_run_concurrently_and_reduction_overlaps_backward():
     attempt could pass.
     """
     net, X, y, loss_fn = _lenet_batch(256)
-    spans: dict[int, list[float]] = {}
-    first_grad_done: list[float] = []
-
     with Trainer(net, _devices(2), "sgd", {"lr": 0.1}, loss=loss_fn, bucket_bytes=64 * 1024,
                  threads=[1, 1]) as trainer:
-        for i, rep in enumerate(trainer.replicas):
-            rep[0].register_forward_pre_hook(lambda m, a, i=i: spans.__setitem__(i, [time.perf_counter()]))
-            rep[-1].register_forward_hook(lambda m, a, o, i=i: spans[i].append(time.perf_counter()))
-            rep[0].weight.register_post_accumulate_grad_hook(
-                lambda p: first_grad_done.append(time.perf_counter()))
         trainer.train_step(X, y)  # warm-up
         failures = []
         for _ in range(3):
-            trainer._buckets.trace = []
-            first_grad_done.clear()
+            trainer.start_trace()
             trainer.train_step(X, y)
-            (a0, a1), (b0, b1) = spans[0], spans[1]
-            trace = trainer._buckets.trace
-            assert len(trace) == len(trainer._buckets.buckets) >= 2
-            concurrent = max(a0, b0) < min(a1, b1)
-            overlapped = min(start for _, start, _ in trace) < max(first_grad_done)
+            events = trainer.stop_trace().events
+            steps = [e for e in events if e.name.startswith("fwd+bwd")]
+            reductions = [e for e in events if e.name.startswith("allreduce bucket")]
+            assert {e.name.split(" phase")[0] for e in reductions} == {
+                f"allreduce bucket {b}" for b in range(len(trainer._buckets.buckets))}
+            a, b = steps
+            concurrent = max(a.start_us, b.start_us) < min(a.end_us, b.end_us)
+            overlapped = min(e.start_us for e in reductions) < max(e.end_us for e in steps)
             if concurrent and overlapped:
                 return
             failures.append((concurrent, overlapped))
@@ -254,67 +250,52 @@ def test_auto_memory_format_only_for_convolutions_on_cpu():
         Trainer(nn.Linear(3, 2), _devices(1), memory_format="nhwc")
 
 
-def test_reduction_left_over_from_a_failed_step_does_not_leak_into_the_next(monkeypatch):
-    import threading
+def test_a_step_failing_in_backward_raises_once_and_leaves_the_weights_untouched():
+    """Replica 1 fails in backward after its last layers' bucket was already pushed for reduction on
+    both devices; that reduction must neither leak into the next step nor update the weights."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    X, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    reference = copy.deepcopy(net)
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.1}, bucket_bytes=64) as trainer, \
+            Trainer(reference, _devices(2), "sgd", {"lr": 0.1}, bucket_bytes=64) as oracle:
+        assert len(trainer._buckets.buckets) >= 2
 
-    import dlperf.parallel.buckets as buckets_mod
-    from dlperf.parallel.buckets import GradientBuckets
-    from dlperf.parallel.replicas import replicate
+        def fail(_grad):
+            raise RuntimeError("replica 1 failed in backward")
 
-    calls = []
-    started = threading.Event()
-    real = buckets_mod.allreduce
-
-    def slow_then_ok(tensors, algorithm):
-        calls.append(len(calls))
-        if len(calls) == 1:  # the failed step's reduction: still running when the next step starts
-            started.set()
-            time.sleep(0.3)
-            raise RuntimeError("stale reduction failed")
-        return real(tensors, algorithm)
-
-    monkeypatch.setattr(buckets_mod, "allreduce", slow_then_ok)
-    replicas = replicate(nn.Linear(3, 2), [cpu(0), cpu(1)])
-    gb = GradientBuckets(replicas, "naive", bucket_bytes=16)
-    try:
-        assert len(gb.buckets) >= 2
-        gb.arm()
-        with gb._lock:
-            gb._enqueue(0)
-            gb._enqueue(1)  # queued behind bucket 0, never reduced in this step
-        started.wait(5)
-        gb.abort(RuntimeError("replica 1 failed"))
-        with pytest.raises(RuntimeError, match="replica 1 failed"):
-            gb.wait()
-        gb.arm()  # next step
-        for _ in range(2):
-            gb.replica_done()
-        gb.wait()  # neither the stale failure nor a stale completion reaches this step
-        assert len(calls) == 1 + len(gb.buckets)  # bucket 1's stale entry was skipped, not reduced
-    finally:
-        gb.close()
+        handle = trainer.replicas[1][0].weight.register_hook(fail)
+        with pytest.raises(RuntimeError, match="replica 1 failed in backward"):
+            trainer.train_step(X, y)
+        handle.remove()
+        assert trainer.steps == 0
+        trainer.train_step(X, y)
+        oracle.train_step(X, y)
+        for p, q in zip(trainer.module.parameters(), oracle.module.parameters()):
+            assert torch.equal(p, q)
+        assert trainer.max_replica_difference() == 0.0
 
 
 # -- interrupts: closing never waits on a step that will not complete ----------------------------
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("abort", [False, True])
-def test_close_releases_a_replica_waiting_for_gradient_buckets(abort):
-    """A step interrupted half-way leaves replicas waiting for buckets that will never complete."""
-    trainer = Trainer(nn.Linear(4, 3), _devices(2), "sgd", {"lr": 0.1})
-    trainer._buckets.arm()
-    waiting = trainer.workers.submit(0, trainer._buckets.wait)  # no gradient will ever arrive
-    queued = trainer.workers.submit(0, lambda: "ran")
-    time.sleep(0.1)
+def test_an_interrupt_while_a_step_waits_closes_promptly_and_stops_the_engine(monkeypatch):
+    """Ctrl-C arrives while train_step waits for the engine: leaving the block finishes the pushed
+    operations (none waits on another one) and stops every engine thread; only the interrupt surfaces."""
+    net, X, y, loss_fn = _lenet_batch(64)
+    trainer = Trainer(net, _devices(2), "sgd", {"lr": 0.1}, loss=loss_fn, bucket_bytes=64 * 1024)
+
+    def interrupted(ops):
+        raise KeyboardInterrupt
+
     start = time.monotonic()
-    trainer.close(abort=abort)
-    assert time.monotonic() - start < 3.0
-    with pytest.raises(RuntimeError, match="closed while a step was waiting"):
-        waiting.result(timeout=1)
-    if abort:  # nobody waits for it any more: it does not run
-        assert queued.cancelled()
-    else:
-        assert queued.result(timeout=1) == "ran"
+    with pytest.raises(KeyboardInterrupt):
+        with trainer:
+            monkeypatch.setattr(trainer, "_wait_ops", interrupted)
+            trainer.train_step(X, y)
+    assert time.monotonic() - start < 10.0
+    assert trainer.engine.closed
+    assert not [t for t in threading.enumerate() if t.name.startswith("dlperf-engine")]
 
 
 def test_an_exception_inside_the_with_block_closes_with_abort(monkeypatch):

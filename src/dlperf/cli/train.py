@@ -64,6 +64,8 @@ def register(sub) -> None:
                    help="continue bit-identically from a checkpoint")
     p.add_argument("--check-finite", action="store_true",
                    help="stop at the first step whose loss or gradients are NaN/inf, before it updates the weights")
+    p.add_argument("--trace", metavar="FILE", type=va.output_path("--trace"),
+                   help="write the engine's timeline of the run (Chrome trace JSON; summarise: dlperf trace FILE)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run)

@@ -8,7 +8,16 @@ gradients and the store updates the weight it holds ("update on kvstore").
 Vocabulary: a *worker* is one training process (rank), a *device* one of its devices; a single-process
 store has one worker (``rank == 0``, ``num_workers == 1``). Distributed stores implement this same
 class across processes: they sum over every worker's pushes, and ``priority`` orders their network
-traffic (the single-process stores run each call at once, so they accept it and ignore it).
+traffic.
+
+Every call also has an asynchronous form that returns an engine operation, Horovod style:
+``op = kv.push_async(key, grads)``, ``kv.pull_async(key, out)``, ``kv.pushpull_async(...)``, then
+``op.wait()``. Each key has an engine variable: pushes write it, pulls read it, so calls on one key run
+in call order while different keys (and the caller) run on; ``priority`` orders ready calls. The
+tensors passed must not be touched until the operation is done. A store runs its operations on an
+engine it is bound to (:meth:`KVStore.bind_engine`, as the Trainer does), or on its own threaded engine
+created on first use and closed by :meth:`KVStore.close`. The blocking calls wait for pending
+operations on their key first, then run in the calling thread.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..devices import Device, DeviceLike, cpu, to_device
+from ..engine import Engine, Op, Var, create_engine
 from ..errors import UsageError
 from ..registry import Registry
 
@@ -58,6 +69,11 @@ class KVStore(ABC):
         self._optimizers: dict[Key, torch.optim.Optimizer] = {}
         self._factory: OptimizerFactory | None = None
         self._closed = False
+        self._engine: Engine | None = None
+        self._own_engine = False
+        self._lane: Device = cpu(0)
+        self._lane_kind = "compute"
+        self._vars: dict[Key, Var] = {}
 
     # -- who we are -------------------------------------------------------------------------------
     @property
@@ -117,13 +133,22 @@ class KVStore(ABC):
             for k, v in zip(key, value, strict=True):
                 self.push(k, v, priority)
             return
+        values = self._check_push(key, value)
+        self._settle(key)
+        self._push_now(key, values)
+
+    def _check_push(self, key: Key, value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
         stored = self._get(key)
         values = _as_list(value, "push")
         for v in values:
             if v.shape != stored.shape:
                 raise UsageError(f"push to key {key!r}: shape {tuple(v.shape)} does not match the stored "
                                  f"{tuple(stored.shape)}")
-        total = self._reduce(stored.device, [v.detach() for v in values])
+        return [v.detach() for v in values]
+
+    def _push_now(self, key: Key, values: list[torch.Tensor]) -> None:
+        stored = self._store[key]
+        total = self._reduce(stored.device, values)
         if self._factory is None:
             stored.copy_(total)  # no optimizer: the store keeps the sum of the last push
         else:
@@ -137,9 +162,18 @@ class KVStore(ABC):
             for k, o in zip(key, out, strict=True):
                 self.pull(k, o, priority)
             return
-        stored = self._get(key)
+        outs = self._check_pull(key, out)
+        self._settle(key)
+        self._pull_now(key, outs)
+
+    def _check_pull(self, key: Key, out: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        self._get(key)
+        return _as_list(out, "pull")
+
+    def _pull_now(self, key: Key, outs: list[torch.Tensor]) -> None:
+        stored = self._store[key]
         with torch.no_grad():
-            for o in _as_list(out, "pull"):
+            for o in outs:
                 o.copy_(stored, non_blocking=True)
 
     def pushpull(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor],
@@ -147,6 +181,88 @@ class KVStore(ABC):
         """``push`` then ``pull``; with ``out=None`` the result goes back into ``value``."""
         self.push(key, value, priority)
         self.pull(key, value if out is None else out, priority)
+
+    # -- asynchronous forms: engine operations ------------------------------------------------------
+    def bind_engine(self, engine: Engine | None, device: DeviceLike | None = None, kind: str = "compute") -> None:
+        """Run this store's asynchronous calls on ``engine`` (``None``: its own engine again), on ``device``'s lane.
+
+        Pending calls finish first. ``kind="copy"`` puts them on a GPU's copy stream.
+        """
+        self.wait_all()
+        if self._own_engine and self._engine is not None:
+            self._engine.close()
+        self._engine, self._own_engine = engine, False
+        self._lane = cpu(0) if device is None else to_device(device)
+        self._lane_kind = kind
+        self._vars = {}
+
+    def _get_engine(self) -> Engine:
+        if self._engine is None or self._engine.closed:
+            self._engine, self._own_engine = create_engine("threaded"), True
+            self._vars = {}
+        return self._engine
+
+    def _var(self, key: Key) -> Var:
+        v = self._vars.get(key)
+        # a variable a failed call wrote carries that error to every later call: start a clean one
+        if v is None or v.exc is not None:
+            v = self._vars[key] = Var(f"kvstore key {key}")
+        return v
+
+    def _settle(self, key: Key) -> None:
+        """Wait for pending asynchronous calls on ``key`` (a blocking call runs after them)."""
+        v = self._vars.get(key)
+        if v is not None and self._engine is not None and not self._engine.closed:
+            self._engine.wait_to_write(v)
+
+    def wait_all(self) -> None:
+        """Wait for every pending asynchronous call of this store; raise the first error once."""
+        if self._engine is None or self._engine.closed:
+            return
+        first: BaseException | None = None
+        for v in list(self._vars.values()):
+            try:
+                self._engine.wait_to_read(v)
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _single(self, key: Key, call: str) -> None:
+        self._check_open()
+        if isinstance(key, (list, tuple)):
+            raise UsageError(f"{call} takes one key and returns one operation, got {len(key)} keys; call it once "
+                             "per key and wait for each operation")
+
+    def push_async(self, key: Key, value: torch.Tensor | Sequence[torch.Tensor], priority: int = 0) -> Op:
+        """:meth:`push` as an engine operation; ``op.wait()`` raises its error, if any, once."""
+        self._single(key, "push_async")
+        values = self._check_push(key, value)
+        return self._get_engine().push(self._push_now, args=(key, values), writes=(self._var(key),),
+                                       device=self._lane, priority=priority, name=f"kvstore push {key}",
+                                       kind=self._lane_kind)
+
+    def pull_async(self, key: Key, out: torch.Tensor | Sequence[torch.Tensor], priority: int = 0) -> Op:
+        """:meth:`pull` as an engine operation; ``out`` holds the value once ``op.wait()`` returns."""
+        self._single(key, "pull_async")
+        outs = self._check_pull(key, out)
+        return self._get_engine().push(self._pull_now, args=(key, outs), reads=(self._var(key),),
+                                       device=self._lane, priority=priority, name=f"kvstore pull {key}",
+                                       kind=self._lane_kind)
+
+    def pushpull_async(self, key: Key, value: torch.Tensor | Sequence[torch.Tensor],
+                       out: torch.Tensor | Sequence[torch.Tensor] | None = None, priority: int = 0) -> Op:
+        """:meth:`pushpull` as one engine operation (it writes the key's variable)."""
+        self._single(key, "pushpull_async")
+        values = self._check_push(key, value)
+        outs = self._check_pull(key, value if out is None else out)
+
+        def run() -> None:
+            self._push_now(key, values)
+            self._pull_now(key, outs)
+
+        return self._get_engine().push(run, writes=(self._var(key),), device=self._lane, priority=priority,
+                                       name=f"kvstore pushpull {key}", kind=self._lane_kind)
 
     def set_optimizer(self, factory: OptimizerFactory) -> None:
         """Update on the store: later pushes are gradients and ``factory([param])`` updates each key."""
@@ -174,10 +290,12 @@ class KVStore(ABC):
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Stored values and optimizer states, on the host."""
+        self.wait_all()
         return {"values": {k: v.detach().cpu().clone() for k, v in self._store.items()},
                 "optimizers": {k: o.state_dict() for k, o in self._optimizers.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.wait_all()
         for k, v in state["values"].items():
             if k in self._store:
                 self._store[k].copy_(v)
@@ -197,7 +315,16 @@ class KVStore(ABC):
             raise RuntimeError(f"this {self.type!r} KVStore is closed")
 
     def close(self) -> None:
-        self._closed = True
+        """Finish pending asynchronous calls and stop the store's own engine, if it made one."""
+        if self._closed:
+            return
+        try:
+            self.wait_all()
+        finally:
+            self._closed = True
+            engine, self._engine = self._engine, None
+            if engine is not None and self._own_engine and not engine.closed:
+                engine.close()
 
     def __enter__(self) -> KVStore:
         return self

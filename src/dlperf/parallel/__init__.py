@@ -13,14 +13,14 @@ from __future__ import annotations
 from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, algorithm_names, allreduce, get_algorithm
 from .data_parallel import DataParallel
 from .evaluate import evaluate_accuracy
+from .lanes import EngineLanes, engine_lanes, thread_budget
 from .replicas import broadcast_buffers, broadcast_parameters, max_replica_difference, replicate
 from .split import check_devices, split_and_load, split_batch, split_sizes
 from .trainer import Trainer
-from .workers import DeviceWorkers, thread_budget
 
 __all__ = [
     "split_and_load", "split_batch", "split_sizes", "check_devices",
     "allreduce", "algorithm_names", "get_algorithm", "AllreduceAlgorithm", "DEFAULT_ALGORITHM",
     "replicate", "broadcast_parameters", "broadcast_buffers", "max_replica_difference",
-    "Trainer", "DataParallel", "evaluate_accuracy", "DeviceWorkers", "thread_budget",
+    "Trainer", "DataParallel", "evaluate_accuracy", "EngineLanes", "engine_lanes", "thread_budget",
 ]

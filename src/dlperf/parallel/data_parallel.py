@@ -8,7 +8,9 @@ replica; only the first replica's are the module's own.
 
 On GPUs PyTorch's autograd engine runs each device's backward on its own thread, so backward is
 parallel too. On logical CPU devices the forward is parallel but autograd runs the single joined graph
-in one thread; :class:`~dlperf.parallel.Trainer` runs backward in parallel as well.
+in one thread; :class:`~dlperf.parallel.Trainer` runs backward in parallel as well. The per-device
+forwards are operations on a dependency engine (its own, or one passed as ``engine=``), like every
+other piece of parallel work in dlperf.
 
 >>> import torch
 >>> from torch import nn
@@ -36,9 +38,9 @@ import torch
 from torch import nn
 
 from ..devices import Device, DeviceLike, device_of, tag
-from ..errors import DeviceMismatchError
+from ..engine import Engine, create_engine
+from ..errors import DeviceMismatchError, UsageError
 from .split import check_devices, split_and_load
-from .workers import DeviceWorkers
 
 __all__ = ["DataParallel"]
 
@@ -57,10 +59,13 @@ def _skeleton(module: nn.Module, device: Device) -> nn.Module:
 class DataParallel(nn.Module):
     """Wrap ``module`` so that ``dp(x)`` runs the parts of ``x`` on every device concurrently.
 
-    The output is the parts' outputs concatenated along dim 0 on ``devices[0]``.
+    The output is the parts' outputs concatenated along dim 0 on ``devices[0]``. ``threads``: intra-op
+    threads per CPU device (equal numbers: the engine gives every CPU worker one budget); ``engine``:
+    run on this engine instead of one of its own (then ``threads`` must be left out).
     """
 
-    def __init__(self, module: nn.Module, devices: Sequence[DeviceLike], threads: Sequence[int] | None = None):
+    def __init__(self, module: nn.Module, devices: Sequence[DeviceLike], threads: Sequence[int] | None = None,
+                 engine: Engine | None = None):
         super().__init__()
         devs = check_devices(devices)
         have = device_of(module)
@@ -71,7 +76,15 @@ class DataParallel(nn.Module):
         self.devices = devs
         self._replicas = [None] + [_skeleton(module, d) for d in devs[1:]]
         self._names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
-        self._workers = DeviceWorkers(devs, threads, name="dlperf-dp")
+        if engine is not None and threads is not None:
+            raise UsageError("DataParallel got both threads= and engine=; the engine's workers have their own "
+                             "thread budget: pass one of them")
+        if threads is not None and (len(set(threads)) != 1 or len(threads) != len(devs)):
+            raise UsageError(f"threads={list(threads)!r} is not valid; expected one equal integer per device "
+                             f"({len(devs)} devices), e.g. threads=[1, 1]")
+        self._own_engine = engine is None
+        self.engine = engine if engine is not None else create_engine(
+            "threaded", cpu_threads=None if threads is None else int(threads[0]))
 
     def _bind(self, i: int) -> nn.Module:
         if i == 0:
@@ -96,18 +109,23 @@ class DataParallel(nn.Module):
                     return self._bind(i)(parts[i])
             return task
 
-        futs = [self._workers.submit(i, run(i)) for i in range(len(parts))]
-        errors = [f.exception() for f in futs]
-        for e in errors:
-            if e is not None:
-                raise e
-        outs = [f.result() for f in futs]
+        ops = [self.engine.push(run(i), device=self.devices[i], name=f"forward {self.devices[i]}")
+               for i in range(len(parts))]
+        outs, first_error = [], None
+        for op in ops:  # wait for all, even after a failure: none may still run when we return
+            try:
+                outs.append(op.wait())
+            except BaseException as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
         first = self.devices[0].torch_device
         return torch.cat([o.to(first, non_blocking=True) for o in outs], dim=0)
 
     def close(self) -> None:
-        """Join the worker threads."""
-        self._workers.close()
+        """Stop the engine's worker threads (an engine passed in is left to its owner)."""
+        if self._own_engine:
+            self.engine.close()
 
     def __enter__(self) -> DataParallel:
         return self

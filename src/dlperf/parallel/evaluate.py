@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ..devices import Device
+from ..engine import Engine
 from .split import split_batch
-from .workers import DeviceWorkers
 
 __all__ = ["evaluate_accuracy"]
 
@@ -22,7 +22,7 @@ def _correct(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> int:
 
 
 def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                      devices: Sequence[Device], workers: DeviceWorkers | None = None,
+                      devices: Sequence[Device], engine: Engine | None = None,
                       prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
     """Fraction of examples whose arg-max prediction equals the label.
 
@@ -47,8 +47,11 @@ def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[torch.
             if prepare is not None:
                 Xs = [prepare(x) for x in Xs]
             jobs = [partial(_correct, replicas[i], Xs[i], ys[i]) for i in range(k)]
-            counts = workers.run_each(jobs + [lambda: 0] * (len(workers) - k)) if workers else [
-                job() for job in jobs]
+            if engine is None:
+                counts = [job() for job in jobs]
+            else:
+                ops = [engine.push(job, device=devices[i], name=f"evaluate {devices[i]}") for i, job in enumerate(jobs)]
+                counts = [op.wait() for op in ops]
             right += sum(counts)
             seen += int(X.shape[0])
     finally:

@@ -1,5 +1,11 @@
 """Trainer: data-parallel training of one model on k devices (d2l 12.6, concisely).
 
+Every step runs on one asynchronous dependency engine (d2l 12.2): each replica's forward and backward
+is an engine operation on its device's worker, each gradient bucket's reduction is pushed by backward
+hooks as soon as the bucket is full (operations on communication lanes, see
+:mod:`dlperf.parallel.lanes`), and each replica's optimizer step is an operation that reads the
+buckets' variables. ``trace=`` or :meth:`Trainer.start_trace` records the engine's timeline.
+
 >>> import torch
 >>> from torch import nn
 >>> from dlperf.devices import cpu
@@ -15,21 +21,22 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
-from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..devices import DeviceLike
+from ..engine import Engine, Op, Trace, create_engine
 from ..errors import DlperfError, UsageError, unknown_choice
 from ..kvstore import KVStore, create_kvstore
 from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
-from .buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
+from .buckets import GradientBuckets
 from .evaluate import evaluate_accuracy
+from .lanes import EngineLanes, comm_lanes, thread_budget
 from .replicas import broadcast_buffers, max_replica_difference, replicate
 from .split import check_devices, check_placed, split_batch
-from .workers import DeviceWorkers
 
 __all__ = ["Trainer", "make_optimizer", "OPTIMIZERS", "NonFiniteError"]
 
@@ -40,9 +47,6 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 BUFFER_MODES = ("per-device", "broadcast")
 MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
-
-# How long an aborting close waits for each thread: a step in flight finishes in well under this.
-_ABORT_JOIN_S = 2.0
 
 OptimizerLike = str | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -63,6 +67,14 @@ class NonFiniteError(DlperfError, FloatingPointError):
     """A training step produced a NaN or infinite loss or gradient; the weights were not updated."""
 
 
+def _no_result() -> None:
+    return None
+
+
+def _optimizer_name(opt: torch.optim.Optimizer) -> str:
+    return type(opt).__name__.lower()
+
+
 def _default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, y)
 
@@ -80,9 +92,11 @@ class Trainer:
         algorithm: the allreduce algorithm for gradients (ignored when a kvstore aggregates).
         kvstore: ``None``, ``"local"``, ``"device"`` or a :class:`~dlperf.kvstore.KVStore`.
         update_on_kvstore: let the store run the optimizer and pull the new weights.
-        bucket_bytes: gradient bucket size for overlapping communication with backward.
+        bucket_bytes: gradient bucket size for overlapping communication with backward (default: 1 MiB,
+            or larger so that the model's gradients form at most 16 buckets).
         buffers: ``"per-device"`` BatchNorm statistics (default) or ``"broadcast"`` the first one's.
-        threads: intra-op threads per device worker (default: the cores split evenly).
+        threads: intra-op threads per device worker (default: the cores split evenly); the engine
+            gives every CPU worker one budget, so the entries must be equal.
         memory_format: layout of 4-D activations and conv weights. ``"auto"`` picks channels-last
             for models with 2-D convolutions on CPU devices: oneDNN's convolutions and PyTorch's
             pooling then skip layout reorders (LeNet, batch 128, one core: 71 -> 46 ms per step).
@@ -90,6 +104,8 @@ class Trainer:
             finite and raise :class:`NonFiniteError` naming the step if not, so one bad example
             cannot turn every replica's weights into NaN. It reads one flag per step on the host,
             so it is off by default.
+        trace: a path: record the engine's timeline of the whole run and write it there (Chrome
+            trace JSON, ``dlperf trace FILE`` summarises it) when the trainer closes.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[DeviceLike], optimizer: OptimizerLike = "sgd",
@@ -97,9 +113,9 @@ class Trainer:
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM,
                  kvstore: str | KVStore | None = None, update_on_kvstore: bool = False,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, buffers: str = "per-device",
+                 bucket_bytes: int | None = None, buffers: str = "per-device",
                  threads: Sequence[int] | None = None, memory_format: str = "auto",
-                 check_finite: bool = False) -> None:
+                 check_finite: bool = False, trace: str | Path | None = None) -> None:
         self.devices = check_devices(devices)
         self.check_finite = check_finite
         if memory_format not in MEMORY_FORMATS:
@@ -126,18 +142,38 @@ class Trainer:
         self._kv: KVStore | None = None
         self._own_kv = False
         self._buckets: GradientBuckets | None = None
-        self.workers = DeviceWorkers(self.devices, threads)
+        self._trace_path = Path(trace) if trace is not None else None
+        self.engine: Engine = create_engine("threaded", cpu_threads=self._cpu_threads(threads),
+                                            trace=trace is not None)
+        # one variable per replica for its weights, buffers and gradients: its steps run in order
+        self._replica_vars = [self.engine.new_var(f"replica {d}") for d in self.devices]
+        lanes, kind = comm_lanes(self.devices)
+        self.lanes = EngineLanes(self.engine, lanes, kind)
         try:
             self._setup_sync(kvstore, update_on_kvstore, bucket_bytes)
         except BaseException:
             self.close()
             raise
 
-    def _setup_sync(self, kvstore, update_on_kvstore: bool, bucket_bytes: int) -> None:
+    def _cpu_threads(self, threads: Sequence[int] | None) -> int:
+        if threads is None:
+            return max(thread_budget(self.devices))
+        budget = list(threads)
+        if len(budget) != len(self.devices) or any(not isinstance(t, int) or t < 1 for t in budget):
+            raise UsageError(f"threads={budget!r} is not valid; expected one integer >= 1 per device "
+                             f"({len(self.devices)} devices)")
+        if len(set(budget)) != 1:
+            raise UsageError(f"threads={budget!r} gives devices different budgets; the engine gives every CPU "
+                             "device worker one budget: pass equal numbers, e.g. threads=[1, 1]")
+        return budget[0]
+
+    def _setup_sync(self, kvstore, update_on_kvstore: bool, bucket_bytes: int | None) -> None:
         self.update_on_kvstore = update_on_kvstore
         if kvstore is not None:
             self._kv = create_kvstore(kvstore) if isinstance(kvstore, str) else kvstore
             self._own_kv = isinstance(kvstore, str)
+            # the store's asynchronous calls run on this engine, on the first communication lane
+            self._kv.bind_engine(self.engine, self.lanes.lanes[0], self.lanes.kind)
         if update_on_kvstore:
             self.optimizers = []
             self._kv.set_optimizer(lambda ps: make_optimizer(self._factory, ps, self._optimizer_params))
@@ -147,10 +183,16 @@ class Trainer:
         self.optimizers = [make_optimizer(self._factory, r.parameters(), self._optimizer_params)
                            for r in self.replicas]
         if self.k > 1:
-            self._buckets = GradientBuckets(self.replicas, self.algorithm, bucket_bytes)
+            self._buckets = GradientBuckets(self.replicas, self.algorithm, bucket_bytes, lanes=self.lanes)
             if self._kv is not None:
                 for b, row in enumerate(self._buckets.flats):
                     self._kv.init(b, torch.zeros_like(row[0], device="cpu"))
+                self._buckets.reduce = self._pushpull_bucket
+
+    def _pushpull_bucket(self, b: int) -> list:
+        row = self._buckets.flats[b]
+        op = self._kv.pushpull_async(b, row, out=row, priority=self._buckets.priorities[b])
+        return list(op.writes)
 
     # -- training ---------------------------------------------------------------------------------
     @property
@@ -176,23 +218,28 @@ class Trainer:
         self._check_open()
         Xs, ys = self._split(X, y)
         total = sum(int(t.shape[0]) for t in Xs)
-        overlapped = self._buckets is not None and self._kv is None
-        # one device and no store: update inside the same task, saving a second hand-off per step;
-        # a finiteness check must see every replica's loss first, so it updates after the tasks
-        update_here = (overlapped or (self.k == 1 and self._kv is None)) and not self.check_finite
+        overlapped = self._buckets is not None
+        # one device and no store: update inside the same operation, saving a second push per step;
+        # a finiteness check must see every replica's loss first, so it updates after them
+        update_here = self.k == 1 and self._kv is None and not self.check_finite
         if overlapped:
             self._buckets.arm()
-
-        def work(i: int):
-            return partial(self._replica_step, i, Xs[i], ys[i], Xs[i].shape[0] / total, overlapped, update_here)
-
+        ops = [self.engine.push(self._replica_step, args=(i, Xs[i], ys[i], Xs[i].shape[0] / total, overlapped,
+                                                          update_here),
+                                writes=(self._replica_vars[i],), device=d, name=f"fwd+bwd {d}")
+               for i, d in enumerate(self.devices)]
         try:
-            losses = self.workers.run_each([work(i) for i in range(self.k)])
+            losses = self._wait_ops(ops)
+            if self.check_finite:
+                self._raise_if_nonfinite("loss", losses)
+        except BaseException:
+            if overlapped:  # no reduction still running may write into buffers the next step zeroes
+                self._buckets.drain()
+            self._renew_failed_vars()
+            raise
         finally:
             if overlapped:
-                self._buckets._armed = False
-        if self.check_finite:
-            self._raise_if_nonfinite("loss", losses)
+                self._buckets.disarm()
         if not update_here:
             self._aggregate_and_update(scale=1.0, reduced=overlapped)
         self._after_update()
@@ -201,9 +248,41 @@ class Trainer:
         first = self.devices[0].torch_device
         return torch.stack([loss.to(first) for loss in losses]).sum()
 
+    def _renew_failed_vars(self) -> None:
+        # A variable written by a failed operation carries its error to every later operation on it;
+        # the error has been raised to the caller now, so the next step starts on a clean variable.
+        for i, v in enumerate(self._replica_vars):
+            if v.exc is not None:
+                self._replica_vars[i] = self.engine.new_var(f"replica {self.devices[i]}")
+
+    def _wait_ops(self, ops: Sequence[Op]) -> list[Any]:
+        """Wait for every operation (even after a failure, so none still runs), then return or raise once.
+
+        The wait is on one joining operation that reads every replica's variable, not on the operations
+        themselves: a thread waiting on a queued operation of an idle worker runs it itself, and the
+        caller's thread would then run replica 0's step (measured 25-35% slower here than on its worker,
+        and serial with replica 1's when both are taken).
+        """
+        join = self.engine.push(_no_result, reads=tuple(self._replica_vars), device=self.lanes.lanes[0],
+                                kind=self.lanes.kind, name="join")
+        try:
+            join.wait()
+        except Exception:  # an operation failed: each one's error is reported through its own handle below
+            pass
+        results, first = [], None
+        for op in ops:
+            try:
+                results.append(op.wait())
+            except BaseException as exc:
+                if first is None:
+                    first = exc
+        if first is not None:
+            raise first
+        return results
+
     def _replica_step(self, i: int, X: torch.Tensor, y: torch.Tensor, share: float, overlapped: bool,
                       update_here: bool) -> torch.Tensor:
-        """Device ``i``'s part of a step, run on its worker thread."""
+        """Device ``i``'s forward and backward, an engine operation on its worker."""
         rep = self.replicas[i]
         if not rep.training:  # walking every submodule each step costs tens of microseconds
             rep.train()
@@ -212,16 +291,10 @@ class Trainer:
             self._buckets.zero_(i)
         else:
             rep.zero_grad(set_to_none=True)
-        try:
-            loss = self.loss(rep(self._layout(X)), y) * share
-            loss.backward()
-        except BaseException as exc:
-            if overlapped:  # the other replicas wait for this one's gradients: release them
-                self._buckets.abort(exc)
-            raise
+        loss = self.loss(rep(self._layout(X)), y) * share
+        loss.backward()
         if overlapped:
             self._buckets.replica_done()
-            self._buckets.wait()
         if update_here:
             self.optimizers[i].step()
         return loss.detach()
@@ -250,12 +323,9 @@ class Trainer:
             self._update_on_store(scale)
             return
         if self._buckets is not None and not reduced:
-            if self._kv is not None:
-                self._buckets.bind()
-                for b, row in enumerate(self._buckets.flats):
-                    self._kv.pushpull(b, row, out=row, priority=-min(self._buckets.buckets[b]))
-            else:
-                self._buckets.allreduce_all(self.workers)
+            self._buckets.allreduce_all()
+        if self._buckets is not None and (scale != 1.0 or self.check_finite):
+            self._buckets.wait()
             if scale != 1.0:
                 self._buckets.scale_(scale)
         elif self._buckets is None and scale != 1.0:
@@ -264,7 +334,15 @@ class Trainer:
                     p.grad.mul_(scale)
         if self.check_finite:
             self._raise_if_nonfinite("gradient", self._grads(all_replicas=self._buckets is None))
-        self.workers.run_each([opt.step for opt in self.optimizers])
+        reads = tuple(self._buckets.done_vars()) if self._buckets is not None else ()
+        ops = [self.engine.push(opt.step, reads=reads, writes=(self._replica_vars[i],), device=d,
+                                name=f"{_optimizer_name(opt)} {d}")
+               for i, (d, opt) in enumerate(zip(self.devices, self.optimizers))]
+        try:
+            self._wait_ops(ops)
+        except BaseException:
+            self._renew_failed_vars()
+            raise
 
     def _grads(self, all_replicas: bool) -> list[torch.Tensor]:
         if self._buckets is not None and not all_replicas:
@@ -319,7 +397,7 @@ class Trainer:
     def evaluate_accuracy(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Accuracy over ``data``: each batch split across the devices and run on all at once."""
         self._check_open()
-        return evaluate_accuracy(self.replicas, data, self.devices, self.workers, prepare=self._layout)
+        return evaluate_accuracy(self.replicas, data, self.devices, self.engine, prepare=self._layout)
 
     def max_replica_difference(self) -> float:
         """Largest parameter difference between replicas (0.0 when they are identical)."""
@@ -363,24 +441,44 @@ class Trainer:
         if self._closed:
             raise RuntimeError("this Trainer is closed")
 
-    def close(self, abort: bool = False) -> None:
-        """Join the worker and communication threads; the replicas stay usable.
+    def start_trace(self) -> None:
+        """Record the engine's timeline from now on (see :meth:`stop_trace`)."""
+        self.engine.start_trace()
 
-        ``abort`` (used when an exception such as Ctrl-C leaves a step half done): tasks not yet
-        started are cancelled and each join waits a bounded time, so closing cannot hang on a step
-        that will never complete. Replicas waiting for gradient buckets are always released first.
+    def stop_trace(self, path: str | Path | None = None) -> Trace:
+        """Stop recording; return the timeline, also written to ``path`` (Chrome trace JSON) if given."""
+        trace = self.engine.stop_trace()
+        if path is not None:
+            trace.save(path)
+        return trace
+
+    def close(self, abort: bool = False) -> None:
+        """Finish the engine's pending operations and stop its workers; the replicas stay usable.
+
+        ``abort`` (used when an exception such as Ctrl-C leaves a step half done): errors of the
+        abandoned operations are not raised. No operation waits for another one inside the engine, so
+        closing never hangs on a step that will not complete. With ``trace=`` the timeline is written.
         """
         if self._closed:
             return
         self._closed = True
-        timeout = _ABORT_JOIN_S if abort else None
-        if abort:  # before waiters are released, or they would go on to the next queued task
-            self.workers.cancel_pending()
-        if self._buckets is not None:
-            self._buckets.close(timeout)
-        if self._kv is not None and self._own_kv:
-            self._kv.close()
-        self.workers.close(cancel=abort, timeout=timeout)
+        try:
+            if self._buckets is not None:
+                self._buckets.close()
+            if self._kv is not None:
+                if self._own_kv:
+                    self._kv.close()
+                else:
+                    self._kv.bind_engine(None)
+        finally:
+            try:
+                self.engine.close()  # waits for every pushed operation, then stops the workers
+            except BaseException:
+                if not abort:  # after an interrupt, errors of the abandoned step are not news
+                    raise
+            finally:
+                if self._trace_path is not None:
+                    self.stop_trace(self._trace_path)
 
     def __enter__(self) -> Trainer:
         return self

@@ -82,6 +82,8 @@ class TrainConfig:
     """Checkpoint to continue from, bit-identically."""
     check_finite: bool = False
     """Stop at the first step whose loss or gradients are NaN/inf, before it updates the weights."""
+    trace: str | None = None
+    """File the engine's timeline of the run is written to (Chrome trace JSON; ``dlperf trace FILE``)."""
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -179,13 +181,14 @@ def describe_auto_choice(model: torch.nn.Module, devices: list) -> str:
     """Which algorithm ``algorithm="auto"`` takes for this model's gradient buckets, and why (one line)."""
     from .allreduce import choose_algorithm
     from .allreduce.auto import describe_bytes
-    from .buckets import DEFAULT_BUCKET_BYTES
+    from .buckets import auto_bucket_bytes
 
-    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
-    # the Trainer reduces buckets of up to DEFAULT_BUCKET_BYTES; a larger parameter gets one of its own
-    nbytes = max(min(sum(sizes), DEFAULT_BUCKET_BYTES), max(sizes, default=0))
-    # the Trainer reduces each bucket on its gradient-sync thread as backward fills it, without device workers
-    name, reason = choose_algorithm(nbytes, devices, workers=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    sizes = [p.numel() * p.element_size() for p in params]
+    # the Trainer reduces buckets of up to auto_bucket_bytes; a larger parameter gets one of its own
+    nbytes = max(min(sum(sizes), auto_bucket_bytes(params)), max(sizes, default=0))
+    # the Trainer pushes each bucket's phases to the engine, one operation per device lane, as backward fills it
+    name, reason = choose_algorithm(nbytes, devices, workers=True)
     return f"allreduce: auto chose {name} for gradient buckets of {describe_bytes(nbytes)} ({reason})"
 
 
@@ -201,7 +204,7 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
     if config.algorithm == "auto" and config.kvstore is None and on_message:
         on_message(describe_auto_choice(model, config.devices))
     with Trainer(model, config.devices, "sgd", {"lr": config.lr}, loss=state.spec.loss, algorithm=config.algorithm,
-                 kvstore=config.kvstore, check_finite=config.check_finite) as trainer:
+                 kvstore=config.kvstore, check_finite=config.check_finite, trace=config.trace) as trainer:
         if state.resume is not None:
             try:
                 trainer.load_state_dict(state.resume["trainer"])

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..workers import DeviceWorkers, wait_all
+from ..lanes import EngineLanes
 from . import host, naive, ring, sharded  # noqa: F401  (registers the algorithms)
 from .auto import AutoAllreduce, choose_algorithm  # registers "auto" after the algorithms it chooses among
 from .base import (
@@ -37,22 +37,20 @@ __all__ = ["allreduce", "AllreduceAlgorithm", "DEFAULT_ALGORITHM", "algorithm_na
            "register_algorithm", "chunk_bounds", "Phase", "run_schedule", "choose_algorithm"]
 
 
-def run_schedule(phases: list[Phase], workers: DeviceWorkers | None = None) -> None:
-    """Run a schedule: in the calling thread, or each task on its device's worker with a barrier per phase."""
+def run_schedule(phases: list[Phase], workers: EngineLanes | None = None) -> None:
+    """Run a schedule: in the calling thread, or each task as an engine operation on its device's lane.
+
+    With ``workers`` the phases are ordered by engine variables, not by a blocking barrier, and this
+    waits for every task (even after a failure: none may still write a buffer after it returns).
+    """
     if workers is None:
         run_sequential(phases)
         return
-    for phase in phases:
-        busy = [t for t in phase if t is not None]
-        if len(busy) == 1:
-            busy[0]()  # one task: no point handing it to another thread and waiting
-            continue
-        # wait for every task of the phase even when one fails: none may still write a buffer after we return
-        wait_all([workers.submit(i, t) for i, t in enumerate(phase) if t is not None])
+    workers.wait(workers.push_schedule(phases))
 
 
 def allreduce(tensors: Sequence[torch.Tensor], algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM,
-              workers: DeviceWorkers | None = None) -> list[torch.Tensor]:
+              workers: EngineLanes | None = None) -> list[torch.Tensor]:
     """Replace every tensor (one per device) by the sum of all of them, in place; return the list.
 
     ``workers`` (one per device, same order) runs each device's share of the work concurrently;

@@ -93,19 +93,24 @@ def _fit_link(src_device: torch.device, dst_device: torch.device, sync):
 
 
 def _measure_handoff_s(k: int) -> float:
-    """Median time to hand one empty task to each of ``k`` device workers and wait for all of them."""
-    from ..workers import DeviceWorkers, wait_all
+    """Median time to push one empty operation to each of ``k`` device lanes of the engine and wait for all."""
+    from ...engine import create_engine
 
     def noop() -> None:
         return None
 
-    with DeviceWorkers([Device("cpu", i) for i in range(k)], threads=[1] * k, name="dlperf-link") as workers:
+    devices = [Device("cpu", i) for i in range(k)]
+    with create_engine("threaded", cpu_threads=1) as eng:
+        def round_trip() -> None:
+            for op in [eng.push(noop, device=d) for d in devices]:
+                op.wait()
+
         for _ in range(20):  # threads started and scheduled once before timing
-            wait_all([workers.submit(i, noop) for i in range(k)])
+            round_trip()
         times = []
         for _ in range(_HANDOFF_REPS):
             t0 = time.perf_counter()
-            wait_all([workers.submit(i, noop) for i in range(k)])
+            round_trip()
             times.append(time.perf_counter() - t0)
     return max(statistics.median(times), _MIN_ALPHA_S)
 

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ...devices import cpu
+from ...engine import create_engine
 from ...errors import UsageError
-from ..workers import DeviceWorkers
 from .launcher import Launcher, LaunchError, RankInfo, _thread_rank
 
 __all__ = ["ThreadLauncher"]
@@ -36,7 +36,6 @@ class ThreadLauncher(Launcher):
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         n = self.num_workers
-        budget = None if self.threads_per_worker is None else [self.threads_per_worker] * n
 
         def work(rank: int) -> Any:
             _thread_rank.info = RankInfo(rank, n, rank)
@@ -47,5 +46,10 @@ class ThreadLauncher(Launcher):
             finally:
                 del _thread_rank.info
 
-        with DeviceWorkers([cpu(i) for i in range(n)], threads=budget, name="dlperf-launch") as workers:
-            return workers.run_each([lambda r=r: work(r) for r in range(n)])
+        # The engine's per-device workers are the project's threads: rank r runs on cpu(r)'s worker.
+        with create_engine("threaded", cpu_threads=self.threads_per_worker) as eng:
+            ops = [eng.push(work, (r,), device=cpu(r), name=f"rank {r}") for r in range(n)]
+            results = []
+            for op in ops:
+                results.append(op.wait())
+            return results
