@@ -89,6 +89,9 @@ def test_trace_cli_summarises_a_train_run(tmp_path, capsys):
     workers = {w["worker"] for w in summary["workers"]}
     assert {"cpu(0)", "cpu(1)"} <= {w.split("/")[0] for w in workers}
     assert comm_overlap(load_trace(path))["comm_us"] > 0
+    assert summary["communication"]["overlap_us"] > 0  # some reduction ran while backward was still running
+    assert main(["trace", str(path)]) == 0
+    assert "overlapped forward/backward" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(60)

@@ -1,7 +1,8 @@
 """``dlperf trace FILE``: summarise an engine timeline or a torch.profiler trace (Chrome trace JSON).
 
 Example:
-    dlperf trace run.json          # busy % per worker, overlap, mean parallelism
+    dlperf trace run.json          # busy % per worker, overlap, mean parallelism; for a training run,
+                                   # how much of the gradient communication overlapped backward
     dlperf trace run.json --json   # the same as one JSON object
 """
 
@@ -11,6 +12,7 @@ import argparse
 import json
 
 from ..engine.trace import format_summary, load_trace
+from ..parallel.timeline import comm_overlap
 
 __all__ = ["register", "run"]
 
@@ -28,9 +30,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = load_trace(args.file).summary()
+    trace = load_trace(args.file)
+    summary = trace.summary()
+    # a training run's timeline names its communication and its forward/backward: say how much hid
+    overlap = comm_overlap(trace)
     if args.json:
-        print(json.dumps(summary.to_dict()))
+        doc = summary.to_dict()
+        if overlap["comm_us"] > 0:
+            doc["communication"] = overlap
+        print(json.dumps(doc))
     else:
         print(format_summary(summary))
+        if overlap["comm_us"] > 0:
+            print(f"communication {overlap['comm_us'] / 1e3:.3f} ms, of which {overlap['overlap_fraction']:.0%} "
+                  f"overlapped forward/backward ({overlap['overlap_us'] / 1e3:.3f} ms)")
     return 0
