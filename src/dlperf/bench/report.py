@@ -264,7 +264,6 @@ def render_plot(result: BenchResult, path: str) -> None:
         from ..errors import UsageError
 
         raise UsageError("--plot needs matplotlib; install it with: pip install 'dlperf[plot]'") from None
-    from .._io import atomic_write_bytes
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for net in result.config.networks:
@@ -272,13 +271,23 @@ def render_plot(result: BenchResult, path: str) -> None:
                      if c.network == net and c.threads is not None and c.timing is not None)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=net)
-    ax.set_xscale("log", base=2)
     threads = sorted({c.threads for c in result.cells if c.threads is not None})
-    ax.set_xticks(threads, [str(t) for t in threads])
+    save_scaling_plot(fig, ax, path, xs=threads, xlabel="intra-op threads",
+                      title=f"CPU thread scaling ({result.machine['cpu']})", title_size=9)
+
+
+def save_scaling_plot(fig, ax, path: str, *, xs: list[int], xlabel: str, title: str, title_size: int) -> None:
+    """The shared look of bench's scaling plots (log-log, powers of two on x), written atomically as PNG."""
+    import matplotlib.pyplot as plt
+
+    from .._io import atomic_write_bytes
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_yscale("log")
-    ax.set_xlabel("intra-op threads")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("seconds per mini-batch")
-    ax.set_title(f"CPU thread scaling ({result.machine['cpu']})", fontsize=9)
+    ax.set_title(title, fontsize=title_size)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     ax.grid(True, which="both", alpha=0.3)
     buf = io.BytesIO()

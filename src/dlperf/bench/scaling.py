@@ -285,7 +285,7 @@ def render_plot(result: ScalingResult, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .._io import atomic_write_bytes
+    from .report import save_scaling_plot
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for net in result.networks:
@@ -295,18 +295,8 @@ def render_plot(result: ScalingResult, path: str) -> None:
         (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=net)
         ax.plot([p[0] for p in pts], [pts[0][1] / p[0] for p in pts], linestyle=":", color=line.get_color())
     counts = sorted({r["devices"] for r in result.rows}) or [1]
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(counts, [str(c) for c in counts])
-    ax.set_yscale("log")
-    ax.set_xlabel("devices (global batch split across them; dotted: perfect scaling)")
-    ax.set_ylabel("seconds per mini-batch")
-    ax.set_title(title(result), fontsize=8)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    ax.grid(True, which="both", alpha=0.3)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_scaling_plot(fig, ax, path, xs=counts, xlabel="devices (global batch split across them; dotted: perfect "
+                      "scaling)", title=title(result), title_size=8)
 
 
 @dataclass

@@ -48,19 +48,11 @@ def find_compiler() -> str | None:
     return None
 
 
-@functools.cache
-def _compiler_identity(compiler: str) -> str:
-    try:
-        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
-        version = (out.stdout or out.stderr).strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        version = f"unavailable ({type(exc).__name__})"
-    return f"{os.path.realpath(compiler)}\n{version}"
-
-
 def build_key(compiler: str) -> str:
     """Everything the library depends on; a change in any of it means a separate build."""
-    env = {"source": _csource.SOURCE, "flags": list(CC_FLAGS), "compiler": _compiler_identity(compiler),
+    from ..hybrid.backends import native_cache
+
+    env = {"source": _csource.SOURCE, "flags": list(CC_FLAGS), "compiler": native_cache.compiler_identity(compiler),
            "machine": platform.machine(), "system": platform.system()}
     return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
 

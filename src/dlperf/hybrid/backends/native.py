@@ -23,8 +23,6 @@ import logging
 import operator
 import os
 import platform
-import shutil
-import subprocess
 import sys
 import sysconfig
 import threading
@@ -96,15 +94,8 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-@functools.cache
-def _compiler_identity(compiler: str) -> str:
-    path = shutil.which(compiler) or compiler
-    try:
-        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
-        version = out.stdout.strip() or out.stderr.strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        version = f"unavailable ({type(exc).__name__})"
-    return f"{os.path.realpath(path)}\n{version}"
+# The compiler's identity is part of every cache key; one definition, shared with the probe's kernels.
+_compiler_identity = native_cache.compiler_identity
 
 
 def load_extension():

@@ -18,6 +18,7 @@ waited for at most ``wait_s`` seconds.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -25,6 +26,7 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -60,6 +62,18 @@ class CacheUnsafe(RuntimeError):
 
 class BuildWaitTimeout(RuntimeError):
     """Another live process held the build lock for longer than the caller is willing to wait."""
+
+
+@functools.cache
+def compiler_identity(compiler: str) -> str:
+    """The compiler's resolved path and ``--version`` text, for cache keys: another compiler, another build."""
+    path = shutil.which(compiler) or compiler
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        version = out.stdout.strip() or out.stderr.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        version = f"unavailable ({type(exc).__name__})"
+    return f"{os.path.realpath(path)}\n{version}"
 
 
 def say(message: str) -> None:
