@@ -7,8 +7,18 @@
 
 from __future__ import annotations
 
-from .launcher import Launcher, LaunchError, RankInfo, rank_info
+from .launcher import (
+    DEFAULT_ROLE,
+    Launcher,
+    LaunchError,
+    RankInfo,
+    checkpoint_path,
+    rank_info,
+    rank_role,
+    restart_count,
+)
 from .processes import ProcessLauncher, free_port
 from .threads import ThreadLauncher
 
-__all__ = ["Launcher", "LaunchError", "ProcessLauncher", "RankInfo", "ThreadLauncher", "free_port", "rank_info"]
+__all__ = ["DEFAULT_ROLE", "Launcher", "LaunchError", "ProcessLauncher", "RankInfo", "ThreadLauncher",
+           "checkpoint_path", "free_port", "rank_info", "rank_role", "restart_count"]

@@ -16,11 +16,28 @@ from typing import Any, NamedTuple
 
 from ...errors import DlperfError
 
-__all__ = ["Launcher", "LaunchError", "RankInfo", "rank_info"]
+__all__ = ["DEFAULT_ROLE", "Launcher", "LaunchError", "RankInfo", "checkpoint_path", "rank_info", "rank_role",
+           "restart_count"]
+
+DEFAULT_ROLE = "worker"
+"""The role of a rank nobody gave another one (a KVStore's server processes are ``"server"``)."""
 
 
 class LaunchError(DlperfError, RuntimeError):
-    """A worker failed, hung past the join timeout, or could not be started."""
+    """A worker failed, hung past the join timeout, or could not be started.
+
+    When one rank is known to be the cause, ``rank``, ``role``, ``host`` and ``cause`` (its error line,
+    or ``"killed by SIGKILL"`` and the like) say which; they are ``None`` for failures of the whole
+    group (a join timeout).
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, role: str | None = None,
+                 host: str | None = None, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.role = role
+        self.host = host
+        self.cause = cause
 
 
 class RankInfo(NamedTuple):
@@ -51,6 +68,29 @@ def rank_info() -> RankInfo:
         raise LaunchError(f"RANK={os.environ.get('RANK')!r}, WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}, "
                           f"LOCAL_RANK={os.environ.get('LOCAL_RANK')!r}: expected integers; unset them or "
                           "start the workers with a launcher") from None
+
+
+def rank_role() -> str:
+    """The role the launcher gave the calling worker (``"worker"`` unless the launch's ``roles`` say else)."""
+    return os.environ.get("DLPERF_ROLE") or DEFAULT_ROLE
+
+
+def restart_count() -> int:
+    """How often the launcher has restarted the worker group before this attempt (0 on the first)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        raise LaunchError(f"TORCHELASTIC_RESTART_COUNT={os.environ.get('TORCHELASTIC_RESTART_COUNT')!r}: "
+                          "expected an integer; unset it or start the workers with a launcher") from None
+
+
+def checkpoint_path() -> str | None:
+    """The checkpoint file the launch was given (``ProcessLauncher(checkpoint=...)``), or None.
+
+    A restarted worker group resumes from it: rank 0 writes it with :func:`dlperf._io.atomic_open`
+    after each step, every rank reads it with :func:`dlperf._io.safe_torch_load` on start when it exists.
+    """
+    return os.environ.get("DLPERF_CHECKPOINT") or None
 
 
 class Launcher(ABC):

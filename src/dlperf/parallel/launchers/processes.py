@@ -5,8 +5,9 @@ the agent meets the other nodes' agents through a c10d rendezvous store on ``mas
 spawns ``nproc_per_node`` workers with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` set, restarts them up to ``max_restarts`` times, and returns each worker's return value.
 Around that the launcher owns what the agent leaves to its caller: the process group's lifetime in each
-worker, a join timeout, one clear error per failure, and a parent process left as it was found
-(environment, signal handlers, no child processes).
+worker, a join timeout, one clear error per failure naming the lost rank, its role and host, the
+failure of every node when one node's rank is lost (see :mod:`.faults`), and a parent process left as it
+was found (environment, signal handlers, no child processes, nor any process a worker started).
 """
 
 from __future__ import annotations
@@ -20,12 +21,24 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..._io import check_writable
 from ...errors import UsageError
-from .launcher import Launcher, LaunchError, rank_info
+from .faults import (
+    FailureRecord,
+    FaultBoard,
+    first_cause,
+    host_label,
+    interface_with_address,
+    kill_process_groups,
+    local_address,
+    set_parent_death_signal,
+)
+from .launcher import DEFAULT_ROLE, Launcher, LaunchError, rank_info
 
 __all__ = ["ProcessLauncher", "free_port"]
 
@@ -55,15 +68,46 @@ def _mark(marker_dir: str, local_rank: int, what: str, text: str = "") -> None:
     os.replace(tmp, path)
 
 
-def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: str | None, pg_timeout_s: float,
-            marker_dir: str) -> Any:
+@dataclass(frozen=True)
+class _Setup:
+    """What every worker needs from its launcher, besides the function."""
+
+    backend: str | None
+    pg_timeout_s: float
+    marker_dir: str
+    launcher_pid: int
+    roles: dict[int, str]
+    host: str
+    checkpoint: str | None
+    nnodes: int
+
+
+def _prepare_worker(setup: _Setup, rank: int) -> None:
+    # Its own process group: whatever the worker starts can be killed with it, even after it died.
+    os.setpgid(0, 0)
+    set_parent_death_signal(setup.launcher_pid)
+    os.environ["DLPERF_ROLE"] = setup.roles.get(rank, DEFAULT_ROLE)
+    os.environ["DLPERF_HOST"] = setup.host
+    if setup.checkpoint is not None:
+        os.environ["DLPERF_CHECKPOINT"] = setup.checkpoint
+    if setup.nnodes > 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo otherwise binds to the address the host name resolves to, which need not reach the others
+        address = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        interface = interface_with_address(address) if address else None
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) -> Any:
     """Entry point of every worker process: the process group around ``fn``."""
     rank, _, local_rank = rank_info()
+    _prepare_worker(setup, rank)
+    marker_dir, backend = setup.marker_dir, setup.backend
     _mark(marker_dir, local_rank, "started", f"{os.getpid()} {rank}")
     if backend is not None:
         import torch.distributed as dist
 
-        _init_process_group(dist, backend, rank, datetime.timedelta(seconds=pg_timeout_s))
+        _init_process_group(dist, backend, rank, datetime.timedelta(seconds=setup.pg_timeout_s))
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:
@@ -130,20 +174,26 @@ def _spawned_children() -> set[int]:
 
 
 class _Watchdog:
-    """Kills the workers still running when the join timeout passes, so the agent sees them fail.
+    """The launcher's one thread beside the agent: it stops the workers when they must not go on.
 
-    The agent itself waits for its workers without a deadline; killing a hung worker is the one way to
-    make it return (and stop the others) through its own shutdown path.
+    The agent itself waits for its workers without a deadline and knows nothing of other nodes;
+    killing the workers is the one way to make it return (and stop the rest) through its own shutdown
+    path. The watchdog does that when the join timeout passes, and, on a launch over several nodes,
+    when another node gives up or is lost (see :class:`~.faults.FaultBoard`, which it keeps beating).
     """
 
-    def __init__(self, marker_dir: str, local_world: int, timeout_s: float) -> None:
+    POLL_S = 0.2
+
+    def __init__(self, marker_dir: str, local_world: int, timeout_s: float, board: FaultBoard | None) -> None:
         self.marker_dir = Path(marker_dir)
         self.local_world = local_world
         self.timeout_s = timeout_s
+        self.board = board
         self.before = _spawned_children()
         self.still_running: list[int] = []
+        self.remote: list[FailureRecord] | None = None  # set when other nodes' failures stopped ours
         self._done = threading.Event()
-        # one plain thread: it only waits and sends signals; the project's device workers run tensors work
+        # one plain thread: it only waits, polls the store and sends signals; tensor work runs elsewhere
         self._thread = threading.Thread(target=self._run, name="dlperf-launch-watchdog", daemon=True)
 
     @property
@@ -158,22 +208,45 @@ class _Watchdog:
         self._thread.join()
 
     def _run(self) -> None:
-        if self._done.wait(self.timeout_s):
-            return
-        self.still_running = [self._rank(r) for r in range(self.local_world)
-                              if not self._marker(r, "finished").exists()] or [-1]
+        deadline = time.monotonic() + self.timeout_s
+        while not self._done.wait(self.POLL_S):
+            if time.monotonic() > deadline:
+                self.still_running = [self._rank(r) for r in range(self.local_world)
+                                      if not self._marker(r, "finished").exists()] or [-1]
+                break
+            if self.board is not None and self._others_failed():
+                break
         # keep killing until the agent returns: with restarts left it starts replacements
         while not self._done.is_set():
-            for pid in self._targets():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            self._done.wait(0.2)
+            self.kill_workers()
+            self._done.wait(self.POLL_S)
+
+    def _others_failed(self) -> bool:
+        assert self.board is not None
+        self.board.beat(self.global_ranks())
+        if self.board.others_failed():
+            self.remote = []
+            return True
+        lost = self.board.lost()
+        if lost:
+            self.remote = lost
+            return True
+        return False
+
+    def kill_workers(self) -> None:
+        targets = self._targets()
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        kill_process_groups(targets | self.leaders())
+
+    def _attempts(self) -> list[int]:
+        return sorted({int(p.name.split(".")[0]) for p in self.marker_dir.glob("*.started")})
 
     def _marker(self, local_rank: int, what: str) -> Path:
-        attempts = [int(p.name.split(".")[0]) for p in self.marker_dir.glob("*.started")]
-        return self.marker_dir / f"{max(attempts, default=0)}.{local_rank}.{what}"
+        return self.marker_dir / f"{max(self._attempts(), default=0)}.{local_rank}.{what}"
 
     def _rank(self, local_rank: int) -> int:
         """The global rank of a local worker, as it wrote it; its local rank if it has not started."""
@@ -181,6 +254,21 @@ class _Watchdog:
             return int(self._marker(local_rank, "started").read_text().split()[1])
         except (OSError, ValueError, IndexError):
             return local_rank
+
+    def global_ranks(self) -> list[int]:
+        """The global ranks of this node's workers in the current attempt (those that have started)."""
+        return sorted(self._rank(r) for r in range(self.local_world) if self._marker(r, "started").exists())
+
+    def leaders(self) -> set[int]:
+        """Every worker of every attempt: each leads its own process group."""
+        pids = set()
+        for path in self.marker_dir.glob("*.started"):
+            try:
+                pids.add(int(path.read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                continue
+        pids.discard(os.getpid())
+        return pids
 
     def _targets(self) -> set[int]:
         pids = _spawned_children() - self.before
@@ -229,18 +317,36 @@ class ProcessLauncher(Launcher):
             (one node only: other nodes could not know it).
         backend: the process group's backend (``"gloo"`` on CPU, ``"nccl"`` on GPUs), or ``None`` for none.
         join_timeout_s: the longest a launch may take; workers still running then are killed and the
-            launch fails naming them. Also the process group's timeout for one collective.
-        max_restarts: how often the agent restarts all workers after a failure before giving up.
+            launch fails naming them. Also the process group's timeout for one collective unless
+            ``collective_timeout_s`` is given.
+        max_restarts: how often the agent restarts all workers after a failure before giving up; a
+            restarted worker finds the attempt in :func:`~.restart_count` and resumes from ``checkpoint``.
+        roles: a role label per global rank (a sequence of ``world_size`` labels, or a mapping from rank to
+            label; ranks not named are ``"worker"``); each worker reads its own with :func:`~.rank_role`,
+            and failures name it.
+        fault_timeout_s: with several nodes, how long a node may stop answering (its launcher killed, the
+            network down) before the others give it up; also the longest a failed node waits for the others'
+            reports, so that every node names the same cause.
+        collective_timeout_s: the process group's timeout for one collective (default: ``join_timeout_s``);
+            a rank that skips a collective fails its peers after this long.
+        checkpoint: a file the workers save their progress to, handed to them as :func:`~.checkpoint_path`;
+            checked for writability before any process starts.
+        run_id: names the launch in the rendezvous store; every node must use the same one. Default: one per
+            launch on one node, ``dlperf-<master_port>`` on several.
 
     The function and its arguments travel to freshly spawned interpreters, so ``fn`` must be defined at
     a module's top level and everything must pickle; return values come back the same way (tensors
     through shared memory). Workers print to this process's stdout and stderr; a failed worker's
-    traceback is logged there by the agent, and the :class:`LaunchError` carries its last line.
+    traceback is logged there by the agent, and the :class:`LaunchError` carries its last line, rank, role,
+    host and cause. Each worker leads its own process group, and whatever is left of the groups is killed
+    when the launch ends; a worker whose launcher dies is killed by the kernel (Linux).
     """
 
     def __init__(self, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, backend: str | None = "gloo", join_timeout_s: float = 300.0,
-                 max_restarts: int = 0) -> None:
+                 max_restarts: int = 0, *, roles: Sequence[str] | Mapping[int, str] | None = None,
+                 fault_timeout_s: float = 30.0, collective_timeout_s: float | None = None,
+                 checkpoint: str | os.PathLike | None = None, run_id: str | None = None) -> None:
         for name, value, low in (("nproc_per_node", nproc_per_node, 1), ("nnodes", nnodes, 1),
                                  ("node_rank", node_rank, 0), ("max_restarts", max_restarts, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -252,8 +358,12 @@ class ProcessLauncher(Launcher):
         if master_port is None and nnodes > 1:
             raise UsageError(f"master_port=None with nnodes={nnodes}: every node must name the same port; "
                              "pass master_port")
-        if not join_timeout_s > 0:
-            raise UsageError(f"join_timeout_s={join_timeout_s!r}: expected a positive number of seconds")
+        for name, value in (("join_timeout_s", join_timeout_s), ("fault_timeout_s", fault_timeout_s),
+                            ("collective_timeout_s", collective_timeout_s)):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise UsageError(f"{name}={value!r}: expected a positive number of seconds")
+        if run_id is not None and not (isinstance(run_id, str) and run_id.strip()):
+            raise UsageError(f"run_id={run_id!r}: expected a non-empty string, the same on every node")
         self.nproc_per_node = nproc_per_node
         self.nnodes = nnodes
         self.node_rank = node_rank
@@ -262,59 +372,133 @@ class ProcessLauncher(Launcher):
         self.backend = backend
         self.join_timeout_s = float(join_timeout_s)
         self.max_restarts = max_restarts
+        self.roles = _check_roles(roles, nproc_per_node * nnodes)
+        self.fault_timeout_s = float(fault_timeout_s)
+        self.collective_timeout_s = float(collective_timeout_s or join_timeout_s)
+        self.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
+        self.run_id = run_id
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
+    def role(self, rank: int) -> str:
+        """The role label of global rank ``rank``."""
+        return self.roles.get(rank, DEFAULT_ROLE)
+
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
         _check_picklable(fn, args, kwargs)
+        if self.checkpoint is not None:
+            check_writable(self.checkpoint)
         port = self.master_port or free_port(self.master_addr)
+        run_id = self.run_id or (f"dlperf-{port}" if self.nnodes > 1 else f"dlperf-{uuid.uuid4().hex[:12]}")
+        host = host_label(self.master_addr)
         with tempfile.TemporaryDirectory(prefix="dlperf-launch-") as tmp:
             markers = Path(tmp, "markers")
             markers.mkdir()
             config = LaunchConfig(
                 min_nodes=self.nnodes, max_nodes=self.nnodes, nproc_per_node=self.nproc_per_node,
-                run_id=f"dlperf-{uuid.uuid4().hex[:12]}", rdzv_backend="c10d",
-                rdzv_endpoint=f"{self.master_addr}:{port}",
+                run_id=run_id, rdzv_backend="c10d", rdzv_endpoint=f"{self.master_addr}:{port}",
                 rdzv_configs={"is_host": self.node_rank == 0, "join_timeout": self.join_timeout_s},
                 max_restarts=self.max_restarts, monitor_interval=0.1, start_method="spawn",
                 # no redirects: workers print to this process's stdout/stderr; the logs dir holds error files
                 logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp, "logs"))),
-                shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
-            watchdog = _Watchdog(str(markers), self.nproc_per_node, self.join_timeout_s)
-            with _ParentState():
-                watchdog.start()
-                try:
-                    results = elastic_launch(config, _worker)(fn, args, kwargs, self.backend,
-                                                              self.join_timeout_s, str(markers))
-                except ChildFailedError as exc:
-                    raise self._failure(exc, watchdog, markers) from None
-                except SignalException as exc:
-                    if exc.sigval == signal.SIGINT:
-                        raise KeyboardInterrupt from None
-                    raise
-                finally:
-                    watchdog.stop()
+                shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+                local_addr=local_address(self.master_addr) if self.nnodes > 1 else None)
+            setup = _Setup(self.backend, self.collective_timeout_s, str(markers), os.getpid(), self.roles, host,
+                           self.checkpoint, self.nnodes)
+            board = (FaultBoard(self.master_addr, port, run_id, self.node_rank, self.nnodes, host,
+                                self.fault_timeout_s) if self.nnodes > 1 else None)
+            watchdog = _Watchdog(str(markers), self.nproc_per_node, self.join_timeout_s, board)
+            try:
+                results = self._run(elastic_launch(config, _worker), (fn, args, kwargs, setup), watchdog,
+                                    markers, host)
+            finally:
+                if board is not None:
+                    board.close()
         # (had the deadline passed as the last worker finished, the work is still done: it is returned)
         return [results[i] for i in sorted(results)]
 
-    def _failure(self, exc: Any, watchdog: _Watchdog, markers: Path) -> LaunchError:
+    def _run(self, agent: Callable[..., Any], agent_args: tuple, watchdog: _Watchdog, markers: Path,
+             host: str) -> dict[int, Any]:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        failed: Any = None
+        with _ParentState():
+            watchdog.start()
+            try:
+                results = agent(*agent_args)
+                if watchdog.board is not None:
+                    watchdog.board.done()
+            except ChildFailedError as exc:
+                failed = exc
+            except SignalException as exc:
+                if exc.sigval == signal.SIGINT:
+                    raise KeyboardInterrupt from None
+                raise
+            finally:
+                watchdog.stop()
+                watchdog.kill_workers()  # what the workers started outlives them otherwise
+        if failed is not None:
+            raise self._failure(failed, watchdog, markers, host)
+        return results
+
+    def _failure(self, exc: Any, watchdog: _Watchdog, markers: Path, host: str) -> LaunchError:
         if watchdog.fired:
             return _timeout_error(self.join_timeout_s, watchdog.still_running)
-        rank, failure = min(exc.failures.items(), key=lambda kv: kv[1].timestamp)
+        records = [] if watchdog.remote is not None else self._local_records(exc, markers, host)
+        if watchdog.board is not None:
+            watchdog.board.publish(records)
+            records = records + (watchdog.remote or []) + watchdog.board.gather()
+        cause = first_cause(records)
+        if cause is None:
+            return LaunchError("the workers were stopped because another node failed, but no node said why; "
+                               "see the other nodes' output")
+        return LaunchError(cause.message(), rank=cause.rank, role=cause.role, host=cause.host, cause=cause.cause)
+
+    def _local_records(self, exc: Any, markers: Path, host: str) -> list[FailureRecord]:
+        """This node's failed ranks: their own errors, or, for those that died without one, how they ended.
+
+        The peers of a failed rank fail too (their collectives lose the connection); the time each rank
+        failed, and whether it could report at all, tells the cause from the echoes.
+        """
         reported = _reported_failures(markers)
-        if rank not in reported:
-            # it died outside Python's reach (a signal, os._exit, an import error): the cause; the
-            # others' errors are echoes of it
-            return LaunchError(f"rank {rank} failed: {_failure_message(failure)}")
-        first = min(reported, key=lambda r: reported[r][0])
-        return LaunchError(f"rank {first} failed: {reported[first][1]}")
+        records = []
+        for rank, failure in exc.failures.items():
+            if rank in reported:
+                when, message = reported[rank]
+                records.append(FailureRecord(rank, self.role(rank), host, message, when, True))
+            else:
+                records.append(FailureRecord(rank, self.role(rank), host, _failure_message(failure),
+                                             float(failure.timestamp), False))
+        records += [FailureRecord(rank, self.role(rank), host, message, when, True)
+                    for rank, (when, message) in reported.items() if rank not in exc.failures]
+        return records
+
+
+def _check_roles(roles: Sequence[str] | Mapping[int, str] | None, world_size: int) -> dict[int, str]:
+    if roles is None:
+        return {}
+    if isinstance(roles, Mapping):
+        mapping = dict(roles)
+    elif isinstance(roles, Sequence) and not isinstance(roles, str):
+        if len(roles) != world_size:
+            raise UsageError(f"roles has {len(roles)} labels: expected one per rank, {world_size} "
+                             "(nproc_per_node * nnodes), or a mapping from rank to label")
+        mapping = dict(enumerate(roles))
+    else:
+        raise UsageError(f"roles={roles!r}: expected a sequence of labels, one per rank, or a mapping from "
+                         "rank to label")
+    for rank, label in mapping.items():
+        if not (isinstance(rank, int) and 0 <= rank < world_size):
+            raise UsageError(f"roles names rank {rank!r}: expected ranks 0..{world_size - 1}")
+        if not (isinstance(label, str) and label.strip() and label.isprintable()):
+            raise UsageError(f"roles[{rank}]={label!r}: expected a non-empty printable label such as 'server'")
+    return mapping
 
 
 def _timeout_error(timeout_s: float, still_running: list[int]) -> LaunchError:
