@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["FailureRecord", "FaultBoard", "first_cause", "host_label", "interface_with_address",
-           "kill_process_groups", "local_address"]
+           "kill_process_groups", "local_address", "session_members", "set_parent_death_signal"]
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -113,6 +113,19 @@ def _proc_stat(pid: str) -> tuple[int, int] | None:
     except (OSError, IndexError):
         return None
     return None if fields[0] in ("Z", "X") else (int(fields[2]), int(fields[3]))
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (Linux /proc; empty elsewhere)."""
+    if not Path("/proc/self/stat").exists():
+        return []
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            stat = _proc_stat(entry)
+            if stat is not None and stat[1] == sid:
+                out.append(int(entry))
+    return out
 
 
 def kill_process_groups(leaders: set[int]) -> int:

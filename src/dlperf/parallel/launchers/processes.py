@@ -13,6 +13,7 @@ was found (environment, signal handlers, no child processes, nor any process a w
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import signal
@@ -283,10 +284,34 @@ class _Watchdog:
         return pids
 
 
+# loggers of the agent that log a failed worker's traceback
+_AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+
+
+class _PlainTracebacks(logging.Filter):
+    """Formats a record's traceback with the standard formatter before torch's handler sees it.
+
+    torch's log formatter imports torch._dynamo to format any traceback, seconds on a busy machine,
+    spent between a worker's death and the teardown of the others.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            record.msg = f"{record.getMessage()}\n{logging.Formatter().formatException(record.exc_info)}"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
 class _ParentState:
-    """The environment and signal handlers the agent changes in the launching process, put back after."""
+    """The environment, signal handlers and log filters the launch changes in this process, put back after."""
+
+    _filter = _PlainTracebacks()
 
     def __enter__(self) -> _ParentState:
+        for name in _AGENT_LOGGERS:
+            logging.getLogger(name).addFilter(self._filter)
         self.env = dict(os.environ)
         self.handlers = {}
         if threading.current_thread() is threading.main_thread():
@@ -297,6 +322,8 @@ class _ParentState:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for name in _AGENT_LOGGERS:
+            logging.getLogger(name).removeFilter(self._filter)
         for k in set(os.environ) - set(self.env):
             del os.environ[k]
         for k, v in self.env.items():

@@ -1,0 +1,197 @@
+"""Several "hosts" on one machine: Linux network namespaces joined by virtual Ethernet.
+
+A launch over several nodes is only tested for real when its nodes have different addresses and
+reach each other over an interface that is not loopback. :class:`Hosts` makes ``n`` network
+namespaces, each with its loopback up and one address ``10.<a>.<b>.<i+1>/24``; two are joined by one
+veth pair, more by veth pairs to a bridge in a further namespace (nothing is added to the machine's
+own namespace). It runs commands inside them (``ip netns exec``), and tears everything down (the
+processes it started, then the namespaces, whose interfaces go with them) when the block ends, also
+on errors and Ctrl-C. Namespaces left by a killed earlier run (their creator's pid is in the name)
+are removed on the next start.
+
+Needs Linux, root (CAP_NET_ADMIN) and the ``ip`` command (Debian/Ubuntu: ``apt-get install iproute2``);
+:func:`unavailable_reason` says what is missing.
+
+>>> reason = unavailable_reason()
+>>> reason is None or isinstance(reason, str)
+True
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import DlperfError
+from .faults import session_members
+
+__all__ = ["Hosts", "NamespaceError", "unavailable_reason"]
+
+_PREFIX = "dlperf"  # namespace names: dlperf<pid>h<i>, dlperf<pid>sw for the switch
+_NAME = re.compile(rf"^{_PREFIX}(\d+)(h\d+|sw)$")
+
+
+class NamespaceError(DlperfError, RuntimeError):
+    """A namespace, link or address could not be made; the message has the command and its error."""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    if check and proc.returncode != 0:
+        raise NamespaceError(f"'ip {' '.join(args)}' failed: {(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+
+_reason_cache: list[str | None] = []
+
+
+def unavailable_reason() -> str | None:
+    """Why namespaces cannot be made here (one line, with the fix), or None when they can."""
+    if _reason_cache:
+        return _reason_cache[0]
+    reason = None
+    if not os.path.exists("/proc/self/ns/net"):
+        reason = "network namespaces need Linux"
+    elif shutil.which("ip") is None:
+        reason = "the 'ip' command is missing; install iproute2 (apt-get install iproute2)"
+    elif os.geteuid() != 0:
+        reason = "making network namespaces needs root (CAP_NET_ADMIN); run as root"
+    else:
+        name = f"{_PREFIX}{os.getpid()}probe"
+        proc = _ip("netns", "add", name, check=False)
+        if proc.returncode != 0:
+            reason = (f"cannot make a network namespace ({proc.stderr.strip() or 'ip netns add failed'}); "
+                      "needs CAP_NET_ADMIN and CAP_SYS_ADMIN (a privileged container)")
+        else:
+            probe = _ip("-n", name, "link", "add", "vp0", "type", "veth", "peer", "name", "vp1", check=False)
+            if probe.returncode != 0:
+                reason = f"cannot make veth links ({probe.stderr.strip()}); the kernel needs the veth module"
+            _ip("netns", "del", name, check=False)
+    _reason_cache.append(reason)
+    return reason
+
+
+def _remove_stale() -> None:
+    """Delete namespaces made by runs whose process is gone (killed before their teardown ran)."""
+    proc = _ip("netns", "list", check=False)
+    for line in proc.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _NAME.match(name)
+        if m and not os.path.exists(f"/proc/{m[1]}"):
+            _ip("netns", "del", name, check=False)
+
+
+class Hosts:
+    """``n`` network namespaces that reach each other at ``addresses[i]``; a context manager.
+
+    >>> with Hosts(2) as hosts:                                  # doctest: +SKIP
+    ...     hosts.run(1, ["ping", "-c1", hosts.addresses[0]]).returncode
+    0
+    """
+
+    def __init__(self, n: int = 2, subnet: str = "10.77.0") -> None:
+        if not isinstance(n, int) or n < 2:
+            raise ValueError(f"n={n!r}: expected at least 2 hosts")
+        if not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}", subnet):
+            raise ValueError(f"subnet={subnet!r}: expected the first three numbers of a 10.x.y.0/24 network")
+        self.n = n
+        self.subnet = subnet
+        tag = f"{_PREFIX}{os.getpid()}"
+        self.names = [f"{tag}h{i}" for i in range(n)]
+        self.addresses = [f"{subnet}.{i + 1}" for i in range(n)]
+        self.interfaces = [f"eth{i}" for i in range(n)]  # inside host i; names are per namespace
+        self._switch = f"{tag}sw"
+        self._made: list[str] = []
+        self._procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Hosts:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise NamespaceError(reason)
+        _remove_stale()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _add_namespace(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._made.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        for name in self.names:
+            self._add_namespace(name)
+        if self.n == 2:
+            _ip("-n", self.names[0], "link", "add", self.interfaces[0], "type", "veth", "peer", "name",
+                self.interfaces[1], "netns", self.names[1])
+        else:
+            self._add_namespace(self._switch)
+            _ip("-n", self._switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self._switch, "link", "set", "br0", "up")
+            for i, name in enumerate(self.names):
+                port = f"p{i}"
+                _ip("-n", self._switch, "link", "add", port, "type", "veth", "peer", "name", self.interfaces[i],
+                    "netns", name)
+                _ip("-n", self._switch, "link", "set", port, "master", "br0")
+                _ip("-n", self._switch, "link", "set", port, "up")
+        for name, interface, address in zip(self.names, self.interfaces, self.addresses):
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", interface)
+            _ip("-n", name, "link", "set", interface, "up")
+
+    def command(self, i: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` as it runs inside host ``i``."""
+        return ["ip", "netns", "exec", self.names[i], *argv]
+
+    def popen(self, i: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` inside host ``i`` in a session of its own; it is killed at teardown if still running."""
+        proc = subprocess.Popen(self.command(i, argv), start_new_session=True, **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, i: int, argv: Sequence[str], timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside host ``i`` to its end (killed after ``timeout`` seconds), capturing text output."""
+        proc = self.popen(i, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_session(proc)
+            out, err = proc.communicate()
+            raise NamespaceError(f"{' '.join(argv)!r} in host {i} ran past {timeout:g} s; it was killed\n"
+                                 f"{err[-2000:]}") from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def close(self) -> None:
+        """Kill what was started inside, then delete the namespaces (their links go with them)."""
+        for proc in self._procs:
+            _kill_session(proc)
+        self._procs.clear()
+        for name in reversed(self._made):
+            _ip("netns", "del", name, check=False)
+        self._made.clear()
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s whole session (it was started as a session leader) and reap it.
+
+    The session, not the process group: launched workers lead process groups of their own.
+    """
+    for pid in [proc.pid, *session_members(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass

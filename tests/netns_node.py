@@ -1,0 +1,100 @@
+"""One node of a launch across network namespaces: run by the tests inside each "host" (see netns.py).
+
+    python tests/netns_node.py JOB --nnodes 2 --node-rank I --master-addr A --master-port P [--pid-dir D]
+
+JOB is ``allreduce`` (each rank all-reduces ``(rank + 1) * [1, 2, 3, 4]`` and reports what it got) or
+``kill`` (the rank on node ``--victim-node`` SIGKILLs itself after a first all-reduce; the others wait
+in a second all-reduce, or, with ``--compute``, compute outside any collective). The last stdout line
+is one JSON object: ``{"ok": true, "results": [...]}`` or ``{"ok": false, "error", "rank", "role",
+"host", "cause"}``. Every worker writes its pid, and the pid of a child it starts, under ``--pid-dir``,
+so the caller can check that none survives; the victim writes the time it killed itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _record_pids(pid_dir: str | None) -> None:
+    if not pid_dir:
+        return
+    # a child of the worker's own: the launcher must take it down with the worker
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    Path(pid_dir, f"{os.getpid()}.pids").write_text(f"{os.getpid()} {child.pid}")
+
+
+def allreduce_job(pid_dir: str | None) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from dlperf.parallel.launchers import rank_info, rank_role
+
+    _record_pids(pid_dir)
+    rank = rank_info().rank
+    t = torch.tensor([1.0, 2.0, 3.0, 4.0]) * (rank + 1)
+    dist.all_reduce(t)
+    return {"rank": rank, "world": rank_info().world_size, "sum": t.tolist(), "role": rank_role(),
+            "host": os.environ.get("DLPERF_HOST"), "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+
+
+def kill_job(pid_dir: str | None, victim: bool, compute: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    _record_pids(pid_dir)
+    dist.all_reduce(torch.ones(1))  # every rank is up and connected
+    if victim:
+        if pid_dir:
+            Path(pid_dir, "killed_at").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if compute:
+        end = time.monotonic() + 300
+        while time.monotonic() < end:  # no collective: only the launcher can stop this rank
+            torch.ones(64, 64) @ torch.ones(64, 64)
+            time.sleep(0.01)
+    dist.all_reduce(torch.ones(1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("job", choices=["allreduce", "kill"])
+    p.add_argument("--nnodes", type=int, default=2)
+    p.add_argument("--node-rank", type=int, required=True)
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--master-addr", required=True)
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--victim-node", type=int, default=1)
+    p.add_argument("--compute", action="store_true")
+    p.add_argument("--roles", default=None, help="comma-separated role per global rank")
+    p.add_argument("--pid-dir", default=None)
+    p.add_argument("--fault-timeout", type=float, default=10.0)
+    p.add_argument("--join-timeout", type=float, default=90.0)
+    a = p.parse_args(argv)
+
+    from dlperf.parallel.launchers import LaunchError, ProcessLauncher
+
+    launcher = ProcessLauncher(a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank,
+                               master_addr=a.master_addr, master_port=a.master_port, join_timeout_s=a.join_timeout,
+                               fault_timeout_s=a.fault_timeout, roles=a.roles.split(",") if a.roles else None)
+    try:
+        if a.job == "allreduce":
+            results = launcher.launch(allreduce_job, a.pid_dir)
+        else:
+            results = launcher.launch(kill_job, a.pid_dir, a.node_rank == a.victim_node, a.compute)
+        out = {"ok": True, "results": results}
+    except LaunchError as exc:
+        out = {"ok": False, "error": str(exc), "rank": exc.rank, "role": exc.role, "host": exc.host,
+               "cause": exc.cause}
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
