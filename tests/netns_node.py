@@ -7,7 +7,8 @@ JOB is ``allreduce`` (each rank all-reduces ``(rank + 1) * [1, 2, 3, 4]`` and re
 in a second all-reduce, or, with ``--compute``, compute outside any collective). The last stdout line
 is one JSON object: ``{"ok": true, "results": [...]}`` or ``{"ok": false, "error", "rank", "role",
 "host", "cause"}``. Every worker writes its pid, and the pid of a child it starts, under ``--pid-dir``,
-so the caller can check that none survives; the victim writes the time it killed itself.
+so the caller can check that none survives; the victim writes the time it killed itself and its rank
+to ``killed_at``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def kill_job(pid_dir: str | None, victim: bool, compute: bool) -> None:
     dist.all_reduce(torch.ones(1))  # every rank is up and connected
     if victim:
         if pid_dir:
-            Path(pid_dir, "killed_at").write_text(repr(time.time()))
+            Path(pid_dir, "killed_at").write_text(f"{time.time()!r} {os.environ['RANK']}")
         os.kill(os.getpid(), signal.SIGKILL)
     if compute:
         end = time.monotonic() + 300
