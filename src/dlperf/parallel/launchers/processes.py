@@ -235,6 +235,7 @@ class _Watchdog:
         return False
 
     def kill_workers(self) -> None:
+        """SIGKILL this launch's workers (also those too young to have said who they are) and their groups."""
         targets = self._targets()
         for pid in targets:
             try:
@@ -242,6 +243,13 @@ class _Watchdog:
             except OSError:
                 pass
         kill_process_groups(targets | self.leaders())
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL what is left of the process groups of this launch's workers, once the agent is done.
+
+        Only groups its workers announced: children spawned meanwhile may belong to another launch.
+        """
+        kill_process_groups(self.leaders())
 
     def _attempts(self) -> list[int]:
         return sorted({int(p.name.split(".")[0]) for p in self.marker_dir.glob("*.started")})
@@ -469,7 +477,7 @@ class ProcessLauncher(Launcher):
                 raise
             finally:
                 watchdog.stop()
-                watchdog.kill_workers()  # what the workers started outlives them otherwise
+                watchdog.kill_leftovers()  # what the workers started outlives them otherwise
         if failed is not None:
             raise self._failure(failed, watchdog, markers, host)
         return results

@@ -1,0 +1,214 @@
+"""Two hosts for real (network namespaces on a veth pair): gloo allreduce bandwidth, and how fast a kill stops all.
+
+Needs root and the ``ip`` command (iproute2); run under the machine's benchmark lock:
+
+    flock /tmp/dlperf-cpu.lock .venv/bin/python benchmarks/bench_netns.py
+
+Each host runs its own ProcessLauncher with one worker (``--nnodes 2``), the rendezvous store on host 0's
+address. Measured:
+
+* gloo allreduce of float32 tensors of a few sizes between the two hosts, with the shared timing protocol
+  (warm-up, then the median of single allreduces, a barrier around each; dlperf.timing judges whether other
+  work competed for the cores while they ran). Bus bandwidth = size / time * 2(k-1)/k (k = 2: size / time).
+  The same between two workers of one launcher on loopback, for comparison.
+* ``fault_exit_s``: a worker SIGKILLs itself; the time from the kill to every process of both hosts gone
+  (both launchers, the other worker, the children the workers started). Once while the other worker waits
+  in an allreduce (gloo notices the lost peer), once while it computes outside any collective (only the
+  launchers' fault board can stop it). Target: at most ``fault_timeout_s`` + 5 s.
+
+The last stdout line is one JSON object: busbw_gbs and loopback_busbw_gbs by size, allreduce_ms, contended
+cells, fault_exit_s (the worse of the two), fault_exit_s_by_mode, fault_timeout_s, fault_within_target,
+and the causes both hosts named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dlperf.parallel.launchers import LaunchError, ProcessLauncher
+from dlperf.parallel.launchers.netns import Hosts, unavailable_reason
+from dlperf.timing import time_steps
+
+SIZES = (64 * 1024, 1024 * 1024, 16 * 1024 * 1024, 64 * 1024 * 1024)
+PORT = 29500  # the namespaces are fresh: nothing else listens in them
+TARGET_MARGIN_S = 5.0
+
+
+# --- what runs inside each host -----------------------------------------------------------------------
+
+def _allreduce_worker(sizes: list[int], warmup: int, steps: int) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    for size in sizes:
+        t = torch.ones(size // 4)
+        timing = time_steps(lambda t=t: dist.all_reduce(t), warmup=warmup, steps=steps, synchronize=dist.barrier,
+                            threads=1)
+        out[size] = {"median_s": timing.median_s, "contended": timing.contended,
+                     "reason": timing.contention.reason if timing.contention else None}
+    return out
+
+
+def _kill_worker(pid_dir: str, victim: bool, in_collective: bool) -> None:
+    import torch.distributed as dist
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    Path(pid_dir, f"{os.getpid()}.pids").write_text(f"{os.getpid()} {child.pid}")
+    dist.barrier()
+    if victim:
+        Path(pid_dir, "killed_at").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if in_collective:
+        dist.all_reduce(torch.ones(1))
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        time.sleep(0.01)
+
+
+def node_main(a: argparse.Namespace) -> int:
+    launcher = ProcessLauncher(1, nnodes=2, node_rank=a.node_rank, master_addr=a.master_addr,
+                               master_port=a.master_port, join_timeout_s=300, fault_timeout_s=a.fault_timeout)
+    try:
+        if a.node == "allreduce":
+            out = {"ok": True, "results": launcher.launch(_allreduce_worker, list(SIZES), a.warmup, a.steps)}
+        else:
+            launcher.launch(_kill_worker, a.pid_dir, a.node_rank == 1, a.node == "kill-collective")
+            out = {"ok": True}
+    except LaunchError as exc:
+        out = {"ok": False, "error": str(exc)}
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+# --- the measurement --------------------------------------------------------------------------------
+
+def _nodes(hosts: Hosts, mode: str, args: argparse.Namespace, pid_dir: str = "") -> list[subprocess.Popen]:
+    return [hosts.popen(i, [sys.executable, __file__, "--node", mode, "--node-rank", str(i),
+                            "--master-addr", hosts.addresses[0], "--master-port", str(PORT),
+                            "--fault-timeout", str(args.fault_timeout), "--steps", str(args.steps),
+                            "--warmup", str(args.warmup), "--pid-dir", pid_dir],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(2)]
+
+
+def _last_json(proc: subprocess.Popen, timeout: float) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    lines = out.strip().splitlines()
+    if not lines:
+        raise SystemExit(f"a host's launcher printed nothing (exit {proc.returncode}):\n{err[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def measure_bandwidth(hosts: Hosts, args: argparse.Namespace) -> dict[int, dict]:
+    nodes = [_last_json(p, 600) for p in _nodes(hosts, "allreduce", args)]
+    if not all(n["ok"] for n in nodes):
+        raise SystemExit(f"the allreduce launch failed: {nodes}")
+    # an allreduce ends when the slower rank ends
+    return {int(size): max((n["results"][0][size] for n in nodes), key=lambda c: c["median_s"])
+            for size in nodes[0]["results"][0]}
+
+
+def measure_loopback(args: argparse.Namespace) -> dict[int, dict]:
+    results = ProcessLauncher(2, join_timeout_s=300).launch(_allreduce_worker, list(SIZES), args.warmup, args.steps)
+    return {size: max((r[size] for r in results), key=lambda c: c["median_s"]) for size in results[0]}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def measure_fault_exit(hosts: Hosts, mode: str, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="dlperf-bench-netns-") as pid_dir:
+        procs = _nodes(hosts, mode, args, pid_dir)
+        outcomes = [_last_json(p, 600) for p in procs]
+        pids = [int(p) for f in Path(pid_dir).glob("*.pids") for p in f.read_text().split()]
+        deadline = time.monotonic() + 60
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gone = time.time()
+        killed_at = float(Path(pid_dir, "killed_at").read_text())
+    return {"fault_exit_s": gone - killed_at, "errors": [o.get("error") for o in outcomes],
+            "survivors": [p for p in pids if _alive(p)]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--fault-timeout", type=float, default=10.0, help="the launchers' fault_timeout_s")
+    ap.add_argument("--node", choices=["allreduce", "kill-collective", "kill-compute"], help=argparse.SUPPRESS)
+    ap.add_argument("--node-rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--master-addr", help=argparse.SUPPRESS)
+    ap.add_argument("--master-port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--pid-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.node:
+        return node_main(args)
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"bench_netns: {reason}", file=sys.stderr)
+        return 2
+
+    with Hosts(2) as hosts:
+        veth = measure_bandwidth(hosts, args)
+        faults = {mode: measure_fault_exit(hosts, mode, args) for mode in ("kill-collective", "kill-compute")}
+    loop = measure_loopback(args)
+
+    print(f"gloo allreduce between 2 hosts (network namespaces, veth), 1 worker each (median of {args.steps}; "
+          f"{os.cpu_count()} cores; torch {torch.__version__})")
+    print(f"{'size':>10} {'veth ms':>9} {'veth GB/s':>10} {'loopback ms':>12} {'loopback GB/s':>14}  contended")
+    print("-" * 72)
+    for size in SIZES:
+        v, lo = veth[size], loop[size]
+        marks = ",".join(k for k, c in (("veth", v), ("loopback", lo)) if c["contended"]) or "-"
+        print(f"{_size(size):>10} {v['median_s'] * 1e3:>9.2f} {size / v['median_s'] / 1e9:>10.3f} "
+              f"{lo['median_s'] * 1e3:>12.2f} {size / lo['median_s'] / 1e9:>14.3f}  {marks}")
+    print()
+    print(f"SIGKILL of one worker to every process of both hosts gone (fault_timeout_s={args.fault_timeout:g}, "
+          f"target <= {args.fault_timeout + TARGET_MARGIN_S:g} s)")
+    for mode, label in (("kill-collective", "the other worker in an allreduce"),
+                        ("kill-compute", "the other worker computing, in no collective")):
+        print(f"  {label:<48} {faults[mode]['fault_exit_s']:>6.2f} s")
+        print(f"    named: {faults[mode]['errors'][0]}")
+    contended = {f"{k}_{size}": c["reason"] for k, cells in (("veth", veth), ("loopback", loop))
+                 for size, c in cells.items() if c["contended"]}
+    if contended:
+        print("WARNING: other work competed for the cores during some cells (see 'contended'); rerun")
+    worst = max(f["fault_exit_s"] for f in faults.values())
+    result = {
+        "busbw_gbs": {str(s): s / veth[s]["median_s"] / 1e9 for s in SIZES},
+        "loopback_busbw_gbs": {str(s): s / loop[s]["median_s"] / 1e9 for s in SIZES},
+        "allreduce_ms": {str(s): veth[s]["median_s"] * 1e3 for s in SIZES},
+        "loopback_allreduce_ms": {str(s): loop[s]["median_s"] * 1e3 for s in SIZES},
+        "contended": contended,
+        "fault_exit_s": worst,
+        "fault_exit_s_by_mode": {m: f["fault_exit_s"] for m, f in faults.items()},
+        "fault_timeout_s": args.fault_timeout,
+        "fault_within_target": worst <= args.fault_timeout + TARGET_MARGIN_S,
+        "fault_errors": {m: f["errors"] for m, f in faults.items()},
+        "fault_survivors": {m: f["survivors"] for m, f in faults.items()},
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def _size(n: int) -> str:
+    return f"{n // (1024 * 1024)} MB" if n >= 1024 * 1024 else f"{n // 1024} KB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
