@@ -20,8 +20,22 @@ import torch
 
 from dlperf._io import FileAccessError
 from dlperf.errors import UsageError
-from dlperf.parallel.launchers import LaunchError, ProcessLauncher, checkpoint_path, rank_info, rank_role, restart_count
-from dlperf.parallel.launchers.faults import FailureRecord, first_cause, kill_process_groups, session_members
+from dlperf.parallel.launchers import (
+    LaunchError,
+    ProcessLauncher,
+    checkpoint_path,
+    free_port,
+    rank_info,
+    rank_role,
+    restart_count,
+)
+from dlperf.parallel.launchers.faults import (
+    FailureRecord,
+    FaultBoard,
+    first_cause,
+    kill_process_groups,
+    session_members,
+)
 
 FAULT_LIMIT_S = 20.0  # the most a kill may take to bring every other process down
 STEPS, KILL_AT = 6, 3
@@ -311,3 +325,53 @@ def test_worker_environment_helpers_outside_a_launch(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "two")
     with pytest.raises(LaunchError, match="TORCHELASTIC_RESTART_COUNT='two'"):
         restart_count()
+
+
+def _wait_for(predicate, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.timeout(60)
+def test_the_fault_board_carries_failures_and_notices_a_silent_node():
+    import torch.distributed as dist
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    boards = [FaultBoard("127.0.0.1", port, "t", n, 2, f"host{n}", fault_timeout_s=1.0) for n in range(2)]
+    try:
+        boards[0].beat([0])
+        boards[1].beat([1])
+        assert not boards[0].others_failed() and boards[0].lost() == []
+        # node 1 stops beating: node 0 reports it, with its ranks and host, once fault_timeout_s has passed
+        lost = _wait_for(lambda: boards[0].lost(), 5.0)
+        assert [(r.rank, r.host, r.reported) for r in lost] == [(1, "host1", False)]
+        assert "node 1 (ranks [1]) stopped answering" in lost[0].cause
+        record = _record(1, False, 3.0)
+        boards[1].publish([record])
+        assert boards[0].others_failed()
+        boards[1].publish([record])
+        # node 0 has written nothing and stopped beating: node 1 does not wait for it, and names it lost
+        gathered = boards[1].gather()
+        assert [(r.rank, r.host) for r in gathered] == [(0, "host0")] and "stopped answering" in gathered[0].cause
+        boards[0].publish([])
+        assert boards[0].gather() == [record]
+    finally:
+        for board in boards:
+            board.close()
+        del server
+    # with its store gone, node 1 names the store once it has been silent for fault_timeout_s
+    lost = _wait_for(lambda: boards[1].lost(), 5.0)
+    assert [r.role for r in lost] == ["rendezvous store"]
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_is_not_up_yet_is_not_a_lost_node():
+    board = FaultBoard("127.0.0.1", free_port(), "t", 1, 2, "h", fault_timeout_s=0.5)
+    time.sleep(0.6)
+    assert board.lost() == [] and not board.others_failed()

@@ -194,6 +194,7 @@ class FaultBoard:
         self._store: Any = None
         self._beats: dict[int, tuple[int, float]] = {}  # node -> (last counter, when it last changed)
         self._last_ok = time.monotonic()
+        self._ever_ok = False  # a store not up yet is the rendezvous's business (its join timeout), not a loss
         self._others = [n for n in range(nnodes) if n != node_rank]
         self._ranks_published = False
 
@@ -203,7 +204,7 @@ class FaultBoard:
             import torch.distributed as dist
 
             store = dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=2))
+                                  timeout=datetime.timedelta(seconds=min(2.0, self.fault_timeout_s / 2)))
             self._store = dist.PrefixStore(self.prefix, store)
         return self._store
 
@@ -215,6 +216,7 @@ class FaultBoard:
             self._store = None
             return None
         self._last_ok = time.monotonic()
+        self._ever_ok = True
         return out
 
     def _read_json(self, key: str) -> Any:
@@ -260,7 +262,7 @@ class FaultBoard:
                 self._beats[n] = (count, now)
             elif count > 0 and now - last[1] > self.fault_timeout_s:
                 out.append(self._lost_node(n, now - last[1]))
-        if now - self._last_ok > self.fault_timeout_s:
+        if self._ever_ok and now - self._last_ok > self.fault_timeout_s:
             out.append(FailureRecord(None, "rendezvous store", f"{self.addr}:{self.port}",
                                      f"node 0's rendezvous store stopped answering for "
                                      f"{now - self._last_ok:.0f} s (its launcher was killed or the network "

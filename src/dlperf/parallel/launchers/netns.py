@@ -89,9 +89,12 @@ def _remove_stale() -> None:
 class Hosts:
     """``n`` network namespaces that reach each other at ``addresses[i]``; a context manager.
 
-    >>> with Hosts(2) as hosts:                                  # doctest: +SKIP
-    ...     hosts.run(1, ["ping", "-c1", hosts.addresses[0]]).returncode
-    0
+    For example, a node of a two-node launch in each (``hosts.addresses[0]`` is the master address)::
+
+        with Hosts(2) as hosts:
+            nodes = [hosts.popen(i, [sys.executable, "train.py", "--node-rank", str(i),
+                                     "--master-addr", hosts.addresses[0]]) for i in range(2)]
+            codes = [node.wait() for node in nodes]
     """
 
     def __init__(self, n: int = 2, subnet: str = "10.77.0") -> None:

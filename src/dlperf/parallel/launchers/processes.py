@@ -484,7 +484,12 @@ class ProcessLauncher(Launcher):
 
     def _failure(self, exc: Any, watchdog: _Watchdog, markers: Path, host: str) -> LaunchError:
         if watchdog.fired:
-            return _timeout_error(self.join_timeout_s, watchdog.still_running)
+            error = _timeout_error(self.join_timeout_s, watchdog.still_running)
+            if watchdog.board is not None:  # the other nodes' workers wait for ours: stop them now
+                rank = watchdog.still_running[0]
+                watchdog.board.publish([FailureRecord(None if rank < 0 else rank, self.role(rank), host,
+                                                      str(error), time.time(), False)])
+            return error
         records = [] if watchdog.remote is not None else self._local_records(exc, markers, host)
         if watchdog.board is not None:
             watchdog.board.publish(records)
