@@ -261,13 +261,13 @@ class LogicalCpuTensor(torch.Tensor):
             if out.is_cpu and not _is_argument(out, args, kwargs):
                 index = _result_index(args, kwargs)
                 if index:
-                    out.__class__ = cls
+                    out.__class__ = LogicalCpuTensor
                     out._dlperf_cpu_index = index
         elif isinstance(out, (tuple, list)) and out:  # split, chunk, unbind, max(dim)
             index = _result_index(args, kwargs)
             for o in out if index else ():
                 if type(o) is torch.Tensor and o.is_cpu and not _is_argument(o, args, kwargs):
-                    o.__class__ = cls
+                    o.__class__ = LogicalCpuTensor
                     o._dlperf_cpu_index = index
         return out
 
@@ -296,38 +296,34 @@ class LogicalCpuTensor(torch.Tensor):
         return f"{text[:-1]}, device=cpu({self._dlperf_cpu_index}))"
 
 
-def _retag_tensor(t: torch.Tensor, index: int) -> bool:
-    """Make a plain or logical-CPU tensor one of ``cpu(index)``; False for other tensor types."""
+class LogicalCpuParameter(LogicalCpuTensor, nn.Parameter):
+    """An ``nn.Parameter`` on logical CPU device ``cpu(i)``, ``i >= 1``: its results and gradient are there too."""
+
+    def __reduce_ex__(self, proto):
+        return nn.Parameter(self._plain(), self.requires_grad).__reduce_ex__(proto)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return "Parameter containing:\n" + LogicalCpuTensor.__repr__(self)
+
+
+# class of a tensor on cpu(0) (untagged) -> its class on cpu(i), i >= 1, and back
+_ON_LOGICAL_CPU = {torch.Tensor: LogicalCpuTensor, nn.Parameter: LogicalCpuParameter}
+_ON_CPU0 = {LogicalCpuTensor: torch.Tensor, LogicalCpuParameter: nn.Parameter}
+
+
+def _tag_tensor(t: torch.Tensor, index: int) -> None:
     kind = type(t)
-    if kind is not torch.Tensor and kind is not LogicalCpuTensor:
-        return False
+    on_cpu0 = _ON_CPU0.get(kind, kind)
+    target = _ON_LOGICAL_CPU.get(on_cpu0) if index else on_cpu0
+    if target is None:  # another tensor subclass: keep its class, record the device beside it
+        setattr(t, _LOGICAL_CPU_ATTR, index)
+        return
     if index:
-        t.__class__ = LogicalCpuTensor
+        t.__class__ = target
         t._dlperf_cpu_index = index
-    elif kind is LogicalCpuTensor:
-        del t._dlperf_cpu_index
-        t.__class__ = torch.Tensor
     else:
         t.__dict__.pop(_LOGICAL_CPU_ATTR, None)
-    return True
-
-
-def _tag_grad(param: torch.Tensor) -> None:
-    # post-accumulate-grad hook of tagged parameters: their gradient lives where they live
-    grad = param.grad
-    if grad is not None and grad.is_cpu:
-        _retag_tensor(grad, getattr(param, _LOGICAL_CPU_ATTR, 0))
-
-
-def _tag_member(t: torch.Tensor, index: int) -> None:
-    """Tag a parameter, buffer or other tensor whose class must stay what it is."""
-    setattr(t, _LOGICAL_CPU_ATTR, index)
-    if index and t.requires_grad and t.is_leaf:
-        hooks = t._post_accumulate_grad_hooks
-        if not hooks or _tag_grad not in hooks.values():
-            t.register_post_accumulate_grad_hook(_tag_grad)
-    if t.grad is not None and t.grad.is_cpu:
-        _retag_tensor(t.grad, index)
+        t.__class__ = target
 
 
 TagT = TypeVar("TagT", torch.Tensor, nn.Module)
@@ -338,13 +334,12 @@ def tag(x: TagT, device: DeviceLike) -> TagT:
 
     Tagging moves no data. Logical CPU devices share host memory, so a host tensor's
     ``torch.device`` cannot say which of them holds it; the tag can, and :func:`device_of`
-    reads it. A tagged tensor becomes a :class:`LogicalCpuTensor` (``cpu(0)``: a plain tensor
-    again), and results of torch operations on it, views and its gradient carry the tag too. A
-    view made with ``t.view(t.shape)`` is a separate object that can be tagged without touching
-    ``t``. Tagging a module tags it and every parameter and buffer it has now; these keep their
-    classes (``nn.Parameter`` stays one) and gradients accumulated into tagged parameters are
-    tagged by a hook. On a GPU the CUDA device already says where a tensor is, so tagging with
-    ``gpu(i)`` changes nothing.
+    reads it. A tagged tensor becomes a :class:`LogicalCpuTensor` (a parameter a
+    :class:`LogicalCpuParameter`, still an ``nn.Parameter``; tagging with ``cpu(0)`` makes them
+    plain again), and results of torch operations on it, views and its gradient carry the tag too.
+    A view made with ``t.view(t.shape)`` is a separate object that can be tagged without touching
+    ``t``. Tagging a module tags it and every parameter and buffer it has now. On a GPU the CUDA
+    device already says where a tensor is, so tagging with ``gpu(i)`` changes nothing.
 
     >>> t = torch.zeros(3)
     >>> part = tag(t.view(t.shape), cpu(1))   # same memory, another logical device
@@ -360,12 +355,12 @@ def tag(x: TagT, device: DeviceLike) -> TagT:
         setattr(x, _LOGICAL_CPU_ATTR, dev.index)
         for t in (*x.parameters(), *x.buffers()):
             if t.is_cpu:
-                _tag_member(t, dev.index)
+                _tag_tensor(t, dev.index)
         return x
     if not isinstance(x, torch.Tensor):
         raise UsageError(f"tag expects a torch.Tensor or nn.Module, got {type(x).__name__}")
-    if x.is_cpu and not _retag_tensor(x, dev.index):
-        _tag_member(x, dev.index)  # a Parameter or a foreign tensor subclass: keep its class
+    if x.is_cpu:
+        _tag_tensor(x, dev.index)
     return x
 
 
