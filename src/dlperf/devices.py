@@ -48,6 +48,8 @@ __all__ = [
     "as_in",
     "copy_to",
     "tag",
+    "LogicalCpuTensor",
+    "LogicalCpuParameter",
     "check_same_device",
     "require_available",
     "cpu_count",
@@ -263,7 +265,8 @@ class LogicalCpuTensor(torch.Tensor):
                 if index:
                     out.__class__ = LogicalCpuTensor
                     out._dlperf_cpu_index = index
-        elif isinstance(out, (tuple, list)) and out:  # split, chunk, unbind, max(dim)
+        elif isinstance(out, (tuple, list)) and out and type(out[0]) is torch.Tensor:
+            # split, chunk, unbind, max(dim); not tolist() or shape, whose items are numbers
             index = _result_index(args, kwargs)
             for o in out if index else ():
                 if type(o) is torch.Tensor and o.is_cpu and not _is_argument(o, args, kwargs):

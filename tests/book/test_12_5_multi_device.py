@@ -20,9 +20,8 @@ from dlperf.errors import UsageError
 from dlperf.parallel import allreduce, split_and_load, split_batch
 
 
-def init_params(seed: int = 0) -> list[torch.Tensor]:
+def init_params(seed: int = 0, scale: float = 0.01) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    scale = 0.01
     return [torch.randn(20, 1, 3, 3, generator=g) * scale, torch.zeros(20),
             torch.randn(50, 20, 5, 5, generator=g) * scale, torch.zeros(50),
             torch.randn(800, 128, generator=g) * scale, torch.zeros(128),
@@ -163,10 +162,10 @@ def evaluate_accuracy(net, data_iter, device):
     return right / seen
 
 
-def train(num_gpus, batch_size, lr, num_epochs, train_size):
+def train(num_gpus, batch_size, lr, num_epochs, train_size, scale):
     train_iter, test_iter = load_data(batch_size, train=train_size, test=500)
     devices = try_all_gpus(num_gpus)
-    device_params = [get_params(init_params(), d) for d in devices]
+    device_params = [get_params(init_params(scale=scale), d) for d in devices]
     for _ in range(num_epochs):
         for X, y in train_iter:
             train_batch(X, y, device_params, devices, lr)
@@ -176,7 +175,9 @@ def train(num_gpus, batch_size, lr, num_epochs, train_size):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_experiment_one_and_two_devices_reach_the_same_accuracy():
-    acc1, _ = train(num_gpus=1, batch_size=256, lr=0.2, num_epochs=3, train_size=6144)
-    acc2, devices = train(num_gpus=2, batch_size=256, lr=0.2, num_epochs=3, train_size=6144)
+    # The book's scale 0.01 needs its 10 epochs of 60000 images to leave the initial plateau;
+    # 0.1 learns in 3 epochs of 6144 glyphs, which keeps the run to about a minute.
+    acc1, _ = train(num_gpus=1, batch_size=256, lr=0.2, num_epochs=3, train_size=6144, scale=0.1)
+    acc2, devices = train(num_gpus=2, batch_size=256, lr=0.2, num_epochs=3, train_size=6144, scale=0.1)
     assert devices == try_all_gpus(2)
-    assert abs(acc1 - acc2) < 0.02 and acc2 > 0.3, (acc1, acc2)
+    assert abs(acc1 - acc2) < 0.03 and acc2 > 0.5, (acc1, acc2)

@@ -113,7 +113,8 @@ def train(num_gpus, batch_size, lr, num_epochs, train_size):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_experiment_resnet18_on_one_and_two_devices():
-    acc1, _ = train(num_gpus=1, batch_size=64, lr=0.1, num_epochs=1, train_size=1024)
-    acc2, diff = train(num_gpus=2, batch_size=128, lr=0.2, num_epochs=1, train_size=1024)
-    assert diff == 0.0
-    assert acc1 > 0.2 and acc2 > 0.2, (acc1, acc2)
+    # BatchNorm's running statistics need a second epoch before evaluation mode predicts well
+    acc1, _ = train(num_gpus=1, batch_size=64, lr=0.05, num_epochs=2, train_size=1024)
+    acc2, diff = train(num_gpus=2, batch_size=64, lr=0.05, num_epochs=2, train_size=1024)
+    assert diff == 0.0  # the replicas stay identical
+    assert acc1 > 0.4 and acc2 > 0.4, (acc1, acc2)
