@@ -15,6 +15,7 @@ from dlperf.devices import (
     gpu,
     num_gpus,
     require_available,
+    tag,
     to_device,
     try_all_gpus,
     try_gpu,
@@ -182,7 +183,11 @@ def test_untagged_tensors_are_left_plain():
     assert type(copy_to(copy_to(x, cpu(1)), cpu(0))) is torch.Tensor  # back on cpu(0): plain again
     net = nn.Linear(2, 2)
     net(torch.ones(1, 2)).sum().backward()
-    assert type(net.weight.grad) is torch.Tensor and not net.weight._post_accumulate_grad_hooks
+    assert type(net.weight.grad) is torch.Tensor and type(net.weight) is nn.Parameter
+    part = tag(x.view(3), cpu(1))
+    assert part._base is x and type(x) is torch.Tensor  # reading a view's base does not move the base
+    assert type(part.as_subclass(torch.Tensor)) is torch.Tensor
+    assert part.tolist() == [1.0, 1.0, 1.0] and tuple(part.shape) == (3,)
 
 
 def test_tagged_tensors_save_load_copy_and_print():
