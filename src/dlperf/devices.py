@@ -241,7 +241,7 @@ def _result_index(args: tuple, kwargs: dict) -> int:
 class LogicalCpuTensor(torch.Tensor):
     """A host tensor on logical CPU device ``cpu(i)``, ``i >= 1``; torch ops on it give such tensors.
 
-    Propagating the device costs one Python call per operation (1.5-5 us, docs/from-the-book.md),
+    Propagating the device costs one Python call per operation (2-5 us, docs/from-the-book.md),
     and only on tagged tensors: plain tensors (``cpu(0)``, the common case) never reach this code. A result is on the device of
     the first tensor operand (0-d host tensors act as scalars), where torch would put it on real
     devices; logical CPU devices share memory, so mixing them does not fail here:
