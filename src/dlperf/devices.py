@@ -242,9 +242,10 @@ class LogicalCpuTensor(torch.Tensor):
     """A host tensor on logical CPU device ``cpu(i)``, ``i >= 1``; torch ops on it give such tensors.
 
     Propagating the device costs one Python call per operation (2-5 us, docs/from-the-book.md),
-    and only on tagged tensors: plain tensors (``cpu(0)``, the common case) never reach this code. A result is on the device of
-    the first tensor operand (0-d host tensors act as scalars), where torch would put it on real
-    devices; logical CPU devices share memory, so mixing them does not fail here:
+    and only on tagged tensors: plain tensors (``cpu(0)``, the common case) never reach this code.
+    A result is on the device of the first tensor operand (0-d host tensors act as scalars), where
+    torch would put it on real devices; logical CPU devices share memory, so mixing them does not
+    fail here:
     :func:`check_same_device` does that. ``.grad`` of a tagged tensor is tagged when read.
     Pickling and ``torch.save`` store a plain tensor (like ``map_location="cpu"``), so files load
     with ``weights_only=True``.
