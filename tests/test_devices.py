@@ -15,6 +15,7 @@ from dlperf.devices import (
     gpu,
     num_gpus,
     require_available,
+    tag,
     to_device,
     try_all_gpus,
     try_gpu,
@@ -147,3 +148,72 @@ def test_tag_marks_a_logical_cpu_device_without_moving_data():
     assert device_of(tag(torch.ones(1), gpu(1))) == cpu(0)  # a CUDA device is the tensor's own: nothing to record
     tag(part, cpu(1))  # a new tag replaces the old one
     assert device_of(part) == cpu(1)
+
+
+def test_results_of_operations_stay_on_the_logical_device():
+    x = copy_to(torch.arange(6.0).reshape(2, 3), cpu(1))
+    assert device_of(x * 2) == cpu(1)  # the reported case
+    assert device_of(torch.relu(x @ x.T).sum()) == cpu(1)
+    assert {device_of(t) for t in x.split(1)} == {cpu(1)}
+    assert device_of(x.max(dim=1).values) == cpu(1) and device_of(x[0]) == cpu(1)
+    assert device_of(torch.ones(2, 3) + x) == cpu(0)  # the first operand decides, as torch does for real devices
+    assert device_of(x + torch.tensor(1.0)) == cpu(1)  # a 0-d host tensor is a scalar
+    plain = torch.zeros(2, 3)
+    assert plain.add_(x) is plain and device_of(plain) == cpu(0)  # in place: the target keeps its device
+    assert torch.equal(x * 2, torch.arange(6.0).reshape(2, 3) * 2)  # the values are torch's own
+
+
+def test_gradients_are_on_the_device_of_their_parameter():
+    w = copy_to(torch.randn(3), cpu(2)).requires_grad_()  # d2l's get_params: copy, attach_grad
+    x = copy_to(torch.ones(3), cpu(2))
+    (w * x).sum().backward()
+    assert device_of(w.grad) == cpu(2) and torch.equal(w.grad, torch.ones(3))
+    net = copy_to(nn.Linear(3, 2), cpu(1))
+    net(torch.ones(4, 3)).sum().backward()  # even from an input that was never placed
+    assert isinstance(net.weight, nn.Parameter)
+    assert {device_of(p.grad) for p in net.parameters()} == {cpu(1)}
+    net.zero_grad(set_to_none=True)
+    net(torch.ones(4, 3)).sum().backward()
+    assert device_of(net.bias.grad) == cpu(1)
+
+
+def test_untagged_tensors_are_left_plain():
+    x = torch.ones(3)
+    assert type(x * 2) is torch.Tensor and type(as_in(x, cpu(0))) is torch.Tensor
+    assert type(copy_to(copy_to(x, cpu(1)), cpu(0))) is torch.Tensor  # back on cpu(0): plain again
+    net = nn.Linear(2, 2)
+    net(torch.ones(1, 2)).sum().backward()
+    assert type(net.weight.grad) is torch.Tensor and type(net.weight) is nn.Parameter
+    part = tag(x.view(3), cpu(1))
+    assert part._base is x and type(x) is torch.Tensor  # reading a view's base does not move the base
+    assert type(part.as_subclass(torch.Tensor)) is torch.Tensor
+    assert part.tolist() == [1.0, 1.0, 1.0] and tuple(part.shape) == (3,)
+
+
+def test_tagged_tensors_save_load_copy_and_print():
+    import copy
+    import io
+    import pickle
+
+    w = copy_to(torch.arange(3.0), cpu(1)).requires_grad_()
+    (w * 2).sum().backward()
+    buf = io.BytesIO()
+    torch.save({"w": w}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)["w"]  # saved as a plain tensor: safe to load anywhere
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, w.detach())
+    assert type(pickle.loads(pickle.dumps(w.detach()))) is torch.Tensor
+    twin = copy.deepcopy(w)
+    assert device_of(twin) == cpu(1) and twin.data_ptr() != w.data_ptr() and torch.equal(twin.grad, w.grad)
+    assert repr(w.detach()) == "tensor([0., 1., 2.], device=cpu(1))"
+
+
+def test_try_all_gpus_with_a_count_gives_distinct_devices_anywhere():
+    for k in (1, 2, 3):
+        devs = try_all_gpus(k)
+        assert len(set(devs)) == k
+        assert devs == ([gpu(i) for i in range(k)] if num_gpus() >= k else [cpu(i) for i in range(k)])
+    assert [try_gpu(i) for i in range(2)] == [try_gpu(0), try_gpu(1)]  # d2l's semantics are unchanged
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(UsageError, match="expected a number of devices >= 1"):
+            try_all_gpus(bad)

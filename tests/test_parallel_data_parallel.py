@@ -67,3 +67,23 @@ def test_data_parallel_on_gpus():
     with DataParallel(net, [gpu(i) for i in range(n)]) as dp:
         x = torch.randn(8, 10, device="cuda:0")
         torch.testing.assert_close(dp(x), net(x))
+
+
+def test_default_devices_are_every_gpu_or_the_modules_own_device(capsys):
+    model = Dummy(nn.Linear(10, 5))
+    if torch.cuda.is_available():
+        model.to("cuda:0")
+    with DataParallel(model) as dp:  # torch.nn.DataParallel's default: all GPUs
+        y = dp(torch.randn(8, 10, device=dp.devices[0].torch_device))
+        assert dp.devices == ([gpu(i) for i in range(torch.cuda.device_count())] or [cpu(0)])
+    assert y.shape == (8, 5) and len(capsys.readouterr().out.splitlines()) == len(dp.devices)
+    if not torch.cuda.is_available():
+        with DataParallel(copy_to(nn.Linear(2, 2), cpu(1))) as dp:
+            assert dp.devices == [cpu(1)]
+
+
+def test_output_is_on_the_first_device_and_uneven_batches_split():
+    net = copy_to(nn.Linear(3, 2), cpu(1))
+    with DataParallel(net, [cpu(1), cpu(0)], threads=[1, 1]) as dp:
+        out = dp(torch.randn(5, 3))  # 3 + 2 rows: the wrapper splits as evenly as it can
+    assert out.shape == (5, 2) and device_of(out) == cpu(1)

@@ -19,7 +19,7 @@ def test_split_sizes_cover_batch_evenly(n, k):
 def test_split_and_load_keeps_order_and_tags_devices():
     x = torch.arange(35).reshape(7, 5)
     devs = [cpu(0), cpu(1), cpu(2)]
-    parts = split_and_load(x, devs)
+    parts = split_and_load(x, devs, even_split=False)
     assert [p.shape[0] for p in parts] == [3, 2, 2]
     assert torch.equal(torch.cat(parts), x)
     assert [device_of(p) for p in parts] == devs
@@ -28,10 +28,28 @@ def test_split_and_load_keeps_order_and_tags_devices():
 
 def test_split_batch_splits_features_and_labels_alike():
     X, y = torch.randn(9, 3), torch.arange(9)
-    Xs, ys = split_batch(X, y, [cpu(0), cpu(1)])
+    Xs, ys = split_batch(X, y, [cpu(0), cpu(1)], even_split=False)
     for a, b in zip(Xs, ys):
         assert a.shape[0] == b.shape[0]
     assert torch.equal(torch.cat(ys), y)
+
+
+def test_uneven_split_is_one_line_error_naming_sizes_and_fix():
+    with pytest.raises(UsageError) as err:
+        split_and_load(torch.zeros(5, 2), [cpu(0), cpu(1)])
+    msg = str(err.value)
+    assert "\n" not in msg and "5 examples" in msg and "(3 + 2)" in msg and "even_split=False" in msg
+    with pytest.raises(UsageError, match="even_split=False"):
+        split_batch(torch.zeros(7, 2), torch.zeros(7), [cpu(0), cpu(1), cpu(2)])
+    assert [len(p) for p in split_and_load(torch.zeros(6, 2), [cpu(0), cpu(1), cpu(2)])] == [2, 2, 2]
+
+
+def test_parts_keep_their_device_through_operations_and_autograd():
+    w = torch.ones(3, requires_grad=True)
+    parts = split_and_load(torch.arange(12.0).reshape(4, 3), [cpu(0), cpu(1)])
+    losses = [(p @ w).relu().sum() for p in parts]
+    assert [device_of(loss) for loss in losses] == [cpu(0), cpu(1)]
+    assert [device_of(t) for t in parts[1].unbind(0)] == [cpu(1), cpu(1)]
 
 
 def test_batch_smaller_than_device_count_is_an_error():

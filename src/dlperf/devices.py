@@ -6,7 +6,9 @@ Vocabulary (d2l calls these *contexts*; PyTorch calls them *devices*):
   ``torch.device('cpu')``, but dlperf treats them as distinct, so multi-device code (data
   parallelism, the engine's per-device workers) runs and is tested on a machine without GPUs.
   A tensor's logical CPU device is recorded on the tensor (*tagged*, see :func:`tag`) when
-  :func:`copy_to` or :func:`as_in` puts it there; an untagged host tensor belongs to ``cpu(0)``.
+  :func:`copy_to`, :func:`as_in` or ``split_and_load`` puts it there, and it follows the tensor
+  through torch operations and autograd: ``copy_to(x, cpu(1)) * 2`` is on ``cpu(1)``, and so is
+  the gradient of a parameter on ``cpu(1)``. An untagged host tensor belongs to ``cpu(0)``.
 * ``gpu(i)`` is CUDA device ``i``. Creating ``gpu(3)`` on a machine with one GPU is allowed (as in
   d2l); using it raises :class:`~dlperf.errors.DeviceUnavailableError`.
 
@@ -46,14 +48,15 @@ __all__ = [
     "as_in",
     "copy_to",
     "tag",
+    "LogicalCpuTensor",
+    "LogicalCpuParameter",
     "check_same_device",
     "require_available",
     "cpu_count",
 ]
 
-# Attribute that records a tensor's or module's logical CPU device. Plain attributes are used
-# because they cost nothing on the hot path; results of ordinary torch ops are untagged and so
-# count as cpu(0) unless code that knows better (a device worker) tags them.
+# Attribute that records a logical CPU device: a class attribute of LogicalCpuTensor's per-device
+# classes, an instance attribute of tagged modules, parameters and buffers.
 _LOGICAL_CPU_ATTR = "_dlperf_cpu_index"
 
 
@@ -122,10 +125,24 @@ def try_gpu(i: int = 0) -> Device:
     return gpu(i) if i < num_gpus() else cpu()
 
 
-def try_all_gpus() -> list[Device]:
-    """Every GPU, or ``[cpu()]`` when there is none."""
+def try_all_gpus(k: int | None = None) -> list[Device]:
+    """Every GPU, or ``[cpu()]`` when there is none; with ``k``, exactly ``k`` distinct devices.
+
+    ``try_all_gpus(k)`` is the first ``k`` GPUs when the machine has that many, else the logical
+    CPU devices ``cpu(0)`` ... ``cpu(k-1)``, so multi-device code (d2l's
+    ``[try_gpu(i) for i in range(k)]``, which repeats ``cpu(0)`` without GPUs) runs anywhere.
+    It never mixes GPUs with CPU devices: data-parallel replicas should be alike.
+
+    >>> try_all_gpus(2) if num_gpus() < 2 else [cpu(0), cpu(1)]
+    [cpu(0), cpu(1)]
+    """
     n = num_gpus()
-    return [gpu(i) for i in range(n)] if n else [cpu()]
+    if k is None:
+        return [gpu(i) for i in range(n)] if n else [cpu()]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise UsageError(f"try_all_gpus(k={k!r}) is not valid; expected a number of devices >= 1, "
+                         "or no argument for every GPU")
+    return [gpu(i) for i in range(k)] if n >= k else [cpu(i) for i in range(k)]
 
 
 def cpu_count() -> int:
@@ -175,6 +192,144 @@ def require_available(device: DeviceLike) -> Device:
     return dev
 
 
+_plain_call = torch._C._disabled_torch_function_impl
+
+# Accessors whose tensor result must not take the caller's device: ``_base`` returns the tensor a
+# view was made from (the caller's, possibly untagged, object), ``as_subclass`` asks for a class.
+_KEEP_RESULT = frozenset({torch.Tensor._base.__get__, torch.Tensor.as_subclass})
+
+
+def _is_argument(out: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    for a in args:
+        if a is out:
+            return True
+        if type(a) is list or type(a) is tuple:
+            for b in a:
+                if b is out:
+                    return True
+    return any(v is out for v in kwargs.values())
+
+
+def _operand_index(a: object) -> int | None:
+    """A tensor operand's logical CPU index, or None where it does not decide (not a tensor, a 0-d host scalar)."""
+    if isinstance(a, LogicalCpuTensor):
+        return a._dlperf_cpu_index
+    if isinstance(a, torch.Tensor) and (a.dim() or not a.is_cpu):
+        return 0
+    return None
+
+
+def _result_index(args: tuple, kwargs: dict) -> int:
+    """The device of the first tensor operand, as torch decides for real devices; 0-d host tensors are scalars."""
+    for a in args:
+        if type(a) is list or type(a) is tuple:
+            for b in a:
+                index = _operand_index(b)
+                if index is not None:
+                    return index
+        else:
+            index = _operand_index(a)
+            if index is not None:
+                return index
+    for a in kwargs.values():
+        index = _operand_index(a)
+        if index is not None:
+            return index
+    return 0
+
+
+class LogicalCpuTensor(torch.Tensor):
+    """A host tensor on logical CPU device ``cpu(i)``, ``i >= 1``; torch ops on it give such tensors.
+
+    Propagating the device costs one Python call per operation (2-5 us, docs/from-the-book.md),
+    and only on tagged tensors: plain tensors (``cpu(0)``, the common case) never reach this code.
+    A result is on the device of the first tensor operand (0-d host tensors act as scalars), where
+    torch would put it on real devices; logical CPU devices share memory, so mixing them does not
+    fail here:
+    :func:`check_same_device` does that. ``.grad`` of a tagged tensor is tagged when read.
+    Pickling and ``torch.save`` store a plain tensor (like ``map_location="cpu"``), so files load
+    with ``weights_only=True``.
+    """
+
+    _dlperf_cpu_index: int
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        out = _plain_call(func, types, args, kwargs)
+        if func in _KEEP_RESULT:
+            return out
+        if type(out) is torch.Tensor:
+            if out.is_cpu and not _is_argument(out, args, kwargs):
+                index = _result_index(args, kwargs)
+                if index:
+                    out.__class__ = LogicalCpuTensor
+                    out._dlperf_cpu_index = index
+        elif isinstance(out, (tuple, list)) and out and type(out[0]) is torch.Tensor:
+            # split, chunk, unbind, max(dim); not tolist() or shape, whose items are numbers
+            index = _result_index(args, kwargs)
+            for o in out if index else ():
+                if type(o) is torch.Tensor and o.is_cpu and not _is_argument(o, args, kwargs):
+                    o.__class__ = LogicalCpuTensor
+                    o._dlperf_cpu_index = index
+        return out
+
+    def _plain(self) -> torch.Tensor:
+        alias = _plain_call(torch.Tensor.detach, (), (self,), {})
+        return alias.requires_grad_(self.requires_grad) if self.is_leaf else alias
+
+    def __reduce_ex__(self, proto):
+        return self._plain().__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        alias = self._plain()
+        grad = self.grad
+        if grad is not None:
+            alias.grad = _plain_call(torch.Tensor.detach, (), (grad,), {})
+        new = copy.deepcopy(alias, memo)
+        new.__class__ = type(self)
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        memo[id(self)] = new
+        return new
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        text = repr(self._plain())
+        return f"{text[:-1]}, device=cpu({self._dlperf_cpu_index}))"
+
+
+class LogicalCpuParameter(LogicalCpuTensor, nn.Parameter):
+    """An ``nn.Parameter`` on logical CPU device ``cpu(i)``, ``i >= 1``: its results and gradient are there too."""
+
+    def __reduce_ex__(self, proto):
+        return nn.Parameter(self._plain(), self.requires_grad).__reduce_ex__(proto)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return "Parameter containing:\n" + LogicalCpuTensor.__repr__(self)
+
+
+# class of a tensor on cpu(0) (untagged) -> its class on cpu(i), i >= 1, and back
+_ON_LOGICAL_CPU = {torch.Tensor: LogicalCpuTensor, nn.Parameter: LogicalCpuParameter}
+_ON_CPU0 = {LogicalCpuTensor: torch.Tensor, LogicalCpuParameter: nn.Parameter}
+
+
+def _tag_tensor(t: torch.Tensor, index: int) -> None:
+    kind = type(t)
+    on_cpu0 = _ON_CPU0.get(kind, kind)
+    target = _ON_LOGICAL_CPU.get(on_cpu0) if index else on_cpu0
+    if target is None:  # another tensor subclass: keep its class, record the device beside it
+        setattr(t, _LOGICAL_CPU_ATTR, index)
+        return
+    if index:
+        t.__class__ = target
+        t._dlperf_cpu_index = index
+    else:
+        t.__dict__.pop(_LOGICAL_CPU_ATTR, None)
+        t.__class__ = target
+
+
 TagT = TypeVar("TagT", torch.Tensor, nn.Module)
 
 
@@ -183,26 +338,33 @@ def tag(x: TagT, device: DeviceLike) -> TagT:
 
     Tagging moves no data. Logical CPU devices share host memory, so a host tensor's
     ``torch.device`` cannot say which of them holds it; the tag can, and :func:`device_of`
-    reads it. Tagging a module tags it and every parameter and buffer it has now. The tag is a
-    plain attribute of the tensor object: results of torch ops are untagged (``cpu(0)``) unless
-    code that knows better tags them, and a view made with ``t.view(t.shape)`` is a separate
-    object that can be tagged without touching ``t``. On a GPU the CUDA device already says where
-    a tensor is, so tagging with ``gpu(i)`` changes nothing.
+    reads it. A tagged tensor becomes a :class:`LogicalCpuTensor` (a parameter a
+    :class:`LogicalCpuParameter`, still an ``nn.Parameter``; tagging with ``cpu(0)`` makes them
+    plain again), and results of torch operations on it, views and its gradient carry the tag too.
+    A view made with ``t.view(t.shape)`` is a separate object that can be tagged without touching
+    ``t``. Tagging a module tags it and every parameter and buffer it has now. On a GPU the CUDA
+    device already says where a tensor is, so tagging with ``gpu(i)`` changes nothing.
 
     >>> t = torch.zeros(3)
     >>> part = tag(t.view(t.shape), cpu(1))   # same memory, another logical device
-    >>> device_of(part), device_of(t)
-    (cpu(1), cpu(0))
+    >>> device_of(part), device_of(t), device_of(part * 2 + 1)
+    (cpu(1), cpu(0), cpu(1))
     >>> device_of(tag(nn.Linear(2, 2), "cpu:2").weight)
     cpu(2)
     """
     dev = device if isinstance(device, Device) else to_device(device)
     if dev.kind != "cpu":
         return x
-    setattr(x, _LOGICAL_CPU_ATTR, dev.index)
     if isinstance(x, nn.Module):
+        setattr(x, _LOGICAL_CPU_ATTR, dev.index)
         for t in (*x.parameters(), *x.buffers()):
-            setattr(t, _LOGICAL_CPU_ATTR, dev.index)
+            if t.is_cpu:
+                _tag_tensor(t, dev.index)
+        return x
+    if not isinstance(x, torch.Tensor):
+        raise UsageError(f"tag expects a torch.Tensor or nn.Module, got {type(x).__name__}")
+    if x.is_cpu:
+        _tag_tensor(x, dev.index)
     return x
 
 

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..devices import Device, DeviceLike, device_of, tag
+from ..devices import Device, DeviceLike, device_of, num_gpus, tag, try_all_gpus
 from ..engine import Engine, create_engine
 from ..errors import DeviceMismatchError, UsageError
 from .split import check_devices, split_and_load
@@ -59,14 +59,19 @@ def _skeleton(module: nn.Module, device: Device) -> nn.Module:
 class DataParallel(nn.Module):
     """Wrap ``module`` so that ``dp(x)`` runs the parts of ``x`` on every device concurrently.
 
-    The output is the parts' outputs concatenated along dim 0 on ``devices[0]``. ``threads``: intra-op
-    threads per CPU device (equal numbers: the engine gives every CPU worker one budget); ``engine``:
-    run on this engine instead of one of its own (then ``threads`` must be left out).
+    The output is the parts' outputs concatenated along dim 0 on ``devices[0]``. ``devices`` defaults,
+    as in ``torch.nn.DataParallel``, to every GPU; on a machine without GPUs to the logical CPU
+    device the module is on, alone (name ``try_all_gpus(k)`` to run on k devices anywhere). A batch
+    that does not divide evenly is split as evenly as it can be. ``threads``: intra-op threads per
+    CPU device (equal numbers: the engine gives every CPU worker one budget); ``engine``: run on this
+    engine instead of one of its own (then ``threads`` must be left out).
     """
 
-    def __init__(self, module: nn.Module, devices: Sequence[DeviceLike], threads: Sequence[int] | None = None,
-                 engine: Engine | None = None):
+    def __init__(self, module: nn.Module, devices: Sequence[DeviceLike] | None = None,
+                 threads: Sequence[int] | None = None, engine: Engine | None = None):
         super().__init__()
+        if devices is None:
+            devices = try_all_gpus() if num_gpus() else [device_of(module)]
         devs = check_devices(devices)
         have = device_of(module)
         if have != devs[0]:
@@ -100,7 +105,7 @@ class DataParallel(nn.Module):
         return rep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = split_and_load(x, self.devices[:min(len(self.devices), int(x.shape[0]))])
+        parts = split_and_load(x, self.devices[:min(len(self.devices), int(x.shape[0]))], even_split=False)
         grad_on = torch.is_grad_enabled()
 
         def run(i: int):
@@ -120,7 +125,7 @@ class DataParallel(nn.Module):
         if first_error is not None:
             raise first_error
         first = self.devices[0].torch_device
-        return torch.cat([o.to(first, non_blocking=True) for o in outs], dim=0)
+        return tag(torch.cat([o.to(first, non_blocking=True) for o in outs], dim=0), self.devices[0])
 
     def close(self) -> None:
         """Stop the engine's worker threads (an engine passed in is left to its owner)."""

@@ -43,7 +43,7 @@ def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[torch.
     try:
         for X, y in data:
             k = min(len(devices), int(X.shape[0]))
-            Xs, ys = split_batch(X, y, devices[:k])
+            Xs, ys = split_batch(X, y, devices[:k], even_split=False)
             if prepare is not None:
                 Xs = [prepare(x) for x in Xs]
             jobs = [partial(_correct, replicas[i], Xs[i], ys[i]) for i in range(k)]

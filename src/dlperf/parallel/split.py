@@ -1,5 +1,9 @@
 """Split a mini-batch along its first axis and place each part on one device (d2l 12.5.5).
 
+Parts are equal unless ``even_split=False`` (Gluon's rule). The parts' tags follow them through
+the forward and backward (see :mod:`dlperf.devices`), so a loss computed from the part on ``cpu(1)``
+is on ``cpu(1)`` too.
+
 On logical CPU devices the parts are *views* of the batch tagged with their device: host memory is
 shared, so a copy would cost memory bandwidth and buy nothing. On GPUs each part is copied with
 ``non_blocking=True``; from pinned host memory that copy overlaps with compute already queued.
@@ -62,35 +66,51 @@ def _place(part: torch.Tensor, dev: Device) -> torch.Tensor:
     return tag(part, dev)
 
 
-def split_and_load(batch: torch.Tensor, devices: Sequence[DeviceLike]) -> list[torch.Tensor]:
-    """Split ``batch`` along dim 0 into one near-equal part per device and put each part there.
+def _check_even(n: int, k: int, even_split: bool, what: str) -> list[int]:
+    sizes = split_sizes(n, k)
+    if even_split and n % k:
+        raise UsageError(f"{what} cannot split {n} examples evenly across {k} devices "
+                         f"({' + '.join(map(str, sizes))}); pass even_split=False to allow parts of "
+                         f"different sizes, or use a batch size divisible by {k}")
+    return sizes
+
+
+def split_and_load(batch: torch.Tensor, devices: Sequence[DeviceLike], even_split: bool = True) -> list[torch.Tensor]:
+    """Split ``batch`` along dim 0 into one equal part per device and put each part there.
+
+    As in Gluon, a batch that does not divide evenly is an error unless ``even_split=False``, which
+    gives the first ``n % k`` parts one extra row: silently unequal parts would weight the devices'
+    gradients unequally in code that averages per device.
 
     >>> from dlperf.devices import cpu, device_of
     >>> parts = split_and_load(torch.arange(20).reshape(4, 5), [cpu(0), cpu(1)])
     >>> [tuple(p.shape) for p in parts], [device_of(p) for p in parts]
     ([(2, 5), (2, 5)], [cpu(0), cpu(1)])
+    >>> [len(p) for p in split_and_load(torch.zeros(5, 2), [cpu(0), cpu(1)], even_split=False)]
+    [3, 2]
     """
     devs = check_devices(devices)
     if not isinstance(batch, torch.Tensor):
         raise UsageError(f"split_and_load expects a torch.Tensor, got {type(batch).__name__}")
     if batch.dim() == 0:
         raise UsageError("split_and_load needs a batch with a first (example) axis; got a 0-d tensor")
-    parts = torch.split(batch, split_sizes(batch.shape[0], len(devs)))
+    sizes = _check_even(batch.shape[0], len(devs), even_split, "split_and_load")
+    parts = torch.split(batch, sizes)
     return [_place(p, d) for p, d in zip(parts, devs)]
 
 
-def split_batch(X: torch.Tensor, y: torch.Tensor,
-                devices: Sequence[DeviceLike]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Split features and labels the same way (d2l's ``split_batch``).
+def split_batch(X: torch.Tensor, y: torch.Tensor, devices: Sequence[DeviceLike],
+                even_split: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Split features and labels the same way (d2l's ``split_batch``); ``even_split`` as in :func:`split_and_load`.
 
     >>> from dlperf.devices import cpu
-    >>> Xs, ys = split_batch(torch.zeros(5, 2), torch.arange(5), [cpu(0), cpu(1)])
+    >>> Xs, ys = split_batch(torch.zeros(5, 2), torch.arange(5), [cpu(0), cpu(1)], even_split=False)
     >>> [len(t) for t in ys]
     [3, 2]
     """
     if X.shape[0] != y.shape[0]:
         raise UsageError(f"features have {X.shape[0]} examples but labels have {y.shape[0]}; they must match")
-    return split_and_load(X, devices), split_and_load(y, devices)
+    return split_and_load(X, devices, even_split), split_and_load(y, devices, even_split)
 
 
 def check_placed(parts: Sequence[torch.Tensor], devices: Sequence[Device], what: str = "input") -> None:

@@ -205,7 +205,7 @@ class Trainer:
             check_placed(X, self.devices, "input")
             check_placed(y, self.devices, "label")
             return list(X), list(y)
-        return split_batch(X, y, self.devices)
+        return split_batch(X, y, self.devices, even_split=False)  # losses are weighted by share
 
     def train_step(self, X: torch.Tensor | Sequence[torch.Tensor],
                    y: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
