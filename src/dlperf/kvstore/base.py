@@ -58,7 +58,7 @@ class KVStore(ABC):
 
     type: str = ""
 
-    def __new__(cls, kind: str | None = None):
+    def __new__(cls, kind: str | None = None, **options: Any):
         # KVStore("local") picks the registered type, as MXNet's mx.kv.create("local") does.
         if cls is KVStore:
             if kind is None:
@@ -431,6 +431,9 @@ def kvstore_types() -> list[str]:
     return _TYPES.names()
 
 
-def create_kvstore(name: str = "local") -> KVStore:
-    """A new store of the given type (``local``: sums on the host; ``device``: sums on the devices)."""
-    return _TYPES.get(name)()
+def create_kvstore(name: str = "local", **options: Any) -> KVStore:
+    """A new store of the given type (``local``: sums on the host; ``device``: sums on the devices).
+
+    ``options`` go to the type's constructor (the distributed types take ``num_servers``, ``staleness``).
+    """
+    return _TYPES.get(name)(**options)
