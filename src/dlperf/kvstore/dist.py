@@ -157,7 +157,9 @@ class _Channel:
 
         self.dist = dist
         self.group = group
-        self._tags = iter(range(1, 2**31 - 1))
+        # requests take odd tags and their replies the next even one: a process sends both requests (its
+        # worker's tags) and replies (its peers' tags) to a peer, and the two must never share a slot
+        self._tags = iter(range(1, 2**31 - 2, 2))
         self._tag_lock = threading.Lock()
 
     def new_tag(self) -> int:
@@ -165,14 +167,20 @@ class _Channel:
             return next(self._tags)
 
     def send(self, dst: int, code: int, tag: int, meta: dict, data: torch.Tensor | None,
-             header_tag: int | None = None) -> None:
+             header_tag: int | None = None, wait: bool = True) -> list[tuple[Any, torch.Tensor]]:
+        """Send one message; with ``wait=False`` return its (work, tensor) pairs, to be kept until done."""
         body = json.dumps(meta).encode()
         nbytes = 0 if data is None else data.numel()
         header = torch.tensor([code, tag, len(body), nbytes], dtype=torch.int64)
-        self.dist.send(header, dst, group=self.group, tag=tag if header_tag is None else header_tag)
-        self.dist.send(torch.frombuffer(bytearray(body), dtype=torch.uint8), dst, group=self.group, tag=tag)
+        parts = [(header, tag if header_tag is None else header_tag),
+                 (torch.frombuffer(bytearray(body), dtype=torch.uint8), tag)]
         if nbytes:
-            self.dist.send(data, dst, group=self.group, tag=tag)
+            parts.append((data, tag))
+        works = [(self.dist.isend(t, dst, group=self.group, tag=t_tag), t) for t, t_tag in parts]
+        if wait:
+            for work, _ in works:
+                work.wait()
+        return works
 
     def recv_header(self, src: int | None, tag: int) -> tuple[int, int, int, int, int]:
         header = torch.empty(_HEADER, dtype=torch.int64)
@@ -219,6 +227,7 @@ class _Entry:
 
     value: torch.Tensor
     dtype: str
+    mode: str
     merge: torch.Tensor | None = None
     arrived: set[int] = field(default_factory=set)
     backlog: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -242,6 +251,8 @@ class _Server:
         self.byes: set[int] = set()
         self.mailbox: dict[int, tuple[int, dict, torch.Tensor]] = {}
         self.mail = threading.Condition(self.lock)
+        # replies in flight: a server never blocks on a reply (the worker may be busy serving us)
+        self.outgoing: list[list[tuple[Any, torch.Tensor]]] = []
 
     # -- transport -------------------------------------------------------------------------------
     def reply(self, dst: int, tag: int, code: int, meta: dict, data: torch.Tensor | None = None) -> None:
@@ -249,7 +260,15 @@ class _Server:
             self.mailbox[tag] = (code, meta, torch.empty(0, dtype=torch.uint8) if data is None else data)
             self.mail.notify_all()
         else:
-            self.store._channel.send(dst, code, tag, meta, data)
+            self.outgoing.append(self.store._channel.send(dst, code, tag + 1, meta, data, wait=False))
+            self.outgoing = [w for w in self.outgoing if not all(work.is_completed() for work, _ in w)]
+
+    def drain(self) -> None:
+        """Wait for every reply in flight to reach its worker."""
+        for works in self.outgoing:
+            for work, _ in works:
+                work.wait()
+        self.outgoing = []
 
     def serve_remote(self, expected_byes: int) -> None:
         channel = self.store._channel
@@ -258,6 +277,8 @@ class _Server:
             meta, data = channel.recv_body(src, tag, meta_len, data_len)
             with self.lock:
                 self.handle(src, op, tag, meta, data)
+        with self.lock:
+            self.drain()
 
     def handle(self, src: int, op: int, tag: int, meta: dict, data: torch.Tensor) -> None:
         try:
@@ -287,20 +308,24 @@ class _Server:
 
     # -- operations ------------------------------------------------------------------------------
     def on_init(self, src: int, tag: int, meta: dict, data: torch.Tensor) -> None:
-        mode = self.store._merge_mode()
-        if meta["mode"] != mode:
-            raise UsageError(f"worker rank {src} merges pushes by {meta['mode']!r} but server rank "
-                             f"{self.store._global_rank} by {mode!r}; call set_optimizer/set_updater on every "
-                             "rank, servers included, before init")
+        # A server process is configured before it serves, so its own mode counts. A co-located server's
+        # worker may still be configuring while a faster peer's init arrives: the first init's mode counts,
+        # and every worker's config is complete once init, a barrier, returns.
+        own = self.store._merge_mode() if self.store.role == "server" else None
         values = _unpack(data, [(d, n) for _, _, d, n, _ in meta["items"]]) if data.numel() else []
         parts = []
         for i, (name, part, dtype, numel, shape) in enumerate(meta["items"]):
             key = _key_of(name)
             entry = self.entries.get((key, part))
             if entry is None:
-                entry = self.entries[(key, part)] = _Entry(torch.zeros(numel, dtype=_DTYPES[dtype]), dtype)
+                entry = self.entries[(key, part)] = _Entry(torch.zeros(numel, dtype=_DTYPES[dtype]), dtype,
+                                                           mode=own or meta["mode"])
                 if shape is not None:
                     entry.value = entry.value.reshape(shape)
+            if meta["mode"] != entry.mode:
+                raise UsageError(f"worker rank {src} merges pushes by {meta['mode']!r} but server rank "
+                                 f"{self.store._global_rank} by {entry.mode!r}; call set_optimizer/set_updater "
+                                 "on every rank, servers included, before init")
             if values:
                 entry.value.view(-1).copy_(values[i])
             entry.inits.add(src)
@@ -391,12 +416,8 @@ class _Server:
         self.on_pull(src, tag, {"items": meta["pull"]}, data)
 
     def on_state(self, src: int, tag: int, meta: dict, data: torch.Tensor) -> None:
-        items = [[k, p, e.dtype, e.value.numel()] for (k, p), e in self.entries.items()]
         optimizers = {f"{p}:{k!r}": e.optimizer.state_dict() for (k, p), e in self.entries.items() if e.optimizer}
-        tensors = [e.value for e in self.entries.values()]
-        opt = _state_bytes(optimizers)
-        packed = [_pack(tensors)] if tensors else []
-        self.reply(src, tag, _OK, {"items": items, "optimizer_bytes": opt.numel()}, torch.cat([*packed, opt]))
+        self.reply(src, tag, _OK, {}, _state_bytes(optimizers))
 
     def on_load(self, src: int, tag: int, meta: dict, data: torch.Tensor) -> None:
         parts = []
@@ -540,8 +561,8 @@ class DistKVStore(KVStore):
         self._channel.send(server, op, tag, meta, data, header_tag=0)
 
         def wait_remote() -> tuple[dict, torch.Tensor]:
-            _, code, _, meta_len, data_len = self._channel.recv_header(server, tag)
-            reply, body = self._channel.recv_body(server, tag, meta_len, data_len)
+            _, code, _, meta_len, data_len = self._channel.recv_header(server, tag + 1)
+            reply, body = self._channel.recv_body(server, tag + 1, meta_len, data_len)
             return self._checked(server, code, reply, body)
 
         return _no_reply if no_reply else wait_remote
@@ -719,21 +740,18 @@ class DistKVStore(KVStore):
         """Every key's value and the servers' optimizer states, gathered from the servers."""
         self._check_worker()
         self.wait_all()
+        keys = list(self._meta)
         values = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in self._meta.items()}
+        # a pull waits for the rounds this worker pushed, so the values include them; no round ends
+        # while this worker is here (it would need this worker's next push), so optimizer states match
+        if keys:
+            self.pull(keys, out=[values[k] for k in keys])
         optimizers: dict[Key, dict[int, Any]] = {}
         for server in self._placement.servers:
-            reply, body = self._request(server, _STATE, {}, None)
-            opt_len = reply["optimizer_bytes"]
-            items = reply["items"]
-            tensors = _unpack(body[:body.numel() - opt_len], [(d, n) for _, _, d, n in items]) if items else []
-            for (name, part, _, _), t in zip(items, tensors, strict=True):
-                key = _key_of(name)
-                if key in values:
-                    s = self._slice(key, part)
-                    values[key].view(-1)[s.start:s.stop].copy_(t)
-            for name, state in _state_from_bytes(body[body.numel() - opt_len:]).items():
+            _, body = self._request(server, _STATE, {}, None)
+            for name, state in _state_from_bytes(body).items():
                 part, key_repr = name.split(":", 1)
-                key = next((k for k in values if repr(k) == key_repr), None)
+                key = next((k for k in keys if repr(k) == key_repr), None)
                 if key is not None:
                     optimizers.setdefault(key, {})[int(part)] = state
         return {"values": values, "optimizers": optimizers, "parts": {k: len(self._slices(k)) for k in values}}
@@ -791,6 +809,9 @@ class DistKVStore(KVStore):
                             self._request(server, _BYE, {}, None)
                     if self._thread is not None:
                         self._thread.join()
+                    if self._server is not None:
+                        with self._server.lock:
+                            self._server.drain()
         finally:
             super().close()
 
