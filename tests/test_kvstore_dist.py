@@ -14,7 +14,7 @@ import torch
 
 from dlperf.errors import UsageError
 from dlperf.kvstore import KVStore, Placement, create_kvstore, kvstore_types
-from dlperf.parallel.launchers import LaunchError, ProcessLauncher
+from dlperf.parallel.launchers import ProcessLauncher
 
 JOIN_S = 90
 KEYS = [3, 11, 12, 40, 41, 57, 90, 123]  # int keys, small: hashed over the servers
@@ -186,6 +186,8 @@ def _async_worker(num_servers: int, staleness: int | None) -> dict:
     if kv.role == "server":
         kv.serve()
         kv.close()
+        if num_servers:
+            _mismatched_updater_round(num_servers)
         return {"role": "server"}
     n = kv.num_workers
     init = {k: _value(-1, 0, k, _numel(k)) for k in KEYS}
@@ -223,17 +225,26 @@ def _async_worker(num_servers: int, staleness: int | None) -> dict:
         errors.append((o - want).abs().max().item())
     result["max_error"] = max(errors)
     kv.close()
+    if num_servers:
+        result["mismatch"] = _mismatched_updater_round(num_servers)
     return result
 
 
-def _mismatched_updater_worker() -> None:
-    kv = create_kvstore("dist_sync", num_servers=1)
+def _mismatched_updater_round(num_servers: int) -> str | None:
+    """Workers merge by an updater, the server process by assignment: init must say so and name it."""
+    kv = create_kvstore("dist_sync", num_servers=num_servers)
     if kv.role == "server":
-        kv.serve()  # this server merges by assignment: no updater set here
+        kv.serve()  # no set_updater here
         kv.close()
-        return
+        return None
     kv.set_updater(_accumulate)
-    kv.init(0, torch.zeros(2))
+    try:
+        kv.init(0, torch.zeros(2))
+    except UsageError as exc:
+        return str(exc)
+    finally:
+        kv.close()
+    return None
 
 
 # --- launches ----------------------------------------------------------------------------------------
@@ -243,6 +254,20 @@ def colocated(tmp_path_factory):
     """dist_sync, 2 workers each hosting a server (the default layout)."""
     path = str(tmp_path_factory.mktemp("kv") / "state.pt")
     return ProcessLauncher(2, join_timeout_s=JOIN_S).launch(_sync_worker, 0, path)
+
+
+@pytest.fixture(scope="module")
+def async_launch():
+    """dist_async launches by (staleness, num_servers), each run once for every test that needs it."""
+    done: dict = {}
+
+    def launch(staleness: int | None, num_servers: int) -> list[dict]:
+        if (staleness, num_servers) not in done:
+            done[staleness, num_servers] = ProcessLauncher(2 + num_servers, join_timeout_s=JOIN_S).launch(
+                _async_worker, num_servers, staleness)
+        return done[staleness, num_servers]
+
+    return launch
 
 
 def _workers(results: list[dict]) -> list[dict]:
@@ -303,10 +328,9 @@ def test_bad_inputs_give_one_line_errors(colocated):
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("staleness", "num_servers"), [(None, 0), (0, 1)])
-def test_async_applies_on_arrival_and_staleness_bounds_it(staleness, num_servers):
+def test_async_applies_on_arrival_and_staleness_bounds_it(async_launch, staleness, num_servers):
     # co-located servers, then one server process
-    results = ProcessLauncher(2 + num_servers, join_timeout_s=JOIN_S).launch(_async_worker, num_servers, staleness)
-    workers = _workers(results)
+    workers = _workers(async_launch(staleness, num_servers))
     assert [r["rank"] for r in workers] == [0, 1]
     assert all(r["max_error"] < 1e-5 for r in workers)
     early = workers[0]["early_pull"]
@@ -317,11 +341,12 @@ def test_async_applies_on_arrival_and_staleness_bounds_it(staleness, num_servers
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(90)
-def test_a_server_that_merges_differently_is_named():
-    with pytest.raises(LaunchError, match=r"server rank 2: UsageError: worker rank \d merges pushes by 'updater' "
-                                          r"but server rank 2 by 'assign'"):
-        ProcessLauncher(3, join_timeout_s=60).launch(_mismatched_updater_worker)
+@pytest.mark.timeout(150)
+def test_a_server_that_merges_differently_is_named(async_launch):
+    for r in _workers(async_launch(0, 1)):
+        assert r["mismatch"] is not None and "\n" not in r["mismatch"]
+        assert (f"kvstore server rank 2: UsageError: worker rank {r['rank']} merges pushes by 'updater' but "
+                "server rank 2 by 'assign'") in r["mismatch"]
 
 
 @pytest.mark.distributed
