@@ -48,6 +48,9 @@ def _sync_worker(num_servers: int, ckpt: str) -> dict:
     if kv.role == "server":
         kv.serve()
         kv.close()
+        # every store is created by every rank: the server takes part in the later rounds too
+        _updater_round(num_servers)
+        _checkpoint_round(num_servers, ckpt, workers)
         return {"role": "server"}
     out: dict = {"role": "worker", "rank": kv.rank, "num_workers": kv.num_workers}
     n = kv.num_workers
@@ -358,6 +361,8 @@ def test_sync_with_server_processes_matches_the_oracle(tmp_path):
         assert r["max_error"] < 1e-5
         assert {s for k in KEYS for s, _, _ in r["placement"][k]} == {3}
         assert r["updater"] == [1 + 3 * 0.5 * (2 + 3 + 4)] * 4
+        assert r["checkpoint"]["parts"] == 1 and r["checkpoint"]["resumed_error"] == 0.0
+        assert r["checkpoint"]["sgd_error"] < 1e-5
 
 
 # --- without processes ---------------------------------------------------------------------------------
