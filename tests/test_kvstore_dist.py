@@ -388,3 +388,21 @@ def test_placement_is_stable_spread_and_splits_evenly():
     assert all(x.stop == y.start for x, y in zip(split, split[1:]))
     one = Placement([2], 1000)
     assert one.place("big", 5000)[0].stop == 5000
+
+
+def test_small_keys_travel_packed_in_one_buffer_and_big_ones_as_they_are():
+    from dlperf.kvstore.dist import _from_wire, _to_wire
+
+    g = torch.Generator().manual_seed(3)
+    small = [torch.randn(n, generator=g) for n in (1, 3, 7, 100)] + [torch.arange(5, dtype=torch.int64)]
+    big = torch.randn(40_000, generator=g)  # 160 KB
+    tensors = small[:2] + [big] + small[2:]
+    wire = _to_wire(tensors)
+    # one packed buffer for the five small ones, then the big one, not copied
+    assert len(wire) == 2 and wire[1].data_ptr() == big.data_ptr()
+    back = _from_wire(wire, [(str(t.dtype), t.numel()) for t in tensors])
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors, strict=True))
+    with pytest.raises(UsageError, match="carries 0 large tensors; its metadata names 1"):
+        _from_wire(wire[:1], [(str(t.dtype), t.numel()) for t in tensors])
+    with pytest.raises(UsageError, match="dtype 'torch.complex64'"):
+        _from_wire(wire, [("torch.complex64", 1)])

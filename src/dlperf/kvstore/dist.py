@@ -98,7 +98,7 @@ class Placement:
 
     def place(self, key: Key, numel: int) -> list[Slice]:
         n = len(self.servers)
-        if numel < max(self.big_array_bound, n) or n == 1 and numel < self.big_array_bound:
+        if numel < max(self.big_array_bound, n):
             where = [Slice(self.servers[_stable_hash(key) % n], 0, 0, numel)]
         else:
             bounds = [numel * i // n for i in range(n + 1)]
@@ -511,7 +511,11 @@ class DistKVStore(KVStore):
         self._server = _Server(self) if rank in servers else None
         if self._server is not None:
             _SERVERS[self._id] = self._server
-        _start_agent(rank, world, float(timeout_s))
+        try:
+            _start_agent(rank, world, float(timeout_s))
+        except BaseException:
+            _SERVERS.pop(self._id, None)
+            raise
         dist.barrier()  # every rank's server is registered before any request can reach it
 
     @staticmethod
