@@ -242,6 +242,10 @@ class _Server:
         self.lock = threading.Lock()
         self.byes: set[int] = set()
         self.all_closed = threading.Event()
+        # a server process is configured (set_optimizer, set_updater) between its store's creation and
+        # serve(): inits that arrive before serve() wait for it, so they meet the configured mode
+        self.serving = store.role != "server"
+        self.early_inits: list[tuple[int, dict, list[torch.Tensor], torch.futures.Future]] = []
 
     def handle(self, src: int, op: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
         handlers = {_INIT: self.on_init, _PUSH: self.on_push, _PULL: self.on_pull, _PUSHPULL: self.on_pushpull,
@@ -276,7 +280,17 @@ class _Server:
             self.all_closed.set()
         self.ok(future)
 
+    def start_serving(self) -> None:
+        with self.lock:
+            self.serving = True
+            early, self.early_inits = self.early_inits, []
+            for src, meta, wire, future in early:
+                self.handle(src, _INIT, meta, wire, future)
+
     def on_init(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
+        if not self.serving:
+            self.early_inits.append((src, meta, wire, future))
+            return
         # A server process is configured before it serves, so its own mode counts. A co-located server's
         # worker may still be configuring while a faster peer's init arrives: the first init's mode counts,
         # and every worker's config is complete once init, a barrier, returns.
@@ -808,6 +822,7 @@ class DistKVStore(KVStore):
         if self.role != "server":
             raise UsageError(f"serve() runs on server ranks; rank {self._global_rank} is a worker (servers are "
                              f"ranks {self._placement.servers})")
+        self._server.start_serving()
         self._server.all_closed.wait()
 
     def close(self) -> None:
