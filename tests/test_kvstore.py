@@ -191,3 +191,14 @@ def test_save_and_load_round_trip_through_a_file(tmp_path):
     path.write_bytes(b"not a checkpoint")
     with KVStore("local") as kv3, pytest.raises(UsageError, match="kvstore state"):
         kv3.load(path)
+
+
+@pytest.mark.parametrize("state", [{"values": {0: [1.0]}, "optimizers": {}},
+                                   {"values": {1.5: torch.ones(1)}, "optimizers": {}},
+                                   {"values": {0: torch.ones(1)}, "optimizers": {0: [1]}},
+                                   {"values": []}])
+def test_load_refuses_a_file_of_the_wrong_shape(tmp_path, state):
+    path = tmp_path / "odd.pt"
+    torch.save(state, path)
+    with KVStore("local") as kv, pytest.raises(UsageError, match="is not a file written by KVStore.save"):
+        kv.load(path)

@@ -392,6 +392,12 @@ class KVStore(ABC):
                 and isinstance(state.get("optimizers"), dict)):
             raise UsageError(f"kvstore state {os.fspath(path)!r} is not a file written by KVStore.save "
                              "(no 'values' and 'optimizers' tables); give the path of one")
+        bad = next((k for k, v in state["values"].items() if isinstance(k, bool) or not isinstance(k, (int, str))
+                    or not isinstance(v, torch.Tensor)), None)
+        if bad is not None or any(not isinstance(s, dict) for s in state["optimizers"].values()):
+            what = f"key {bad!r}" if bad is not None else "an optimizer state"
+            raise UsageError(f"kvstore state {os.fspath(path)!r} is not a file written by KVStore.save ({what} is "
+                             "not a tensor under an int or str key); give the path of one")
         self.load_state_dict(state)
 
     # -- lifetime ---------------------------------------------------------------------------------
