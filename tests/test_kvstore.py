@@ -23,12 +23,12 @@ def test_matches_a_dict_oracle(kind):
     g = torch.Generator().manual_seed(0)
     oracle: dict = {}
     with create_kvstore(kind) as kv:
-        for key in [3, "w", 7]:
+        for key in [3, 5, 7]:
             v = torch.randn(4, 3, generator=g)
             kv.init(key, v)
             oracle[key] = v.clone()
         for step in range(4):
-            key = [3, "w", 7][step % 3]
+            key = [3, 5, 7][step % 3]
             pushed = [copy_to(torch.randn(4, 3, generator=g), cpu(i)) for i in range(3)]
             kv.push(key, pushed)
             oracle[key] = sum(pushed)
@@ -36,7 +36,7 @@ def test_matches_a_dict_oracle(kind):
             kv.pull(key, out=outs)
             for o in outs:
                 torch.testing.assert_close(o, oracle[key])
-        assert sorted(map(str, kv.keys())) == sorted(map(str, oracle))
+        assert sorted(kv.keys()) == sorted(oracle)
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -93,3 +93,112 @@ def test_errors_are_clear():
 def test_single_process_identity():
     kv = create_kvstore("device")
     assert (kv.rank, kv.num_workers) == (0, 1)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_set_updater_is_called_with_key_received_stored(kind):
+    calls = []
+
+    def scaled_accumulate(key, received, stored):
+        calls.append((key, received.clone(), stored.clone()))
+        stored += 0.5 * received
+
+    g = torch.Generator().manual_seed(1)
+    w0 = torch.randn(3, generator=g)
+    expected = w0.clone()
+    with KVStore(kind) as kv:
+        kv.set_updater(scaled_accumulate)
+        kv.init(4, w0)
+        for _ in range(3):
+            grads = [torch.randn(3, generator=g) for _ in range(2)]
+            kv.push(4, grads)
+            expected += 0.5 * (grads[0] + grads[1])
+        out = torch.empty(3)
+        kv.pull(4, out=out)
+    torch.testing.assert_close(out, expected)
+    assert [c[0] for c in calls] == [4, 4, 4]
+    torch.testing.assert_close(calls[0][2], w0)  # the stored value before the first update
+
+
+def test_set_updater_and_set_optimizer_replace_each_other():
+    with KVStore("local") as kv:
+        kv.set_updater(lambda k, r, s: s.add_(r))
+        kv.set_optimizer(lambda ps: torch.optim.SGD(ps, lr=1.0))
+        kv.init(0, torch.zeros(2))
+        kv.push(0, torch.ones(2))
+        out = torch.empty(2)
+        kv.pull(0, out=out)
+        assert out.tolist() == [-1.0, -1.0]  # SGD's step, not the updater's sum
+        with pytest.raises(UsageError, match="set_updater needs a callable"):
+            kv.set_updater("add")
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_broadcast_inits_and_fills_every_out(kind):
+    value = torch.arange(6.0).reshape(2, 3)
+    outs = [torch.zeros(2, 3), torch.zeros(2, 3)]
+    with KVStore(kind) as kv:
+        kv.broadcast("w", value, out=outs)
+        assert all(torch.equal(o, value) for o in outs)
+        with pytest.raises(UsageError, match="already initialized"):
+            kv.broadcast("w", value, out=outs)
+
+
+@pytest.mark.parametrize("out_shape", [(3,), (1, 3), (2, 3, 1), (6,)])
+def test_pull_into_a_different_shape_names_both_shapes(out_shape):
+    with KVStore("local") as kv:
+        kv.init(1, torch.ones(2, 3))
+        out = torch.full(out_shape, 7.0)
+        with pytest.raises(UsageError) as info:
+            kv.pull(1, out=out)
+        message = str(info.value)
+        assert "\n" not in message
+        assert str(tuple(out_shape)) in message and "(2, 3)" in message
+        assert torch.all(out == 7.0)  # nothing was written
+
+
+def test_mixed_int_and_str_keys_raise():
+    with KVStore("local") as kv:
+        kv.init(1, torch.ones(1))
+        with pytest.raises(UsageError, match="key 'w' is a str but this store's keys are ints"):
+            kv.init("w", torch.ones(1))
+    with KVStore("local") as kv:
+        kv.init("w", torch.ones(1))
+        with pytest.raises(UsageError, match="key 2 is an int but this store's keys are strs"):
+            kv.init([2], [torch.ones(1)])
+        for bad in (1.5, True, None):
+            with pytest.raises(UsageError, match="expected an int or a str"):
+                kv.init(bad, torch.ones(1))
+
+
+def test_save_and_load_round_trip_through_a_file(tmp_path):
+    path = tmp_path / "kv.pt"
+    with KVStore("local") as kv:
+        kv.set_optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+        kv.init(0, torch.ones(3))
+        kv.push(0, torch.ones(3))
+        kv.save(path)
+        kv.push(0, torch.ones(3))
+        want = torch.empty(3)
+        kv.pull(0, out=want)
+    with KVStore("local") as kv2:
+        kv2.set_optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+        kv2.load(path)
+        kv2.push(0, torch.ones(3))
+        got = torch.empty(3)
+        kv2.pull(0, out=got)
+    torch.testing.assert_close(got, want)  # momentum came back too
+    path.write_bytes(b"not a checkpoint")
+    with KVStore("local") as kv3, pytest.raises(UsageError, match="kvstore state"):
+        kv3.load(path)
+
+
+@pytest.mark.parametrize("state", [{"values": {0: [1.0]}, "optimizers": {}},
+                                   {"values": {1.5: torch.ones(1)}, "optimizers": {}},
+                                   {"values": {0: torch.ones(1)}, "optimizers": {0: [1]}},
+                                   {"values": []}])
+def test_load_refuses_a_file_of_the_wrong_shape(tmp_path, state):
+    path = tmp_path / "odd.pt"
+    torch.save(state, path)
+    with KVStore("local") as kv, pytest.raises(UsageError, match="is not a file written by KVStore.save"):
+        kv.load(path)

@@ -22,6 +22,7 @@ operations on their key first, then run in the calling thread.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._io import atomic_open, safe_torch_load
 from ..devices import Device, DeviceLike, cpu, to_device
 from ..engine import Engine, Op, Var, create_engine
 from ..errors import UsageError
@@ -38,6 +40,7 @@ __all__ = ["KVStore", "register_kvstore", "create_kvstore", "kvstore_types", "Ke
 
 Key = int | str
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+Updater = Callable[[Key, torch.Tensor, torch.Tensor], None]
 
 
 def _as_list(value: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
@@ -55,7 +58,7 @@ class KVStore(ABC):
 
     type: str = ""
 
-    def __new__(cls, kind: str | None = None):
+    def __new__(cls, kind: str | None = None, **options: Any):
         # KVStore("local") picks the registered type, as MXNet's mx.kv.create("local") does.
         if cls is KVStore:
             if kind is None:
@@ -68,6 +71,8 @@ class KVStore(ABC):
         self._params: dict[Key, nn.Parameter] = {}
         self._optimizers: dict[Key, torch.optim.Optimizer] = {}
         self._factory: OptimizerFactory | None = None
+        self._updater: Updater | None = None
+        self._key_type: type | None = None
         self._closed = False
         self._engine: Engine | None = None
         self._own_engine = False
@@ -115,6 +120,7 @@ class KVStore(ABC):
             for k, v in zip(key, _as_list(value, "init"), strict=True):
                 self.init(k, v)
             return
+        self._check_key_type(key)
         if key in self._store:
             raise UsageError(f"key {key!r} is already initialized; each key is initialized once")
         value = _as_list(value, "init")[0]
@@ -149,7 +155,10 @@ class KVStore(ABC):
     def _push_now(self, key: Key, values: list[torch.Tensor]) -> None:
         stored = self._store[key]
         total = self._reduce(stored.device, values)
-        if self._factory is None:
+        if self._updater is not None:
+            with torch.no_grad():
+                self._updater(key, total, stored)
+        elif self._factory is None:
             stored.copy_(total)  # no optimizer: the store keeps the sum of the last push
         else:
             self._update(key, total)
@@ -167,14 +176,33 @@ class KVStore(ABC):
         self._pull_now(key, outs)
 
     def _check_pull(self, key: Key, out: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        self._get(key)
-        return _as_list(out, "pull")
+        stored = self._get(key)
+        outs = _as_list(out, "pull")
+        for o in outs:
+            # copy_ would broadcast a (3,) stored value into a (2, 3) out without a word: refuse instead
+            if o.shape != stored.shape:
+                raise UsageError(f"pull from key {key!r}: out shape {tuple(o.shape)} does not match the stored "
+                                 f"{tuple(stored.shape)}; pull into a tensor of the stored shape")
+        return outs
 
     def _pull_now(self, key: Key, outs: list[torch.Tensor]) -> None:
         stored = self._store[key]
         with torch.no_grad():
             for o in outs:
                 o.copy_(stored, non_blocking=True)
+
+    def broadcast(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor],
+                  out: torch.Tensor | Sequence[torch.Tensor], priority: int = 0) -> None:
+        """Initialize ``key`` with ``value`` (rank 0's, across processes) and pull it into ``out``.
+
+        >>> with KVStore("local") as kv:
+        ...     outs = [torch.zeros(2), torch.zeros(2)]
+        ...     kv.broadcast("w", torch.ones(2), out=outs)
+        ...     outs[1].tolist()
+        [1.0, 1.0]
+        """
+        self.init(key, value)
+        self.pull(key, out, priority)
 
     def pushpull(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor],
                  out: torch.Tensor | Sequence[torch.Tensor] | None = None, priority: int = 0) -> None:
@@ -265,9 +293,39 @@ class KVStore(ABC):
                                        name=f"kvstore pushpull {key}", kind=self._lane_kind)
 
     def set_optimizer(self, factory: OptimizerFactory) -> None:
-        """Update on the store: later pushes are gradients and ``factory([param])`` updates each key."""
+        """Update on the store: later pushes are gradients and ``factory([param])`` updates each key.
+
+        Replaces an updater set with :meth:`set_updater`.
+        """
         self._check_open()
-        self._factory = factory
+        if not callable(factory):
+            raise UsageError(f"set_optimizer needs a callable that builds an optimizer from [param], got "
+                             f"{type(factory).__name__}; e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)")
+        self._factory, self._updater = factory, None
+
+    def set_updater(self, updater: Updater) -> None:
+        """Merge each push with ``updater(key, received, stored)``, which updates ``stored`` in place.
+
+        ``received`` is the sum of the push's values (across processes: of every worker's, per round);
+        this is MXNet's custom updater, and it replaces the default (the store keeps the last sum) and
+        an optimizer set with :meth:`set_optimizer`.
+
+        >>> def accumulate(key, received, stored):
+        ...     stored += received
+        >>> with KVStore("local") as kv:
+        ...     kv.set_updater(accumulate)
+        ...     kv.init(0, torch.ones(2))
+        ...     kv.push(0, [torch.ones(2), torch.ones(2)])
+        ...     out = torch.empty(2)
+        ...     kv.pull(0, out=out)
+        ...     out.tolist()
+        [3.0, 3.0]
+        """
+        self._check_open()
+        if not callable(updater):
+            raise UsageError(f"set_updater needs a callable updater(key, received, stored), got "
+                             f"{type(updater).__name__}")
+        self._updater, self._factory = updater, None
 
     def _update(self, key: Key, grad: torch.Tensor) -> None:
         param = self._params.get(key)
@@ -277,6 +335,18 @@ class KVStore(ABC):
         param.grad = grad
         self._optimizers[key].step()
         param.grad = None
+
+    def _check_key_type(self, key: object) -> None:
+        """Keys are ints or strs, one kind per store (MXNet's rule: the two kinds name keys differently)."""
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise UsageError(f"key {key!r} is a {type(key).__name__}; expected an int or a str")
+        kind = str if isinstance(key, str) else int
+        if self._key_type is None:
+            self._key_type = kind
+        elif kind is not self._key_type:
+            article = "a" if kind is str else "an"
+            raise UsageError(f"key {key!r} is {article} {kind.__name__} but this store's keys are "
+                             f"{self._key_type.__name__}s; use one kind of key per store")
 
     def _get(self, key: Key) -> torch.Tensor:
         try:
@@ -308,6 +378,27 @@ class KVStore(ABC):
                 self._params[k] = nn.Parameter(self._store[k], requires_grad=True)
                 self._optimizers[k] = self._factory([self._params[k]])
             self._optimizers[k].load_state_dict(s)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write :meth:`state_dict` to ``path`` atomically (a crash leaves the old file or the new one)."""
+        state = self.state_dict()
+        with atomic_open(path, "wb") as f:
+            torch.save(state, f)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Read a file written by :meth:`save` as data only (no pickled code runs) and load it."""
+        state = safe_torch_load(path, what="kvstore state", expected="a file written by KVStore.save")
+        if not (isinstance(state, dict) and isinstance(state.get("values"), dict)
+                and isinstance(state.get("optimizers"), dict)):
+            raise UsageError(f"kvstore state {os.fspath(path)!r} is not a file written by KVStore.save "
+                             "(no 'values' and 'optimizers' tables); give the path of one")
+        bad = next((k for k, v in state["values"].items() if isinstance(k, bool) or not isinstance(k, (int, str))
+                    or not isinstance(v, torch.Tensor)), None)
+        if bad is not None or any(not isinstance(s, dict) for s in state["optimizers"].values()):
+            what = f"key {bad!r}" if bad is not None else "an optimizer state"
+            raise UsageError(f"kvstore state {os.fspath(path)!r} is not a file written by KVStore.save ({what} is "
+                             "not a tensor under an int or str key); give the path of one")
+        self.load_state_dict(state)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -346,6 +437,9 @@ def kvstore_types() -> list[str]:
     return _TYPES.names()
 
 
-def create_kvstore(name: str = "local") -> KVStore:
-    """A new store of the given type (``local``: sums on the host; ``device``: sums on the devices)."""
-    return _TYPES.get(name)()
+def create_kvstore(name: str = "local", **options: Any) -> KVStore:
+    """A new store of the given type (``local``: sums on the host; ``device``: sums on the devices).
+
+    ``options`` go to the type's constructor (the distributed types take ``num_servers``, ``staleness``).
+    """
+    return _TYPES.get(name)(**options)

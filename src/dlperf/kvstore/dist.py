@@ -1,0 +1,872 @@
+"""Distributed stores: one key space shared by the processes of a job (d2l 12.7.3-12.7.4).
+
+``dist_sync``, ``dist_async`` and ``dist_device_sync`` keep :class:`~dlperf.kvstore.KVStore`'s interface
+across processes started by a launcher (:class:`~dlperf.parallel.launchers.ProcessLauncher`, ``torchrun``)
+with a process group around them. Every rank creates the store (a collective call); the last
+``num_servers`` ranks are *servers*, the others *workers*. With ``num_servers=0`` (the default, or the
+``DLPERF_NUM_SERVERS`` environment variable) every worker also hosts a server, the co-located design
+of d2l Fig. 12.7.8 (bottom).
+
+Placement: a key below ``big_array_bound`` elements lives whole on one server, picked by a stable hash
+of the key, so many small keys spread over the servers; a bigger key is split into ``num_servers``
+even slices of its flattened value, one per server, so no server carries every big array
+(apache/mxnet#8290). ``print(store.placement())`` shows where each key went.
+
+Semantics, per key:
+
+* ``dist_sync``: a round ends when every worker has pushed once; the sum of their pushes is merged
+  into the stored value (the updater, the optimizer, or assignment), and a pull waits for the round
+  its own last push belongs to. A pull after a push therefore sees every worker's contribution.
+* ``dist_async``: each push is merged on arrival. ``staleness=tau`` bounds how far workers drift
+  apart (Li et al. 2014): a pull after a worker's ``t``-th push waits until every worker has pushed
+  at least ``t - tau`` times. ``None`` (default) never waits.
+* ``dist_device_sync``: ``dist_sync`` whose per-worker sum of the device values runs on the
+  devices, as the ``device`` store does; one sum per worker crosses to the servers.
+
+Transport: torch.distributed.rpc (TensorPipe, rendezvous through the job's store). A server's
+handler never blocks: a pull that must wait for a round gets a future the server completes when the
+round ends, so servers need no threads of their own beyond RPC's, and a co-located worker calls its
+own server directly. One request per server carries every key of a batched call, and the keys
+below 64 KB travel packed in one buffer, so a model with many small parameters pays the per-message
+cost once per server, not once per key (bytedance/byteps#237).
+
+Configuration is per process: every rank runs the same program, so ``set_optimizer`` and
+``set_updater`` run on the servers too and take effect there; a worker and a server that disagree on
+how pushes are merged fail at ``init`` naming the server. Server ranks call :meth:`DistKVStore.serve`,
+which returns once every worker has closed its store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    from torch.distributed.rpc.functions import async_execution
+except ImportError:  # a build without RPC: the stores say so when created
+    def async_execution(fn):
+        return fn
+
+from ..errors import UsageError
+from .base import Key, KVStore, _as_list, register_kvstore
+
+__all__ = ["DistKVStore", "DistSyncKVStore", "DistAsyncKVStore", "DistDeviceSyncKVStore", "Placement",
+           "BIG_ARRAY_BOUND"]
+
+BIG_ARRAY_BOUND = 1_000_000
+"""Keys with at least this many elements are split across all servers (MXNet's default bound)."""
+
+_INIT, _PUSH, _PULL, _PUSHPULL, _STATE, _LOAD, _BYE = range(1, 8)
+_OK, _ERROR = 0, 1
+_SMALL_BYTES = 64 * 1024  # tensors below this travel packed into one buffer per message
+_ALIGN = 8  # every packed tensor starts at a multiple of this, so a dtype view of the buffer is legal
+_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+                               torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
+
+
+def _stable_hash(key: Key) -> int:
+    # Python's hash of a str differs per process; placement must agree across them
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
+
+
+# --- placement -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Slice:
+    server: int  # global rank of the server
+    part: int
+    start: int  # in the flattened value
+    stop: int
+
+
+@dataclass
+class Placement:
+    """Where each key lives: a list of slices (one for a small key) per key; ``str()`` is a table."""
+
+    servers: list[int]
+    big_array_bound: int
+    keys: dict[Key, list[Slice]] = field(default_factory=dict)
+
+    def place(self, key: Key, numel: int) -> list[Slice]:
+        n = len(self.servers)
+        if numel < max(self.big_array_bound, n):
+            where = [Slice(self.servers[_stable_hash(key) % n], 0, 0, numel)]
+        else:
+            bounds = [numel * i // n for i in range(n + 1)]
+            where = [Slice(s, i, bounds[i], bounds[i + 1]) for i, s in enumerate(self.servers)]
+        self.keys[key] = where
+        return where
+
+    def by_server(self) -> dict[int, int]:
+        """Elements held by each server."""
+        load = dict.fromkeys(self.servers, 0)
+        for slices in self.keys.values():
+            for s in slices:
+                load[s.server] += s.stop - s.start
+        return load
+
+    def __str__(self) -> str:
+        lines = [f"{'key':<24} {'server':>6} {'part':>4} {'elements':>20}"]
+        for key, slices in self.keys.items():
+            for s in slices:
+                lines.append(f"{key!r:<24} {s.server:>6} {s.part:>4} {f'[{s.start}, {s.stop})':>20}")
+        lines.append("per server: " + ", ".join(f"rank {r}: {n} elements" for r, n in self.by_server().items()))
+        return "\n".join(lines)
+
+
+# --- messages --------------------------------------------------------------------------------------
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it owns exactly its storage, else a copy: RPC ships a view's whole storage."""
+    t = t.detach()
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
+    return t if whole and t.is_contiguous() else t.contiguous().clone()
+
+
+def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One uint8 buffer holding every tensor's bytes, each at an aligned offset."""
+    views = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    sizes = [-(-v.numel() // _ALIGN) * _ALIGN for v in views]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8)
+    offset = 0
+    for v, size in zip(views, sizes, strict=True):
+        buf[offset:offset + v.numel()].copy_(v)
+        offset += size
+    return buf
+
+
+def _unpack(buf: torch.Tensor, specs: Sequence[tuple[str, int]]) -> list[torch.Tensor]:
+    """Views of ``buf`` as the packed tensors, given each one's (dtype name, element count)."""
+    out, offset = [], 0
+    for dtype_name, numel in specs:
+        dtype = _dtype(dtype_name)
+        nbytes = numel * dtype.itemsize
+        if offset + nbytes > buf.numel():
+            raise UsageError(f"kvstore message is {buf.numel()} bytes, too short for its tensors")
+        out.append(buf[offset:offset + nbytes].view(dtype))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise UsageError(f"kvstore message holds dtype {name!r}; expected one of {', '.join(_DTYPES)}") from None
+
+
+def _to_wire(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Small tensors packed into one leading buffer (if any), big ones after it, each sent as is."""
+    small = [t for t in tensors if t.numel() * t.element_size() < _SMALL_BYTES]
+    big = [_own(t) for t in tensors if t.numel() * t.element_size() >= _SMALL_BYTES]
+    return ([_pack(small)] if small else []) + big
+
+
+def _from_wire(wire: Sequence[torch.Tensor], specs: Sequence[tuple[str, int]]) -> list[torch.Tensor]:
+    """Undo :func:`_to_wire`, given each tensor's (dtype name, element count) in the original order."""
+    is_small = [n * _dtype(d).itemsize < _SMALL_BYTES for d, n in specs]
+    wire = list(wire)
+    small = iter(_unpack(wire.pop(0), [s for s, k in zip(specs, is_small, strict=True) if k])
+                 if any(is_small) else [])
+    if len(wire) != len(specs) - sum(is_small):
+        raise UsageError(f"kvstore message carries {len(wire)} large tensors; its metadata names "
+                         f"{len(specs) - sum(is_small)}")
+    big = iter(wire)
+    return [next(small) if k else next(big).reshape(-1).view(_dtype(d)) for (d, _), k in
+            zip(specs, is_small, strict=True)]
+
+
+def _key_of(name: Any) -> Key:
+    if isinstance(name, bool) or not isinstance(name, (int, str)):
+        raise UsageError(f"kvstore message names key {name!r}; expected an int or a str")
+    return name
+
+
+# --- the server ------------------------------------------------------------------------------------
+
+_SERVERS: dict[str, _Server] = {}  # this process's servers, by store id (the same on every rank)
+
+
+@async_execution  # the returned future is the reply: RPC sends it when the server completes it
+def _serve_call(store_id: str, src: int, op: int, meta: dict, wire: list[torch.Tensor]) -> torch.futures.Future:
+    """What a worker's RPC runs on a server: hand the request over; the future holds the reply."""
+    future: torch.futures.Future = torch.futures.Future()
+    server = _SERVERS.get(store_id)
+    if server is None:
+        future.set_result((_ERROR, {"error": f"no kvstore {store_id!r} here; every rank must create the same "
+                                             "stores in the same order"}, []))
+        return future
+    with server.lock:
+        server.handle(src, op, meta, wire, future)
+    return future
+
+
+@dataclass
+class _Entry:
+    """One stored slice of a key on one server."""
+
+    value: torch.Tensor
+    mode: str
+    merge: torch.Tensor | None = None
+    arrived: set[int] = field(default_factory=set)
+    backlog: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    rounds: int = 0
+    pushes: dict[int, int] = field(default_factory=dict)
+    inits: set[int] = field(default_factory=set)
+    loads: set[int] = field(default_factory=set)
+    param: nn.Parameter | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    error: str | None = None
+
+
+class _Server:
+    """The server half: stored slices, merging per the store's mode, replies when a request is ready.
+
+    Runs under ``lock`` on RPC's threads (and the co-located worker's); it never blocks, it completes
+    futures.
+    """
+
+    def __init__(self, store: DistKVStore) -> None:
+        self.store = store
+        self.entries: dict[tuple[Key, int], _Entry] = {}
+        self.pending: list[Callable[[], bool]] = []
+        self.lock = threading.Lock()
+        self.byes: set[int] = set()
+        self.all_closed = threading.Event()
+        # a server process is configured (set_optimizer, set_updater) between its store's creation and
+        # serve(): inits that arrive before serve() wait for it, so they meet the configured mode
+        self.serving = store.role != "server"
+        self.early_inits: list[tuple[int, dict, list[torch.Tensor], torch.futures.Future]] = []
+
+    def handle(self, src: int, op: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
+        handlers = {_INIT: self.on_init, _PUSH: self.on_push, _PULL: self.on_pull, _PUSHPULL: self.on_pushpull,
+                    _STATE: self.on_state, _LOAD: self.on_load, _BYE: self.on_bye}
+        try:
+            handler = handlers.get(op)
+            if handler is None:
+                raise UsageError(f"kvstore server got operation {op!r}; expected one of 1..7")
+            handler(src, meta, wire, future)
+        except Exception as exc:  # noqa: BLE001 - the requesting worker raises it; the server keeps serving
+            if not future.done():
+                future.set_result((_ERROR, {"error": f"{type(exc).__name__}: {exc}"}, []))
+        self.pending = [p for p in self.pending if not p()]
+
+    @staticmethod
+    def ok(future: torch.futures.Future, meta: dict | None = None, tensors: Sequence[torch.Tensor] = ()) -> bool:
+        future.set_result((_OK, meta or {}, _to_wire(tensors) if tensors else []))
+        return True
+
+    def entry(self, name: Any, part: int) -> _Entry:
+        key = _key_of(name)
+        found = self.entries.get((key, part))
+        if found is None:
+            raise UsageError(f"key {key!r} is not initialized on server rank {self.store._global_rank}; "
+                             f"call init({key!r}, value) on every worker first")
+        return found
+
+    # -- operations ------------------------------------------------------------------------------
+    def on_bye(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
+        self.byes.add(src)
+        if len(self.byes) >= self.store.num_workers:
+            self.all_closed.set()
+        self.ok(future)
+
+    def start_serving(self) -> None:
+        with self.lock:
+            self.serving = True
+            early, self.early_inits = self.early_inits, []
+            for src, meta, wire, future in early:
+                self.handle(src, _INIT, meta, wire, future)
+
+    def on_init(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
+        if not self.serving:
+            self.early_inits.append((src, meta, wire, future))
+            return
+        # A server process is configured before it serves, so its own mode counts. A co-located server's
+        # worker may still be configuring while a faster peer's init arrives: the first init's mode counts,
+        # and every worker's config is complete once init, a barrier, returns.
+        own = self.store._merge_mode() if self.store.role == "server" else None
+        items = meta["items"]
+        values = _from_wire(wire, [(d, n) for _, _, d, n, _ in items]) if wire else []
+        parts = []
+        for i, (name, part, dtype, numel, shape) in enumerate(items):
+            key = _key_of(name)
+            entry = self.entries.get((key, part))
+            if entry is None:
+                value = torch.zeros(numel, dtype=_dtype(dtype))
+                entry = self.entries[(key, part)] = _Entry(value if shape is None else value.reshape(shape),
+                                                           mode=own or meta["mode"])
+            if meta["mode"] != entry.mode:
+                raise UsageError(f"worker rank {src} merges pushes by {meta['mode']!r} but server rank "
+                                 f"{self.store._global_rank} by {entry.mode!r}; call set_optimizer/set_updater "
+                                 "on every rank, servers included, before init")
+            if values:
+                entry.value.view(-1).copy_(values[i])
+            entry.inits.add(src)
+            parts.append(entry)
+        workers = self.store.num_workers
+        self.pending.append(lambda: all(len(e.inits) >= workers for e in parts) and self.ok(future))
+
+    def on_push(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future | None) -> None:
+        items = meta["items"]
+        received = _from_wire(wire, [(d, n) for _, _, d, n in items])
+        for (name, part, _, _), value in zip(items, received, strict=True):
+            key = _key_of(name)
+            entry = self.entry(key, part)
+            try:
+                self.push_one(src, key, entry, value)
+            except Exception as exc:  # noqa: BLE001 - a failed merge is reported to the pulls of the key
+                entry.error = f"{type(exc).__name__}: {exc}"
+        if future is not None:
+            self.ok(future)
+
+    def push_one(self, src: int, key: Key, entry: _Entry, value: torch.Tensor) -> None:
+        entry.pushes[src] = entry.pushes.get(src, 0) + 1
+        if not self.store._sync:
+            self.apply(key, entry, value.reshape(entry.value.shape))
+            return
+        if src in entry.arrived:  # this worker is a round ahead: its push waits for the next round
+            entry.backlog.append((src, value if src != self.store._global_rank else value.clone()))
+            return
+        self.merge(key, entry, src, value, owned=src != self.store._global_rank)
+
+    def merge(self, key: Key, entry: _Entry, src: int, value: torch.Tensor, owned: bool = False) -> None:
+        value = value.reshape(entry.value.shape)
+        if entry.merge is None:
+            # a remote push arrives in a buffer of its own; a co-located worker's is the worker's tensor
+            entry.merge = value if owned else value.clone()
+        else:
+            entry.merge.add_(value)
+        entry.arrived.add(src)
+        if len(entry.arrived) < self.store.num_workers:
+            return
+        total, entry.merge, entry.arrived = entry.merge, None, set()
+        store = self.store
+        if store._updater is None and store._factory is None:
+            entry.value = total  # assignment: the sum becomes the stored value, no copy
+        else:
+            self.apply(key, entry, total)
+        entry.rounds += 1
+        backlog, entry.backlog = entry.backlog, []
+        for who, early in backlog:
+            if who in entry.arrived:
+                entry.backlog.append((who, early))
+            else:
+                self.merge(key, entry, who, early, owned=True)
+
+    def apply(self, key: Key, entry: _Entry, received: torch.Tensor) -> None:
+        store = self.store
+        with torch.no_grad():
+            if store._updater is not None:
+                store._updater(key, received, entry.value)
+            elif store._factory is None:
+                entry.value.copy_(received)
+            else:
+                if entry.optimizer is None:
+                    entry.param = nn.Parameter(entry.value, requires_grad=True)
+                    entry.optimizer = store._factory([entry.param])
+                entry.param.grad = received
+                with torch.enable_grad():
+                    entry.optimizer.step()
+                entry.param.grad = None
+
+    def ready(self, entry: _Entry, needed: int) -> bool:
+        if self.store._sync:
+            return entry.rounds >= needed
+        if self.store.staleness is None:
+            return True
+        slowest = min(entry.pushes.get(w, 0) for w in self.store._worker_ranks)
+        return slowest >= needed - self.store.staleness
+
+    def on_pull(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
+        wanted = [(self.entry(name, part), needed) for name, part, needed in meta["items"]]
+
+        def answer() -> bool:
+            if not all(self.ready(e, n) for e, n in wanted):
+                return False
+            errors = [e.error for e, _ in wanted if e.error]
+            if errors:
+                future.set_result((_ERROR, {"error": errors[0]}, []))
+                return True
+            # A sync round cannot end again before this worker pushes anew, after it has its reply: the
+            # stored values go out as they are. An async push may land any time: send a copy.
+            values = [e.value if self.store._sync else e.value.clone() for e, _ in wanted]
+            return self.ok(future, {}, values)
+
+        if not answer():
+            self.pending.append(answer)
+
+    def on_pushpull(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
+        self.on_push(src, {"items": meta["push"]}, wire, None)
+        self.pending = [p for p in self.pending if not p()]  # the push may end a round others wait for
+        self.on_pull(src, {"items": meta["pull"]}, [], future)
+
+    def on_state(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
+        states = [[k, p, e.optimizer.state_dict()] for (k, p), e in self.entries.items() if e.optimizer]
+        future.set_result((_OK, {"optimizers": states}, []))
+
+    def on_load(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
+        items = meta["items"]
+        values = _from_wire(wire, [(d, n) for _, _, d, n, _ in items]) if items else []
+        for (name, part, _, _, state), value in zip(items, values, strict=True):
+            entry = self.entry(name, part)
+            entry.value.view(-1).copy_(value)
+            if state is not None:
+                if self.store._factory is None:
+                    raise UsageError("the checkpoint has server-side optimizer state; call set_optimizer on "
+                                     "every rank first")
+                if entry.optimizer is None:
+                    entry.param = nn.Parameter(entry.value, requires_grad=True)
+                    entry.optimizer = self.store._factory([entry.param])
+                entry.optimizer.load_state_dict(state)
+        parts = list(self.entries.values())
+        for entry in parts:
+            entry.loads.add(src)
+        workers = self.store.num_workers
+        self.pending.append(lambda: all(len(e.loads) >= workers for e in parts) and self.ok(future))
+
+
+# --- the RPC agent: one per process, shared by the stores open in it ---------------------------------
+
+_AGENT_LOCK = threading.Lock()
+_AGENT_USERS = 0
+_GENERATIONS = itertools.count()
+
+
+def _agent_name(rank: int) -> str:
+    return f"dlperf-kvstore-{rank}"
+
+
+def _start_agent(rank: int, world: int, timeout_s: float) -> None:
+    import torch.distributed.rpc as rpc
+
+    global _AGENT_USERS
+    with _AGENT_LOCK:
+        if _AGENT_USERS == 0:
+            if not rpc.is_available():
+                raise UsageError("this PyTorch build has no torch.distributed.rpc, which the dist_* kvstores "
+                                 "use; install a build with it, or use 'local'")
+            # The "basic" channel copies CPU tensors through TensorPipe's shared-memory transport; on one host
+            # it moved 8 MB round trips 3x faster than cross-memory attach ("cma") did.
+            options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=timeout_s,
+                                                      _channels=["basic"])
+            with warnings.catch_warnings():
+                # init_rpc's own gather passes a backend where a group is expected, and says so each time
+                warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+                rpc.init_rpc(_agent_name(rank), rank=rank, world_size=world, rpc_backend_options=options)
+        _AGENT_USERS += 1
+
+
+def _stop_agent() -> None:
+    import torch.distributed.rpc as rpc
+
+    global _AGENT_USERS
+    with _AGENT_LOCK:
+        _AGENT_USERS -= 1
+        if _AGENT_USERS == 0:
+            rpc.shutdown(graceful=True)  # returns once every rank's agent has no work left
+
+
+# --- the store -------------------------------------------------------------------------------------
+
+class DistKVStore(KVStore):
+    """A KVStore whose keys live on server processes; see the module docstring for roles and semantics.
+
+    Args:
+        num_servers: how many of the last ranks are servers; 0 co-locates one server with each worker.
+            Default: ``DLPERF_NUM_SERVERS`` or 0.
+        staleness: ``dist_async`` only: the bound tau on how many pushes workers may drift apart.
+        big_array_bound: keys with at least this many elements are split across all servers.
+        timeout_s: the longest one call waits for its servers (a sync pull waits for the slowest worker).
+    """
+
+    type = "dist_sync"
+    _sync = True
+    _local_sum_on_device = False
+
+    def __init__(self, kind: str | None = None, *, num_servers: int | None = None, staleness: int | None = None,
+                 big_array_bound: int = BIG_ARRAY_BOUND, timeout_s: float = 300.0) -> None:
+        super().__init__(kind)
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise UsageError(f"kvstore type {self.type!r} needs torch.distributed's process group; start the "
+                             "workers with ProcessLauncher(n, backend='gloo') or torchrun, or use 'local'")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        num_servers = self._num_servers(num_servers, world)
+        if staleness is not None and (self._sync or isinstance(staleness, bool) or not isinstance(staleness, int)
+                                      or staleness < 0):
+            raise UsageError(f"staleness={staleness!r}: expected None or an integer >= 0, and only with "
+                             "'dist_async' (the sync stores never let workers drift apart)")
+        if isinstance(big_array_bound, bool) or not isinstance(big_array_bound, int) or big_array_bound < 1:
+            raise UsageError(f"big_array_bound={big_array_bound!r}: expected an integer >= 1 (elements)")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise UsageError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
+        self.staleness = staleness
+        self._global_rank = rank
+        workers = world - num_servers
+        self._worker_ranks = list(range(workers))
+        servers = list(range(workers, world)) if num_servers else list(self._worker_ranks)
+        self.role = "server" if rank >= workers else "worker"
+        self._placement = Placement(servers, big_array_bound)
+        self._meta: dict[Key, tuple[torch.Size, torch.dtype]] = {}
+        self._pushed: dict[Key, int] = {}
+        # every rank creates its stores in the same order, so the n-th store has the same id everywhere
+        self._id = f"{self.type}/{next(_GENERATIONS)}"
+        self._server = _Server(self) if rank in servers else None
+        if self._server is not None:
+            _SERVERS[self._id] = self._server
+        try:
+            _start_agent(rank, world, float(timeout_s))
+        except BaseException:
+            _SERVERS.pop(self._id, None)
+            raise
+        dist.barrier()  # every rank's server is registered before any request can reach it
+
+    @staticmethod
+    def _num_servers(given: int | None, world: int) -> int:
+        if given is None:
+            text = os.environ.get("DLPERF_NUM_SERVERS", "0")
+            try:
+                given = int(text)
+            except ValueError:
+                raise UsageError(f"DLPERF_NUM_SERVERS={text!r}: expected an integer >= 0; unset it for "
+                                 "servers co-located with the workers") from None
+        if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < world:
+            raise UsageError(f"num_servers={given!r}: expected an integer from 0 (co-located) to {world - 1}, "
+                             f"leaving at least one worker among the {world} ranks")
+        return given
+
+    # -- who we are --------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._global_rank if self.role == "worker" else -1
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._worker_ranks)
+
+    @property
+    def num_servers(self) -> int:
+        return len(self._placement.servers)
+
+    def placement(self) -> Placement:
+        """Where each initialized key lives; ``print(store.placement())`` shows a table."""
+        return self._placement
+
+    def _home(self, key: Key, like: torch.Tensor, devices: Sequence[torch.device]) -> torch.device:
+        return torch.device("cpu")
+
+    def _merge_mode(self) -> str:
+        return "updater" if self._updater is not None else "optimizer" if self._factory is not None else "assign"
+
+    def _check_worker(self) -> None:
+        self._check_open()
+        if self.role != "worker":
+            raise UsageError(f"rank {self._global_rank} is a server of this {self.type!r} store: it serves, it "
+                             "does not push or pull; call serve() there")
+
+    # -- requests ----------------------------------------------------------------------------------
+    def _send(self, server: int, op: int, meta: dict,
+              tensors: Sequence[torch.Tensor] = ()) -> Callable[[], tuple[dict, list[torch.Tensor]]]:
+        """Send one request; the returned function waits for its reply (so requests to servers overlap)."""
+        import torch.distributed.rpc as rpc
+
+        wire = _to_wire(tensors) if tensors else []
+        args = (self._id, self._global_rank, op, meta, wire)
+        if server == self._global_rank:
+            future = _serve_call(*args)  # the co-located server: no message at all
+        else:
+            future = rpc.rpc_async(_agent_name(server), _serve_call, args=args)
+
+        def wait() -> tuple[dict, list[torch.Tensor]]:
+            code, reply, body = future.wait()
+            if code != _OK:
+                raise UsageError(f"kvstore server rank {server}: {reply.get('error', 'failed')}")
+            return reply, body
+
+        return wait
+
+    def _request(self, server: int, op: int, meta: dict,
+                 tensors: Sequence[torch.Tensor] = ()) -> tuple[dict, list[torch.Tensor]]:
+        return self._send(server, op, meta, tensors)()
+
+    def _slices(self, key: Key) -> list[Slice]:
+        return self._placement.keys[key]
+
+    def _slice(self, key: Key, part: int) -> Slice:
+        return self._slices(key)[part]
+
+    def _by_server(self, keys: Sequence[Key]) -> dict[int, list[tuple[Key, Slice]]]:
+        groups: dict[int, list[tuple[Key, Slice]]] = {}
+        for key in keys:
+            for s in self._slices(key):
+                groups.setdefault(s.server, []).append((key, s))
+        return groups
+
+    # -- init ----------------------------------------------------------------------------------------
+    def init(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Create keys on their servers from rank 0's values; returns once every worker has called it."""
+        self._check_worker()
+        keys = list(key) if isinstance(key, (list, tuple)) else [key]
+        values = _as_list(value, "init") if isinstance(key, (list, tuple)) else _as_list(value, "init")[:1]
+        if len(keys) != len(values):
+            raise UsageError(f"init got {len(keys)} keys and {len(values)} values; give one value per key")
+        for k, v in zip(keys, values, strict=True):
+            self._check_key_type(k)
+            if k in self._meta or keys.count(k) > 1:
+                raise UsageError(f"key {k!r} is already initialized; each key is initialized once")
+            if str(v.dtype) not in _DTYPES:
+                raise UsageError(f"key {k!r} holds {v.dtype}; a dist store holds one of {', '.join(_DTYPES)}")
+        for k, v in zip(keys, values, strict=True):
+            self._meta[k] = (v.shape, v.dtype)
+            self._pushed[k] = 0
+            self._placement.place(k, v.numel())
+        flat = {k: v.detach().to("cpu").reshape(-1) for k, v in zip(keys, values, strict=True)}
+        mode = self._merge_mode()
+        waits = []
+        for server, items in self._by_server(keys).items():
+            meta = {"mode": mode, "items": [[k, s.part, str(self._meta[k][1]), s.stop - s.start,
+                                             list(self._meta[k][0]) if len(self._slices(k)) == 1 else None]
+                                            for k, s in items]}
+            tensors = [flat[k][s.start:s.stop] for k, s in items] if self.rank == 0 else []
+            waits.append(self._send(server, _INIT, meta, tensors))
+        for wait in waits:
+            wait()
+
+    # -- push and pull -----------------------------------------------------------------------------
+    def _get(self, key: Key) -> torch.Tensor:
+        try:
+            shape, dtype = self._meta[key]
+        except KeyError:
+            raise UsageError(f"key {key!r} is not initialized; call init({key!r}, value) first") from None
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def keys(self) -> list[Key]:
+        return list(self._meta)
+
+    def _local_sum(self, key: Key, values: list[torch.Tensor]) -> torch.Tensor:
+        home = values[0].device if self._local_sum_on_device else torch.device("cpu")
+        total = self._reduce(home, values) if len(values) > 1 else values[0]
+        return total.to("cpu", self._meta[key][1]).reshape(-1)
+
+    def _push_items(self, pairs: Sequence[tuple[Key, list[torch.Tensor]]]) -> dict[int, tuple[list, list]]:
+        """Per server: the (key, part, dtype, numel) items and the slices of one push."""
+        sums = {k: self._local_sum(k, vs) for k, vs in pairs}
+        out: dict[int, tuple[list, list]] = {}
+        for server, items in self._by_server([k for k, _ in pairs]).items():
+            meta, tensors = out.setdefault(server, ([], []))
+            for k, s in items:
+                meta.append([k, s.part, str(self._meta[k][1]), s.stop - s.start])
+                tensors.append(sums[k][s.start:s.stop])
+        for k, _ in pairs:
+            self._pushed[k] += 1
+        return out
+
+    def _pull_items(self, keys: Sequence[Key]) -> dict[int, list]:
+        return {server: [[k, s.part, self._pushed[k]] for k, s in items]
+                for server, items in self._by_server(keys).items()}
+
+    def _deliver(self, pulls: Sequence[tuple[Key, list[torch.Tensor]]], server_items: dict[int, list],
+                 bodies: dict[int, list[torch.Tensor]]) -> None:
+        full: dict[Key, torch.Tensor] = {}
+        for server, items in server_items.items():
+            specs = [(str(self._meta[k][1]), self._slice(k, part).stop - self._slice(k, part).start)
+                     for k, part, _ in items]
+            for (k, part, _), got in zip(items, _from_wire(bodies[server], specs), strict=True):
+                if len(self._slices(k)) == 1:
+                    full[k] = got.view(self._meta[k][0])  # whole on one server: no assembly
+                    continue
+                if k not in full:
+                    full[k] = torch.empty(self._meta[k][0], dtype=self._meta[k][1])
+                s = self._slice(k, part)
+                full[k].view(-1)[s.start:s.stop].copy_(got)
+        with torch.no_grad():
+            for k, outs in pulls:
+                for o in outs:
+                    o.copy_(full[k], non_blocking=True)
+
+    def _exchange(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
+                  pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> None:
+        """One request per server carrying every push and pull of the call; requests overlap."""
+        push_items = self._push_items(pushes) if pushes else {}
+        pull_items = self._pull_items([k for k, _ in pulls]) if pulls else {}
+        waits = {}
+        for server in sorted(set(push_items) | set(pull_items)):
+            meta_items, tensors = push_items.get(server, ([], []))
+            wanted = pull_items.get(server)
+            if wanted is None:
+                waits[server] = self._send(server, _PUSH, {"items": meta_items}, tensors)
+            elif not meta_items:
+                waits[server] = self._send(server, _PULL, {"items": wanted})
+            else:
+                waits[server] = self._send(server, _PUSHPULL, {"push": meta_items, "pull": wanted}, tensors)
+        bodies = {server: wait()[1] for server, wait in waits.items()}
+        if pulls:
+            self._deliver(pulls, pull_items, bodies)
+
+    def _push_now(self, key: Key, values: list[torch.Tensor]) -> None:
+        self._exchange([(key, values)], [])
+
+    def _pull_now(self, key: Key, outs: list[torch.Tensor]) -> None:
+        self._exchange([], [(key, outs)])
+
+    def _pairs(self, key, value, check) -> list[tuple[Key, list[torch.Tensor]]]:
+        if isinstance(key, (list, tuple)):
+            values = list(value)
+            if len(values) != len(key):
+                raise UsageError(f"got {len(key)} keys and {len(values)} values; give one value (or one list "
+                                 "of per-device values) per key")
+            return [(k, check(k, v)) for k, v in zip(key, values, strict=True)]
+        return [(key, check(key, value))]
+
+    def push(self, key, value, priority: int = 0) -> None:
+        self._check_worker()
+        pairs = self._pairs(key, value, self._check_push)
+        for k, _ in pairs:
+            self._settle(k)
+        self._exchange(pairs, [])
+
+    def pull(self, key, out, priority: int = 0) -> None:
+        self._check_worker()
+        pairs = self._pairs(key, out, self._check_pull)
+        for k, _ in pairs:
+            self._settle(k)
+        self._exchange([], pairs)
+
+    def pushpull(self, key, value, out=None, priority: int = 0) -> None:
+        """``push`` then ``pull`` in one request per server."""
+        self._check_worker()
+        pushes = self._pairs(key, value, self._check_push)
+        pulls = self._pairs(key, value if out is None else out, self._check_pull)
+        for k, _ in pushes:
+            self._settle(k)
+        self._exchange(pushes, pulls)
+
+    def pushpull_async(self, key, value, out=None, priority: int = 0):
+        self._check_worker()
+        self._single(key, "pushpull_async")
+        values = self._check_push(key, value)
+        outs = self._check_pull(key, value if out is None else out)
+        return self._get_engine().push(self._exchange, args=([(key, values)], [(key, outs)]),
+                                       writes=(self._var(key),), device=self._lane, priority=priority,
+                                       name=f"kvstore pushpull {key}", kind=self._lane_kind)
+
+    def push_async(self, key, value, priority: int = 0):
+        self._check_worker()
+        return super().push_async(key, value, priority)
+
+    def pull_async(self, key, out, priority: int = 0):
+        self._check_worker()
+        return super().pull_async(key, out, priority)
+
+    # -- state -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every key's value and the servers' optimizer states, gathered from the servers."""
+        self._check_worker()
+        self.wait_all()
+        keys = list(self._meta)
+        values = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in self._meta.items()}
+        # a pull waits for the rounds this worker pushed, so the values include them; no round ends
+        # while this worker is here (it would need this worker's next push), so optimizer states match
+        if keys:
+            self.pull(keys, out=[values[k] for k in keys])
+        optimizers: dict[Key, dict[int, Any]] = {}
+        waits = [self._send(server, _STATE, {}) for server in self._placement.servers]
+        for wait in waits:
+            for name, part, state in wait()[0]["optimizers"]:
+                if _key_of(name) in values:
+                    optimizers.setdefault(name, {})[part] = state
+        return {"values": values, "optimizers": optimizers, "parts": {k: len(self._slices(k)) for k in values}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put a :meth:`state_dict` back on the servers; every worker calls it (rank 0's state counts)."""
+        self._check_worker()
+        self.wait_all()
+        values = state["values"]
+        new = [k for k in values if k not in self._meta]
+        if new:
+            self.init(new, [values[k] for k in new])
+        for key, parts in state.get("optimizers", {}).items():
+            if key in self._meta and len(parts) != len(self._slices(key)):
+                raise UsageError(f"the checkpoint holds key {key!r}'s optimizer state in {len(parts)} parts but "
+                                 f"this store splits it in {len(self._slices(key))}; load it with the same "
+                                 "number of servers and big_array_bound")
+        waits = []
+        for server in self._placement.servers:
+            items, tensors = [], []
+            if self.rank == 0:
+                for key, value in values.items():
+                    for s in self._slices(key):
+                        if s.server == server:
+                            part_state = state.get("optimizers", {}).get(key, {}).get(s.part)
+                            items.append([key, s.part, str(self._meta[key][1]), s.stop - s.start, part_state])
+                            tensors.append(value.to("cpu", self._meta[key][1]).reshape(-1)[s.start:s.stop])
+            waits.append(self._send(server, _LOAD, {"items": items}, tensors))
+        for wait in waits:
+            wait()
+
+    # -- lifetime ---------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """On a server rank: answer the workers until every one of them has closed its store."""
+        self._check_open()
+        if self.role != "server":
+            raise UsageError(f"serve() runs on server ranks; rank {self._global_rank} is a worker (servers are "
+                             f"ranks {self._placement.servers})")
+        self._server.start_serving()
+        self._server.all_closed.wait()
+
+    def close(self) -> None:
+        """Finish pending calls and tell every server this worker is done; then leave the RPC agent.
+
+        Collective: it returns once every rank has closed (RPC's graceful shutdown).
+        """
+        if self._closed:
+            return
+        try:
+            if self.role == "worker":
+                try:
+                    self.wait_all()
+                finally:
+                    for wait in [self._send(server, _BYE, {}) for server in self._placement.servers]:
+                        wait()
+        finally:
+            try:
+                super().close()
+            finally:
+                _stop_agent()
+                _SERVERS.pop(self._id, None)
+
+
+class DistSyncKVStore(DistKVStore):
+    """``dist_sync``: every round merges one push from each worker before a pull sees it."""
+
+    type = "dist_sync"
+
+
+class DistAsyncKVStore(DistKVStore):
+    """``dist_async``: pushes merge on arrival; ``staleness`` bounds the drift between workers."""
+
+    type = "dist_async"
+    _sync = False
+
+
+class DistDeviceSyncKVStore(DistKVStore):
+    """``dist_device_sync``: ``dist_sync`` with each worker's device values summed on a device first."""
+
+    type = "dist_device_sync"
+    _local_sum_on_device = True
+
+
+register_kvstore("dist_sync", DistSyncKVStore)
+register_kvstore("dist_async", DistAsyncKVStore)
+register_kvstore("dist_device_sync", DistDeviceSyncKVStore)

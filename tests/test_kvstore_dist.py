@@ -1,0 +1,408 @@
+"""Distributed KVStores with real processes: gloo on 127.0.0.1 through the ProcessLauncher.
+
+Each launch costs seconds (fresh interpreters import torch), so one launch per configuration does all
+the work in its workers and returns plain data; the tests assert on that against a plain dict oracle
+that every worker can compute (the values each worker pushes come from a seed per step and worker).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dlperf.errors import UsageError
+from dlperf.kvstore import KVStore, Placement, create_kvstore, kvstore_types
+from dlperf.parallel.launchers import ProcessLauncher
+
+JOIN_S = 90
+KEYS = [3, 11, 12, 40, 41, 57, 90, 123]  # int keys, small: hashed over the servers
+BIG = 2_500  # elements; the tests set big_array_bound below it so BIG splits over every server
+
+
+def _value(step: int, worker: int, key: int, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1_000_003 * step + 7919 * worker + key)
+    return torch.randn(numel, generator=g)
+
+
+def _numel(key: int) -> int:
+    return BIG if key == KEYS[-1] else 1 + key % 5
+
+
+def _worker_group(num_servers: int):
+    """A process group of the workers alone, made on every rank (new_group is collective)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    return dist.new_group(ranks=list(range(world - num_servers)))
+
+
+# --- worker functions (top level: spawned processes import them) -----------------------------------
+
+def _sync_worker(num_servers: int, ckpt: str) -> dict:
+    import torch.distributed as dist
+
+    workers = _worker_group(num_servers)
+    kv = create_kvstore("dist_sync", num_servers=num_servers, big_array_bound=BIG - 1)
+    if kv.role == "server":
+        kv.serve()
+        kv.close()
+        # every store is created by every rank: the server takes part in the later rounds too
+        _updater_round(num_servers)
+        _checkpoint_round(num_servers, ckpt, workers)
+        return {"role": "server"}
+    out: dict = {"role": "worker", "rank": kv.rank, "num_workers": kv.num_workers}
+    n = kv.num_workers
+    init = {k: _value(-1, 0, k, _numel(k)) for k in KEYS}
+    kv.init(KEYS, [init[k] for k in KEYS])
+    oracle: dict[int, torch.Tensor] = {}
+    errors = []
+    for step in range(4):
+        # each step pushes a random subset of keys, two devices' values per key, in one batched call
+        chosen = [k for k in KEYS if _value(step, 99, k, 1).item() > -0.3]
+        pushes = [[_value(step, kv.rank, k, _numel(k)), _value(step, kv.rank + 50, k, _numel(k))] for k in chosen]
+        if step % 2:
+            kv.push(chosen, pushes)
+            outs = [torch.empty(_numel(k)) for k in chosen]
+            kv.pull(chosen, out=outs)
+        else:
+            outs = [torch.empty(_numel(k)) for k in chosen]
+            ops = [kv.pushpull_async(k, p, out=o) for k, p, o in zip(chosen, pushes, outs, strict=True)]
+            for op in ops:
+                op.wait()
+        for k, o in zip(chosen, outs, strict=True):
+            oracle[k] = sum(_value(step, w, k, _numel(k)) + _value(step, w + 50, k, _numel(k)) for w in range(n))
+            errors.append((o - oracle[k]).abs().max().item())
+    untouched = [k for k in KEYS if k not in oracle]
+    for k in untouched:
+        o = torch.empty(_numel(k))
+        kv.pull(k, out=o)
+        errors.append((o - init[k]).abs().max().item())
+    out["max_error"] = max(errors)
+    out["pulls"] = len(errors)
+    out["placement"] = {k: [(s.server, s.start, s.stop) for s in v] for k, v in kv.placement().keys.items()}
+    out["placement_text"] = str(kv.placement())
+    out["errors"] = _bad_inputs(kv)
+    kv.close()
+    out["updater"] = _updater_round(num_servers)
+    out["checkpoint"] = _checkpoint_round(num_servers, ckpt, workers)
+    dist.barrier(workers)
+    return out
+
+
+def _bad_inputs(kv: KVStore) -> dict:
+    found = {}
+    for name, call in {
+        "pull_shape": lambda: kv.pull(KEYS[0], out=torch.empty(2, _numel(KEYS[0]))),
+        "push_shape": lambda: kv.push(KEYS[0], torch.empty(_numel(KEYS[0]) + 1)),
+        "str_key": lambda: kv.init("w", torch.zeros(1)),
+        "uninitialized": lambda: kv.pull(7, out=torch.empty(1)),
+        "serve_on_worker": lambda: kv.serve(),
+        "count": lambda: kv.push([KEYS[0], KEYS[1]], [torch.zeros(_numel(KEYS[0]))]),
+    }.items():
+        try:
+            call()
+            found[name] = None
+        except UsageError as exc:
+            found[name] = str(exc)
+    return found
+
+
+def _accumulate(key, received, stored):
+    stored += 0.5 * received
+
+
+def _updater_round(num_servers: int) -> list[float]:
+    kv = create_kvstore("dist_device_sync", num_servers=num_servers, big_array_bound=BIG - 1)
+    kv.set_updater(_accumulate)
+    if kv.role == "server":
+        kv.serve()
+        kv.close()
+        return []
+    kv.init("w", torch.ones(4))
+    for _ in range(3):
+        kv.push("w", [torch.full((4,), float(kv.rank + 1)), torch.ones(4)])
+    out = torch.empty(4)
+    kv.pull("w", out=out)
+    kv.close()
+    return out.tolist()
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _checkpoint_round(num_servers: int, path: str, workers) -> dict:
+    import torch.distributed as dist
+
+    grads = [_value(s, 0, 1, BIG) for s in range(5)]
+    kv = create_kvstore("dist_sync", num_servers=num_servers, big_array_bound=BIG - 1)
+    kv.set_optimizer(_sgd)
+    if kv.role == "server":
+        kv.serve()
+        kv.close()
+        kv2 = create_kvstore("dist_sync", num_servers=num_servers, big_array_bound=BIG - 1)
+        kv2.set_optimizer(_sgd)
+        kv2.serve()
+        kv2.close()
+        return {}
+    w0 = _value(-1, 0, 1, BIG)
+    kv.init(0, w0)
+    for g in grads[:3]:
+        kv.push(0, g)
+    if kv.rank == 0:
+        kv.save(path)
+    state = kv.state_dict()
+    for g in grads[3:]:
+        kv.push(0, g)
+    first = torch.empty(BIG)
+    kv.pull(0, out=first)
+    kv.close()
+    dist.barrier(workers)  # the file is written before anyone reads it
+    kv2 = create_kvstore("dist_sync", num_servers=num_servers, big_array_bound=BIG - 1)
+    kv2.set_optimizer(_sgd)
+    kv2.load(path)
+    for g in grads[3:]:
+        kv2.push(0, g)
+    second = torch.empty(BIG)
+    kv2.pull(0, out=second)
+    kv2.close()
+    # the reference: plain torch SGD on the sum of every worker's gradient
+    ref = torch.nn.Parameter(w0.clone())
+    opt = _sgd([ref])
+    n = dist.get_world_size(workers)
+    for g in grads:
+        ref.grad = n * g
+        opt.step()
+    return {"resumed_error": (second - first).abs().max().item(),
+            "sgd_error": (first - ref.detach()).abs().max().item(),
+            "parts": state["parts"][0], "momentum_parts": sorted(state["optimizers"][0])}
+
+
+def _async_worker(num_servers: int, staleness: int | None) -> dict:
+    import torch.distributed as dist
+
+    workers = _worker_group(num_servers)
+    kv = create_kvstore("dist_async", num_servers=num_servers, staleness=staleness, big_array_bound=BIG - 1)
+    kv.set_updater(_accumulate)
+    if kv.role == "server":
+        kv.serve()
+        kv.close()
+        if num_servers:
+            _mismatched_updater_round(num_servers)
+        return {"role": "server"}
+    n = kv.num_workers
+    init = {k: _value(-1, 0, k, _numel(k)) for k in KEYS}
+    kv.init(KEYS, [init[k] for k in KEYS])
+    result: dict = {"role": "worker", "rank": kv.rank}
+    if staleness is None:
+        # rank 0 pushes and pulls before rank 1 pushes at all: an async store answers at once
+        probe = torch.empty(_numel(KEYS[0]))
+        if kv.rank == 0:
+            kv.push(KEYS[0], torch.ones(_numel(KEYS[0])))
+            kv.pull(KEYS[0], out=probe)
+        dist.barrier(workers)
+        if kv.rank != 0:
+            kv.push(KEYS[0], torch.ones(_numel(KEYS[0])))
+        result["early_pull"] = (probe - init[KEYS[0]]).tolist() if kv.rank == 0 else None
+    else:
+        # rank 1 comes late; with staleness 0 rank 0's pull waits for it
+        probe = torch.empty(_numel(KEYS[0]))
+        if kv.rank != 0:
+            time.sleep(0.5)
+        kv.push(KEYS[0], torch.ones(_numel(KEYS[0])))
+        kv.pull(KEYS[0], out=probe)
+        result["early_pull"] = (probe - init[KEYS[0]]).tolist()
+    steps = 3
+    for step in range(steps):
+        kv.push(KEYS, [_value(step, kv.rank, k, _numel(k)) for k in KEYS])
+    dist.barrier(workers)
+    outs = [torch.empty(_numel(k)) for k in KEYS]
+    kv.pull(KEYS, out=outs)
+    errors = []
+    for k, o in zip(KEYS, outs, strict=True):
+        want = init[k] + 0.5 * sum(_value(s, w, k, _numel(k)) for s in range(steps) for w in range(n))
+        if k == KEYS[0]:
+            want = want + 0.5 * n
+        errors.append((o - want).abs().max().item())
+    result["max_error"] = max(errors)
+    kv.close()
+    if num_servers:
+        result["mismatch"] = _mismatched_updater_round(num_servers)
+    return result
+
+
+def _mismatched_updater_round(num_servers: int) -> str | None:
+    """Workers merge by an updater, the server process by assignment: init must say so and name it."""
+    kv = create_kvstore("dist_sync", num_servers=num_servers)
+    if kv.role == "server":
+        kv.serve()  # no set_updater here
+        kv.close()
+        return None
+    kv.set_updater(_accumulate)
+    try:
+        kv.init(0, torch.zeros(2))
+    except UsageError as exc:
+        return str(exc)
+    finally:
+        kv.close()
+    return None
+
+
+# --- launches ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    """dist_sync, 2 workers each hosting a server (the default layout)."""
+    path = str(tmp_path_factory.mktemp("kv") / "state.pt")
+    return ProcessLauncher(2, join_timeout_s=JOIN_S).launch(_sync_worker, 0, path)
+
+
+@pytest.fixture(scope="module")
+def async_launch():
+    """dist_async launches by (staleness, num_servers), each run once for every test that needs it."""
+    done: dict = {}
+
+    def launch(staleness: int | None, num_servers: int) -> list[dict]:
+        if (staleness, num_servers) not in done:
+            done[staleness, num_servers] = ProcessLauncher(2 + num_servers, join_timeout_s=JOIN_S).launch(
+                _async_worker, num_servers, staleness)
+        return done[staleness, num_servers]
+
+    return launch
+
+
+def _workers(results: list[dict]) -> list[dict]:
+    return [r for r in results if r["role"] == "worker"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_sync_pulls_match_a_dict_oracle(colocated):
+    for r in _workers(colocated):
+        assert r["num_workers"] == 2
+        assert r["pulls"] >= len(KEYS)
+        assert r["max_error"] < 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_placement_spreads_small_keys_and_splits_big_ones(colocated):
+    placement = colocated[0]["placement"]
+    small_servers = {placement[k][0][0] for k in KEYS[:-1]}
+    assert small_servers == {0, 1}
+    assert placement[KEYS[-1]] == [(0, 0, BIG // 2), (1, BIG // 2, BIG)]
+    assert colocated[1]["placement"] == placement  # every worker places alike
+    assert "per server: rank 0:" in colocated[0]["placement_text"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_set_updater_merges_every_workers_sum_per_round(colocated):
+    # ones + 3 rounds x 0.5 x (worker 0: 1 + 1, worker 1: 2 + 1)
+    for r in _workers(colocated):
+        assert r["updater"] == [1 + 3 * 0.5 * 5] * 4
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_checkpoint_round_trip_resumes_values_and_momentum(colocated):
+    for r in _workers(colocated):
+        ckpt = r["checkpoint"]
+        assert ckpt["parts"] == 2 and ckpt["momentum_parts"] == [0, 1]
+        assert ckpt["sgd_error"] < 1e-5
+        assert ckpt["resumed_error"] == 0.0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_bad_inputs_give_one_line_errors(colocated):
+    errors = colocated[0]["errors"]
+    assert all(e is not None and "\n" not in e for e in errors.values()), errors
+    assert "out shape (2, 4) does not match the stored (4,)" in errors["pull_shape"]
+    assert "does not match the stored" in errors["push_shape"]
+    assert "key 'w' is a str but this store's keys are ints" in errors["str_key"]
+    assert "key 7 is not initialized" in errors["uninitialized"]
+    assert "serve() runs on server ranks" in errors["serve_on_worker"]
+    assert "2 keys and 1 values" in errors["count"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("staleness", "num_servers"), [(None, 0), (0, 1)])
+def test_async_applies_on_arrival_and_staleness_bounds_it(async_launch, staleness, num_servers):
+    # co-located servers, then one server process
+    workers = _workers(async_launch(staleness, num_servers))
+    assert [r["rank"] for r in workers] == [0, 1]
+    assert all(r["max_error"] < 1e-5 for r in workers)
+    early = workers[0]["early_pull"]
+    if staleness is None:
+        assert early == [0.5] * len(early)  # only rank 0's own push had arrived
+    else:
+        assert early == [1.0] * len(early)  # the pull waited for rank 1's push
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_a_server_that_merges_differently_is_named(async_launch):
+    for r in _workers(async_launch(0, 1)):
+        assert r["mismatch"] is not None and "\n" not in r["mismatch"]
+        assert (f"kvstore server rank 2: UsageError: worker rank {r['rank']} merges pushes by 'updater' but "
+                "server rank 2 by 'assign'") in r["mismatch"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sync_with_server_processes_matches_the_oracle(tmp_path):
+    results = ProcessLauncher(4, join_timeout_s=240).launch(_sync_worker, 1, str(tmp_path / "s.pt"))
+    for r in _workers(results):
+        assert r["max_error"] < 1e-5
+        assert {s for k in KEYS for s, _, _ in r["placement"][k]} == {3}
+        assert r["updater"] == [1 + 3 * 0.5 * (2 + 3 + 4)] * 4
+        assert r["checkpoint"]["parts"] == 1 and r["checkpoint"]["resumed_error"] == 0.0
+        assert r["checkpoint"]["sgd_error"] < 1e-5
+
+
+# --- without processes ---------------------------------------------------------------------------------
+
+def test_types_are_registered_and_need_a_process_group():
+    assert {"dist_sync", "dist_async", "dist_device_sync"} <= set(kvstore_types())
+    for kind in ("dist_sync", "dist_async", "dist_device_sync"):
+        with pytest.raises(UsageError, match=f"'{kind}' needs torch.distributed's process group"):
+            KVStore(kind)
+
+
+def test_placement_is_stable_spread_and_splits_evenly():
+    servers = [4, 5, 6, 7]
+    a, b = Placement(servers, 1000), Placement(servers, 1000)
+    for k in range(200):
+        assert a.place(k, 10) == b.place(k, 10)
+    load = a.by_server()
+    assert set(load) == set(servers) and min(load.values()) > 200 * 10 / 4 / 2  # no server starves
+    split = a.place("big", 1003)
+    assert [s.server for s in split] == servers
+    assert [s.stop - s.start for s in split] == [250, 251, 251, 251]
+    assert split[0].start == 0 and split[-1].stop == 1003
+    assert all(x.stop == y.start for x, y in zip(split, split[1:]))
+    one = Placement([2], 1000)
+    assert one.place("big", 5000)[0].stop == 5000
+
+
+def test_small_keys_travel_packed_in_one_buffer_and_big_ones_as_they_are():
+    from dlperf.kvstore.dist import _from_wire, _to_wire
+
+    g = torch.Generator().manual_seed(3)
+    small = [torch.randn(n, generator=g) for n in (1, 3, 7, 100)] + [torch.arange(5, dtype=torch.int64)]
+    big = torch.randn(40_000, generator=g)  # 160 KB
+    tensors = small[:2] + [big] + small[2:]
+    wire = _to_wire(tensors)
+    # one packed buffer for the five small ones, then the big one, not copied
+    assert len(wire) == 2 and wire[1].data_ptr() == big.data_ptr()
+    back = _from_wire(wire, [(str(t.dtype), t.numel()) for t in tensors])
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors, strict=True))
+    with pytest.raises(UsageError, match="carries 0 large tensors; its metadata names 1"):
+        _from_wire(wire[:1], [(str(t.dtype), t.numel()) for t in tensors])
+    with pytest.raises(UsageError, match="dtype 'torch.complex64'"):
+        _from_wire(wire, [("torch.complex64", 1)])
