@@ -498,6 +498,30 @@ class Array:
         """Number of axes; inferred like :attr:`shape`."""
         return len(self.shape)
 
+    def dim(self) -> int:
+        """As ``torch.Tensor.dim``: inferred like :attr:`shape` (torch layers ask it of their input)."""
+        return len(self.shape)
+
+    ndimension = dim
+
+    def size(self, dim: int | None = None) -> Any:
+        """As ``torch.Tensor.size``: inferred like :attr:`shape`."""
+        shape = self.shape
+        return shape if dim is None else shape[dim]
+
+    def numel(self) -> int:
+        """Number of elements; inferred like :attr:`shape`."""
+        return self._described().numel()
+
+    def is_floating_point(self) -> bool:
+        """Whether the dtype is a floating-point type; inferred like :attr:`dtype`."""
+        return self.dtype.is_floating_point
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether a ``backward`` of this array writes some gradient (known at push time)."""
+        return bool(self._grads)
+
     def __len__(self) -> int:
         shape = self.shape
         if not shape:

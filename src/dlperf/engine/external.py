@@ -170,7 +170,7 @@ def _before_forward(module: nn.Module, args: tuple) -> None:
     if _uninstall_if_unused():
         return
     # Direct tensors only: each submodule's own call checks its own.
-    wait_for(_module_tensors(module, recurse=False), write=False)
+    wait_for(_module_tensors(module, recurse=False))
 
 
 def _after_forward(module: nn.Module, args: tuple, output: Any) -> None:
@@ -184,7 +184,7 @@ def _after_forward(module: nn.Module, args: tuple, output: Any) -> None:
 
 
 def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    wait_for(module, write=False)
+    wait_for(module)
 
 
 def _before_load_state_dict(module: nn.Module, *args: Any) -> None:
