@@ -18,7 +18,10 @@ A :class:`HybridModule` is an explicit state machine:
     the original module runs, as if never hybridized (``reset()`` goes back to ``capture``).
 
 Replays do not run forward's Python: a ``print`` in forward prints the symbolic stand-ins during
-capture and never again, as the d2l book observes of MXNet. Python values read by forward
+capture and never again on replays, as the d2l book observes of MXNet. Preparing a new signature
+runs it too, on copies of the inputs: once as the eager reference, and with ``auto``
+``AUTO_PYTHON_TRIALS`` (3) more times to time eager, plus the call itself if eager is chosen
+(2 runs in all with a named backend, 5 or 6 with ``auto``). Python values read by forward
 (``self.scale = 2.0``) are frozen into the graph at capture; call ``reset()`` after changing them
 or the module's structure. A forward that updates module state outside the graph
 (``self.calls += 1`` on a Python int or a buffer) runs eagerly, with a warning naming the
