@@ -64,6 +64,7 @@ __all__ = ["Array", "array", "ones", "zeros", "empty", "full", "ones_like", "zer
 _grad_enabled = torch.is_grad_enabled
 _NO_GRADS: frozenset = frozenset()
 _UNKNOWN = object()  # _meta: the shape is only known once the value is (wait for it)
+_NO_KWARGS: dict = {}  # shared by recipes of operators; never modified
 
 
 def _fix(res: Any, dev: Device) -> Any:
@@ -227,14 +228,14 @@ class Array:
             if not grad:
                 return _apply(func, (self, other), {}, name)
             out._grads = self._grads | other._grads if other._grads else self._grads
-            out._meta = (func, (self, other), {})
+            out._meta = (func, (self, other), _NO_KWARGS)
             self.engine.push(_run_binary, (func, self, other, out), (self._var, other._var), (out._var,),
                              self.device, 0, name)
         elif isinstance(other, torch.Tensor) or not grad:
             return _apply(func, (self, other), {}, name)
         else:
             out._grads = self._grads
-            out._meta = (func, (self, other), {})
+            out._meta = (func, (self, other), _NO_KWARGS)
             self.engine.push(_run_scalar, (func, self, other, out), (self._var,), (out._var,),
                              self.device, 0, name)
         return out
@@ -247,7 +248,7 @@ class Array:
             return _apply(func, (self,), {}, name)
         out = Array(self.engine, self.device)
         out._grads = self._grads
-        out._meta = (func, (self,), {})
+        out._meta = (func, (self,), _NO_KWARGS)
         self.engine.push(_run_unary, (func, self, out), (self._var,), (out._var,), self.device, 0, name)
         return out
 
