@@ -160,7 +160,11 @@ def training_loop(batches: int, samples: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: on a shared 2-core machine two threads make "
+                             "backward's timings swing by 10x)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     samples = 5 if args.quick else 11
     results: dict[str, object] = {"threads": torch.get_num_threads()}
     results.update(mlp_calls(1, 200, samples))

@@ -58,6 +58,12 @@ _TABLES: weakref.WeakKeyDictionary[Any, WeakIdKeyDictionary] = weakref.WeakKeyDi
 _LOCK = threading.Lock()
 _handles: list[Any] = []
 _watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Bumped whenever a tensor starts being tracked: a module's cached list of tracked tensors is
+# rebuilt when it is older. Most module calls then cost one dictionary lookup.
+_generation = 0
+_by_module: weakref.WeakKeyDictionary[nn.Module, tuple[int, list]] = weakref.WeakKeyDictionary()
+_UNUSED_CHECK_EVERY = 1024  # module calls between checks whether the hooks can go
+_calls_until_check = _UNUSED_CHECK_EVERY
 
 
 def external(engine: Any, tensor: torch.Tensor) -> External:
@@ -70,7 +76,9 @@ def external(engine: Any, tensor: torch.Tensor) -> External:
                 table = _TABLES[engine] = WeakIdKeyDictionary()
     ext = table.get(tensor)
     if ext is None:
+        global _generation
         ext = table[tensor] = External()
+        _generation += 1
         if not _handles:
             _install()
     return ext
@@ -127,7 +135,12 @@ def _module_tensors(module: nn.Module, recurse: bool = True) -> list[torch.Tenso
 
 
 def _any_tracked() -> bool:
-    return any(not eng.closed and len(table) for eng, table in list(_TABLES.items()))
+    for engine, table in list(_TABLES.items()):
+        if engine.closed:
+            _TABLES.pop(engine, None)  # nothing of a closed engine is pending
+        elif len(table):
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------- global hooks
@@ -158,19 +171,61 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     wait_for([p for group in optimizer.param_groups for p in group["params"]], write=True)
 
 
-def _holds_array(values: Any) -> bool:
-    from .array import Array
+_ARRAY: list[type] = []
 
-    return any(type(v) is Array for v in values)
+
+def _holds_array(values: Any) -> bool:
+    if not _ARRAY:
+        from .array import Array
+
+        _ARRAY.append(Array)
+    array_type = _ARRAY[0]
+    for v in values:
+        if type(v) is array_type:
+            return True
+    return False
+
+
+def _tracked_in(module: nn.Module) -> list[tuple[Any, External]]:
+    """(engine reference, variables) of the module's own tracked tensors, cached per generation."""
+    entry = _by_module.get(module)
+    if entry is not None and entry[0] == _generation:
+        return entry[1]
+    found = []
+    tensors = _module_tensors(module, recurse=False)
+    for engine, table in list(_TABLES.items()):
+        for t in tensors:
+            ext = table.get(t)
+            if ext is not None:
+                found.append((weakref.ref(engine), ext))
+    _by_module[module] = (_generation, found)
+    return found
 
 
 def _before_forward(module: nn.Module, args: tuple) -> None:
+    global _calls_until_check
     if _holds_array(args):
         return  # the engine orders this call's operations itself
-    if _uninstall_if_unused():
+    tracked = _tracked_in(module)  # direct tensors only: each submodule's own call checks its own
+    if not tracked:
+        _calls_until_check -= 1
+        if _calls_until_check <= 0:
+            _calls_until_check = _UNUSED_CHECK_EVERY
+            _uninstall_if_unused()
         return
-    # Direct tensors only: each submodule's own call checks its own.
-    wait_for(_module_tensors(module, recurse=False))
+    live = False
+    for engine_ref, ext in tracked:
+        engine = engine_ref()
+        if engine is None or engine.closed:
+            continue
+        live = True
+        if _idle(ext.value) and _idle(ext.grad) and ext.value.exc is None and ext.grad.exc is None:
+            continue
+        if not engine._running_ops():  # inside one of its operations, the engine's own ordering applies
+            _settle(engine, ext, True)
+    if not live:  # its engines are closed: forget them here, and drop the hooks if nothing else needs them
+        _by_module[module] = (_generation, [])
+        _uninstall_if_unused()
 
 
 def _after_forward(module: nn.Module, args: tuple, output: Any) -> None:
