@@ -459,3 +459,32 @@ def test_shape_after_an_inplace_reshape_waits_for_the_value(eng):
     assert a.shape == (3, 3)
     b = dnp.ones((2, 3), engine=eng)
     assert b.unsqueeze(0).shape == (1, 2, 3)
+
+
+@pytest.mark.timeout(60)
+def test_a_hybridized_module_on_engine_arrays_is_one_operation_and_readers_wait_for_it(eng):
+    from dlperf.hybrid import hybridize
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU())
+    ref = _twin(model)
+    net = hybridize(model, backend="graph")
+    opt, ref_opt = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        X = torch.randn(8, 6)
+        x = dnp.array(X, engine=eng)
+        _, timer = _gated(eng, x)
+        y = net(x)
+        state = {k: v.clone() for k, v in net.state_dict().items()}  # waits for the pending call
+        y.sum().backward()
+        opt.step()
+        timer.join()
+        ref_y = ref(X)
+        ref_state = {k: v.clone() for k, v in ref.state_dict().items()}
+        ref_y.sum().backward()
+        ref_opt.step()
+        torch.testing.assert_close(y.tensor(), ref_y)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, msg=k)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)

@@ -54,7 +54,7 @@ import torch
 from ..devices import Device, DeviceLike, cpu, require_available, tag
 from ..errors import DeviceMismatchError, UsageError
 from .engine import Engine, default_engine
-from .external import External, external
+from .external import External, external, watch
 from .var import Var
 
 __all__ = ["Array", "array", "ones", "zeros", "empty", "full", "ones_like", "zeros_like", "arange", "dot",
@@ -681,7 +681,9 @@ def call_module(module: torch.nn.Module, args: tuple, name: str | None = None) -
     one cached operator): the operation reads the arrays and the module's parameters and buffers.
     """
     params = [*module.parameters(), *module.buffers()]
-    return _apply(_call, (module, list(args), params), {}, name or type(module).__name__)
+    out = _apply(_call, (module, list(args), params), {}, name or type(module).__name__)
+    watch(module)  # its own __call__ bypasses the global module hooks that would do this
+    return out
 
 
 def _call(module: torch.nn.Module, args: list, params: list) -> Any:

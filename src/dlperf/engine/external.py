@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .var import Var
 
-__all__ = ["External", "external", "wait_for", "hooks_installed"]
+__all__ = ["External", "external", "wait_for", "watch", "hooks_installed"]
 
 
 class External:
@@ -231,11 +231,22 @@ def _before_forward(module: nn.Module, args: tuple) -> None:
 def _after_forward(module: nn.Module, args: tuple, output: Any) -> None:
     # Registered after the call, so the very first call with engine arrays is covered too (the
     # hooks were installed while it ran).
-    if module in _watched or not _holds_array(args):
-        return
-    _watched.add(module)
-    module.register_state_dict_pre_hook(_before_state_dict)
-    module.register_load_state_dict_pre_hook(_before_load_state_dict)
+    if module not in _watched and _holds_array(args):
+        watch(module)
+
+
+def watch(module: nn.Module) -> None:
+    """Make ``state_dict``/``load_state_dict`` of ``module`` and its submodules wait for engine work.
+
+    Done automatically for modules called with engine arrays through ``nn.Module.__call__``;
+    wrappers that bypass it (a hybridized module is one engine operation) call this.
+    """
+    for m in module.modules():
+        if m in _watched:
+            continue
+        _watched.add(m)
+        m.register_state_dict_pre_hook(_before_state_dict)
+        m.register_load_state_dict_pre_hook(_before_load_state_dict)
 
 
 def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
