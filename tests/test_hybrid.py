@@ -202,10 +202,48 @@ def test_print_in_forward_runs_at_capture_only(capsys):
     printed = capsys.readouterr().out
     # Capture prints the symbolic stand-in (as MXNet printed a Symbol), and the eager reference
     # run that checks the new runner prints once more.
-    assert "value x: Proxy(x)" in printed
+    assert "value x: Proxy(x)" in printed and printed.count("value x:") == 2
     second = net(x)
     assert capsys.readouterr().out == ""  # replay: no Python runs, nothing printed
     torch.testing.assert_close(first, second)
+
+
+class Counting(nn.Module):
+    """Records every run of forward's Python outside the module, as a print there would print."""
+
+    def __init__(self, runs: list):
+        super().__init__()
+        self.hidden = nn.Linear(3, 4)
+        self.output = nn.Linear(4, 2)
+        self.record = runs.append  # a bound method: calling it changes no attribute of the module
+
+    def forward(self, x):
+        self.record(type(x).__name__)
+        return self.output(torch.relu(self.hidden(x)))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "no_grad"])
+@pytest.mark.parametrize("backend", ["graph", "auto"])
+def test_forward_python_runs_a_documented_number_of_times(backend, grad):
+    # graph: capture (symbolic) + the eager reference run that checks the replay.
+    # auto: the same + AUTO_PYTHON_TRIALS timing runs of eager + the call itself if eager wins.
+    from dlperf.hybrid.hybridize import AUTO_PYTHON_TRIALS
+
+    record: list[str] = []
+    model = Counting(record)
+    net = hybridize(model, backend=backend)
+    x = torch.randn(2, 3)
+    with torch.set_grad_enabled(grad):
+        first = net(x)
+        runs = list(record)
+        for _ in range(5):
+            torch.testing.assert_close(net(x), first)
+    assert runs[0] == "Proxy" and set(runs[1:]) == {"Tensor"}
+    (choice,) = net.choices.values()
+    expected = 2 if backend == "graph" else 2 + AUTO_PYTHON_TRIALS + (choice.backend == "eager")
+    assert len(runs) == expected, (runs, choice)
+    assert len(record) == len(runs)  # later calls replay: forward's Python never runs again
+    assert AUTO_PYTHON_TRIALS <= 3
 
 
 def test_auto_says_which_backend_and_why(caplog):

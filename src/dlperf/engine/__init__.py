@@ -3,7 +3,10 @@
 The frontend (Python) pushes operations and returns at once; each device has its own worker
 threads that run whatever is ready, so independent work on ``cpu(0)``, ``cpu(1)`` and each GPU
 (compute and copy streams) overlaps. See :mod:`dlperf.engine.engine` for the API,
-:mod:`dlperf.engine.array` for the array frontend, :mod:`dlperf.engine.trace` for timelines.
+:mod:`dlperf.engine.array` for the array frontend, :mod:`dlperf.engine.trace` for timelines, and
+:mod:`dlperf.engine.external` for how torch code outside the engine (optimizers, ``state_dict``,
+eager module calls) waits for engine work on parameters. :func:`waitall` waits for every open
+engine, the default one and those made with :func:`create_engine`.
 
 Example:
     >>> from dlperf.engine import create_engine, array as dnp
@@ -30,6 +33,7 @@ from .engine import (
     register_engine,
     waitall,
 )
+from .external import wait_for
 from .inflight import InFlight, bounded
 from .trace import Trace, load_trace, summarize
 from .var import Op, Var
@@ -54,5 +58,6 @@ __all__ = [
     "load_trace",
     "register_engine",
     "summarize",
+    "wait_for",
     "waitall",
 ]

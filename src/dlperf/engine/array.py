@@ -1,14 +1,26 @@
 """An array whose operations are pushed to the engine and return at once (d2l's ``mxnet.np``).
 
-Every operation on an :class:`Array` (operators, tensor methods, and ``torch.*`` functions through
-``__torch_function__``) becomes one engine operation that reads its input arrays and writes a
-new one, on the device of its inputs. The result is an :class:`Array` whose value is not computed
-yet; the call returns immediately.
+Every operation on an :class:`Array` (operators, tensor methods, the functions of this module and
+``torch.*`` functions through ``__torch_function__``) becomes one engine operation that reads its
+input arrays and writes a new one, on the device of its inputs. The result is an :class:`Array`
+whose value is not computed yet; the call returns immediately. The functions here take NumPy's
+and MXNet's spellings where they differ from torch's (``axis=``, ``ctx=`` beside ``device=``).
 
 Implicit blockers: anything that needs the values waits for them: ``asnumpy()``, ``item()``,
-``tolist()``, ``tensor()``, ``print``/``repr``, ``float()``/``int()``/``bool()``, ``len()``, and
-the ``shape``/``dtype`` properties (shapes are known only once the op has run). Explicit barriers:
-``x.wait_to_read()`` and :func:`waitall`.
+``tolist()``, ``tensor()``, ``print``/``repr``, ``float()``/``int()``/``bool()`` and iteration.
+Explicit barriers: ``x.wait_to_read()`` and :func:`waitall`. ``shape``, ``dtype``, ``ndim`` and
+``len()`` do not block: they are inferred when asked, by running the pending operations on
+PyTorch's ``meta`` device (shapes only, no data); only an operation that cannot run there (or an
+in-place change of shape such as ``resize_``) makes them wait for the value.
+
+Autograd and plain tensors: a torch module called with an engine array pushes its operations with
+the module's parameters as inputs; ``l.backward()`` is an engine operation that writes the
+gradients of every parameter ``l`` depends on, and by default waits for itself before returning,
+so ``p.grad`` read right after it is the finished gradient, as in eager PyTorch
+(``backward(wait=False)`` returns at once). Torch optimizers, ``state_dict``/``load_state_dict``
+and eager module calls wait for pending engine work on the tensors they use (see
+:mod:`dlperf.engine.external` for exactly what is covered). Autograd's mode (``torch.no_grad()``)
+at the time of a push is the mode its operation runs in.
 
 No aliasing: the engine orders operations per array, so two arrays must never share memory. An
 operation whose result would share storage with one of its inputs (indexing ``a[0:2]``, ``view``,
@@ -22,9 +34,11 @@ Example (d2l §12.2.1 with dlperf names):
     >>> with create_engine() as eng:
     ...     a = dnp.random.normal(size=(100, 100), engine=eng)
     ...     b = dnp.dot(a, a)          # returns at once
+    ...     print(b.shape)             # inferred, does not wait
     ...     x = dnp.ones((1, 2), engine=eng)
     ...     z = x * x + 2
     ...     print(z)                   # printing waits for z
+    torch.Size([100, 100])
     array([[3., 3.]], device=cpu(0))
 """
 
@@ -40,9 +54,17 @@ import torch
 from ..devices import Device, DeviceLike, cpu, require_available, tag
 from ..errors import DeviceMismatchError, UsageError
 from .engine import Engine, default_engine
+from .external import External, external, watch
 from .var import Var
 
-__all__ = ["Array", "array", "ones", "zeros", "arange", "dot", "random", "copy_to", "as_in", "waitall"]
+__all__ = ["Array", "array", "ones", "zeros", "empty", "full", "ones_like", "zeros_like", "arange", "dot",
+           "exp", "log", "abs", "sqrt", "tanh", "relu", "sum", "mean", "max", "min", "maximum", "minimum",
+           "concatenate", "stack", "reshape", "transpose", "matmul", "random", "copy_to", "as_in", "waitall"]
+
+_grad_enabled = torch.is_grad_enabled
+_NO_GRADS: frozenset = frozenset()
+_UNKNOWN = object()  # _meta: the shape is only known once the value is (wait for it)
+_NO_KWARGS: dict = {}  # shared by recipes of operators; never modified
 
 
 def _fix(res: Any, dev: Device) -> Any:
@@ -63,16 +85,18 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
-def _collect(x: Any, out: list[Array]) -> None:
+def _collect(x: Any, out: list[Array], tensors: list[torch.Tensor] | None = None) -> None:
     t = type(x)
     if t is Array:
         out.append(x)
     elif t is tuple or t is list:
         for v in x:
-            _collect(v, out)
+            _collect(v, out, tensors)
     elif t is dict:
         for v in x.values():
-            _collect(v, out)
+            _collect(v, out, tensors)
+    elif tensors is not None and isinstance(x, torch.Tensor):
+        tensors.append(x)
 
 
 def _record_streams(arrays: Sequence[Array]) -> None:
@@ -98,25 +122,33 @@ def _unalias(res: Any, storages: set[int]) -> Any:
     return res
 
 
-def _run_generic(func: Any, args: tuple, kwargs: dict, out: Array, inputs: list[Array]) -> None:
+def _run_generic(func: Any, args: tuple, kwargs: dict, out: Array, inputs: list[Array], grad: bool) -> None:
     if out.device.is_gpu:
         _record_streams(inputs)
-    res = func(*_unwrap(args), **_unwrap(kwargs))
+    if grad:
+        res = func(*_unwrap(args), **_unwrap(kwargs))
+    else:
+        with torch.no_grad():
+            res = func(*_unwrap(args), **_unwrap(kwargs))
     out._data = _fix(_unalias(res, _storages(inputs)), out.device)
+    out._meta = None  # the value is there: drop the recipe (and its references to the inputs)
 
 
 def _run_unary(func: Any, a: Array, out: Array) -> None:
     out._data = _fix(func(a._data), out.device)
+    out._meta = None
 
 
 def _run_scalar(func: Any, a: Array, b: Any, out: Array) -> None:
     out._data = _fix(func(a._data, b), out.device)
+    out._meta = None
 
 
 def _run_binary(func: Any, a: Array, b: Array, out: Array) -> None:
     if out.device.is_gpu:
         _record_streams((a, b))
     out._data = _fix(func(a._data, b._data), out.device)
+    out._meta = None
 
 
 def _run_inplace(method: str, a: Array, args: tuple, kwargs: dict) -> None:
@@ -129,6 +161,7 @@ def _run_setitem(a: Array, key: Any, value: Any) -> None:
 
 def _run_make(factory: Any, args: tuple, kwargs: dict, out: Array) -> None:
     out._data = _fix(factory(*args, **kwargs), out.device)
+    out._meta = None
 
 
 def _run_copy(src: Array, out: Array) -> None:
@@ -144,6 +177,24 @@ def _run_copy(src: Array, out: Array) -> None:
             out._data = _fix(host, dst)
     else:
         out._data = _fix(data.clone(), dst)
+    out._meta = None
+
+
+def _run_copy_into(src: Array, out: Array) -> None:
+    if out._data is not None and tuple(out._data.shape) != tuple(src._data.shape):
+        raise UsageError(f"copyto: the target has shape {tuple(out._data.shape)} but the source "
+                         f"{tuple(src._data.shape)}; copy into an array of the same shape, or copy to a device")
+    _run_copy(src, out)
+
+
+def _run_backward(loss: Array, gradient: Any, retain_graph: Any, create_graph: bool) -> None:
+    loss._data.backward(_unwrap(gradient), retain_graph=retain_graph, create_graph=create_graph)
+
+
+def _run_grad(a: Array, out: Array) -> None:
+    g = a._data.grad
+    out._data = _fix(torch.zeros_like(a._data) if g is None else g.detach().clone(), out.device)
+    out._meta = None
 
 
 class Array:
@@ -152,13 +203,16 @@ class Array:
     Construct with :func:`array`, :func:`ones`, :func:`random.normal` etc., not directly.
     """
 
-    __slots__ = ("_data", "_var", "device", "engine")
+    __slots__ = ("_data", "_var", "device", "engine", "_meta", "_grads", "_leaf")
 
     def __init__(self, engine: Engine, device: Device, data: Any = None) -> None:
         self._data = data
         self._var = Var()
         self.device = device
         self.engine = engine
+        self._meta: Any = None  # a meta tensor, a (func, args, kwargs) recipe, _UNKNOWN or None
+        self._grads: frozenset[External] = _NO_GRADS  # gradients a backward() of this array writes
+        self._leaf: External | None = None  # this array's own gradient, after attach_grad()
 
     # ------------------------------------------------------------------ pushing
     @classmethod
@@ -167,12 +221,21 @@ class Array:
 
     def _binary(self, func: Any, other: Any, name: str) -> Array:
         out = Array(self.engine, self.device)
+        grad = _grad_enabled()
         if type(other) is Array:
             if other.device != self.device:
                 _mismatch(name, self, other)
+            if not grad:
+                return _apply(func, (self, other), {}, name)
+            out._grads = self._grads | other._grads if other._grads else self._grads
+            out._meta = (func, (self, other), _NO_KWARGS)
             self.engine.push(_run_binary, (func, self, other, out), (self._var, other._var), (out._var,),
                              self.device, 0, name)
+        elif isinstance(other, torch.Tensor) or not grad:
+            return _apply(func, (self, other), {}, name)
         else:
+            out._grads = self._grads
+            out._meta = (func, (self, other), _NO_KWARGS)
             self.engine.push(_run_scalar, (func, self, other, out), (self._var,), (out._var,),
                              self.device, 0, name)
         return out
@@ -181,7 +244,11 @@ class Array:
         return _apply(func, (other, self), {}, name)
 
     def _unary(self, func: Any, name: str) -> Array:
+        if not _grad_enabled():
+            return _apply(func, (self,), {}, name)
         out = Array(self.engine, self.device)
+        out._grads = self._grads
+        out._meta = (func, (self,), _NO_KWARGS)
         self.engine.push(_run_unary, (func, self, out), (self._var,), (out._var,), self.device, 0, name)
         return out
 
@@ -189,6 +256,8 @@ class Array:
         others: list[Array] = []
         _collect((args, kwargs), others)
         _check_devices(method, [self, *others])
+        if method in _RESHAPING_INPLACE:
+            self._meta = _UNKNOWN
         self.engine.push(_run_inplace, (method, self, args, kwargs), tuple(a._var for a in others),
                          (self._var,), self.device, 0, method)
         return self
@@ -281,13 +350,84 @@ class Array:
         """Matrix (or vector) product, as ``numpy.dot`` for 1-D and 2-D operands."""
         return self._binary(torch.matmul, other, "dot")
 
-    def copyto(self, device: DeviceLike) -> Array:
-        """Always a new array on ``device``; the copy is an engine operation of its own (overlaps)."""
-        return copy_to(self, device)
+    @property
+    def T(self) -> Array:  # noqa: N802  (NumPy's name)
+        """The array with its axes reversed (NumPy's ``.T``; a copy, see "No aliasing")."""
+        return _apply(_reverse_axes, (self,), {}, "T")
+
+    def copyto(self, target: DeviceLike | Array) -> Array:
+        """Copy into ``target``: a device (a new array there) or an array (overwritten, same shape).
+
+        Either way the copy is an engine operation of its own and overlaps other work.
+        """
+        if type(target) is Array:
+            return _copy_into(self, target)
+        return copy_to(self, target)
 
     def as_in(self, device: DeviceLike) -> Array:
         """``self`` if already on ``device``, else a copy there."""
         return as_in(self, device)
+
+    def as_in_ctx(self, ctx: DeviceLike) -> Array:
+        """MXNet's name for :meth:`as_in`."""
+        return as_in(self, ctx)
+
+    @property
+    def context(self) -> Device:
+        """MXNet's name for :attr:`device`."""
+        return self.device
+
+    ctx = context
+
+    # ------------------------------------------------------------------ autograd
+    def attach_grad(self) -> Array:
+        """Make this array a leaf whose gradient ``backward`` fills (MXNet's ``attach_grad``)."""
+        if self._leaf is None:
+            self._leaf = External()
+        self._inplace("requires_grad_", True)
+        self._grads = frozenset({self._leaf})
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> Array:
+        """As ``torch.Tensor.requires_grad_``; see :meth:`attach_grad`."""
+        if not requires_grad:
+            self._grads = _NO_GRADS
+            return self._inplace("requires_grad_", False)
+        return self.attach_grad()
+
+    @property
+    def grad(self) -> Array:
+        """The gradient of a leaf made with :meth:`attach_grad`, as a new array (zeros before any backward)."""
+        out = Array(self.engine, self.device)
+        out._meta = (torch.zeros_like, (self,), {})
+        reads = (self._var,) if self._leaf is None else (self._var, self._leaf.grad)
+        self.engine.push(_run_grad, (self, out), reads, (out._var,), self.device, 0, "grad")
+        return out
+
+    def backward(self, gradient: Any = None, retain_graph: bool | None = None, create_graph: bool = False,
+                 *, wait: bool = True) -> None:
+        """Push the backward pass; it writes the gradient of every tensor this array depends on.
+
+        By default this returns once the gradients are written (only this operation and what it
+        depends on is waited for), so ``p.grad`` right after it holds the new value, as in eager
+        PyTorch. ``wait=False`` returns at once; then read gradients only through what waits for
+        them (a torch optimizer's ``step``, ``state_dict``, an engine operation, :func:`waitall`,
+        :func:`dlperf.engine.external.wait_for`), never ``p.grad`` directly.
+        """
+        others: list[Array] = []
+        _collect(gradient, others)
+        _check_devices("backward", [self, *others])
+        writes = tuple(e.grad for e in self._grads)
+        op = self.engine.push(_run_backward, (self, gradient, retain_graph, create_graph),
+                              (self._var, *(a._var for a in others)), writes, self.device, 0, "backward")
+        if wait:
+            try:
+                op.wait()
+            except BaseException:
+                # Reported here: later operations on these gradients must not be skipped for it.
+                for e in self._grads:
+                    e.grad = Var("grad")
+                raise
 
     def __getattr__(self, name: str) -> Any:
         # Any other torch.Tensor method becomes a pushed op: `b.sum()`, `x.relu()`, `w.zero_()`.
@@ -325,18 +465,69 @@ class Array:
         out = self.asnumpy()
         return out.astype(dtype) if dtype is not None else out
 
+    # ------------------------------------------------------------------ inferred, not blocking
+    def _described(self) -> Any:
+        """A tensor with this array's shape and dtype: the value's, or one inferred on ``meta``."""
+        meta = self._meta
+        if meta is None or meta is _UNKNOWN:
+            data = self._data
+            if meta is None and isinstance(data, torch.Tensor):
+                return data  # computed (an in-place change of shape would have set _UNKNOWN)
+            return self.tensor()
+        if isinstance(meta, torch.Tensor):
+            return meta
+        inferred = _infer(meta)
+        if inferred is None:
+            self._meta = _UNKNOWN if self._meta is meta else self._meta
+            return self.tensor()
+        if self._meta is meta:  # not overtaken by the worker, which clears it when the value exists
+            self._meta = inferred
+        return inferred
+
     @property
     def shape(self) -> torch.Size:
-        """Blocks: shapes are known once the producing op has run."""
-        return self.tensor().shape
+        """The shape; inferred without waiting for the value where PyTorch's meta device can."""
+        return self._described().shape
 
     @property
     def dtype(self) -> torch.dtype:
-        """Blocks, like :attr:`shape`."""
-        return self.tensor().dtype
+        """The element type; inferred like :attr:`shape`."""
+        return self._described().dtype
+
+    @property
+    def ndim(self) -> int:
+        """Number of axes; inferred like :attr:`shape`."""
+        return len(self.shape)
+
+    def dim(self) -> int:
+        """As ``torch.Tensor.dim``: inferred like :attr:`shape` (torch layers ask it of their input)."""
+        return len(self.shape)
+
+    ndimension = dim
+
+    def size(self, dim: int | None = None) -> Any:
+        """As ``torch.Tensor.size``: inferred like :attr:`shape`."""
+        shape = self.shape
+        return shape if dim is None else shape[dim]
+
+    def numel(self) -> int:
+        """Number of elements; inferred like :attr:`shape`."""
+        return self._described().numel()
+
+    def is_floating_point(self) -> bool:
+        """Whether the dtype is a floating-point type; inferred like :attr:`dtype`."""
+        return self.dtype.is_floating_point
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether a ``backward`` of this array writes some gradient (known at push time)."""
+        return bool(self._grads)
 
     def __len__(self) -> int:
-        return len(self.tensor())
+        shape = self.shape
+        if not shape:
+            raise TypeError("len() of a 0-d array")
+        return shape[0]
 
     def __iter__(self) -> Iterator[Array]:
         return (self[i] for i in range(len(self)))
@@ -359,6 +550,70 @@ class Array:
     __str__ = __repr__
 
 
+# In-place methods after which the shape is only known from the value.
+_RESHAPING_INPLACE = frozenset({"resize_", "resize_as_", "squeeze_", "unsqueeze_", "t_", "transpose_",
+                                "as_strided_", "swapdims_", "swapaxes_", "set_"})
+
+
+def _reverse_axes(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(*reversed(range(t.dim())))
+
+
+def _to_meta(x: Any, depth: int) -> Any:
+    t = type(x)
+    if t is Array:
+        described = _meta_of(x, depth)
+        if described is None:
+            raise _NotInferable
+        return described
+    if t is tuple or t is list:
+        return t(_to_meta(v, depth) for v in x)
+    if t is dict:
+        return {k: _to_meta(v, depth) for k, v in x.items()}
+    if isinstance(x, torch.Tensor) and x.device.type != "meta":
+        return torch.empty_like(x, device="meta")
+    if isinstance(x, torch.device):
+        return torch.device("meta")
+    return x
+
+
+class _NotInferable(Exception):
+    pass
+
+
+_MAX_DEPTH = 64  # a longer chain of pending operations is waited for rather than inferred
+
+
+def _meta_of(a: Array, depth: int) -> torch.Tensor | None:
+    meta = a._meta
+    if meta is None:
+        data = a._data
+        return torch.empty_like(data, device="meta") if isinstance(data, torch.Tensor) else None
+    if meta is _UNKNOWN:
+        return None
+    if isinstance(meta, torch.Tensor):
+        return meta
+    if depth >= _MAX_DEPTH:
+        return None
+    inferred = _infer(meta, depth + 1)
+    if inferred is not None and a._meta is meta:
+        a._meta = inferred
+    return inferred
+
+
+def _infer(recipe: tuple, depth: int = 0) -> torch.Tensor | None:
+    func, args, kwargs = recipe
+    try:
+        with torch.no_grad():
+            margs, mkwargs = _to_meta(args, depth), _to_meta(kwargs, depth)
+            if "device" in mkwargs:
+                mkwargs["device"] = "meta"
+            res = func(*margs, **mkwargs)
+    except Exception:  # not expressible on meta (data-dependent shapes, Python callables): wait
+        return None
+    return res if isinstance(res, torch.Tensor) and res.device.type == "meta" else None
+
+
 def _mismatch(op: str, a: Array, b: Array) -> None:
     raise DeviceMismatchError(
         f"{op} needs all operands on one device, but got {a.device} and {b.device}; "
@@ -374,29 +629,86 @@ def _check_devices(op: str, arrays: list[Array]) -> None:
             raise UsageError(f"{op}: operands belong to different engines; copy one with array(x.tensor(), ...)")
 
 
+def _writes_first(func: Any, args: tuple, kwargs: dict) -> bool:
+    # torch's in-place convention: `Tensor.add_`, `torch.relu_`, `F.relu(..., inplace=True)`, out=.
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or \
+        bool(kwargs.get("inplace")) or "out" in kwargs
+
+
 def _apply(func: Any, args: tuple, kwargs: dict, name: str | None = None) -> Array:
     inputs: list[Array] = []
-    _collect(args, inputs)
-    _collect(kwargs, inputs)
+    tensors: list[torch.Tensor] = []
+    _collect(args, inputs, tensors)
+    _collect(kwargs, inputs, tensors)
+    label = name or getattr(func, "__name__", "op")
     if not inputs:
-        raise UsageError(f"{getattr(func, '__name__', func)} got no engine array")
-    _check_devices(name or getattr(func, "__name__", "op"), inputs)
+        raise UsageError(f"{label} got no engine array")
+    _check_devices(label, inputs)
     first = inputs[0]
+    grad = _grad_enabled()
     out = Array(first.engine, first.device)
-    first.engine.push(_run_generic, (func, args, kwargs, out, inputs), tuple(a._var for a in inputs),
-                      (out._var,), first.device, 0, name or getattr(func, "__name__", None))
+    reads = [a._var for a in inputs]
+    writes = [out._var]
+    if grad:
+        out._grads = _NO_GRADS.union(*(a._grads for a in inputs)) if len(inputs) > 1 else first._grads
+    if tensors:
+        _track_tensors(first.engine, tensors, _writes_first(func, args, kwargs) and args, reads, writes, out, grad)
+    out._meta = (func, args, kwargs)
+    first.engine.push(_run_generic, (func, args, kwargs, out, inputs, grad), reads, writes,
+                      first.device, 0, label)
     return out
 
 
+def _track_tensors(engine: Engine, tensors: list[torch.Tensor], written: Any, reads: list, writes: list,
+                   out: Array, grad: bool) -> None:
+    """Declare plain tensors the operation uses (parameters, buffers), and the gradients they get."""
+    target = written[0] if written else None
+    leaves = []
+    for t in tensors:
+        ext = external(engine, t)
+        (writes if t is target else reads).append(ext.value)
+        if grad and t.requires_grad and t.is_leaf:
+            leaves.append(ext)
+    if leaves:
+        out._grads = out._grads.union(leaves)
+
+
+def call_module(module: torch.nn.Module, args: tuple, name: str | None = None) -> Array:
+    """Push one whole call of ``module`` on engine arrays as a single engine operation.
+
+    Used for hybridized modules, whose replay is one unit (as MXNet runs a hybridized block as
+    one cached operator): the operation reads the arrays and the module's parameters and buffers.
+    """
+    params = [*module.parameters(), *module.buffers()]
+    out = _apply(_call, (module, list(args), params), {}, name or type(module).__name__)
+    watch(module)  # its own __call__ bypasses the global module hooks that would do this
+    return out
+
+
+def _call(module: torch.nn.Module, args: list, params: list) -> Any:
+    return module(*args)
+
+
 def _make(factory: Any, args: tuple, kwargs: dict, device: DeviceLike | None, engine: Engine | None,
-          name: str) -> Array:
+          name: str, meta: Any = None) -> Array:
     dev = cpu(0) if device is None else require_available(device)
     eng = engine if engine is not None else default_engine()
     kwargs = dict(kwargs)
     kwargs["device"] = dev.torch_device
     out = Array(eng, dev)
+    out._meta = meta if meta is not None else (factory, args, kwargs)
     eng.push(_run_make, (factory, args, kwargs, out), (), (out._var,), dev, 0, name)
     return out
+
+
+def _place(device: DeviceLike | None, ctx: DeviceLike | None) -> DeviceLike | None:
+    if ctx is None:
+        return device
+    if device is not None and require_available(device) != require_available(ctx):
+        raise UsageError(f"device={device} and ctx={ctx} disagree; pass one of them (ctx is MXNet's name "
+                         "for device)")
+    return ctx
 
 
 def _shape(size: Any) -> tuple[int, ...]:
@@ -406,38 +718,181 @@ def _shape(size: Any) -> tuple[int, ...]:
 
 
 def array(data: Any, device: DeviceLike | None = None, dtype: torch.dtype | None = None,
-          engine: Engine | None = None) -> Array:
-    """A new array holding a copy of ``data`` (tensor, NumPy array, nested lists).
+          engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
+    """A new array holding a copy of ``data`` (tensor, NumPy array, nested lists, engine array).
 
     >>> array([[1, 2]]).tolist()
     [[1, 2]]
     """
+    if type(data) is Array:
+        data = data.tensor()
     src = data.detach() if isinstance(data, torch.Tensor) else torch.as_tensor(numpy.asarray(data))
     src = src.clone()  # the caller may change `data` after this returns
-    return _make(torch.as_tensor, (src,), {"dtype": dtype}, device, engine, "array")
+    meta = torch.empty_like(src, device="meta", dtype=dtype)
+    return _make(torch.as_tensor, (src,), {"dtype": dtype}, _place(device, ctx), engine, "array", meta)
 
 
 def ones(shape: Any, device: DeviceLike | None = None, dtype: torch.dtype | None = None,
-         engine: Engine | None = None) -> Array:
+         engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
     """An array of ones (d2l's ``np.ones``)."""
-    return _make(torch.ones, _shape(shape), {"dtype": dtype}, device, engine, "ones")
+    return _make(torch.ones, _shape(shape), {"dtype": dtype}, _place(device, ctx), engine, "ones")
 
 
 def zeros(shape: Any, device: DeviceLike | None = None, dtype: torch.dtype | None = None,
-          engine: Engine | None = None) -> Array:
+          engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
     """An array of zeros."""
-    return _make(torch.zeros, _shape(shape), {"dtype": dtype}, device, engine, "zeros")
+    return _make(torch.zeros, _shape(shape), {"dtype": dtype}, _place(device, ctx), engine, "zeros")
+
+
+def empty(shape: Any, device: DeviceLike | None = None, dtype: torch.dtype | None = None,
+          engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
+    """An array with unspecified contents (allocation only)."""
+    return _make(torch.empty, _shape(shape), {"dtype": dtype}, _place(device, ctx), engine, "empty")
+
+
+def full(shape: Any, fill_value: Any, device: DeviceLike | None = None, dtype: torch.dtype | None = None,
+         engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
+    """An array filled with ``fill_value``.
+
+    >>> full((2,), 7.0).tolist()
+    [7.0, 7.0]
+    """
+    return _make(torch.full, (_shape(shape), fill_value), {"dtype": dtype}, _place(device, ctx), engine, "full")
+
+
+def ones_like(a: Array, dtype: torch.dtype | None = None) -> Array:
+    """Ones with ``a``'s shape, device and (unless given) dtype."""
+    return _apply(torch.ones_like, (a,), {"dtype": dtype}, "ones_like")
+
+
+def zeros_like(a: Array, dtype: torch.dtype | None = None) -> Array:
+    """Zeros with ``a``'s shape, device and (unless given) dtype."""
+    return _apply(torch.zeros_like, (a,), {"dtype": dtype}, "zeros_like")
 
 
 def arange(*args: Any, device: DeviceLike | None = None, dtype: torch.dtype | None = None,
-           engine: Engine | None = None) -> Array:
+           engine: Engine | None = None, ctx: DeviceLike | None = None) -> Array:
     """``torch.arange`` as an engine array."""
-    return _make(torch.arange, args, {"dtype": dtype}, device, engine, "arange")
+    return _make(torch.arange, args, {"dtype": dtype}, _place(device, ctx), engine, "arange")
 
 
 def dot(a: Array, b: Array) -> Array:
     """Matrix (or vector) product of two arrays on one device; returns at once."""
     return a.dot(b)
+
+
+def matmul(a: Array, b: Array) -> Array:
+    """``a @ b``."""
+    return a @ b
+
+
+def _elementwise(torch_fn: Any, name: str, doc: str) -> Any:
+    def fn(a: Array) -> Array:
+        return _apply(torch_fn, (a,), {}, name)
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    return fn
+
+
+exp = _elementwise(torch.exp, "exp", "Elementwise e**a.")
+log = _elementwise(torch.log, "log", "Elementwise natural logarithm.")
+abs = _elementwise(torch.abs, "abs", "Elementwise absolute value.")  # noqa: A001  (NumPy's name)
+sqrt = _elementwise(torch.sqrt, "sqrt", "Elementwise square root.")
+tanh = _elementwise(torch.tanh, "tanh", "Elementwise hyperbolic tangent.")
+relu = _elementwise(torch.relu, "relu", "max(a, 0) elementwise (MXNet's ``npx.relu``).")
+
+
+def _reduce(torch_fn: Any, name: str, a: Array, axis: Any, keepdims: bool) -> Array:
+    if axis is None:
+        if keepdims:
+            return _apply(_reduce_all_keepdims, (torch_fn, a), {}, name)
+        return _apply(torch_fn, (a,), {}, name)
+    return _apply(torch_fn, (a,), {"dim": axis, "keepdim": keepdims}, name)
+
+
+def _reduce_all_keepdims(torch_fn: Any, t: torch.Tensor) -> torch.Tensor:
+    return torch_fn(t).reshape([1] * t.dim())
+
+
+def _max_values(t: torch.Tensor, dim: Any = None, keepdim: bool = False) -> torch.Tensor:
+    return torch.amax(t) if dim is None else torch.amax(t, dim=dim, keepdim=keepdim)
+
+
+def _min_values(t: torch.Tensor, dim: Any = None, keepdim: bool = False) -> torch.Tensor:
+    return torch.amin(t) if dim is None else torch.amin(t, dim=dim, keepdim=keepdim)
+
+
+def sum(a: Array, axis: Any = None, keepdims: bool = False) -> Array:  # noqa: A001  (NumPy's name)
+    """Sum over ``axis`` (an int, a tuple, or None for all), NumPy style.
+
+    >>> sum(array([[1.0, 2.0], [3.0, 4.0]]), axis=0).tolist()
+    [4.0, 6.0]
+    """
+    return _reduce(torch.sum, "sum", a, axis, keepdims)
+
+
+def mean(a: Array, axis: Any = None, keepdims: bool = False) -> Array:
+    """Mean over ``axis``, NumPy style."""
+    return _reduce(torch.mean, "mean", a, axis, keepdims)
+
+
+def max(a: Array, axis: Any = None, keepdims: bool = False) -> Array:  # noqa: A001  (NumPy's name)
+    """Largest element over ``axis`` (values only, as NumPy; not torch's (values, indices))."""
+    return _reduce(_max_values, "max", a, axis, keepdims)
+
+
+def min(a: Array, axis: Any = None, keepdims: bool = False) -> Array:  # noqa: A001  (NumPy's name)
+    """Smallest element over ``axis`` (values only)."""
+    return _reduce(_min_values, "min", a, axis, keepdims)
+
+
+def _binary_fn(a: Any, b: Any, both: Any, scalar: Any, name: str) -> Array:
+    if type(a) is not Array:  # a scalar first: the operation is symmetric
+        a, b = b, a
+    if type(b) is Array or isinstance(b, torch.Tensor):
+        return _apply(both, (a, b), {}, name)
+    return _apply(scalar, (a, b), {}, name)
+
+
+def maximum(a: Any, b: Any) -> Array:
+    """Elementwise larger of ``a`` and ``b`` (arrays or scalars, NumPy broadcasting).
+
+    >>> maximum(array([-1.0, 2.0]), 0).tolist()
+    [0.0, 2.0]
+    """
+    return _binary_fn(a, b, torch.maximum, torch.clamp_min, "maximum")
+
+
+def minimum(a: Any, b: Any) -> Array:
+    """Elementwise smaller of ``a`` and ``b``."""
+    return _binary_fn(a, b, torch.minimum, torch.clamp_max, "minimum")
+
+
+def concatenate(arrays: Sequence[Array], axis: int = 0) -> Array:
+    """Join arrays along an existing axis (``torch.cat``).
+
+    >>> concatenate([ones(2), zeros(1)]).tolist()
+    [1.0, 1.0, 0.0]
+    """
+    return _apply(torch.cat, (list(arrays),), {"dim": axis}, "concatenate")
+
+
+def stack(arrays: Sequence[Array], axis: int = 0) -> Array:
+    """Join arrays along a new axis."""
+    return _apply(torch.stack, (list(arrays),), {"dim": axis}, "stack")
+
+
+def reshape(a: Array, newshape: Any) -> Array:
+    """``a`` with a new shape (a copy: see "No aliasing")."""
+    return _apply(torch.reshape, (a, _shape(newshape)), {}, "reshape")
+
+
+def transpose(a: Array, axes: Sequence[int] | None = None) -> Array:
+    """Permute the axes (reverse them when ``axes`` is None), NumPy style."""
+    if axes is None:
+        return a.T
+    return _apply(torch.permute, (a, tuple(axes)), {}, "transpose")
 
 
 def _normal(loc: float, scale: float, size: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -455,15 +910,17 @@ class _Random:
 
     @staticmethod
     def normal(loc: float = 0.0, scale: float = 1.0, size: Any = None, device: DeviceLike | None = None,
-               engine: Engine | None = None) -> Array:
+               engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
         """Normal samples (d2l's ``np.random.normal``)."""
-        return _make(_normal, (loc, scale, _shape(size)), {}, device, engine, "normal")
+        meta = torch.empty(_shape(size), device="meta")
+        return _make(_normal, (loc, scale, _shape(size)), {}, _place(device, ctx), engine, "normal", meta)
 
     @staticmethod
     def uniform(low: float = 0.0, high: float = 1.0, size: Any = None, device: DeviceLike | None = None,
-                engine: Engine | None = None) -> Array:
+                engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
         """Uniform samples in ``[low, high)`` (d2l's ``np.random.uniform``)."""
-        return _make(_uniform, (low, high, _shape(size)), {}, device, engine, "uniform")
+        meta = torch.empty(_shape(size), device="meta")
+        return _make(_uniform, (low, high, _shape(size)), {}, _place(device, ctx), engine, "uniform", meta)
 
 
 random = _Random()
@@ -479,9 +936,20 @@ def copy_to(x: Array, device: DeviceLike) -> Array:
     """
     dev = require_available(device)
     out = Array(x.engine, dev)
+    out._meta = (torch.clone, (x,), {})
     where = x.device if x.device.is_gpu else dev  # the GPU side drives the transfer
     x.engine.push(_run_copy, (x, out), (x._var,), (out._var,), where, 0, "copy", "copy")
     return out
+
+
+def _copy_into(x: Array, target: Array) -> Array:
+    if target.engine is not x.engine:
+        raise UsageError("copyto: the target array belongs to another engine; copy with array(x.tensor(), ...)")
+    if target is x:
+        return x
+    where = x.device if x.device.is_gpu else target.device
+    x.engine.push(_run_copy_into, (x, target), (x._var,), (target._var,), where, 0, "copy", "copy")
+    return target
 
 
 def as_in(x: Array, device: DeviceLike) -> Array:
@@ -491,5 +959,10 @@ def as_in(x: Array, device: DeviceLike) -> Array:
 
 
 def waitall(engine: Engine | None = None) -> None:
-    """Wait for every pushed operation (of ``engine``, default: the default engine)."""
-    (engine if engine is not None else default_engine()).waitall()
+    """Wait for every pushed operation: of ``engine``, or (default) of every open engine."""
+    if engine is not None:
+        engine.waitall()
+        return
+    from .engine import waitall as wait_every_engine
+
+    wait_every_engine()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -165,6 +166,7 @@ class Engine:
         self._trace_t0 = perf_counter_ns()
         self._ids = iter(range(1, 1 << 62))
         self._closed = False
+        _LIVE.add(self)  # for the module-level waitall()
 
     # ----------------------------------------------------------------- variables and pushes
     def new_var(self, name: str | None = None) -> Var:
@@ -599,7 +601,31 @@ def _close_default() -> None:
         _default.close()
 
 
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
 def waitall() -> None:
-    """Wait for everything pushed to the default engine (d2l's ``npx.waitall()``)."""
-    if _default is not None:
-        _default.waitall()
+    """Wait for everything pushed to every open engine (d2l's ``npx.waitall()``).
+
+    Covers the default engine and every engine made with :func:`create_engine` that is still
+    open; closed ones have nothing left to wait for. Every engine is waited for even if one
+    reports an error; the first error is raised at the end.
+
+    >>> with create_engine() as eng:
+    ...     box = []
+    ...     _ = eng.push(box.append, args=(1,))
+    ...     waitall()
+    ...     box
+    [1]
+    """
+    first: BaseException | None = None
+    for eng in list(_LIVE):
+        if eng.closed:
+            continue
+        try:
+            eng.waitall()
+        except BaseException as exc:
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first

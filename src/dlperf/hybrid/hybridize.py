@@ -18,7 +18,10 @@ A :class:`HybridModule` is an explicit state machine:
     the original module runs, as if never hybridized (``reset()`` goes back to ``capture``).
 
 Replays do not run forward's Python: a ``print`` in forward prints the symbolic stand-ins during
-capture and never again, as the d2l book observes of MXNet. Python values read by forward
+capture and never again on replays, as the d2l book observes of MXNet. Preparing a new signature
+runs it too, on copies of the inputs: once as the eager reference, and with ``auto``
+``AUTO_PYTHON_TRIALS`` (3) more times to time eager, plus the call itself if eager is chosen
+(2 runs in all with a named backend, 5 or 6 with ``auto``). Python values read by forward
 (``self.scale = 2.0``) are frozen into the graph at capture; call ``reset()`` after changing them
 or the module's structure. A forward that updates module state outside the graph
 (``self.calls += 1`` on a Python int or a buffer) runs eagerly, with a warning naming the
@@ -49,6 +52,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves
 
+from ..engine.array import Array, call_module
 from ..errors import UsageError
 from ..timing import time_steps
 from .backends.registry import Backend, BackendUnsupported, get_backend
@@ -62,6 +66,9 @@ _grad_enabled = torch.is_grad_enabled
 # Trial calls per candidate when backend="auto": enough for a stable median on small models,
 # bounded in time for big ones (a 100 ms forward gets the minimum).
 AUTO_MIN_TRIALS, AUTO_MAX_TRIALS, AUTO_BUDGET_S = 3, 200, 0.05
+# Backends whose runner is forward's own Python (eager) are timed with this many runs and no
+# warm-up (the eager reference run just warmed it): each run repeats forward's side effects.
+AUTO_PYTHON_TRIALS = 3
 # A runner whose output differs from eager's beyond this is never used (float32 reassociation
 # in fused kernels moves results by ~1e-6 relative; anything larger is a bug).
 CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5
@@ -203,6 +210,9 @@ class HybridModule(nn.Module):
         return (*parts, _grad_enabled(), self._inner.training)
 
     def _slow_call(self, args: tuple, kwargs: dict):
+        if not kwargs and any(type(a) is Array for a in args):
+            # Engine arrays: the whole call is one engine operation, prepared or replayed on a worker.
+            return call_module(self, args)
         if self._state is EAGER:
             return self.module(*args, **kwargs)
         why_not = _uncapturable_call(args, kwargs)
@@ -280,8 +290,8 @@ class HybridModule(nn.Module):
             if rejected:
                 reason += "; skipped " + "; ".join(rejected)
             return Choice(backend.name, run, reason), run(*args)
-        timed = [(self._time_runner(run, args, device, state, reference.modifies_inputs), backend, run)
-                 for backend, run in ready]
+        timed = [(self._time_runner(run, args, device, state, reference.modifies_inputs, backend.runs_python),
+                  backend, run) for backend, run in ready]
         timed.sort(key=lambda t: t[0])
         best_s, backend, run = timed[0]
         others = ", ".join(f"{b.name} {s * 1e6:.1f} us" for s, b, _ in timed[1:])
@@ -307,6 +317,8 @@ class HybridModule(nn.Module):
         try:
             # prepare() may run the graph (CUDA graph warm-up): copies, and undone like a trial.
             run = backend.prepare(self._captured, _copies(args)[0])
+            if run is self.module:  # the reference itself: a trial would only repeat forward's side effects
+                return run, None
             why_not = _differences(self._observe(run, args, needs_grad, state), reference, state)
         except BackendUnsupported as exc:
             return None, str(exc)
@@ -341,7 +353,7 @@ class HybridModule(nn.Module):
         return out, tuple(g if g is not None else torch.zeros(()) for g in grads)
 
     def _time_runner(self, run: Callable, args: tuple, device: torch.device, state: ModuleState,
-                     modifies_inputs: bool) -> float:
+                     modifies_inputs: bool, runs_python: bool = False) -> float:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         needs_grad = torch.is_grad_enabled()
         # With autograd on, a trial is forward and backward: a backend that speeds up the forward
@@ -356,9 +368,13 @@ class HybridModule(nn.Module):
 
         try:
             # One untimed warm-up for lazy allocations and algorithm choices; the budget bounds the rest.
-            timing = time_steps(trial, warmup=1, steps=AUTO_MAX_TRIALS, synchronize=sync,
-                                on_step=fresh_inputs if modifies_inputs else None,
-                                max_seconds=AUTO_BUDGET_S, min_steps=AUTO_MIN_TRIALS)
+            if runs_python:
+                timing = time_steps(trial, warmup=0, steps=AUTO_PYTHON_TRIALS, synchronize=sync,
+                                    on_step=fresh_inputs if modifies_inputs else None)
+            else:
+                timing = time_steps(trial, warmup=1, steps=AUTO_MAX_TRIALS, synchronize=sync,
+                                    on_step=fresh_inputs if modifies_inputs else None,
+                                    max_seconds=AUTO_BUDGET_S, min_steps=AUTO_MIN_TRIALS)
         finally:
             state.restore()
         return timing.median_s

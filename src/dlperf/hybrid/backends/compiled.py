@@ -20,5 +20,5 @@ def _prepare(captured: Captured, example_args: tuple) -> Runner:
 
 
 COMPILE = register_backend(Backend(
-    name="compile", prepare=_prepare, supports_grad=True, devices=("cpu", "cuda"), in_auto=False,
+    name="compile", prepare=_prepare, supports_grad=True, devices=("cpu", "cuda"), runs_python=True, in_auto=False,
     description="torch.compile with the inductor backend (long first call)"))

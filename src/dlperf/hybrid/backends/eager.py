@@ -11,5 +11,5 @@ def _prepare(captured: Captured, example_args: tuple) -> Runner:
 
 
 EAGER = register_backend(Backend(
-    name="eager", prepare=_prepare, supports_grad=True, devices=("cpu", "cuda"), in_auto=True,
+    name="eager", prepare=_prepare, supports_grad=True, devices=("cpu", "cuda"), runs_python=True, in_auto=True,
     description="the module's own forward (the baseline every other backend is checked against)"))

@@ -39,6 +39,7 @@ class Backend:
     devices: tuple[str, ...]  # device types it runs on ("cpu", "cuda")
     in_auto: bool  # tried by backend="auto" (backends with long compiles are opt-in)
     description: str
+    runs_python: bool = False  # the runner executes forward's Python, side effects (print) included
 
     def unsupported_reason(self, device: torch.device, needs_grad: bool) -> str | None:
         """Why this backend cannot serve a call on ``device`` (None when it can)."""

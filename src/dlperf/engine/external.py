@@ -1,0 +1,257 @@
+"""Plain torch tensors (parameters, buffers, their gradients) used by engine operations.
+
+An engine operation on arrays may also take ordinary tensors: ``net(x)`` with an engine array
+``x`` pushes ``linear(x, net.weight, net.bias)``, and ``l.backward()`` writes ``net.weight.grad``
+on a worker. Code outside the engine reads and writes those tensors directly (a torch optimizer,
+``state_dict``, an eager forward), so without help it would run before the engine's work and see
+stale values: the optimizer step would find no gradient and silently skip the update.
+
+Each such tensor gets, per engine, two variables: ``value`` (operations read it; in-place torch
+functions on it write it) and ``grad`` (written by every ``backward`` whose loss depends on it).
+While any engine has tracked tensors, global torch hooks make the outside readers wait first:
+
+* ``optimizer.step()`` (any ``torch.optim.Optimizer``): waits until no pending operation reads or
+  writes any of its parameters or their gradients;
+* a module called with plain tensors: waits for pending writes to its parameters and buffers
+  (an in-place engine write, a pending ``backward``);
+* ``state_dict()`` / ``load_state_dict()`` of a module that was called with engine arrays: wait
+  for pending work on every tensor of the module.
+
+Raw attribute reads (``p.grad``, ``p.data``, ``p.tolist()``) cannot be intercepted; that is why
+``Array.backward()`` waits for its own operation by default (see there). :func:`wait_for` waits
+explicitly for tensors or a module's tensors. The hooks are removed again once no open engine
+tracks a tensor; while installed they add about 2 us to every module call in the process.
+
+An error raised at one of these waits is reported once: the tensor's variables are replaced by
+fresh ones, so a failed ``backward`` does not poison every later operation on the parameters.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .var import Var
+
+__all__ = ["External", "external", "wait_for", "watch", "hooks_installed"]
+
+
+class External:
+    """The engine variables of one plain tensor in one engine."""
+
+    __slots__ = ("value", "grad", "__weakref__")
+
+    def __init__(self) -> None:
+        self.value = Var("tensor")
+        self.grad = Var("grad")
+
+
+# engine -> (tensor -> External). Weak both ways: neither keeps an engine or a tensor alive.
+_TABLES: weakref.WeakKeyDictionary[Any, WeakIdKeyDictionary] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+_handles: list[Any] = []
+_watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Bumped whenever a tensor starts being tracked: a module's cached list of tracked tensors is
+# rebuilt when it is older. Most module calls then cost one dictionary lookup.
+_generation = 0
+_by_module: weakref.WeakKeyDictionary[nn.Module, tuple[int, list]] = weakref.WeakKeyDictionary()
+_UNUSED_CHECK_EVERY = 1024  # module calls between checks whether the hooks can go
+_calls_until_check = _UNUSED_CHECK_EVERY
+
+
+def external(engine: Any, tensor: torch.Tensor) -> External:
+    """The variables of ``tensor`` in ``engine``, created on first use (installs the hooks)."""
+    table = _TABLES.get(engine)
+    if table is None:
+        with _LOCK:
+            table = _TABLES.get(engine)
+            if table is None:
+                table = _TABLES[engine] = WeakIdKeyDictionary()
+    ext = table.get(tensor)
+    if ext is None:
+        global _generation
+        ext = table[tensor] = External()
+        _generation += 1
+        if not _handles:
+            _install()
+    return ext
+
+
+def hooks_installed() -> bool:
+    """Whether the global torch hooks are in place (some open engine tracks a tensor)."""
+    return bool(_handles)
+
+
+def _idle(var: Var) -> bool:
+    # Read without the engine's lock, as a hint: only the pushing thread makes a variable busy, so
+    # "idle" seen here stays true until it pushes again; a stale "busy" costs one needless wait.
+    return not var._writing and not var._readers and not var._queue and var._bulk_write is None
+
+
+def _settle(engine: Any, ext: External, write: bool) -> None:
+    try:
+        if not _idle(ext.grad) or ext.grad.exc is not None:
+            engine.wait_to_read(ext.grad)
+        if write:
+            if not _idle(ext.value):
+                engine.wait_to_write(ext.value)
+        elif not _idle(ext.value) or ext.value.exc is not None:
+            engine.wait_to_read(ext.value)
+        if ext.value.exc is not None:
+            engine.wait_to_read(ext.value)  # raises it
+    except BaseException:
+        # Reported now; later operations on this tensor must not be skipped for it.
+        ext.value, ext.grad = Var("tensor"), Var("grad")
+        raise
+
+
+def wait_for(tensors: Iterable[torch.Tensor] | nn.Module, *, write: bool = True) -> None:
+    """Block until no pending engine operation uses these tensors (or a module's tensors).
+
+    ``write=False`` waits only for pending writes (enough to read the values). Raises the error
+    of a failed operation that wrote one of them, once.
+    """
+    if isinstance(tensors, nn.Module):
+        tensors = _module_tensors(tensors)
+    tensors = list(tensors)
+    for engine, table in list(_TABLES.items()):
+        if engine.closed or not len(table) or engine._running_ops():
+            continue  # inside one of its operations, the engine's own ordering applies
+        for t in tensors:
+            ext = table.get(t)
+            if ext is not None:
+                _settle(engine, ext, write)
+
+
+def _module_tensors(module: nn.Module, recurse: bool = True) -> list[torch.Tensor]:
+    return [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+
+
+def _any_tracked() -> bool:
+    for engine, table in list(_TABLES.items()):
+        if engine.closed:
+            _TABLES.pop(engine, None)  # nothing of a closed engine is pending
+        elif len(table):
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------- global hooks
+def _install() -> None:
+    with _LOCK:
+        if _handles:
+            return
+        _handles.extend([
+            register_optimizer_step_pre_hook(_before_step),
+            nn.modules.module.register_module_forward_pre_hook(_before_forward),
+            nn.modules.module.register_module_forward_hook(_after_forward),
+        ])
+
+
+def _uninstall_if_unused() -> bool:
+    if _any_tracked():
+        return False
+    with _LOCK:
+        for h in _handles:
+            h.remove()
+        _handles.clear()
+    return True
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _uninstall_if_unused():
+        return
+    wait_for([p for group in optimizer.param_groups for p in group["params"]], write=True)
+
+
+_ARRAY: list[type] = []
+
+
+def _holds_array(values: Any) -> bool:
+    if not _ARRAY:
+        from .array import Array
+
+        _ARRAY.append(Array)
+    array_type = _ARRAY[0]
+    for v in values:
+        if type(v) is array_type:
+            return True
+    return False
+
+
+def _tracked_in(module: nn.Module) -> list[tuple[Any, External]]:
+    """(engine reference, variables) of the module's own tracked tensors, cached per generation."""
+    entry = _by_module.get(module)
+    if entry is not None and entry[0] == _generation:
+        return entry[1]
+    found = []
+    tensors = _module_tensors(module, recurse=False)
+    for engine, table in list(_TABLES.items()):
+        for t in tensors:
+            ext = table.get(t)
+            if ext is not None:
+                found.append((weakref.ref(engine), ext))
+    _by_module[module] = (_generation, found)
+    return found
+
+
+def _before_forward(module: nn.Module, args: tuple) -> None:
+    global _calls_until_check
+    if _holds_array(args):
+        return  # the engine orders this call's operations itself
+    tracked = _tracked_in(module)  # direct tensors only: each submodule's own call checks its own
+    if not tracked:
+        _calls_until_check -= 1
+        if _calls_until_check <= 0:
+            _calls_until_check = _UNUSED_CHECK_EVERY
+            _uninstall_if_unused()
+        return
+    live = False
+    for engine_ref, ext in tracked:
+        engine = engine_ref()
+        if engine is None or engine.closed:
+            continue
+        live = True
+        if _idle(ext.value) and _idle(ext.grad) and ext.value.exc is None and ext.grad.exc is None:
+            continue
+        if not engine._running_ops():  # inside one of its operations, the engine's own ordering applies
+            _settle(engine, ext, True)
+    if not live:  # its engines are closed: forget them here, and drop the hooks if nothing else needs them
+        _by_module[module] = (_generation, [])
+        _uninstall_if_unused()
+
+
+def _after_forward(module: nn.Module, args: tuple, output: Any) -> None:
+    # Registered after the call, so the very first call with engine arrays is covered too (the
+    # hooks were installed while it ran).
+    if module not in _watched and _holds_array(args):
+        watch(module)
+
+
+def watch(module: nn.Module) -> None:
+    """Make ``state_dict``/``load_state_dict`` of ``module`` and its submodules wait for engine work.
+
+    Done automatically for modules called with engine arrays through ``nn.Module.__call__``;
+    wrappers that bypass it (a hybridized module is one engine operation) call this.
+    """
+    for m in module.modules():
+        if m in _watched:
+            continue
+        _watched.add(m)
+        m.register_state_dict_pre_hook(_before_state_dict)
+        m.register_load_state_dict_pre_hook(_before_load_state_dict)
+
+
+def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    wait_for(module)
+
+
+def _before_load_state_dict(module: nn.Module, *args: Any) -> None:
+    wait_for(module, write=True)
