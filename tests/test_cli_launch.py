@@ -21,6 +21,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 SMALL = ["--train-size", "512", "--test-size", "128", "--batch-size", "64", "--lr", "0.1", "--no-progress"]
 
 SCRIPT = textwrap.dedent('''
+    import os
     import sys
     import torch
     from dlperf.devices import cpu
@@ -36,7 +37,8 @@ SCRIPT = textwrap.dedent('''
         for _ in range(2):
             trainer.train_step(X, y)
         params = [p.detach().contiguous() for p in trainer.module.parameters()]
-        torch.save({"rank": trainer.rank, "world": trainer.world, "params": params},
+        torch.save({"rank": trainer.rank, "world": trainer.world, "params": params,
+                    "num_servers": os.environ.get("DLPERF_NUM_SERVERS")},
                    f"{sys.argv[1]}.{trainer.rank}")
 ''')
 
@@ -56,11 +58,11 @@ def _reference_params() -> list[torch.Tensor]:
         return [p.detach().contiguous() for p in trainer.module.parameters()]
 
 
-def _check_script_outputs(out: Path) -> None:
+def _check_script_outputs(out: Path, num_servers: str | None = None) -> None:
     ref = _reference_params()
     for rank in (0, 1):
         got = torch.load(f"{out}.{rank}", weights_only=True)
-        assert (got["rank"], got["world"]) == (rank, 2)
+        assert (got["rank"], got["world"], got["num_servers"]) == (rank, 2, num_servers)
         for a, b in zip(got["params"], ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -108,8 +110,8 @@ def test_script_under_dlperf_launch(tmp_path, capfd):
     script = tmp_path / "train_script.py"
     script.write_text(SCRIPT)
     out = tmp_path / "params"
-    assert main(["launch", "--nproc-per-node", "2", "--", str(script), str(out)]) == 0
-    _check_script_outputs(out)
+    assert main(["launch", "--nproc-per-node", "2", "--num-servers", "1", "--", str(script), str(out)]) == 0
+    _check_script_outputs(out, num_servers="1")
 
 
 @pytest.mark.distributed
@@ -124,6 +126,34 @@ def test_script_under_plain_torchrun(tmp_path):
                            str(script), str(out)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_script_outputs(out)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_nodes_on_one_host_as_in_the_readme(tmp_path):
+    from dlperf.parallel.launchers import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": SRC}
+    nodes = [subprocess.Popen([sys.executable, "-m", "dlperf.cli", "launch", "--nproc-per-node", "1", "--nnodes", "2",
+                               "--node-rank", str(r), "--master", f"127.0.0.1:{port}", "--", "train", "--devices",
+                               "cpu:0", "--epochs", "1", "--json", *SMALL],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outs = []
+    try:
+        for node in nodes:
+            out, err = node.communicate(timeout=200)
+            assert node.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    docs = [json.loads(o.splitlines()[-1]) for o in outs if o.strip()]
+    assert len(docs) == 1 and docs[0]["processes"] == 2  # one process of the two nodes reports
 
 
 @pytest.mark.timeout(60)

@@ -280,7 +280,9 @@ class ProcessLauncher(Launcher):
             markers.mkdir()
             config = LaunchConfig(
                 min_nodes=self.nnodes, max_nodes=self.nnodes, nproc_per_node=self.nproc_per_node,
-                run_id=f"dlperf-{uuid.uuid4().hex[:12]}", rdzv_backend="c10d",
+                # the nodes of one job meet under one run id: every node derives it from the shared endpoint
+                run_id=f"dlperf-{uuid.uuid4().hex[:12]}" if self.nnodes == 1 else f"dlperf-{self.master_addr}-{port}",
+                rdzv_backend="c10d",
                 rdzv_endpoint=f"{self.master_addr}:{port}",
                 rdzv_configs={"is_host": self.node_rank == 0, "join_timeout": self.join_timeout_s},
                 max_restarts=self.max_restarts, monitor_interval=0.1, start_method="spawn",
