@@ -183,6 +183,7 @@ def test_a_failing_script_is_one_line_and_status_1(tmp_path, capfd):
     (["launch", "--nproc-per-node", "2", "--", "train", "--bogus"], ["unrecognized arguments: --bogus"]),
     (["launch", "--nproc-per-node", "2", "--", "train", "--nproc-per-node", "2"], ["give the process count once"]),
     (["train", "--nproc-per-node", "0"], ["--nproc-per-node", "out of range"]),
+    (["train", "--nproc-per-node", "2", "--kvstore", "local"], ["--kvstore local with 2 processes"]),
     (["train", "--nproc-per-node", "3", "--devices", "cpu:0,cpu:1", "--batch-size", "5"],
      ["smaller than the 6 devices (3 processes x 2)"]),
 ])

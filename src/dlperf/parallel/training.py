@@ -110,6 +110,10 @@ class TrainConfig:
             raise UsageError(f"--batch-size {self.batch_size} is smaller than the {where}; each device needs at "
                              f"least one example per step: use --batch-size {total} or more")
         get_algorithm(self.algorithm)
+        if self.kvstore is not None and self.processes > 1:
+            raise UsageError(f"--kvstore {self.kvstore} with {self.processes} processes: the local stores aggregate "
+                             "one process's devices only; drop --kvstore (gradients are then summed across "
+                             "processes by allreduce)")
         if self.checkpoint:
             try:
                 check_writable(self.checkpoint)  # now, not after the first epoch
@@ -229,7 +233,9 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
     if config.algorithm == "auto" and config.kvstore is None and on_message:
         on_message(describe_auto_choice(model, config.devices))
     with Trainer(model, config.devices, "sgd", {"lr": config.lr}, loss=state.spec.loss, algorithm=config.algorithm,
-                 kvstore=config.kvstore, check_finite=config.check_finite, trace=config.trace) as trainer:
+                 kvstore=config.kvstore, check_finite=config.check_finite,
+                 # one timeline per run: the first process's (the others would write the same file)
+                 trace=config.trace if rank_info().rank == 0 else None) as trainer:
         if state.resume is not None:
             try:
                 trainer.load_state_dict(state.resume["trainer"])
