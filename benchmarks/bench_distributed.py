@@ -14,11 +14,11 @@ update), 2 processes on 127.0.0.1 with one intra-op thread each, started once by
 * PyTorch DistributedDataParallel on each process's 128 examples, as is (contiguous), and with the
   same channels-last layout as the Trainer, to separate the layout's gain from the machinery's.
 
-The configurations alternate in every round, in the same processes, so a disturbance of the shared
-machine hits them alike; a step ends when the slower process ends (a barrier brackets each step), and
-the least disturbed round (lowest median) of each is reported, with every round's median. Each timed
-window is watched for other work on the CPUs (:mod:`dlperf.timing`); a configuration any of whose
-processes saw contention is marked ``!``.
+The configurations alternate step by step, in the same processes (each with a process group of its
+own), so a disturbance of the shared machine hits them alike; a step ends when the slower process ends
+(a barrier brackets each step). Every round builds the models afresh; the least disturbed round (lowest
+median) of each configuration is reported, with every round's median. Each round is watched for other
+work on the CPUs (:mod:`dlperf.timing`'s rule); a round that any process saw contended is marked ``!``.
 
 The last stdout line is one JSON object: ratio_vs_ddp_procs (the Trainer's step time over DDP's, as
 is: below 1 is faster), ratio_vs_ddp_procs_channels_last, the times, each round's medians and the
@@ -31,11 +31,13 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
-from dlperf.bench.timing import time_steps
+from dlperf.bench.timing import ContentionMonitor, Timing
 from dlperf.devices import cpu
 from dlperf.models import get_spec
 from dlperf.parallel import Trainer
@@ -48,9 +50,9 @@ LR = 0.1
 
 # (key, label) of every row, in table order; a measurement returns {key: (median_s, contended)} per round
 ROWS = (
-    ("trainer", "dlperf Trainer, 2 processes x 1 thread"),
     ("ddp", "PyTorch DDP, 2 processes x 1 thread"),
     ("ddp_channels_last", "PyTorch DDP, same, channels-last"),
+    ("trainer", "dlperf Trainer, 2 processes x 1 thread"),
 )
 
 
@@ -60,22 +62,16 @@ def _batch():
     return spec, X, y
 
 
-def _timed(step: Callable[[], object], steps: int, warmup: int) -> tuple[float, bool]:
-    import torch.distributed as dist
-
-    # a barrier around each step: both processes start together and a step ends with the slower one
-    t = time_steps(step, warmup=warmup, steps=steps, synchronize=dist.barrier, threads=1)
-    return t.median_s, t.contended
-
-
-def _time_trainer(steps: int, warmup: int) -> tuple[float, bool]:
+def _trainer_step(group) -> Callable[[], object]:
     spec, X, y = _batch()
     torch.manual_seed(0)
-    with Trainer(spec.build(), [cpu(0)], "sgd", {"lr": LR}, loss=spec.loss, threads=[1]) as trainer:
-        return _timed(lambda: trainer.train_step(X, y), steps, warmup)
+    trainer = Trainer(spec.build(), [cpu(0)], "sgd", {"lr": LR}, loss=spec.loss, threads=[1], processes=group)
+    step = partial(trainer.train_step, X, y)
+    step.close = trainer.close  # type: ignore[attr-defined]
+    return step
 
 
-def _time_ddp(steps: int, warmup: int, channels_last: bool) -> tuple[float, bool]:
+def _ddp_step(group, channels_last: bool) -> Callable[[], object]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     spec, X, y = _batch()
@@ -87,7 +83,7 @@ def _time_ddp(steps: int, warmup: int, channels_last: bool) -> tuple[float, bool
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
         Xr = Xr.contiguous(memory_format=torch.channels_last)
-    model = DDP(net)
+    model = DDP(net, process_group=group)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
     def step() -> None:
@@ -95,16 +91,53 @@ def _time_ddp(steps: int, warmup: int, channels_last: bool) -> tuple[float, bool
         spec.loss(model(Xr), yr).backward()  # DDP averages gradients over the processes during backward
         opt.step()
 
-    return _timed(step, steps, warmup)
+    return step
 
 
 def _worker(steps: int, warmup: int, rounds: int) -> list[dict[str, tuple[float, bool]]]:
-    """One process: every configuration once per round, in turn."""
+    """One process: per round, every configuration's steps interleaved one by one.
+
+    Each configuration has a process group of its own, so their collectives never pair with each other's.
+    """
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
-    measure = {"trainer": lambda: _time_trainer(steps, warmup),
-               "ddp": lambda: _time_ddp(steps, warmup, channels_last=False),
-               "ddp_channels_last": lambda: _time_ddp(steps, warmup, channels_last=True)}
-    return [{key: fn() for key, fn in measure.items()} for _ in range(rounds)]
+    world = dist.get_world_size()
+    groups = {key: dist.new_group(list(range(world))) for key, _ in ROWS}
+    out = []
+    for _ in range(rounds):
+        steps_by_key = {"trainer": _trainer_step(groups["trainer"]),
+                        "ddp": _ddp_step(groups["ddp"], channels_last=False),
+                        "ddp_channels_last": _ddp_step(groups["ddp_channels_last"], channels_last=True)}
+        try:
+            out.append(_interleaved(steps_by_key, steps, warmup))
+        finally:
+            steps_by_key["trainer"].close()
+    return out
+
+
+def _interleaved(steps_by_key: dict[str, Callable[[], object]], steps: int,
+                 warmup: int) -> dict[str, tuple[float, bool]]:
+    """Median seconds per step of each configuration, stepping them in turn so a disturbance hits all."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        for step in steps_by_key.values():
+            step()
+    samples: dict[str, list[float]] = {key: [] for key in steps_by_key}
+    monitor = ContentionMonitor(threads=1)
+    monitor.start()
+    for _ in range(steps):
+        for key, step in steps_by_key.items():
+            # a barrier on each side: both processes start together and a step ends with the slower one
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dist.barrier()
+            samples[key].append(time.perf_counter() - t0)
+            monitor.sample()
+    contended = monitor.stop().contended
+    return {key: (Timing.from_samples(s).median_s, contended) for key, s in samples.items()}
 
 
 def measure(steps: int, warmup: int, rounds: int) -> dict[str, list[tuple[float, bool]]]:
