@@ -318,9 +318,7 @@ class Trainer:
                                 writes=(self._replica_vars[i],), device=d, name=f"fwd+bwd {d}")
                for i, d in enumerate(self.devices)]
         try:
-            # across processes the join waits on the processes' lane, behind the step's sums there: the
-            # caller is woken once, when the step is done, instead of by one more worker
-            losses = self._wait_ops(ops, self._process_lane() if self.processes is not None else None)
+            losses = self._wait_ops(ops)
             if self.check_finite:
                 self._raise_if_nonfinite("loss", losses)
         except BaseException:
@@ -354,7 +352,7 @@ class Trainer:
             if v.exc is not None:
                 self._replica_vars[i] = self.engine.new_var(f"replica {self.devices[i]}")
 
-    def _wait_ops(self, ops: Sequence[Op], lane: Device | None = None) -> list[Any]:
+    def _wait_ops(self, ops: Sequence[Op]) -> list[Any]:
         """Wait for every operation (even after a failure, so none still runs), then return or raise once.
 
         The wait is on one joining operation that reads every replica's variable, not on the operations
@@ -362,8 +360,11 @@ class Trainer:
         caller's thread would then run replica 0's step (measured 25-35% slower here than on its worker,
         and serial with replica 1's when both are taken).
         """
-        join = self.engine.push(_no_result, reads=tuple(self._replica_vars), device=lane or self.lanes.lanes[0],
-                                kind="compute" if lane is not None else self.lanes.kind, name="join")
+        # Across processes the join waits on the processes' lane, behind the step's sums there: the caller
+        # is woken once, when the step is done, instead of by one more worker.
+        lane, kind = (self._process_lane(), "compute") if self.processes is not None else \
+            (self.lanes.lanes[0], self.lanes.kind)
+        join = self.engine.push(_no_result, reads=tuple(self._replica_vars), device=lane, kind=kind, name="join")
         try:
             join.wait()
         except Exception:  # an operation failed: each one's error is reported through its own handle below
