@@ -21,7 +21,8 @@ median) of each configuration is reported, with every round's median. Each round
 work on the CPUs (:mod:`dlperf.timing`'s rule); a round that any process saw contended is marked ``!``.
 
 The last stdout line is one JSON object: ratio_vs_ddp_procs (the Trainer's step time over DDP's, as
-is: below 1 is faster), ratio_vs_ddp_procs_channels_last, the times, each round's medians and the
+is: below 1 is faster; ratio_vs_ddp_procs_by_round: the same within each round),
+ratio_vs_ddp_procs_channels_last, the times, each round's medians and the
 contention per configuration.
 """
 
@@ -176,8 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         print("! other work competed for the CPUs while this was timed (dlperf.timing's rule); rerun on a quiet "
               "machine")
     ours = best["trainer"][0]
+    # the same ratio within each round (the configurations stepped in turn there): how steady it is
+    paired = [t[0] / d[0] for t, d in zip(rounds["trainer"], rounds["ddp"])]
+    print(f"Trainer / DDP: {ours / best['ddp'][0]:.2f} (best rounds); within each round: "
+          + " ".join(f"{r:.2f}" for r in paired))
     result = {
         "ratio_vs_ddp_procs": ours / best["ddp"][0],
+        "ratio_vs_ddp_procs_by_round": paired,
         "ratio_vs_ddp_procs_channels_last": ours / best["ddp_channels_last"][0],
         **{f"{key}_ms": best[key][0] * 1e3 for key, _ in ROWS},
         "rounds_ms": {key: [s * 1e3 for s, _ in rs] for key, rs in rounds.items()},
