@@ -19,6 +19,7 @@ VERB_MODULES: tuple[str, ...] = (
     "dlperf.cli.bench",
     "dlperf.cli.devices",
     "dlperf.cli.train",
+    "dlperf.cli.launch",
     "dlperf.cli.export",
     "dlperf.cli.trace",
     "dlperf.cli.probe",

@@ -6,6 +6,10 @@ Without ``--data`` it trains on the embedded glyph dataset (no network needed); 
 it reads Fashion-MNIST IDX files from DIR (``--download`` fetches them first). Each epoch prints the
 test accuracy and the training seconds, and the last line reads like d2l's
 ``test acc: 0.85, 2.0 sec/epoch on [cpu(0), cpu(1)]``.
+
+``--nproc-per-node N`` trains as N processes on this host (the short form of ``dlperf launch
+--nproc-per-node N -- train ...``): ``--devices`` are each process's own, ``--batch-size`` is the global
+batch, the first process prints and writes the checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import sys
 from dataclasses import fields
 
+from ..errors import UsageError
 from ..parallel.allreduce import DEFAULT_ALGORITHM, algorithm_names
 from ..parallel.training import (
     MAX_BATCH,
@@ -23,6 +28,7 @@ from ..parallel.training import (
     TRAIN_MODELS,
     TrainConfig,
     TrainState,
+    check_resume,
     epoch_line,
     prepare,
     train,
@@ -66,25 +72,59 @@ def register(sub) -> None:
                    help="stop at the first step whose loss or gradients are NaN/inf, before it updates the weights")
     p.add_argument("--trace", metavar="FILE", type=va.output_path("--trace"),
                    help="write the engine's timeline of the run (Chrome trace JSON; summarise: dlperf trace FILE)")
+    p.add_argument("--nproc-per-node", type=va.int_in(1, 1024, "--nproc-per-node"), default=None,
+                   help="train as this many processes on this host (dlperf launch for more options)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run)
 
 
-def train_config(args: argparse.Namespace) -> TrainConfig:
+def train_config(args: argparse.Namespace, processes: int | None = None) -> TrainConfig:
     """The parsed options as a :class:`~dlperf.parallel.training.TrainConfig` (which checks them).
 
     Every option named like a config field is passed on, so a new option needs only its field and its
-    ``add_argument``.
+    ``add_argument``. ``processes``: how many will train (default: as this process was started).
     """
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)},
+                       processes=processes)
+
+
+def check_in_parent(args: argparse.Namespace, processes: int) -> TrainConfig:
+    """Check the options for ``processes`` processes before they start: a mistake is one line, not one a process."""
+    config = train_config(args, processes)
+    check_resume(config)
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
-    config = train_config(args)
+    if args.nproc_per_node is not None:
+        return _launch(args)
+    return _run(train_config(args), args.json, args.no_progress)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from ..parallel.launchers import rank_info
+    from .launch import DEFAULT_TIMEOUT_S, start
+
+    if rank_info().world_size > 1:
+        raise UsageError(f"--nproc-per-node {args.nproc_per_node} in a process already started as one of "
+                         f"{rank_info().world_size}; give the process count once, to dlperf launch or to dlperf train")
+    config = check_in_parent(args, args.nproc_per_node)
+    layout = argparse.Namespace(nproc_per_node=args.nproc_per_node, nnodes=1, node_rank=0, master=None,
+                                num_servers=0, max_restarts=0, timeout=DEFAULT_TIMEOUT_S)
+    return start(layout, _run, config, args.json, args.no_progress)
+
+
+def _run(config: TrainConfig, as_json: bool, no_progress: bool) -> int:
+    from ..parallel.launchers import rank_info
+
+    if config.processes is None:
+        config.processes = rank_info().world_size
+    if rank_info().rank != 0:  # one process reports: the others train silently
+        return _quiet(config)
     state = prepare(config)
     try:
-        _train(config, state, show_progress=not (args.no_progress or args.json) and sys.stderr.isatty())
+        _train(config, state, show_progress=not (no_progress or as_json) and sys.stderr.isatty())
     except KeyboardInterrupt:
         kept = f"; {config.checkpoint} holds epoch {state.saved[-1]}" if state.saved else ""
         print(f"dlperf train: interrupted{kept}", file=sys.stderr, flush=True)
@@ -93,10 +133,22 @@ def run(args: argparse.Namespace) -> int:
     per_epoch = state.seconds_per_epoch()
     acc = history[-1]["test_acc"] if history else float("nan")
     names = "[" + ", ".join(str(d) for d in config.devices) + "]"
+    if config.processes > 1:
+        names += f" x {config.processes} processes"
     print(f"test acc: {acc:.2f}, {per_epoch:.1f} sec/epoch on {names}")
-    if args.json:
-        print(json.dumps({"model": config.model, "devices": [str(d) for d in config.devices], "test_acc": acc,
-                          "sec_per_epoch": per_epoch, "epochs": history}))
+    if as_json:
+        print(json.dumps({"model": config.model, "devices": [str(d) for d in config.devices],
+                          "processes": config.processes, "test_acc": acc, "sec_per_epoch": per_epoch,
+                          "epochs": history}))
+    return 0
+
+
+def _quiet(config: TrainConfig) -> int:
+    state = prepare(config)
+    try:
+        train(config, state)
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

@@ -10,6 +10,13 @@ lane, those go first, as the next forward pass needs them first.
 
 There is no thread here: the engine's workers run the reductions, and each bucket's reduction leaves
 one engine variable per lane that the optimizer operations read (see :attr:`GradientBuckets.done`).
+
+With replicas in several processes (:class:`Across`), a bucket reduced among this process's replicas
+is then summed across processes by one more operation on the processes' lane. Those operations are
+pushed strictly in bucket order and each writes the same variable, so every process issues the same
+sequence of collectives whatever order its buckets fill in: a parameter that gets a gradient in one
+process but not in another only delays its bucket to the end of backward, it cannot cross the
+processes' collectives (which would pair different buckets, or hang).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..devices import device_of, tag
+from ..devices import Device, device_of, tag
 from ..engine.var import Var
 from .allreduce import AllreduceAlgorithm, AutoAllreduce, get_algorithm
 from .lanes import EngineLanes
@@ -64,6 +71,23 @@ def _plan(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[int]]:
     return buckets
 
 
+class Across:
+    """Where and how buckets are summed across processes: ``reduce(flat)`` on an engine lane of its own.
+
+    ``var`` is the engine variable every operation that talks to the other processes writes, so that they
+    run in the order pushed. ``then``, when set as a step's reductions are pushed, runs in the last bucket's
+    operation after its sum (a trainer of one device per process updates its weights there: one hand-off
+    between threads fewer per step, which counts on a machine whose cores are all busy).
+    """
+
+    def __init__(self, reduce: Callable[[torch.Tensor], None], lane: Device, var: Var, kind: str = "compute") -> None:
+        self.reduce = reduce
+        self.lane = lane
+        self.var = var
+        self.kind = kind
+        self.then: Callable[[], object] | None = None
+
+
 def _after(events: list, task: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
         stream = torch.cuda.current_stream()
@@ -82,9 +106,14 @@ class GradientBuckets:
     """
 
     def __init__(self, replicas: Sequence[nn.Module], algorithm: str | AllreduceAlgorithm,
-                 bucket_bytes: int | None = None, lanes: EngineLanes | None = None) -> None:
+                 bucket_bytes: int | None = None, lanes: EngineLanes | None = None,
+                 across: Across | None = None) -> None:
         self.algorithm = get_algorithm(algorithm)
         self.lanes = lanes
+        self.across = across
+        if across is not None and lanes is None:
+            raise RuntimeError("reducing across processes needs engine lanes")
+        self._next_across = 0
         self.params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
         self.k = len(replicas)
         devices = [device_of(r) for r in replicas]
@@ -171,6 +200,7 @@ class GradientBuckets:
             self._replicas_done = 0
             self.done = [[] for _ in self.buckets]
             self._ready = [[] for _ in self.buckets]
+            self._next_across = 0
             self._armed = True
 
     def disarm(self) -> None:
@@ -197,7 +227,32 @@ class GradientBuckets:
         # caller holds the lock: a bucket is pushed once, and done[] is complete when the last replica ends
         if self._armed and not self._pushed[b]:
             self._pushed[b] = True
-            self.done[b] = self.reduce(b)
+            # one replica in this process: nothing to reduce locally before the processes' sum
+            self.done[b] = self.reduce(b) if self.k > 1 or self.across is None else []
+            if self.across is not None:
+                self._push_across_in_order()
+
+    def _push_across_in_order(self) -> None:
+        # caller holds the lock; buckets go across in index order only (see the module's docstring)
+        while self._next_across < len(self.buckets) and self._pushed[self._next_across]:
+            b = self._next_across
+            self._next_across += 1
+            row, across = self.flats[b], self.across
+            then = across.then if b == len(self.buckets) - 1 else None
+
+            def task(row=row, across=across, then=then) -> None:
+                across.reduce(row[0])
+                for f in row[1:]:  # every local replica holds the same local sum: give each the total
+                    f.copy_(row[0])
+                if then is not None:
+                    then()
+
+            events = self._ready[b]
+            run = _after(events, task) if events else task
+            self.lanes.engine.push(run, reads=tuple(self.done[b]), writes=(across.var,), device=across.lane,
+                                   kind=across.kind, priority=self.priorities[b],
+                                   name=f"allreduce bucket {b} across processes")
+            self.done[b] = [*self.done[b], across.var]
 
     def replica_done(self) -> None:
         """A replica finished backward; after the last one, push buckets whose parameters got no grad."""

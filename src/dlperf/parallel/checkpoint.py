@@ -30,6 +30,7 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 _CONFIG_TYPES: dict[str, tuple[type, ...]] = {
     "model": (str,), "devices": (int,), "batch_size": (int,), "lr": (float, int), "data": (str, type(None)),
     "train_size": (int,), "test_size": (int,), "seed": (int,), "algorithm": (str,), "kvstore": (str, type(None))}
+_CONFIG_OPTIONAL: dict[str, tuple[type, ...]] = {"processes": (int,)}
 _HISTORY_TYPES: dict[str, tuple[type, ...]] = {
     "epoch": (int,), "loss": (float, int), "test_acc": (float, int), "seconds": (float, int)}
 _HISTORY_OPTIONAL: dict[str, tuple[type, ...]] = {"nonfinite_since_step": (int, type(None))}
@@ -61,7 +62,7 @@ def _checkpoint_problem(state: object) -> str | None:
         return problem
     if state["format"] != _CHECKPOINT_FORMAT:
         return f"format {state['format']} (this dlperf reads format {_CHECKPOINT_FORMAT})"
-    problem = _check_fields("config", state["config"], _CONFIG_TYPES)
+    problem = _check_fields("config", state["config"], _CONFIG_TYPES, _CONFIG_OPTIONAL)
     for i, rec in enumerate(state["history"]):
         problem = problem or _check_fields(f"history[{i}]", rec, _HISTORY_TYPES, _HISTORY_OPTIONAL)
     trainer = state["trainer"]

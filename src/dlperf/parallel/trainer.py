@@ -15,6 +15,10 @@ buckets' variables. ``trace=`` or :meth:`Trainer.start_trace` records the engine
 ...     loss = trainer.train_step(X, y)
 ...     trainer.max_replica_difference()
 0.0
+
+Started as several processes (``dlperf launch``, ``torchrun``), a Trainer spans them all: every process
+passes the same global batch, trains on its slice, and gradients are summed within each process and
+then across processes, bucket by bucket while backward runs (:mod:`dlperf.parallel.procs`).
 """
 
 from __future__ import annotations
@@ -27,14 +31,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import DeviceLike
+from ..devices import Device, DeviceLike, cpu
 from ..engine import Engine, Op, Trace, create_engine
 from ..errors import DlperfError, UsageError, unknown_choice
 from ..kvstore import KVStore, create_kvstore
 from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
-from .buckets import GradientBuckets
+from .buckets import Across, GradientBuckets
 from .evaluate import evaluate_accuracy
 from .lanes import EngineLanes, comm_lanes, thread_budget
+from .procs import ProcessAxis, allreduce_across_processes, broadcast_from_first, join_processes, local_parts
 from .replicas import broadcast_buffers, max_replica_difference, replicate
 from .split import check_devices, check_placed, split_batch
 
@@ -106,6 +111,17 @@ class Trainer:
             so it is off by default.
         trace: a path: record the engine's timeline of the whole run and write it there (Chrome
             trace JSON, ``dlperf trace FILE`` summarises it) when the trainer closes.
+        processes: ``"auto"`` (default): train together with the other processes of the job when this
+            process was started as one of several (``dlperf launch``, ``torchrun``: ``WORLD_SIZE`` > 1),
+            joining their gloo process group if none exists yet; ``None``: this process alone; or a
+            ``torch.distributed`` process group to span. Across processes, :meth:`train_step` takes the
+            global batch, the same in every process, and ``devices`` are this process's own.
+
+    Across processes: the first process's weights are copied to the others when the trainer starts;
+    a batch with fewer examples than the devices of all processes together is refused in every
+    process alike (so no process waits for another); a parameter that gets no gradient in some
+    process contributes zeros there, as in one process. Gradient summation across processes needs
+    CPU devices (gloo on host memory).
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[DeviceLike], optimizer: OptimizerLike = "sgd",
@@ -115,7 +131,8 @@ class Trainer:
                  kvstore: str | KVStore | None = None, update_on_kvstore: bool = False,
                  bucket_bytes: int | None = None, buffers: str = "per-device",
                  threads: Sequence[int] | None = None, memory_format: str = "auto",
-                 check_finite: bool = False, trace: str | Path | None = None) -> None:
+                 check_finite: bool = False, trace: str | Path | None = None,
+                 processes: Any = "auto") -> None:
         self.devices = check_devices(devices)
         self.check_finite = check_finite
         if memory_format not in MEMORY_FORMATS:
@@ -127,6 +144,9 @@ class Trainer:
             raise UsageError("update_on_kvstore=True needs a kvstore, e.g. kvstore='local'")
         self.buffers = buffers
         self.loss = loss or _default_loss
+        self.processes: ProcessAxis | None = self._join(processes, kvstore)
+        if self.processes is not None:  # every process starts from the first one's weights
+            broadcast_from_first([*module.parameters(), *module.buffers()], self.processes.group)
         self.replicas = replicate(module, self.devices)
         self.channels_last = memory_format == "channels_last" or (
             memory_format == "auto" and not any(d.is_gpu for d in self.devices)
@@ -149,15 +169,56 @@ class Trainer:
         self._replica_vars = [self.engine.new_var(f"replica {d}") for d in self.devices]
         lanes, kind = comm_lanes(self.devices)
         self.lanes = EngineLanes(self.engine, lanes, kind)
+        # one variable written by every operation that talks to the other processes: they run in the
+        # order pushed, the same order in every process
+        self._across_var = self.engine.new_var("across processes")
         try:
             self._setup_sync(kvstore, update_on_kvstore, bucket_bytes)
         except BaseException:
             self.close()
             raise
 
+    def _join(self, processes: Any, kvstore: Any) -> ProcessAxis | None:
+        if processes is None:
+            return None
+        axis = join_processes(None if processes == "auto" else processes)
+        if axis is None:
+            return None
+        if kvstore is not None:
+            axis.close()
+            raise UsageError(f"kvstore={kvstore!r} in a trainer of {axis.world} processes: the local stores "
+                             "aggregate one process's devices only; drop the kvstore (gradients are then "
+                             "summed across processes by allreduce)")
+        if any(d.is_gpu for d in self.devices):
+            axis.close()
+            raise UsageError(f"devices {self.devices} in a trainer of {axis.world} processes: gradients are "
+                             "summed across processes by gloo on host memory; use CPU devices")
+        return axis
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the trainer's processes (0 when it trains alone)."""
+        return self.processes.rank if self.processes is not None else 0
+
+    @property
+    def world(self) -> int:
+        """How many processes train together (1 when this one trains alone)."""
+        return self.processes.world if self.processes is not None else 1
+
+    @property
+    def total_devices(self) -> int:
+        """The devices of every process together: the parts a global batch is split into."""
+        return self.k * self.world
+
+    def _process_lane(self) -> Device:
+        # a logical device of its own after the communication lanes: a collective waiting for the other
+        # processes blocks this worker only, not the local reductions
+        return cpu(max(lane.index for lane in self.lanes.lanes) + 1)
+
     def _cpu_threads(self, threads: Sequence[int] | None) -> int:
         if threads is None:
-            return max(thread_budget(self.devices))
+            cores = self.processes.cores() if self.processes is not None else None
+            return max(thread_budget(self.devices, cores))
         budget = list(threads)
         if len(budget) != len(self.devices) or any(not isinstance(t, int) or t < 1 for t in budget):
             raise UsageError(f"threads={budget!r} is not valid; expected one integer >= 1 per device "
@@ -182,8 +243,14 @@ class Trainer:
             return
         self.optimizers = [make_optimizer(self._factory, r.parameters(), self._optimizer_params)
                            for r in self.replicas]
-        if self.k > 1:
-            self._buckets = GradientBuckets(self.replicas, self.algorithm, bucket_bytes, lanes=self.lanes)
+        if self.k > 1 or self.processes is not None:
+            across = None
+            if self.processes is not None:
+                group = self.processes.group
+                across = Across(lambda flat: allreduce_across_processes(flat, group), self._process_lane(),
+                                self._across_var)
+            self._buckets = GradientBuckets(self.replicas, self.algorithm, bucket_bytes, lanes=self.lanes,
+                                            across=across)
             if self._kv is not None:
                 for b, row in enumerate(self._buckets.flats):
                     self._kv.init(b, torch.zeros_like(row[0], device="cpu"))
@@ -200,12 +267,29 @@ class Trainer:
         """The first replica (on ``devices[0]``): the trained model."""
         return self.replicas[0]
 
-    def _split(self, X, y) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _split(self, X, y) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        """This process's part for each of its devices, and the examples of the whole batch."""
+        if self.processes is not None:
+            return self._split_global(X, y)
         if isinstance(X, (list, tuple)):
             check_placed(X, self.devices, "input")
             check_placed(y, self.devices, "label")
-            return list(X), list(y)
-        return split_batch(X, y, self.devices, even_split=False)  # losses are weighted by share
+            return list(X), list(y), sum(int(t.shape[0]) for t in X)
+        Xs, ys = split_batch(X, y, self.devices, even_split=False)  # losses are weighted by share
+        return Xs, ys, int(X.shape[0])
+
+    def _split_global(self, X, y) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        if not isinstance(X, torch.Tensor) or not isinstance(y, torch.Tensor):
+            raise UsageError(f"a trainer of {self.world} processes takes the global batch as two tensors, the "
+                             f"same in every process, not per-device parts ({type(X).__name__})")
+        if X.shape[0] != y.shape[0]:
+            raise UsageError(f"features have {X.shape[0]} examples but labels have {y.shape[0]}; they must match")
+        n = int(X.shape[0])
+        # the same check, on the same global batch, fails in every process: none is left waiting
+        start, sizes = local_parts(n, self.world, self.rank, self.k)
+        end = start + sum(sizes)
+        Xs, ys = split_batch(X[start:end], y[start:end], self.devices, even_split=False)
+        return Xs, ys, n
 
     def train_step(self, X: torch.Tensor | Sequence[torch.Tensor],
                    y: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
@@ -213,16 +297,21 @@ class Trainer:
 
         ``X`` and ``y`` are a whole batch (split here) or lists with one part per device. Device i's
         loss is weighted by its share of the batch, so the summed gradients are the gradient of the
-        mean loss over the whole batch whatever the split.
+        mean loss over the whole batch whatever the split. Across processes ``X`` and ``y`` are the
+        global batch, and the loss returned is this process's part of the mean
+        (:meth:`sum_across_processes` of it is the batch's mean loss).
         """
         self._check_open()
-        Xs, ys = self._split(X, y)
-        total = sum(int(t.shape[0]) for t in Xs)
+        Xs, ys, total = self._split(X, y)
         overlapped = self._buckets is not None
         # one device and no store: update inside the same operation, saving a second push per step;
         # a finiteness check must see every replica's loss first, so it updates after them
-        update_here = self.k == 1 and self._kv is None and not self.check_finite
+        update_here = self.k == 1 and self._kv is None and not self.check_finite and self.processes is None
+        # one device per process: the last bucket's sum across processes updates the weights too
+        update_across = self.k == 1 and self.processes is not None and not self.check_finite
         if overlapped:
+            if self._buckets.across is not None:
+                self._buckets.across.then = self.optimizers[0].step if update_across else None
             self._buckets.arm()
         ops = [self.engine.push(self._replica_step, args=(i, Xs[i], ys[i], Xs[i].shape[0] / total, overlapped,
                                                           update_here),
@@ -240,7 +329,15 @@ class Trainer:
         finally:
             if overlapped:
                 self._buckets.disarm()
-        if not update_here:
+                if self._buckets.across is not None:
+                    self._buckets.across.then = None
+        if update_across:
+            try:
+                self._buckets.wait()
+            except BaseException:
+                self._renew_failed_vars()
+                raise
+        elif not update_here:
             self._aggregate_and_update(scale=1.0, reduced=overlapped)
         self._after_update()
         if len(losses) == 1:
@@ -263,8 +360,17 @@ class Trainer:
         caller's thread would then run replica 0's step (measured 25-35% slower here than on its worker,
         and serial with replica 1's when both are taken).
         """
-        join = self.engine.push(_no_result, reads=tuple(self._replica_vars), device=self.lanes.lanes[0],
-                                kind=self.lanes.kind, name="join")
+        # Across processes it is different. With one device per process the caller waits on the replica's
+        # operation itself, and usually runs it: on a machine whose cores are shared by the processes
+        # every hand-off between threads waits for a core, and the slower process holds back the sum of
+        # both (LeNet, 2 processes: 10-35% slower per step with the hand-off than PyTorch DDP, on par
+        # without it). Otherwise the join waits on the processes' lane, behind the step's sums there.
+        lane, kind = (self._process_lane(), "compute") if self.processes is not None else \
+            (self.lanes.lanes[0], self.lanes.kind)
+        if len(ops) == 1 and self.processes is not None:
+            join = ops[0]
+        else:
+            join = self.engine.push(_no_result, reads=tuple(self._replica_vars), device=lane, kind=kind, name="join")
         try:
             join.wait()
         except Exception:  # an operation failed: each one's error is reported through its own handle below
@@ -307,7 +413,8 @@ class Trainer:
     def step(self, batch_size: int) -> None:
         """Aggregate gradients the caller computed on the replicas, divide by ``batch_size``, update.
 
-        The caller's losses are sums over examples (as in Gluon's ``Trainer.step``).
+        The caller's losses are sums over examples (as in Gluon's ``Trainer.step``); across processes
+        ``batch_size`` counts the examples of every process.
         """
         self._check_open()
         if batch_size < 1:
@@ -395,9 +502,40 @@ class Trainer:
 
     # -- evaluation and state -----------------------------------------------------------------------
     def evaluate_accuracy(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Accuracy over ``data``: each batch split across the devices and run on all at once."""
+        """Accuracy over ``data``: each batch split across the devices and run on all at once.
+
+        Across processes every process passes the same ``data``; each evaluates every ``world``-th batch
+        and the counts are summed, so all get the accuracy over all of ``data``.
+        """
         self._check_open()
-        return evaluate_accuracy(self.replicas, data, self.devices, self.engine, prepare=self._layout)
+        if self.processes is None:
+            return evaluate_accuracy(self.replicas, data, self.devices, self.engine, prepare=self._layout)
+        seen = [0]
+
+        def mine() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+            for i, (X, y) in enumerate(data):
+                if i % self.world == self.rank:
+                    seen[0] += int(X.shape[0])
+                    yield X, y
+
+        acc = evaluate_accuracy(self.replicas, mine(), self.devices, self.engine, prepare=self._layout)
+        counts = self.sum_across_processes(torch.tensor([round(acc * seen[0]), seen[0]], dtype=torch.float64))
+        return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
+
+    def sum_across_processes(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of ``t`` over the trainer's processes (``t`` itself when it trains alone).
+
+        Every process must call it at the same point, e.g. after an epoch's steps.
+        """
+        self._check_open()
+        if self.processes is None:
+            return t
+        flat = t.detach().to("cpu", copy=True).contiguous()
+        group = self.processes.group
+        op = self.engine.push(allreduce_across_processes, args=(flat, group), writes=(self._across_var,),
+                              device=self._process_lane(), name="sum across processes")
+        op.wait()
+        return flat.to(t.device)
 
     def max_replica_difference(self) -> float:
         """Largest parameter difference between replicas (0.0 when they are identical)."""
@@ -479,6 +617,8 @@ class Trainer:
             finally:
                 if self._trace_path is not None:
                     self.stop_trace(self._trace_path)
+                if self.processes is not None:
+                    self.processes.close()
 
     def __enter__(self) -> Trainer:
         return self

@@ -6,6 +6,10 @@ loads the data; :func:`train` runs the epochs. ``dlperf train`` is these three a
     config = TrainConfig(model="lenet", devices=["cpu:0", "cpu:1"], epochs=2)
     state = prepare(config)
     train(config, state, on_epoch=print)
+
+Started as several processes (``dlperf launch``, ``dlperf train --nproc-per-node N``, ``torchrun``), every
+process runs these same three with the same config: each loads the same data and trains on its slice of
+every global batch, the first process alone writes the checkpoint, and every process can resume from it.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ from ..devices import Device, to_device
 from ..errors import UsageError
 from .allreduce import DEFAULT_ALGORITHM, get_algorithm
 from .checkpoint import CHECKPOINT_FORMAT, load_checkpoint, save_checkpoint
+from .launchers import rank_info
 from .split import check_devices
 from .trainer import Trainer
 
-__all__ = ["TrainConfig", "TrainState", "prepare", "train", "train_epochs", "epoch_line", "parse_devices",
-           "TRAIN_MODELS", "MAX_BATCH", "MAX_EPOCHS", "MAX_LR"]
+__all__ = ["TrainConfig", "TrainState", "check_resume", "prepare", "train", "train_epochs", "epoch_line",
+           "parse_devices", "TRAIN_MODELS", "MAX_BATCH", "MAX_EPOCHS", "MAX_LR"]
 
 TRAIN_MODELS = ("lenet", "resnet18")
 MAX_BATCH = 2**24
@@ -84,6 +89,8 @@ class TrainConfig:
     """Stop at the first step whose loss or gradients are NaN/inf, before it updates the weights."""
     trace: str | None = None
     """File the engine's timeline of the run is written to (Chrome trace JSON; ``dlperf trace FILE``)."""
+    processes: int | None = None
+    """Processes training together (``devices`` are each one's own); None: as the launcher started this one."""
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -94,11 +101,19 @@ class TrainConfig:
         require_memory(batch_bytes(get_spec(self.model), self.batch_size, training=True),
                        f"--batch-size {self.batch_size} on {self.model}", "give a smaller --batch-size")
         self.devices = check_devices(parse_devices(self.devices))  # fail before any data is made or read
-        if self.batch_size < len(self.devices):
-            raise UsageError(f"--batch-size {self.batch_size} is smaller than the {len(self.devices)} devices; each "
-                             f"device needs at least one example per step: use --batch-size {len(self.devices)} "
-                             "or more")
+        if self.processes is None:
+            self.processes = rank_info().world_size
+        total = self.processes * len(self.devices)
+        where = f"{len(self.devices)} devices" if self.processes == 1 else \
+            f"{total} devices ({self.processes} processes x {len(self.devices)})"
+        if self.batch_size < total:
+            raise UsageError(f"--batch-size {self.batch_size} is smaller than the {where}; each device needs at "
+                             f"least one example per step: use --batch-size {total} or more")
         get_algorithm(self.algorithm)
+        if self.kvstore is not None and self.processes > 1:
+            raise UsageError(f"--kvstore {self.kvstore} with {self.processes} processes: the local stores aggregate "
+                             "one process's devices only; drop --kvstore (gradients are then summed across "
+                             "processes by allreduce)")
         if self.checkpoint:
             try:
                 check_writable(self.checkpoint)  # now, not after the first epoch
@@ -106,6 +121,8 @@ class TrainConfig:
                 raise UsageError(f"--checkpoint: {exc}") from None
 
     def _check_numbers(self) -> None:
+        if self.processes is not None and self.processes < 1:
+            raise UsageError(f"processes={self.processes}: expected at least 1")
         for name in ("batch_size", "epochs", "train_size", "test_size"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -126,9 +143,12 @@ class TrainConfig:
 
     def checkpoint_config(self) -> dict[str, Any]:
         """The settings a checkpoint records; resuming needs them all equal."""
-        return {"model": self.model, "devices": len(self.devices), "batch_size": self.batch_size, "lr": self.lr,
-                "data": self.data, "train_size": self.train_size, "test_size": self.test_size, "seed": self.seed,
-                "algorithm": self.algorithm, "kvstore": self.kvstore}
+        settings = {"model": self.model, "devices": len(self.devices), "batch_size": self.batch_size, "lr": self.lr,
+                    "data": self.data, "train_size": self.train_size, "test_size": self.test_size, "seed": self.seed,
+                    "algorithm": self.algorithm, "kvstore": self.kvstore}
+        if self.processes and self.processes > 1:  # absent for one process: older checkpoints still match
+            settings["processes"] = self.processes
+        return settings
 
 
 @dataclass
@@ -159,16 +179,23 @@ class TrainState:
         return sum(timed) / len(timed) if timed else 0.0
 
 
+def check_resume(config: TrainConfig) -> dict[str, Any] | None:
+    """The checkpoint ``config.resume`` names, read and checked against ``config`` (None without one)."""
+    resume = load_checkpoint(config.resume) if config.resume else None
+    settings = config.checkpoint_config()
+    if resume is not None and resume["config"] != settings:
+        was = resume["config"]
+        diff = {k: (was.get(k), settings.get(k)) for k in sorted({*was, *settings}) if was.get(k) != settings.get(k)}
+        raise UsageError(f"--resume {config.resume}: settings differ from the checkpoint's (was, now): {diff}")
+    return resume
+
+
 def prepare(config: TrainConfig) -> TrainState:
     """Check ``config.resume`` against ``config``, seed torch and load the data: everything before training."""
     from ..data import load_data
     from ..models import get_spec
 
-    resume = load_checkpoint(config.resume) if config.resume else None
-    settings = config.checkpoint_config()
-    if resume is not None and resume["config"] != settings:
-        diff = {k: (resume["config"].get(k), v) for k, v in settings.items() if resume["config"].get(k) != v}
-        raise UsageError(f"--resume {config.resume}: settings differ from the checkpoint's (was, now): {diff}")
+    resume = check_resume(config)
     torch.manual_seed(config.seed)
     spec = get_spec(config.model)
     train_loader, test_loader = load_data(config.batch_size, config.data, seed=config.seed, train=config.train_size,
@@ -196,6 +223,8 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
           on_message: Callable[[str], None] | None = None, show_progress: bool = False) -> TrainState:
     """Train from ``state`` up to ``config.epochs``, saving ``config.checkpoint`` after every epoch.
 
+    Across processes the first process writes the checkpoint (``state.saved`` stays empty in the others).
+
     ``on_epoch`` gets each finished epoch's record after it is in ``state.history`` and saved;
     ``on_message`` gets one-line notes (the algorithm ``auto`` chose). Ctrl-C propagates, with
     ``state`` holding the finished epochs.
@@ -204,7 +233,9 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
     if config.algorithm == "auto" and config.kvstore is None and on_message:
         on_message(describe_auto_choice(model, config.devices))
     with Trainer(model, config.devices, "sgd", {"lr": config.lr}, loss=state.spec.loss, algorithm=config.algorithm,
-                 kvstore=config.kvstore, check_finite=config.check_finite, trace=config.trace) as trainer:
+                 kvstore=config.kvstore, check_finite=config.check_finite,
+                 # one timeline per run: the first process's (the others would write the same file)
+                 trace=config.trace if rank_info().rank == 0 else None) as trainer:
         if state.resume is not None:
             try:
                 trainer.load_state_dict(state.resume["trainer"])
@@ -219,7 +250,7 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
             state.history.append(rec)
             if on_epoch:
                 on_epoch(rec)
-            if config.checkpoint:
+            if config.checkpoint and trainer.rank == 0:
                 save_checkpoint(config.checkpoint, {"format": CHECKPOINT_FORMAT, "config": settings,
                                                     "history": state.history, "trainer": trainer.state_dict()})
                 state.saved.append(rec["epoch"])
@@ -246,7 +277,9 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
     """Train epochs ``first_epoch .. epochs-1``; return one record per epoch (loss, test acc, seconds).
 
     Every device needs at least one example of each step, so an epoch's last batch with fewer
-    examples than devices is skipped (at most ``devices - 1`` examples an epoch).
+    examples than devices is skipped (at most ``devices - 1`` examples an epoch; across processes, the
+    devices of all processes, and every process skips the same batch). The loss is the mean over
+    every process's examples.
     """
     history = []
     for epoch in range(first_epoch, epochs):
@@ -260,7 +293,7 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
             # closing(): after Ctrl-C the loader's thread stops now, not when the traceback is freed
             with closing(train_loader.epoch_batches(epoch)) as train_batches:
                 for X, y in train_batches:
-                    if X.shape[0] < trainer.k:
+                    if X.shape[0] < trainer.total_devices:
                         continue  # only an epoch's last batch can be this short: see the docstring
                     # summed where it is: reading it on the host every step would stall a GPU's queue
                     loss = trainer.train_step(X, y).detach().float()
@@ -273,6 +306,8 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
             for d in trainer.devices:
                 d.synchronize()
             seconds = time.perf_counter() - start
+            # each process's loss is its part of the batch's mean: one sum per epoch, not per step
+            loss_sum = trainer.sum_across_processes(torch.as_tensor(loss_sum, dtype=torch.float32))
         finally:
             if bar:
                 bar.stop()

@@ -1,0 +1,175 @@
+"""``dlperf launch``: run a dlperf verb or a Python script as several processes, on one host or many.
+
+    dlperf launch --nproc-per-node 2 -- train --devices cpu:0 --epochs 2
+    dlperf launch --nproc-per-node 2 -- my_script.py --lr 0.1
+    dlperf launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -- train ...
+
+PyTorch's elastic agent (the machinery of ``torchrun``) starts the processes, through
+:class:`~dlperf.parallel.launchers.ProcessLauncher`; each gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR`` and ``MASTER_PORT``. A dlperf verb runs inside a gloo process group the launcher opens,
+so ``train`` trains one model across every process; a script opens its own, as it would under
+``torchrun`` (a dlperf ``Trainer`` in it joins the processes by itself). ``--num-servers S`` is passed to
+every process as ``DLPERF_NUM_SERVERS`` for a distributed KVStore's parameter servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import runpy
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import UsageError
+from .options import one_line
+
+__all__ = ["register", "run", "start", "parse_master", "NUM_SERVERS_ENV", "DEFAULT_TIMEOUT_S"]
+
+NUM_SERVERS_ENV = "DLPERF_NUM_SERVERS"
+DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest a launched job may run (and one collective may wait): a week, unless ``--timeout`` says."""
+MAX_PROCESSES = 1024
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
+
+
+def parse_master(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> ``(host, port)``.
+
+    >>> parse_master("10.0.0.1:29500")
+    ('10.0.0.1', 29500)
+    """
+    m = _HOST_PORT.match(text.strip()) if len(text) < 300 else None
+    port = int(m.group(2)) if m else 0
+    if not m or not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(one_line(
+            f"{text[:80]!r} is not HOST:PORT; give --master the first node's address and a free TCP port "
+            "1..65535, e.g. 10.0.0.1:29500"))
+    return m.group(1).strip("[]"), port
+
+
+def register(sub) -> None:
+    from . import options as va
+
+    p = sub.add_parser("launch", help="run a dlperf verb or a Python script as several processes",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--nproc-per-node", required=True, type=va.int_in(1, MAX_PROCESSES, "--nproc-per-node"),
+                   help="processes on this host")
+    p.add_argument("--nnodes", default=1, type=va.int_in(1, MAX_PROCESSES, "--nnodes"),
+                   help="hosts taking part; each runs the same command with its own --node-rank")
+    p.add_argument("--node-rank", default=0, type=va.int_in(0, MAX_PROCESSES - 1, "--node-rank"),
+                   help="0 on the host named by --master")
+    p.add_argument("--master", metavar="HOST:PORT", type=parse_master,
+                   help="where node 0 meets the others (needed with --nnodes > 1; default: this host, a free port)")
+    p.add_argument("--num-servers", default=0, type=va.int_in(0, MAX_PROCESSES, "--num-servers"),
+                   help=f"parameter servers for a distributed KVStore (passed on as {NUM_SERVERS_ENV})")
+    p.add_argument("--max-restarts", default=0, type=va.int_in(0, 1000, "--max-restarts"),
+                   help="restart every process this often after a failure before giving up")
+    p.add_argument("--timeout", default=DEFAULT_TIMEOUT_S, type=va.positive_float("--timeout"), metavar="SECONDS",
+                   help="stop the processes after this long (default: a week)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- VERB ARGS... | SCRIPT.py ARGS...")
+    p.set_defaults(func=run)
+
+
+def _verbs() -> list[str]:
+    from . import VERB_MODULES
+
+    return [m.rsplit(".", 1)[1] for m in VERB_MODULES if not m.endswith(".launch")]
+
+
+def _check_layout(args: argparse.Namespace) -> None:
+    if args.node_rank >= args.nnodes:
+        raise UsageError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: expected a node rank from 0 "
+                         f"to {args.nnodes - 1}")
+    if args.nnodes > 1 and args.master is None:
+        raise UsageError(f"--nnodes {args.nnodes} needs --master HOST:PORT, the same on every node (node 0's "
+                         "address and a free port), so the nodes can find each other")
+
+
+def start(args: argparse.Namespace, fn: Callable[..., Any], *fn_args: Any, backend: str | None = "gloo") -> int:
+    """Run ``fn(*fn_args)`` in every process the launch options describe; the largest exit status wins.
+
+    ``fn`` returns an exit status (``None`` is 0). A process that fails is one line on stderr and status 1.
+    """
+    from ..parallel.launchers import LaunchError, ProcessLauncher
+
+    _check_layout(args)
+    addr, port = args.master if args.master is not None else ("127.0.0.1", None)
+    launcher = ProcessLauncher(args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=addr,
+                               master_port=port, backend=backend, join_timeout_s=args.timeout,
+                               max_restarts=args.max_restarts)
+    try:
+        codes = launcher.launch(_in_worker, args.num_servers, fn, fn_args)
+    except LaunchError as exc:
+        print(f"dlperf launch: error: {one_line(str(exc))}", file=sys.stderr)
+        return 1
+    return max((int(c or 0) for c in codes), default=0)
+
+
+def _in_worker(num_servers: int, fn: Callable[..., Any], fn_args: tuple) -> int:
+    if num_servers:
+        os.environ[NUM_SERVERS_ENV] = str(num_servers)
+    return int(fn(*fn_args) or 0)
+
+
+def run_verb(argv: list[str]) -> int:
+    """A worker: one dlperf verb, as ``dlperf ARGV`` would run it."""
+    from . import main
+
+    return main(argv)
+
+
+def run_script(path: str, argv: list[str]) -> int:
+    """A worker: a Python script as ``python PATH ARGV`` would run it."""
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:  # the script's own exit status
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _precheck_verb(argv: list[str], world: int) -> int:
+    """Parse (and for ``train`` check) the verb's options here, once, before any process starts."""
+    from . import build_parser
+    from .train import check_in_parent
+
+    try:
+        parsed = build_parser().parse_args(argv)
+    except SystemExit as exc:  # the verb's parser printed its one line (or --help)
+        return 2 if exc.code not in (0, None) else -1
+    if parsed.verb == "train":
+        if parsed.nproc_per_node is not None:
+            raise UsageError(f"train --nproc-per-node {parsed.nproc_per_node} under dlperf launch: give the process "
+                             "count once, to dlperf launch (--nproc-per-node) or to dlperf train")
+        check_in_parent(parsed, world)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    verbs = _verbs()
+    if not command:
+        raise UsageError(f"no command to launch; give one after --: a dlperf verb ({', '.join(verbs)}) or a "
+                         "Python script, e.g. dlperf launch --nproc-per-node 2 -- train --epochs 1")
+    _check_layout(args)
+    world = args.nproc_per_node * args.nnodes
+    head = command[0]
+    if head in verbs:
+        status = _precheck_verb(command, world)
+        if status:
+            return max(status, 0)
+        return start(args, run_verb, command)
+    if head.endswith(".py"):
+        if not os.path.isfile(head):
+            raise UsageError(f"script {head!r} does not exist or is not a file; give the path of a Python script")
+        return start(args, run_script, head, command[1:], backend=None)
+    raise UsageError(f"{head[:80]!r} is neither a dlperf verb ({', '.join(verbs)}) nor a Python script (.py); "
+                     "give one after --")

@@ -1,0 +1,124 @@
+"""The process axis: a Trainer that spans several processes, each holding one or more devices.
+
+Gradients are reduced hierarchically: first among the devices of one process (the allreduce
+algorithms on the engine's lanes, host memory shared), then across processes. Every reduction that
+crosses a process boundary goes through :func:`allreduce_across_processes`, the one place where the
+transport is chosen (gloo's ``all_reduce`` today; a shared-memory path for processes of one host can
+replace it there).
+
+Each process is given the *global* mini-batch (every process loads the same data in the same order,
+from the same seed) and trains on its own slice: device ``d`` of ``k`` in process ``r`` of ``P`` takes
+part ``r * k + d`` of ``P * k`` near-equal parts (:func:`~dlperf.parallel.split.split_sizes`). Each
+part's loss is weighted by its share of the global batch, so the summed gradients are those of the
+global mean loss: one process with two devices, two processes with one device each and PyTorch DDP
+compute the same update.
+
+>>> local_parts(10, world=2, rank=1, k=2)  # 10 examples on 4 devices: parts 3, 3, 2, 2
+(6, [2, 2])
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..devices import cpu_count
+from ..errors import UsageError
+from .launchers import rank_info
+from .split import split_sizes
+
+__all__ = ["ProcessAxis", "allreduce_across_processes", "broadcast_from_first", "join_processes",
+           "local_parts"]
+
+
+def allreduce_across_processes(flat: torch.Tensor, group: Any = None) -> None:
+    """Sum ``flat`` in place over every process of ``group`` (the default group when ``None``).
+
+    Every cross-process reduction of dlperf comes here, so the transport is swapped at this one place.
+    Processes must call it in the same order with tensors of the same size and dtype.
+    """
+    import torch.distributed as dist
+
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+
+
+def broadcast_from_first(tensors: Sequence[torch.Tensor], group: Any = None) -> None:
+    """Overwrite ``tensors`` in every process with the first process's (in place, in order)."""
+    import torch.distributed as dist
+
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t, src=src, group=group)
+
+
+def local_parts(n: int, world: int, rank: int, k: int) -> tuple[int, list[int]]:
+    """Where process ``rank``'s slice of a global batch of ``n`` starts, and its devices' part sizes."""
+    sizes = split_sizes(n, world * k)
+    return sum(sizes[:rank * k]), sizes[rank * k:(rank + 1) * k]
+
+
+@dataclass
+class ProcessAxis:
+    """The processes one Trainer spans: this one's rank, how many, and the process group they share."""
+
+    rank: int
+    world: int
+    local_world: int = 1
+    group: Any = None
+    """A ``torch.distributed`` group, or ``None`` for the default one."""
+    owns_default_group: bool = False
+    """Whether :func:`join_processes` started the default group (so closing the trainer ends it)."""
+
+    def cores(self) -> int:
+        """The cores of this host left to this process when every local process takes an equal share."""
+        return max(1, cpu_count() // self.local_world)
+
+    def close(self) -> None:
+        if self.owns_default_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.owns_default_group = False
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"{name}={text!r}: expected an integer; unset it or start the processes with "
+                         "dlperf launch or torchrun") from None
+
+
+def join_processes(group: Any = None) -> ProcessAxis | None:
+    """The processes this one trains with, or ``None`` when it trains alone.
+
+    Under ``dlperf launch`` the process group already exists. Under plain ``torchrun`` (``WORLD_SIZE``
+    and ``MASTER_ADDR`` set, no group yet) a gloo group is started here from the environment.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    if group is not None or dist.is_initialized():
+        world = dist.get_world_size(group)
+        if world == 1:
+            return None
+        return ProcessAxis(dist.get_rank(group), world, max(1, local_world), group)
+    info = rank_info()
+    if info.world_size <= 1:
+        return None
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise UsageError(f"WORLD_SIZE={info.world_size} but MASTER_ADDR/MASTER_PORT are not set; start the "
+                         "processes with dlperf launch or torchrun, or unset WORLD_SIZE")
+    dist.init_process_group("gloo")
+    return ProcessAxis(info.rank, info.world_size, max(1, local_world), None, owns_default_group=True)
