@@ -9,7 +9,10 @@ tensors of every size in the sweep, in place, with
 
 * ``shm``: :class:`dlperf.parallel.allreduce.shm.ShmAllreduce` (reduce-scatter + all-gather through a
   shared-memory segment);
-* ``gloo``: ``torch.distributed.all_reduce`` on the gloo process group (loopback TCP).
+* ``gloo``: ``torch.distributed.all_reduce`` on the gloo process group (loopback TCP);
+* ``copy``: no exchange at all, each rank copying its tensor into another buffer at the same time: the
+  memory traffic an in-place allreduce cannot avoid (read the tensor, write the result), so its "bus
+  bandwidth" is the ceiling this machine puts on any allreduce between 2 processes of these sizes.
 
 gloo's own shared-memory allreduce (pytorch/gloo #458) was merged upstream in January 2026 and
 reverted in February (#490); the gloo inside this torch has none of its code, so there is no third
@@ -47,6 +50,7 @@ TARGET_GBS = 8.0
 STEP_BYTES = 64 * 1024 * 1024  # bytes allreduced per timed step at small sizes (so a step is not all timer)
 MAX_REPS = 256
 TIMEOUT_S = 600
+PATHS = ("shm", "gloo", "copy")
 
 
 def _reps(nbytes: int) -> int:
@@ -65,9 +69,10 @@ def _worker(rounds: int, steps: int, warmup: int, chunk_bytes: int) -> dict:
         def together() -> None:  # a few microseconds: both ranks leave it within one barrier of each other
             shm.allreduce_(tick)
 
-        paths = {"shm": shm.allreduce_, "gloo": dist.all_reduce}
         for nbytes in SIZES:
             x = torch.ones(nbytes // 4)
+            y = torch.empty_like(x)
+            paths = {"shm": shm.allreduce_, "gloo": dist.all_reduce, "copy": y.copy_}
             reps = _reps(nbytes)
             cell: dict = {"bytes": nbytes, "reps": reps}
             for name in paths:
@@ -93,7 +98,7 @@ def _merge(results: list[dict]) -> list[dict]:
         cells = [r["cells"][key] for r in results]
         nbytes = cells[0]["bytes"]
         row: dict = {"bytes": nbytes, "reps": cells[0]["reps"]}
-        for name in ("shm", "gloo"):
+        for name in PATHS:
             per_round = [max(c[name][i]["s"] for c in cells) for i in range(len(cells[0][name]))]
             best = min(range(len(per_round)), key=per_round.__getitem__)
             row[name] = {
@@ -104,6 +109,7 @@ def _merge(results: list[dict]) -> list[dict]:
                 "noisy": any(c[name][best]["noisy"] for c in cells),
             }
         row["speedup"] = row["gloo"]["us"] / row["shm"]["us"]
+        row["of_copy"] = row["copy"]["us"] / row["shm"]["us"]
         rows.append(row)
     return rows
 
@@ -137,27 +143,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"allreduce of float32 between 2 processes of one host, 1 thread each (best of {args.rounds} alternating "
           f"rounds, median of {args.steps} steps; {os.cpu_count()} cores, load {load:.1f}; torch {torch.__version__})")
     print(f"shm chunk: {args.chunk_bytes} bytes per rank; '*' marks a contended cell, '~' a noisy one")
-    print(f"{'size':>7} {'reps':>5} | {'shm us':>9} {'GB/s':>6} | {'gloo us':>9} {'GB/s':>6} | {'speedup':>7} | "
-          "shm rounds us / gloo rounds us")
-    print("-" * 110)
+    print(f"{'size':>7} {'reps':>5} | {'shm us':>9} {'GB/s':>6} | {'gloo us':>9} {'GB/s':>6} | {'copy us':>9} "
+          f"{'GB/s':>6} | {'vs gloo':>7} | shm rounds us / gloo rounds us")
+    print("-" * 120)
     for r in rows:
-        marks = {n: ("*" if r[n]["contended"] else "") + ("~" if r[n]["noisy"] else "") for n in ("shm", "gloo")}
+        cells = []
+        for n in PATHS:
+            mark = ("*" if r[n]["contended"] else "") + ("~" if r[n]["noisy"] else "")
+            cells.append(f"{r[n]['us']:>9.1f} {r[n]['busbw_gbs']:>6.2f}{mark:<2}")
         rounds = " ".join(f"{u:.0f}" for u in r["shm"]["rounds_us"]) + " / " + \
             " ".join(f"{u:.0f}" for u in r["gloo"]["rounds_us"])
-        print(f"{_label(r['bytes']):>7} {r['reps']:>5} | {r['shm']['us']:>9.1f} {r['shm']['busbw_gbs']:>6.2f}"
-              f"{marks['shm']:<2}| {r['gloo']['us']:>9.1f} {r['gloo']['busbw_gbs']:>6.2f}{marks['gloo']:<2}| "
-              f"{r['speedup']:>6.1f}x | {rounds}")
+        print(f"{_label(r['bytes']):>7} {r['reps']:>5} | " + "| ".join(cells) + f"| {r['speedup']:>6.1f}x | {rounds}")
     busbw = head["shm"]["busbw_gbs"]
     verdict = "meets" if busbw >= TARGET_GBS else "misses"
     print(f"\n64 MB: shm {busbw:.2f} GB/s bus bandwidth ({verdict} the {TARGET_GBS:g} GB/s target), gloo "
-          f"{head['gloo']['busbw_gbs']:.2f} GB/s, {head['speedup']:.1f}x")
-    contended = any(r[n]["contended"] for r in rows for n in ("shm", "gloo"))
+          f"{head['gloo']['busbw_gbs']:.2f} GB/s ({head['speedup']:.1f}x); both ranks merely copying 64 MB at once: "
+          f"{head['copy']['busbw_gbs']:.2f} GB/s, the ceiling here (shm reaches {head['of_copy']:.0%} of it)")
+    contended = any(r[n]["contended"] for r in rows for n in PATHS)
     if contended:
         print("WARNING: other work competed for the cores during marked cells; rerun on a quiet machine")
     result = {
         "proc_allreduce_busbw_gbs": busbw,
         "gloo_busbw_gbs": head["gloo"]["busbw_gbs"],
         "speedup_vs_gloo": head["speedup"],
+        "copy_ceiling_gbs": head["copy"]["busbw_gbs"],
+        "fraction_of_copy_ceiling": head["of_copy"],
         "target_gbs": TARGET_GBS,
         "meets_target": busbw >= TARGET_GBS,
         "gloo_shm": None,

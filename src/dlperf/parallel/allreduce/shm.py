@@ -165,6 +165,17 @@ def _op_code(op: object) -> int | None:
         return None
 
 
+def _check_tensor(tensor: object) -> str | None:
+    if not isinstance(tensor, torch.Tensor):
+        return f"got a {type(tensor).__name__}; expected a torch.Tensor"
+    if tensor.device.type != "cpu":
+        return f"the tensor is on {tensor.device}; expected a CPU tensor (copy it to the host first)"
+    if tensor.dtype not in _DTYPE_CODES:
+        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        return f"dtype {tensor.dtype} is not supported; expected one of {names}: cast the tensor first"
+    return None
+
+
 def _describe(numel: int, dcode: int, opc: int) -> str:
     if dcode == 0:
         return "an unusable argument (its own error says which)"
@@ -279,18 +290,8 @@ class ShmAllreduce:
         problem = None if ok else f"src={src!r}: expected a rank 0..{self.world_size - 1}"
         return self._collective(tensor, _OP_BROADCAST + (src if ok else 0), problem)
 
-    def _check_tensor(self, tensor: object) -> str | None:
-        if not isinstance(tensor, torch.Tensor):
-            return f"got a {type(tensor).__name__}; expected a torch.Tensor"
-        if tensor.device.type != "cpu":
-            return f"the tensor is on {tensor.device}; expected a CPU tensor (copy it to the host first)"
-        if tensor.dtype not in _DTYPE_CODES:
-            names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
-            return f"dtype {tensor.dtype} is not supported; expected one of {names}: cast the tensor first"
-        return None
-
     def _collective(self, tensor: torch.Tensor, opc: int, problem: str | None) -> torch.Tensor:
-        problem = problem or self._check_tensor(tensor)
+        problem = problem or _check_tensor(tensor)
         if self._broken is not None:
             raise ShmAllreduceError(self._broken)
         if self._seg is None:  # one rank: nothing to exchange
@@ -400,12 +401,18 @@ class _Chunks:
         self._full = chunk_bounds(self.per_chunk, self.k)
         self.src = opc - _OP_BROADCAST if opc >= _OP_BROADCAST else None
         self.half = flat.dtype in (torch.bfloat16, torch.float16)
+        self._pieces: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]] = {}
 
     def _piece(self, i: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
-        lo = i * self.per_chunk
-        c = min(self.per_chunk, self.n - lo)
-        bounds = self._full if c == self.per_chunk else chunk_bounds(c, self.k)
-        return self.flat[lo:lo + c], self.buffers[(self.g._chunk + i) % _BUFFERS], bounds
+        """Chunk ``i`` of the tensor, its buffer, and the rank slices; made once, used by three steps."""
+        piece = self._pieces.get(i)
+        if piece is None:
+            lo = i * self.per_chunk
+            c = min(self.per_chunk, self.n - lo)
+            bounds = self._full if c == self.per_chunk else chunk_bounds(c, self.k)
+            piece = self._pieces[i] = (self.flat[lo:lo + c], self.buffers[(self.g._chunk + i) % _BUFFERS], bounds)
+            self._pieces.pop(i - 2, None)
+        return piece
 
     def run(self, context: str) -> None:
         g, barrier = self.g, self.g._barrier
@@ -543,14 +550,18 @@ class _HostPlan:
             return None
 
     def allreduce_(self, tensor: torch.Tensor, op: object) -> torch.Tensor:
-        if self.kind == "single":
-            return tensor
         if self.kind == "shm":
             assert self.local is not None
-            return self.local.allreduce_(tensor, op)
+            return self.local.allreduce_(tensor, op)  # checks the arguments collectively itself
+        # the same checks as the shared-memory path, so a call fails alike whichever way the hosts are laid out
+        problem = _check_tensor(tensor)
         code = _op_code(op)
-        if code is None:
-            raise UsageError(f"op={op!r} is not supported; expected 'sum' or 'mean' (or ReduceOp.SUM / ReduceOp.AVG)")
+        if problem is None and code is None:
+            problem = f"op={op!r} is not supported; expected 'sum' or 'mean' (or ReduceOp.SUM / ReduceOp.AVG)"
+        if problem:
+            raise UsageError(f"host_allreduce_: {problem}")
+        if self.kind == "single":
+            return tensor
         if self.kind == "dist":
             self.dist.all_reduce(tensor, group=self.group)
         else:
@@ -579,8 +590,9 @@ def host_allreduce_(tensor: torch.Tensor, group: Any = None, op: object = "sum",
     """Allreduce ``tensor`` in place over ``group`` (default: the whole world) the fastest way the hosts allow.
 
     The first call on a group is collective setup (hostnames exchanged, segments mapped, subgroups made);
-    later calls reuse it. ``host_name`` overrides this process's host name (ranks with equal names are
-    taken to share ``/dev/shm``). ``op``: ``"sum"`` or ``"mean"``.
+    later calls reuse it, so ``host_name``, ``timeout_s`` and ``chunk_bytes`` count on the first call only.
+    ``host_name`` overrides this process's host name (ranks with equal names are taken to share
+    ``/dev/shm``). ``op``: ``"sum"`` or ``"mean"``. Float tensors on the CPU only, whatever the path.
     """
     import torch.distributed as dist
 
