@@ -88,6 +88,16 @@ def _correctness_worker(hosts: list[str] | None) -> dict:
     from dlperf.parallel.allreduce.shm import _plans
 
     out["plan"] = next(iter(_plans.values()))[1].kind
+    if hosts:
+        # every rank on its own named host: plain torch.distributed, with the same argument checks
+        everyone = dist.new_group(list(range(world)))
+        w = _input(10_003, rank, 777, torch.float64)
+        host_allreduce_(w, group=everyone, op="mean", host_name=f"host{rank}")
+        out["dist"] = (w, _plans[id(everyone)][1].kind)
+        try:
+            host_allreduce_(torch.ones(3, dtype=torch.int32), group=everyone)
+        except UsageError as exc:
+            out["dist_error"] = str(exc)
     dist.barrier()
     return out
 
@@ -161,6 +171,11 @@ def test_three_processes_on_two_named_hosts_reduce_hierarchically():
     results = ProcessLauncher(3, backend="gloo", join_timeout_s=150).launch(_correctness_worker, ["a", "a", "b"])
     _check(results, 3)
     assert [r["plan"] for r in results] == ["hierarchical"] * 3
+    mean = sum(_input(10_003, r, 777, torch.float64) for r in range(3)) / 3
+    for r in results:
+        assert r["dist"][1] == "dist"
+        torch.testing.assert_close(r["dist"][0], mean)
+        assert "dtype torch.int32 is not supported" in r["dist_error"]
     assert set(leftover_segments()) <= before
 
 
