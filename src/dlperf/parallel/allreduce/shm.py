@@ -205,7 +205,7 @@ class ShmAllreduce:
             raise UsageError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         exchange = self._exchange(group, rank, world_size, store, key, float(timeout_s))
         self.rank, self.world_size = exchange.rank, exchange.world
-        self.timeout_s = float(timeout_s)
+        self._timeout_s = float(timeout_s)
         self.slot_bytes = -(-chunk_bytes // 64) * 64
         self._lock = threading.Lock()
         self._chunk = 0  # chunks run so far: picks the buffer of the next one
@@ -217,8 +217,21 @@ class ShmAllreduce:
             self._seg, pids = self._setup(exchange)
             self._bytes = torch.frombuffer(self._seg.buffer(), dtype=torch.uint8,
                                            count=_BUFFERS * (self.world_size + 1) * self.slot_bytes)
-            self._barrier = SequenceBarrier(self._seg, self.rank, self.timeout_s, pids)
+            self._barrier = SequenceBarrier(self._seg, self.rank, self._timeout_s, pids)
             _live.add(self)
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a rank waits at a barrier for the others; may be changed between calls."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        if not (isinstance(value, (int, float)) and value > 0):
+            raise UsageError(f"timeout_s={value!r}: expected a positive number of seconds")
+        self._timeout_s = float(value)
+        if self._seg is not None:
+            self._barrier.timeout_s = self._timeout_s
 
     @staticmethod
     def _exchange(group: Any, rank: int | None, world_size: int | None, store: Any, key: str,
