@@ -293,3 +293,14 @@ def test_a_hostile_or_foreign_segment_is_refused_before_it_is_mapped(tmp_path):
 def test_host_allreduce_needs_a_process_group():
     with pytest.raises(UsageError, match="needs an initialised torch.distributed process group"):
         host_allreduce_(torch.ones(2))
+
+
+def test_a_peer_that_never_joins_fails_setup_without_leaving_the_segment(tmp_path):
+    import torch.distributed as dist
+
+    before = set(leftover_segments())
+    start = time.monotonic()
+    with pytest.raises(ShmUnavailableError, match="rank 1 did not join the shm group"):
+        ShmAllreduce(rank=0, world_size=2, store=dist.FileStore(str(tmp_path / "s"), 2), timeout_s=1)
+    assert time.monotonic() - start < 10
+    assert set(leftover_segments()) <= before

@@ -550,9 +550,14 @@ class _HostPlan:
             self.leaders = leaders
         if len(mine) > 1:
             self.local = self._local(local_group, timeout_s, chunk_bytes)
-            if self.local is None:
-                raise ShmUnavailableError(f"ranks {mine} share the host name {me['host']!r} but not a shared-memory "
-                                          "segment; give each host a distinct name")
+        # one host without a segment sends the whole group to torch.distributed: every rank must agree
+        usable: list[Any] = [None] * self.world
+        dist.all_gather_object(usable, len(mine) == 1 or self.local is not None, group=group)
+        if not all(usable):
+            if self.local is not None:
+                self.local.close()
+                self.local = None
+            self.kind = "dist"
 
     @staticmethod
     def _local(group: Any, timeout_s: float, chunk_bytes: int) -> ShmAllreduce | None:
