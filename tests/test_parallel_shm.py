@@ -21,7 +21,7 @@ from dlperf.parallel.allreduce.shm import (
     _setup_problem,
     host_allreduce_,
 )
-from dlperf.parallel.allreduce.shm_segment import Segment, leftover_segments, segment_name
+from dlperf.parallel.allreduce.shm_segment import Segment, mapped_segments
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 
 SIZES = (0, 1, 2, 7, 1000, 4099)
@@ -29,6 +29,14 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SMALL_CHUNK = 256  # bytes per rank per chunk: many chunks, so the buffer rotation and a short last chunk run
 TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12), torch.bfloat16: (2e-2, 2e-2),
        torch.float16: (2e-3, 2e-3)}
+
+
+def _dev_shm() -> set[str]:
+    """dlperf's names in /dev/shm: the segments are anonymous, so none may ever appear."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if "dlperf" in n}
+    except OSError:
+        return set()
 
 
 def _input(case: int, rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -65,7 +73,7 @@ def _correctness_worker(hosts: list[str] | None) -> dict:
     torch.set_num_threads(1)
     out: dict = {"shm": [], "gloo": [], "host": [], "errors": []}
     with ShmAllreduce(timeout_s=30, chunk_bytes=SMALL_CHUNK) as small, ShmAllreduce(timeout_s=30) as big:
-        out["unlinked"] = not os.path.exists(small._seg.path) and not os.path.exists(big._seg.path)
+        out["held_after_setup"] = mapped_segments()
         for case, n, dtype, op in _cases():
             x = _input(case, rank, n, dtype)
             t = x.clone()
@@ -82,6 +90,7 @@ def _correctness_worker(hosts: list[str] | None) -> dict:
         after = torch.full((33,), float(rank + 1))
         small.allreduce_(after)  # the group survives every argument error above
         out["after_errors"] = after
+    out["held_after_close"] = mapped_segments()
     z = _input(10_002, rank, 3001, torch.float32)
     host_allreduce_(z, host_name=hosts[rank] if hosts else None, chunk_bytes=SMALL_CHUNK)
     out["host"] = z
@@ -140,7 +149,8 @@ def _check(results: list[dict], world: int) -> None:
         torch.testing.assert_close(results[r]["host"].double(), host, rtol=1e-5, atol=1e-5)
         assert torch.equal(results[r]["broadcast"], _input(10_001, world - 1, 5000, torch.float32))
         assert torch.equal(results[r]["after_errors"], torch.full((33,), float(world * (world + 1) // 2)))
-        assert results[r]["unlinked"]
+        # two groups mapped, no descriptor but the one each mmap keeps: nothing outlives the mappings
+        assert results[r]["held_after_setup"] == (2, 2) and results[r]["held_after_close"] == (0, 0)
         errors = results[r]["errors"]
         assert "no error" not in errors, errors
         assert "rank 0 passed 10 elements of torch.float32 (sum), rank 1 passed 11 elements" in errors[0]
@@ -156,17 +166,17 @@ def _check(results: list[dict], world: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_two_processes_match_the_reference_and_gloo_and_leave_nothing_in_dev_shm():
-    before = set(leftover_segments())
+    before = _dev_shm()
     results = ProcessLauncher(2, backend="gloo", join_timeout_s=150).launch(_correctness_worker, None)
     _check(results, 2)
     assert [r["plan"] for r in results] == ["shm", "shm"]
-    assert set(leftover_segments()) <= before
+    assert _dev_shm() <= before
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_three_processes_on_two_named_hosts_reduce_hierarchically():
-    before = set(leftover_segments())
+    before = _dev_shm()
     # ranks 0 and 1 share a segment; rank 2 stands for another host, reached through a leaders' gloo group
     results = ProcessLauncher(3, backend="gloo", join_timeout_s=150).launch(_correctness_worker, ["a", "a", "b"])
     _check(results, 3)
@@ -176,7 +186,7 @@ def test_three_processes_on_two_named_hosts_reduce_hierarchically():
         assert r["dist"][1] == "dist"
         torch.testing.assert_close(r["dist"][0], mean)
         assert "dtype torch.int32 is not supported" in r["dist_error"]
-    assert set(leftover_segments()) <= before
+    assert _dev_shm() <= before
 
 
 # --- a peer that dies or hangs: the other raises within the timeout, naming it ---------------------------------
@@ -210,7 +220,7 @@ def _peer(tmp_path: Path, mode: str) -> subprocess.Popen:
 def test_a_peer_that_dies_closes_or_hangs_makes_the_other_raise_naming_it(tmp_path, mode, timeout_s, expected):
     import torch.distributed as dist
 
-    before = set(leftover_segments())
+    before = _dev_shm()
     peer = _peer(tmp_path, mode)
     try:
         store = dist.FileStore(str(tmp_path / "store"), 2)
@@ -228,7 +238,7 @@ def test_a_peer_that_dies_closes_or_hangs_makes_the_other_raise_naming_it(tmp_pa
     finally:
         peer.kill()
         peer.wait()
-    assert set(leftover_segments()) <= before
+    assert _dev_shm() <= before
 
 
 # --- single process: arguments, setup decisions, hostile segments ----------------------------------------------
@@ -270,24 +280,28 @@ def test_setup_refuses_ranks_on_different_hosts_or_machines_alike_on_every_rank(
     assert "rank 0: no room" in _setup_problem([dict(ok, error="no room"), ok])
 
 
-def test_a_hostile_or_foreign_segment_is_refused_before_it_is_mapped(tmp_path):
-    for name in ("../etc/passwd", "dlperf-shm-xyz", 42):
-        with pytest.raises(ShmUnavailableError, match="is not of the form"):
-            Segment.attach(name, 2, 64, 1024, 1)
-    with pytest.raises(ShmUnavailableError, match="cannot open"):
-        Segment.attach(segment_name(), 2, 64, 1024, 1)
-    seg, token = Segment.create(segment_name(), 2, 64, 1024)
-    name = os.path.basename(seg.path)
+def test_a_hostile_or_foreign_segment_is_refused_before_it_is_trusted():
+    for handle in ({"pid": "../etc", "fd": 3, "token": 1}, {"pid": 1, "fd": -1, "token": 1}, ["x"], None):
+        with pytest.raises(ShmUnavailableError, match="expected a pid, a descriptor and a token"):
+            Segment.attach(handle, 2, 64, 1024)
+    with pytest.raises(ShmUnavailableError, match="cannot open the creating rank's segment"):
+        Segment.attach({"pid": os.getpid(), "fd": 999_999, "token": 1}, 2, 64, 1024)
+    seg, handle = Segment.create(2, 64, 1024)
     try:
+        assert mapped_segments() == (1, 2)  # the descriptor peers open, and the one mmap keeps
         with pytest.raises(ShmUnavailableError, match="bytes, expected"):
-            Segment.attach(name, 2, 64, 1 << 20, token)
+            Segment.attach(handle, 2, 64, 1 << 20)
         with pytest.raises(ShmUnavailableError, match="not the segment the creating rank announced"):
-            Segment.attach(name, 2, 64, 1024, token + 1)
-        Segment.attach(name, 2, 64, 1024, token).close()
+            Segment.attach(dict(handle, token=handle["token"] + 1), 2, 64, 1024)
+        peer = Segment.attach(handle, 2, 64, 1024)
+        seg.release_handle()
+        assert mapped_segments() == (2, 2)
+        peer.ctl[100] = 7  # one memory behind both mappings
+        assert seg.ctl[100] == 7
+        peer.close()
     finally:
-        seg.unlink()
         seg.close()
-    assert name not in leftover_segments()
+    assert mapped_segments() == (0, 0)
 
 
 def test_host_allreduce_needs_a_process_group():
@@ -298,9 +312,9 @@ def test_host_allreduce_needs_a_process_group():
 def test_a_peer_that_never_joins_fails_setup_without_leaving_the_segment(tmp_path):
     import torch.distributed as dist
 
-    before = set(leftover_segments())
+    before = _dev_shm()
     start = time.monotonic()
     with pytest.raises(ShmUnavailableError, match="rank 1 did not join the shm group"):
         ShmAllreduce(rank=0, world_size=2, store=dist.FileStore(str(tmp_path / "s"), 2), timeout_s=1)
     assert time.monotonic() - start < 10
-    assert set(leftover_segments()) <= before
+    assert _dev_shm() <= before

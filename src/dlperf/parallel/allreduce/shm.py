@@ -58,7 +58,6 @@ from .shm_segment import (
     ShmAllreduceError,
     ShmUnavailableError,
     process_alive,
-    segment_name,
     spin_barrier_supported,
 )
 
@@ -190,7 +189,7 @@ class ShmAllreduce:
     ``torch.distributed`` process group (``None``: the default group), or ``ShmAllreduce(rank=...,
     world_size=..., store=...)`` with a ``torch.distributed`` Store (``key`` tells apart groups sharing a
     store). Setup is collective; it raises :class:`ShmUnavailableError` on every rank when the ranks cannot
-    share a segment (different hosts, no ``/dev/shm``, not x86-64).
+    share a segment (different hosts, not Linux, not x86-64).
 
     ``chunk_bytes``: one rank's share of a chunk; the segment holds ``3 * (world + 1)`` of them.
     ``timeout_s``: how long a rank waits at a barrier for the others before raising.
@@ -251,15 +250,14 @@ class ShmAllreduce:
         return _StoreExchange(store, rank, world_size, key, timeout_s)
 
     def _setup(self, exchange: _GroupExchange | _StoreExchange) -> tuple[Segment, dict[int, int] | None]:
-        """Rank 0 creates the segment, the others map it; all unlink it once every rank holds it."""
+        """Rank 0 makes the segment, the others map it; rank 0 lets go of its descriptor once all hold it."""
         data_bytes = _BUFFERS * (self.world_size + 1) * self.slot_bytes
         info: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "machine": platform.machine(),
                                 "supported": spin_barrier_supported()}
         seg: Segment | None = None
         if self.rank == 0 and info["supported"]:
             try:
-                seg, info["token"] = Segment.create(segment_name(), self.world_size, self.slot_bytes, data_bytes)
-                info["segment"] = os.path.basename(seg.path)
+                seg, info["segment"] = Segment.create(self.world_size, self.slot_bytes, data_bytes)
             except ShmUnavailableError as exc:
                 info["error"] = str(exc)
         try:
@@ -270,8 +268,7 @@ class ShmAllreduce:
             error = ""
             if self.rank != 0:
                 try:
-                    seg = Segment.attach(infos[0]["segment"], self.world_size, self.slot_bytes, data_bytes,
-                                         infos[0]["token"])
+                    seg = Segment.attach(infos[0].get("segment"), self.world_size, self.slot_bytes, data_bytes)
                 except ShmUnavailableError as exc:
                     error = str(exc)
             errors = [m.get("error", "") for m in exchange.all_gather({"error": error})]
@@ -280,10 +277,10 @@ class ShmAllreduce:
                 raise ShmUnavailableError(f"rank {failed[0][0]}: {failed[0][1]}")
         except BaseException:
             if seg is not None:
-                seg.unlink()
                 seg.close()
             raise
-        seg.unlink()  # every rank holds a mapping now: the segment lives exactly as long as they do
+        assert seg is not None
+        seg.release_handle()  # every rank maps it now: the segment lives exactly as long as they do
         pids = {r: int(m["pid"]) for r, m in enumerate(infos) if r != self.rank}
         # a peer whose pid is not alive here lives in another pid namespace: then only the timeout guards
         return seg, pids if all(process_alive(p) for p in pids.values()) else None
@@ -375,7 +372,7 @@ class ShmAllreduce:
     # --- lifetime ---------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Unmap the segment (it was unlinked at setup); peers still waiting on this rank raise."""
+        """Unmap the segment (nothing else holds it after setup); peers still waiting on this rank raise."""
         seg, self._seg = self._seg, None
         if seg is None:
             return
@@ -492,8 +489,8 @@ def _setup_problem(infos: list[dict]) -> str | None:
     unsupported = [r for r, m in enumerate(infos) if not m.get("supported")]
     if unsupported:
         r = unsupported[0]
-        return (f"rank {r} ({infos[r].get('machine')!r}) lacks /dev/shm or x86-64 store ordering, which the "
-                "shared-memory barrier relies on; use torch.distributed.all_reduce")
+        return (f"rank {r} ({infos[r].get('machine')!r}) lacks Linux's memfd_create or x86-64 store ordering, which "
+                "the shared-memory segment and barrier rely on; use torch.distributed.all_reduce")
     if infos[0].get("error"):
         return f"rank 0: {infos[0]['error']}"
     return None
@@ -610,7 +607,7 @@ def host_allreduce_(tensor: torch.Tensor, group: Any = None, op: object = "sum",
     The first call on a group is collective setup (hostnames exchanged, segments mapped, subgroups made);
     later calls reuse it, so ``host_name``, ``timeout_s`` and ``chunk_bytes`` count on the first call only.
     ``host_name`` overrides this process's host name (ranks with equal names are taken to share
-    ``/dev/shm``). ``op``: ``"sum"`` or ``"mean"``. Float tensors on the CPU only, whatever the path.
+    memory). ``op``: ``"sum"`` or ``"mean"``. Float tensors on the CPU only, whatever the path.
     """
     import torch.distributed as dist
 

@@ -1,12 +1,14 @@
 """A shared-memory segment for the ranks of one host, and the sequence barrier that orders its users.
 
-The segment is a file in ``/dev/shm`` created by one rank, mapped by all, and unlinked as soon as every
-rank has mapped it: from then on it lives only as long as the mappings, so no process ending (a crash, a
-``SIGKILL``) can leave it behind. Creation reserves its pages (``posix_fallocate``), so a full ``/dev/shm``
-is one clear error at setup rather than a ``SIGBUS`` at the first write.
+The segment is an anonymous memory file (``memfd_create``) made by one rank: it has no name in
+``/dev/shm`` or anywhere else, so no way a process ends (an exception, ``SIGTERM`` from the launcher's
+agent, ``SIGKILL``) can leave it behind. The peers open it through ``/proc/<pid>/fd/<fd>`` of the
+creating rank, which closes its descriptor once every rank has mapped it; from then on the segment
+lives exactly as long as the mappings. Creation reserves its pages (``posix_fallocate``), so too little
+shared memory is one clear error at setup rather than a ``SIGBUS`` at the first write.
 
 Layout: a 64-byte header (magic, layout version, world size, slot bytes, a random token that proves
-the opener mapped the creator's file), one 64-byte control line per rank, then the data area at a
+the opener mapped the creator's segment), one 64-byte control line per rank, then the data area at a
 page boundary. A rank writes only its own control line; peers only read it, so lines never bounce
 between writers.
 
@@ -19,27 +21,22 @@ that Python cannot issue, so :func:`spin_barrier_supported` says no there.
 
 from __future__ import annotations
 
-import atexit
 import mmap
 import os
 import platform
-import re
 import secrets
-import threading
 import time
-import uuid
 from collections.abc import Sequence
 
 from ...errors import DlperfError
 
-__all__ = ["ShmAllreduceError", "ShmUnavailableError", "Segment", "SequenceBarrier", "SHM_DIR",
-           "spin_barrier_supported", "segment_name", "leftover_segments"]
+__all__ = ["ShmAllreduceError", "ShmUnavailableError", "Segment", "SequenceBarrier", "spin_barrier_supported",
+           "mapped_segments", "SEGMENT_LABEL"]
 
-SHM_DIR = "/dev/shm"
-NAME_PREFIX = "dlperf-shm-"
-_NAME_RE = re.compile(r"dlperf-shm-[0-9a-f]{32}")
+SEGMENT_LABEL = "dlperf-shm"
+"""The memory file's name, as /proc/<pid>/maps and /proc/<pid>/fd show it (``memfd:dlperf-shm``)."""
 _MAGIC = 0x646C7065_72667368  # "dlperfsh"
-_VERSION = 1
+_VERSION = 2
 HEADER_WORDS = 8
 LINE_WORDS = 8  # one 64-byte cache line per rank
 _PAGE = 4096
@@ -63,54 +60,43 @@ class ShmAllreduceError(DlperfError, RuntimeError):
 
 
 class ShmUnavailableError(DlperfError, RuntimeError):
-    """This system or these ranks cannot share a segment (no /dev/shm, other hosts, another architecture)."""
+    """These ranks cannot share a segment (other hosts or pid namespaces, not Linux, not x86-64)."""
 
 
 def spin_barrier_supported() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
+    return platform.machine().lower() in ("x86_64", "amd64") and hasattr(os, "memfd_create") \
+        and os.path.isdir("/proc/self/fd")
 
 
-def segment_name() -> str:
-    return NAME_PREFIX + uuid.uuid4().hex
+def mapped_segments(pid: int | str = "self") -> tuple[int, int]:
+    """(mappings, open descriptors) of segments in process ``pid``: what it still holds of any group.
 
-
-def leftover_segments() -> list[str]:
-    """Segments of this module still named in /dev/shm (none once every group finished its setup)."""
+    Python's mmap keeps a descriptor of its own per mapping, so a process that holds nothing else has as
+    many descriptors as mappings; the creator has one more until every peer has mapped the segment.
+    """
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX))
+        with open(f"/proc/{pid}/maps") as f:
+            maps = sum(1 for line in f if f"memfd:{SEGMENT_LABEL}" in line)
     except OSError:
-        return []
-
-
-# paths created here and not yet unlinked: the only window in which a file exists that no rank unlinks
-_created: set[str] = set()
-_created_lock = threading.Lock()
-
-
-def _unlink_created() -> None:
-    with _created_lock:
-        for path in list(_created):
-            _unlink(path)
-
-
-atexit.register(_unlink_created)
-
-
-def _unlink(path: str) -> None:
+        maps = 0
+    fds = 0
     try:
-        os.unlink(path)
-    except FileNotFoundError:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                fds += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:{SEGMENT_LABEL}")
+            except OSError:
+                continue
+    except OSError:
         pass
-    with _created_lock:
-        _created.discard(path)
+    return maps, fds
 
 
 class Segment:
-    """One mapped segment: ``ctl`` (int64 words: header, then a line per rank) and ``data`` (bytes)."""
+    """One mapped segment: ``ctl`` (int64 words: header, then a line per rank) and the data area."""
 
-    def __init__(self, mm: mmap.mmap, path: str, world: int, slot_bytes: int, data_offset: int) -> None:
+    def __init__(self, mm: mmap.mmap, world: int, slot_bytes: int, data_offset: int, fd: int | None = None) -> None:
         self._mm = mm
-        self.path = path
+        self._fd = fd  # the creator's descriptor, which the peers open; closed once they all have
         self.world = world
         self.slot_bytes = slot_bytes
         self.data_offset = data_offset
@@ -124,69 +110,72 @@ class Segment:
         return offset, offset + -(-data_bytes // _PAGE) * _PAGE
 
     @classmethod
-    def create(cls, name: str, world: int, slot_bytes: int, data_bytes: int) -> tuple[Segment, int]:
-        """Create, size and map a new segment; return it and its token. Raises ShmUnavailableError."""
-        if not os.path.isdir(SHM_DIR):
-            raise ShmUnavailableError(f"{SHM_DIR} does not exist on this system; shared-memory allreduce needs "
-                                      "it: use torch.distributed.all_reduce instead")
-        path = os.path.join(SHM_DIR, name)
+    def create(cls, world: int, slot_bytes: int, data_bytes: int) -> tuple[Segment, dict[str, int]]:
+        """Make and map a new segment; return it and what a peer needs to open it (pid, fd, token)."""
         offset, size = cls.layout(world, data_bytes)
-        with _created_lock:
-            _created.add(path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, size)
-                mm = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
+            fd = os.memfd_create(SEGMENT_LABEL, os.MFD_CLOEXEC)
+        except (OSError, AttributeError) as exc:
+            raise ShmUnavailableError(f"cannot make an anonymous shared-memory file ({exc}); use "
+                                      "torch.distributed.all_reduce") from None
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size)
         except OSError as exc:
-            _unlink(path)
-            raise ShmUnavailableError(f"cannot create a {size / 2**20:.1f} MiB segment {path} ({exc}); free "
-                                      f"space in {SHM_DIR} or pass a smaller chunk_bytes") from None
-        seg = cls(mm, path, world, slot_bytes, offset)
+            os.close(fd)
+            raise ShmUnavailableError(f"cannot reserve a {size / 2**20:.1f} MiB shared-memory segment ({exc}); "
+                                      "free shared memory or pass a smaller chunk_bytes") from None
+        seg = cls(mm, world, slot_bytes, offset, fd)
         token = secrets.randbits(62)
         seg.ctl[1], seg.ctl[2], seg.ctl[3], seg.ctl[4] = _VERSION, world, slot_bytes, token
         seg.ctl[0] = _MAGIC  # last: a complete header is one with the magic
-        return seg, token
+        return seg, {"pid": os.getpid(), "fd": fd, "token": token}
 
     @classmethod
-    def attach(cls, name: object, world: int, slot_bytes: int, data_bytes: int, token: object) -> Segment:
-        """Map the segment a peer created, checking it is the one it announced."""
-        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-            raise ShmUnavailableError(f"the segment name {name!r} from the creating rank is not of the form "
-                                      f"{NAME_PREFIX}<32 hex digits>; every rank must run the same dlperf")
-        path = os.path.join(SHM_DIR, name)
+    def attach(cls, handle: object, world: int, slot_bytes: int, data_bytes: int) -> Segment:
+        """Map the segment a peer created, checking it is the one it announced before trusting it."""
+        fields = handle if isinstance(handle, dict) else {}
+        pid, fd, token = fields.get("pid"), fields.get("fd"), fields.get("token")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (pid, fd, token)):
+            raise ShmUnavailableError(f"the creating rank announced {handle!r}; expected a pid, a descriptor and a "
+                                      "token, all integers >= 0: every rank must run the same dlperf")
+        path = f"/proc/{pid}/fd/{fd}"
         offset, size = cls.layout(world, data_bytes)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd_here = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
-            raise ShmUnavailableError(f"cannot open {path} ({exc.strerror}): the ranks do not share {SHM_DIR} "
-                                      "(different hosts or containers); use torch.distributed.all_reduce") from None
+            raise ShmUnavailableError(f"cannot open the creating rank's segment {path} ({exc.strerror}): the ranks "
+                                      "do not share a host and pid namespace; use torch.distributed.all_reduce") \
+                from None
         try:
-            actual = os.fstat(fd).st_size
+            actual = os.fstat(fd_here).st_size
             if actual != size:
                 raise ShmUnavailableError(f"{path} has {actual} bytes, expected {size}: every rank must pass "
                                           "the same chunk_bytes and run the same dlperf")
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd_here, size)
         finally:
-            os.close(fd)
-        seg = cls(mm, path, world, slot_bytes, offset)
+            os.close(fd_here)
+        seg = cls(mm, world, slot_bytes, offset)
         header = (seg.ctl[0], seg.ctl[1], seg.ctl[2], seg.ctl[3], seg.ctl[4])
         if header != (_MAGIC, _VERSION, world, slot_bytes, token):
             seg.close()
             raise ShmUnavailableError(f"{path} is not the segment the creating rank announced (header {header}); "
-                                      f"the ranks do not share {SHM_DIR}: use torch.distributed.all_reduce")
+                                      "the ranks do not share a host and pid namespace: use "
+                                      "torch.distributed.all_reduce")
         return seg
 
-    def unlink(self) -> None:
-        _unlink(self.path)
+    def release_handle(self) -> None:
+        """Close the creator's descriptor: from now on the segment lives only as long as its mappings."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     def buffer(self) -> memoryview:
         """The data area, writable (the caller wraps it with torch.frombuffer and drops it before close)."""
         return memoryview(self._mm)[self.data_offset:]
 
     def close(self) -> None:
+        self.release_handle()
         self.ctl.release()
         try:
             self._mm.close()
