@@ -348,12 +348,11 @@ class ShmAllreduce:
         views = self._views.get(dtype)
         if views is None:
             rows = self.world_size + 1
-            typed = self._bytes.view(dtype).view(_BUFFERS, rows, self.slot_bytes // self._bytes.new_empty(
-                (), dtype=dtype).element_size())
+            typed = self._bytes.view(dtype).view(_BUFFERS, rows, self.slot_bytes // dtype.itemsize)
             views = self._views[dtype] = list(typed.unbind(0))
         return views
 
-    def check_peers(self, numel: int, dcode: int, opc: int) -> None:
+    def _check_peers(self, dcode: int) -> None:
         """After a call's first barrier: every rank passed the same thing, or all raise the same error."""
         seg, barrier = self._seg, self._barrier
         assert seg is not None
@@ -428,7 +427,7 @@ class _Chunks:
         g, barrier = self.g, self.g._barrier
         self.scatter(0)
         barrier.arrive(context)
-        g.check_peers(self.n, _DTYPE_CODES[self.flat.dtype], self.opc)
+        g._check_peers(_DTYPE_CODES[self.flat.dtype])
         for i in range(self.m):
             self.reduce(i)
             if i + 1 < self.m:
