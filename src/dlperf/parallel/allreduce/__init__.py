@@ -3,7 +3,8 @@
 Algorithms register themselves (``naive``, ``cpu``, ``sharded``, ``ring``); all give the same sum up
 to float rounding, and each device ends with a bit-identical copy of it. The default is
 ``sharded``: see :data:`DEFAULT_ALGORITHM` for why. ``auto`` picks one of them per call from the
-cost model and the measured links (:func:`choose_algorithm`).
+cost model and the measured links (:func:`choose_algorithm`). Between processes of one host,
+:class:`ShmAllreduce` (and :func:`host_allreduce_`, which adds the hosts) sums through shared memory.
 
 >>> import torch
 >>> from dlperf.devices import cpu, copy_to
@@ -32,9 +33,11 @@ from .base import (
     register_algorithm,
     run_sequential,
 )
+from .shm import ShmAllreduce, ShmAllreduceError, ShmUnavailableError, host_allreduce_
 
 __all__ = ["allreduce", "AllreduceAlgorithm", "DEFAULT_ALGORITHM", "algorithm_names", "get_algorithm",
-           "register_algorithm", "chunk_bounds", "Phase", "run_schedule", "choose_algorithm"]
+           "register_algorithm", "chunk_bounds", "Phase", "run_schedule", "choose_algorithm",
+           "ShmAllreduce", "ShmAllreduceError", "ShmUnavailableError", "host_allreduce_"]
 
 
 def run_schedule(phases: list[Phase], workers: EngineLanes | None = None) -> None:
