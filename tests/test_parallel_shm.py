@@ -318,3 +318,33 @@ def test_a_peer_that_never_joins_fails_setup_without_leaving_the_segment(tmp_pat
         ShmAllreduce(rank=0, world_size=2, store=dist.FileStore(str(tmp_path / "s"), 2), timeout_s=1)
     assert time.monotonic() - start < 10
     assert _dev_shm() <= before
+
+
+def _across_worker() -> dict:
+    """The Trainer's one cross-process sum, on both transports, against gloo's own answer."""
+    import torch.distributed as dist
+
+    from dlperf.parallel.allreduce import shm
+    from dlperf.parallel.procs import PROCESS_ALLREDUCE_ENV, allreduce_across_processes
+
+    rank = rank_info().rank
+    x = _input(7, rank, 1003, torch.float32)
+    auto, expected = x.clone(), x.clone()
+    allreduce_across_processes(auto)
+    dist.all_reduce(expected)
+    kinds = [entry[1].kind for entry in shm._plans.values()]
+    os.environ[PROCESS_ALLREDUCE_ENV] = "gloo"
+    try:
+        forced = x.clone()
+        allreduce_across_processes(forced)
+    finally:
+        del os.environ[PROCESS_ALLREDUCE_ENV]
+    return {"auto": torch.equal(auto, expected), "forced": torch.equal(forced, expected), "kinds": kinds}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_the_trainers_sum_across_processes_takes_shared_memory_on_one_host():
+    results = ProcessLauncher(2, backend="gloo", join_timeout_s=100).launch(_across_worker)
+    # two addends: every order of summation gives the same bits, so equality with gloo is exact
+    assert results == [{"auto": True, "forced": True, "kinds": ["shm"]}] * 2

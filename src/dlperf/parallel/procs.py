@@ -3,8 +3,10 @@
 Gradients are reduced hierarchically: first among the devices of one process (the allreduce
 algorithms on the engine's lanes, host memory shared), then across processes. Every reduction that
 crosses a process boundary goes through :func:`allreduce_across_processes`, the one place where the
-transport is chosen (gloo's ``all_reduce`` today; a shared-memory path for processes of one host can
-replace it there).
+transport is chosen: shared memory between processes of one host, ``torch.distributed`` (gloo) between
+hosts, hierarchical when both (:func:`~dlperf.parallel.allreduce.host_allreduce_`).
+``DLPERF_PROCESS_ALLREDUCE=gloo`` sends every sum through ``torch.distributed.all_reduce`` instead, to
+compare the two or to step around a host where shared memory misbehaves.
 
 Each process is given the *global* mini-batch (every process loads the same data in the same order,
 from the same seed) and trains on its own slice: device ``d`` of ``k`` in process ``r`` of ``P`` takes
@@ -31,8 +33,11 @@ from ..errors import UsageError
 from .launchers import rank_info
 from .split import split_sizes
 
-__all__ = ["ProcessAxis", "allreduce_across_processes", "broadcast_from_first", "join_processes",
-           "local_parts"]
+PROCESS_ALLREDUCE_ENV = "DLPERF_PROCESS_ALLREDUCE"
+_SHM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+__all__ = ["PROCESS_ALLREDUCE_ENV", "ProcessAxis", "allreduce_across_processes", "broadcast_from_first",
+           "join_processes", "local_parts"]
 
 
 def allreduce_across_processes(flat: torch.Tensor, group: Any = None) -> None:
@@ -43,7 +48,19 @@ def allreduce_across_processes(flat: torch.Tensor, group: Any = None) -> None:
     """
     import torch.distributed as dist
 
+    if _transport() == "auto" and flat.device.type == "cpu" and flat.dtype in _SHM_DTYPES:
+        from .allreduce.shm import host_allreduce_
+
+        host_allreduce_(flat, group)
+        return
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+
+
+def _transport() -> str:
+    text = os.environ.get(PROCESS_ALLREDUCE_ENV, "auto").strip().lower()
+    if text not in ("auto", "gloo"):
+        raise UsageError(f"{PROCESS_ALLREDUCE_ENV}={text!r}: expected auto or gloo; unset it for auto")
+    return text
 
 
 def broadcast_from_first(tensors: Sequence[torch.Tensor], group: Any = None) -> None:
@@ -81,6 +98,10 @@ class ProcessAxis:
     def close(self) -> None:
         if self.owns_default_group:
             import torch.distributed as dist
+
+            from .allreduce.shm import close_host_allreduce
+
+            close_host_allreduce()  # the segments set up on the group go with it
 
             if dist.is_initialized():
                 dist.destroy_process_group()

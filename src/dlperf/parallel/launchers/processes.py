@@ -119,6 +119,9 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
         raise
     finally:
         if backend is not None:
+            from ..allreduce.shm import close_host_allreduce
+
+            close_host_allreduce()  # segments set up on this group go with it
             dist.destroy_process_group()
     _mark(marker_dir, local_rank, "finished")
     return result
