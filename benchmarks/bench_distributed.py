@@ -9,8 +9,9 @@ update), 2 processes on 127.0.0.1 with one intra-op thread each, started once by
 :class:`~dlperf.parallel.launchers.ProcessLauncher`:
 
 * dlperf Trainer, one device per process: each process is given the global batch and trains on its
-  128 examples; gradient buckets are summed across the processes (``allreduce_across_processes``,
-  gloo) while backward runs. It picks channels-last activations for conv nets on CPU.
+  128 examples; gradient buckets are summed across the processes (``allreduce_across_processes``:
+  shared memory between the processes of this host) while backward runs; a second row sends the
+  same sums through gloo (``DLPERF_PROCESS_ALLREDUCE=gloo``). It picks channels-last activations for conv nets on CPU.
 * PyTorch DistributedDataParallel on each process's 128 examples, as is (contiguous), and with the
   same channels-last layout as the Trainer, to separate the layout's gain from the machinery's.
 
@@ -43,6 +44,7 @@ from dlperf.devices import cpu
 from dlperf.models import get_spec
 from dlperf.parallel import Trainer
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
+from dlperf.parallel.procs import PROCESS_ALLREDUCE_ENV
 
 BATCH = 256
 PROCESSES = 2
@@ -53,6 +55,7 @@ LR = 0.1
 ROWS = (
     ("ddp", "PyTorch DDP, 2 processes x 1 thread"),
     ("ddp_channels_last", "PyTorch DDP, same, channels-last"),
+    ("trainer_gloo", "dlperf Trainer, same, sums through gloo"),
     ("trainer", "dlperf Trainer, 2 processes x 1 thread"),
 )
 
@@ -63,13 +66,26 @@ def _batch():
     return spec, X, y
 
 
-def _trainer_step(group) -> Callable[[], object]:
+def _trainer_step(group, transport: str = "auto") -> Callable[[], object]:
     spec, X, y = _batch()
     torch.manual_seed(0)
     trainer = Trainer(spec.build(), [cpu(0)], "sgd", {"lr": LR}, loss=spec.loss, threads=[1], processes=group)
-    step = partial(trainer.train_step, X, y)
+    step = partial(_with_transport, transport, trainer.train_step, X, y)
     step.close = trainer.close  # type: ignore[attr-defined]
     return step
+
+
+def _with_transport(transport: str, fn: Callable[..., object], *args: object) -> object:
+    """Run one step with the cross-process sums on ``transport`` (train_step returns once they are done)."""
+    saved = os.environ.get(PROCESS_ALLREDUCE_ENV)
+    os.environ[PROCESS_ALLREDUCE_ENV] = transport
+    try:
+        return fn(*args)
+    finally:
+        if saved is None:
+            del os.environ[PROCESS_ALLREDUCE_ENV]
+        else:
+            os.environ[PROCESS_ALLREDUCE_ENV] = saved
 
 
 def _ddp_step(group, channels_last: bool) -> Callable[[], object]:
@@ -108,12 +124,14 @@ def _worker(steps: int, warmup: int, rounds: int) -> list[dict[str, tuple[float,
     out = []
     for _ in range(rounds):
         steps_by_key = {"trainer": _trainer_step(groups["trainer"]),
+                        "trainer_gloo": _trainer_step(groups["trainer_gloo"], "gloo"),
                         "ddp": _ddp_step(groups["ddp"], channels_last=False),
                         "ddp_channels_last": _ddp_step(groups["ddp_channels_last"], channels_last=True)}
         try:
             out.append(_interleaved(steps_by_key, steps, warmup))
         finally:
             steps_by_key["trainer"].close()
+            steps_by_key["trainer_gloo"].close()
     return out
 
 
@@ -185,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_vs_ddp_procs": ours / best["ddp"][0],
         "ratio_vs_ddp_procs_by_round": paired,
         "ratio_vs_ddp_procs_channels_last": ours / best["ddp_channels_last"][0],
+        "ratio_shm_vs_gloo_sums": ours / best["trainer_gloo"][0],
         **{f"{key}_ms": best[key][0] * 1e3 for key, _ in ROWS},
         "rounds_ms": {key: [s * 1e3 for s, _ in rs] for key, rs in rounds.items()},
         "contended_by_config": {key: best[key][1] for key, _ in ROWS},
