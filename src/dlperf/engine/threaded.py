@@ -67,7 +67,10 @@ class ThreadedEngine(Engine):
         self._cond = threading.Condition(self._lock)
         self._workers: dict[tuple[Device, str], Worker] = {}
         self._pending = 0
-        self._waiters = 0
+        # Who must be woken when operations finish (a notify wakes every waiter, each of which then
+        # competes for the GIL, so finishing an operation nobody waits for wakes nobody):
+        self._blind_waiters = 0  # waits that need every completion: room under max_queued, held ops
+        self._all_waiters = 0    # waitall()s: woken when nothing is pending
         self._cpu_workers = 0
         self._has_gpu = False
         self._last: tuple[Device | None, Worker | None] = (None, None)
@@ -124,10 +127,11 @@ class ThreadedEngine(Engine):
                 raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
             # A thread inside an operation may not wait for room: the room may be its own operation.
             if limit is not None and worker.unfinished >= limit and not self._running_ops():
-                self._waiters += 1
+                self._blind_waiters += 1
+                self._wake_deferred()
                 while worker.unfinished >= limit:  # bound memory held by queued work
                     self._cond.wait()
-                self._waiters -= 1
+                self._blind_waiters -= 1
                 if self._closed:  # closed while we waited: its workers may be stopped already
                     raise EngineClosedError("this threaded engine was closed while a push waited for room "
                                             "(max_queued); create a new one to push more work")
@@ -149,7 +153,12 @@ class ThreadedEngine(Engine):
             op.wait_count -= 1
             if op.wait_count == 0:
                 op.state = QUEUED
-                worker.enqueue(op)
+                worker.enqueue_pushed(op)
+
+    def _wake_deferred(self) -> None:
+        """Wake every worker sleeping on queued operations a push did not wake it for (lock held)."""
+        for w in self._workers.values():
+            w.wake_if_queued()
 
     @staticmethod
     def _enqueue_var(v: Var, op: Op, is_write: bool) -> None:
@@ -185,6 +194,7 @@ class ThreadedEngine(Engine):
     def _complete(self, ops: list[Op]) -> None:
         """Release the variables of finished operations and wake whoever waits (takes the lock)."""
         with self._lock:
+            wake = self._blind_waiters
             for op in ops:
                 for v in op.reads:
                     v._readers -= 1
@@ -196,8 +206,10 @@ class ThreadedEngine(Engine):
                         self._grant(v)
                 op.state = DONE
                 op.worker.unfinished -= 1
+                if op.waited:
+                    wake = True
             self._pending -= len(ops)
-            if self._waiters:
+            if wake or (self._all_waiters and not self._pending):
                 self._cond.notify_all()
 
     # ----------------------------------------------------------------- waiting
@@ -214,6 +226,10 @@ class ThreadedEngine(Engine):
                 if op.state == QUEUED and w.can_steal and not w.busy and w.setup_error is None:
                     op.state = RUNNING  # the worker will skip it
                     steal = True
+                    q = w._q
+                    if q and q[-1] is op:  # the usual case: pushed, then waited for at once
+                        q.pop()
+                    w.wake_if_queued()  # what was pushed before it runs meanwhile
         if steal:
             stack = self._running_stack()
             stack.append(op)
@@ -229,12 +245,21 @@ class ThreadedEngine(Engine):
             return
         # Not running an operation: nothing waits for this thread, so it cannot close a cycle.
         with self._lock:
-            self._waiters += 1
+            blind = self._mark_waited(op)
+            self._wake_deferred()
             try:
                 while op.state != DONE:
                     self._cond.wait()
             finally:
-                self._waiters -= 1
+                self._blind_waiters -= blind
+
+    def _mark_waited(self, op: Op) -> int:
+        """Ask for a wake-up when ``op`` finishes (lock held); 1 if every completion must wake us."""
+        op.waited = True
+        if op.worker is None:  # held in another thread's open bulk(): its batch is not known yet
+            self._blind_waiters += 1
+            return 1
+        return 0
 
     def _wait_inside_op(self, op: Op, var: Var | None, running: list[Op]) -> None:
         """Block a thread that runs operations, as a node of the wait-for graph; raise on a cycle."""
@@ -245,7 +270,8 @@ class ThreadedEngine(Engine):
         key = threading.get_ident()
         with self._lock:
             self._blocked[key] = me
-            self._waiters += 1
+            blind = self._mark_waited(op)
+            self._wake_deferred()
             try:
                 self._check_cycle(me)
                 pause = RECHECK_S
@@ -259,7 +285,7 @@ class ThreadedEngine(Engine):
                         pause = min(2 * pause, RECHECK_MAX_S)
                         next_check = monotonic() + pause
             finally:
-                self._waiters -= 1
+                self._blind_waiters -= blind
                 del self._blocked[key]
 
     def _check_cycle(self, me: Waiter) -> None:
@@ -279,10 +305,13 @@ class ThreadedEngine(Engine):
                 "every pushed operation, that one included, so it would never return. Wait for what the "
                 "function needs with wait_to_read(), or call waitall() outside pushed functions")
         with self._lock:
-            self._waiters += 1
-            while self._pending:
-                self._cond.wait()
-            self._waiters -= 1
+            self._all_waiters += 1
+            self._wake_deferred()
+            try:
+                while self._pending:
+                    self._cond.wait()
+            finally:
+                self._all_waiters -= 1
 
     def _sync_var(self, var: Var) -> None:
         if self._has_gpu and var._wev is not None:

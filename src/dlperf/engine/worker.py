@@ -41,6 +41,9 @@ __all__ = ["Worker", "CpuWorker", "MAX_BATCH"]
 
 MAX_BATCH = 256  # ready operations taken per lock acquisition: bounds how long priorities wait
 IDLE_CHECK_S = 1.0  # an idle worker checks this often whether its engine was dropped unclosed
+NAP_S = 0.0005  # a CPU worker that ran dry looks at its queue again after this, twice as long each time...
+DEFER_NAP_S = 0.002  # ...and while it will look within this, a push does not wake it (see enqueue_pushed)
+DEFER_MAX = 64  # unless this many operations are queued: then they are worth a wake-up at once
 _seq = itertools.count()
 
 
@@ -48,6 +51,7 @@ class Worker:
     """A thread that runs the ready operations of one device lane (``compute`` or ``copy``)."""
 
     can_steal = False  # may a thread waiting on one of our queued ops run it itself?
+    first_nap = IDLE_CHECK_S  # sleep after running dry; short only where pushes may skip the wake-up
 
     def __init__(self, engine: ThreadedEngine, device: Device, lane: str) -> None:
         # Weak: the thread must not keep an unclosed, unreferenced engine alive (see _loop).
@@ -67,6 +71,7 @@ class Worker:
         self._q: deque[Op] = deque()
         self._heap: list[tuple[int, int, Op]] = []
         self._sleeping = False
+        self._nap = IDLE_CHECK_S  # timeout of the current (or next) sleep (engine lock)
         self._stop = False
         self.setup_error: BaseException | None = None
         self._wake = threading.Lock()
@@ -88,6 +93,29 @@ class Worker:
         else:
             self._q.append(op)
         if self._sleeping:
+            self._sleeping = False
+            self._wake.release()
+
+    def enqueue_pushed(self, op: Op) -> None:
+        """Queue an operation a frontend push made ready; wake the worker only if it would sleep long.
+
+        A wake-up costs more than a small operation: the woken thread competes for the GIL with
+        the pusher, which typically waits for this very operation next and then runs it itself
+        (see ThreadedEngine._wait_done). A worker that ran dry a moment ago looks at its queue
+        again within ``DEFER_NAP_S`` on its own, so a push leaves it asleep; every wait wakes the
+        workers whose queued operations it may need (``ThreadedEngine._wake_deferred``).
+        """
+        if op.priority:
+            heapq.heappush(self._heap, (-op.priority, next(_seq), op))
+        else:
+            self._q.append(op)
+        if self._sleeping and (self._nap > DEFER_NAP_S or len(self._q) >= DEFER_MAX):
+            self._sleeping = False
+            self._wake.release()
+
+    def wake_if_queued(self) -> None:
+        """Wake the worker if it sleeps on queued operations (a wait may need them now)."""
+        if self._sleeping and (self._q or self._heap):
             self._sleeping = False
             self._wake.release()
 
@@ -151,6 +179,7 @@ class Worker:
         # reference runs Engine.__del__ in this thread.
         self._start()
         lock = self._lock
+        nap = IDLE_CHECK_S
         while True:
             with lock:
                 batch, skipped = self._take()
@@ -158,14 +187,20 @@ class Worker:
                     if self._stop:
                         break
                     self._sleeping = True
+                    self._nap = nap
                 self.busy = bool(batch)
             del skipped  # outside the lock (see _take)
             if not batch:
-                if not self._wake.acquire(timeout=IDLE_CHECK_S) and self._engine_ref() is None:
-                    break  # the engine was collected unclosed and could not signal us
+                if self._wake.acquire(timeout=nap):
+                    nap = self.first_nap
+                else:
+                    if self._engine_ref() is None:
+                        break  # the engine was collected unclosed and could not signal us
+                    nap = min(2 * nap, IDLE_CHECK_S)
                 continue
             self._process(batch)
             batch = self.batch = self.current = None
+            nap = self.first_nap
         self.teardown()
 
     def _start(self) -> None:
@@ -205,7 +240,7 @@ class Worker:
             now = perf_counter()
             # Release now if a long op (or many short ones) ran, or if someone is already waiting:
             # deferring past the next op could hold a dependent back for that op's whole duration.
-            if now - start >= latency or eng._waiters or _has_dependents(op):
+            if now - start >= latency or op.waited or eng._blind_waiters or _has_dependents(op):
                 self._done = []
                 eng._complete(done)
                 start = now
@@ -228,6 +263,7 @@ class CpuWorker(Worker):
     """Worker of a logical CPU device, with its own intra-op thread budget."""
 
     can_steal = True
+    first_nap = NAP_S
 
     def __init__(self, engine: ThreadedEngine, device: Device, lane: str) -> None:
         super().__init__(engine, device, lane)
