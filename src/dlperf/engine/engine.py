@@ -196,7 +196,8 @@ class Engine:
         ...     eng.push(sum, args=([1, 2, 3],)).wait()
         6
         """
-        if kind not in ("compute", "copy"):
+        # The hot path of every engine array operation: each check costs the common case little.
+        if kind != "compute" and kind != "copy":
             raise unknown_choice("operation kind", kind, ("compute", "copy"))
         if type(reads) is not tuple:
             reads = tuple(reads)
@@ -205,7 +206,7 @@ class Engine:
         if writes and (len(writes) > 1 or writes[0] in reads):  # rare: the common case skips this
             writes = tuple(dict.fromkeys(writes))
             reads = tuple(v for v in reads if v not in writes)
-        dev = cpu(0) if device is None else device if type(device) is Device else require_available(device)
+        dev = _CPU0 if device is None else device if type(device) is Device else require_available(device)
         if self._closed:
             raise EngineClosedError(f"this {self.kind} engine is closed; create a new one to push more work")
         op = Op(self, fn, args, reads, writes, None, priority, name)
@@ -510,6 +511,9 @@ class Engine:
                 self._abandon()
         except Exception:
             pass
+
+
+_CPU0 = cpu(0)
 
 
 def _upstream_error(op: Op) -> BaseException | None:

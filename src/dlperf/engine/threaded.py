@@ -119,22 +119,17 @@ class ThreadedEngine(Engine):
 
     # ----------------------------------------------------------------- scheduling (lock held)
     def _submit(self, op: Op, device: Device, kind: str) -> None:
-        worker = self._worker(device, kind)
+        last_dev, worker = self._last
+        if device is not last_dev or kind != "compute":
+            worker = self._worker(device, kind)
         op.worker = worker
-        limit = self.config.max_queued
         with self._lock:
             if self._closed:
                 raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
+            limit = self.config.max_queued
             # A thread inside an operation may not wait for room: the room may be its own operation.
             if limit is not None and worker.unfinished >= limit and not self._running_ops():
-                self._blind_waiters += 1
-                self._wake_deferred()
-                while worker.unfinished >= limit:  # bound memory held by queued work
-                    self._cond.wait()
-                self._blind_waiters -= 1
-                if self._closed:  # closed while we waited: its workers may be stopped already
-                    raise EngineClosedError("this threaded engine was closed while a push waited for room "
-                                            "(max_queued); create a new one to push more work")
+                self._wait_for_room(worker, limit)
             if self._trace is not None:
                 self._trace_deps(op, self._ids)
             for v in op.reads:
@@ -154,6 +149,19 @@ class ThreadedEngine(Engine):
             if op.wait_count == 0:
                 op.state = QUEUED
                 worker.enqueue_pushed(op)
+
+    def _wait_for_room(self, worker: Worker, limit: int) -> None:
+        """Block (lock held) until ``worker`` has fewer than ``limit`` unfinished operations."""
+        self._blind_waiters += 1
+        try:
+            self._wake_deferred()
+            while worker.unfinished >= limit:  # bound memory held by queued work
+                self._cond.wait()
+        finally:
+            self._blind_waiters -= 1
+        if self._closed:  # closed while we waited: its workers may be stopped already
+            raise EngineClosedError("this threaded engine was closed while a push waited for room "
+                                    "(max_queued); create a new one to push more work")
 
     def _wake_deferred(self) -> None:
         """Wake every worker sleeping on queued operations a push did not wake it for (lock held)."""

@@ -231,10 +231,11 @@ class Worker:
             eng._complete(batch)
             return
         self._done = []
+        run_op = self.run_op
         start = perf_counter()
         for op in batch:
             self.current = op
-            self.run_op(op, label)
+            run_op(op, label)
             done = self._done  # a wait inside the op may have released and replaced it
             done.append(op)
             now = perf_counter()
@@ -274,7 +275,7 @@ class CpuWorker(Worker):
         eng = self.engine
         if eng.config.cpu_threads is not None:
             return eng.config.cpu_threads
-        return max(1, cpu_count() // max(1, eng._cpu_workers))
+        return max(1, _cores() // max(1, eng._cpu_workers))
 
     def setup(self) -> None:
         # PyTorch initialises a thread's OpenMP/MKL thread count lazily, on the thread's first
@@ -303,13 +304,26 @@ class CpuWorker(Worker):
                     restore_process_default(self.engine._host_threads)
 
     def run_op(self, op: Op, where: str) -> None:
-        if self.engine._has_gpu:
-            _host_wait_for_events(op)
-        self.engine._execute(op, where)
-        if self.engine._has_gpu:
-            for v in op.writes:  # a finished host write supersedes any device events
-                v._wev = None
-                v._revs = None
+        eng = self._engine_ref()
+        if not eng._has_gpu:
+            eng._execute(op, where)
+            return
+        _host_wait_for_events(op)
+        eng._execute(op, where)
+        for v in op.writes:  # a finished host write supersedes any device events
+            v._wev = None
+            v._revs = None
+
+
+_cores_cache: list[float] = [0.0, 0.0]  # (checked at, cores)
+
+
+def _cores() -> int:
+    # cpu_count() is a system call; a synchronous loop asks once per operation (run_stolen).
+    now = perf_counter()
+    if now - _cores_cache[0] > 1.0:
+        _cores_cache[:] = [now, cpu_count()]
+    return int(_cores_cache[1])
 
 
 def _has_dependents(op: Op) -> bool:
