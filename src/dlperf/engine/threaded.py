@@ -203,6 +203,7 @@ class ThreadedEngine(Engine):
         """Release the variables of finished operations and wake whoever waits (takes the lock)."""
         with self._lock:
             wake = self._blind_waiters
+            forget = self._trace is None
             for op in ops:
                 for v in op.reads:
                     v._readers -= 1
@@ -212,6 +213,11 @@ class ThreadedEngine(Engine):
                     v._writing = False
                     if v._queue:
                         self._grant(v)
+                    elif forget and v._last_write is op:
+                        v._last_write = None
+                # Break the cycles op -> args -> output array -> var -> op: reference counting, not
+                # the cyclic collector, then frees each finished operation (see the module docstring).
+                op.args = ()
                 op.state = DONE
                 op.worker.unfinished -= 1
                 if op.waited:
