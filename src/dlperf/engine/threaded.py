@@ -248,7 +248,7 @@ class ThreadedEngine(Engine):
             stack = self._running_stack()
             stack.append(op)
             try:
-                w.run_stolen(op, f"{w.device}/caller")
+                w.run_stolen(op, w.caller_label)
             finally:
                 stack.pop()
             self._complete([op])

@@ -25,6 +25,7 @@ import itertools
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,7 @@ class Worker:
         self.device = device
         self.lane = lane
         self.label = f"{device}/{lane}"
+        self.caller_label = f"{device}/caller"  # where a waiting thread that runs our operation runs it
         self.unfinished = 0      # pushed, not yet done (engine lock): the max_queued limit counts these
         self.busy = False        # running a batch (engine lock)
         # What this thread is running, for the wait-for graph (see waitgraph.py) and so that a wait
@@ -221,17 +223,21 @@ class Worker:
         self.before_batch()
         self._run_batch(batch, self._latency)
 
+    def runner(self, eng: ThreadedEngine) -> Callable[[Op, str], None]:
+        """The function that runs one operation here (device synchronisation included)."""
+        return self.run_op
+
     def _run_batch(self, batch: list[Op], latency: float) -> None:
         eng = self.engine
         label = self.label
         self.batch = batch
+        run_op = self.runner(eng)
         if len(batch) == 1:
             self.current = op = batch[0]
-            self.run_op(op, label)
+            run_op(op, label)
             eng._complete(batch)
             return
         self._done = []
-        run_op = self.run_op
         start = perf_counter()
         for op in batch:
             self.current = op
@@ -272,10 +278,11 @@ class CpuWorker(Worker):
 
     def budget(self) -> int:
         """Intra-op threads for this device: the configured number, or a fair share of the cores."""
-        eng = self.engine
-        if eng.config.cpu_threads is not None:
-            return eng.config.cpu_threads
-        return max(1, _cores() // max(1, eng._cpu_workers))
+        eng = self._engine_ref()
+        fixed = eng.config.cpu_threads
+        if fixed is not None:
+            return fixed
+        return _cores() // eng._cpu_workers or 1  # this worker counts, so never divides by 0
 
     def setup(self) -> None:
         # PyTorch initialises a thread's OpenMP/MKL thread count lazily, on the thread's first
@@ -293,8 +300,10 @@ class CpuWorker(Worker):
     def run_stolen(self, op: Op, where: str) -> None:
         """Run ``op`` in a waiting thread, under this device's thread budget."""
         want, have = self.budget(), torch.get_num_threads()
-        if want != have:
-            torch.set_num_threads(want)
+        if want == have:  # the usual case: one CPU device, the whole machine
+            self.run_op(op, where)
+            return
+        torch.set_num_threads(want)
         try:
             self.run_op(op, where)
         finally:
@@ -302,6 +311,10 @@ class CpuWorker(Worker):
                 torch.set_num_threads(have)  # also the process default: put the engine's back
                 if have != self.engine._host_threads:
                     restore_process_default(self.engine._host_threads)
+
+    def runner(self, eng: ThreadedEngine) -> Callable[[Op, str], None]:
+        # Without GPUs there are no device events to wait for: run the operation directly.
+        return self.run_op if eng._has_gpu else eng._execute
 
     def run_op(self, op: Op, where: str) -> None:
         eng = self._engine_ref()
