@@ -9,7 +9,11 @@ operation whose count reaches zero goes to its device's worker.
 
 A thread that waits on a ready operation of an idle CPU worker runs that operation itself
 instead of waking the worker and sleeping: that saves two thread switches, which dominate the
-cost of a synchronous ``y = x + 1; y.wait_to_read()`` loop.
+cost of a synchronous ``y = x + 1; y.wait_to_read()`` loop. For the same reason a push to a CPU
+worker that ran dry a moment ago does not wake it (it looks at its queue again within
+milliseconds on its own, see :mod:`dlperf.engine.worker`), every wait first wakes the workers
+whose queued operations it may need, and finishing operations wakes only threads that wait for
+one of them (or for everything): a woken thread competes for the GIL with the one doing the work.
 
 A thread that blocks while it runs an operation (a pushed function that waits) is a node of the
 wait-for graph (:mod:`dlperf.engine.waitgraph`): it first releases its batch's finished
@@ -20,9 +24,12 @@ skip all of this: nothing can wait for them.
 
 Python costs to know about: the frontend and the workers share the GIL, so for tiny operations
 the engine's throughput is that of one thread (PyTorch drops the GIL inside each kernel, which is
-what lets large operations on different devices overlap). Each pending operation keeps a few
-Python objects alive; with thousands queued, CPython's cyclic collector runs more often, and a
-full collection with PyTorch loaded pauses the process for tens of milliseconds. Programs that
+what lets large operations on different devices overlap). An operation, its arguments (an
+array's output among them), the output's variable and that variable's last writer form a cycle;
+finishing the operation breaks it, so reference counting frees finished work at once and a
+synchronous loop allocates nothing the cyclic collector has to find. Each *pending* operation
+still keeps a few Python objects alive; with thousands queued, the collector runs more often, and
+a full collection with PyTorch loaded pauses the process for tens of milliseconds. Programs that
 queue deep can call ``gc.freeze()`` once after start-up, so full collections skip the modules'
 long-lived objects.
 """

@@ -7,6 +7,15 @@ pass and releases their dependents in groups (at least every ``batch_latency_us`
 of tiny operations do not pay one lock round trip each, while a long operation's dependents start
 as soon as it ends.
 
+A CPU worker that runs dry naps briefly (``NAP_S``, doubling up to ``IDLE_CHECK_S``) rather than
+sleeping until woken. While its nap is short (``DEFER_NAP_S``), a frontend push leaves it asleep
+(:meth:`Worker.enqueue_pushed`): the pusher usually waits for that operation next and runs it
+itself, and otherwise the worker finds it within milliseconds, or at once when ``DEFER_MAX``
+operations queued up or any thread waits (the wait wakes it). Consecutive small pushes so collect
+in the queue and are run by one wake-up, in one pass, released in groups: the bulk execution of
+MXNet's engine without grouping them into one operation, so each keeps its own dependencies, its
+own error and its place in the wait-for graph.
+
 CPU workers (:class:`CpuWorker`) set their own intra-op thread budget with
 :func:`dlperf._threads.set_thread_budget`: ``torch.set_num_threads`` sets OpenMP's per-thread
 ``nthreads-var``, so a worker's budget does not touch the main thread's or other workers', and the
