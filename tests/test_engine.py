@@ -602,3 +602,42 @@ def test_finished_operations_are_freed_by_reference_counting():
     finally:
         if was_enabled:
             gc.enable()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", range(3))
+def test_threads_mixing_pushes_and_waits_on_napping_workers_get_torch_s_values(seed):
+    # Pushes that leave workers asleep, waits that run ops inline or wake the workers, copies
+    # between devices: whatever the interleaving, every thread sees what plain torch computes.
+    import random
+
+    from dlperf.engine import array as dnp
+
+    def program(eng, rng, results, k):
+        x, ref = dnp.ones((1, 2), engine=eng), torch.ones(1, 2)
+        for _ in range(300):
+            step = rng.random()
+            if step < 0.4:
+                x, ref = x + 1, ref + 1
+            elif step < 0.7:
+                x, ref = x * 0.5, ref * 0.5
+            elif step < 0.8:
+                x = x.copyto(cpu(rng.randrange(3)))
+            elif step < 0.95:
+                x.wait_to_read()
+            else:
+                time.sleep(0.003)  # long enough for an idle worker's nap to end
+        results[k] = (x.tolist(), ref.tolist())
+
+    with create_engine("threaded") as eng:
+        results: dict[int, tuple] = {}
+        threads = [threading.Thread(target=program, args=(eng, random.Random(seed * 10 + k), results, k))
+                   for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(50)
+        assert not any(t.is_alive() for t in threads)
+        assert len(results) == 4
+        for got, want in results.values():
+            assert got == want

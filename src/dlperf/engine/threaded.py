@@ -152,8 +152,8 @@ class ThreadedEngine(Engine):
                 v._last_write = op
             worker.unfinished += 1
             self._pending += 1
-            op.wait_count -= 1  # the guard count: granting under this lock cannot make it ready early
-            if op.wait_count == 0:  # nothing to wait for: the common case
+            op.wait_count -= 1
+            if op.wait_count == 0:
                 op.state = QUEUED
                 worker.enqueue_pushed(op)
 
