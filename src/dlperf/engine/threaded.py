@@ -45,7 +45,7 @@ from ..devices import Device, require_available
 from .engine import DEADLOCK_FIX, Engine, EngineClosedError, EngineConfig, EngineDeadlockError, register_engine
 from .var import DONE, QUEUED, RUNNING, Op, Var
 from .waitgraph import Waiter, describe_op, find_cycle
-from .worker import CpuWorker, Worker
+from .worker import DEFER_MAX, DEFER_NAP_S, CpuWorker, Worker
 
 __all__ = ["ThreadedEngine", "RECHECK_S", "RECHECK_MAX_S"]
 
@@ -152,10 +152,17 @@ class ThreadedEngine(Engine):
                 v._last_write = op
             worker.unfinished += 1
             self._pending += 1
-            op.wait_count -= 1
-            if op.wait_count == 0:
+            waits = op.wait_count - 1  # drop the guard count Op() starts with
+            op.wait_count = waits
+            if waits == 0:
                 op.state = QUEUED
-                worker.enqueue_pushed(op)
+                if op.priority:
+                    worker.enqueue_pushed(op)
+                    return
+                q = worker._q  # Worker.enqueue_pushed, inlined for the common case
+                q.append(op)
+                if worker._sleeping and (worker._nap > DEFER_NAP_S or len(q) >= DEFER_MAX):
+                    worker.wake()
 
     def _wait_for_room(self, worker: Worker, limit: int) -> None:
         """Block (lock held) until ``worker`` has fewer than ``limit`` unfinished operations."""

@@ -121,6 +121,11 @@ class Worker:
         else:
             self._q.append(op)
         if self._sleeping and (self._nap > DEFER_NAP_S or len(self._q) >= DEFER_MAX):
+            self.wake()
+
+    def wake(self) -> None:
+        """Wake the worker if it sleeps."""
+        if self._sleeping:
             self._sleeping = False
             self._wake.release()
 
