@@ -344,7 +344,7 @@ def main() -> None:
     result: dict = {"machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {num_gpus()} GPUs"}
     result.update(frontend_vs_backend(repeats))
     result.update(barriers(repeats))
-    result.update(per_op_overhead(repeats))
+    result.update(per_op_overhead(2 * repeats + 1))  # rounds are cheap (ms): more of them steady the medians
     result.update(automatic_parallelism(repeats, 600 if args.quick else 1000,
                                         500_000 if args.quick else 2_000_000))
     result.update(memory_footprint(10 if args.quick else 30, 1024))
