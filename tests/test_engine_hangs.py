@@ -137,9 +137,11 @@ def test_a_cycle_through_an_op_queued_behind_a_waiting_one_is_found():
     with create_engine("threaded") as eng:
         va, vb = eng.new_var("va"), eng.new_var("vb")
         both_running = threading.Barrier(2, timeout=10)
+        pushed = threading.Event()  # else A could read vb before B, its writer, is pushed: no cycle
 
         def a():
             both_running.wait()
+            pushed.wait(10)
             eng.wait_to_read(vb)
 
         def c():
@@ -150,6 +152,7 @@ def test_a_cycle_through_an_op_queued_behind_a_waiting_one_is_found():
         eng.push(a, writes=[va], device=cpu(0), name="A")
         eng.push(c, device=cpu(1), name="C")
         eng.push(lambda: None, writes=[vb], device=cpu(1), name="B")
+        pushed.set()
         with pytest.raises(EngineDeadlockError) as info:
             eng.waitall()
         assert time.monotonic() - t0 < PROMPT_S
