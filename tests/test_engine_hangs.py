@@ -89,14 +89,17 @@ def _deadlock(eng, a_waits, b_waits):
     va, vb = eng.new_var("va"), eng.new_var("vb")
     both_running = threading.Barrier(2, timeout=10)
     ops = {}
+    filled = threading.Event()  # the ops may run before push() returns their handles
 
     def body(wait):
         both_running.wait()
+        filled.wait(10)
         wait(ops)
 
     ops["A"] = eng.push(body, args=(a_waits,), writes=[va], device=cpu(0), name="A")
     ops["B"] = eng.push(body, args=(b_waits,), writes=[vb], device=cpu(1), name="B")
     ops["va"], ops["vb"] = va, vb
+    filled.set()
     return ops
 
 
