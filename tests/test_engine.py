@@ -551,6 +551,22 @@ def test_a_push_that_does_not_wake_a_napping_worker_still_runs_without_any_wait(
 
 
 @pytest.mark.timeout(30)
+def test_a_push_wakes_a_napping_worker_at_once_after_long_operations():
+    # The nap only pays for itself on small operations: after long ones a push must start at once.
+    with create_engine("threaded") as eng:
+        done = threading.Event()
+        eng.push(lambda: (time.sleep(0.05), done.set()))
+        assert done.wait(5)
+        time.sleep(0.0002)  # the worker runs dry and naps
+        worker = eng._workers[next(iter(eng._workers))]
+        ran = threading.Event()
+        op = eng.push(ran.set)
+        with eng._lock:
+            assert not (worker._sleeping and op.state == QUEUED)
+        assert ran.wait(5)
+
+
+@pytest.mark.timeout(30)
 def test_a_waiting_thread_is_woken_only_by_what_it_waits_for():
     # Every wake-up makes the waiting thread compete for the GIL with the worker; 200 finished
     # operations nobody waits for must not wake a thread that waits for another one.

@@ -161,7 +161,7 @@ class ThreadedEngine(Engine):
                     return
                 q = worker._q  # Worker.enqueue_pushed, inlined for the common case
                 q.append(op)
-                if worker._sleeping and (worker._nap > DEFER_NAP_S or len(q) >= DEFER_MAX):
+                if worker._sleeping and (worker._nap > DEFER_NAP_S or not worker.small_ops or len(q) >= DEFER_MAX):
                     worker.wake()
 
     def _wait_for_room(self, worker: Worker, limit: int) -> None:

@@ -11,7 +11,9 @@ A CPU worker that runs dry naps briefly (``NAP_S``, doubling up to ``IDLE_CHECK_
 sleeping until woken. While its nap is short (``DEFER_NAP_S``), a frontend push leaves it asleep
 (:meth:`Worker.enqueue_pushed`): the pusher usually waits for that operation next and runs it
 itself, and otherwise the worker finds it within milliseconds, or at once when ``DEFER_MAX``
-operations queued up or any thread waits (the wait wakes it). Consecutive small pushes so collect
+operations queued up or any thread waits (the wait wakes it). Only a worker whose recent
+operations were small (under ``SMALL_OP_S`` each) is left asleep: there a wake-up costs as much as
+an operation, while the start of a long one must not wait for a nap to end. Consecutive small pushes so collect
 in the queue and are run by one wake-up, in one pass, released in groups: the bulk execution of
 MXNet's engine without grouping them into one operation, so each keeps its own dependencies, its
 own error and its place in the wait-for graph.
@@ -54,6 +56,8 @@ IDLE_CHECK_S = 1.0  # an idle worker checks this often whether its engine was dr
 NAP_S = 0.0005  # a CPU worker that ran dry looks at its queue again after this, twice as long each time...
 DEFER_NAP_S = 0.002  # ...and while it will look within this, a push does not wake it (see enqueue_pushed)
 DEFER_MAX = 64  # unless this many operations are queued: then they are worth a wake-up at once
+SMALL_OP_S = 0.0001  # ...and only while its recent operations took less than this each: a nap must
+# never hold back the start of work that takes much longer than the nap could cost
 _seq = itertools.count()
 
 
@@ -83,6 +87,7 @@ class Worker:
         self._heap: list[tuple[int, int, Op]] = []
         self._sleeping = False
         self._nap = IDLE_CHECK_S  # timeout of the current (or next) sleep (engine lock)
+        self.small_ops = False   # its last batch (or stolen op) averaged under SMALL_OP_S an op
         self._stop = False
         self.setup_error: BaseException | None = None
         self._wake = threading.Lock()
@@ -120,7 +125,7 @@ class Worker:
             heapq.heappush(self._heap, (-op.priority, next(_seq), op))
         else:
             self._q.append(op)
-        if self._sleeping and (self._nap > DEFER_NAP_S or len(self._q) >= DEFER_MAX):
+        if self._sleeping and (self._nap > DEFER_NAP_S or not self.small_ops or len(self._q) >= DEFER_MAX):
             self.wake()
 
     def wake(self) -> None:
@@ -246,13 +251,15 @@ class Worker:
         label = self.label
         self.batch = batch
         run_op = self.runner(eng)
+        began = perf_counter()
         if len(batch) == 1:
             self.current = op = batch[0]
             run_op(op, label)
+            self.small_ops = perf_counter() - began < SMALL_OP_S
             eng._complete(batch)
             return
         self._done = []
-        start = perf_counter()
+        start = began
         for op in batch:
             self.current = op
             run_op(op, label)
@@ -265,6 +272,7 @@ class Worker:
                 self._done = []
                 eng._complete(done)
                 start = now
+        self.small_ops = perf_counter() - began < SMALL_OP_S * len(batch)
         done, self._done = self._done, []
         if done:
             eng._complete(done)
@@ -315,7 +323,9 @@ class CpuWorker(Worker):
         """Run ``op`` in a waiting thread, under this device's thread budget."""
         want, have = self.budget(), torch.get_num_threads()
         if want == have:  # the usual case: one CPU device, the whole machine
+            began = perf_counter()
             self.run_op(op, where)
+            self.small_ops = perf_counter() - began < SMALL_OP_S
             return
         torch.set_num_threads(want)
         try:
