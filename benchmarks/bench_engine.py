@@ -5,8 +5,8 @@ Experiments (all CPU unless a GPU is visible):
 1. Frontend vs backend (§12.2.1): 10 x (1000x1000 normal + dot); how long the Python loop takes to
    return versus to finish [frontend_fraction].
 2. Barriers and blockers (§12.2.2): waitall, wait_to_read, NumPy and scalar conversion after a dot.
-3. Per-op overhead (§12.2.3): 1000 x (y = x + 1) on a 1x2 array, asynchronous (one wait at the end)
-   [async_us_per_op] and synchronous (a wait after each) [sync_us_per_op]; bulk execution; plain
+3. Per-op overhead (§12.2.3): 1000 x (y = x + 1) on a 1x2 array, asynchronous (one waitall at the
+   end) [async_us_per_op] and synchronous (a wait after each) [sync_us_per_op]; bulk execution; plain
    PyTorch eager [torch_us_per_op], in alternating rounds of one run, with the ratios to it
    [async_vs_torch, sync_vs_torch] and whether other work competed for the CPUs meanwhile
    [per_op_contention, judged by dlperf.timing's contention rule].
@@ -132,23 +132,27 @@ def per_op_overhead(repeats: int, n: int = 1000) -> dict:
                 monitor.start()
             else:
                 monitor.sample()
+            # Each variant ends with waitall: the ops are independent, so the last result can be
+            # ready (a waiting thread may run it itself) while earlier ones still queue, and their
+            # cost would leak into the next variant's (or torch's) time instead of this one's.
             t0 = time.perf_counter()
             for _ in range(n):
                 y = x + 1
-            y.wait_to_read()
+            eng.waitall()
             asyncs.append((time.perf_counter() - t0) / n)
 
             t0 = time.perf_counter()
             for _ in range(n):
                 y = x + 1
                 y.wait_to_read()
+            eng.waitall()
             syncs.append((time.perf_counter() - t0) / n)
 
             t0 = time.perf_counter()
             with eng.bulk(64):
                 for _ in range(n):
                     y = x + 1
-            y.wait_to_read()
+            eng.waitall()
             bulks.append((time.perf_counter() - t0) / n)
 
             xt = torch.ones(1, 2)
