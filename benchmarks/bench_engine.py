@@ -5,9 +5,11 @@ Experiments (all CPU unless a GPU is visible):
 1. Frontend vs backend (§12.2.1): 10 x (1000x1000 normal + dot); how long the Python loop takes to
    return versus to finish [frontend_fraction].
 2. Barriers and blockers (§12.2.2): waitall, wait_to_read, NumPy and scalar conversion after a dot.
-3. Per-op overhead (§12.2.3): 1000 x (y = x + 1) on a 1x2 array, asynchronous (one wait at the end)
-   [async_us_per_op] and synchronous (a wait after each) [sync_us_per_op]; bulk execution; plain
-   PyTorch eager [torch_us_per_op].
+3. Per-op overhead (§12.2.3): 1000 x (y = x + 1) on a 1x2 array, asynchronous (one waitall at the
+   end) [async_us_per_op] and synchronous (a wait after each) [sync_us_per_op]; bulk execution; plain
+   PyTorch eager [torch_us_per_op], in alternating rounds of one run, with the ratios to it
+   [async_vs_torch, sync_vs_torch] and whether other work competed for the CPUs meanwhile
+   [per_op_contention, judged by dlperf.timing's contention rule].
 4. Automatic parallelism (§12.3.1): 10 matrix products on cpu(0) and 10 on cpu(1), one intra-op
    thread each: together versus the longer alone [parallel_ratio]; plain PyTorch runs them one
    after the other [torch_sequential_ratio].
@@ -30,7 +32,7 @@ import time
 import numpy
 import torch
 
-from dlperf.bench.timing import time_steps
+from dlperf.bench.timing import ContentionMonitor, time_steps
 from dlperf.devices import cpu, gpu, num_gpus
 from dlperf.engine import InFlight, create_engine
 from dlperf.engine import array as dnp
@@ -121,27 +123,36 @@ def barriers(repeats: int) -> dict:
 # ------------------------------------------------------------------------------------------ 3
 def per_op_overhead(repeats: int, n: int = 1000) -> dict:
     asyncs, syncs, bulks, torchs = [], [], [], []
+    monitor = ContentionMonitor(threads=2)  # the frontend and the engine's worker
     with create_engine() as eng:
         x = dnp.ones((1, 2), engine=eng)
         x.wait_to_read()
-        for _ in range(repeats + 1):  # the first round warms up and is dropped
+        for r in range(repeats + 1):  # the first round warms up and is dropped
+            if r == 1:
+                monitor.start()
+            else:
+                monitor.sample()
+            # Each variant ends with waitall: the ops are independent, so the last result can be
+            # ready (a waiting thread may run it itself) while earlier ones still queue, and their
+            # cost would leak into the next variant's (or torch's) time instead of this one's.
             t0 = time.perf_counter()
             for _ in range(n):
                 y = x + 1
-            y.wait_to_read()
+            eng.waitall()
             asyncs.append((time.perf_counter() - t0) / n)
 
             t0 = time.perf_counter()
             for _ in range(n):
                 y = x + 1
                 y.wait_to_read()
+            eng.waitall()
             syncs.append((time.perf_counter() - t0) / n)
 
             t0 = time.perf_counter()
             with eng.bulk(64):
                 for _ in range(n):
                     y = x + 1
-            y.wait_to_read()
+            eng.waitall()
             bulks.append((time.perf_counter() - t0) / n)
 
             xt = torch.ones(1, 2)
@@ -149,13 +160,16 @@ def per_op_overhead(repeats: int, n: int = 1000) -> dict:
             for _ in range(n):
                 yt = xt + 1
             torchs.append((time.perf_counter() - t0) / n)
+        contention = monitor.stop()
         assert y.tolist() == yt.tolist() == [[2.0, 2.0]]
     a, s, b, t = (med(v[1:]) * 1e6 for v in (asyncs, syncs, bulks, torchs))
-    row("12.2.3 1000x(x+1), 1x2", "torch eager", f"{t:9.2f} us/op", "synchronous, no engine")
-    row("", "engine async", f"{a:9.2f} us/op", "target <= 8 (MXNet 1.9.1: 36)")
-    row("", "engine sync (wait each)", f"{s:9.2f} us/op", "target <= 40 (MXNet 1.9.1: 91)")
-    row("", "engine async, bulk(64)", f"{b:9.2f} us/op", "")
-    return {"async_us_per_op": a, "sync_us_per_op": s, "bulk_us_per_op": b, "torch_us_per_op": t}
+    busy = f"contended: {contention.reason}" if contention.contended else "not contended"
+    row("12.2.3 1000x(x+1), 1x2", "torch eager", f"{t:9.2f} us/op", f"synchronous, no engine; {busy}")
+    row("", "engine async", f"{a:9.2f} us/op", f"{a / t:.2f}x torch (target <= 1.5x; MXNet 1.9.1: 36 us)")
+    row("", "engine sync (wait each)", f"{s:9.2f} us/op", f"{s / t:.2f}x torch (target <= 4x; MXNet 1.9.1: 91 us)")
+    row("", "engine async, bulk(64)", f"{b:9.2f} us/op", f"{b / t:.2f}x torch")
+    return {"async_us_per_op": a, "sync_us_per_op": s, "bulk_us_per_op": b, "torch_us_per_op": t,
+            "async_vs_torch": a / t, "sync_vs_torch": s / t, "per_op_contention": contention.to_dict()}
 
 
 # ------------------------------------------------------------------------------------------ 4
@@ -334,7 +348,7 @@ def main() -> None:
     result: dict = {"machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {num_gpus()} GPUs"}
     result.update(frontend_vs_backend(repeats))
     result.update(barriers(repeats))
-    result.update(per_op_overhead(repeats))
+    result.update(per_op_overhead(2 * repeats + 1))  # rounds are cheap (ms): more of them steady the medians
     result.update(automatic_parallelism(repeats, 600 if args.quick else 1000,
                                         500_000 if args.quick else 2_000_000))
     result.update(memory_footprint(10 if args.quick else 30, 1024))

@@ -89,14 +89,17 @@ def _deadlock(eng, a_waits, b_waits):
     va, vb = eng.new_var("va"), eng.new_var("vb")
     both_running = threading.Barrier(2, timeout=10)
     ops = {}
+    filled = threading.Event()  # the ops may run before push() returns their handles
 
     def body(wait):
         both_running.wait()
+        filled.wait(10)
         wait(ops)
 
     ops["A"] = eng.push(body, args=(a_waits,), writes=[va], device=cpu(0), name="A")
     ops["B"] = eng.push(body, args=(b_waits,), writes=[vb], device=cpu(1), name="B")
     ops["va"], ops["vb"] = va, vb
+    filled.set()
     return ops
 
 
@@ -137,9 +140,11 @@ def test_a_cycle_through_an_op_queued_behind_a_waiting_one_is_found():
     with create_engine("threaded") as eng:
         va, vb = eng.new_var("va"), eng.new_var("vb")
         both_running = threading.Barrier(2, timeout=10)
+        pushed = threading.Event()  # else A could read vb before B, its writer, is pushed: no cycle
 
         def a():
             both_running.wait()
+            pushed.wait(10)
             eng.wait_to_read(vb)
 
         def c():
@@ -150,6 +155,7 @@ def test_a_cycle_through_an_op_queued_behind_a_waiting_one_is_found():
         eng.push(a, writes=[va], device=cpu(0), name="A")
         eng.push(c, device=cpu(1), name="C")
         eng.push(lambda: None, writes=[vb], device=cpu(1), name="B")
+        pushed.set()
         with pytest.raises(EngineDeadlockError) as info:
             eng.waitall()
         assert time.monotonic() - t0 < PROMPT_S

@@ -198,7 +198,8 @@ class Engine:
         ...     eng.push(sum, args=([1, 2, 3],)).wait()
         6
         """
-        if kind not in ("compute", "copy"):
+        # The hot path of every engine array operation: each check costs the common case little.
+        if kind != "compute" and kind != "copy":
             raise unknown_choice("operation kind", kind, ("compute", "copy"))
         if type(reads) is not tuple:
             reads = tuple(reads)
@@ -207,7 +208,7 @@ class Engine:
         if writes and (len(writes) > 1 or writes[0] in reads):  # rare: the common case skips this
             writes = tuple(dict.fromkeys(writes))
             reads = tuple(v for v in reads if v not in writes)
-        dev = cpu(0) if device is None else device if type(device) is Device else require_available(device)
+        dev = _CPU0 if device is None else device if type(device) is Device else require_available(device)
         if self._closed:
             raise EngineClosedError(f"this {self.kind} engine is closed; create a new one to push more work")
         op = Op(self, fn, args, reads, writes, None, priority, name)
@@ -293,29 +294,46 @@ class Engine:
     # ----------------------------------------------------------------- running (both engines)
     def _execute(self, op: Op, where: str) -> None:
         """Run one operation in the current thread: skip it if an input failed, store its error."""
-        upstream = _upstream_error(op)
-        if upstream is not None:  # skipped: its outputs inherit the original error
-            op.exc = upstream
-            for v in op.writes:
-                v.exc = upstream
-            if op.fn is _run_bulk:
-                for inner in op.args[0]:
-                    inner.exc = upstream
-                    inner.state = DONE
-            return
+        for v in op.reads:  # (the hot path of every worker: no helper calls while nothing failed)
+            if v.exc is not None:
+                self._skip(op, v.exc)
+                return
+        for v in op.writes:
+            if v.exc is not None:
+                self._skip(op, v.exc)
+                return
         trace = self._trace
-        t0 = perf_counter_ns() if trace is not None else 0
+        if trace is None:
+            try:
+                op.result = op.fn(*op.args)
+            except BaseException as exc:  # stored, raised at a wait point in the frontend
+                self._store_error(op, exc)
+            return
+        t0 = perf_counter_ns()
         try:
             op.result = op.fn(*op.args)
-        except BaseException as exc:  # stored, raised at a wait point in the frontend
-            op.exc = exc
-            for v in op.writes:
-                v.exc = exc
-            with self._errors_lock:
-                self._errors.append(exc)
-        if trace is not None:
-            trace.append((op.id, op.name or getattr(op.fn, "__name__", "op"), where,
-                          t0, perf_counter_ns(), op.deps, op.exc is not None))
+        except BaseException as exc:
+            self._store_error(op, exc)
+        trace.append((op.id, op.name or getattr(op.fn, "__name__", "op"), where,
+                      t0, perf_counter_ns(), op.deps, op.exc is not None))
+
+    @staticmethod
+    def _skip(op: Op, upstream: BaseException) -> None:
+        """Skip ``op`` because an input failed: its outputs inherit the original error."""
+        op.exc = upstream
+        for v in op.writes:
+            v.exc = upstream
+        if op.fn is _run_bulk:
+            for inner in op.args[0]:
+                inner.exc = upstream
+                inner.state = DONE
+
+    def _store_error(self, op: Op, exc: BaseException) -> None:
+        op.exc = exc
+        for v in op.writes:
+            v.exc = exc
+        with self._errors_lock:
+            self._errors.append(exc)
 
     def _fail(self, op: Op, exc: BaseException) -> None:
         """Mark ``op`` failed with ``exc`` without running it (its worker could not start)."""
@@ -360,10 +378,11 @@ class Engine:
         running meanwhile. A write another thread holds in its open ``bulk()`` block counts as
         pushed: this waits until that thread sends its batch and the write is done.
         """
-        var = x if isinstance(x, Var) else getattr(x, "_var", None)
+        var = x if type(x) is Var else x if isinstance(x, Var) else getattr(x, "_var", None)
         if var is None:
             raise UsageError(f"wait_to_read expects a Var or an engine array, got {type(x).__name__}")
-        self._flush_bulk()
+        if self._local.bulk is not None:
+            self._flush_bulk()
         held = var._bulk_write  # read before _last_write: a flush sets that first, then clears this
         op = var._last_write
         if op is not None and op.state != DONE:
@@ -514,14 +533,7 @@ class Engine:
             pass
 
 
-def _upstream_error(op: Op) -> BaseException | None:
-    for v in op.reads:
-        if v.exc is not None:
-            return v.exc
-    for v in op.writes:
-        if v.exc is not None:
-            return v.exc
-    return None
+_CPU0 = cpu(0)
 
 
 def _noop() -> None:

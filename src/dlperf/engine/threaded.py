@@ -9,7 +9,11 @@ operation whose count reaches zero goes to its device's worker.
 
 A thread that waits on a ready operation of an idle CPU worker runs that operation itself
 instead of waking the worker and sleeping: that saves two thread switches, which dominate the
-cost of a synchronous ``y = x + 1; y.wait_to_read()`` loop.
+cost of a synchronous ``y = x + 1; y.wait_to_read()`` loop. For the same reason a push to a CPU
+worker that ran dry a moment ago does not wake it (it looks at its queue again within
+milliseconds on its own, see :mod:`dlperf.engine.worker`), every wait first wakes the workers
+whose queued operations it may need, and finishing operations wakes only threads that wait for
+one of them (or for everything): a woken thread competes for the GIL with the one doing the work.
 
 A thread that blocks while it runs an operation (a pushed function that waits) is a node of the
 wait-for graph (:mod:`dlperf.engine.waitgraph`): it first releases its batch's finished
@@ -20,9 +24,12 @@ skip all of this: nothing can wait for them.
 
 Python costs to know about: the frontend and the workers share the GIL, so for tiny operations
 the engine's throughput is that of one thread (PyTorch drops the GIL inside each kernel, which is
-what lets large operations on different devices overlap). Each pending operation keeps a few
-Python objects alive; with thousands queued, CPython's cyclic collector runs more often, and a
-full collection with PyTorch loaded pauses the process for tens of milliseconds. Programs that
+what lets large operations on different devices overlap). An operation, its arguments (an
+array's output among them), the output's variable and that variable's last writer form a cycle;
+finishing the operation breaks it, so reference counting frees finished work at once and a
+synchronous loop allocates nothing the cyclic collector has to find. Each *pending* operation
+still keeps a few Python objects alive; with thousands queued, the collector runs more often, and
+a full collection with PyTorch loaded pauses the process for tens of milliseconds. Programs that
 queue deep can call ``gc.freeze()`` once after start-up, so full collections skip the modules'
 long-lived objects.
 """
@@ -38,7 +45,7 @@ from ..devices import Device, require_available
 from .engine import DEADLOCK_FIX, Engine, EngineClosedError, EngineConfig, EngineDeadlockError, register_engine
 from .var import DONE, QUEUED, RUNNING, Op, Var
 from .waitgraph import Waiter, describe_op, find_cycle
-from .worker import CpuWorker, Worker
+from .worker import DEFER_MAX, DEFER_NAP_S, CpuWorker, Worker
 
 __all__ = ["ThreadedEngine", "RECHECK_S", "RECHECK_MAX_S"]
 
@@ -67,7 +74,10 @@ class ThreadedEngine(Engine):
         self._cond = threading.Condition(self._lock)
         self._workers: dict[tuple[Device, str], Worker] = {}
         self._pending = 0
-        self._waiters = 0
+        # Who must be woken when operations finish (a notify wakes every waiter, each of which then
+        # competes for the GIL, so finishing an operation nobody waits for wakes nobody):
+        self._blind_waiters = 0  # waits that need every completion: room under max_queued, held ops
+        self._all_waiters = 0    # waitall()s: woken when nothing is pending
         self._cpu_workers = 0
         self._has_gpu = False
         self._last: tuple[Device | None, Worker | None] = (None, None)
@@ -116,21 +126,17 @@ class ThreadedEngine(Engine):
 
     # ----------------------------------------------------------------- scheduling (lock held)
     def _submit(self, op: Op, device: Device, kind: str) -> None:
-        worker = self._worker(device, kind)
+        last_dev, worker = self._last
+        if device is not last_dev or kind != "compute":
+            worker = self._worker(device, kind)
         op.worker = worker
-        limit = self.config.max_queued
         with self._lock:
             if self._closed:
                 raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
+            limit = self.config.max_queued
             # A thread inside an operation may not wait for room: the room may be its own operation.
             if limit is not None and worker.unfinished >= limit and not self._running_ops():
-                self._waiters += 1
-                while worker.unfinished >= limit:  # bound memory held by queued work
-                    self._cond.wait()
-                self._waiters -= 1
-                if self._closed:  # closed while we waited: its workers may be stopped already
-                    raise EngineClosedError("this threaded engine was closed while a push waited for room "
-                                            "(max_queued); create a new one to push more work")
+                self._wait_for_room(worker, limit)
             if self._trace is not None:
                 self._trace_deps(op, self._ids)
             for v in op.reads:
@@ -146,10 +152,35 @@ class ThreadedEngine(Engine):
                 v._last_write = op
             worker.unfinished += 1
             self._pending += 1
-            op.wait_count -= 1
-            if op.wait_count == 0:
+            waits = op.wait_count - 1  # drop the guard count Op() starts with
+            op.wait_count = waits
+            if waits == 0:
                 op.state = QUEUED
-                worker.enqueue(op)
+                if op.priority:
+                    worker.enqueue_pushed(op)
+                    return
+                q = worker._q  # Worker.enqueue_pushed, inlined for the common case
+                q.append(op)
+                if worker._sleeping and (worker._nap > DEFER_NAP_S or not worker.small_ops or len(q) >= DEFER_MAX):
+                    worker.wake()
+
+    def _wait_for_room(self, worker: Worker, limit: int) -> None:
+        """Block (lock held) until ``worker`` has fewer than ``limit`` unfinished operations."""
+        self._blind_waiters += 1
+        try:
+            self._wake_deferred()
+            while worker.unfinished >= limit:  # bound memory held by queued work
+                self._cond.wait()
+        finally:
+            self._blind_waiters -= 1
+        if self._closed:  # closed while we waited: its workers may be stopped already
+            raise EngineClosedError("this threaded engine was closed while a push waited for room "
+                                    "(max_queued); create a new one to push more work")
+
+    def _wake_deferred(self) -> None:
+        """Wake every worker sleeping on queued operations a push did not wake it for (lock held)."""
+        for w in self._workers.values():
+            w.wake_if_queued()
 
     @staticmethod
     def _enqueue_var(v: Var, op: Op, is_write: bool) -> None:
@@ -185,6 +216,8 @@ class ThreadedEngine(Engine):
     def _complete(self, ops: list[Op]) -> None:
         """Release the variables of finished operations and wake whoever waits (takes the lock)."""
         with self._lock:
+            wake = self._blind_waiters
+            forget = self._trace is None
             for op in ops:
                 for v in op.reads:
                     v._readers -= 1
@@ -194,10 +227,17 @@ class ThreadedEngine(Engine):
                     v._writing = False
                     if v._queue:
                         self._grant(v)
+                    elif forget and v._last_write is op:
+                        v._last_write = None
+                # Break the cycles op -> args -> output array -> var -> op: reference counting, not
+                # the cyclic collector, then frees each finished operation (see the module docstring).
+                op.args = ()
                 op.state = DONE
                 op.worker.unfinished -= 1
+                if op.waited:
+                    wake = True
             self._pending -= len(ops)
-            if self._waiters:
+            if wake or (self._all_waiters and not self._pending):
                 self._cond.notify_all()
 
     # ----------------------------------------------------------------- waiting
@@ -214,11 +254,15 @@ class ThreadedEngine(Engine):
                 if op.state == QUEUED and w.can_steal and not w.busy and w.setup_error is None:
                     op.state = RUNNING  # the worker will skip it
                     steal = True
+                    q = w._q
+                    if q and q[-1] is op:  # the usual case: pushed, then waited for at once
+                        q.pop()
+                    w.wake_if_queued()  # what was pushed before it runs meanwhile
         if steal:
             stack = self._running_stack()
             stack.append(op)
             try:
-                w.run_stolen(op, f"{w.device}/caller")
+                w.run_stolen(op, w.caller_label)
             finally:
                 stack.pop()
             self._complete([op])
@@ -229,12 +273,21 @@ class ThreadedEngine(Engine):
             return
         # Not running an operation: nothing waits for this thread, so it cannot close a cycle.
         with self._lock:
-            self._waiters += 1
+            blind = self._mark_waited(op)
+            self._wake_deferred()
             try:
                 while op.state != DONE:
                     self._cond.wait()
             finally:
-                self._waiters -= 1
+                self._blind_waiters -= blind
+
+    def _mark_waited(self, op: Op) -> int:
+        """Ask for a wake-up when ``op`` finishes (lock held); 1 if every completion must wake us."""
+        op.waited = True
+        if op.worker is None:  # held in another thread's open bulk(): its batch is not known yet
+            self._blind_waiters += 1
+            return 1
+        return 0
 
     def _wait_inside_op(self, op: Op, var: Var | None, running: list[Op]) -> None:
         """Block a thread that runs operations, as a node of the wait-for graph; raise on a cycle."""
@@ -245,7 +298,8 @@ class ThreadedEngine(Engine):
         key = threading.get_ident()
         with self._lock:
             self._blocked[key] = me
-            self._waiters += 1
+            blind = self._mark_waited(op)
+            self._wake_deferred()
             try:
                 self._check_cycle(me)
                 pause = RECHECK_S
@@ -259,7 +313,7 @@ class ThreadedEngine(Engine):
                         pause = min(2 * pause, RECHECK_MAX_S)
                         next_check = monotonic() + pause
             finally:
-                self._waiters -= 1
+                self._blind_waiters -= blind
                 del self._blocked[key]
 
     def _check_cycle(self, me: Waiter) -> None:
@@ -279,10 +333,13 @@ class ThreadedEngine(Engine):
                 "every pushed operation, that one included, so it would never return. Wait for what the "
                 "function needs with wait_to_read(), or call waitall() outside pushed functions")
         with self._lock:
-            self._waiters += 1
-            while self._pending:
-                self._cond.wait()
-            self._waiters -= 1
+            self._all_waiters += 1
+            self._wake_deferred()
+            try:
+                while self._pending:
+                    self._cond.wait()
+            finally:
+                self._all_waiters -= 1
 
     def _sync_var(self, var: Var) -> None:
         if self._has_gpu and var._wev is not None:

@@ -77,7 +77,7 @@ class Op:
     """
 
     __slots__ = ("fn", "args", "reads", "writes", "worker", "priority", "name", "state",
-                 "wait_count", "result", "exc", "engine", "id", "deps", "__weakref__")
+                 "wait_count", "result", "exc", "engine", "id", "deps", "waited", "__weakref__")
 
     def __init__(self, engine: Any, fn: Any, args: tuple, reads: tuple, writes: tuple,
                  worker: Any, priority: int, name: str | None) -> None:
@@ -95,6 +95,7 @@ class Op:
         self.exc: BaseException | None = None
         self.id = 0
         self.deps: tuple = ()
+        self.waited = False  # a thread blocks until it is done: finishing it must wake the waiters
 
     @property
     def done(self) -> bool:

@@ -7,6 +7,17 @@ pass and releases their dependents in groups (at least every ``batch_latency_us`
 of tiny operations do not pay one lock round trip each, while a long operation's dependents start
 as soon as it ends.
 
+A CPU worker that runs dry naps briefly (``NAP_S``, doubling up to ``IDLE_CHECK_S``) rather than
+sleeping until woken. While its nap is short (``DEFER_NAP_S``), a frontend push leaves it asleep
+(:meth:`Worker.enqueue_pushed`): the pusher usually waits for that operation next and runs it
+itself, and otherwise the worker finds it within milliseconds, or at once when ``DEFER_MAX``
+operations queued up or any thread waits (the wait wakes it). Only a worker whose recent
+operations were small (under ``SMALL_OP_S`` each) is left asleep: there a wake-up costs as much as
+an operation, while the start of a long one must not wait for a nap to end. Consecutive small pushes so collect
+in the queue and are run by one wake-up, in one pass, released in groups: the bulk execution of
+MXNet's engine without grouping them into one operation, so each keeps its own dependencies, its
+own error and its place in the wait-for graph.
+
 CPU workers (:class:`CpuWorker`) set their own intra-op thread budget with
 :func:`dlperf._threads.set_thread_budget`: ``torch.set_num_threads`` sets OpenMP's per-thread
 ``nthreads-var``, so a worker's budget does not touch the main thread's or other workers', and the
@@ -25,6 +36,7 @@ import itertools
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -41,6 +53,11 @@ __all__ = ["Worker", "CpuWorker", "MAX_BATCH"]
 
 MAX_BATCH = 256  # ready operations taken per lock acquisition: bounds how long priorities wait
 IDLE_CHECK_S = 1.0  # an idle worker checks this often whether its engine was dropped unclosed
+NAP_S = 0.0005  # a CPU worker that ran dry looks at its queue again after this, twice as long each time...
+DEFER_NAP_S = 0.002  # ...and while it will look within this, a push does not wake it (see enqueue_pushed)
+DEFER_MAX = 64  # unless this many operations are queued: then they are worth a wake-up at once
+SMALL_OP_S = 0.0001  # ...and only while its recent operations took less than this each: a nap must
+# never hold back the start of work that takes much longer than the nap could cost
 _seq = itertools.count()
 
 
@@ -48,6 +65,7 @@ class Worker:
     """A thread that runs the ready operations of one device lane (``compute`` or ``copy``)."""
 
     can_steal = False  # may a thread waiting on one of our queued ops run it itself?
+    first_nap = IDLE_CHECK_S  # sleep after running dry; short only where pushes may skip the wake-up
 
     def __init__(self, engine: ThreadedEngine, device: Device, lane: str) -> None:
         # Weak: the thread must not keep an unclosed, unreferenced engine alive (see _loop).
@@ -57,6 +75,7 @@ class Worker:
         self.device = device
         self.lane = lane
         self.label = f"{device}/{lane}"
+        self.caller_label = f"{device}/caller"  # where a waiting thread that runs our operation runs it
         self.unfinished = 0      # pushed, not yet done (engine lock): the max_queued limit counts these
         self.busy = False        # running a batch (engine lock)
         # What this thread is running, for the wait-for graph (see waitgraph.py) and so that a wait
@@ -67,6 +86,8 @@ class Worker:
         self._q: deque[Op] = deque()
         self._heap: list[tuple[int, int, Op]] = []
         self._sleeping = False
+        self._nap = IDLE_CHECK_S  # timeout of the current (or next) sleep (engine lock)
+        self.small_ops = False   # its last batch (or stolen op) averaged under SMALL_OP_S an op
         self._stop = False
         self.setup_error: BaseException | None = None
         self._wake = threading.Lock()
@@ -88,6 +109,34 @@ class Worker:
         else:
             self._q.append(op)
         if self._sleeping:
+            self._sleeping = False
+            self._wake.release()
+
+    def enqueue_pushed(self, op: Op) -> None:
+        """Queue an operation a frontend push made ready; wake the worker only if it would sleep long.
+
+        A wake-up costs more than a small operation: the woken thread competes for the GIL with
+        the pusher, which typically waits for this very operation next and then runs it itself
+        (see ThreadedEngine._wait_done). A worker that ran dry a moment ago looks at its queue
+        again within ``DEFER_NAP_S`` on its own, so a push leaves it asleep; every wait wakes the
+        workers whose queued operations it may need (``ThreadedEngine._wake_deferred``).
+        """
+        if op.priority:
+            heapq.heappush(self._heap, (-op.priority, next(_seq), op))
+        else:
+            self._q.append(op)
+        if self._sleeping and (self._nap > DEFER_NAP_S or not self.small_ops or len(self._q) >= DEFER_MAX):
+            self.wake()
+
+    def wake(self) -> None:
+        """Wake the worker if it sleeps."""
+        if self._sleeping:
+            self._sleeping = False
+            self._wake.release()
+
+    def wake_if_queued(self) -> None:
+        """Wake the worker if it sleeps on queued operations (a wait may need them now)."""
+        if self._sleeping and (self._q or self._heap):
             self._sleeping = False
             self._wake.release()
 
@@ -151,6 +200,7 @@ class Worker:
         # reference runs Engine.__del__ in this thread.
         self._start()
         lock = self._lock
+        nap = IDLE_CHECK_S
         while True:
             with lock:
                 batch, skipped = self._take()
@@ -158,14 +208,20 @@ class Worker:
                     if self._stop:
                         break
                     self._sleeping = True
+                    self._nap = nap
                 self.busy = bool(batch)
             del skipped  # outside the lock (see _take)
             if not batch:
-                if not self._wake.acquire(timeout=IDLE_CHECK_S) and self._engine_ref() is None:
-                    break  # the engine was collected unclosed and could not signal us
+                if self._wake.acquire(timeout=nap):
+                    nap = self.first_nap
+                else:
+                    if self._engine_ref() is None:
+                        break  # the engine was collected unclosed and could not signal us
+                    nap = min(2 * nap, IDLE_CHECK_S)
                 continue
             self._process(batch)
             batch = self.batch = self.current = None
+            nap = self.first_nap
         self.teardown()
 
     def _start(self) -> None:
@@ -186,29 +242,37 @@ class Worker:
         self.before_batch()
         self._run_batch(batch, self._latency)
 
+    def runner(self, eng: ThreadedEngine) -> Callable[[Op, str], None]:
+        """The function that runs one operation here (device synchronisation included)."""
+        return self.run_op
+
     def _run_batch(self, batch: list[Op], latency: float) -> None:
         eng = self.engine
         label = self.label
         self.batch = batch
+        run_op = self.runner(eng)
+        began = perf_counter()
         if len(batch) == 1:
             self.current = op = batch[0]
-            self.run_op(op, label)
+            run_op(op, label)
+            self.small_ops = perf_counter() - began < SMALL_OP_S
             eng._complete(batch)
             return
         self._done = []
-        start = perf_counter()
+        start = began
         for op in batch:
             self.current = op
-            self.run_op(op, label)
+            run_op(op, label)
             done = self._done  # a wait inside the op may have released and replaced it
             done.append(op)
             now = perf_counter()
             # Release now if a long op (or many short ones) ran, or if someone is already waiting:
             # deferring past the next op could hold a dependent back for that op's whole duration.
-            if now - start >= latency or eng._waiters or _has_dependents(op):
+            if now - start >= latency or op.waited or eng._blind_waiters or _has_dependents(op):
                 self._done = []
                 eng._complete(done)
                 start = now
+        self.small_ops = perf_counter() - began < SMALL_OP_S * len(batch)
         done, self._done = self._done, []
         if done:
             eng._complete(done)
@@ -228,6 +292,7 @@ class CpuWorker(Worker):
     """Worker of a logical CPU device, with its own intra-op thread budget."""
 
     can_steal = True
+    first_nap = NAP_S
 
     def __init__(self, engine: ThreadedEngine, device: Device, lane: str) -> None:
         super().__init__(engine, device, lane)
@@ -235,10 +300,11 @@ class CpuWorker(Worker):
 
     def budget(self) -> int:
         """Intra-op threads for this device: the configured number, or a fair share of the cores."""
-        eng = self.engine
-        if eng.config.cpu_threads is not None:
-            return eng.config.cpu_threads
-        return max(1, cpu_count() // max(1, eng._cpu_workers))
+        eng = self._engine_ref()
+        fixed = eng.config.cpu_threads
+        if fixed is not None:
+            return fixed
+        return _cores() // eng._cpu_workers or 1  # this worker counts, so never divides by 0
 
     def setup(self) -> None:
         # PyTorch initialises a thread's OpenMP/MKL thread count lazily, on the thread's first
@@ -256,8 +322,12 @@ class CpuWorker(Worker):
     def run_stolen(self, op: Op, where: str) -> None:
         """Run ``op`` in a waiting thread, under this device's thread budget."""
         want, have = self.budget(), torch.get_num_threads()
-        if want != have:
-            torch.set_num_threads(want)
+        if want == have:  # the usual case: one CPU device, the whole machine
+            began = perf_counter()
+            self.run_op(op, where)
+            self.small_ops = perf_counter() - began < SMALL_OP_S
+            return
+        torch.set_num_threads(want)
         try:
             self.run_op(op, where)
         finally:
@@ -266,14 +336,31 @@ class CpuWorker(Worker):
                 if have != self.engine._host_threads:
                     restore_process_default(self.engine._host_threads)
 
+    def runner(self, eng: ThreadedEngine) -> Callable[[Op, str], None]:
+        # Without GPUs there are no device events to wait for: run the operation directly.
+        return self.run_op if eng._has_gpu else eng._execute
+
     def run_op(self, op: Op, where: str) -> None:
-        if self.engine._has_gpu:
-            _host_wait_for_events(op)
-        self.engine._execute(op, where)
-        if self.engine._has_gpu:
-            for v in op.writes:  # a finished host write supersedes any device events
-                v._wev = None
-                v._revs = None
+        eng = self._engine_ref()
+        if not eng._has_gpu:
+            eng._execute(op, where)
+            return
+        _host_wait_for_events(op)
+        eng._execute(op, where)
+        for v in op.writes:  # a finished host write supersedes any device events
+            v._wev = None
+            v._revs = None
+
+
+_cores_cache: list[float] = [0.0, 0.0]  # (checked at, cores)
+
+
+def _cores() -> int:
+    # cpu_count() is a system call; a synchronous loop asks once per operation (run_stolen).
+    now = perf_counter()
+    if now - _cores_cache[0] > 1.0:
+        _cores_cache[:] = [now, cpu_count()]
+    return int(_cores_cache[1])
 
 
 def _has_dependents(op: Op) -> bool:
