@@ -127,7 +127,8 @@ class ThreadedEngine(Engine):
     # ----------------------------------------------------------------- scheduling (lock held)
     def _submit(self, op: Op, device: Device, kind: str) -> None:
         last_dev, worker = self._last
-        if device is not last_dev or kind != "compute":
+        switched = device is not last_dev or kind != "compute"
+        if switched:
             worker = self._worker(device, kind)
         op.worker = worker
         with self._lock:
@@ -161,7 +162,10 @@ class ThreadedEngine(Engine):
                     return
                 q = worker._q  # Worker.enqueue_pushed, inlined for the common case
                 q.append(op)
-                if worker._sleeping and (worker._nap > DEFER_NAP_S or not worker.small_ops or len(q) >= DEFER_MAX):
+                # a push that turns to another worker is work meant to run beside the last one's
+                # (d2l 12.3's automatic parallelism): that worker is woken now, never left to its nap
+                if worker._sleeping and (switched or worker._nap > DEFER_NAP_S or not worker.small_ops
+                                         or len(q) >= DEFER_MAX):
                     worker.wake()
 
     def _wait_for_room(self, worker: Worker, limit: int) -> None:

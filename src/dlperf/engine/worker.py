@@ -56,8 +56,9 @@ IDLE_CHECK_S = 1.0  # an idle worker checks this often whether its engine was dr
 NAP_S = 0.0005  # a CPU worker that ran dry looks at its queue again after this, twice as long each time...
 DEFER_NAP_S = 0.002  # ...and while it will look within this, a push does not wake it (see enqueue_pushed)
 DEFER_MAX = 64  # unless this many operations are queued: then they are worth a wake-up at once
-SMALL_OP_S = 0.0001  # ...and only while its recent operations took less than this each: a nap must
-# never hold back the start of work that takes much longer than the nap could cost
+SMALL_OP_S = 0.00002  # ...and only while its recent operations took less than this each, about what a
+# wake-up costs: a nap must never hold back work that could run beside another device's (d2l 12.3's
+# automatic parallelism shows from ~0.1 ms operations on), nor the start of anything longer
 _seq = itertools.count()
 
 
