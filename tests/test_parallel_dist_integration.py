@@ -173,3 +173,22 @@ def test_a_rank_that_dies_once_is_restarted_and_resumes_bit_identically(extra, n
     assert saved["trainer"]["steps"] == 16
     for a, b in zip(_params(ck), _params(clean), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv,needles", [
+    (["launch", "--nproc-per-node", "2", "--num-servers", "2", "--", "train", "--kvstore", "dist_sync"],
+     ["--num-servers 2 with 2 processes", "fewer servers than processes"]),
+    (["launch", "--nproc-per-node", "3", "--num-servers", "1", "--", "train"],
+     ["--num-servers 1 with train --kvstore None", "add --kvstore dist_sync"]),
+    (["launch", "--nproc-per-node", "3", "--num-servers", "1", "--", "train", "--kvstore", "local"],
+     ["--kvstore local"]),
+    (["train", "--kvstore", "dist_sync"], ["--kvstore dist_sync in one process", "--nproc-per-node 2"]),
+])
+def test_bad_server_layouts_are_one_line_and_status_2_before_any_process(argv, needles, capfd):
+    assert main(argv) == 2
+    captured = capfd.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert all(n in lines[0] for n in needles), lines[0]
+    assert captured.out == ""
