@@ -136,6 +136,7 @@ def test_launch_with_a_server_equals_allreduce_and_one_process(kvstore, tmp_path
     ck, allreduce = tmp_path / "server.pt", tmp_path / "allreduce.pt"
     assert main(["launch", "--nproc-per-node", "3", "--num-servers", "1", "--", "train", "--kvstore", kvstore,
                  "--epochs", "1", "--checkpoint", str(ck), *SMALL]) == 0
+    assert capfd.readouterr().out.splitlines()[-1].endswith("on [cpu(0)] x 2 processes + 1 server")
     assert main(["train", "--nproc-per-node", "2", "--epochs", "1", "--checkpoint", str(allreduce), *SMALL]) == 0
     ref = _one_process_reference(tmp_path, 1)
     for a, b, c in zip(_params(ck), _params(allreduce), ref, strict=True):

@@ -118,7 +118,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _run(config: TrainConfig, as_json: bool, no_progress: bool) -> int:
     from ..parallel.launchers import rank_info
-    from ..parallel.servers import is_server_rank
+    from ..parallel.servers import is_server_rank, server_ranks
     from ..parallel.training import serve
 
     if config.processes is None:
@@ -139,8 +139,11 @@ def _run(config: TrainConfig, as_json: bool, no_progress: bool) -> int:
     per_epoch = state.seconds_per_epoch()
     acc = history[-1]["test_acc"] if history else float("nan")
     names = "[" + ", ".join(str(d) for d in config.devices) + "]"
+    servers = server_ranks(config.kvstore)
     if config.processes > 1:
-        names += f" x {config.processes} processes"
+        names += f" x {config.processes - servers} processes"
+        if servers:
+            names += f" + {servers} server{'s' * (servers > 1)}"
     print(f"test acc: {acc:.2f}, {per_epoch:.1f} sec/epoch on {names}")
     if as_json:
         print(json.dumps({"model": config.model, "devices": [str(d) for d in config.devices],

@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..kvstore import KVStore, create_kvstore
 from .launchers import rank_info
 
-__all__ = ["is_dist_kvstore", "is_server_rank", "open_dist_kvstore", "serve_kvstore", "worker_group"]
+__all__ = ["is_dist_kvstore", "is_server_rank", "open_dist_kvstore", "serve_kvstore", "server_ranks", "worker_group"]
 
 
 def is_dist_kvstore(kvstore: Any) -> bool:
@@ -27,18 +27,23 @@ def is_dist_kvstore(kvstore: Any) -> bool:
     return isinstance(kvstore, DistKVStore) or (isinstance(kvstore, str) and kvstore.startswith("dist_"))
 
 
-def is_server_rank(kvstore: Any) -> bool:
-    """Whether the calling process is one of the job's parameter servers for a store of type ``kvstore``.
+def server_ranks(kvstore: Any) -> int:
+    """How many of the job's ranks are parameter servers of a store of type ``kvstore``, not workers.
 
-    The rule is the store's own: the last ``DLPERF_NUM_SERVERS`` ranks serve (none by default).
+    The rule is the store's own: the last ``DLPERF_NUM_SERVERS`` ranks serve (none by default, nor for
+    a store that is not distributed).
     """
     if not is_dist_kvstore(kvstore):
-        return False
+        return 0
     from ..kvstore.dist import DistKVStore
 
+    return DistKVStore._num_servers(None, max(rank_info().world_size, 2))
+
+
+def is_server_rank(kvstore: Any) -> bool:
+    """Whether the calling process is one of the job's parameter servers for a store of type ``kvstore``."""
     info = rank_info()
-    servers = DistKVStore._num_servers(None, max(info.world_size, 2))
-    return servers > 0 and info.rank >= info.world_size - servers
+    return info.rank >= info.world_size - server_ranks(kvstore)
 
 
 def worker_group(kv: KVStore) -> Any:
