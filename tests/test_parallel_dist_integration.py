@@ -185,6 +185,8 @@ def test_a_rank_that_dies_once_is_restarted_and_resumes_bit_identically(extra, n
     (["launch", "--nproc-per-node", "3", "--num-servers", "1", "--", "train", "--kvstore", "local"],
      ["--kvstore local"]),
     (["train", "--kvstore", "dist_sync"], ["--kvstore dist_sync in one process", "--nproc-per-node 2"]),
+    (["launch", "--nproc-per-node", "3", "--num-servers", "1", "--", "devices"],
+     ["--num-servers 1 with devices", "only train"]),
 ])
 def test_bad_server_layouts_are_one_line_and_status_2_before_any_process(argv, needles, capfd):
     assert main(argv) == 2

@@ -153,6 +153,9 @@ def _precheck_verb(argv: list[str], world: int, num_servers: int) -> int:
         parsed = build_parser().parse_args(argv)
     except SystemExit as exc:  # the verb's parser printed its one line (or --help)
         return 2 if exc.code not in (0, None) else -1
+    if num_servers and parsed.verb != "train":
+        raise UsageError(f"--num-servers {num_servers} with {parsed.verb}: only train has parameter servers (with "
+                         "--kvstore dist_sync); drop --num-servers")
     if parsed.verb == "train":
         if parsed.nproc_per_node is not None:
             raise UsageError(f"train --nproc-per-node {parsed.nproc_per_node} under dlperf launch: give the process "
