@@ -195,3 +195,50 @@ def test_bad_server_layouts_are_one_line_and_status_2_before_any_process(argv, n
     assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
     assert all(n in lines[0] for n in needles), lines[0]
     assert captured.out == ""
+
+
+def _trainer_with_a_server(steps: int) -> list[torch.Tensor] | None:
+    """Ranks 0 and 1 train on two devices each through a dist_device_sync store; rank 2 serves it."""
+    from dlperf.devices import cpu
+    from dlperf.models import get_spec
+    from dlperf.parallel import Trainer
+    from dlperf.parallel.launchers import rank_role
+    from dlperf.parallel.servers import serve_kvstore
+
+    if rank_role() == "server":
+        serve_kvstore("dist_device_sync", "sgd", {"lr": 0.1})
+        return None
+    spec = get_spec("lenet")
+    torch.manual_seed(0)
+    net = spec.build()
+    X, y = spec.input.make_batch(16, generator=torch.Generator().manual_seed(1))
+    with Trainer(net, [cpu(0), cpu(1)], "sgd", {"lr": 0.1}, loss=spec.loss, kvstore="dist_device_sync",
+                 threads=[1, 1]) as trainer:
+        assert (trainer.world, trainer.total_devices) == (2, 4)
+        for _ in range(steps):
+            trainer.train_step(X, y)
+        return [p.detach().clone() for p in trainer.module.parameters()]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_trainer_api_with_a_server_and_two_devices_per_process_equals_four_devices(monkeypatch):
+    from dlperf.devices import cpu
+    from dlperf.models import get_spec
+    from dlperf.parallel import Trainer
+    from dlperf.parallel.launchers import ProcessLauncher
+
+    monkeypatch.setenv("DLPERF_NUM_SERVERS", "1")  # the spawned processes inherit it; restored after
+    results = ProcessLauncher(3, join_timeout_s=200, roles={2: "server"}).launch(_trainer_with_a_server, 3)
+    assert results[2] is None
+    spec = get_spec("lenet")
+    torch.manual_seed(0)
+    net = spec.build()
+    X, y = spec.input.make_batch(16, generator=torch.Generator().manual_seed(1))
+    with Trainer(net, [cpu(0), cpu(1), cpu(2), cpu(3)], "sgd", {"lr": 0.1}, loss=spec.loss) as trainer:
+        for _ in range(3):
+            trainer.train_step(X, y)
+        ref = [p.detach().clone() for p in trainer.module.parameters()]
+    for rank in (0, 1):
+        for a, b in zip(results[rank], ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
