@@ -9,7 +9,11 @@ PyTorch's elastic agent (the machinery of ``torchrun``) starts the processes, th
 ``MASTER_ADDR`` and ``MASTER_PORT``. A dlperf verb runs inside a gloo process group the launcher opens,
 so ``train`` trains one model across every process; a script opens its own, as it would under
 ``torchrun`` (a dlperf ``Trainer`` in it joins the processes by itself). ``--num-servers S`` is passed to
-every process as ``DLPERF_NUM_SERVERS`` for a distributed KVStore's parameter servers.
+every process as ``DLPERF_NUM_SERVERS`` for a distributed KVStore's parameter servers: the last ``S`` ranks
+are servers (role ``"server"`` in :func:`~dlperf.parallel.launchers.rank_role` and in failure messages).
+Under ``train --kvstore dist_sync`` they serve the weights instead of training; a script decides with
+``rank_role()``. With ``--max-restarts K`` a failed process group is started again, up to ``K`` times;
+``train --checkpoint FILE`` then continues from the last epoch FILE holds.
 """
 
 from __future__ import annotations
@@ -82,6 +86,10 @@ def _check_layout(args: argparse.Namespace) -> None:
     if args.node_rank >= args.nnodes:
         raise UsageError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: expected a node rank from 0 "
                          f"to {args.nnodes - 1}")
+    world = args.nproc_per_node * args.nnodes
+    if args.num_servers >= world:
+        raise UsageError(f"--num-servers {args.num_servers} with {world} processes: expected fewer servers than "
+                         "processes, so at least one trains; raise --nproc-per-node or lower --num-servers")
     if args.nnodes > 1 and args.master is None:
         raise UsageError(f"--nnodes {args.nnodes} needs --master HOST:PORT, the same on every node (node 0's "
                          "address and a free port), so the nodes can find each other")
@@ -96,9 +104,11 @@ def start(args: argparse.Namespace, fn: Callable[..., Any], *fn_args: Any, backe
 
     _check_layout(args)
     addr, port = args.master if args.master is not None else ("127.0.0.1", None)
+    world = args.nproc_per_node * args.nnodes
     launcher = ProcessLauncher(args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=addr,
                                master_port=port, backend=backend, join_timeout_s=args.timeout,
-                               max_restarts=args.max_restarts)
+                               max_restarts=args.max_restarts,
+                               roles={rank: "server" for rank in range(world - args.num_servers, world)})
     try:
         codes = launcher.launch(_in_worker, args.num_servers, fn, fn_args)
     except LaunchError as exc:
@@ -134,7 +144,7 @@ def run_script(path: str, argv: list[str]) -> int:
     return 0
 
 
-def _precheck_verb(argv: list[str], world: int) -> int:
+def _precheck_verb(argv: list[str], world: int, num_servers: int) -> int:
     """Parse (and for ``train`` check) the verb's options here, once, before any process starts."""
     from . import build_parser
     from .train import check_in_parent
@@ -143,10 +153,16 @@ def _precheck_verb(argv: list[str], world: int) -> int:
         parsed = build_parser().parse_args(argv)
     except SystemExit as exc:  # the verb's parser printed its one line (or --help)
         return 2 if exc.code not in (0, None) else -1
+    if num_servers and parsed.verb != "train":
+        raise UsageError(f"--num-servers {num_servers} with {parsed.verb}: only train has parameter servers (with "
+                         "--kvstore dist_sync); drop --num-servers")
     if parsed.verb == "train":
         if parsed.nproc_per_node is not None:
             raise UsageError(f"train --nproc-per-node {parsed.nproc_per_node} under dlperf launch: give the process "
                              "count once, to dlperf launch (--nproc-per-node) or to dlperf train")
+        if num_servers and not (parsed.kvstore or "").startswith("dist_"):
+            raise UsageError(f"--num-servers {num_servers} with train --kvstore {parsed.kvstore}: parameter servers "
+                             "serve a distributed store; add --kvstore dist_sync to train, or drop --num-servers")
         check_in_parent(parsed, world)
     return 0
 
@@ -163,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     world = args.nproc_per_node * args.nnodes
     head = command[0]
     if head in verbs:
-        status = _precheck_verb(command, world)
+        status = _precheck_verb(command, world, args.num_servers)
         if status:
             return max(status, 0)
         return start(args, run_verb, command)

@@ -62,7 +62,8 @@ def register(sub) -> None:
                    help=f"allreduce: {', '.join(algorithm_names())} (auto: the cost model's pick for the "
                         "measured links, printed at start)")
     p.add_argument("--kvstore", default=None, type=va.choice("kvstore type", kvstore_types()),
-                   help="aggregate through a KVStore: local or device")
+                   help="aggregate through a KVStore: local or device in one process; dist_sync or "
+                        "dist_device_sync across processes (parameter servers: dlperf launch --num-servers)")
     p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0)
     p.add_argument("--checkpoint", metavar="FILE", type=va.output_path("--checkpoint"),
                    help="save the state atomically after every epoch")
@@ -117,9 +118,14 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _run(config: TrainConfig, as_json: bool, no_progress: bool) -> int:
     from ..parallel.launchers import rank_info
+    from ..parallel.servers import is_server_rank, server_ranks
+    from ..parallel.training import serve
 
     if config.processes is None:
         config.processes = rank_info().world_size
+    if is_server_rank(config.kvstore):  # the last --num-servers ranks hold the weights; they do not train
+        serve(config)
+        return 0
     if rank_info().rank != 0:  # one process reports: the others train silently
         return _quiet(config)
     state = prepare(config)
@@ -133,8 +139,11 @@ def _run(config: TrainConfig, as_json: bool, no_progress: bool) -> int:
     per_epoch = state.seconds_per_epoch()
     acc = history[-1]["test_acc"] if history else float("nan")
     names = "[" + ", ".join(str(d) for d in config.devices) + "]"
+    servers = server_ranks(config.kvstore)
     if config.processes > 1:
-        names += f" x {config.processes} processes"
+        names += f" x {config.processes - servers} processes"
+        if servers:
+            names += f" + {servers} server{'s' * (servers > 1)}"
     print(f"test acc: {acc:.2f}, {per_epoch:.1f} sec/epoch on {names}")
     if as_json:
         print(json.dumps({"model": config.model, "devices": [str(d) for d in config.devices],

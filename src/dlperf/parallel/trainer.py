@@ -41,6 +41,7 @@ from .evaluate import evaluate_accuracy
 from .lanes import EngineLanes, comm_lanes, thread_budget
 from .procs import ProcessAxis, allreduce_across_processes, broadcast_from_first, join_processes, local_parts
 from .replicas import broadcast_buffers, max_replica_difference, replicate
+from .servers import is_dist_kvstore, open_dist_kvstore
 from .split import check_devices, check_placed, split_batch
 
 __all__ = ["Trainer", "make_optimizer", "OPTIMIZERS", "NonFiniteError"]
@@ -95,8 +96,10 @@ class Trainer:
         optimizer_params: keyword arguments for a named optimizer, e.g. ``{"lr": 0.1}``.
         loss: ``loss(output, target)`` averaged over the examples it sees (cross-entropy by default).
         algorithm: the allreduce algorithm for gradients (ignored when a kvstore aggregates).
-        kvstore: ``None``, ``"local"``, ``"device"`` or a :class:`~dlperf.kvstore.KVStore`.
-        update_on_kvstore: let the store run the optimizer and pull the new weights.
+        kvstore: ``None``, ``"local"``, ``"device"`` or a :class:`~dlperf.kvstore.KVStore`; across processes
+            a distributed one, ``"dist_sync"`` or ``"dist_device_sync"`` (see below).
+        update_on_kvstore: let the store run the optimizer and pull the new weights (implied by a
+            distributed store).
         bucket_bytes: gradient bucket size for overlapping communication with backward (default: 1 MiB,
             or larger so that the model's gradients form at most 16 buckets).
         buffers: ``"per-device"`` BatchNorm statistics (default) or ``"broadcast"`` the first one's.
@@ -122,6 +125,12 @@ class Trainer:
     process alike (so no process waits for another); a parameter that gets no gradient in some
     process contributes zeros there, as in one process. Gradient summation across processes needs
     CPU devices (gloo on host memory).
+
+    With a distributed store (d2l 12.7) the processes push their gradients to the parameter servers,
+    which sum them, run the optimizer and answer the pulls with the new weights. The servers are the
+    job's last ``num_servers`` ranks (``dlperf launch --num-servers``; they run
+    :func:`~dlperf.parallel.servers.serve_kvstore`, not a Trainer), or, with none, every process hosts
+    one for its share of the weights. The Trainer then spans the worker ranks only.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[DeviceLike], optimizer: OptimizerLike = "sgd",
@@ -144,7 +153,11 @@ class Trainer:
             raise UsageError("update_on_kvstore=True needs a kvstore, e.g. kvstore='local'")
         self.buffers = buffers
         self.loss = loss or _default_loss
+        self._kv: KVStore | None = None
+        self._own_kv = False
         self.processes: ProcessAxis | None = self._join(processes, kvstore)
+        if self._kv is not None:
+            kvstore, update_on_kvstore = self._kv, True
         if self.processes is not None:  # every process starts from the first one's weights
             broadcast_from_first([*module.parameters(), *module.buffers()], self.processes.group)
         self.replicas = replicate(module, self.devices)
@@ -159,8 +172,6 @@ class Trainer:
         self._optimizer_params = dict(optimizer_params or {})
         self.steps = 0
         self._closed = False
-        self._kv: KVStore | None = None
-        self._own_kv = False
         self._buckets: GradientBuckets | None = None
         self._trace_path = Path(trace) if trace is not None else None
         self.engine: Engine = create_engine("threaded", cpu_threads=self._cpu_threads(threads),
@@ -184,16 +195,28 @@ class Trainer:
         axis = join_processes(None if processes == "auto" else processes)
         if axis is None:
             return None
-        if kvstore is not None:
+        if kvstore is not None and not is_dist_kvstore(kvstore):
             axis.close()
             raise UsageError(f"kvstore={kvstore!r} in a trainer of {axis.world} processes: the local stores "
-                             "aggregate one process's devices only; drop the kvstore (gradients are then "
-                             "summed across processes by allreduce)")
+                             "aggregate one process's devices only; use 'dist_sync' or 'dist_device_sync', or "
+                             "drop the kvstore (gradients are then summed across processes by allreduce)")
         if any(d.is_gpu for d in self.devices):
             axis.close()
             raise UsageError(f"devices {self.devices} in a trainer of {axis.world} processes: gradients are "
                              "summed across processes by gloo on host memory; use CPU devices")
-        return axis
+        if kvstore is None:
+            return axis
+        if axis.group is not None:
+            axis.close()
+            raise UsageError(f"kvstore={kvstore!r} with processes={processes!r}: a distributed store spans the "
+                             "default process group; pass processes='auto'")
+        try:
+            kv, group = open_dist_kvstore(kvstore)
+        except BaseException:
+            axis.close()
+            raise
+        self._kv, self._own_kv = kv, isinstance(kvstore, str)
+        return ProcessAxis(kv.rank, kv.num_workers, axis.local_world, group, axis.owns_default_group)
 
     @property
     def rank(self) -> int:
@@ -231,8 +254,9 @@ class Trainer:
     def _setup_sync(self, kvstore, update_on_kvstore: bool, bucket_bytes: int | None) -> None:
         self.update_on_kvstore = update_on_kvstore
         if kvstore is not None:
-            self._kv = create_kvstore(kvstore) if isinstance(kvstore, str) else kvstore
-            self._own_kv = isinstance(kvstore, str)
+            if self._kv is None:  # (a distributed store is opened with the processes, in _join)
+                self._kv = create_kvstore(kvstore) if isinstance(kvstore, str) else kvstore
+                self._own_kv = isinstance(kvstore, str)
             # the store's asynchronous calls run on this engine, on the first communication lane
             self._kv.bind_engine(self.engine, self.lanes.lanes[0], self.lanes.kind)
         if update_on_kvstore:
@@ -308,7 +332,7 @@ class Trainer:
         # a finiteness check must see every replica's loss first, so it updates after them
         update_here = self.k == 1 and self._kv is None and not self.check_finite and self.processes is None
         # one device per process: the last bucket's sum across processes updates the weights too
-        update_across = self.k == 1 and self.processes is not None and not self.check_finite
+        update_across = self.k == 1 and self.processes is not None and self._kv is None and not self.check_finite
         if overlapped:
             if self._buckets.across is not None:
                 self._buckets.across.then = self.optimizers[0].step if update_across else None
@@ -473,6 +497,16 @@ class Trainer:
     @torch.no_grad()
     def _update_on_store(self, scale: float) -> None:
         params = [list(r.parameters()) for r in self.replicas]
+        if self.processes is not None:  # a distributed store: one request per server for every key
+            grads = [[ps[i].grad if ps[i].grad is not None else torch.zeros_like(ps[i]) for ps in params]
+                     for i in range(len(params[0]))]
+            if scale != 1.0:
+                grads = [[g * scale for g in row] for row in grads]
+            keys = list(range(len(grads)))
+            self._kv.pushpull(keys, grads, out=[[ps[i] for ps in params] for i in keys])
+            for r in self.replicas:
+                r.zero_grad(set_to_none=True)
+            return
         for i in range(len(params[0])):
             grads = [ps[i].grad if ps[i].grad is not None else torch.zeros_like(ps[i]) for ps in params]
             if scale != 1.0:

@@ -10,6 +10,9 @@ loads the data; :func:`train` runs the epochs. ``dlperf train`` is these three a
 Started as several processes (``dlperf launch``, ``dlperf train --nproc-per-node N``, ``torchrun``), every
 process runs these same three with the same config: each loads the same data and trains on its slice of
 every global batch, the first process alone writes the checkpoint, and every process can resume from it.
+A process group the launcher restarts after a failure resumes from ``checkpoint`` by itself. With a
+``dist_*`` kvstore the job's last ``DLPERF_NUM_SERVERS`` ranks are parameter servers: they call
+:func:`serve` instead (see :mod:`~dlperf.parallel.servers`).
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ from ..devices import Device, to_device
 from ..errors import UsageError
 from .allreduce import DEFAULT_ALGORITHM, get_algorithm
 from .checkpoint import CHECKPOINT_FORMAT, load_checkpoint, save_checkpoint
-from .launchers import rank_info
+from .launchers import rank_info, restart_count
 from .split import check_devices
 from .trainer import Trainer
 
-__all__ = ["TrainConfig", "TrainState", "check_resume", "prepare", "train", "train_epochs", "epoch_line",
+__all__ = ["TrainConfig", "TrainState", "check_resume", "prepare", "serve", "train", "train_epochs", "epoch_line",
            "parse_devices", "TRAIN_MODELS", "MAX_BATCH", "MAX_EPOCHS", "MAX_LR"]
 
 TRAIN_MODELS = ("lenet", "resnet18")
@@ -110,10 +113,14 @@ class TrainConfig:
             raise UsageError(f"--batch-size {self.batch_size} is smaller than the {where}; each device needs at "
                              f"least one example per step: use --batch-size {total} or more")
         get_algorithm(self.algorithm)
-        if self.kvstore is not None and self.processes > 1:
+        distributed = self.kvstore is not None and self.kvstore.startswith("dist_")
+        if self.kvstore is not None and self.processes > 1 and not distributed:
             raise UsageError(f"--kvstore {self.kvstore} with {self.processes} processes: the local stores aggregate "
-                             "one process's devices only; drop --kvstore (gradients are then summed across "
-                             "processes by allreduce)")
+                             "one process's devices only; use --kvstore dist_sync, or drop --kvstore (gradients "
+                             "are then summed across processes by allreduce)")
+        if distributed and self.processes < 2:
+            raise UsageError(f"--kvstore {self.kvstore} in one process: a distributed store needs several; add "
+                             "--nproc-per-node 2, or use --kvstore local")
         if self.checkpoint:
             try:
                 check_writable(self.checkpoint)  # now, not after the first epoch
@@ -195,6 +202,9 @@ def prepare(config: TrainConfig) -> TrainState:
     from ..data import load_data
     from ..models import get_spec
 
+    if config.resume is None and config.checkpoint and restart_count() > 0 and os.path.exists(config.checkpoint):
+        # restarted by the launcher after a failure: continue from the last epoch the checkpoint holds
+        config.resume = config.checkpoint
     resume = check_resume(config)
     torch.manual_seed(config.seed)
     spec = get_spec(config.model)
@@ -202,6 +212,13 @@ def prepare(config: TrainConfig) -> TrainState:
                                           test=config.test_size, download=config.download)
     history = list(resume["history"]) if resume else []
     return TrainState(spec, train_loader, test_loader, resume, history, first=len(history))
+
+
+def serve(config: TrainConfig) -> None:
+    """On a parameter-server rank of a ``dist_*`` store: serve the workers' training of ``config`` to its end."""
+    from .servers import serve_kvstore
+
+    serve_kvstore(config.kvstore, "sgd", {"lr": config.lr})  # the update train() gives its Trainer
 
 
 def describe_auto_choice(model: torch.nn.Module, devices: list) -> str:

@@ -17,8 +17,8 @@ from .launcher import (
     rank_role,
     restart_count,
 )
-from .processes import ProcessLauncher, free_port
+from .processes import ProcessLauncher, attempt_store, free_port
 from .threads import ThreadLauncher
 
 __all__ = ["DEFAULT_ROLE", "Launcher", "LaunchError", "ProcessLauncher", "RankInfo", "ThreadLauncher",
-           "checkpoint_path", "free_port", "rank_info", "rank_role", "restart_count"]
+           "attempt_store", "checkpoint_path", "free_port", "rank_info", "rank_role", "restart_count"]

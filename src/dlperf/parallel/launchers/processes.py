@@ -41,7 +41,7 @@ from .faults import (
 )
 from .launcher import DEFAULT_ROLE, Launcher, LaunchError, rank_info
 
-__all__ = ["ProcessLauncher", "free_port"]
+__all__ = ["ProcessLauncher", "attempt_store", "free_port"]
 
 # torch's process context installs its own handlers for these in the main thread and leaves them there
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -127,17 +127,30 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
     return result
 
 
-def _init_process_group(dist: Any, backend: str, rank: int, timeout: datetime.timedelta) -> None:
+def attempt_store(prefix: str = "") -> Any:
+    """The launch's rendezvous store, seen through a prefix of the current attempt; None outside an agent.
+
+    The agent's store outlives a restart, but whatever numbers its keys per process from 0 (``env://``
+    process groups, ``torch.distributed.rpc``'s agents) would read the previous attempt's keys there and
+    connect to processes that are gone. Keys under this prefix belong to this attempt only; ``prefix``
+    keeps one user's keys (the process group, an RPC agent) apart from another's.
+    """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=300))
+    return dist.PrefixStore(f"dlperf/attempt_{_attempt()}/{prefix}", store)
+
+
+def _init_process_group(dist: Any, backend: str, rank: int, timeout: datetime.timedelta) -> None:
+    store = attempt_store()
+    if store is None:
         dist.init_process_group(backend, timeout=timeout)  # env://: rank 0 hosts a fresh store
         return
-    # The agent's store outlives a restart, and env:// keeps no attempt apart from the last: restarted
-    # workers would read their predecessors' addresses and fail to connect. A prefix per attempt keeps them
-    # apart.
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
-    prefixed = dist.PrefixStore(f"dlperf/attempt_{_attempt()}", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
                             timeout=timeout)
 
 
