@@ -35,6 +35,45 @@ def _overlap_us(events, worker_a, worker_b) -> float:
     return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
 
 
+def _two_plain_threads_speed_up(size: int = SIZE, ops: int = 20) -> bool:
+    """Whether two plain threads running the same products finish sooner than one: the control.
+
+    On a machine whose other work leaves one core free, no scheduler can run two devices at once;
+    then a missing overlap says nothing about the engine, and the test is skipped with that reason.
+    """
+    import threading
+    import time
+
+    x = torch.rand(size, size)
+
+    def work() -> None:
+        for _ in range(ops):
+            x @ x
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        work()
+        work()
+        one = time.perf_counter() - t0
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        two = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(before)
+    return two < 0.75 * one
+
+
+def _require_free_cores() -> None:
+    if not any(_two_plain_threads_speed_up() for _ in range(3)):
+        pytest.skip("two plain threads were not faster than one either: other work holds a core of this machine")
+
+
 def _two_device_run(attempts: int, size: int = SIZE):
     """Traces of run() on cpu(0) then cpu(1) without a barrier between; stops at the first overlap.
 
@@ -68,6 +107,8 @@ def _two_device_run(attempts: int, size: int = SIZE):
 def test_work_on_two_devices_runs_concurrently_per_the_trace():
     traces = _two_device_run(attempts=5)
     assert {e.worker for e in traces[-1].events} == {"cpu(0)/compute", "cpu(1)/compute"}
+    if _overlap_us(traces[-1].events, "cpu(0)/compute", "cpu(1)/compute") == 0:
+        _require_free_cores()
     assert _overlap_us(traces[-1].events, "cpu(0)/compute", "cpu(1)/compute") > 0, [
         summarize(t.events) for t in traces]
 
@@ -173,6 +214,8 @@ def test_exercise_2_small_ops_spread_over_two_devices_overlap():
             overlaps.append(summarize(eng.stop_trace().events).overlap_us)
             if overlaps[-1] > 0:
                 break
+    if overlaps[-1] == 0:
+        _require_free_cores()
     assert overlaps[-1] > 0, overlaps
 
 
