@@ -34,7 +34,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -111,27 +111,37 @@ def _ddp_step(group, channels_last: bool) -> Callable[[], object]:
     return step
 
 
-def _worker(steps: int, warmup: int, rounds: int) -> list[dict[str, tuple[float, bool]]]:
-    """One process: per round, every configuration's steps interleaved one by one.
+# how each configuration's step is built on its own process group, by ROWS key, in the order they are built
+# and stepped within a round
+STEP_BUILDERS: dict[str, Callable[..., Callable[[], object]]] = {
+    "trainer": _trainer_step,
+    "trainer_gloo": partial(_trainer_step, transport="gloo"),
+    "ddp": partial(_ddp_step, channels_last=False),
+    "ddp_channels_last": partial(_ddp_step, channels_last=True),
+}
+
+
+def _worker(steps: int, warmup: int, rounds: int,
+            keys: Sequence[str] | None = None) -> list[dict[str, tuple[float, bool]]]:
+    """One process: per round, the configurations ``keys`` (default: every row) interleaved step by step.
 
     Each configuration has a process group of its own, so their collectives never pair with each other's.
     """
     import torch.distributed as dist
 
+    keys = list(STEP_BUILDERS) if keys is None else list(keys)
     torch.set_num_threads(1)
     world = dist.get_world_size()
-    groups = {key: dist.new_group(list(range(world))) for key, _ in ROWS}
+    groups = {key: dist.new_group(list(range(world))) for key in keys}
     out = []
     for _ in range(rounds):
-        steps_by_key = {"trainer": _trainer_step(groups["trainer"]),
-                        "trainer_gloo": _trainer_step(groups["trainer_gloo"], "gloo"),
-                        "ddp": _ddp_step(groups["ddp"], channels_last=False),
-                        "ddp_channels_last": _ddp_step(groups["ddp_channels_last"], channels_last=True)}
+        steps_by_key = {key: STEP_BUILDERS[key](groups[key]) for key in keys}
         try:
             out.append(_interleaved(steps_by_key, steps, warmup))
         finally:
-            steps_by_key["trainer"].close()
-            steps_by_key["trainer_gloo"].close()
+            for step in steps_by_key.values():
+                if hasattr(step, "close"):  # a Trainer's engine threads
+                    step.close()
     return out
 
 
@@ -159,16 +169,24 @@ def _interleaved(steps_by_key: dict[str, Callable[[], object]], steps: int,
     return {key: (Timing.from_samples(s).median_s, contended) for key, s in samples.items()}
 
 
-def measure(steps: int, warmup: int, rounds: int) -> dict[str, list[tuple[float, bool]]]:
-    """Per configuration, each round's (slower process's median seconds, any process contended)."""
-    launcher = ProcessLauncher(PROCESSES, backend="gloo", join_timeout_s=TIMEOUT_S)
-    per_rank = launcher.launch(_worker, steps, warmup, rounds)
-    out: dict[str, list[tuple[float, bool]]] = {key: [] for key, _ in ROWS}
+def by_config(per_rank: list[list[dict[str, tuple[float, bool]]]],
+              keys: Sequence[str]) -> dict[str, list[tuple[float, bool]]]:
+    """The ranks' rounds merged: per configuration, each round's (slower rank's median, any rank contended)."""
+    rounds = len(per_rank[0])
+    out: dict[str, list[tuple[float, bool]]] = {key: [] for key in keys}
     for r in range(rounds):
-        for key, _ in ROWS:
+        for key in keys:
             samples = [rank_rounds[r][key] for rank_rounds in per_rank]
             out[key].append((max(s[0] for s in samples), any(s[1] for s in samples)))
     return out
+
+
+def measure(steps: int, warmup: int, rounds: int,
+            keys: Sequence[str] | None = None) -> dict[str, list[tuple[float, bool]]]:
+    """Per configuration, each round's (slower process's median seconds, any process contended)."""
+    keys = [key for key, _ in ROWS] if keys is None else list(keys)
+    launcher = ProcessLauncher(PROCESSES, backend="gloo", join_timeout_s=TIMEOUT_S)
+    return by_config(launcher.launch(_worker, steps, warmup, rounds, keys), keys)
 
 
 def main(argv: list[str] | None = None) -> int:
