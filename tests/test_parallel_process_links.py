@@ -185,3 +185,35 @@ def test_ranks_agree_sum_like_gloo_and_reuse_or_remeasure_the_saved_links(tmp_pa
 
     monkeypatch.setenv(LINK_PROBE_ENV, "again")
     assert _launch()[0]["source"].startswith("measured now")
+
+
+# --- dlperf train --nproc-per-node N --algorithm auto prints the choice from rank 0 -----------------------------
+
+
+def _train(tmp_path, env_extra: dict, *args: str):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path), **env_extra}
+    return subprocess.run([sys.executable, "-m", "dlperf.cli", "train", "--nproc-per-node", "2", "--epochs", "1",
+                           "--train-size", "64", "--test-size", "32", "--no-progress", *args],
+                          capture_output=True, text=True, env=env, timeout=200)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name, value", [(PROCESS_ALLREDUCE_ENV, "nccl"), (LINK_PROBE_ENV, "never")])
+def test_train_refuses_a_bad_setting_before_starting_processes(tmp_path, name, value):
+    done = _train(tmp_path, {name: value})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().count("\n") == 0 and f"{name}='{value}'" in done.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_train_with_auto_prints_the_process_choice_once(tmp_path):
+    done = _train(tmp_path, {}, "--algorithm", "auto")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("process allreduce: ")]
+    assert len(lines) == 2, done.stdout
+    assert lines[0].startswith("process allreduce: shm: ") and "; gloo: " in lines[0] and " -> " in lines[0]
+    assert lines[1].startswith("process allreduce: measured now")

@@ -40,7 +40,7 @@ _TRANSPORTS = ("auto", "gloo", "shm")
 _SHM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 __all__ = ["PROCESS_ALLREDUCE_ENV", "ProcessAxis", "allreduce_across_processes", "broadcast_from_first",
-           "describe_process_allreduce", "join_processes", "local_parts"]
+           "check_process_settings", "describe_process_allreduce", "join_processes", "local_parts"]
 
 
 def allreduce_across_processes(flat: torch.Tensor, group: Any = None) -> None:
@@ -81,6 +81,14 @@ def describe_process_allreduce(group: Any = None, *, choose: bool = False) -> li
     if choice is None:
         return ["process allreduce: not chosen yet (the first sum across processes measures the links)"]
     return choice.describe()
+
+
+def check_process_settings() -> None:
+    """Raise UsageError now for a bad ``DLPERF_PROCESS_ALLREDUCE`` or ``DLPERF_LINK_PROBE``, not at the first sum."""
+    from .process_links import _probe_again
+
+    _transport()
+    _probe_again()
 
 
 def _transport() -> str:
