@@ -92,8 +92,11 @@ def train_config(args: argparse.Namespace, processes: int | None = None) -> Trai
 
 def check_in_parent(args: argparse.Namespace, processes: int) -> TrainConfig:
     """Check the options for ``processes`` processes before they start: a mistake is one line, not one a process."""
+    from ..parallel.procs import check_process_settings
+
     config = train_config(args, processes)
     check_resume(config)
+    check_process_settings()
     return config
 
 

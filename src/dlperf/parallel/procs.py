@@ -3,10 +3,12 @@
 Gradients are reduced hierarchically: first among the devices of one process (the allreduce
 algorithms on the engine's lanes, host memory shared), then across processes. Every reduction that
 crosses a process boundary goes through :func:`allreduce_across_processes`, the one place where the
-transport is chosen: shared memory between processes of one host, ``torch.distributed`` (gloo) between
-hosts, hierarchical when both (:func:`~dlperf.parallel.allreduce.host_allreduce_`).
-``DLPERF_PROCESS_ALLREDUCE=gloo`` sends every sum through ``torch.distributed.all_reduce`` instead, to
-compare the two or to step around a host where shared memory misbehaves.
+transport is chosen. By default the choice is measured (:mod:`~dlperf.parallel.process_links`): the first
+sum of a group times :func:`~dlperf.parallel.allreduce.host_allreduce_` (shared memory between processes
+of one host, hierarchical when hosts hold several ranks) against ``torch.distributed`` (gloo), fits
+latency + size / bandwidth to each, and every later sum takes the faster one for its size.
+``DLPERF_PROCESS_ALLREDUCE=gloo`` sends every sum through ``torch.distributed.all_reduce`` and ``=shm``
+through ``host_allreduce_``, unmeasured, to compare them or to step around a host where one misbehaves.
 
 Each process is given the *global* mini-batch (every process loads the same data in the same order,
 from the same seed) and trains on its own slice: device ``d`` of ``k`` in process ``r`` of ``P`` takes
@@ -34,32 +36,66 @@ from .launchers import rank_info
 from .split import split_sizes
 
 PROCESS_ALLREDUCE_ENV = "DLPERF_PROCESS_ALLREDUCE"
+_TRANSPORTS = ("auto", "gloo", "shm")
 _SHM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 __all__ = ["PROCESS_ALLREDUCE_ENV", "ProcessAxis", "allreduce_across_processes", "broadcast_from_first",
-           "join_processes", "local_parts"]
+           "check_process_settings", "describe_process_allreduce", "join_processes", "local_parts"]
 
 
 def allreduce_across_processes(flat: torch.Tensor, group: Any = None) -> None:
     """Sum ``flat`` in place over every process of ``group`` (the default group when ``None``).
 
     Every cross-process reduction of dlperf comes here, so the transport is swapped at this one place.
-    Processes must call it in the same order with tensors of the same size and dtype.
+    Processes must call it in the same order with tensors of the same size and dtype; the first call on a
+    group (under the default ``auto``) measures the links, collectively.
     """
     import torch.distributed as dist
 
-    if _transport() == "auto" and flat.device.type == "cpu" and flat.dtype in _SHM_DTYPES:
+    transport = _transport()
+    if transport != "gloo" and flat.device.type == "cpu" and flat.dtype in _SHM_DTYPES:
         from .allreduce.shm import host_allreduce_
+        from .process_links import choose_process_allreduce, run_transport
 
-        host_allreduce_(flat, group)
+        if transport == "shm":
+            host_allreduce_(flat, group)
+            return
+        run_transport(choose_process_allreduce(group).pick(flat.numel() * flat.element_size()), flat, group)
         return
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
 
 
+def describe_process_allreduce(group: Any = None, *, choose: bool = False) -> list[str]:
+    """How sums across the processes of ``group`` travel, and why: one line per fact.
+
+    ``choose=True`` makes the measured choice now if it is not made yet: collective then, so every process
+    of the group must call it at the same point. Otherwise it is never collective.
+    """
+    transport = _transport()
+    if transport != "auto":
+        how = "torch.distributed.all_reduce" if transport == "gloo" else "host_allreduce_ (shared memory per host)"
+        return [f"process allreduce: {transport} ({how}), set by {PROCESS_ALLREDUCE_ENV}={transport}"]
+    from .process_links import choose_process_allreduce, chosen_process_allreduce
+
+    choice = choose_process_allreduce(group) if choose else chosen_process_allreduce(group)
+    if choice is None:
+        return ["process allreduce: not chosen yet (the first sum across processes measures the links)"]
+    return choice.describe()
+
+
+def check_process_settings() -> None:
+    """Raise UsageError now for a bad ``DLPERF_PROCESS_ALLREDUCE`` or ``DLPERF_LINK_PROBE``, not at the first sum."""
+    from .process_links import _probe_again
+
+    _transport()
+    _probe_again()
+
+
 def _transport() -> str:
     text = os.environ.get(PROCESS_ALLREDUCE_ENV, "auto").strip().lower()
-    if text not in ("auto", "gloo"):
-        raise UsageError(f"{PROCESS_ALLREDUCE_ENV}={text!r}: expected auto or gloo; unset it for auto")
+    if text not in _TRANSPORTS:
+        raise UsageError(f"{PROCESS_ALLREDUCE_ENV}={text!r}: expected one of {', '.join(_TRANSPORTS)}; "
+                         "unset it for auto (measured)")
     return text
 
 
@@ -100,8 +136,10 @@ class ProcessAxis:
             import torch.distributed as dist
 
             from .allreduce.shm import close_host_allreduce
+            from .process_links import forget_process_choices
 
             close_host_allreduce()  # the segments set up on the group go with it
+            forget_process_choices()
 
             if dist.is_initialized():
                 dist.destroy_process_group()

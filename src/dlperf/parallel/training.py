@@ -260,6 +260,14 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
                 raise UsageError(f"--resume {config.resume}: the checkpoint does not fit this model "
                                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
                                  ) from None
+        if config.algorithm == "auto" and config.kvstore is None and trainer.processes is not None:
+            from .procs import describe_process_allreduce
+
+            # collective: every process measures the links now, before the first step's sums wait on them
+            lines = describe_process_allreduce(trainer.processes.group, choose=True)
+            if on_message:
+                for line in lines:
+                    on_message(line)
         first = len(state.history)  # before record() appends
         settings = config.checkpoint_config()
 

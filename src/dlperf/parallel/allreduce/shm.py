@@ -61,7 +61,8 @@ from .shm_segment import (
     spin_barrier_supported,
 )
 
-__all__ = ["ShmAllreduce", "ShmAllreduceError", "ShmUnavailableError", "host_allreduce_", "close_host_allreduce",
+__all__ = ["ShmAllreduce", "ShmAllreduceError", "ShmUnavailableError", "host_allreduce_", "host_allreduce_kind",
+           "close_host_allreduce",
            "DEFAULT_CHUNK_BYTES", "SUPPORTED_DTYPES"]
 
 log = logging.getLogger("dlperf.parallel.allreduce")
@@ -620,6 +621,17 @@ def host_allreduce_(tensor: torch.Tensor, group: Any = None, op: object = "sum",
             # the group object is kept alive with its plan, so its id cannot be reused by another group
             entry = _plans[id(resolved)] = (resolved, _HostPlan(resolved, host_name, timeout_s, chunk_bytes))
     return entry[1].allreduce_(tensor, op)
+
+
+def host_allreduce_kind(group: Any = None) -> str | None:
+    """How :func:`host_allreduce_` reduces over ``group``: "shm", "hierarchical", "dist" or "single"; None before
+    its first call on the group."""
+    import torch.distributed as dist
+
+    resolved = group if group is not None else dist.group.WORLD
+    with _plans_lock:
+        entry = _plans.get(id(resolved))
+    return None if entry is None else entry[1].kind
 
 
 def close_host_allreduce(group: Any = None) -> None:
