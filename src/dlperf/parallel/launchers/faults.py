@@ -252,7 +252,7 @@ class FaultBoard:
         now = time.monotonic()
         out = []
         for n in self._others:
-            if self._call(lambda s, n=n: s.check([f"done/{n}"]) or s.check([f"final/{n}"])):
+            if self._call(lambda s, n=n: s.check([f"final/{n}"])):
                 continue
             count = self._call(lambda s, n=n: s.add(f"beat/{n}", 0))
             if count is None:
@@ -283,9 +283,6 @@ class FaultBoard:
         """Put this node's failures on the board (an empty list: it only stopped because of others)."""
         data = json.dumps([asdict(r) for r in records])
         self._call(lambda s: s.set(f"final/{self.node_rank}", data))
-
-    def done(self) -> None:
-        self._call(lambda s: s.set(f"done/{self.node_rank}", "1"))
 
     def gather(self) -> list[FailureRecord]:
         """Every node's failures, waiting up to fault_timeout_s for nodes that have not written theirs.

@@ -483,8 +483,6 @@ class ProcessLauncher(Launcher):
             watchdog.start()
             try:
                 results = agent(*agent_args)
-                if watchdog.board is not None:
-                    watchdog.board.done()
             except ChildFailedError as exc:
                 failed = exc
             except SignalException as exc:
@@ -496,6 +494,9 @@ class ProcessLauncher(Launcher):
                 watchdog.kill_leftovers()  # what the workers started outlives them otherwise
         if failed is not None:
             raise self._failure(failed, watchdog, markers, host)
+        # No word on the board after a success: the agent returns only once every node's workers have
+        # finished (its exit barrier), and node 0's agent closes the store as it returns, so a last
+        # heartbeat or "done" from any node would only meet a closed socket (a screenful of C++ warnings).
         return results
 
     def _failure(self, exc: Any, watchdog: _Watchdog, markers: Path, host: str) -> LaunchError:
