@@ -68,18 +68,9 @@ def build_config(args: argparse.Namespace):
     from ..bench.runner import BenchConfig
 
     overrides = {"mode": args.mode, "explain": bool(getattr(args, "explain", False))}
-    if args.networks is not None:
-        overrides["networks"] = args.networks
-    if args.devices is not None:
-        overrides["devices"] = args.devices
-    if args.threads is not None:
-        overrides["threads"] = args.threads
-    if args.batch_size is not None:
-        overrides["batch_size"] = args.batch_size
-    if args.steps is not None:
-        overrides["steps"] = args.steps
-    if args.warmup is not None:
-        overrides["warmup"] = args.warmup
+    for name in ("networks", "devices", "threads", "batch_size", "steps", "warmup"):
+        if getattr(args, name) is not None:  # unset options keep the config's (or --quick's) defaults
+            overrides[name] = getattr(args, name)
     return BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
 
 

@@ -318,32 +318,29 @@ class Engine:
                       t0, perf_counter_ns(), op.deps, op.exc is not None))
 
     @staticmethod
-    def _skip(op: Op, upstream: BaseException) -> None:
-        """Skip ``op`` because an input failed: its outputs inherit the original error."""
-        op.exc = upstream
-        for v in op.writes:
-            v.exc = upstream
-        if op.fn is _run_bulk:
-            for inner in op.args[0]:
-                inner.exc = upstream
-                inner.state = DONE
-
-    def _store_error(self, op: Op, exc: BaseException) -> None:
+    def _mark_failed(op: Op, exc: BaseException, *, ran: bool) -> None:
+        """Give ``op`` and what it writes the error ``exc``; an unrun bulk's members end with it too."""
         op.exc = exc
         for v in op.writes:
             v.exc = exc
+        if not ran and op.fn is _run_bulk:
+            for inner in op.args[0]:
+                inner.exc = exc
+                inner.state = DONE
+
+    @classmethod
+    def _skip(cls, op: Op, upstream: BaseException) -> None:
+        """Skip ``op`` because an input failed: its outputs inherit the original error."""
+        cls._mark_failed(op, upstream, ran=False)
+
+    def _store_error(self, op: Op, exc: BaseException) -> None:
+        self._mark_failed(op, exc, ran=True)
         with self._errors_lock:
             self._errors.append(exc)
 
     def _fail(self, op: Op, exc: BaseException) -> None:
         """Mark ``op`` failed with ``exc`` without running it (its worker could not start)."""
-        op.exc = exc
-        for v in op.writes:
-            v.exc = exc
-        if op.fn is _run_bulk:
-            for inner in op.args[0]:
-                inner.exc = exc
-                inner.state = DONE
+        self._mark_failed(op, exc, ran=False)
         with self._errors_lock:
             if not any(e is exc for e in self._errors):
                 self._errors.append(exc)
