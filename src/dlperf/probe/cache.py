@@ -12,6 +12,8 @@ import math
 import os
 import stat
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from .._cliargs import one_line
 from .._io import atomic_write_text
@@ -64,15 +66,27 @@ def _fail(path: str, problem: str) -> ProbeCacheError:
                                     f"(fix: delete it, or run `dlperf probe` to measure again)"))
 
 
-def _read_bytes(path: str) -> bytes:
+def read_cache_file(path: str, fail: Callable[[str, str], Exception] = _fail) -> bytes:
+    """The bytes of a small regular file of the cache (no links followed, never blocking on a FIFO).
+
+    ``fail(path, problem)`` makes the error, so each kind of cache file names itself and its own fix.
+    """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise _fail(path, "not a regular file")
+            raise fail(path, "not a regular file")
         data = f.read(_MAX_BYTES + 1)
     if len(data) > _MAX_BYTES:
-        raise _fail(path, f"larger than {_MAX_BYTES} bytes")
+        raise fail(path, f"larger than {_MAX_BYTES} bytes")
     return data
+
+
+def decode_json(data: bytes, path: str, fail: Callable[[str, str], Exception] = _fail) -> Any:
+    """The JSON document in ``data``, or ``fail(path, ...)`` saying why there is none."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise fail(path, f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
 
 
 def _number(value, path: str, where: str, *, allow_none: bool = False) -> float | None:
@@ -119,10 +133,7 @@ def _check_machine(info: dict, path: str) -> None:
 
 def parse_probe(data: bytes, path: str = "<probe cache>") -> ProbeResult:
     """A ProbeResult from a cache file's bytes; raise ProbeCacheError naming what is wrong."""
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _fail(path, f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
+    doc = decode_json(data, path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise _fail(path, f"not a format-{FORMAT} probe document")
     info, rows = doc.get("machine"), doc.get("rows")
@@ -141,7 +152,7 @@ def parse_probe(data: bytes, path: str = "<probe cache>") -> ProbeResult:
 def read_probe(path: str) -> ProbeResult:
     """Read and check one probe file; raise ProbeCacheError (or FileNotFoundError when there is none)."""
     try:
-        data = _read_bytes(path)
+        data = read_cache_file(path)
     except FileNotFoundError:
         raise
     except OSError as exc:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .._cliargs import one_line
 from .._io import atomic_write_text
-from .cache import ProbeCacheError, _read_bytes, cache_dir
+from .cache import ProbeCacheError, cache_dir, decode_json, read_cache_file
 
 LINKS_FORMAT = "dlperf-links-1"
 TRANSPORTS = ("shm", "hierarchical", "gloo")
@@ -90,10 +90,7 @@ def _positive(value, path: str, where: str, *, allow_none: bool = False) -> floa
 
 def parse_links(data: bytes, path: str, hosts: list[str]) -> dict[str, LinkFit]:
     """The figures in a link cache file's bytes, for the layout ``hosts``; raise ProbeCacheError if unusable."""
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _fail(path, f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
+    doc = decode_json(data, path, _fail)
     if not isinstance(doc, dict) or doc.get("format") != LINKS_FORMAT:
         raise _fail(path, f"not a {LINKS_FORMAT} document")
     saved = doc.get("hosts")
@@ -131,7 +128,7 @@ def load_links(hosts: list[str], transports: list[str], path: str | None = None)
     """
     path = path or links_path(hosts)
     try:
-        fits = parse_links(_read_bytes(path), path, hosts)
+        fits = parse_links(read_cache_file(path, _fail), path, hosts)
         missing = [t for t in transports if t not in fits]
         if missing:
             raise _fail(path, f"it has no figures for {', '.join(missing)}")
