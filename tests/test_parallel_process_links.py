@@ -11,7 +11,7 @@ import torch
 
 from dlperf.errors import UsageError
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
-from dlperf.parallel.process_links import LINK_PROBE_ENV, ProcessChoice, _probe_again
+from dlperf.parallel.process_links import LINK_PROBE_ENV, ProcessChoice, probe_again_requested
 from dlperf.parallel.procs import PROCESS_ALLREDUCE_ENV, describe_process_allreduce
 from dlperf.probe.cache import ProbeCacheError
 from dlperf.probe.links import LinkFit, load_links, parse_links, save_links
@@ -125,7 +125,7 @@ def test_saved_figures_read_back(tmp_path):
 def test_bad_settings_give_one_clear_error(monkeypatch):
     monkeypatch.setenv(LINK_PROBE_ENV, "sometimes")
     with pytest.raises(UsageError, match=f"{LINK_PROBE_ENV}='sometimes': expected again"):
-        _probe_again()
+        probe_again_requested()
     monkeypatch.setenv(PROCESS_ALLREDUCE_ENV, "nccl")
     with pytest.raises(UsageError, match="'nccl': expected one of auto, gloo, shm"):
         describe_process_allreduce()

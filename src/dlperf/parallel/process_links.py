@@ -31,7 +31,7 @@ PROBE_SIZES = (4 << 10, 4 << 20)
 PROBE_REPEATS = 5
 
 __all__ = ["LINK_PROBE_ENV", "PROBE_SIZES", "ProcessChoice", "choose_process_allreduce", "chosen_process_allreduce",
-           "forget_process_choices"]
+           "forget_process_choices", "probe_again_requested"]
 
 
 @dataclass
@@ -135,7 +135,8 @@ def _candidates(group: Any) -> list[str]:
     return [kind, "gloo"] if kind in ("shm", "hierarchical") else ["gloo"]
 
 
-def _probe_again() -> bool:
+def probe_again_requested() -> bool:
+    """Whether DLPERF_LINK_PROBE asks to measure the links again; a bad value is a UsageError."""
     text = os.environ.get(LINK_PROBE_ENV, "").strip().lower()
     if text not in ("", "again", "cached"):
         raise UsageError(f"{LINK_PROBE_ENV}={text!r}: expected again (measure the links between processes again) "
@@ -153,7 +154,7 @@ def _decide(group: Any) -> ProcessChoice:
     me = dist.get_rank(group)
     hosts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    again = _probe_again()
+    again = probe_again_requested()
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     found: list[Any] = [None]
     if me == 0 and not again:

@@ -85,10 +85,10 @@ def describe_process_allreduce(group: Any = None, *, choose: bool = False) -> li
 
 def check_process_settings() -> None:
     """Raise UsageError now for a bad ``DLPERF_PROCESS_ALLREDUCE`` or ``DLPERF_LINK_PROBE``, not at the first sum."""
-    from .process_links import _probe_again
+    from .process_links import probe_again_requested
 
     _transport()
-    _probe_again()
+    probe_again_requested()
 
 
 def _transport() -> str:
