@@ -27,11 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UsageError
+from ..kvstore.dist import NUM_SERVERS_ENV
 from .options import one_line
 
 __all__ = ["register", "run", "start", "parse_master", "NUM_SERVERS_ENV", "DEFAULT_TIMEOUT_S"]
 
-NUM_SERVERS_ENV = "DLPERF_NUM_SERVERS"
 DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0
 """The longest a launched job may run (and one collective may wait): a week, unless ``--timeout`` says."""
 MAX_PROCESSES = 1024

@@ -59,7 +59,8 @@ except ImportError:  # a build without RPC: the stores say so when created
 from ..errors import UsageError
 from .base import Key, KVStore, _as_list, register_kvstore
 
-__all__ = ["DistKVStore", "DistSyncKVStore", "DistAsyncKVStore", "DistDeviceSyncKVStore", "Placement",
+__all__ = ["NUM_SERVERS_ENV", "server_count",
+           "DistKVStore", "DistSyncKVStore", "DistAsyncKVStore", "DistDeviceSyncKVStore", "Placement",
            "BIG_ARRAY_BOUND"]
 
 BIG_ARRAY_BOUND = 1_000_000
@@ -512,6 +513,27 @@ def _stop_agent() -> None:
 
 # --- the store -------------------------------------------------------------------------------------
 
+NUM_SERVERS_ENV = "DLPERF_NUM_SERVERS"
+
+
+def server_count(given: int | None, world: int) -> int:
+    """How many of ``world`` ranks are servers: ``given``, else ``DLPERF_NUM_SERVERS``, else 0 (co-located).
+
+    The last that many ranks serve; the rule every module that asks who serves goes through.
+    """
+    if given is None:
+        text = os.environ.get(NUM_SERVERS_ENV, "0")
+        try:
+            given = int(text)
+        except ValueError:
+            raise UsageError(f"{NUM_SERVERS_ENV}={text!r}: expected an integer >= 0; unset it for "
+                             "servers co-located with the workers") from None
+    if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < world:
+        raise UsageError(f"num_servers={given!r}: expected an integer from 0 (co-located) to {world - 1}, "
+                         f"leaving at least one worker among the {world} ranks")
+    return given
+
+
 class DistKVStore(KVStore):
     """A KVStore whose keys live on server processes; see the module docstring for roles and semantics.
 
@@ -536,7 +558,7 @@ class DistKVStore(KVStore):
             raise UsageError(f"kvstore type {self.type!r} needs torch.distributed's process group; start the "
                              "workers with ProcessLauncher(n, backend='gloo') or torchrun, or use 'local'")
         world, rank = dist.get_world_size(), dist.get_rank()
-        num_servers = self._num_servers(num_servers, world)
+        num_servers = server_count(num_servers, world)
         if staleness is not None and (self._sync or isinstance(staleness, bool) or not isinstance(staleness, int)
                                       or staleness < 0):
             raise UsageError(f"staleness={staleness!r}: expected None or an integer >= 0, and only with "
@@ -565,20 +587,6 @@ class DistKVStore(KVStore):
             _SERVERS.pop(self._id, None)
             raise
         dist.barrier()  # every rank's server is registered before any request can reach it
-
-    @staticmethod
-    def _num_servers(given: int | None, world: int) -> int:
-        if given is None:
-            text = os.environ.get("DLPERF_NUM_SERVERS", "0")
-            try:
-                given = int(text)
-            except ValueError:
-                raise UsageError(f"DLPERF_NUM_SERVERS={text!r}: expected an integer >= 0; unset it for "
-                                 "servers co-located with the workers") from None
-        if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < world:
-            raise UsageError(f"num_servers={given!r}: expected an integer from 0 (co-located) to {world - 1}, "
-                             f"leaving at least one worker among the {world} ranks")
-        return given
 
     # -- who we are --------------------------------------------------------------------------------
     @property

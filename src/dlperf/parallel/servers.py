@@ -35,9 +35,9 @@ def server_ranks(kvstore: Any) -> int:
     """
     if not is_dist_kvstore(kvstore):
         return 0
-    from ..kvstore.dist import DistKVStore
+    from ..kvstore.dist import server_count
 
-    return DistKVStore._num_servers(None, max(rank_info().world_size, 2))
+    return server_count(None, max(rank_info().world_size, 2))
 
 
 def is_server_rank(kvstore: Any) -> bool:
