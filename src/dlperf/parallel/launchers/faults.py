@@ -210,14 +210,29 @@ class FaultBoard:
 
     def _call(self, fn: Any) -> Any:
         """``fn(store)``, or None when the store does not answer (then the next call reconnects)."""
+        return self._attempt(fn)[1]
+
+    def _attempt(self, fn: Any) -> tuple[bool, Any]:
+        """(whether the store answered, what ``fn(store)`` returned)."""
         try:
             out = fn(self._connect())
         except Exception:  # noqa: BLE001 - RuntimeError, DistStoreError, OSError: all mean "not reachable"
             self._store = None
-            return None
+            return False, None
         self._last_ok = time.monotonic()
         self._ever_ok = True
-        return out
+        return True, out
+
+    def _write(self, key: str, value: str) -> bool:
+        """Set ``key``, trying again for up to fault_timeout_s: a busy store may miss one short timeout,
+        and a failure that is never written leaves the other nodes guessing its cause."""
+        deadline = time.monotonic() + self.fault_timeout_s
+        while True:
+            if self._attempt(lambda s: s.set(key, value))[0]:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
     def _read_json(self, key: str) -> Any:
         def read(store: Any) -> Any:
@@ -239,8 +254,7 @@ class FaultBoard:
         self._call(lambda s: s.add(f"beat/{self.node_rank}", 1))
         if ranks and not self._ranks_published:
             info = json.dumps({"host": self.host, "ranks": ranks})
-            self._ranks_published = self._call(lambda s: s.set(f"node/{self.node_rank}", info)) is not None or \
-                self._ranks_published
+            self._ranks_published = self._attempt(lambda s: s.set(f"node/{self.node_rank}", info))[0]
 
     def others_failed(self) -> bool:
         """Whether another node has given up (its final failures are on the board)."""
@@ -281,8 +295,7 @@ class FaultBoard:
     # after the agent gave up -----------------------------------------------------------------
     def publish(self, records: list[FailureRecord]) -> None:
         """Put this node's failures on the board (an empty list: it only stopped because of others)."""
-        data = json.dumps([asdict(r) for r in records])
-        self._call(lambda s: s.set(f"final/{self.node_rank}", data))
+        self._write(f"final/{self.node_rank}", json.dumps([asdict(r) for r in records]))
 
     def gather(self) -> list[FailureRecord]:
         """Every node's failures, waiting up to fault_timeout_s for nodes that have not written theirs.
