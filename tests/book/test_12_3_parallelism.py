@@ -35,11 +35,13 @@ def _overlap_us(events, worker_a, worker_b) -> float:
     return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
 
 
-def _two_plain_threads_speed_up(size: int = SIZE, ops: int = 20) -> bool:
+def _plain_threads_speed_up(size: int = SIZE, ops: int = 10) -> bool:
     """Whether two plain threads running the same products finish sooner than one: the control.
 
-    On a machine whose other work leaves one core free, no scheduler can run two devices at once;
-    then a missing overlap says nothing about the engine, and the test is skipped with that reason.
+    Measured right beside each engine attempt: when the machine's other work leaves one core free,
+    or takes it for the few milliseconds an attempt lasts, no scheduler can run two devices at once,
+    and a missing overlap says nothing about the engine. (Overlapping spans of plain threads would
+    not do as a control: on one core, time slicing makes their spans overlap too.)
     """
     import threading
     import time
@@ -53,6 +55,7 @@ def _two_plain_threads_speed_up(size: int = SIZE, ops: int = 20) -> bool:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        work()  # warm
         t0 = time.perf_counter()
         work()
         work()
@@ -69,16 +72,24 @@ def _two_plain_threads_speed_up(size: int = SIZE, ops: int = 20) -> bool:
     return two < 0.75 * one
 
 
-def _require_free_cores() -> None:
-    if not any(_two_plain_threads_speed_up() for _ in range(3)):
-        pytest.skip("two plain threads were not faster than one either: other work holds a core of this machine")
+def _judge_overlap(engine: list[float], plain: list[bool], traces=()) -> None:
+    """Pass if any engine attempt overlapped; skip if plain threads mostly could not run together either."""
+    if any(o > 0 for o in engine):
+        return
+    if sum(plain) * 2 < len(plain):
+        pytest.skip(f"two plain threads beat one in only {sum(plain)} of {len(plain)} attempts beside "
+                    "the engine's: other work holds a core of this machine")
+    raise AssertionError(f"the engine never ran the two devices together (overlap us per attempt {engine}) "
+                         f"while two plain threads at the same moments beat one ({plain}): "
+                         f"{[summarize(t.events) for t in traces]}")
 
 
-def _two_device_run(attempts: int, size: int = SIZE):
+def _two_device_run(attempts: int, size: int = SIZE, control: list[bool] | None = None):
     """Traces of run() on cpu(0) then cpu(1) without a barrier between; stops at the first overlap.
 
     The development machine has 2 cores shared with other work, so one attempt may find the other
     core busy and show no overlap; a few attempts show what the engine does when a core is free.
+    With ``control``, each attempt without overlap is followed by the plain-thread control.
     """
     traces = []
     with create_engine(cpu_threads=1) as eng:
@@ -95,6 +106,8 @@ def _two_device_run(attempts: int, size: int = SIZE):
             traces.append(eng.stop_trace())
             if _overlap_us(traces[-1].events, "cpu(0)/compute", "cpu(1)/compute") > 0:
                 break
+            if control is not None:
+                control.append(_plain_threads_speed_up(size))
         for x, ys in ((x_cpu, y_cpu), (x_dev, y_dev)):
             ref = x.tensor() @ x.tensor()
             for y in ys:
@@ -105,12 +118,10 @@ def _two_device_run(attempts: int, size: int = SIZE):
 
 @pytest.mark.timeout(120)
 def test_work_on_two_devices_runs_concurrently_per_the_trace():
-    traces = _two_device_run(attempts=5)
+    control: list[bool] = []
+    traces = _two_device_run(attempts=8, control=control)
     assert {e.worker for e in traces[-1].events} == {"cpu(0)/compute", "cpu(1)/compute"}
-    if _overlap_us(traces[-1].events, "cpu(0)/compute", "cpu(1)/compute") == 0:
-        _require_free_cores()
-    assert _overlap_us(traces[-1].events, "cpu(0)/compute", "cpu(1)/compute") > 0, [
-        summarize(t.events) for t in traces]
+    _judge_overlap([_overlap_us(t.events, "cpu(0)/compute", "cpu(1)/compute") for t in traces], control, traces)
 
 
 @pytest.mark.slow
@@ -204,8 +215,9 @@ def test_exercise_2_small_ops_spread_over_two_devices_overlap():
     with create_engine(cpu_threads=1) as eng:
         xs = [np.random.uniform(size=(SIZE, SIZE), ctx=cpu(i), engine=eng) for i in (0, 1)]
         waitall()
-        overlaps = []
-        for _ in range(5):  # a busy shared core can hide the overlap in one attempt (see above)
+        overlaps: list[float] = []
+        control: list[bool] = []
+        for _ in range(8):  # a busy shared core can hide the overlap in one attempt (see above)
             eng.start_trace()
             for _ in range(20):
                 for x in xs:
@@ -214,9 +226,8 @@ def test_exercise_2_small_ops_spread_over_two_devices_overlap():
             overlaps.append(summarize(eng.stop_trace().events).overlap_us)
             if overlaps[-1] > 0:
                 break
-    if overlaps[-1] == 0:
-        _require_free_cores()
-    assert overlaps[-1] > 0, overlaps
+            control.append(_plain_threads_speed_up(ops=20))
+    _judge_overlap(overlaps, control)
 
 
 @pytest.mark.timeout(60)
