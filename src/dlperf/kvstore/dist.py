@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import socket
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -57,9 +58,11 @@ except ImportError:  # a build without RPC: the stores say so when created
         return fn
 
 from ..errors import UsageError
+from ..parallel.allreduce.shm_segment import ShmUnavailableError
 from .base import Key, KVStore, _as_list, register_kvstore
+from .shm import SHM_ENV, Arena, ArenaPlan, ServerSlots, WorkerSlots, make_server_slots, shm_wanted
 
-__all__ = ["NUM_SERVERS_ENV", "server_count",
+__all__ = ["NUM_SERVERS_ENV", "SHM_ENV", "server_count",
            "DistKVStore", "DistSyncKVStore", "DistAsyncKVStore", "DistDeviceSyncKVStore", "Placement",
            "BIG_ARRAY_BOUND"]
 
@@ -227,6 +230,7 @@ class _Entry:
     param: nn.Parameter | None = None
     optimizer: torch.optim.Optimizer | None = None
     error: str | None = None
+    slots: ServerSlots | None = None  # same-host workers' payloads travel through these
 
 
 class _Server:
@@ -247,6 +251,8 @@ class _Server:
         # serve(): inits that arrive before serve() wait for it, so they meet the configured mode
         self.serving = store.role != "server"
         self.early_inits: list[tuple[int, dict, list[torch.Tensor], torch.futures.Future]] = []
+        self.host = socket.gethostname()
+        self.arenas: list[Arena] = []
 
     def handle(self, src: int, op: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
         handlers = {_INIT: self.on_init, _PUSH: self.on_push, _PULL: self.on_pull, _PUSHPULL: self.on_pushpull,
@@ -298,14 +304,18 @@ class _Server:
         own = self.store._merge_mode() if self.store.role == "server" else None
         items = meta["items"]
         values = _from_wire(wire, [(d, n) for _, _, d, n, _ in items]) if wire else []
-        parts = []
-        for i, (name, part, dtype, numel, shape) in enumerate(items):
+        created = []
+        for name, part, dtype, numel, shape in items:
             key = _key_of(name)
-            entry = self.entries.get((key, part))
-            if entry is None:
+            if (key, part) not in self.entries:
                 value = torch.zeros(numel, dtype=_dtype(dtype))
-                entry = self.entries[(key, part)] = _Entry(value if shape is None else value.reshape(shape),
-                                                           mode=own or meta["mode"])
+                created.append(self.entries.setdefault((key, part), _Entry(
+                    value if shape is None else value.reshape(shape), mode=own or meta["mode"])))
+        if created and self.store._shm and meta.get("shm") is True and meta.get("host") == self.host:
+            self.give_slots(created)
+        parts = []
+        for i, (name, part, _, _, _) in enumerate(items):
+            entry = self.entries[(_key_of(name), part)]
             if meta["mode"] != entry.mode:
                 raise UsageError(f"worker rank {src} merges pushes by {meta['mode']!r} but server rank "
                                  f"{self.store._global_rank} by {entry.mode!r}; call set_optimizer/set_updater "
@@ -314,37 +324,90 @@ class _Server:
                 entry.value.view(-1).copy_(values[i])
             entry.inits.add(src)
             parts.append(entry)
+        reply = self.slots_reply(src, items) if meta.get("shm") is True else {}
         workers = self.store.num_workers
-        self.pending.append(lambda: all(len(e.inits) >= workers for e in parts) and self.ok(future))
+        self.pending.append(lambda: all(len(e.inits) >= workers for e in parts) and self.ok(future, reply))
+
+    def give_slots(self, created: list[_Entry]) -> None:
+        """Move the new big slices into one arena with a value slot pair and an exchange slot per remote worker."""
+        remote = [w for w in self.store._worker_ranks if w != self.store._global_rank]
+        big = [e for e in created if e.value.numel() * e.value.element_size() >= _SMALL_BYTES]
+        if not remote or not big:
+            return
+        plan = ArenaPlan()
+        for e in big:
+            plan.add(e.value.numel(), e.value.dtype, remote)
+        slots = make_server_slots(plan, [(e.value.numel(), e.value.dtype) for e in big])
+        if slots is None:  # no shared memory here: these slices stay on RPC
+            return
+        slots[0].arena.ident = len(self.arenas)
+        self.arenas.append(slots[0].arena)
+        for e, slot in zip(big, slots, strict=True):
+            slot.values[0].copy_(e.value.view(-1))
+            e.value, e.slots = slot.values[0].view(e.value.shape), slot
+
+    def slots_reply(self, src: int, items: list) -> dict:
+        """What worker ``src`` needs to map the arenas of these items' slices and find its slots there."""
+        arenas, slots = {}, []
+        for name, part, *_ in items:
+            found = self.entries[(_key_of(name), part)].slots
+            if found is None or src not in found.exchange:
+                continue
+            arena = found.arena
+            handle = arena.handle or {}
+            arenas[arena.ident] = [arena.ident, handle.get("pid"), handle.get("fd"), handle.get("token"), arena.nbytes]
+            slots.append([name, part, arena.ident, *found.offsets, found.exchange_offsets[src]])
+        return {"shm": {"arenas": list(arenas.values()), "slots": slots}} if slots else {}
+
+    def payloads(self, src: int, items: list, wire: list[torch.Tensor]) -> list[tuple[torch.Tensor, bool]]:
+        """Each pushed slice and whether it is borrowed (the sender may overwrite it once answered)."""
+        in_slot = [len(item) > 4 and item[4] == 1 for item in items]
+        on_wire = iter(_from_wire(wire, [(item[2], item[3]) for item, s in zip(items, in_slot, strict=True)
+                                         if not s]))
+        out = []
+        for item, shm in zip(items, in_slot, strict=True):
+            if not shm:
+                out.append((next(on_wire), src == self.store._global_rank))
+                continue
+            entry = self.entry(item[0], item[1])
+            if entry.slots is None or src not in entry.slots.exchange:
+                raise UsageError(f"worker rank {src} pushed key {item[0]!r} part {item[1]!r} through shared memory "
+                                 f"but server rank {self.store._global_rank} gave it no slot there")
+            out.append((entry.slots.exchange[src], True))
+        return out
 
     def on_push(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future | None) -> None:
         items = meta["items"]
-        received = _from_wire(wire, [(d, n) for _, _, d, n in items])
-        for (name, part, _, _), value in zip(items, received, strict=True):
-            key = _key_of(name)
-            entry = self.entry(key, part)
+        for item, (value, borrowed) in zip(items, self.payloads(src, items, wire), strict=True):
+            key = _key_of(item[0])
+            entry = self.entry(key, item[1])
             try:
-                self.push_one(src, key, entry, value)
+                self.push_one(src, key, entry, value, borrowed)
             except Exception as exc:  # noqa: BLE001 - a failed merge is reported to the pulls of the key
                 entry.error = f"{type(exc).__name__}: {exc}"
         if future is not None:
             self.ok(future)
 
-    def push_one(self, src: int, key: Key, entry: _Entry, value: torch.Tensor) -> None:
+    def push_one(self, src: int, key: Key, entry: _Entry, value: torch.Tensor, borrowed: bool) -> None:
+        """``borrowed``: ``value`` is the sender's memory (a co-located worker's tensor, an exchange slot)."""
         entry.pushes[src] = entry.pushes.get(src, 0) + 1
         if not self.store._sync:
             self.apply(key, entry, value.reshape(entry.value.shape))
             return
         if src in entry.arrived:  # this worker is a round ahead: its push waits for the next round
-            entry.backlog.append((src, value if src != self.store._global_rank else value.clone()))
+            entry.backlog.append((src, value.clone() if borrowed else value))
             return
-        self.merge(key, entry, src, value, owned=src != self.store._global_rank)
+        self.merge(key, entry, src, value, owned=not borrowed)
 
     def merge(self, key: Key, entry: _Entry, src: int, value: torch.Tensor, owned: bool = False) -> None:
         value = value.reshape(entry.value.shape)
         if entry.merge is None:
-            # a remote push arrives in a buffer of its own; a co-located worker's is the worker's tensor
-            entry.merge = value if owned else value.clone()
+            if entry.slots is not None:  # the sum builds up in the spare value slot: no allocation
+                entry.merge = entry.slots.spare().view(entry.value.shape)
+                entry.merge.copy_(value)
+            else:
+                # a remote push arrives in a buffer of its own; a co-located worker's is the worker's tensor
+                entry.merge = value if owned else value.clone()
         else:
             entry.merge.add_(value)
         entry.arrived.add(src)
@@ -353,7 +416,8 @@ class _Server:
         total, entry.merge, entry.arrived = entry.merge, None, set()
         store = self.store
         if store._updater is None and store._factory is None:
-            entry.value = total  # assignment: the sum becomes the stored value, no copy
+            # assignment: the sum becomes the stored value, no copy (in shared memory: the slots swap)
+            entry.value = total if entry.slots is None else entry.slots.swap().view(entry.value.shape)
         else:
             self.apply(key, entry, total)
         entry.rounds += 1
@@ -389,7 +453,9 @@ class _Server:
         return slowest >= needed - self.store.staleness
 
     def on_pull(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
-        wanted = [(self.entry(name, part), needed) for name, part, needed in meta["items"]]
+        wanted = [(self.entry(item[0], item[1]), item[2]) for item in meta["items"]]
+        in_slot = [len(item) > 3 and item[3] == 1 and e.slots is not None and src in e.slots.exchange
+                   for item, (e, _) in zip(meta["items"], wanted, strict=True)]
 
         def answer() -> bool:
             if not all(self.ready(e, n) for e, n in wanted):
@@ -399,9 +465,19 @@ class _Server:
                 future.set_result((_ERROR, {"error": errors[0]}, []))
                 return True
             # A sync round cannot end again before this worker pushes anew, after it has its reply: the
-            # stored values go out as they are. An async push may land any time: send a copy.
-            values = [e.value if self.store._sync else e.value.clone() for e, _ in wanted]
-            return self.ok(future, {}, values)
+            # stored values go out as they are (through shared memory: the worker reads the value slot
+            # itself). An async push may land any time: send a copy (into the worker's exchange slot).
+            where, values = [], []
+            for (e, _), shm in zip(wanted, in_slot, strict=True):
+                if not shm:
+                    where.append(-1)
+                    values.append(e.value if self.store._sync else e.value.clone())
+                elif self.store._sync:
+                    where.append(e.slots.current)
+                else:
+                    e.slots.exchange[src].copy_(e.value.view(-1))
+                    where.append(2)
+            return self.ok(future, {"where": where}, values)
 
         if not answer():
             self.pending.append(answer)
@@ -543,6 +619,10 @@ class DistKVStore(KVStore):
         staleness: ``dist_async`` only: the bound tau on how many pushes workers may drift apart.
         big_array_bound: keys with at least this many elements are split across all servers.
         timeout_s: the longest one call waits for its servers (a sync pull waits for the slowest worker).
+        shared_memory: move the big slices of same-host servers through shared memory (see
+            :mod:`dlperf.kvstore.shm`); default: ``DLPERF_KVSTORE_SHM`` (on unless ``off``). Every rank
+            decides for itself: a server that does not offer it, or a worker that does not want it,
+            keeps those payloads on RPC.
     """
 
     type = "dist_sync"
@@ -550,7 +630,8 @@ class DistKVStore(KVStore):
     _local_sum_on_device = False
 
     def __init__(self, kind: str | None = None, *, num_servers: int | None = None, staleness: int | None = None,
-                 big_array_bound: int = BIG_ARRAY_BOUND, timeout_s: float = 300.0) -> None:
+                 big_array_bound: int = BIG_ARRAY_BOUND, timeout_s: float = 300.0,
+                 shared_memory: bool | None = None) -> None:
         super().__init__(kind)
         import torch.distributed as dist
 
@@ -568,6 +649,11 @@ class DistKVStore(KVStore):
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise UsageError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         self.staleness = staleness
+        self._shm = shm_wanted(shared_memory)
+        self._slots: dict[tuple[Key, int], WorkerSlots] = {}  # same-host remote slices, by (key, part)
+        self._arenas: dict[tuple[int, int], Arena | None] = {}  # (server, arena): mapped, or None if it failed
+        self._shm_refused: dict[int, str] = {}  # server -> why its arenas could not be mapped here
+        self._traffic = {"shm": 0, "rpc": 0, "in-process": 0}
         self._global_rank = rank
         workers = world - num_servers
         self._worker_ranks = list(range(workers))
@@ -604,6 +690,12 @@ class DistKVStore(KVStore):
     def placement(self) -> Placement:
         """Where each initialized key lives; ``print(store.placement())`` shows a table."""
         return self._placement
+
+    def traffic(self) -> dict[str, int]:
+        """Payload bytes this worker pushed and pulled, by path: ``shm`` (shared memory), ``rpc``, ``in-process``
+        (its co-located server), plus ``refused``: servers whose shared memory could not be mapped here, and why.
+        """
+        return {**self._traffic, "refused": dict(self._shm_refused)}
 
     def _home(self, key: Key, like: torch.Tensor, devices: Sequence[torch.device]) -> torch.device:
         return torch.device("cpu")
@@ -675,15 +767,55 @@ class DistKVStore(KVStore):
             self._placement.place(k, v.numel())
         flat = {k: v.detach().to("cpu").reshape(-1) for k, v in zip(keys, values, strict=True)}
         mode = self._merge_mode()
-        waits = []
+        waits = {}
         for server, items in self._by_server(keys).items():
             meta = {"mode": mode, "items": [[k, s.part, str(self._meta[k][1]), s.stop - s.start,
                                              list(self._meta[k][0]) if len(self._slices(k)) == 1 else None]
                                             for k, s in items]}
+            if self._shm and server != self._global_rank:
+                meta.update(shm=True, host=socket.gethostname())
             tensors = [flat[k][s.start:s.stop] for k, s in items] if self.rank == 0 else []
-            waits.append(self._send(server, _INIT, meta, tensors))
-        for wait in waits:
-            wait()
+            waits[server] = self._send(server, _INIT, meta, tensors)
+        for server, wait in waits.items():
+            self._adopt_slots(server, wait()[0].get("shm"))
+
+    def _adopt_slots(self, server: int, offer: Any) -> None:
+        """Map the arenas a same-host server offered and find this worker's slots in them."""
+        if offer is None:
+            return
+        if not isinstance(offer, dict) or not isinstance(offer.get("arenas"), list) \
+                or not isinstance(offer.get("slots"), list):
+            raise UsageError(f"kvstore server rank {server} offered shared memory as {type(offer).__name__}; "
+                             "expected its arenas and slots: every rank must run the same dlperf")
+        for row in offer["arenas"]:
+            if not (isinstance(row, list) and len(row) == 5):
+                raise UsageError(f"kvstore server rank {server} named arena {row!r}; expected [id, pid, fd, token, "
+                                 "bytes]: every rank must run the same dlperf")
+            ident, pid, fd, token, nbytes = row
+            if (server, ident) in self._arenas:
+                continue
+            try:
+                self._arenas[(server, ident)] = Arena.attach({"pid": pid, "fd": fd, "token": token}, nbytes)
+            except ShmUnavailableError as exc:  # another host or pid namespace: RPC carries these slices
+                self._arenas[(server, ident)] = None
+                self._shm_refused[server] = str(exc)
+        for row in offer["slots"]:
+            if not (isinstance(row, list) and len(row) == 6):
+                raise UsageError(f"kvstore server rank {server} named slots {row!r}; expected [key, part, arena, "
+                                 "value offset, value offset, exchange offset]: every rank must run the same dlperf")
+            name, part, ident, *offsets = row
+            key = _key_of(name)
+            slices = self._placement.keys.get(key, [])
+            if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < len(slices) \
+                    or slices[part].server != server:
+                raise UsageError(f"kvstore server rank {server} offered a slot for key {key!r} part {part!r}, "
+                                 "which it does not hold")
+            arena = self._arenas.get((server, ident)) if isinstance(ident, int) else None
+            if arena is None:
+                continue
+            numel, dtype = slices[part].stop - slices[part].start, self._meta[key][1]
+            views = [arena.view(o, numel, dtype) for o in offsets]
+            self._slots[(key, part)] = WorkerSlots(views[:2], views[2])
 
     # -- push and pull -----------------------------------------------------------------------------
     def _get(self, key: Key) -> torch.Tensor:
@@ -701,30 +833,70 @@ class DistKVStore(KVStore):
         total = self._reduce(home, values) if len(values) > 1 else values[0]
         return total.to("cpu", self._meta[key][1]).reshape(-1)
 
+    def _path(self, server: int, key: Key, part: int) -> tuple[str, WorkerSlots | None]:
+        if server == self._global_rank:
+            return "in-process", None
+        slots = self._slots.get((key, part))
+        return ("rpc", None) if slots is None else ("shm", slots)
+
     def _push_items(self, pairs: Sequence[tuple[Key, list[torch.Tensor]]]) -> dict[int, tuple[list, list]]:
-        """Per server: the (key, part, dtype, numel) items and the slices of one push."""
+        """Per server: the (key, part, dtype, numel[, 1 if in its exchange slot]) items and the slices on the wire."""
         sums = {k: self._local_sum(k, vs) for k, vs in pairs}
         out: dict[int, tuple[list, list]] = {}
         for server, items in self._by_server([k for k, _ in pairs]).items():
             meta, tensors = out.setdefault(server, ([], []))
             for k, s in items:
-                meta.append([k, s.part, str(self._meta[k][1]), s.stop - s.start])
-                tensors.append(sums[k][s.start:s.stop])
+                item = [k, s.part, str(self._meta[k][1]), s.stop - s.start]
+                part = sums[k][s.start:s.stop]
+                path, slots = self._path(server, k, s.part)
+                if slots is not None:
+                    slots.exchange.copy_(part)
+                    item.append(1)
+                else:
+                    tensors.append(part)
+                meta.append(item)
+                self._traffic[path] += part.numel() * part.element_size()
         for k, _ in pairs:
             self._pushed[k] += 1
         return out
 
     def _pull_items(self, keys: Sequence[Key]) -> dict[int, list]:
-        return {server: [[k, s.part, self._pushed[k]] for k, s in items]
+        """Per server: the (key, part, pushes so far[, 1 to answer through shared memory]) items of one pull."""
+        return {server: [[k, s.part, self._pushed[k]] + ([1] if self._path(server, k, s.part)[1] else [])
+                         for k, s in items]
                 for server, items in self._by_server(keys).items()}
 
+    def _pulled(self, server: int, items: list, reply: dict, body: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each pulled slice: off the wire, or the slot the server's reply names."""
+        where = reply.get("where")
+        if not (isinstance(where, list) and len(where) == len(items)
+                and all(w in (-1, 0, 1, 2) and not isinstance(w, bool) for w in where)):
+            raise UsageError(f"kvstore server rank {server} answered a pull of {len(items)} slices with "
+                             f"where={where!r}; expected one of -1, 0, 1, 2 per slice: every rank must run the "
+                             "same dlperf")
+        specs = [(str(self._meta[item[0]][1]), self._slice(item[0], item[1]).stop - self._slice(item[0], item[1]).start)
+                 for item, w in zip(items, where, strict=True) if w == -1]
+        on_wire = iter(_from_wire(body, specs))
+        out = []
+        for item, w in zip(items, where, strict=True):
+            path, slots = self._path(server, item[0], item[1])
+            if w == -1:
+                got = next(on_wire)
+                path = "in-process" if path == "in-process" else "rpc"
+            elif slots is None:
+                raise UsageError(f"kvstore server rank {server} answered key {item[0]!r} through a shared-memory "
+                                 "slot this worker does not have")
+            else:
+                got = slots.reply(w)
+            self._traffic[path] += got.numel() * got.element_size()
+            out.append(got)
+        return out
+
     def _deliver(self, pulls: Sequence[tuple[Key, list[torch.Tensor]]], server_items: dict[int, list],
-                 bodies: dict[int, list[torch.Tensor]]) -> None:
+                 replies: dict[int, tuple[dict, list[torch.Tensor]]]) -> None:
         full: dict[Key, torch.Tensor] = {}
         for server, items in server_items.items():
-            specs = [(str(self._meta[k][1]), self._slice(k, part).stop - self._slice(k, part).start)
-                     for k, part, _ in items]
-            for (k, part, _), got in zip(items, _from_wire(bodies[server], specs), strict=True):
+            for (k, part, *_), got in zip(items, self._pulled(server, items, *replies[server]), strict=True):
                 if len(self._slices(k)) == 1:
                     full[k] = got.view(self._meta[k][0])  # whole on one server: no assembly
                     continue
@@ -752,9 +924,9 @@ class DistKVStore(KVStore):
                 waits[server] = self._send(server, _PULL, {"items": wanted})
             else:
                 waits[server] = self._send(server, _PUSHPULL, {"push": meta_items, "pull": wanted}, tensors)
-        bodies = {server: wait()[1] for server, wait in waits.items()}
+        replies = {server: wait() for server, wait in waits.items()}
         if pulls:
-            self._deliver(pulls, pull_items, bodies)
+            self._deliver(pulls, pull_items, replies)
 
     def _push_now(self, key: Key, values: list[torch.Tensor]) -> None:
         self._exchange([(key, values)], [])
@@ -887,6 +1059,17 @@ class DistKVStore(KVStore):
             finally:
                 _stop_agent()
                 _SERVERS.pop(self._id, None)
+                self._release_shared_memory()
+
+    def _release_shared_memory(self) -> None:
+        self._slots = {}
+        arenas = [a for a in self._arenas.values() if a is not None]
+        self._arenas = {}
+        if self._server is not None:
+            arenas += self._server.arenas
+            self._server.entries, self._server.arenas = {}, []
+        for arena in arenas:
+            arena.close()
 
 
 class DistSyncKVStore(DistKVStore):
