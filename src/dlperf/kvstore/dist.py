@@ -60,6 +60,7 @@ except ImportError:  # a build without RPC: the stores say so when created
 from ..errors import UsageError
 from ..parallel.allreduce.shm_segment import ShmUnavailableError
 from .base import Key, KVStore, _as_list, register_kvstore
+from .control import ControlClient, ControlServer
 from .shm import SHM_ENV, Arena, ArenaPlan, ServerSlots, WorkerSlots, make_server_slots, shm_wanted
 
 __all__ = ["NUM_SERVERS_ENV", "SHM_ENV", "server_count",
@@ -231,6 +232,7 @@ class _Entry:
     optimizer: torch.optim.Optimizer | None = None
     error: str | None = None
     slots: ServerSlots | None = None  # same-host workers' payloads travel through these
+    held: torch.Tensor | None = None  # a round's first push, still in its sender's exchange slot
 
 
 class _Server:
@@ -253,6 +255,7 @@ class _Server:
         self.early_inits: list[tuple[int, dict, list[torch.Tensor], torch.futures.Future]] = []
         self.host = socket.gethostname()
         self.arenas: list[Arena] = []
+        self.control: ControlServer | None = None  # started with the first shared-memory offer
 
     def handle(self, src: int, op: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
         handlers = {_INIT: self.on_init, _PUSH: self.on_push, _PULL: self.on_pull, _PUSHPULL: self.on_pushpull,
@@ -331,7 +334,7 @@ class _Server:
     def give_slots(self, created: list[_Entry]) -> None:
         """Move the new big slices into one arena with a value slot pair and an exchange slot per remote worker."""
         remote = [w for w in self.store._worker_ranks if w != self.store._global_rank]
-        big = [e for e in created if e.value.numel() * e.value.element_size() >= _SMALL_BYTES]
+        big = created  # small slices too: a request whose slices are all in slots needs no RPC
         if not remote or not big:
             return
         plan = ArenaPlan()
@@ -357,7 +360,21 @@ class _Server:
             handle = arena.handle or {}
             arenas[arena.ident] = [arena.ident, handle.get("pid"), handle.get("fd"), handle.get("token"), arena.nbytes]
             slots.append([name, part, arena.ident, *found.offsets, found.exchange_offsets[src]])
-        return {"shm": {"arenas": list(arenas.values()), "slots": slots}} if slots else {}
+        if not slots:
+            return {}
+        if self.control is None:
+            self.control = ControlServer(self.on_control, set(self.store._worker_ranks),
+                                         f"kvstore server {self.store._global_rank}")
+        return {"shm": {"arenas": list(arenas.values()), "slots": slots,
+                        "control": [self.control.name, self.control.token]}}
+
+    def on_control(self, src: int, op: Any, meta: dict, reply: Any) -> None:
+        """A request off the control channel: a push or pull whose slices are all in shared memory."""
+        if op not in (_PUSH, _PULL, _PUSHPULL):
+            reply.set_result((_ERROR, {"error": f"operation {op!r} does not go through the control channel"}, []))
+            return
+        with self.lock:
+            self.handle(src, op, meta, [], reply)
 
     def payloads(self, src: int, items: list, wire: list[torch.Tensor]) -> list[tuple[torch.Tensor, bool]]:
         """Each pushed slice and whether it is borrowed (the sender may overwrite it once answered)."""
@@ -376,20 +393,26 @@ class _Server:
             out.append((entry.slots.exchange[src], True))
         return out
 
-    def on_push(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future | None) -> None:
+    def on_push(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future | None,
+                pulled: frozenset = frozenset()) -> None:
+        """``pulled``: the (key, part)s the same request pulls, whose sender waits for the round to end."""
         items = meta["items"]
         for item, (value, borrowed) in zip(items, self.payloads(src, items, wire), strict=True):
             key = _key_of(item[0])
             entry = self.entry(key, item[1])
             try:
-                self.push_one(src, key, entry, value, borrowed)
+                self.push_one(src, key, entry, value, borrowed, hold=(key, item[1]) in pulled)
             except Exception as exc:  # noqa: BLE001 - a failed merge is reported to the pulls of the key
                 entry.error = f"{type(exc).__name__}: {exc}"
         if future is not None:
             self.ok(future)
 
-    def push_one(self, src: int, key: Key, entry: _Entry, value: torch.Tensor, borrowed: bool) -> None:
-        """``borrowed``: ``value`` is the sender's memory (a co-located worker's tensor, an exchange slot)."""
+    def push_one(self, src: int, key: Key, entry: _Entry, value: torch.Tensor, borrowed: bool,
+                 hold: bool = False) -> None:
+        """``borrowed``: ``value`` is the sender's memory (a co-located worker's tensor, an exchange slot).
+
+        ``hold``: the sender touches ``value`` again only after this round ends, so it may be read then.
+        """
         entry.pushes[src] = entry.pushes.get(src, 0) + 1
         if not self.store._sync:
             self.apply(key, entry, value.reshape(entry.value.shape))
@@ -397,14 +420,24 @@ class _Server:
         if src in entry.arrived:  # this worker is a round ahead: its push waits for the next round
             entry.backlog.append((src, value.clone() if borrowed else value))
             return
-        self.merge(key, entry, src, value, owned=not borrowed)
+        self.merge(key, entry, src, value, owned=not borrowed, hold=hold and entry.slots is not None)
 
-    def merge(self, key: Key, entry: _Entry, src: int, value: torch.Tensor, owned: bool = False) -> None:
+    def merge(self, key: Key, entry: _Entry, src: int, value: torch.Tensor, owned: bool = False,
+              hold: bool = False) -> None:
         value = value.reshape(entry.value.shape)
         if entry.merge is None:
             if entry.slots is not None:  # the sum builds up in the spare value slot: no allocation
-                entry.merge = entry.slots.spare().view(entry.value.shape)
-                entry.merge.copy_(value)
+                if hold and entry.held is None:
+                    # the sender waits for this round: its slot is read when the next push comes, one pass
+                    # over both instead of a copy now and an add then
+                    entry.held = value
+                else:
+                    entry.merge = entry.slots.spare().view(entry.value.shape)
+                    if entry.held is not None:
+                        torch.add(entry.held, value, out=entry.merge)
+                        entry.held = None
+                    else:
+                        entry.merge.copy_(value)
             else:
                 # a remote push arrives in a buffer of its own; a co-located worker's is the worker's tensor
                 entry.merge = value if owned else value.clone()
@@ -413,6 +446,8 @@ class _Server:
         entry.arrived.add(src)
         if len(entry.arrived) < self.store.num_workers:
             return
+        if entry.held is not None:  # the round's only push
+            entry.merge, entry.held = entry.slots.spare().view(entry.value.shape).copy_(entry.held), None
         total, entry.merge, entry.arrived = entry.merge, None, set()
         store = self.store
         if store._updater is None and store._factory is None:
@@ -483,7 +518,8 @@ class _Server:
             self.pending.append(answer)
 
     def on_pushpull(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
-        self.on_push(src, {"items": meta["push"]}, wire, None)
+        pulled = frozenset((_key_of(item[0]), item[1]) for item in meta["pull"] if isinstance(item, list) and item)
+        self.on_push(src, {"items": meta["push"]}, wire, None, pulled if self.store._sync else frozenset())
         self.pending = [p for p in self.pending if not p()]  # the push may end a round others wait for
         self.on_pull(src, {"items": meta["pull"]}, [], future)
 
@@ -653,6 +689,8 @@ class DistKVStore(KVStore):
         self._slots: dict[tuple[Key, int], WorkerSlots] = {}  # same-host remote slices, by (key, part)
         self._arenas: dict[tuple[int, int], Arena | None] = {}  # (server, arena): mapped, or None if it failed
         self._shm_refused: dict[int, str] = {}  # server -> why its arenas could not be mapped here
+        self._control: dict[int, ControlClient] = {}  # same-host servers: requests without RPC
+        self._timeout_s = float(timeout_s)
         self._traffic = {"shm": 0, "rpc": 0, "in-process": 0}
         self._global_rank = rank
         workers = world - num_servers
@@ -710,11 +748,24 @@ class DistKVStore(KVStore):
                              "does not push or pull; call serve() there")
 
     # -- requests ----------------------------------------------------------------------------------
-    def _send(self, server: int, op: int, meta: dict,
-              tensors: Sequence[torch.Tensor] = ()) -> Callable[[], tuple[dict, list[torch.Tensor]]]:
-        """Send one request; the returned function waits for its reply (so requests to servers overlap)."""
+    def _send(self, server: int, op: int, meta: dict, tensors: Sequence[torch.Tensor] = (),
+              control: bool = False) -> Callable[[], tuple[dict, list[torch.Tensor]]]:
+        """Send one request; the returned function waits for its reply (so requests to servers overlap).
+
+        ``control``: through the server's control channel (every slice of it is in shared memory).
+        """
         import torch.distributed.rpc as rpc
 
+        if control:
+            answer = self._control[server].request(op, meta, f"a {'push pull pushpull'.split()[op - _PUSH]}")
+
+            def wait_control() -> tuple[dict, list[torch.Tensor]]:
+                code, reply = answer()
+                if code != _OK:
+                    raise UsageError(f"kvstore server rank {server}: {reply.get('error', 'failed')}")
+                return reply, []
+
+            return wait_control
         wire = _to_wire(tensors) if tensors else []
         args = (self._id, self._global_rank, op, meta, wire)
         if server == self._global_rank:
@@ -779,6 +830,19 @@ class DistKVStore(KVStore):
         for server, wait in waits.items():
             self._adopt_slots(server, wait()[0].get("shm"))
 
+    def _map_arena(self, server: int, row: Any) -> None:
+        if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], int)):
+            raise UsageError(f"kvstore server rank {server} named arena {row!r}; expected [id, pid, fd, token, "
+                             "bytes]: every rank must run the same dlperf")
+        ident, pid, fd, token, nbytes = row
+        if (server, ident) in self._arenas:
+            return
+        try:
+            self._arenas[(server, ident)] = Arena.attach({"pid": pid, "fd": fd, "token": token}, nbytes)
+        except ShmUnavailableError as exc:  # another host or pid namespace: RPC carries these slices
+            self._arenas[(server, ident)] = None
+            self._shm_refused[server] = str(exc)
+
     def _adopt_slots(self, server: int, offer: Any) -> None:
         """Map the arenas a same-host server offered and find this worker's slots in them."""
         if offer is None:
@@ -788,17 +852,7 @@ class DistKVStore(KVStore):
             raise UsageError(f"kvstore server rank {server} offered shared memory as {type(offer).__name__}; "
                              "expected its arenas and slots: every rank must run the same dlperf")
         for row in offer["arenas"]:
-            if not (isinstance(row, list) and len(row) == 5):
-                raise UsageError(f"kvstore server rank {server} named arena {row!r}; expected [id, pid, fd, token, "
-                                 "bytes]: every rank must run the same dlperf")
-            ident, pid, fd, token, nbytes = row
-            if (server, ident) in self._arenas:
-                continue
-            try:
-                self._arenas[(server, ident)] = Arena.attach({"pid": pid, "fd": fd, "token": token}, nbytes)
-            except ShmUnavailableError as exc:  # another host or pid namespace: RPC carries these slices
-                self._arenas[(server, ident)] = None
-                self._shm_refused[server] = str(exc)
+            self._map_arena(server, row)
         for row in offer["slots"]:
             if not (isinstance(row, list) and len(row) == 6):
                 raise UsageError(f"kvstore server rank {server} named slots {row!r}; expected [key, part, arena, "
@@ -816,6 +870,13 @@ class DistKVStore(KVStore):
             numel, dtype = slices[part].stop - slices[part].start, self._meta[key][1]
             views = [arena.view(o, numel, dtype) for o in offsets]
             self._slots[(key, part)] = WorkerSlots(views[:2], views[2])
+        control = offer.get("control")
+        if server not in self._control and any(a is not None for (s, _), a in self._arenas.items() if s == server):
+            if not (isinstance(control, list) and len(control) == 2 and all(isinstance(c, str) for c in control)
+                    and control[0].startswith("dlperf-kvstore-") and len(control[0]) < 100):
+                raise UsageError(f"kvstore server rank {server} named control channel {control!r}; expected "
+                                 "[name, token]: every rank must run the same dlperf")
+            self._control[server] = ControlClient(control[0], control[1], self._global_rank, server, self._timeout_s)
 
     # -- push and pull -----------------------------------------------------------------------------
     def _get(self, key: Key) -> torch.Tensor:
@@ -918,12 +979,15 @@ class DistKVStore(KVStore):
         for server in sorted(set(push_items) | set(pull_items)):
             meta_items, tensors = push_items.get(server, ([], []))
             wanted = pull_items.get(server)
+            # every slice in shared memory: the control channel carries the request
+            control = server in self._control and all(len(i) > 4 for i in meta_items) \
+                and all(len(i) > 3 for i in wanted or ())
             if wanted is None:
-                waits[server] = self._send(server, _PUSH, {"items": meta_items}, tensors)
+                waits[server] = self._send(server, _PUSH, {"items": meta_items}, tensors, control)
             elif not meta_items:
-                waits[server] = self._send(server, _PULL, {"items": wanted})
+                waits[server] = self._send(server, _PULL, {"items": wanted}, control=control)
             else:
-                waits[server] = self._send(server, _PUSHPULL, {"push": meta_items, "pull": wanted}, tensors)
+                waits[server] = self._send(server, _PUSHPULL, {"push": meta_items, "pull": wanted}, tensors, control)
         replies = {server: wait() for server, wait in waits.items()}
         if pulls:
             self._deliver(pulls, pull_items, replies)
@@ -1062,6 +1126,12 @@ class DistKVStore(KVStore):
                 self._release_shared_memory()
 
     def _release_shared_memory(self) -> None:
+        for client in self._control.values():
+            client.close()
+        self._control = {}
+        if self._server is not None and self._server.control is not None:
+            self._server.control.close()
+            self._server.control = None
         self._slots = {}
         arenas = [a for a in self._arenas.values() if a is not None]
         self._arenas = {}
