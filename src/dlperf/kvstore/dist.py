@@ -73,6 +73,8 @@ BIG_ARRAY_BOUND = 1_000_000
 _INIT, _PUSH, _PULL, _PUSHPULL, _STATE, _LOAD, _BYE = range(1, 8)
 _OK, _ERROR = 0, 1
 _SMALL_BYTES = 64 * 1024  # tensors below this travel packed into one buffer per message
+_PIPELINE_STAGES = 4  # a same-host pushpull is cut into at most about this many requests
+_PIPELINE_MIN_BYTES = 1 << 20  # and none smaller than this, where a request's cost would dominate
 _ALIGN = 8  # every packed tensor starts at a multiple of this, so a dtype view of the buffer is legal
 _DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                                torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
@@ -973,6 +975,9 @@ class DistKVStore(KVStore):
     def _exchange(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
                   pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> None:
         """One request per server carrying every push and pull of the call; requests overlap."""
+        if self._pipelines(pushes, pulls):
+            self._pipelined_pushpull(pushes, pulls)
+            return
         push_items = self._push_items(pushes) if pushes else {}
         pull_items = self._pull_items([k for k, _ in pulls]) if pulls else {}
         waits = {}
@@ -991,6 +996,57 @@ class DistKVStore(KVStore):
         replies = {server: wait() for server, wait in waits.items()}
         if pulls:
             self._deliver(pulls, pull_items, replies)
+
+    def _pipelines(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
+                   pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> bool:
+        """Whether a pushpull can run as a pipeline: whole keys, each in slots of a same-host server."""
+        if len(pushes) < 2 or [k for k, _ in pushes] != [k for k, _ in pulls]:
+            return False
+        for k, _ in pushes:
+            slices = self._slices(k)
+            if len(slices) != 1 or slices[0].server not in self._control or (k, 0) not in self._slots:
+                return False
+        return True
+
+    def _pipelined_pushpull(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
+                            pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> None:
+        """Requests of about a quarter of the bytes each: the server sums one while this worker copies the next.
+
+        One request for everything would leave the server idle while the workers copy in, and the workers
+        idle while it sums; and each key's slots are still in cache when the next stage reads them.
+        """
+        total = sum(self._slots[(k, 0)].exchange.nbytes for k, _ in pushes)
+        cut = max(_PIPELINE_MIN_BYTES, total // _PIPELINE_STAGES)
+        groups: list[list[int]] = []
+        size = 0
+        for i, (k, _) in enumerate(pushes):
+            server = self._slices(k)[0].server
+            if not groups or size >= cut or self._slices(pushes[groups[-1][0]][0])[0].server != server:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += self._slots[(k, 0)].exchange.nbytes
+        for k, _ in pushes:
+            self._pushed[k] += 1
+        waits = []
+        for group in groups:
+            push_meta, pull_meta = [], []
+            for i in group:
+                k, values = pushes[i]
+                slots = self._slots[(k, 0)]
+                slots.exchange.copy_(self._local_sum(k, values))
+                push_meta.append([k, 0, str(self._meta[k][1]), slots.exchange.numel(), 1])
+                pull_meta.append([k, 0, self._pushed[k], 1])
+                self._traffic["shm"] += slots.exchange.nbytes
+            server = self._slices(pushes[group[0]][0])[0].server
+            waits.append((group, server, pull_meta,
+                          self._send(server, _PUSHPULL, {"push": push_meta, "pull": pull_meta}, control=True)))
+        with torch.no_grad():
+            for group, server, pull_meta, wait in waits:
+                for i, got in zip(group, self._pulled(server, pull_meta, *wait()), strict=True):
+                    k, outs = pulls[i]
+                    for o in outs:
+                        o.copy_(got.view(self._meta[k][0]), non_blocking=True)
 
     def _push_now(self, key: Key, values: list[torch.Tensor]) -> None:
         self._exchange([(key, values)], [])
