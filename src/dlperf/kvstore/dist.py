@@ -329,7 +329,7 @@ class _Server:
                 entry.value.view(-1).copy_(values[i])
             entry.inits.add(src)
             parts.append(entry)
-        reply = self.slots_reply(src, items) if meta.get("shm") is True else {}
+        reply = self.slots_reply(src, items) if meta.get("shm") is True and src != self.store._global_rank else {}
         workers = self.store.num_workers
         self.pending.append(lambda: all(len(e.inits) >= workers for e in parts) and self.ok(future, reply))
 
@@ -694,6 +694,7 @@ class DistKVStore(KVStore):
         self._control: dict[int, ControlClient] = {}  # same-host servers: requests without RPC
         self._timeout_s = float(timeout_s)
         self._traffic = {"shm": 0, "rpc": 0, "in-process": 0}
+        self._requests = {"control": 0, "rpc": 0, "in-process": 0}
         self._global_rank = rank
         workers = world - num_servers
         self._worker_ranks = list(range(workers))
@@ -731,11 +732,12 @@ class DistKVStore(KVStore):
         """Where each initialized key lives; ``print(store.placement())`` shows a table."""
         return self._placement
 
-    def traffic(self) -> dict[str, int]:
+    def traffic(self) -> dict[str, Any]:
         """Payload bytes this worker pushed and pulled, by path: ``shm`` (shared memory), ``rpc``, ``in-process``
-        (its co-located server), plus ``refused``: servers whose shared memory could not be mapped here, and why.
+        (its co-located server); ``requests`` it sent, by channel (``control``, ``rpc``, ``in-process``); and
+        ``refused``: servers whose shared memory could not be mapped here, and why.
         """
-        return {**self._traffic, "refused": dict(self._shm_refused)}
+        return {**self._traffic, "requests": dict(self._requests), "refused": dict(self._shm_refused)}
 
     def _home(self, key: Key, like: torch.Tensor, devices: Sequence[torch.device]) -> torch.device:
         return torch.device("cpu")
@@ -758,6 +760,7 @@ class DistKVStore(KVStore):
         """
         import torch.distributed.rpc as rpc
 
+        self._requests["control" if control else "in-process" if server == self._global_rank else "rpc"] += 1
         if control:
             answer = self._control[server].request(op, meta, f"a {'push pull pushpull'.split()[op - _PUSH]}")
 
@@ -825,7 +828,7 @@ class DistKVStore(KVStore):
             meta = {"mode": mode, "items": [[k, s.part, str(self._meta[k][1]), s.stop - s.start,
                                              list(self._meta[k][0]) if len(self._slices(k)) == 1 else None]
                                             for k, s in items]}
-            if self._shm and server != self._global_rank:
+            if self._shm:  # (a co-located worker's init may be the one that creates its server's slots)
                 meta.update(shm=True, host=socket.gethostname())
             tensors = [flat[k][s.start:s.stop] for k, s in items] if self.rank == 0 else []
             waits[server] = self._send(server, _INIT, meta, tensors)
@@ -1173,6 +1176,12 @@ class DistKVStore(KVStore):
                 finally:
                     for wait in [self._send(server, _BYE, {}) for server in self._placement.servers]:
                         wait()
+                    # a co-located server stays until every worker has said goodbye: with another store
+                    # still open, leaving the RPC agent is no barrier, and a slower peer's goodbye would
+                    # find no store here
+                    if self._server is not None and not self._server.all_closed.wait(self._timeout_s):
+                        raise UsageError(f"kvstore {self._id}: not every worker closed the store within "
+                                         f"timeout_s={self._timeout_s:g} s; every rank must close it")
         finally:
             try:
                 super().close()
