@@ -30,6 +30,14 @@ own server directly. One request per server carries every key of a batched call,
 below 64 KB travel packed in one buffer, so a model with many small parameters pays the per-message
 cost once per server, not once per key (bytedance/byteps#237).
 
+On one host the payloads skip the sockets (:mod:`dlperf.kvstore.shm`): the server keeps each slice
+in shared memory that the workers map, a push is written into the worker's slot there and a sync
+pull is read from the value slot, and the push/pull requests (key names, slot numbers) go through
+a Unix-socket control channel (:mod:`dlperf.kvstore.control`); a pushpull of several keys becomes a
+pipeline of a few requests, so the server sums one while the workers copy the next. The store picks
+this path by itself wherever the mapping works; ``DLPERF_KVSTORE_SHM=off`` or ``shared_memory=False``
+keeps everything on RPC. :meth:`DistKVStore.traffic` says which path moved how many bytes.
+
 Configuration is per process: every rank runs the same program, so ``set_optimizer`` and
 ``set_updater`` run on the servers too and take effect there; a worker and a server that disagree on
 how pushes are merged fail at ``init`` naming the server. Server ranks call :meth:`DistKVStore.serve`,
@@ -61,7 +69,7 @@ from ..errors import UsageError
 from ..parallel.allreduce.shm_segment import ShmUnavailableError
 from .base import Key, KVStore, _as_list, register_kvstore
 from .control import ControlClient, ControlServer
-from .shm import SHM_ENV, Arena, ArenaPlan, ServerSlots, WorkerSlots, make_server_slots, shm_wanted
+from .shm import ARENA_MIN_BYTES, SHM_ENV, Arena, ArenaPlan, ServerSlots, WorkerSlots, cut_slots, shm_wanted
 
 __all__ = ["NUM_SERVERS_ENV", "SHM_ENV", "server_count",
            "DistKVStore", "DistSyncKVStore", "DistAsyncKVStore", "DistDeviceSyncKVStore", "Placement",
@@ -257,6 +265,7 @@ class _Server:
         self.early_inits: list[tuple[int, dict, list[torch.Tensor], torch.futures.Future]] = []
         self.host = socket.gethostname()
         self.arenas: list[Arena] = []
+        self.arena_used = 0  # bytes of the last arena given out
         self.control: ControlServer | None = None  # started with the first shared-memory offer
 
     def handle(self, src: int, op: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
@@ -334,19 +343,31 @@ class _Server:
         self.pending.append(lambda: all(len(e.inits) >= workers for e in parts) and self.ok(future, reply))
 
     def give_slots(self, created: list[_Entry]) -> None:
-        """Move the new big slices into one arena with a value slot pair and an exchange slot per remote worker."""
+        """Move the new slices into an arena: a value slot pair and an exchange slot per remote worker each.
+
+        Small slices too: a request whose slices are all in slots goes through the control channel.
+        """
         remote = [w for w in self.store._worker_ranks if w != self.store._global_rank]
-        big = created  # small slices too: a request whose slices are all in slots needs no RPC
+        big = created
         if not remote or not big:
             return
         plan = ArenaPlan()
         for e in big:
             plan.add(e.value.numel(), e.value.dtype, remote)
-        slots = make_server_slots(plan, [(e.value.numel(), e.value.dtype) for e in big])
-        if slots is None:  # no shared memory here: these slices stay on RPC
-            return
-        slots[0].arena.ident = len(self.arenas)
-        self.arenas.append(slots[0].arena)
+        if self.arenas and self.arena_used + plan.nbytes <= self.arenas[-1].nbytes:
+            arena, base = self.arenas[-1], self.arena_used
+        else:
+            try:
+                arena, base = Arena.create(max(plan.nbytes, ARENA_MIN_BYTES)), 0
+            except ShmUnavailableError:  # no shared memory here: these slices stay on RPC
+                return
+            arena.ident = len(self.arenas)
+            self.arenas.append(arena)
+        plan = ArenaPlan(nbytes=base)
+        for e in big:
+            plan.add(e.value.numel(), e.value.dtype, remote)
+        slots = cut_slots(arena, plan, [(e.value.numel(), e.value.dtype) for e in big])
+        self.arena_used = plan.nbytes
         for e, slot in zip(big, slots, strict=True):
             slot.values[0].copy_(e.value.view(-1))
             e.value, e.slots = slot.values[0].view(e.value.shape), slot

@@ -1,12 +1,13 @@
 """Same-host payloads of the dist kvstores: tensors through shared memory, control messages through RPC.
 
-When a worker and a server run on one host, a push or pull of a big slice (at least 64 KB) need not
-cross a socket. At ``init`` the server makes one anonymous memory file (an *arena*, a
+When a worker and a server run on one host, a push or pull need not cross a socket. At ``init`` the
+server takes slots from an anonymous memory file (an *arena*, a
 :class:`~dlperf.parallel.allreduce.shm_segment.Segment`: no name in ``/dev/shm``, gone with the last
-mapping however the processes end) holding, per new big slice, two value slots and one exchange slot
-per remote worker. Its reply names the arena and the slots; the worker maps the arena, and if that
-works (same host, same pid namespace, the segment's random token matches) its big slices travel this
-way from then on:
+mapping however the processes end; a new one when the last is full): per new slice, two value slots
+and one exchange slot per remote worker. Its reply names the arena and the slots; the worker maps the
+arena, and if that works (same host, same pid namespace, the segment's random token matches) the
+slices travel this way from then on, and the requests go through the control channel
+(:mod:`dlperf.kvstore.control`) instead of RPC:
 
 * push: the worker writes its sum into its exchange slot; the RPC carries only the key names; the
   server merges from the slot into the spare value slot. An assignment round swaps the two value slots
@@ -31,12 +32,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UsageError
-from ..parallel.allreduce.shm_segment import Segment, ShmUnavailableError
+from ..parallel.allreduce.shm_segment import Segment
 
-__all__ = ["SHM_ENV", "SLOT_ALIGN", "Arena", "ServerSlots", "WorkerSlots", "shm_wanted", "slot_bytes"]
+__all__ = ["SHM_ENV", "SLOT_ALIGN", "ARENA_MIN_BYTES", "Arena", "ArenaPlan", "ServerSlots", "WorkerSlots", "cut_slots",
+           "shm_wanted", "slot_bytes"]
 
 SHM_ENV = "DLPERF_KVSTORE_SHM"
 SLOT_ALIGN = 64  # every slot starts on a cache line, so a view of any dtype is aligned
+ARENA_MIN_BYTES = 4 << 20
+"""An arena holds at least this much, so keys initialized one at a time share arenas (and descriptors)."""
 _MAX_ARENA_BYTES = 1 << 44  # a reply naming a bigger arena is not ours: refuse before mapping anything
 _ON = ("", "on", "1", "yes", "true", "auto")
 _OFF = ("off", "0", "no", "false")
@@ -151,12 +155,8 @@ class ArenaPlan:
         self.nbytes += (2 + len(workers)) * size
 
 
-def make_server_slots(plan: ArenaPlan, shapes: list[tuple[int, torch.dtype]]) -> list[ServerSlots] | None:
-    """The planned arena made and cut into slots, or None where this host cannot make one."""
-    try:
-        arena = Arena.create(plan.nbytes)
-    except ShmUnavailableError:
-        return None
+def cut_slots(arena: Arena, plan: ArenaPlan, shapes: list[tuple[int, torch.dtype]]) -> list[ServerSlots]:
+    """The planned slots as views of ``arena``, one :class:`ServerSlots` per (numel, dtype) of ``shapes``."""
     out = []
     for (numel, dtype), (values, exchange) in zip(shapes, plan.offsets, strict=True):
         out.append(ServerSlots(arena, [arena.view(o, numel, dtype) for o in values],
