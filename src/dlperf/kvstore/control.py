@@ -35,6 +35,7 @@ __all__ = ["MAX_FRAME_BYTES", "ControlClient", "ControlServer", "KVStoreLinkErro
 MAX_FRAME_BYTES = 64 << 20
 _LENGTH = struct.Struct("<I")
 _AUTH_TIMEOUT_S = 30.0
+_SEND_TIMEOUT_S = 30.0  # a worker that stops reading its answers loses its connection, not the server's lock
 _JOIN_S = 5.0
 
 
@@ -92,8 +93,11 @@ class _Connection:
         with self.lock:
             try:
                 _send_frame(self.sock, doc)
-            except OSError:  # the worker is gone; its reading thread sees the closed socket
-                pass
+            except OSError:  # the worker is gone or stopped reading: end the connection, its thread sees it
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 Handler = Callable[[int, int, dict, Any], None]
@@ -148,6 +152,9 @@ class ControlServer:
                 return
             src = hello["rank"]
             sock.settimeout(None)  # a worker may go quiet for as long as it likes between requests
+            # but an answer that cannot be written within this is dropped with the connection: the
+            # answering thread holds the server's lock
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(_SEND_TIMEOUT_S), 0))
             conn.send([0, {}])
             while True:
                 request = _recv_frame(sock)

@@ -348,11 +348,10 @@ class _Server:
         Small slices too: a request whose slices are all in slots goes through the control channel.
         """
         remote = [w for w in self.store._worker_ranks if w != self.store._global_rank]
-        big = created
-        if not remote or not big:
+        if not remote:
             return
         plan = ArenaPlan()
-        for e in big:
+        for e in created:
             plan.add(e.value.numel(), e.value.dtype, remote)
         if self.arenas and self.arena_used + plan.nbytes <= self.arenas[-1].nbytes:
             arena, base = self.arenas[-1], self.arena_used
@@ -364,11 +363,11 @@ class _Server:
             arena.ident = len(self.arenas)
             self.arenas.append(arena)
         plan = ArenaPlan(nbytes=base)
-        for e in big:
+        for e in created:
             plan.add(e.value.numel(), e.value.dtype, remote)
-        slots = cut_slots(arena, plan, [(e.value.numel(), e.value.dtype) for e in big])
+        slots = cut_slots(arena, plan, [(e.value.numel(), e.value.dtype) for e in created])
         self.arena_used = plan.nbytes
-        for e, slot in zip(big, slots, strict=True):
+        for e, slot in zip(created, slots, strict=True):
             slot.values[0].copy_(e.value.view(-1))
             e.value, e.slots = slot.values[0].view(e.value.shape), slot
 
@@ -678,7 +677,7 @@ class DistKVStore(KVStore):
         staleness: ``dist_async`` only: the bound tau on how many pushes workers may drift apart.
         big_array_bound: keys with at least this many elements are split across all servers.
         timeout_s: the longest one call waits for its servers (a sync pull waits for the slowest worker).
-        shared_memory: move the big slices of same-host servers through shared memory (see
+        shared_memory: move the slices of same-host servers through shared memory (see
             :mod:`dlperf.kvstore.shm`); default: ``DLPERF_KVSTORE_SHM`` (on unless ``off``). Every rank
             decides for itself: a server that does not offer it, or a worker that does not want it,
             keeps those payloads on RPC.
