@@ -323,6 +323,21 @@ def _fast_worker(seed: int) -> dict:
     return {"rank": dist.get_rank(), "runs": runs, "segments_left": mapped_segments(), "control_threads": threads}
 
 
+def _server_dies_worker() -> None:
+    """The server process exits while worker 0 waits in a sync pushpull over the control channel."""
+    kv = create_kvstore("dist_sync", num_servers=1)
+    if kv.role == "server":
+        threading.Timer(2.0, os._exit, args=(3,)).start()
+        kv.serve()
+        return
+    kv.init("w", torch.zeros(100_000))
+    if kv.rank == 0:
+        kv.pushpull("w", torch.ones(100_000))  # waits for rank 1's push, which never comes
+    time.sleep(120)  # rank 1 idles until the launcher ends it
+
+
+# --- launches ----------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
@@ -522,6 +537,19 @@ def test_sync_with_server_processes_matches_the_oracle(tmp_path):
         assert r["updater"] == [1 + 3 * 0.5 * (2 + 3 + 4)] * 4
         assert r["checkpoint"]["parts"] == 1 and r["checkpoint"]["resumed_error"] == 0.0
         assert r["checkpoint"]["sgd_error"] < 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_server_that_dies_during_a_same_host_pull_ends_the_job_with_one_line():
+    from dlperf.parallel.launchers.launcher import LaunchError
+
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        ProcessLauncher(3, join_timeout_s=100).launch(_server_dies_worker)
+    message = str(info.value)
+    assert "\n" not in message and "rank 2" in message, message
+    assert time.monotonic() - started < 60  # the waiting worker learns of it at once, not at a timeout
 
 
 # --- without processes ---------------------------------------------------------------------------------
