@@ -692,3 +692,59 @@ def test_control_channel_drops_hostile_peers_and_answers_workers():
     with pytest.raises(KVStoreLinkError, match="control connection failed during a push"):
         client.request(1, {}, "a push")()
     client.close()
+
+
+def _bare_worker():
+    """A worker's store without processes: only what reading a server's offers and answers needs."""
+    from dlperf.kvstore.dist import DistSyncKVStore
+
+    kv = object.__new__(DistSyncKVStore)
+    kv._placement = Placement([1], 1000)
+    kv._placement.place("w", 100)
+    kv._meta = {"w": (torch.Size([100]), torch.float32)}
+    kv._arenas, kv._shm_refused, kv._slots, kv._control = {}, {}, {}, {}
+    kv._traffic = {"shm": 0, "rpc": 0, "in-process": 0}
+    kv._global_rank, kv._timeout_s, kv._server = 0, 5.0, None
+    return kv
+
+
+def test_a_hostile_shared_memory_offer_or_answer_gives_one_clear_error():
+    before = mapped_segments()
+    arena = Arena.create(1 << 16)
+    good = [0, arena.handle["pid"], arena.handle["fd"], arena.handle["token"], arena.nbytes]
+    workers = []
+    try:
+        for offer, match in [
+            ("junk", "offered shared memory as str"),
+            ({"arenas": [[1, 2]], "slots": []}, "named arena"),
+            ({"arenas": [good], "slots": [["w", 0, 0]]}, "named slots"),
+            ({"arenas": [good], "slots": [["w", 5, 0, 0, 512, 1024]]}, "part 5, which it does not hold"),
+            ({"arenas": [good], "slots": [["w", 0, 0, 0, 1 << 16, 1024]]}, "slot offset 65536"),
+            ({"arenas": [good], "slots": [["w", 0, 0, 0, 100, 1024]]}, "slot offset 100"),
+            ({"arenas": [good], "slots": [[["w"], 0, 0, 0, 512, 1024]]}, "expected an int or a str"),
+            ({"arenas": [good], "slots": [["w", 0, 0, 0, 512, 1024]], "control": ["/tmp/x", "t"]},
+             "named control channel"),
+            ({"arenas": [good], "slots": [["w", 0, 0, 0, 512, 1024]], "control": None}, "named control channel"),
+        ]:
+            kv = _bare_worker()
+            workers.append(kv)
+            with pytest.raises(UsageError, match=match) as info:
+                kv._adopt_slots(1, offer)
+            assert "\n" not in str(info.value)
+            del info  # its traceback holds views of the arena
+        # an arena that cannot be mapped from here (its token differs): that server's slices stay on RPC
+        kv = _bare_worker()
+        workers.append(kv)
+        kv._adopt_slots(1, {"arenas": [[0, good[1], good[2], good[3] ^ 1, good[4]]],
+                            "slots": [["w", 0, 0, 0, 512, 1024]], "control": ["dlperf-kvstore-x", "t"]})
+        assert kv._slots == {} and kv._control == {} and "not the segment" in kv._shm_refused[1]
+        # an answer naming a slot this worker was not given, or a where it cannot mean
+        for where, match in [([2], "slot this worker does not have"), ([7], "where=\\[7\\]"),
+                             ([True], "where=\\[True\\]"), ("0", "where='0'"), ([0, 0], "where=\\[0, 0\\]")]:
+            with pytest.raises(UsageError, match=match):
+                kv._pulled(1, [["w", 0, 1, 1]], {"where": where}, [])
+    finally:
+        for kv in workers:
+            kv._release_shared_memory()
+        arena.close()
+    assert mapped_segments() == before
