@@ -6,19 +6,24 @@ Run under the machine's benchmark lock so nothing else competes for the cores:
 
 One iteration moves two keys of 4 MB (float32) each:
 
-* ``dist_sync``: 2 worker processes and 1 server process (torch RPC on 127.0.0.1, started by the
-  ProcessLauncher); each worker calls ``pushpull`` on both keys, the server merges both workers'
-  values and sends the sum back to each. The iteration ends when the slower worker has its result.
+* ``dist_sync``: 2 worker processes and 1 server process (started by the ProcessLauncher, gloo and
+  torch RPC on 127.0.0.1); each worker calls ``pushpull`` on both keys, the server merges both
+  workers' values and each worker copies the sum out. The iteration ends when the slower worker has
+  its result. On one host the payloads go through shared memory and the requests through the control
+  channel (:mod:`dlperf.kvstore.shm`), as the store chooses by itself.
+* ``dist_sync, RPC only``: the same store with ``shared_memory=False`` (what ``DLPERF_KVSTORE_SHM=off``
+  gives): every byte crosses TensorPipe, as it does between hosts. A peer row, not the target.
 * ``local``: the same exchange in one process: the ``local`` store gets both workers' values for a
   key as two device values, sums them on the host and copies the sum out to both.
 
-The two are measured in alternating rounds inside the launched job (rank 0 times the ``local`` store
+The three are measured in alternating rounds inside the launched job (rank 0 times the ``local`` store
 while the other ranks wait), with the shared timing protocol (warm-up, then the median of single
 iterations); the least disturbed round (lowest median) of each counts. Each timed window records the
 contention check of :mod:`dlperf.timing`.
 
 The last stdout line is one JSON object: ``dist_vs_local`` (dist_sync ms over local ms; target <= 2.0),
-both figures, every round's medians and whether the machine was contended.
+``rpc_vs_local`` (the RPC-only peer), the figures, every round's medians, the bytes each path moved
+(the proof of which path ran) and whether the machine was contended.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 
 import torch
 
@@ -66,28 +72,39 @@ def _job(steps: int, warmup: int, rounds: int) -> dict | None:
     torch.set_num_threads(1)
     workers = dist.new_group(ranks=[0, 1])
     kv = create_kvstore("dist_sync", num_servers=1)
+    rpc = create_kvstore("dist_sync", num_servers=1, shared_memory=False)
     if kv.role == "server":
+        # the workers alternate between the stores: serve both at once
+        other = threading.Thread(target=rpc.serve, name="serve the RPC-only store")
+        other.start()
         kv.serve()
+        other.join()
         kv.close()
+        rpc.close()
         return None
     values = _values(kv.rank)
-    outs = [torch.empty_like(v) for v in values]
-    kv.init(KEYS, [torch.zeros_like(v) for v in values])
-    dist_rounds, local_rounds = [], []
+    expected_sum = _values(0)[0] + _values(1)[0]
+    timings: dict[str, list] = {"dist": [], "rpc": [], "local": []}
+    errors = []
+    for store in (kv, rpc):
+        store.init(KEYS, [torch.zeros_like(v) for v in values])
     for _ in range(rounds):
-        dist.barrier(workers)
-        # sync pushpull ends when both workers' values are merged: the iteration synchronizes itself
-        dist_rounds.append(time_steps(lambda: kv.pushpull(KEYS, values, out=outs), warmup=warmup, steps=steps))
+        for name, store in (("dist", kv), ("rpc", rpc)):
+            outs = [torch.empty_like(v) for v in values]
+            dist.barrier(workers)
+            # sync pushpull ends when both workers' values are merged: the iteration synchronizes itself
+            timings[name].append(time_steps(lambda s=store, o=outs: s.pushpull(KEYS, values, out=o),
+                                            warmup=warmup, steps=steps))
+            errors.append((outs[0] - expected_sum).abs().max().item())
         dist.barrier(workers)
         if kv.rank == 0:
-            local_rounds.append(_time_local(steps, warmup))
+            timings["local"].append(_time_local(steps, warmup))
         dist.barrier(workers)
-    expected_sum = _values(0)[0] + _values(1)[0]
+    traffic = {"dist": kv.traffic(), "rpc": rpc.traffic()}
     kv.close()
-    return {"rank": kv.rank, "dist": [t.to_dict() for t in dist_rounds],
-            "local": [t.to_dict() for t in local_rounds],
-            "sum_error": (outs[0] - expected_sum).abs().max().item(),
-            "placement": str(kv.placement())}
+    rpc.close()
+    return {"rank": kv.rank, **{name: [t.to_dict() for t in ts] for name, ts in timings.items()},
+            "sum_error": max(errors), "traffic": traffic, "placement": str(kv.placement())}
 
 
 def _best(timings: list[dict]) -> dict:
@@ -104,35 +121,46 @@ def main(argv: list[str] | None = None) -> int:
     results = [r for r in ProcessLauncher(3, backend="gloo", join_timeout_s=JOIN_TIMEOUT_S).launch(
         _job, args.steps, args.warmup, args.rounds) if r is not None]
     # an iteration ends when the slower worker ends: per round, the slower worker's median
-    dist_rounds = [max((r["dist"][i] for r in results), key=lambda t: t["median_s"]) for i in range(args.rounds)]
+    dist_rounds, rpc_rounds = ([max((r[name][i] for r in results), key=lambda t: t["median_s"])
+                                for i in range(args.rounds)] for name in ("dist", "rpc"))
     local_rounds = results[0]["local"]
-    best_dist, best_local = _best(dist_rounds), _best(local_rounds)
-    dist_ms, local_ms = best_dist["median_s"] * 1e3, best_local["median_s"] * 1e3
+    best_dist, best_rpc, best_local = _best(dist_rounds), _best(rpc_rounds), _best(local_rounds)
+    dist_ms, rpc_ms, local_ms = (b["median_s"] * 1e3 for b in (best_dist, best_rpc, best_local))
     ratio = dist_ms / local_ms
-    contended = any(t["contended"] for t in dist_rounds + local_rounds)
+    contended = any(t["contended"] for t in dist_rounds + rpc_rounds + local_rounds)
     sum_error = max(r["sum_error"] for r in results)
+    # bytes moved by each path, summed over the workers: which path each store really took
+    paths = {name: {p: sum(r["traffic"][name][p] for r in results) for p in ("shm", "rpc", "in-process")}
+             for name in ("dist", "rpc")}
 
     mb = KEY_BYTES / 2**20
     print(f"push+pull of {len(KEYS)} x {mb:g} MB from 2 workers per iteration (median of {args.steps} "
           f"iterations, best of {args.rounds} alternating rounds; {os.cpu_count()} cores; torch {torch.__version__})")
-    print(f"{'store':<44} {'ms/iter':>8}  {'q1-q3':>13}  {'each round':<24}")
-    print("-" * 96)
-    for label, best, rounds in (("dist_sync: 2 workers + 1 server, RPC", best_dist, dist_rounds),
+    print(f"{'store':<48} {'ms/iter':>8}  {'q1-q3':>13}  {'each round':<24}")
+    print("-" * 100)
+    for label, best, rounds in (("dist_sync: 2 workers + 1 server (same host)", best_dist, dist_rounds),
+                                ("dist_sync, RPC only (DLPERF_KVSTORE_SHM=off)", best_rpc, rpc_rounds),
                                 ("local: one process, 2 device values", best_local, local_rounds)):
         each = " ".join(f"{t['median_s'] * 1e3:.2f}" for t in rounds)
-        print(f"{label:<44} {best['median_s'] * 1e3:>8.2f}  {best['q1_s'] * 1e3:>6.2f}-{best['q3_s'] * 1e3:<6.2f}"
+        print(f"{label:<48} {best['median_s'] * 1e3:>8.2f}  {best['q1_s'] * 1e3:>6.2f}-{best['q3_s'] * 1e3:<6.2f}"
               f"  {each}")
-    print(f"dist_vs_local = {ratio:.2f} (target <= {TARGET:g}); max |error| of the merged sum: {sum_error:.2e}")
+    mb_moved = {name: ", ".join(f"{p} {n / 2**20:.0f} MB" for p, n in moved.items() if n)
+                for name, moved in paths.items()}
+    print(f"payload paths: dist_sync {mb_moved['dist']}; RPC only {mb_moved['rpc']}")
+    print(f"dist_vs_local = {ratio:.2f} (target <= {TARGET:g}); RPC only: {rpc_ms / local_ms:.2f}; "
+          f"max |error| of the merged sum: {sum_error:.2e}")
     if contended:
         print("WARNING: the contention check saw other work on the machine during a timed window; rerun")
     result = {
         "dist_vs_local": ratio, "target": TARGET, "meets_target": ratio <= TARGET,
-        "dist_sync_ms": dist_ms, "local_ms": local_ms,
+        "dist_sync_ms": dist_ms, "local_ms": local_ms, "rpc_only_ms": rpc_ms, "rpc_vs_local": rpc_ms / local_ms,
         "dist_rounds_ms": [t["median_s"] * 1e3 for t in dist_rounds],
+        "rpc_rounds_ms": [t["median_s"] * 1e3 for t in rpc_rounds],
         "local_rounds_ms": [t["median_s"] * 1e3 for t in local_rounds],
         "key_bytes": KEY_BYTES, "keys": len(KEYS), "workers": 2, "servers": 1,
-        "sum_error": sum_error, "contended": contended,
-        "contention": {"dist": best_dist["contention"], "local": best_local["contention"]},
+        "sum_error": sum_error, "contended": contended, "payload_bytes": paths,
+        "contention": {"dist": best_dist["contention"], "rpc": best_rpc["contention"],
+                       "local": best_local["contention"]},
     }
     print(json.dumps(result))
     return 0

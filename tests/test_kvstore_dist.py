@@ -7,13 +7,23 @@ that every worker can compute (the values each worker pushes come from a seed pe
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import socket
+import struct
+import threading
 import time
 
 import pytest
 import torch
 
+from dlperf.cli import main
 from dlperf.errors import UsageError
 from dlperf.kvstore import KVStore, Placement, create_kvstore, kvstore_types
+from dlperf.kvstore.control import MAX_FRAME_BYTES, ControlClient, ControlServer, KVStoreLinkError
+from dlperf.kvstore.shm import SHM_ENV, Arena, shm_wanted
+from dlperf.parallel.allreduce.shm_segment import ShmUnavailableError, mapped_segments
 from dlperf.parallel.launchers import ProcessLauncher
 
 JOIN_S = 90
@@ -84,6 +94,7 @@ def _sync_worker(num_servers: int, ckpt: str) -> dict:
     out["placement"] = {k: [(s.server, s.start, s.stop) for s in v] for k, v in kv.placement().keys.items()}
     out["placement_text"] = str(kv.placement())
     out["errors"] = _bad_inputs(kv)
+    out["traffic"] = kv.traffic()
     kv.close()
     out["updater"] = _updater_round(num_servers)
     out["checkpoint"] = _checkpoint_round(num_servers, ckpt, workers)
@@ -250,7 +261,83 @@ def _mismatched_updater_round(num_servers: int) -> str | None:
     return None
 
 
+# --- the same-host path: shared memory and the control channel -----------------------------------------
+
+FAST_KEYS = {"a": 270_000, "b": 270_000, "c": 20_000, "s": 10}  # 1.08 MB, 1.08 MB, 80 KB, 40 B
+
+
+def _fast_value(seed: int, step: int, worker: int, key: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 1_000_003 * step + 7919 * worker + ord(key))
+    return torch.randn(FAST_KEYS[key], generator=g)
+
+
+def _fast_store_round(kind: str, seed: int, setting: str, workers) -> dict | None:
+    """2 workers and a server process; returns each step's pulls and which paths the bytes took."""
+    from dlperf.kvstore.shm import SHM_ENV
+
+    os.environ[SHM_ENV] = setting  # every rank, the server included, before the store is made
+    try:
+        kv = create_kvstore(kind, num_servers=1)
+    finally:
+        del os.environ[SHM_ENV]
+    if kind == "dist_async":
+        kv.set_updater(_accumulate)
+    if kv.role == "server":
+        kv.serve()
+        kv.close()
+        return None
+    keys = list(FAST_KEYS)
+    kv.init(keys, [_fast_value(seed, -1, 0, k) for k in keys])
+    pulls = []
+    for step in range(3):
+        pushes = [_fast_value(seed, step, kv.rank, k) for k in keys]
+        outs = [torch.empty(FAST_KEYS[k]) for k in keys]
+        if step < 2:
+            kv.pushpull(keys, pushes, out=outs)  # several whole keys on one server: the pipelined form
+        else:
+            kv.push(keys, pushes)
+            kv.pull(keys, out=outs)
+        pulls.append(outs)
+    if kind == "dist_async":
+        import torch.distributed as dist
+
+        dist.barrier(workers)  # every push has arrived: the final value does not depend on their order
+        final = [torch.empty(FAST_KEYS[k]) for k in keys]
+        kv.pull(keys, out=final)
+        pulls = [final]
+    traffic = kv.traffic()
+    kv.close()
+    return {"pulls": pulls, "traffic": traffic}
+
+
+def _fast_worker(seed: int) -> dict:
+    """The same pushes through the same-host path and through RPC only, for dist_sync and dist_async."""
+    import torch.distributed as dist
+
+    from dlperf.parallel.allreduce.shm_segment import mapped_segments
+
+    workers = dist.new_group([0, 1])
+    runs = {f"{kind} {setting}": _fast_store_round(kind, seed, setting, workers)
+            for kind in ("dist_sync", "dist_async") for setting in ("on", "off")}
+    threads = [t.name for t in threading.enumerate() if "control" in t.name]
+    return {"rank": dist.get_rank(), "runs": runs, "segments_left": mapped_segments(), "control_threads": threads}
+
+
+def _server_dies_worker() -> None:
+    """The server process exits while worker 0 waits in a sync pushpull over the control channel."""
+    kv = create_kvstore("dist_sync", num_servers=1)
+    if kv.role == "server":
+        threading.Timer(2.0, os._exit, args=(3,)).start()
+        kv.serve()
+        return
+    kv.init("w", torch.zeros(100_000))
+    if kv.rank == 0:
+        kv.pushpull("w", torch.ones(100_000))  # waits for rank 1's push, which never comes
+    time.sleep(120)  # rank 1 idles until the launcher ends it
+
+
 # --- launches ----------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
@@ -275,6 +362,13 @@ def async_launch():
 
 def _workers(results: list[dict]) -> list[dict]:
     return [r for r in results if r["role"] == "worker"]
+
+
+@pytest.fixture(scope="module")
+def fast_path():
+    """dist_sync and dist_async over 2 workers and a server process, each with the same-host path on and off."""
+    seed = secrets.randbelow(2**31)  # fresh inputs every run; the seed is in the failure report
+    return seed, ProcessLauncher(3, join_timeout_s=JOIN_S).launch(_fast_worker, seed)
 
 
 @pytest.mark.distributed
@@ -353,6 +447,86 @@ def test_a_server_that_merges_differently_is_named(async_launch):
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_colocated_servers_move_remote_keys_through_shared_memory(colocated):
+    for r in _workers(colocated):
+        traffic = r["traffic"]
+        # each worker's own server is called in-process; the other worker's through its arena
+        assert traffic["in-process"] > 0 and traffic["shm"] > 0 and traffic["rpc"] == 0, traffic
+        assert traffic["requests"]["control"] > 0 and traffic["refused"] == {}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_same_host_path_matches_a_plain_sum_and_the_rpc_path(fast_path):
+    seed, results = fast_path
+    workers = [r for r in results if r["rank"] != 2]
+    for r in workers:
+        fast, rpc = r["runs"]["dist_sync on"]["pulls"], r["runs"]["dist_sync off"]["pulls"]
+        assert len(fast) == len(rpc) == 3
+        for step, (got_fast, got_rpc) in enumerate(zip(fast, rpc, strict=True)):
+            for key, a, b in zip(FAST_KEYS, got_fast, got_rpc, strict=True):
+                want = _fast_value(seed, step, 0, key) + _fast_value(seed, step, 1, key)
+                assert torch.equal(a, want), (seed, step, key, (a - want).abs().max().item())
+                assert torch.equal(a, b), (seed, step, key)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_same_host_async_applies_every_push_on_both_paths(fast_path):
+    seed, results = fast_path
+    for r in [r for r in results if r["rank"] != 2]:
+        for setting in ("on", "off"):
+            (final,) = r["runs"][f"dist_async {setting}"]["pulls"]
+            for key, got in zip(FAST_KEYS, final, strict=True):
+                want = _fast_value(seed, -1, 0, key) + 0.5 * sum(
+                    _fast_value(seed, s, w, key) for s in range(3) for w in range(2))
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"seed {seed}, {setting}, {key}")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_same_host_path_is_the_one_used_and_the_switch_turns_it_off(fast_path):
+    _, results = fast_path
+    for r in [r for r in results if r["rank"] != 2]:
+        for kind in ("dist_sync", "dist_async"):
+            on, off = r["runs"][f"{kind} on"]["traffic"], r["runs"][f"{kind} off"]["traffic"]
+            assert on["shm"] > 0 and on["rpc"] == 0 and on["refused"] == {}, on
+            assert off["shm"] == 0 and off["requests"]["control"] == 0 and off["rpc"] == on["shm"], off
+            assert on["requests"]["rpc"] == 1  # init: every push and pull took the control channel
+        # 2 pushpulls cut into 3 pipelined requests each ([a], [b], [c, s]), then one push and one pull
+        assert r["runs"]["dist_sync on"]["traffic"]["requests"]["control"] == 2 * 3 + 2
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_same_host_path_leaves_no_mapping_and_no_thread(fast_path):
+    _, results = fast_path
+    assert len(results) == 3
+    for r in results:  # the server included
+        assert r["segments_left"] == (0, 0)
+        assert r["control_threads"] == []
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_training_through_dist_async_converges_like_dist_sync(capfd):
+    losses = {}
+    for kvstore in ("dist_sync", "dist_async"):
+        assert main(["train", "--nproc-per-node", "2", "--kvstore", kvstore, "--epochs", "4", "--train-size", "2048",
+                     "--test-size", "256", "--batch-size", "64", "--lr", "0.3", "--no-progress", "--json"]) == 0
+        record = json.loads(capfd.readouterr().out.splitlines()[-1])
+        losses[kvstore] = [e["loss"] for e in record["epochs"]]
+    sync, not_sync = losses["dist_sync"], losses["dist_async"]
+    # measured: both fall from 2.15 to 0.64-0.65; async applies each worker's gradient on arrival, so
+    # its path differs, but it must reach about the same loss
+    assert sync[-1] < 0.6 * sync[0], losses
+    assert not_sync[-1] < 0.6 * not_sync[0], losses
+    assert abs(not_sync[-1] - sync[-1]) < 0.25, losses
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sync_with_server_processes_matches_the_oracle(tmp_path):
@@ -363,6 +537,19 @@ def test_sync_with_server_processes_matches_the_oracle(tmp_path):
         assert r["updater"] == [1 + 3 * 0.5 * (2 + 3 + 4)] * 4
         assert r["checkpoint"]["parts"] == 1 and r["checkpoint"]["resumed_error"] == 0.0
         assert r["checkpoint"]["sgd_error"] < 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_server_that_dies_during_a_same_host_pull_ends_the_job_with_one_line():
+    from dlperf.parallel.launchers.launcher import LaunchError
+
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        ProcessLauncher(3, join_timeout_s=100).launch(_server_dies_worker)
+    message = str(info.value)
+    assert "\n" not in message and "rank 2" in message, message
+    assert time.monotonic() - started < 60  # the waiting worker learns of it at once, not at a timeout
 
 
 # --- without processes ---------------------------------------------------------------------------------
@@ -406,3 +593,158 @@ def test_small_keys_travel_packed_in_one_buffer_and_big_ones_as_they_are():
         _from_wire(wire[:1], [(str(t.dtype), t.numel()) for t in tensors])
     with pytest.raises(UsageError, match="dtype 'torch.complex64'"):
         _from_wire(wire, [("torch.complex64", 1)])
+
+
+# --- the same-host path's parts, without processes ----------------------------------------------------
+
+def test_shm_setting_parses_and_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(SHM_ENV, "off")
+    assert shm_wanted(None) is False
+    assert shm_wanted(False) is False
+    monkeypatch.setenv(SHM_ENV, "On")
+    assert shm_wanted(None) is True
+    monkeypatch.setenv(SHM_ENV, "maybe")
+    with pytest.raises(UsageError, match="DLPERF_KVSTORE_SHM='maybe': expected on"):
+        shm_wanted(None)
+    with pytest.raises(UsageError, match="shared_memory='yes'"):
+        shm_wanted("yes")
+
+
+def test_arena_slots_are_shared_and_checked():
+    before = mapped_segments()
+    arena = Arena.create(1 << 20)
+    peer = Arena.attach(arena.handle, arena.nbytes)
+    values = torch.randn(1000)
+    arena.view(4096, 1000, torch.float32).copy_(values)
+    assert torch.equal(peer.view(4096, 1000, torch.float32), values)
+    for offset in (-64, 1 << 20, (1 << 20) - 64, 4100, True):
+        with pytest.raises(UsageError, match="slot offset"):
+            peer.view(offset, 1000, torch.float32)
+    with pytest.raises(ShmUnavailableError):
+        Arena.attach({**arena.handle, "token": arena.handle["token"] ^ 1}, arena.nbytes)
+    with pytest.raises(ShmUnavailableError):
+        Arena.attach({**arena.handle, "pid": "1; rm"}, arena.nbytes)
+    with pytest.raises(UsageError, match="arena of"):
+        Arena.attach(arena.handle, -5)
+    peer.close()
+    arena.close()
+    assert mapped_segments() == before
+
+
+def _raw(server: ControlServer) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect("\0" + server.name)
+    return sock
+
+
+def _frame(doc) -> bytes:
+    data = json.dumps(doc).encode()
+    return struct.pack("<I", len(data)) + data
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    finally:
+        sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_control_channel_drops_hostile_peers_and_answers_workers():
+    calls = []
+
+    def handle(src, op, meta, reply):
+        calls.append((src, op, meta))
+        if op != 99:  # 99: never answered, for the timeout below
+            reply.set_result((0, {"echo": meta}, []))
+
+    server = ControlServer(handle, {0, 1}, "test")
+    try:
+        for first in (_frame({"token": "wrong", "rank": 0}), _frame({"token": server.token, "rank": 5}),
+                      _frame({"token": server.token, "rank": [0]}), _frame(["not", "a", "hello"]),
+                      struct.pack("<I", MAX_FRAME_BYTES + 1), struct.pack("<I", 5) + b"nope!",
+                      struct.pack("<I", 3) + b"\xff\xfe\xfd"):
+            sock = _raw(server)
+            sock.sendall(first)
+            assert _closed_by_peer(sock), first
+        assert calls == []
+        # a malformed request after a good hello is answered with an error; the connection stays usable
+        sock = _raw(server)
+        sock.sendall(_frame({"token": server.token, "rank": 1}))
+        assert sock.recv(64).endswith(b"[0,{}]")
+        sock.sendall(_frame("just a string"))
+        assert b"a control request is [op, meta]" in sock.recv(256)
+        sock.close()
+        client = ControlClient(server.name, server.token, 0, 9, timeout_s=10)
+        assert client.request(1, {"items": [["k", 0]]}, "a push")() == (0, {"echo": {"items": [["k", 0]]}})
+        assert calls == [(0, 1, {"items": [["k", 0]]})]
+        slow = ControlClient(server.name, server.token, 1, 9, timeout_s=0.3)
+        started = time.monotonic()
+        with pytest.raises(KVStoreLinkError, match="server rank 9 did not answer a pull within timeout_s=0.3"):
+            slow.request(99, {}, "a pull")()
+        assert time.monotonic() - started < 5
+        slow.close()
+    finally:
+        server.close()
+    with pytest.raises(KVStoreLinkError, match="control connection failed during a push"):
+        client.request(1, {}, "a push")()
+    client.close()
+
+
+def _bare_worker():
+    """A worker's store without processes: only what reading a server's offers and answers needs."""
+    from dlperf.kvstore.dist import DistSyncKVStore
+
+    kv = object.__new__(DistSyncKVStore)
+    kv._placement = Placement([1], 1000)
+    kv._placement.place("w", 100)
+    kv._meta = {"w": (torch.Size([100]), torch.float32)}
+    kv._arenas, kv._shm_refused, kv._slots, kv._control = {}, {}, {}, {}
+    kv._traffic = {"shm": 0, "rpc": 0, "in-process": 0}
+    kv._global_rank, kv._timeout_s, kv._server = 0, 5.0, None
+    return kv
+
+
+def test_a_hostile_shared_memory_offer_or_answer_gives_one_clear_error():
+    before = mapped_segments()
+    arena = Arena.create(1 << 16)
+    good = [0, arena.handle["pid"], arena.handle["fd"], arena.handle["token"], arena.nbytes]
+    workers = []
+    try:
+        for offer, match in [
+            ("junk", "offered shared memory as str"),
+            ({"arenas": [[1, 2]], "slots": []}, "named arena"),
+            ({"arenas": [good], "slots": [["w", 0, 0]]}, "named slots"),
+            ({"arenas": [good], "slots": [["w", 5, 0, 0, 512, 1024]]}, "part 5, which it does not hold"),
+            ({"arenas": [good], "slots": [["w", 0, 0, 0, 1 << 16, 1024]]}, "slot offset 65536"),
+            ({"arenas": [good], "slots": [["w", 0, 0, 0, 100, 1024]]}, "slot offset 100"),
+            ({"arenas": [good], "slots": [[["w"], 0, 0, 0, 512, 1024]]}, "expected an int or a str"),
+            ({"arenas": [good], "slots": [["w", 0, 0, 0, 512, 1024]], "control": ["/tmp/x", "t"]},
+             "named control channel"),
+            ({"arenas": [good], "slots": [["w", 0, 0, 0, 512, 1024]], "control": None}, "named control channel"),
+        ]:
+            kv = _bare_worker()
+            workers.append(kv)
+            with pytest.raises(UsageError, match=match) as info:
+                kv._adopt_slots(1, offer)
+            assert "\n" not in str(info.value)
+            del info  # its traceback holds views of the arena
+        # an arena that cannot be mapped from here (its token differs): that server's slices stay on RPC
+        kv = _bare_worker()
+        workers.append(kv)
+        kv._adopt_slots(1, {"arenas": [[0, good[1], good[2], good[3] ^ 1, good[4]]],
+                            "slots": [["w", 0, 0, 0, 512, 1024]], "control": ["dlperf-kvstore-x", "t"]})
+        assert kv._slots == {} and kv._control == {} and "not the segment" in kv._shm_refused[1]
+        # an answer naming a slot this worker was not given, or a where it cannot mean
+        for where, match in [([2], "slot this worker does not have"), ([7], "where=\\[7\\]"),
+                             ([True], "where=\\[True\\]"), ("0", "where='0'"), ([0, 0], "where=\\[0, 0\\]")]:
+            with pytest.raises(UsageError, match=match):
+                kv._pulled(1, [["w", 0, 1, 1]], {"where": where}, [])
+    finally:
+        for kv in workers:
+            kv._release_shared_memory()
+        arena.close()
+    assert mapped_segments() == before

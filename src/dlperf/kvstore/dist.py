@@ -30,6 +30,14 @@ own server directly. One request per server carries every key of a batched call,
 below 64 KB travel packed in one buffer, so a model with many small parameters pays the per-message
 cost once per server, not once per key (bytedance/byteps#237).
 
+On one host the payloads skip the sockets (:mod:`dlperf.kvstore.shm`): the server keeps each slice
+in shared memory that the workers map, a push is written into the worker's slot there and a sync
+pull is read from the value slot, and the push/pull requests (key names, slot numbers) go through
+a Unix-socket control channel (:mod:`dlperf.kvstore.control`); a pushpull of several keys becomes a
+pipeline of a few requests, so the server sums one while the workers copy the next. The store picks
+this path by itself wherever the mapping works; ``DLPERF_KVSTORE_SHM=off`` or ``shared_memory=False``
+keeps everything on RPC. :meth:`DistKVStore.traffic` says which path moved how many bytes.
+
 Configuration is per process: every rank runs the same program, so ``set_optimizer`` and
 ``set_updater`` run on the servers too and take effect there; a worker and a server that disagree on
 how pushes are merged fail at ``init`` naming the server. Server ranks call :meth:`DistKVStore.serve`,
@@ -41,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import socket
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -57,9 +66,12 @@ except ImportError:  # a build without RPC: the stores say so when created
         return fn
 
 from ..errors import UsageError
+from ..parallel.allreduce.shm_segment import ShmUnavailableError
 from .base import Key, KVStore, _as_list, register_kvstore
+from .control import ControlClient, ControlServer
+from .shm import ARENA_MIN_BYTES, SHM_ENV, Arena, ArenaPlan, ServerSlots, WorkerSlots, cut_slots, shm_wanted
 
-__all__ = ["NUM_SERVERS_ENV", "server_count",
+__all__ = ["NUM_SERVERS_ENV", "SHM_ENV", "server_count",
            "DistKVStore", "DistSyncKVStore", "DistAsyncKVStore", "DistDeviceSyncKVStore", "Placement",
            "BIG_ARRAY_BOUND"]
 
@@ -69,6 +81,8 @@ BIG_ARRAY_BOUND = 1_000_000
 _INIT, _PUSH, _PULL, _PUSHPULL, _STATE, _LOAD, _BYE = range(1, 8)
 _OK, _ERROR = 0, 1
 _SMALL_BYTES = 64 * 1024  # tensors below this travel packed into one buffer per message
+_PIPELINE_STAGES = 4  # a same-host pushpull is cut into at most about this many requests
+_PIPELINE_MIN_BYTES = 1 << 20  # and none smaller than this, where a request's cost would dominate
 _ALIGN = 8  # every packed tensor starts at a multiple of this, so a dtype view of the buffer is legal
 _DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                                torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
@@ -227,6 +241,8 @@ class _Entry:
     param: nn.Parameter | None = None
     optimizer: torch.optim.Optimizer | None = None
     error: str | None = None
+    slots: ServerSlots | None = None  # same-host workers' payloads travel through these
+    held: torch.Tensor | None = None  # a round's first push, still in its sender's exchange slot
 
 
 class _Server:
@@ -247,6 +263,10 @@ class _Server:
         # serve(): inits that arrive before serve() wait for it, so they meet the configured mode
         self.serving = store.role != "server"
         self.early_inits: list[tuple[int, dict, list[torch.Tensor], torch.futures.Future]] = []
+        self.host = socket.gethostname()
+        self.arenas: list[Arena] = []
+        self.arena_used = 0  # bytes of the last arena given out
+        self.control: ControlServer | None = None  # started with the first shared-memory offer
 
     def handle(self, src: int, op: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
         handlers = {_INIT: self.on_init, _PUSH: self.on_push, _PULL: self.on_pull, _PUSHPULL: self.on_pushpull,
@@ -298,14 +318,18 @@ class _Server:
         own = self.store._merge_mode() if self.store.role == "server" else None
         items = meta["items"]
         values = _from_wire(wire, [(d, n) for _, _, d, n, _ in items]) if wire else []
-        parts = []
-        for i, (name, part, dtype, numel, shape) in enumerate(items):
+        created = []
+        for name, part, dtype, numel, shape in items:
             key = _key_of(name)
-            entry = self.entries.get((key, part))
-            if entry is None:
+            if (key, part) not in self.entries:
                 value = torch.zeros(numel, dtype=_dtype(dtype))
-                entry = self.entries[(key, part)] = _Entry(value if shape is None else value.reshape(shape),
-                                                           mode=own or meta["mode"])
+                created.append(self.entries.setdefault((key, part), _Entry(
+                    value if shape is None else value.reshape(shape), mode=own or meta["mode"])))
+        if created and self.store._shm and meta.get("shm") is True and meta.get("host") == self.host:
+            self.give_slots(created)
+        parts = []
+        for i, (name, part, _, _, _) in enumerate(items):
+            entry = self.entries[(_key_of(name), part)]
             if meta["mode"] != entry.mode:
                 raise UsageError(f"worker rank {src} merges pushes by {meta['mode']!r} but server rank "
                                  f"{self.store._global_rank} by {entry.mode!r}; call set_optimizer/set_updater "
@@ -314,46 +338,143 @@ class _Server:
                 entry.value.view(-1).copy_(values[i])
             entry.inits.add(src)
             parts.append(entry)
+        reply = self.slots_reply(src, items) if meta.get("shm") is True and src != self.store._global_rank else {}
         workers = self.store.num_workers
-        self.pending.append(lambda: all(len(e.inits) >= workers for e in parts) and self.ok(future))
+        self.pending.append(lambda: all(len(e.inits) >= workers for e in parts) and self.ok(future, reply))
 
-    def on_push(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future | None) -> None:
-        items = meta["items"]
-        received = _from_wire(wire, [(d, n) for _, _, d, n in items])
-        for (name, part, _, _), value in zip(items, received, strict=True):
-            key = _key_of(name)
-            entry = self.entry(key, part)
+    def give_slots(self, created: list[_Entry]) -> None:
+        """Move the new slices into an arena: a value slot pair and an exchange slot per remote worker each.
+
+        Small slices too: a request whose slices are all in slots goes through the control channel.
+        """
+        remote = [w for w in self.store._worker_ranks if w != self.store._global_rank]
+        if not remote:
+            return
+        plan = ArenaPlan()
+        for e in created:
+            plan.add(e.value.numel(), e.value.dtype, remote)
+        if self.arenas and self.arena_used + plan.nbytes <= self.arenas[-1].nbytes:
+            arena, base = self.arenas[-1], self.arena_used
+        else:
             try:
-                self.push_one(src, key, entry, value)
+                arena, base = Arena.create(max(plan.nbytes, ARENA_MIN_BYTES)), 0
+            except ShmUnavailableError:  # no shared memory here: these slices stay on RPC
+                return
+            arena.ident = len(self.arenas)
+            self.arenas.append(arena)
+        plan = ArenaPlan(nbytes=base)
+        for e in created:
+            plan.add(e.value.numel(), e.value.dtype, remote)
+        slots = cut_slots(arena, plan, [(e.value.numel(), e.value.dtype) for e in created])
+        self.arena_used = plan.nbytes
+        for e, slot in zip(created, slots, strict=True):
+            slot.values[0].copy_(e.value.view(-1))
+            e.value, e.slots = slot.values[0].view(e.value.shape), slot
+
+    def slots_reply(self, src: int, items: list) -> dict:
+        """What worker ``src`` needs to map the arenas of these items' slices and find its slots there."""
+        arenas, slots = {}, []
+        for name, part, *_ in items:
+            found = self.entries[(_key_of(name), part)].slots
+            if found is None or src not in found.exchange:
+                continue
+            arena = found.arena
+            handle = arena.handle or {}
+            arenas[arena.ident] = [arena.ident, handle.get("pid"), handle.get("fd"), handle.get("token"), arena.nbytes]
+            slots.append([name, part, arena.ident, *found.offsets, found.exchange_offsets[src]])
+        if not slots:
+            return {}
+        if self.control is None:
+            self.control = ControlServer(self.on_control, set(self.store._worker_ranks),
+                                         f"kvstore server {self.store._global_rank}")
+        return {"shm": {"arenas": list(arenas.values()), "slots": slots,
+                        "control": [self.control.name, self.control.token]}}
+
+    def on_control(self, src: int, op: Any, meta: dict, reply: Any) -> None:
+        """A request off the control channel: a push or pull whose slices are all in shared memory."""
+        if op not in (_PUSH, _PULL, _PUSHPULL):
+            reply.set_result((_ERROR, {"error": f"operation {op!r} does not go through the control channel"}, []))
+            return
+        with self.lock:
+            self.handle(src, op, meta, [], reply)
+
+    def payloads(self, src: int, items: list, wire: list[torch.Tensor]) -> list[tuple[torch.Tensor, bool]]:
+        """Each pushed slice and whether it is borrowed (the sender may overwrite it once answered)."""
+        in_slot = [len(item) > 4 and item[4] == 1 for item in items]
+        on_wire = iter(_from_wire(wire, [(item[2], item[3]) for item, s in zip(items, in_slot, strict=True)
+                                         if not s]))
+        out = []
+        for item, shm in zip(items, in_slot, strict=True):
+            if not shm:
+                out.append((next(on_wire), src == self.store._global_rank))
+                continue
+            entry = self.entry(item[0], item[1])
+            if entry.slots is None or src not in entry.slots.exchange:
+                raise UsageError(f"worker rank {src} pushed key {item[0]!r} part {item[1]!r} through shared memory "
+                                 f"but server rank {self.store._global_rank} gave it no slot there")
+            out.append((entry.slots.exchange[src], True))
+        return out
+
+    def on_push(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future | None,
+                pulled: frozenset = frozenset()) -> None:
+        """``pulled``: the (key, part)s the same request pulls, whose sender waits for the round to end."""
+        items = meta["items"]
+        for item, (value, borrowed) in zip(items, self.payloads(src, items, wire), strict=True):
+            key = _key_of(item[0])
+            entry = self.entry(key, item[1])
+            try:
+                self.push_one(src, key, entry, value, borrowed, hold=(key, item[1]) in pulled)
             except Exception as exc:  # noqa: BLE001 - a failed merge is reported to the pulls of the key
                 entry.error = f"{type(exc).__name__}: {exc}"
         if future is not None:
             self.ok(future)
 
-    def push_one(self, src: int, key: Key, entry: _Entry, value: torch.Tensor) -> None:
+    def push_one(self, src: int, key: Key, entry: _Entry, value: torch.Tensor, borrowed: bool,
+                 hold: bool = False) -> None:
+        """``borrowed``: ``value`` is the sender's memory (a co-located worker's tensor, an exchange slot).
+
+        ``hold``: the sender touches ``value`` again only after this round ends, so it may be read then.
+        """
         entry.pushes[src] = entry.pushes.get(src, 0) + 1
         if not self.store._sync:
             self.apply(key, entry, value.reshape(entry.value.shape))
             return
         if src in entry.arrived:  # this worker is a round ahead: its push waits for the next round
-            entry.backlog.append((src, value if src != self.store._global_rank else value.clone()))
+            entry.backlog.append((src, value.clone() if borrowed else value))
             return
-        self.merge(key, entry, src, value, owned=src != self.store._global_rank)
+        self.merge(key, entry, src, value, owned=not borrowed, hold=hold and entry.slots is not None)
 
-    def merge(self, key: Key, entry: _Entry, src: int, value: torch.Tensor, owned: bool = False) -> None:
+    def merge(self, key: Key, entry: _Entry, src: int, value: torch.Tensor, owned: bool = False,
+              hold: bool = False) -> None:
         value = value.reshape(entry.value.shape)
         if entry.merge is None:
-            # a remote push arrives in a buffer of its own; a co-located worker's is the worker's tensor
-            entry.merge = value if owned else value.clone()
+            if entry.slots is not None:  # the sum builds up in the spare value slot: no allocation
+                if hold and entry.held is None:
+                    # the sender waits for this round: its slot is read when the next push comes, one pass
+                    # over both instead of a copy now and an add then
+                    entry.held = value
+                else:
+                    entry.merge = entry.slots.spare().view(entry.value.shape)
+                    if entry.held is not None:
+                        torch.add(entry.held, value, out=entry.merge)
+                        entry.held = None
+                    else:
+                        entry.merge.copy_(value)
+            else:
+                # a remote push arrives in a buffer of its own; a co-located worker's is the worker's tensor
+                entry.merge = value if owned else value.clone()
         else:
             entry.merge.add_(value)
         entry.arrived.add(src)
         if len(entry.arrived) < self.store.num_workers:
             return
+        if entry.held is not None:  # the round's only push
+            entry.merge, entry.held = entry.slots.spare().view(entry.value.shape).copy_(entry.held), None
         total, entry.merge, entry.arrived = entry.merge, None, set()
         store = self.store
         if store._updater is None and store._factory is None:
-            entry.value = total  # assignment: the sum becomes the stored value, no copy
+            # assignment: the sum becomes the stored value, no copy (in shared memory: the slots swap)
+            entry.value = total if entry.slots is None else entry.slots.swap().view(entry.value.shape)
         else:
             self.apply(key, entry, total)
         entry.rounds += 1
@@ -389,7 +510,9 @@ class _Server:
         return slowest >= needed - self.store.staleness
 
     def on_pull(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
-        wanted = [(self.entry(name, part), needed) for name, part, needed in meta["items"]]
+        wanted = [(self.entry(item[0], item[1]), item[2]) for item in meta["items"]]
+        in_slot = [len(item) > 3 and item[3] == 1 and e.slots is not None and src in e.slots.exchange
+                   for item, (e, _) in zip(meta["items"], wanted, strict=True)]
 
         def answer() -> bool:
             if not all(self.ready(e, n) for e, n in wanted):
@@ -399,15 +522,26 @@ class _Server:
                 future.set_result((_ERROR, {"error": errors[0]}, []))
                 return True
             # A sync round cannot end again before this worker pushes anew, after it has its reply: the
-            # stored values go out as they are. An async push may land any time: send a copy.
-            values = [e.value if self.store._sync else e.value.clone() for e, _ in wanted]
-            return self.ok(future, {}, values)
+            # stored values go out as they are (through shared memory: the worker reads the value slot
+            # itself). An async push may land any time: send a copy (into the worker's exchange slot).
+            where, values = [], []
+            for (e, _), shm in zip(wanted, in_slot, strict=True):
+                if not shm:
+                    where.append(-1)
+                    values.append(e.value if self.store._sync else e.value.clone())
+                elif self.store._sync:
+                    where.append(e.slots.current)
+                else:
+                    e.slots.exchange[src].copy_(e.value.view(-1))
+                    where.append(2)
+            return self.ok(future, {"where": where}, values)
 
         if not answer():
             self.pending.append(answer)
 
     def on_pushpull(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
-        self.on_push(src, {"items": meta["push"]}, wire, None)
+        pulled = frozenset((_key_of(item[0]), item[1]) for item in meta["pull"] if isinstance(item, list) and item)
+        self.on_push(src, {"items": meta["push"]}, wire, None, pulled if self.store._sync else frozenset())
         self.pending = [p for p in self.pending if not p()]  # the push may end a round others wait for
         self.on_pull(src, {"items": meta["pull"]}, [], future)
 
@@ -543,6 +677,10 @@ class DistKVStore(KVStore):
         staleness: ``dist_async`` only: the bound tau on how many pushes workers may drift apart.
         big_array_bound: keys with at least this many elements are split across all servers.
         timeout_s: the longest one call waits for its servers (a sync pull waits for the slowest worker).
+        shared_memory: move the slices of same-host servers through shared memory (see
+            :mod:`dlperf.kvstore.shm`); default: ``DLPERF_KVSTORE_SHM`` (on unless ``off``). Every rank
+            decides for itself: a server that does not offer it, or a worker that does not want it,
+            keeps those payloads on RPC.
     """
 
     type = "dist_sync"
@@ -550,7 +688,8 @@ class DistKVStore(KVStore):
     _local_sum_on_device = False
 
     def __init__(self, kind: str | None = None, *, num_servers: int | None = None, staleness: int | None = None,
-                 big_array_bound: int = BIG_ARRAY_BOUND, timeout_s: float = 300.0) -> None:
+                 big_array_bound: int = BIG_ARRAY_BOUND, timeout_s: float = 300.0,
+                 shared_memory: bool | None = None) -> None:
         super().__init__(kind)
         import torch.distributed as dist
 
@@ -568,6 +707,14 @@ class DistKVStore(KVStore):
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise UsageError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         self.staleness = staleness
+        self._shm = shm_wanted(shared_memory)
+        self._slots: dict[tuple[Key, int], WorkerSlots] = {}  # same-host remote slices, by (key, part)
+        self._arenas: dict[tuple[int, int], Arena | None] = {}  # (server, arena): mapped, or None if it failed
+        self._shm_refused: dict[int, str] = {}  # server -> why its arenas could not be mapped here
+        self._control: dict[int, ControlClient] = {}  # same-host servers: requests without RPC
+        self._timeout_s = float(timeout_s)
+        self._traffic = {"shm": 0, "rpc": 0, "in-process": 0}
+        self._requests = {"control": 0, "rpc": 0, "in-process": 0}
         self._global_rank = rank
         workers = world - num_servers
         self._worker_ranks = list(range(workers))
@@ -605,6 +752,13 @@ class DistKVStore(KVStore):
         """Where each initialized key lives; ``print(store.placement())`` shows a table."""
         return self._placement
 
+    def traffic(self) -> dict[str, Any]:
+        """Payload bytes this worker pushed and pulled, by path: ``shm`` (shared memory), ``rpc``, ``in-process``
+        (its co-located server); ``requests`` it sent, by channel (``control``, ``rpc``, ``in-process``); and
+        ``refused``: servers whose shared memory could not be mapped here, and why.
+        """
+        return {**self._traffic, "requests": dict(self._requests), "refused": dict(self._shm_refused)}
+
     def _home(self, key: Key, like: torch.Tensor, devices: Sequence[torch.device]) -> torch.device:
         return torch.device("cpu")
 
@@ -618,11 +772,25 @@ class DistKVStore(KVStore):
                              "does not push or pull; call serve() there")
 
     # -- requests ----------------------------------------------------------------------------------
-    def _send(self, server: int, op: int, meta: dict,
-              tensors: Sequence[torch.Tensor] = ()) -> Callable[[], tuple[dict, list[torch.Tensor]]]:
-        """Send one request; the returned function waits for its reply (so requests to servers overlap)."""
+    def _send(self, server: int, op: int, meta: dict, tensors: Sequence[torch.Tensor] = (),
+              control: bool = False) -> Callable[[], tuple[dict, list[torch.Tensor]]]:
+        """Send one request; the returned function waits for its reply (so requests to servers overlap).
+
+        ``control``: through the server's control channel (every slice of it is in shared memory).
+        """
         import torch.distributed.rpc as rpc
 
+        self._requests["control" if control else "in-process" if server == self._global_rank else "rpc"] += 1
+        if control:
+            answer = self._control[server].request(op, meta, f"a {'push pull pushpull'.split()[op - _PUSH]}")
+
+            def wait_control() -> tuple[dict, list[torch.Tensor]]:
+                code, reply = answer()
+                if code != _OK:
+                    raise UsageError(f"kvstore server rank {server}: {reply.get('error', 'failed')}")
+                return reply, []
+
+            return wait_control
         wire = _to_wire(tensors) if tensors else []
         args = (self._id, self._global_rank, op, meta, wire)
         if server == self._global_rank:
@@ -675,15 +843,65 @@ class DistKVStore(KVStore):
             self._placement.place(k, v.numel())
         flat = {k: v.detach().to("cpu").reshape(-1) for k, v in zip(keys, values, strict=True)}
         mode = self._merge_mode()
-        waits = []
+        waits = {}
         for server, items in self._by_server(keys).items():
             meta = {"mode": mode, "items": [[k, s.part, str(self._meta[k][1]), s.stop - s.start,
                                              list(self._meta[k][0]) if len(self._slices(k)) == 1 else None]
                                             for k, s in items]}
+            if self._shm:  # (a co-located worker's init may be the one that creates its server's slots)
+                meta.update(shm=True, host=socket.gethostname())
             tensors = [flat[k][s.start:s.stop] for k, s in items] if self.rank == 0 else []
-            waits.append(self._send(server, _INIT, meta, tensors))
-        for wait in waits:
-            wait()
+            waits[server] = self._send(server, _INIT, meta, tensors)
+        for server, wait in waits.items():
+            self._adopt_slots(server, wait()[0].get("shm"))
+
+    def _map_arena(self, server: int, row: Any) -> None:
+        if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], int)):
+            raise UsageError(f"kvstore server rank {server} named arena {row!r}; expected [id, pid, fd, token, "
+                             "bytes]: every rank must run the same dlperf")
+        ident, pid, fd, token, nbytes = row
+        if (server, ident) in self._arenas:
+            return
+        try:
+            self._arenas[(server, ident)] = Arena.attach({"pid": pid, "fd": fd, "token": token}, nbytes)
+        except ShmUnavailableError as exc:  # another host or pid namespace: RPC carries these slices
+            self._arenas[(server, ident)] = None
+            self._shm_refused[server] = str(exc)
+
+    def _adopt_slots(self, server: int, offer: Any) -> None:
+        """Map the arenas a same-host server offered and find this worker's slots in them."""
+        if offer is None:
+            return
+        if not isinstance(offer, dict) or not isinstance(offer.get("arenas"), list) \
+                or not isinstance(offer.get("slots"), list):
+            raise UsageError(f"kvstore server rank {server} offered shared memory as {type(offer).__name__}; "
+                             "expected its arenas and slots: every rank must run the same dlperf")
+        for row in offer["arenas"]:
+            self._map_arena(server, row)
+        for row in offer["slots"]:
+            if not (isinstance(row, list) and len(row) == 6):
+                raise UsageError(f"kvstore server rank {server} named slots {row!r}; expected [key, part, arena, "
+                                 "value offset, value offset, exchange offset]: every rank must run the same dlperf")
+            name, part, ident, *offsets = row
+            key = _key_of(name)
+            slices = self._placement.keys.get(key, [])
+            if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < len(slices) \
+                    or slices[part].server != server:
+                raise UsageError(f"kvstore server rank {server} offered a slot for key {key!r} part {part!r}, "
+                                 "which it does not hold")
+            arena = self._arenas.get((server, ident)) if isinstance(ident, int) else None
+            if arena is None:
+                continue
+            numel, dtype = slices[part].stop - slices[part].start, self._meta[key][1]
+            views = [arena.view(o, numel, dtype) for o in offsets]
+            self._slots[(key, part)] = WorkerSlots(views[:2], views[2])
+        control = offer.get("control")
+        if server not in self._control and any(a is not None for (s, _), a in self._arenas.items() if s == server):
+            if not (isinstance(control, list) and len(control) == 2 and all(isinstance(c, str) for c in control)
+                    and control[0].startswith("dlperf-kvstore-") and len(control[0]) < 100):
+                raise UsageError(f"kvstore server rank {server} named control channel {control!r}; expected "
+                                 "[name, token]: every rank must run the same dlperf")
+            self._control[server] = ControlClient(control[0], control[1], self._global_rank, server, self._timeout_s)
 
     # -- push and pull -----------------------------------------------------------------------------
     def _get(self, key: Key) -> torch.Tensor:
@@ -701,30 +919,70 @@ class DistKVStore(KVStore):
         total = self._reduce(home, values) if len(values) > 1 else values[0]
         return total.to("cpu", self._meta[key][1]).reshape(-1)
 
+    def _path(self, server: int, key: Key, part: int) -> tuple[str, WorkerSlots | None]:
+        if server == self._global_rank:
+            return "in-process", None
+        slots = self._slots.get((key, part))
+        return ("rpc", None) if slots is None else ("shm", slots)
+
     def _push_items(self, pairs: Sequence[tuple[Key, list[torch.Tensor]]]) -> dict[int, tuple[list, list]]:
-        """Per server: the (key, part, dtype, numel) items and the slices of one push."""
+        """Per server: the (key, part, dtype, numel[, 1 if in its exchange slot]) items and the slices on the wire."""
         sums = {k: self._local_sum(k, vs) for k, vs in pairs}
         out: dict[int, tuple[list, list]] = {}
         for server, items in self._by_server([k for k, _ in pairs]).items():
             meta, tensors = out.setdefault(server, ([], []))
             for k, s in items:
-                meta.append([k, s.part, str(self._meta[k][1]), s.stop - s.start])
-                tensors.append(sums[k][s.start:s.stop])
+                item = [k, s.part, str(self._meta[k][1]), s.stop - s.start]
+                part = sums[k][s.start:s.stop]
+                path, slots = self._path(server, k, s.part)
+                if slots is not None:
+                    slots.exchange.copy_(part)
+                    item.append(1)
+                else:
+                    tensors.append(part)
+                meta.append(item)
+                self._traffic[path] += part.numel() * part.element_size()
         for k, _ in pairs:
             self._pushed[k] += 1
         return out
 
     def _pull_items(self, keys: Sequence[Key]) -> dict[int, list]:
-        return {server: [[k, s.part, self._pushed[k]] for k, s in items]
+        """Per server: the (key, part, pushes so far[, 1 to answer through shared memory]) items of one pull."""
+        return {server: [[k, s.part, self._pushed[k]] + ([1] if self._path(server, k, s.part)[1] else [])
+                         for k, s in items]
                 for server, items in self._by_server(keys).items()}
 
+    def _pulled(self, server: int, items: list, reply: dict, body: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each pulled slice: off the wire, or the slot the server's reply names."""
+        where = reply.get("where")
+        if not (isinstance(where, list) and len(where) == len(items)
+                and all(w in (-1, 0, 1, 2) and not isinstance(w, bool) for w in where)):
+            raise UsageError(f"kvstore server rank {server} answered a pull of {len(items)} slices with "
+                             f"where={where!r}; expected one of -1, 0, 1, 2 per slice: every rank must run the "
+                             "same dlperf")
+        specs = [(str(self._meta[item[0]][1]), self._slice(item[0], item[1]).stop - self._slice(item[0], item[1]).start)
+                 for item, w in zip(items, where, strict=True) if w == -1]
+        on_wire = iter(_from_wire(body, specs))
+        out = []
+        for item, w in zip(items, where, strict=True):
+            path, slots = self._path(server, item[0], item[1])
+            if w == -1:
+                got = next(on_wire)
+                path = "in-process" if path == "in-process" else "rpc"
+            elif slots is None:
+                raise UsageError(f"kvstore server rank {server} answered key {item[0]!r} through a shared-memory "
+                                 "slot this worker does not have")
+            else:
+                got = slots.reply(w)
+            self._traffic[path] += got.numel() * got.element_size()
+            out.append(got)
+        return out
+
     def _deliver(self, pulls: Sequence[tuple[Key, list[torch.Tensor]]], server_items: dict[int, list],
-                 bodies: dict[int, list[torch.Tensor]]) -> None:
+                 replies: dict[int, tuple[dict, list[torch.Tensor]]]) -> None:
         full: dict[Key, torch.Tensor] = {}
         for server, items in server_items.items():
-            specs = [(str(self._meta[k][1]), self._slice(k, part).stop - self._slice(k, part).start)
-                     for k, part, _ in items]
-            for (k, part, _), got in zip(items, _from_wire(bodies[server], specs), strict=True):
+            for (k, part, *_), got in zip(items, self._pulled(server, items, *replies[server]), strict=True):
                 if len(self._slices(k)) == 1:
                     full[k] = got.view(self._meta[k][0])  # whole on one server: no assembly
                     continue
@@ -740,21 +998,78 @@ class DistKVStore(KVStore):
     def _exchange(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
                   pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> None:
         """One request per server carrying every push and pull of the call; requests overlap."""
+        if self._pipelines(pushes, pulls):
+            self._pipelined_pushpull(pushes, pulls)
+            return
         push_items = self._push_items(pushes) if pushes else {}
         pull_items = self._pull_items([k for k, _ in pulls]) if pulls else {}
         waits = {}
         for server in sorted(set(push_items) | set(pull_items)):
             meta_items, tensors = push_items.get(server, ([], []))
             wanted = pull_items.get(server)
+            # every slice in shared memory: the control channel carries the request
+            control = server in self._control and all(len(i) > 4 for i in meta_items) \
+                and all(len(i) > 3 for i in wanted or ())
             if wanted is None:
-                waits[server] = self._send(server, _PUSH, {"items": meta_items}, tensors)
+                waits[server] = self._send(server, _PUSH, {"items": meta_items}, tensors, control)
             elif not meta_items:
-                waits[server] = self._send(server, _PULL, {"items": wanted})
+                waits[server] = self._send(server, _PULL, {"items": wanted}, control=control)
             else:
-                waits[server] = self._send(server, _PUSHPULL, {"push": meta_items, "pull": wanted}, tensors)
-        bodies = {server: wait()[1] for server, wait in waits.items()}
+                waits[server] = self._send(server, _PUSHPULL, {"push": meta_items, "pull": wanted}, tensors, control)
+        replies = {server: wait() for server, wait in waits.items()}
         if pulls:
-            self._deliver(pulls, pull_items, bodies)
+            self._deliver(pulls, pull_items, replies)
+
+    def _pipelines(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
+                   pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> bool:
+        """Whether a pushpull can run as a pipeline: whole keys, each in slots of a same-host server."""
+        if len(pushes) < 2 or [k for k, _ in pushes] != [k for k, _ in pulls]:
+            return False
+        for k, _ in pushes:
+            slices = self._slices(k)
+            if len(slices) != 1 or slices[0].server not in self._control or (k, 0) not in self._slots:
+                return False
+        return True
+
+    def _pipelined_pushpull(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
+                            pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> None:
+        """Requests of about a quarter of the bytes each: the server sums one while this worker copies the next.
+
+        One request for everything would leave the server idle while the workers copy in, and the workers
+        idle while it sums; and each key's slots are still in cache when the next stage reads them.
+        """
+        total = sum(self._slots[(k, 0)].exchange.nbytes for k, _ in pushes)
+        cut = max(_PIPELINE_MIN_BYTES, total // _PIPELINE_STAGES)
+        groups: list[list[int]] = []
+        size = 0
+        for i, (k, _) in enumerate(pushes):
+            server = self._slices(k)[0].server
+            if not groups or size >= cut or self._slices(pushes[groups[-1][0]][0])[0].server != server:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += self._slots[(k, 0)].exchange.nbytes
+        for k, _ in pushes:
+            self._pushed[k] += 1
+        waits = []
+        for group in groups:
+            push_meta, pull_meta = [], []
+            for i in group:
+                k, values = pushes[i]
+                slots = self._slots[(k, 0)]
+                slots.exchange.copy_(self._local_sum(k, values))
+                push_meta.append([k, 0, str(self._meta[k][1]), slots.exchange.numel(), 1])
+                pull_meta.append([k, 0, self._pushed[k], 1])
+                self._traffic["shm"] += slots.exchange.nbytes
+            server = self._slices(pushes[group[0]][0])[0].server
+            waits.append((group, server, pull_meta,
+                          self._send(server, _PUSHPULL, {"push": push_meta, "pull": pull_meta}, control=True)))
+        with torch.no_grad():
+            for group, server, pull_meta, wait in waits:
+                for i, got in zip(group, self._pulled(server, pull_meta, *wait()), strict=True):
+                    k, outs = pulls[i]
+                    for o in outs:
+                        o.copy_(got.view(self._meta[k][0]), non_blocking=True)
 
     def _push_now(self, key: Key, values: list[torch.Tensor]) -> None:
         self._exchange([(key, values)], [])
@@ -881,12 +1196,35 @@ class DistKVStore(KVStore):
                 finally:
                     for wait in [self._send(server, _BYE, {}) for server in self._placement.servers]:
                         wait()
+                    # a co-located server stays until every worker has said goodbye: with another store
+                    # still open, leaving the RPC agent is no barrier, and a slower peer's goodbye would
+                    # find no store here
+                    if self._server is not None and not self._server.all_closed.wait(self._timeout_s):
+                        raise UsageError(f"kvstore {self._id}: not every worker closed the store within "
+                                         f"timeout_s={self._timeout_s:g} s; every rank must close it")
         finally:
             try:
                 super().close()
             finally:
                 _stop_agent()
                 _SERVERS.pop(self._id, None)
+                self._release_shared_memory()
+
+    def _release_shared_memory(self) -> None:
+        for client in self._control.values():
+            client.close()
+        self._control = {}
+        if self._server is not None and self._server.control is not None:
+            self._server.control.close()
+            self._server.control = None
+        self._slots = {}
+        arenas = [a for a in self._arenas.values() if a is not None]
+        self._arenas = {}
+        if self._server is not None:
+            arenas += self._server.arenas
+            self._server.entries, self._server.arenas = {}, []
+        for arena in arenas:
+            arena.close()
 
 
 class DistSyncKVStore(DistKVStore):

@@ -1,0 +1,166 @@
+"""Same-host payloads of the dist kvstores: tensors through shared memory, not through sockets.
+
+When a worker and a server run on one host, a push or pull need not cross a socket. At ``init`` the
+server takes slots from an anonymous memory file (an *arena*, a
+:class:`~dlperf.parallel.allreduce.shm_segment.Segment`: no name in ``/dev/shm``, gone with the last
+mapping however the processes end; a new one when the last is full): per new slice, two value slots
+and one exchange slot per remote worker. Its reply names the arena and the slots; the worker maps the
+arena, and if that works (same host, same pid namespace, the segment's random token matches) the
+slices travel this way from then on, and the requests go through the control channel
+(:mod:`dlperf.kvstore.control`) instead of RPC:
+
+* push: the worker writes its sum into its exchange slot; the request carries only the key names; the
+  server merges from the slot into the spare value slot (a sync round's first push is read when the
+  second arrives, if its sender waits for the round: one pass over both). An assignment round swaps
+  the two value slots instead of copying; an optimizer or updater updates the value slot in place.
+* pull (``dist_sync``): the reply says which value slot holds the value and the worker copies it out
+  itself. A sync value cannot change until every worker has pushed again, so no copy is taken for the
+  reply. ``dist_async`` values change on any push: the server copies the value into the worker's
+  exchange slot under its lock and the worker reads it there.
+
+Nothing in a peer's message is trusted: every slot a reply names is checked against the arena's size
+and the slice's length, and a slot the receiver did not set up is an error naming the peer.
+
+``DLPERF_KVSTORE_SHM=off`` (or ``shared_memory=False`` on the store) keeps every payload and request on
+RPC, e.g. to measure the path between hosts; ``on`` (the default) uses shared memory wherever the
+mapping works.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UsageError
+from ..parallel.allreduce.shm_segment import Segment
+
+__all__ = ["SHM_ENV", "SLOT_ALIGN", "ARENA_MIN_BYTES", "Arena", "ArenaPlan", "ServerSlots", "WorkerSlots", "cut_slots",
+           "shm_wanted", "slot_bytes"]
+
+SHM_ENV = "DLPERF_KVSTORE_SHM"
+SLOT_ALIGN = 64  # every slot starts on a cache line, so a view of any dtype is aligned
+ARENA_MIN_BYTES = 4 << 20
+"""An arena holds at least this much, so keys initialized one at a time share arenas (and descriptors)."""
+_MAX_ARENA_BYTES = 1 << 44  # a reply naming a bigger arena is not ours: refuse before mapping anything
+_ON = ("", "on", "1", "yes", "true", "auto")
+_OFF = ("off", "0", "no", "false")
+
+
+def shm_wanted(given: bool | None) -> bool:
+    """Whether this process offers shared memory to its peers: ``given``, else ``DLPERF_KVSTORE_SHM``."""
+    if given is not None:
+        if not isinstance(given, bool):
+            raise UsageError(f"shared_memory={given!r}: expected True, False, or None (the {SHM_ENV} setting)")
+        return given and _available()
+    text = os.environ.get(SHM_ENV, "").strip().lower()
+    if text in _OFF:
+        return False
+    if text not in _ON:
+        raise UsageError(f"{SHM_ENV}={text!r}: expected on (same-host payloads through shared memory) or off "
+                         "(every payload through RPC); unset it for on")
+    return _available()
+
+
+def _available() -> bool:
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+def slot_bytes(numel: int, dtype: torch.dtype) -> int:
+    return -(-numel * dtype.itemsize // SLOT_ALIGN) * SLOT_ALIGN
+
+
+class Arena:
+    """A mapped segment seen as bytes: the server's own, or a worker's mapping of it."""
+
+    def __init__(self, segment: Segment, nbytes: int, handle: dict[str, int] | None = None) -> None:
+        self.segment = segment
+        self.nbytes = nbytes
+        self.handle = handle  # what a peer needs to map it (the creator only)
+        self.ident = 0  # the creator's number for it, which replies name
+        self._bytes: torch.Tensor | None = torch.frombuffer(segment.buffer(), dtype=torch.uint8, count=nbytes)
+
+    @classmethod
+    def create(cls, nbytes: int) -> Arena:
+        segment, handle = Segment.create(1, 0, nbytes)
+        return cls(segment, nbytes, handle)
+
+    @classmethod
+    def attach(cls, handle: object, nbytes: object) -> Arena:
+        """Map a peer's arena; :class:`ShmUnavailableError` if it cannot be mapped from here."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= _MAX_ARENA_BYTES:
+            raise UsageError(f"a kvstore server named a shared-memory arena of {nbytes!r} bytes; expected an "
+                             f"integer from 1 to {_MAX_ARENA_BYTES}: every rank must run the same dlperf")
+        return cls(Segment.attach(handle, 1, 0, nbytes), nbytes)
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The flat slot at ``offset``, checked to lie inside the arena."""
+        nbytes = numel * dtype.itemsize
+        if self._bytes is None:
+            raise UsageError("a kvstore shared-memory arena was used after its store closed")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset % SLOT_ALIGN \
+                or offset + nbytes > self.nbytes:
+            raise UsageError(f"a kvstore peer named slot offset {offset!r} for {nbytes} bytes in an arena of "
+                             f"{self.nbytes}; expected a multiple of {SLOT_ALIGN} inside it: every rank must run "
+                             "the same dlperf")
+        return self._bytes[offset:offset + nbytes].view(dtype)
+
+    def close(self) -> None:
+        self._bytes = None  # the views go first, or the mapping could not be closed
+        self.segment.close()
+
+
+@dataclass
+class ServerSlots:
+    """One stored slice's slots on its server: two value slots (one holds the value) and the exchange slots."""
+
+    arena: Arena
+    values: list[torch.Tensor]
+    exchange: dict[int, torch.Tensor]  # by worker rank
+    offsets: list[int]  # value slot 0, value slot 1
+    exchange_offsets: dict[int, int]
+    current: int = 0
+
+    def spare(self) -> torch.Tensor:
+        return self.values[1 - self.current]
+
+    def swap(self) -> torch.Tensor:
+        """Make the spare slot the value; return it."""
+        self.current = 1 - self.current
+        return self.values[self.current]
+
+
+@dataclass
+class WorkerSlots:
+    """A worker's views of one remote slice's slots."""
+
+    values: list[torch.Tensor]
+    exchange: torch.Tensor
+
+    def reply(self, where: int) -> torch.Tensor:
+        return self.exchange if where == 2 else self.values[where]
+
+
+@dataclass
+class ArenaPlan:
+    """Where each new slice's slots go in one arena about to be made."""
+
+    nbytes: int = 0
+    offsets: list[tuple[list[int], dict[int, int]]] = field(default_factory=list)
+
+    def add(self, numel: int, dtype: torch.dtype, workers: list[int]) -> None:
+        size = slot_bytes(numel, dtype)
+        values = [self.nbytes, self.nbytes + size]
+        exchange = {w: self.nbytes + (2 + i) * size for i, w in enumerate(workers)}
+        self.offsets.append((values, exchange))
+        self.nbytes += (2 + len(workers)) * size
+
+
+def cut_slots(arena: Arena, plan: ArenaPlan, shapes: list[tuple[int, torch.dtype]]) -> list[ServerSlots]:
+    """The planned slots as views of ``arena``, one :class:`ServerSlots` per (numel, dtype) of ``shapes``."""
+    out = []
+    for (numel, dtype), (values, exchange) in zip(shapes, plan.offsets, strict=True):
+        out.append(ServerSlots(arena, [arena.view(o, numel, dtype) for o in values],
+                               {w: arena.view(o, numel, dtype) for w, o in exchange.items()}, values, exchange))
+    return out
