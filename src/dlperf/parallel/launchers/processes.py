@@ -16,6 +16,7 @@ import datetime
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import tempfile
@@ -45,8 +46,10 @@ __all__ = ["ProcessLauncher", "attempt_store", "free_port"]
 
 # torch's process context installs its own handlers for these in the main thread and leaves them there
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-# how long the agent waits for SIGTERM'd workers before SIGKILL: a worker being stopped has nothing to save
+# how long the agent waits for signalled workers before SIGKILL: time for a worker to finish a checkpoint write
 _SHUTDOWN_TIMEOUT_S = 5
+# signals that stop a launch on purpose: the other nodes hear of it at once, not after their fault timeout
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -99,6 +102,10 @@ def _prepare_worker(setup: _Setup, rank: int) -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
+class WorkerInterrupted(RuntimeError):
+    """A worker got SIGINT itself: raised in its place so that the agent sees a failed worker."""
+
+
 def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) -> Any:
     """Entry point of every worker process: the process group around ``fn``."""
     rank, _, local_rank = rank_info()
@@ -111,6 +118,12 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
         _init_process_group(dist, backend, rank, datetime.timedelta(seconds=setup.pg_timeout_s))
     try:
         result = fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        # torch's spawn wrapper takes a KeyboardInterrupt for its parent's doing and exits 0 without a
+        # result; a worker interrupted on its own (Ctrl-C to its process group) must count as stopped
+        message = f"interrupted by SIGINT (Ctrl-C) in rank {rank}'s process"
+        _mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{message}")
+        raise WorkerInterrupted(message) from None
     except BaseException as exc:
         # The peers of a failed rank fail too (their collectives lose the connection), and the agent
         # reports whichever it polls first; the time each rank failed tells the cause from the echoes,
@@ -197,19 +210,32 @@ class _Watchdog:
     killing the workers is the one way to make it return (and stop the rest) through its own shutdown
     path. The watchdog does that when the join timeout passes, and, on a launch over several nodes,
     when another node gives up or is lost (see :class:`~.faults.FaultBoard`, which it keeps beating).
+    When this launcher is interrupted (SIGINT, SIGTERM, SIGHUP) the agent stops the workers itself, and
+    the watchdog tells the other nodes at once, while the main thread is still busy with that shutdown.
     """
 
     POLL_S = 0.2
 
-    def __init__(self, marker_dir: str, local_world: int, timeout_s: float, board: FaultBoard | None) -> None:
+    def __init__(self, marker_dir: str, local_world: int, timeout_s: float, board: FaultBoard | None,
+                 roles: Mapping[int, str] | None = None, host: str = "") -> None:
         self.marker_dir = Path(marker_dir)
         self.local_world = local_world
         self.timeout_s = timeout_s
         self.board = board
+        self.roles = dict(roles or {})
+        self.host = host
         self.before = _spawned_children()
         self.still_running: list[int] = []
         self.remote: list[FailureRecord] | None = None  # set when other nodes' failures stopped ours
+        self.interrupted: int | None = None  # the signal that stopped this launcher
+        self.interrupt_published = False
         self._done = threading.Event()
+        # the kernel-level signal handler writes each signal's number here (signal.set_wakeup_fd), however
+        # the agent's Python handlers deal with it afterwards
+        self._wake_read, self._wake_write = socket.socketpair()
+        for end in (self._wake_read, self._wake_write):
+            end.setblocking(False)
+        self._previous_wakeup: int | None = None
         # one plain thread: it only waits, polls the store and sends signals; tensor work runs elsewhere
         self._thread = threading.Thread(target=self._run, name="dlperf-launch-watchdog", daemon=True)
 
@@ -218,15 +244,44 @@ class _Watchdog:
         return bool(self.still_running)
 
     def start(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # only there can signals be watched
+            self._previous_wakeup = signal.set_wakeup_fd(self._wake_write.fileno(), warn_on_full_buffer=False)
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread and the watch on signals; may be called more than once."""
         self._done.set()
+        try:
+            self._wake_write.send(b"\0")  # not a signal number: it only ends the thread's wait
+        except OSError:
+            pass
         self._thread.join()
+        if self._previous_wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            self._previous_wakeup = None
+        self._wake_read.close()
+        self._wake_write.close()
+
+    def _wait(self) -> bool:
+        """Sleep one poll interval or until a signal arrives; return whether the watchdog must stop."""
+        if not self._done.is_set():
+            try:
+                select.select([self._wake_read], [], [], self.POLL_S)
+                received = self._wake_read.recv(256)
+            except (BlockingIOError, InterruptedError):
+                received = b""
+            for signum in received:
+                if signum in _INTERRUPTS and self.interrupted is None:
+                    self.interrupted = signum
+        return self._done.is_set()
 
     def _run(self) -> None:
         deadline = time.monotonic() + self.timeout_s
-        while not self._done.wait(self.POLL_S):
+        while not self._wait():
+            if self.interrupted is not None:
+                self.publish_interrupt()
+                self._done.wait()  # the agent stops its workers itself: they got the signal and may save
+                return
             if time.monotonic() > deadline:
                 self.still_running = [self._rank(r) for r in range(self.local_world)
                                       if not self._marker(r, "finished").exists()] or [-1]
@@ -237,6 +292,21 @@ class _Watchdog:
         while not self._done.is_set():
             self.kill_workers()
             self._done.wait(self.POLL_S)
+
+    def interrupt_record(self, signum: int) -> FailureRecord:
+        """This node as the cause of the launch's end: stopped by ``signum``, named by its lowest rank."""
+        ranks = self.global_ranks()
+        rank = ranks[0] if ranks else None
+        node = f"node {self.board.node_rank}" if self.board is not None else "this node"
+        return FailureRecord(rank, self.roles.get(rank, DEFAULT_ROLE) if rank is not None else "node", self.host,
+                             f"interrupted by {signal.Signals(signum).name} to the launcher of {node} "
+                             f"(ranks {ranks or 'not started'})", time.time(), False)
+
+    def publish_interrupt(self) -> None:
+        """Tell the other nodes that this one was interrupted (once; the board's thread only)."""
+        if self.board is None or self.interrupt_published or self.interrupted is None:
+            return
+        self.interrupt_published = self.board.publish_interrupt(self.interrupt_record(self.interrupted))
 
     def _others_failed(self) -> bool:
         assert self.board is not None
@@ -463,7 +533,7 @@ class ProcessLauncher(Launcher):
                            self.checkpoint, self.nnodes)
             board = (FaultBoard(self.master_addr, port, run_id, self.node_rank, self.nnodes, host,
                                 self.fault_timeout_s) if self.nnodes > 1 else None)
-            watchdog = _Watchdog(str(markers), self.nproc_per_node, self.join_timeout_s, board)
+            watchdog = _Watchdog(str(markers), self.nproc_per_node, self.join_timeout_s, board, self.roles, host)
             try:
                 results = self._run(elastic_launch(config, _worker), (fn, args, kwargs, setup), watchdog,
                                     markers, host)
@@ -485,8 +555,10 @@ class ProcessLauncher(Launcher):
                 results = agent(*agent_args)
             except ChildFailedError as exc:
                 failed = exc
-            except SignalException as exc:
-                if exc.sigval == signal.SIGINT:
+            except (SignalException, KeyboardInterrupt) as exc:
+                # handled while the exception lives: it holds the agent, and on node 0 the store with it
+                self._interrupted(watchdog, getattr(exc, "sigval", signal.SIGINT))
+                if isinstance(exc, SignalException) and exc.sigval == signal.SIGINT:
                     raise KeyboardInterrupt from None
                 raise
             finally:
@@ -498,6 +570,19 @@ class ProcessLauncher(Launcher):
         # finished (its exit barrier), and node 0's agent closes the store as it returns, so a last
         # heartbeat or "done" from any node would only meet a closed socket (a screenful of C++ warnings).
         return results
+
+    def _interrupted(self, watchdog: _Watchdog, signum: int) -> None:
+        """This launcher was stopped on purpose: make sure the other nodes know, and on node 0 keep the
+        store up until they have read it."""
+        watchdog.stop()
+        board = watchdog.board
+        if board is None:
+            return
+        if watchdog.interrupted is None:  # the signal came before the watch on signals, or it was not seen
+            watchdog.interrupted = signum
+        watchdog.publish_interrupt()
+        if watchdog.interrupt_published and board.node_rank == 0:
+            board.wait_for_readers(list(range(1, self.nnodes)), time.monotonic() + self.fault_timeout_s)
 
     def _failure(self, exc: Any, watchdog: _Watchdog, markers: Path, host: str) -> LaunchError:
         if watchdog.fired:
