@@ -3,10 +3,11 @@
     python tests/netns_node.py JOB --nnodes 2 --node-rank I --master-addr A --master-port P [--pid-dir D]
 
 JOB is ``allreduce`` (each rank all-reduces ``(rank + 1) * [1, 2, 3, 4]`` and reports what it got),
-``kill`` (the rank on node ``--victim-node`` SIGKILLs itself after a first all-reduce; the others wait
-in a second all-reduce, or, with ``--compute``, compute outside any collective) or ``steps`` (after a
-first all-reduce every rank computes outside any collective and saves its step count, with its node's
-rank, to ``<pid-dir>/step.<rank>`` after each step, until it is stopped: the caller interrupts a node).
+``links`` (the measured choice between shared memory and gloo, and sums through it), ``kill`` (the
+rank on node ``--victim-node`` SIGKILLs itself after a first all-reduce; the others wait in a second
+all-reduce, or, with ``--compute``, compute outside any collective) or ``steps`` (after a first
+all-reduce every rank computes outside any collective and saves its step count, with its node's rank,
+to ``<pid-dir>/step.<rank>`` after each step, until it is stopped: the caller interrupts a node).
 The last stdout line is one JSON object: ``{"ok": true, "results": [...]}``, ``{"ok": false, "error",
 "rank", "role", "host", "cause"}``, or ``{"ok": false, "interrupted": SIGNAL}`` on the node that was
 interrupted (which exits 128 + the signal's number). Every worker writes its pid, and the pid of a
@@ -66,6 +67,32 @@ def kill_job(pid_dir: str | None, victim: bool, compute: bool) -> None:
     dist.all_reduce(torch.ones(1))
 
 
+def links_job() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from dlperf.parallel.allreduce.shm import host_allreduce_kind
+    from dlperf.parallel.launchers import rank_host, rank_info
+    from dlperf.parallel.process_links import choose_process_allreduce
+    from dlperf.parallel.procs import allreduce_across_processes, describe_process_allreduce
+
+    rank, world, _ = rank_info()
+    torch.set_num_threads(1)
+    choice = choose_process_allreduce()
+    exact = []
+    for n in (1, 1003, 300_000):
+        # whole numbers: their sum is exact in float32 whatever the order of the additions
+        def addend(r: int, n: int = n) -> torch.Tensor:
+            return torch.randint(-1000, 1000, (n,), generator=torch.Generator().manual_seed(10 * n + r)).float()
+
+        ours = addend(rank)
+        allreduce_across_processes(ours)
+        exact.append(torch.equal(ours, sum(addend(r) for r in range(world))))
+    return {"rank": rank, "kind": host_allreduce_kind(), "fits": sorted(choice.fits), "exact": exact,
+            "picks": [choice.pick(1 << k) for k in range(0, 31, 5)], "describe": describe_process_allreduce(),
+            "host": rank_host(), "dist_backend": dist.get_backend()}
+
+
 def steps_job(pid_dir: str) -> None:
     import torch
     import torch.distributed as dist
@@ -86,7 +113,7 @@ def steps_job(pid_dir: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("job", choices=["allreduce", "kill", "steps"])
+    p.add_argument("job", choices=["allreduce", "kill", "steps", "links"])
     p.add_argument("--nnodes", type=int, default=2)
     p.add_argument("--node-rank", type=int, required=True)
     p.add_argument("--nproc-per-node", type=int, default=1)
@@ -110,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.job == "allreduce":
             results = launcher.launch(allreduce_job, a.pid_dir)
+        elif a.job == "links":
+            results = launcher.launch(links_job)
         elif a.job == "steps":
             results = launcher.launch(steps_job, a.pid_dir)
         else:

@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from dlperf.errors import UsageError
-from dlperf.parallel.launchers import LaunchError, ProcessLauncher, ThreadLauncher, free_port, rank_info
+from dlperf.parallel.launchers import (
+    HOST_ENV,
+    LaunchError,
+    ProcessLauncher,
+    ThreadLauncher,
+    free_port,
+    rank_host,
+    rank_info,
+)
 from dlperf.parallel.launchers.processes import _failure_message
 
 HANG_TIMEOUT_S = 6.0
@@ -255,3 +263,12 @@ def test_failure_message_without_an_error_file_says_how_the_process_ended():
 
     assert _failure_message(Failure(-9)) == "killed by SIGKILL (exit code -9)"
     assert "exited with code 1" in _failure_message(Failure(1))
+
+
+def test_rank_host_is_the_launchers_label_for_the_host_else_the_host_name(monkeypatch):
+    import socket
+
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    assert rank_host() == socket.gethostname()
+    monkeypatch.setenv(HOST_ENV, f"{socket.gethostname()} (10.77.0.2)")  # a node of a launch over namespaces
+    assert rank_host() == f"{socket.gethostname()} (10.77.0.2)"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dlperf.parallel.allreduce.shm_segment import spin_barrier_supported
 from dlperf.parallel.launchers.faults import session_members
 from dlperf.parallel.launchers.netns import Hosts, unavailable_reason
 
@@ -47,8 +48,9 @@ def _sessions_after_exit(procs: list[subprocess.Popen], grace_s: float = 5.0) ->
         time.sleep(0.1)
 
 
-def _start_nodes(hosts: Hosts, job: str, *extra: str) -> list[subprocess.Popen]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
+def _start_nodes(hosts: Hosts, job: str, *extra: str, env: dict | None = None) -> list[subprocess.Popen]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+               **(env or {}))
     return [hosts.popen(i, [sys.executable, str(NODE), job, "--nnodes", str(hosts.n), "--node-rank", str(i),
                             "--master-addr", hosts.addresses[0], "--master-port", str(PORT),
                             "--fault-timeout", str(FAULT_TIMEOUT_S), *extra],
@@ -132,6 +134,33 @@ def test_three_namespaces_on_a_bridge_allreduce_to_the_sum():
     results = sorted((r for n in nodes for r in n["results"]), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert [r["sum"] for r in results] == [[6.0, 12.0, 18.0, 24.0]] * 3
+
+
+@pytest.mark.skipif(not spin_barrier_supported(), reason="shared-memory allreduce needs Linux memfd and x86-64")
+@pytest.mark.timeout(240)
+def test_two_hosts_of_two_processes_choose_between_hierarchical_and_gloo_and_sum_exactly(tmp_path):
+    with Hosts(2) as hosts:
+        procs = _start_nodes(hosts, "links", "--nproc-per-node", "2", env={"XDG_CACHE_HOME": str(tmp_path)})
+        nodes = [_outcome(p, 200) for p in procs]
+        leftovers = _sessions_after_exit(procs)
+    assert all(n["ok"] for n in nodes), nodes
+    results = sorted((r for n in nodes for r in n["results"]), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    # shared memory inside each host, gloo between them: not one segment across what are two hosts
+    assert [r["kind"] for r in results] == ["hierarchical"] * 4
+    assert all(r["fits"] == ["gloo", "hierarchical"] for r in results)
+    assert all(r["exact"] == [True, True, True] for r in results), results
+    assert len({json.dumps([r["picks"], r["describe"]]) for r in results}) == 1  # every rank chose alike
+    lines = results[0]["describe"]
+    assert lines[0].startswith("process allreduce: hierarchical: ") and "; gloo: " in lines[0], lines
+    assert lines[1].startswith("process allreduce: measured now")
+    saved = list((tmp_path / "dlperf" / "probe").glob("links-*.json"))
+    assert len(saved) == 1  # recorded once, by rank 0, for this layout of two hosts
+    doc = json.loads(saved[0].read_text())
+    assert set(doc["links"]) == {"hierarchical", "gloo"}
+    assert doc["hosts"] == [r["host"] for r in results] and len(set(doc["hosts"])) == 2
+    assert leftovers == [[], []]
+    assert not any(name in _namespaces() for name in hosts.names)
 
 
 _SERVE = ("import socket, sys\n"

@@ -40,7 +40,7 @@ from .faults import (
     local_address,
     set_parent_death_signal,
 )
-from .launcher import DEFAULT_ROLE, Launcher, LaunchError, rank_info
+from .launcher import DEFAULT_ROLE, HOST_ENV, Launcher, LaunchError, rank_info
 
 __all__ = ["ProcessLauncher", "attempt_store", "free_port"]
 
@@ -91,7 +91,7 @@ def _prepare_worker(setup: _Setup, rank: int) -> None:
     os.setpgid(0, 0)
     set_parent_death_signal(setup.launcher_pid)
     os.environ["DLPERF_ROLE"] = setup.roles.get(rank, DEFAULT_ROLE)
-    os.environ["DLPERF_HOST"] = setup.host
+    os.environ[HOST_ENV] = setup.host
     if setup.checkpoint is not None:
         os.environ["DLPERF_CHECKPOINT"] = setup.checkpoint
     if setup.nnodes > 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
