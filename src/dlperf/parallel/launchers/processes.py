@@ -130,6 +130,9 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
         # so it is taken before this rank's connections close.
         _mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{type(exc).__name__}: {exc}")
         raise
+    else:
+        if backend is not None:
+            _leave_together(dist)
     finally:
         if backend is not None:
             from ..allreduce.shm import close_host_allreduce
@@ -138,6 +141,23 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
             dist.destroy_process_group()
     _mark(marker_dir, local_rank, "finished")
     return result
+
+
+def _leave_together(dist: Any) -> None:
+    """Wait until every rank has finished its function before this one takes the group's segments down.
+
+    A rank that leaves its last shared-memory sum first would otherwise close the segment while a slower
+    peer is still on its way out of that sum, and the peer fails although nothing went wrong: a peer that
+    has not yet seen this rank arrive at the sum's last barrier takes the closed segment for a rank that
+    will never come. A peer that
+    failed instead breaks this barrier as its connections close; its own error is what the launch reports.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer that failed: the agent reports it, not this rank
+        pass
 
 
 def attempt_store(prefix: str = "") -> Any:
