@@ -271,6 +271,24 @@ def test_a_rank_done_first_does_not_close_the_shared_memory_under_a_peer_still_l
     assert ProcessLauncher(2, join_timeout_s=80).launch(_last_sum_with_a_slow_peer) == [[3.0] * 4] * 2
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_port_taken_before_the_store_binds_it_is_one_clear_error_or_with_a_picked_port_another_try(monkeypatch):
+    import socket
+
+    from dlperf.parallel.launchers import processes
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # another program got there first
+        busy = taken.getsockname()[1]
+        with pytest.raises(LaunchError, match=rf"the rendezvous store on 127.0.0.1:{busy} could not be hosted "
+                                              r"\(.*\); pick another free port") as info:
+            ProcessLauncher(1, master_port=busy, join_timeout_s=60).launch(_pure, 1)
+        assert "\n" not in str(info.value)
+        picks = iter([busy])
+        monkeypatch.setattr(processes, "free_port", lambda host: next(picks, None) or free_port(host))
+        assert ProcessLauncher(1, join_timeout_s=60).launch(_pure, 1) == [(0, 1, 0, 1)]
+
+
 # --- no processes ---------------------------------------------------------------------------------
 
 @pytest.mark.timeout(30)

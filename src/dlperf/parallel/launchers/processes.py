@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..._cliargs import one_line
 from ..._io import check_writable
 from ...errors import UsageError
 from .faults import (
@@ -50,6 +51,7 @@ _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _SHUTDOWN_TIMEOUT_S = 5
 # signals that stop a launch on purpose: the other nodes hear of it at once, not after their fault timeout
 _INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PORT_TRIES = 3  # free ports tried by a launch that picks its own
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,6 +102,10 @@ def _prepare_worker(setup: _Setup, rank: int) -> None:
         interface = interface_with_address(address) if address else None
         if interface:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+class _StoreUnavailable(Exception):
+    """The agent could not host or reach the rendezvous store: no worker has started."""
 
 
 class WorkerInterrupted(RuntimeError):
@@ -528,13 +534,32 @@ class ProcessLauncher(Launcher):
         return self.roles.get(rank, DEFAULT_ROLE)
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
         _check_picklable(fn, args, kwargs)
         if self.checkpoint is not None:
             check_writable(self.checkpoint)
-        port = self.master_port or free_port(self.master_addr)
+        # A port picked here is only free until the agent binds it: another program may take it between the
+        # two. Then no worker has started yet, and the launch simply moves to another free port.
+        tries = 1 if self.master_port is not None else _PORT_TRIES
+        for attempt in range(tries):
+            port = self.master_port or free_port(self.master_addr)
+            try:
+                results = self._launch_on(port, fn, args, kwargs)
+            except _StoreUnavailable as exc:
+                if attempt + 1 < tries:
+                    continue
+                raise LaunchError(f"the rendezvous store on {self.master_addr}:{port} could not be "
+                                  f"{'hosted' if self.node_rank == 0 else 'reached'} ({exc}); "
+                                  + ("pick another free port for --master / master_port" if self.node_rank == 0
+                                     else "start node 0 first, with the same master address and port, or check "
+                                          "that this host reaches it")) from None
+            # (had the deadline passed as the last worker finished, the work is still done: it is returned)
+            return [results[i] for i in sorted(results)]
+        raise AssertionError("unreachable")
+
+    def _launch_on(self, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict[int, Any]:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
         run_id = self.run_id or (f"dlperf-{port}" if self.nnodes > 1 else f"dlperf-{uuid.uuid4().hex[:12]}")
         host = host_label(self.master_addr)
         with tempfile.TemporaryDirectory(prefix="dlperf-launch-") as tmp:
@@ -555,18 +580,17 @@ class ProcessLauncher(Launcher):
                                 self.fault_timeout_s) if self.nnodes > 1 else None)
             watchdog = _Watchdog(str(markers), self.nproc_per_node, self.join_timeout_s, board, self.roles, host)
             try:
-                results = self._run(elastic_launch(config, _worker), (fn, args, kwargs, setup), watchdog,
-                                    markers, host)
+                return self._run(elastic_launch(config, _worker), (fn, args, kwargs, setup), watchdog, markers,
+                                 host)
             finally:
                 if board is not None:
                     board.close()
-        # (had the deadline passed as the last worker finished, the work is still done: it is returned)
-        return [results[i] for i in sorted(results)]
 
     def _run(self, agent: Callable[..., Any], agent_args: tuple, watchdog: _Watchdog, markers: Path,
              host: str) -> dict[int, Any]:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
         failed: Any = None
         with _ParentState():
@@ -575,6 +599,11 @@ class ProcessLauncher(Launcher):
                 results = agent(*agent_args)
             except ChildFailedError as exc:
                 failed = exc
+            except RendezvousConnectionError as exc:
+                if watchdog.global_ranks():  # workers ran: not a store that was never there
+                    raise
+                cause = exc.__cause__ or exc
+                raise _StoreUnavailable(one_line(str(cause)).split(" Exception raised from")[0][:300]) from None
             except (SignalException, KeyboardInterrupt) as exc:
                 # handled while the exception lives: it holds the agent, and on node 0 the store with it
                 self._interrupted(watchdog, getattr(exc, "sigval", signal.SIGINT))
