@@ -487,6 +487,12 @@ class ProcessLauncher(Launcher):
     traceback is logged there by the agent, and the :class:`LaunchError` carries its last line, rank, role,
     host and cause. Each worker leads its own process group, and whatever is left of the groups is killed
     when the launch ends; a worker whose launcher dies is killed by the kernel (Linux).
+
+    A launcher interrupted by SIGINT (Ctrl-C), SIGTERM or SIGHUP has the agent pass the signal on to its
+    workers, which may finish what they are saving, and tells the other nodes at once, naming its lowest
+    rank as "interrupted" (they fail with that cause instead of waiting ``fault_timeout_s``); it raises
+    KeyboardInterrupt for SIGINT and torch's ``SignalException`` for the others. A worker given SIGINT
+    itself fails the launch as "interrupted" too.
     """
 
     def __init__(self, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
