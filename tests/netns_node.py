@@ -2,13 +2,17 @@
 
     python tests/netns_node.py JOB --nnodes 2 --node-rank I --master-addr A --master-port P [--pid-dir D]
 
-JOB is ``allreduce`` (each rank all-reduces ``(rank + 1) * [1, 2, 3, 4]`` and reports what it got) or
-``kill`` (the rank on node ``--victim-node`` SIGKILLs itself after a first all-reduce; the others wait
-in a second all-reduce, or, with ``--compute``, compute outside any collective). The last stdout line
-is one JSON object: ``{"ok": true, "results": [...]}`` or ``{"ok": false, "error", "rank", "role",
-"host", "cause"}``. Every worker writes its pid, and the pid of a child it starts, under ``--pid-dir``,
-so the caller can check that none survives; the victim writes the time it killed itself and its rank
-to ``killed_at``.
+JOB is ``allreduce`` (each rank all-reduces ``(rank + 1) * [1, 2, 3, 4]`` and reports what it got),
+``links`` (the measured choice between shared memory and gloo, and sums through it), ``kill`` (the
+rank on node ``--victim-node`` SIGKILLs itself after a first all-reduce; the others wait in a second
+all-reduce, or, with ``--compute``, compute outside any collective) or ``steps`` (after a first
+all-reduce every rank computes outside any collective and saves its step count, with its node's rank,
+to ``<pid-dir>/step.<rank>`` after each step, until it is stopped: the caller interrupts a node).
+The last stdout line is one JSON object: ``{"ok": true, "results": [...]}``, ``{"ok": false, "error",
+"rank", "role", "host", "cause"}``, or ``{"ok": false, "interrupted": SIGNAL}`` on the node that was
+interrupted (which exits 128 + the signal's number). Every worker writes its pid, and the pid of a
+child it starts, under ``--pid-dir``, so the caller can check that none survives; the victim writes the
+time it killed itself and its rank to ``killed_at``.
 """
 
 from __future__ import annotations
@@ -63,9 +67,53 @@ def kill_job(pid_dir: str | None, victim: bool, compute: bool) -> None:
     dist.all_reduce(torch.ones(1))
 
 
+def links_job() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from dlperf.parallel.allreduce.shm import host_allreduce_kind
+    from dlperf.parallel.launchers import rank_host, rank_info
+    from dlperf.parallel.process_links import choose_process_allreduce
+    from dlperf.parallel.procs import allreduce_across_processes, describe_process_allreduce
+
+    rank, world, _ = rank_info()
+    torch.set_num_threads(1)
+    choice = choose_process_allreduce()
+    exact = []
+    for n in (1, 1003, 300_000):
+        # whole numbers: their sum is exact in float32 whatever the order of the additions
+        def addend(r: int, n: int = n) -> torch.Tensor:
+            return torch.randint(-1000, 1000, (n,), generator=torch.Generator().manual_seed(10 * n + r)).float()
+
+        ours = addend(rank)
+        allreduce_across_processes(ours)
+        exact.append(torch.equal(ours, sum(addend(r) for r in range(world))))
+    return {"rank": rank, "kind": host_allreduce_kind(), "fits": sorted(choice.fits), "exact": exact,
+            "picks": [choice.pick(1 << k) for k in range(0, 31, 5)], "describe": describe_process_allreduce(),
+            "host": rank_host(), "dist_backend": dist.get_backend()}
+
+
+def steps_job(pid_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from dlperf._io import atomic_write_text
+
+    _record_pids(pid_dir)
+    dist.all_reduce(torch.ones(1))  # every rank is up and connected
+    rank = os.environ["RANK"]
+    step = 0
+    end = time.monotonic() + 300
+    while time.monotonic() < end:  # no collective: only the launcher can stop this rank
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        step += 1
+        atomic_write_text(Path(pid_dir, f"step.{rank}"), f"{step} {os.environ['GROUP_RANK']}\n")
+        time.sleep(0.02)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("job", choices=["allreduce", "kill"])
+    p.add_argument("job", choices=["allreduce", "kill", "steps", "links"])
     p.add_argument("--nnodes", type=int, default=2)
     p.add_argument("--node-rank", type=int, required=True)
     p.add_argument("--nproc-per-node", type=int, default=1)
@@ -79,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--join-timeout", type=float, default=90.0)
     a = p.parse_args(argv)
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from dlperf.parallel.launchers import LaunchError, ProcessLauncher
 
     launcher = ProcessLauncher(a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank,
@@ -87,12 +137,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.job == "allreduce":
             results = launcher.launch(allreduce_job, a.pid_dir)
+        elif a.job == "links":
+            results = launcher.launch(links_job)
+        elif a.job == "steps":
+            results = launcher.launch(steps_job, a.pid_dir)
         else:
             results = launcher.launch(kill_job, a.pid_dir, a.node_rank == a.victim_node, a.compute)
         out = {"ok": True, "results": results}
     except LaunchError as exc:
         out = {"ok": False, "error": str(exc), "rank": exc.rank, "role": exc.role, "host": exc.host,
                "cause": exc.cause}
+    except KeyboardInterrupt:
+        print(json.dumps({"ok": False, "interrupted": "SIGINT"}), flush=True)
+        return 128 + signal.SIGINT
+    except SignalException as exc:
+        print(json.dumps({"ok": False, "interrupted": signal.Signals(exc.sigval).name}), flush=True)
+        return 128 + exc.sigval
     print(json.dumps(out), flush=True)
     return 0
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -137,13 +139,16 @@ def test_script_under_plain_torchrun(tmp_path):
 @pytest.mark.timeout(240)
 def test_two_nodes_on_one_host_as_in_the_readme(tmp_path):
     from dlperf.parallel.launchers import free_port
+    from dlperf.parallel.launchers.faults import session_members
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": SRC}
+    # each node in a session of its own: whatever it leaves running is found there afterwards
     nodes = [subprocess.Popen([sys.executable, "-m", "dlperf.cli", "launch", "--nproc-per-node", "1", "--nnodes", "2",
                                "--node-rank", str(r), "--master", f"127.0.0.1:{port}", "--", "train", "--devices",
                                "cpu:0", "--epochs", "1", "--json", *SMALL],
-                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
              for r in (0, 1)]
     outs = []
     try:
@@ -151,11 +156,18 @@ def test_two_nodes_on_one_host_as_in_the_readme(tmp_path):
             out, err = node.communicate(timeout=200)
             assert node.returncode == 0, err[-3000:]
             outs.append(out)
+        deadline = time.monotonic() + 5  # multiprocessing's resource tracker leaves as its launcher's pipe closes
+        while any(session_members(n.pid) for n in nodes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [session_members(n.pid) for n in nodes] == [[], []]
     finally:
         for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.wait()
+            for pid in [node.pid] * (node.poll() is None) + session_members(node.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            node.wait()
     docs = [json.loads(o.splitlines()[-1]) for o in outs if o.strip()]
     assert len(docs) == 1 and docs[0]["processes"] == 2  # one process of the two nodes reports
 

@@ -78,6 +78,22 @@ def _kill_rank_1_while_others_compute(pid_dir: str) -> None:
         time.sleep(0.01)
 
 
+def _interrupt_rank_1_while_others_compute(pid_dir: str) -> None:
+    """Rank 1 gets a Ctrl-C of its own (SIGINT to its process group); rank 0 computes outside collectives."""
+    import torch.distributed as dist
+
+    _start_child(pid_dir)
+    dist.barrier()
+    if rank_info().rank == 1:
+        Path(pid_dir, "interrupted_at").write_text(repr(time.time()))
+        os.killpg(os.getpgid(0), signal.SIGINT)
+        time.sleep(30)  # the KeyboardInterrupt arrives here
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        torch.ones(32, 32) @ torch.ones(32, 32)
+        time.sleep(0.01)
+
+
 def _skip_a_collective() -> None:
     import torch.distributed as dist
 
@@ -163,6 +179,22 @@ def test_a_killed_server_rank_is_named_and_nothing_it_or_its_peers_started_survi
     pids = _recorded_pids(tmp_path)
     assert len(pids) == 4  # two workers, one child each
     assert [p for p in pids if _alive(p)] == []
+
+
+@needs_proc
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_rank_interrupted_by_ctrl_c_is_named_as_interrupted_and_stops_the_others(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        ProcessLauncher(2, join_timeout_s=80, roles=["worker", "server"]).launch(
+            _interrupt_rank_1_while_others_compute, str(tmp_path))
+    gone_after = time.time() - float((tmp_path / "interrupted_at").read_text())
+    err = info.value
+    assert (err.rank, err.role, err.host) == (1, "server", socket.gethostname())
+    assert str(err) == (f"rank 1 failed: interrupted by SIGINT (Ctrl-C) in rank 1's process "
+                        f"(role server, host {socket.gethostname()})")
+    assert gone_after < FAULT_LIMIT_S
+    assert [p for p in _recorded_pids(tmp_path) if _alive(p)] == []
 
 
 @pytest.mark.distributed

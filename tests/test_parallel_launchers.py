@@ -16,10 +16,19 @@ import pytest
 import torch
 
 from dlperf.errors import UsageError
-from dlperf.parallel.launchers import LaunchError, ProcessLauncher, ThreadLauncher, free_port, rank_info
+from dlperf.parallel.launchers import (
+    HOST_ENV,
+    LaunchError,
+    ProcessLauncher,
+    ThreadLauncher,
+    free_port,
+    rank_host,
+    rank_info,
+)
 from dlperf.parallel.launchers.processes import _failure_message
 
 HANG_TIMEOUT_S = 6.0
+LAST_SUM_STALL_S = 3.0
 
 
 # --- worker functions: top level, so spawned workers can import them -------------------------------
@@ -198,6 +207,88 @@ def test_ctrl_c_during_a_launch_stops_the_workers_and_raises_keyboard_interrupt(
     assert _children() <= before
 
 
+def _last_sum_with_a_slow_peer() -> list[float]:
+    """One shared-memory sum, the function's last; rank 1 reaches its final barrier late, and rank 0, having
+    seen it missing there, looks again only after rank 1 had time to finish and leave."""
+    import torch.distributed as dist
+
+    from dlperf.parallel.allreduce import shm as shm_module
+    from dlperf.parallel.allreduce import shm_segment
+    from dlperf.parallel.allreduce.shm import host_allreduce_
+
+    rank = rank_info().rank
+    host_allreduce_(torch.zeros(1))  # the segment is set up
+    if rank == 1:
+        reduce = shm_module._Chunks.reduce
+
+        def late_reduce(self, i):
+            time.sleep(0.5)
+            reduce(self, i)
+
+        shm_module._Chunks.reduce = late_reduce
+    else:
+        wait, real_time = shm_segment.SequenceBarrier._wait, shm_segment.time
+
+        class StallOnce:
+            """``time`` for the barrier: its second look at the clock in a chunk barrier's wait, right after
+            it found the peer missing, lasts STALL_S."""
+
+            calls = None
+
+            def monotonic(self):
+                if self.calls is not None:
+                    self.calls += 1
+                    if self.calls == 2:
+                        self.calls = None
+                        real_time.sleep(LAST_SUM_STALL_S)
+                return real_time.monotonic()
+
+            def __getattr__(self, name):
+                return getattr(real_time, name)
+
+        stall = shm_segment.time = StallOnce()
+
+        def stalled_wait(self, seq, context):
+            if "chunk" in context and stall.calls is None:
+                stall.calls = 0
+            return wait(self, seq, context)
+
+        shm_segment.SequenceBarrier._wait = stalled_wait
+    dist.barrier()  # both start the sum together
+    t = torch.ones(4) * (rank + 1)
+    host_allreduce_(t)
+    return t.tolist()
+
+
+@needs_proc
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_rank_done_first_does_not_close_the_shared_memory_under_a_peer_still_leaving_the_last_sum():
+    from dlperf.parallel.allreduce.shm_segment import spin_barrier_supported
+
+    if not spin_barrier_supported():
+        pytest.skip("shared-memory allreduce needs Linux memfd and x86-64")
+    assert ProcessLauncher(2, join_timeout_s=80).launch(_last_sum_with_a_slow_peer) == [[3.0] * 4] * 2
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_port_taken_before_the_store_binds_it_is_one_clear_error_or_with_a_picked_port_another_try(monkeypatch):
+    import socket
+
+    from dlperf.parallel.launchers import processes
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # another program got there first
+        busy = taken.getsockname()[1]
+        with pytest.raises(LaunchError, match=rf"the rendezvous store on 127.0.0.1:{busy} could not be hosted "
+                                              r"\(.*\); pick another free port") as info:
+            ProcessLauncher(1, master_port=busy, join_timeout_s=60).launch(_pure, 1)
+        assert "\n" not in str(info.value)
+        picks = iter([busy])
+        monkeypatch.setattr(processes, "free_port", lambda host: next(picks, None) or free_port(host))
+        assert ProcessLauncher(1, join_timeout_s=60).launch(_pure, 1) == [(0, 1, 0, 1)]
+
+
 # --- no processes ---------------------------------------------------------------------------------
 
 @pytest.mark.timeout(30)
@@ -255,3 +346,12 @@ def test_failure_message_without_an_error_file_says_how_the_process_ended():
 
     assert _failure_message(Failure(-9)) == "killed by SIGKILL (exit code -9)"
     assert "exited with code 1" in _failure_message(Failure(1))
+
+
+def test_rank_host_is_the_launchers_label_for_the_host_else_the_host_name(monkeypatch):
+    import socket
+
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    assert rank_host() == socket.gethostname()
+    monkeypatch.setenv(HOST_ENV, f"{socket.gethostname()} (10.77.0.2)")  # a node of a launch over namespaces
+    assert rank_host() == f"{socket.gethostname()} (10.77.0.2)"

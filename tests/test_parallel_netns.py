@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from dlperf.parallel.allreduce.shm_segment import spin_barrier_supported
+from dlperf.parallel.launchers.faults import session_members
 from dlperf.parallel.launchers.netns import Hosts, unavailable_reason
 
 NODE = Path(__file__).with_name("netns_node.py")
@@ -34,8 +37,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start_nodes(hosts: Hosts, job: str, *extra: str) -> list[subprocess.Popen]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
+def _sessions_after_exit(procs: list[subprocess.Popen], grace_s: float = 5.0) -> list[list[int]]:
+    """What is still alive in each node's session once the nodes have exited; a process that is
+    exiting (multiprocessing's resource tracker goes when its launcher's pipe closes) gets ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = [session_members(p.pid) for p in procs]
+        if not any(left) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _start_nodes(hosts: Hosts, job: str, *extra: str, env: dict | None = None) -> list[subprocess.Popen]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+               **(env or {}))
     return [hosts.popen(i, [sys.executable, str(NODE), job, "--nnodes", str(hosts.n), "--node-rank", str(i),
                             "--master-addr", hosts.addresses[0], "--master-port", str(PORT),
                             "--fault-timeout", str(FAULT_TIMEOUT_S), *extra],
@@ -121,6 +136,33 @@ def test_three_namespaces_on_a_bridge_allreduce_to_the_sum():
     assert [r["sum"] for r in results] == [[6.0, 12.0, 18.0, 24.0]] * 3
 
 
+@pytest.mark.skipif(not spin_barrier_supported(), reason="shared-memory allreduce needs Linux memfd and x86-64")
+@pytest.mark.timeout(240)
+def test_two_hosts_of_two_processes_choose_between_hierarchical_and_gloo_and_sum_exactly(tmp_path):
+    with Hosts(2) as hosts:
+        procs = _start_nodes(hosts, "links", "--nproc-per-node", "2", env={"XDG_CACHE_HOME": str(tmp_path)})
+        nodes = [_outcome(p, 200) for p in procs]
+        leftovers = _sessions_after_exit(procs)
+    assert all(n["ok"] for n in nodes), nodes
+    results = sorted((r for n in nodes for r in n["results"]), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    # shared memory inside each host, gloo between them: not one segment across what are two hosts
+    assert [r["kind"] for r in results] == ["hierarchical"] * 4
+    assert all(r["fits"] == ["gloo", "hierarchical"] for r in results)
+    assert all(r["exact"] == [True, True, True] for r in results), results
+    assert len({json.dumps([r["picks"], r["describe"]]) for r in results}) == 1  # every rank chose alike
+    lines = results[0]["describe"]
+    assert lines[0].startswith("process allreduce: hierarchical: ") and "; gloo: " in lines[0], lines
+    assert lines[1].startswith("process allreduce: measured now")
+    saved = list((tmp_path / "dlperf" / "probe").glob("links-*.json"))
+    assert len(saved) == 1  # recorded once, by rank 0, for this layout of two hosts
+    doc = json.loads(saved[0].read_text())
+    assert set(doc["links"]) == {"hierarchical", "gloo"}
+    assert doc["hosts"] == [r["host"] for r in results] and len(set(doc["hosts"])) == 2
+    assert leftovers == [[], []]
+    assert not any(name in _namespaces() for name in hosts.names)
+
+
 _SERVE = ("import socket, sys\n"
           "s = socket.create_server((sys.argv[1], 4000))\n"
           "print('ready', flush=True)\n"
@@ -157,3 +199,48 @@ def test_hosts_are_torn_down_when_the_block_fails_and_their_processes_killed():
             raise RuntimeError("the block fails")
     assert sleeper.poll() is not None
     assert not any(n in _namespaces() for n in names)
+
+
+def _steps(pid_dir: Path) -> dict[int, tuple[int, int]]:
+    """rank -> (steps saved, its node) from the ``steps`` job's files."""
+    out = {}
+    for path in pid_dir.glob("step.*"):
+        step, node = path.read_text().split()
+        out[int(path.name.split(".")[1])] = (int(step), int(node))
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("victim, signum, to_group", [(1, signal.SIGINT, True), (0, signal.SIGTERM, False)],
+                         ids=["ctrl-c-on-node-1", "sigterm-to-node-0-which-hosts-the-store"])
+def test_an_interrupted_node_is_named_by_the_other_at_once_and_keeps_its_work(tmp_path, victim, signum, to_group):
+    fault_timeout_s = 30.0  # the others must not wait for it: they hear of the interrupt from the board
+    with Hosts(2) as hosts:
+        procs = _start_nodes(hosts, "steps", "--roles", "worker,server", "--pid-dir", str(tmp_path),
+                             "--fault-timeout", str(fault_timeout_s))
+        deadline = time.monotonic() + 90
+        while len(_steps(tmp_path)) < 2 and all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(_steps(tmp_path)) == 2, [p.communicate(timeout=30)[1][-3000:] for p in procs]
+        # Ctrl-C in a terminal signals the launcher's process group; the workers lead groups of their own
+        os.killpg(procs[victim].pid, signum) if to_group else os.kill(procs[victim].pid, signum)
+        signalled = time.monotonic()
+        out, err = procs[1 - victim].communicate(timeout=60)
+        other_took = time.monotonic() - signalled
+        victim_out, victim_err = procs[victim].communicate(timeout=60)
+        leftovers = _sessions_after_exit(procs)
+    assert procs[victim].returncode == 128 + signum, victim_err[-3000:]
+    assert json.loads(victim_out.strip().splitlines()[-1]) == {"ok": False, "interrupted": signum.name}
+    assert procs[1 - victim].returncode == 0, err[-3000:]
+    other = json.loads(out.strip().splitlines()[-1])
+    steps = _steps(tmp_path)
+    (rank,) = [r for r, (_, node) in steps.items() if node == victim]
+    role = ["worker", "server"][rank]
+    assert other["rank"] == rank and other["role"] == role and other["host"].endswith(f"({hosts.addresses[victim]})")
+    assert other["error"] == (f"rank {rank} failed: interrupted by {signum.name} to the launcher of node {victim} "
+                              f"(ranks [{rank}]) (role {role}, host {other['host']})")
+    assert other_took < fault_timeout_s / 3, other_took
+    assert steps[rank][0] >= 1  # the interrupted rank's saved steps are still there, whole
+    assert leftovers == [[], []]  # every worker, and every process a worker started, is gone
+    assert [int(p) for f in tmp_path.glob("*.pids") for p in f.read_text().split() if _alive(int(p))] == []
+    assert not any(name in _namespaces() for name in hosts.names)

@@ -22,6 +22,7 @@ import argparse
 import os
 import re
 import runpy
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -99,7 +100,11 @@ def start(args: argparse.Namespace, fn: Callable[..., Any], *fn_args: Any, backe
     """Run ``fn(*fn_args)`` in every process the launch options describe; the largest exit status wins.
 
     ``fn`` returns an exit status (``None`` is 0). A process that fails is one line on stderr and status 1.
+    A launch stopped by a signal exits 128 + its number (Ctrl-C: 130, SIGTERM: 143) after telling the other
+    nodes; what the processes finished (their checkpoints) is kept.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from ..parallel.launchers import LaunchError, ProcessLauncher
 
     _check_layout(args)
@@ -114,6 +119,9 @@ def start(args: argparse.Namespace, fn: Callable[..., Any], *fn_args: Any, backe
     except LaunchError as exc:
         print(f"dlperf launch: error: {one_line(str(exc))}", file=sys.stderr)
         return 1
+    except SignalException as exc:  # SIGTERM, SIGHUP (SIGINT arrives as KeyboardInterrupt: status 130)
+        print(f"dlperf launch: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
     return max((int(c or 0) for c in codes), default=0)
 
 

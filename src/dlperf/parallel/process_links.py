@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -129,8 +128,11 @@ def _measure(candidates: list[str], group: Any) -> dict[str, LinkFit]:
 
 def _candidates(group: Any) -> list[str]:
     from .allreduce.shm import host_allreduce_, host_allreduce_kind
+    from .launchers import rank_host
 
-    host_allreduce_(torch.zeros(1), group)  # collective: sets up the segments and learns the layout
+    # collective: sets up the segments and learns the layout. The host as the launch knows it, not the bare
+    # host name: hosts that share a name (network namespaces, cloned machines) must not be taken for one
+    host_allreduce_(torch.zeros(1), group, host_name=rank_host())
     kind = host_allreduce_kind(group)
     return [kind, "gloo"] if kind in ("shm", "hierarchical") else ["gloo"]
 
@@ -147,13 +149,15 @@ def probe_again_requested() -> bool:
 def _decide(group: Any) -> ProcessChoice:
     import torch.distributed as dist
 
+    from .launchers import rank_host
+
     candidates = _candidates(group)
     if len(candidates) == 1:
         return ProcessChoice({"gloo": LinkFit(0.0, math.inf)},
                              "only torch.distributed: every host holds one rank or shared memory is unavailable")
     me = dist.get_rank(group)
     hosts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    dist.all_gather_object(hosts, rank_host(), group=group)
     again = probe_again_requested()
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     found: list[Any] = [None]

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from .launcher import (
     DEFAULT_ROLE,
+    HOST_ENV,
     Launcher,
     LaunchError,
     RankInfo,
     checkpoint_path,
+    rank_host,
     rank_info,
     rank_role,
     restart_count,
@@ -20,5 +22,5 @@ from .launcher import (
 from .processes import ProcessLauncher, attempt_store, free_port
 from .threads import ThreadLauncher
 
-__all__ = ["DEFAULT_ROLE", "Launcher", "LaunchError", "ProcessLauncher", "RankInfo", "ThreadLauncher",
-           "attempt_store", "checkpoint_path", "free_port", "rank_info", "rank_role", "restart_count"]
+__all__ = ["DEFAULT_ROLE", "HOST_ENV", "Launcher", "LaunchError", "ProcessLauncher", "RankInfo", "ThreadLauncher",
+           "attempt_store", "checkpoint_path", "free_port", "rank_host", "rank_info", "rank_role", "restart_count"]

@@ -7,8 +7,8 @@ launcher keeps a :class:`FaultBoard` on the rendezvous store it already shares w
 
 * ``beat/<node>``: a counter the node's watchdog raises every beat; a counter that stops for
   ``fault_timeout_s`` means the node (its launcher) was killed or lost the network;
-* ``final/<node>``: the node's failures, written once when its agent gives up: any node that sees one
-  stops its own workers at once;
+* ``final/<node>``: the node's failures, written once when its agent gives up, or the moment its launcher
+  is interrupted (Ctrl-C, SIGTERM): any node that sees one stops its own workers at once;
 * ``seen/<node>``: the node has read every other node's failures; node 0, whose agent hosts the store,
   waits for these before it leaves, so the others can still read its own.
 
@@ -297,6 +297,20 @@ class FaultBoard:
         """Put this node's failures on the board (an empty list: it only stopped because of others)."""
         self._write(f"final/{self.node_rank}", json.dumps([asdict(r) for r in records]))
 
+    def publish_interrupt(self, record: FailureRecord) -> bool:
+        """Say that this node was stopped on purpose; return whether the board took it.
+
+        The node is the cause and gathers nothing, so it marks itself as having read the others' records
+        too: node 0 would otherwise wait for it until the fault timeout. Nothing is written to a store that
+        never answered (the rendezvous has not met yet): there is no one to tell, and a Ctrl-C must not
+        wait out the retries.
+        """
+        if not self._ever_ok:
+            return False
+        written = self._write(f"final/{self.node_rank}", json.dumps([asdict(record)]))
+        self._call(lambda s: s.set(f"seen/{self.node_rank}", "1"))
+        return written
+
     def gather(self) -> list[FailureRecord]:
         """Every node's failures, waiting up to fault_timeout_s for nodes that have not written theirs.
 
@@ -321,11 +335,12 @@ class FaultBoard:
             time.sleep(0.1)
         self._call(lambda s: s.set(f"seen/{self.node_rank}", "1"))
         if self.node_rank == 0:
-            self._wait_for_readers(list(found), deadline)
+            self.wait_for_readers(list(found), deadline)
         return [r for records in found.values() for r in records] + lost
 
-    def _wait_for_readers(self, nodes: list[int], deadline: float) -> None:
-        # the store lives in this process: leaving closes it under the nodes still reading
+    def wait_for_readers(self, nodes: list[int], deadline: float) -> None:
+        """On node 0, whose process hosts the store: wait (until ``deadline``) for ``nodes`` to have read
+        every record, since leaving closes the store under the nodes still reading."""
         while nodes and time.monotonic() < deadline:
             keys = [f"seen/{n}" for n in nodes]
             done = self._call(lambda s, keys=keys: all(s.check([k]) for k in keys))

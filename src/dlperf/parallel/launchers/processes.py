@@ -16,6 +16,7 @@ import datetime
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import tempfile
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..._cliargs import one_line
 from ..._io import check_writable
 from ...errors import UsageError
 from .faults import (
@@ -39,14 +41,17 @@ from .faults import (
     local_address,
     set_parent_death_signal,
 )
-from .launcher import DEFAULT_ROLE, Launcher, LaunchError, rank_info
+from .launcher import DEFAULT_ROLE, HOST_ENV, Launcher, LaunchError, rank_info
 
 __all__ = ["ProcessLauncher", "attempt_store", "free_port"]
 
 # torch's process context installs its own handlers for these in the main thread and leaves them there
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-# how long the agent waits for SIGTERM'd workers before SIGKILL: a worker being stopped has nothing to save
+# how long the agent waits for signalled workers before SIGKILL: time for a worker to finish a checkpoint write
 _SHUTDOWN_TIMEOUT_S = 5
+# signals that stop a launch on purpose: the other nodes hear of it at once, not after their fault timeout
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PORT_TRIES = 3  # free ports tried by a launch that picks its own
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -88,7 +93,7 @@ def _prepare_worker(setup: _Setup, rank: int) -> None:
     os.setpgid(0, 0)
     set_parent_death_signal(setup.launcher_pid)
     os.environ["DLPERF_ROLE"] = setup.roles.get(rank, DEFAULT_ROLE)
-    os.environ["DLPERF_HOST"] = setup.host
+    os.environ[HOST_ENV] = setup.host
     if setup.checkpoint is not None:
         os.environ["DLPERF_CHECKPOINT"] = setup.checkpoint
     if setup.nnodes > 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -97,6 +102,14 @@ def _prepare_worker(setup: _Setup, rank: int) -> None:
         interface = interface_with_address(address) if address else None
         if interface:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+class _StoreUnavailable(Exception):
+    """The agent could not host or reach the rendezvous store: no worker has started."""
+
+
+class WorkerInterrupted(RuntimeError):
+    """A worker got SIGINT itself: raised in its place so that the agent sees a failed worker."""
 
 
 def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) -> Any:
@@ -111,12 +124,21 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
         _init_process_group(dist, backend, rank, datetime.timedelta(seconds=setup.pg_timeout_s))
     try:
         result = fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        # torch's spawn wrapper takes a KeyboardInterrupt for its parent's doing and exits 0 without a
+        # result; a worker interrupted on its own (Ctrl-C to its process group) must count as stopped
+        message = f"interrupted by SIGINT (Ctrl-C) in rank {rank}'s process"
+        _mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{message}")
+        raise WorkerInterrupted(message) from None
     except BaseException as exc:
         # The peers of a failed rank fail too (their collectives lose the connection), and the agent
         # reports whichever it polls first; the time each rank failed tells the cause from the echoes,
         # so it is taken before this rank's connections close.
         _mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{type(exc).__name__}: {exc}")
         raise
+    else:
+        if backend is not None:
+            _leave_together(dist)
     finally:
         if backend is not None:
             from ..allreduce.shm import close_host_allreduce
@@ -125,6 +147,23 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
             dist.destroy_process_group()
     _mark(marker_dir, local_rank, "finished")
     return result
+
+
+def _leave_together(dist: Any) -> None:
+    """Wait until every rank has finished its function before this one takes the group's segments down.
+
+    A rank that leaves its last shared-memory sum first would otherwise close the segment while a slower
+    peer is still on its way out of that sum, and the peer fails although nothing went wrong: a peer that
+    has not yet seen this rank arrive at the sum's last barrier takes the closed segment for a rank that
+    will never come. A peer that
+    failed instead breaks this barrier as its connections close; its own error is what the launch reports.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer that failed: the agent reports it, not this rank
+        pass
 
 
 def attempt_store(prefix: str = "") -> Any:
@@ -197,19 +236,32 @@ class _Watchdog:
     killing the workers is the one way to make it return (and stop the rest) through its own shutdown
     path. The watchdog does that when the join timeout passes, and, on a launch over several nodes,
     when another node gives up or is lost (see :class:`~.faults.FaultBoard`, which it keeps beating).
+    When this launcher is interrupted (SIGINT, SIGTERM, SIGHUP) the agent stops the workers itself, and
+    the watchdog tells the other nodes at once, while the main thread is still busy with that shutdown.
     """
 
     POLL_S = 0.2
 
-    def __init__(self, marker_dir: str, local_world: int, timeout_s: float, board: FaultBoard | None) -> None:
+    def __init__(self, marker_dir: str, local_world: int, timeout_s: float, board: FaultBoard | None,
+                 roles: Mapping[int, str] | None = None, host: str = "") -> None:
         self.marker_dir = Path(marker_dir)
         self.local_world = local_world
         self.timeout_s = timeout_s
         self.board = board
+        self.roles = dict(roles or {})
+        self.host = host
         self.before = _spawned_children()
         self.still_running: list[int] = []
         self.remote: list[FailureRecord] | None = None  # set when other nodes' failures stopped ours
+        self.interrupted: int | None = None  # the signal that stopped this launcher
+        self.interrupt_published = False
         self._done = threading.Event()
+        # the kernel-level signal handler writes each signal's number here (signal.set_wakeup_fd), however
+        # the agent's Python handlers deal with it afterwards
+        self._wake_read, self._wake_write = socket.socketpair()
+        for end in (self._wake_read, self._wake_write):
+            end.setblocking(False)
+        self._previous_wakeup: int | None = None
         # one plain thread: it only waits, polls the store and sends signals; tensor work runs elsewhere
         self._thread = threading.Thread(target=self._run, name="dlperf-launch-watchdog", daemon=True)
 
@@ -218,15 +270,44 @@ class _Watchdog:
         return bool(self.still_running)
 
     def start(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # only there can signals be watched
+            self._previous_wakeup = signal.set_wakeup_fd(self._wake_write.fileno(), warn_on_full_buffer=False)
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread and the watch on signals; may be called more than once."""
         self._done.set()
+        try:
+            self._wake_write.send(b"\0")  # not a signal number: it only ends the thread's wait
+        except OSError:
+            pass
         self._thread.join()
+        if self._previous_wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            self._previous_wakeup = None
+        self._wake_read.close()
+        self._wake_write.close()
+
+    def _wait(self) -> bool:
+        """Sleep one poll interval or until a signal arrives; return whether the watchdog must stop."""
+        if not self._done.is_set():
+            try:
+                select.select([self._wake_read], [], [], self.POLL_S)
+                received = self._wake_read.recv(256)
+            except (BlockingIOError, InterruptedError):
+                received = b""
+            for signum in received:
+                if signum in _INTERRUPTS and self.interrupted is None:
+                    self.interrupted = signum
+        return self._done.is_set()
 
     def _run(self) -> None:
         deadline = time.monotonic() + self.timeout_s
-        while not self._done.wait(self.POLL_S):
+        while not self._wait():
+            if self.interrupted is not None:
+                self.publish_interrupt()
+                self._done.wait()  # the agent stops its workers itself: they got the signal and may save
+                return
             if time.monotonic() > deadline:
                 self.still_running = [self._rank(r) for r in range(self.local_world)
                                       if not self._marker(r, "finished").exists()] or [-1]
@@ -237,6 +318,21 @@ class _Watchdog:
         while not self._done.is_set():
             self.kill_workers()
             self._done.wait(self.POLL_S)
+
+    def interrupt_record(self, signum: int) -> FailureRecord:
+        """This node as the cause of the launch's end: stopped by ``signum``, named by its lowest rank."""
+        ranks = self.global_ranks()
+        rank = ranks[0] if ranks else None
+        node = f"node {self.board.node_rank}" if self.board is not None else "this node"
+        return FailureRecord(rank, self.roles.get(rank, DEFAULT_ROLE) if rank is not None else "node", self.host,
+                             f"interrupted by {signal.Signals(signum).name} to the launcher of {node} "
+                             f"(ranks {ranks or 'not started'})", time.time(), False)
+
+    def publish_interrupt(self) -> None:
+        """Tell the other nodes that this one was interrupted (once; the board's thread only)."""
+        if self.board is None or self.interrupt_published or self.interrupted is None:
+            return
+        self.interrupt_published = self.board.publish_interrupt(self.interrupt_record(self.interrupted))
 
     def _others_failed(self) -> bool:
         assert self.board is not None
@@ -391,6 +487,12 @@ class ProcessLauncher(Launcher):
     traceback is logged there by the agent, and the :class:`LaunchError` carries its last line, rank, role,
     host and cause. Each worker leads its own process group, and whatever is left of the groups is killed
     when the launch ends; a worker whose launcher dies is killed by the kernel (Linux).
+
+    A launcher interrupted by SIGINT (Ctrl-C), SIGTERM or SIGHUP has the agent pass the signal on to its
+    workers, which may finish what they are saving, and tells the other nodes at once, naming its lowest
+    rank as "interrupted" (they fail with that cause instead of waiting ``fault_timeout_s``); it raises
+    KeyboardInterrupt for SIGINT and torch's ``SignalException`` for the others. A worker given SIGINT
+    itself fails the launch as "interrupted" too.
     """
 
     def __init__(self, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
@@ -438,13 +540,32 @@ class ProcessLauncher(Launcher):
         return self.roles.get(rank, DEFAULT_ROLE)
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
         _check_picklable(fn, args, kwargs)
         if self.checkpoint is not None:
             check_writable(self.checkpoint)
-        port = self.master_port or free_port(self.master_addr)
+        # A port picked here is only free until the agent binds it: another program may take it between the
+        # two. Then no worker has started yet, and the launch simply moves to another free port.
+        tries = 1 if self.master_port is not None else _PORT_TRIES
+        for attempt in range(tries):
+            port = self.master_port or free_port(self.master_addr)
+            try:
+                results = self._launch_on(port, fn, args, kwargs)
+            except _StoreUnavailable as exc:
+                if attempt + 1 < tries:
+                    continue
+                raise LaunchError(f"the rendezvous store on {self.master_addr}:{port} could not be "
+                                  f"{'hosted' if self.node_rank == 0 else 'reached'} ({exc}); "
+                                  + ("pick another free port for --master / master_port" if self.node_rank == 0
+                                     else "start node 0 first, with the same master address and port, or check "
+                                          "that this host reaches it")) from None
+            # (had the deadline passed as the last worker finished, the work is still done: it is returned)
+            return [results[i] for i in sorted(results)]
+        raise AssertionError("unreachable")
+
+    def _launch_on(self, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict[int, Any]:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
         run_id = self.run_id or (f"dlperf-{port}" if self.nnodes > 1 else f"dlperf-{uuid.uuid4().hex[:12]}")
         host = host_label(self.master_addr)
         with tempfile.TemporaryDirectory(prefix="dlperf-launch-") as tmp:
@@ -463,20 +584,19 @@ class ProcessLauncher(Launcher):
                            self.checkpoint, self.nnodes)
             board = (FaultBoard(self.master_addr, port, run_id, self.node_rank, self.nnodes, host,
                                 self.fault_timeout_s) if self.nnodes > 1 else None)
-            watchdog = _Watchdog(str(markers), self.nproc_per_node, self.join_timeout_s, board)
+            watchdog = _Watchdog(str(markers), self.nproc_per_node, self.join_timeout_s, board, self.roles, host)
             try:
-                results = self._run(elastic_launch(config, _worker), (fn, args, kwargs, setup), watchdog,
-                                    markers, host)
+                return self._run(elastic_launch(config, _worker), (fn, args, kwargs, setup), watchdog, markers,
+                                 host)
             finally:
                 if board is not None:
                     board.close()
-        # (had the deadline passed as the last worker finished, the work is still done: it is returned)
-        return [results[i] for i in sorted(results)]
 
     def _run(self, agent: Callable[..., Any], agent_args: tuple, watchdog: _Watchdog, markers: Path,
              host: str) -> dict[int, Any]:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
         failed: Any = None
         with _ParentState():
@@ -485,8 +605,15 @@ class ProcessLauncher(Launcher):
                 results = agent(*agent_args)
             except ChildFailedError as exc:
                 failed = exc
-            except SignalException as exc:
-                if exc.sigval == signal.SIGINT:
+            except RendezvousConnectionError as exc:
+                if watchdog.global_ranks():  # workers ran: not a store that was never there
+                    raise
+                cause = exc.__cause__ or exc
+                raise _StoreUnavailable(one_line(str(cause)).split(" Exception raised from")[0][:300]) from None
+            except (SignalException, KeyboardInterrupt) as exc:
+                # handled while the exception lives: it holds the agent, and on node 0 the store with it
+                self._interrupted(watchdog, getattr(exc, "sigval", signal.SIGINT))
+                if isinstance(exc, SignalException) and exc.sigval == signal.SIGINT:
                     raise KeyboardInterrupt from None
                 raise
             finally:
@@ -498,6 +625,19 @@ class ProcessLauncher(Launcher):
         # finished (its exit barrier), and node 0's agent closes the store as it returns, so a last
         # heartbeat or "done" from any node would only meet a closed socket (a screenful of C++ warnings).
         return results
+
+    def _interrupted(self, watchdog: _Watchdog, signum: int) -> None:
+        """This launcher was stopped on purpose: make sure the other nodes know, and on node 0 keep the
+        store up until they have read it."""
+        watchdog.stop()
+        board = watchdog.board
+        if board is None:
+            return
+        if watchdog.interrupted is None:  # the signal came before the watch on signals, or it was not seen
+            watchdog.interrupted = signum
+        watchdog.publish_interrupt()
+        if watchdog.interrupt_published and board.node_rank == 0:
+            board.wait_for_readers(list(range(1, self.nnodes)), time.monotonic() + self.fault_timeout_s)
 
     def _failure(self, exc: Any, watchdog: _Watchdog, markers: Path, host: str) -> LaunchError:
         if watchdog.fired:
