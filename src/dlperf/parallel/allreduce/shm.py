@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import threading
 import weakref
 from typing import Any
@@ -253,7 +252,7 @@ class ShmAllreduce:
     def _setup(self, exchange: _GroupExchange | _StoreExchange) -> tuple[Segment, dict[int, int] | None]:
         """Rank 0 makes the segment, the others map it; rank 0 lets go of its descriptor once all hold it."""
         data_bytes = _BUFFERS * (self.world_size + 1) * self.slot_bytes
-        info: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "machine": platform.machine(),
+        info: dict[str, Any] = {"host": _host_label(), "pid": os.getpid(), "machine": platform.machine(),
                                 "supported": spin_barrier_supported()}
         seg: Segment | None = None
         if self.rank == 0 and info["supported"]:
@@ -508,7 +507,7 @@ class _HostPlan:
         self.dist = dist
         self.group = group
         self.world = dist.get_world_size(group)
-        me = {"host": host_name or socket.gethostname(), "rank": dist.get_rank()}
+        me = {"host": host_name or _host_label(), "rank": dist.get_rank()}
         members: list[Any] = [None] * self.world
         dist.all_gather_object(members, me, group=group)
         hosts: dict[str, list[int]] = {}
@@ -598,6 +597,14 @@ class _HostPlan:
 
 _plans: dict[int, tuple[Any, _HostPlan]] = {}
 _plans_lock = threading.Lock()
+
+
+def _host_label() -> str:
+    # The launch's label for this host (name and address across nodes), not the bare host name:
+    # network namespaces and cloned machines share names but not memory.
+    from ..launchers.launcher import rank_host
+
+    return rank_host()
 
 
 def host_allreduce_(tensor: torch.Tensor, group: Any = None, op: object = "sum", *, host_name: str | None = None,

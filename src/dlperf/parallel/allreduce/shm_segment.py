@@ -242,25 +242,27 @@ class SequenceBarrier:
         next_check = start + _LIVENESS_EVERY_S
         sleep_s = 1e-5
         while True:
-            missing = [r for r, i in zip(self._others, self._idx) if ctl[i] < seq]
+            missing = [(r, i) for r, i in zip(self._others, self._idx) if ctl[i] < seq]
             if not missing:
                 return
             now = time.monotonic()
-            for r in missing:
+            for r, i in missing:
                 state = ctl[self.line(r) + STATE]
-                if state in (ABORTED, CLOSED):
+                # A peer stores its sequence number before its state: one that arrived, finished and
+                # closed between the two reads above has reached this barrier and is not a failure.
+                if state in (ABORTED, CLOSED) and ctl[i] < seq:
                     why = "aborted its call (it raised)" if state == ABORTED else "closed the group"
                     raise self._error(f"rank {r} {why}", context)
             if now >= next_check:
                 next_check = now + _LIVENESS_EVERY_S
                 if self.pids:
-                    for r in missing:
+                    for r, i in missing:
                         pid = self.pids[r]
-                        if not process_alive(pid):
+                        if not process_alive(pid) and ctl[i] < seq:
                             raise self._error(f"rank {r} (pid {pid}) exited", context)
             waited = now - start
             if waited >= self.timeout_s:
-                ranks = ", ".join(str(r) for r in missing)
+                ranks = ", ".join(str(r) for r, _ in missing)
                 raise self._error(f"rank{'s' if len(missing) > 1 else ''} {ranks} did not arrive within "
                                   f"timeout_s={self.timeout_s:g} s", context, hint="find the rank that hangs or "
                                   "runs different code, or raise timeout_s if it is only slow")
