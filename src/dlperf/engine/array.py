@@ -134,20 +134,31 @@ def _run_generic(func: Any, args: tuple, kwargs: dict, out: Array, inputs: list[
     out._meta = None  # the value is there: drop the recipe (and its references to the inputs)
 
 
-def _run_unary(func: Any, a: Array, out: Array) -> None:
-    out._data = _fix(func(a._data), out.device)
+# Records (see Engine._push_rec): a tuple whose first item is the function that runs it, given
+# the whole tuple, so that collecting one costs a single allocation.
+def _rec_unary(rec: tuple) -> None:
+    _, func, a, out = rec
+    res = func(a._data)
+    dev = out.device
+    out._data = _fix(res, dev) if dev.index else res
     out._meta = None
 
 
-def _run_scalar(func: Any, a: Array, b: Any, out: Array) -> None:
-    out._data = _fix(func(a._data, b), out.device)
+def _rec_scalar(rec: tuple) -> None:
+    _, func, a, b, out = rec
+    res = func(a._data, b)
+    dev = out.device
+    out._data = _fix(res, dev) if dev.index else res
     out._meta = None
 
 
-def _run_binary(func: Any, a: Array, b: Array, out: Array) -> None:
-    if out.device.is_gpu:
+def _rec_binary(rec: tuple) -> None:
+    _, func, a, b, out = rec
+    dev = out.device
+    if dev.is_gpu:
         _record_streams((a, b))
-    out._data = _fix(func(a._data, b._data), out.device)
+    res = func(a._data, b._data)
+    out._data = _fix(res, dev) if dev.index else res
     out._meta = None
 
 
@@ -229,15 +240,15 @@ class Array:
                 return _apply(func, (self, other), {}, name)
             out._grads = self._grads | other._grads if other._grads else self._grads
             out._meta = (func, (self, other), _NO_KWARGS)
-            self.engine.push(_run_binary, (func, self, other, out), (self._var, other._var), (out._var,),
-                             self.device, 0, name)
+            self.engine._push_rec((_rec_binary, func, self, other, out), self._var, other._var, out._var,
+                                  self.device, name)
         elif isinstance(other, torch.Tensor) or not grad:
             return _apply(func, (self, other), {}, name)
         else:
             out._grads = self._grads
             out._meta = (func, (self, other), _NO_KWARGS)
-            self.engine.push(_run_scalar, (func, self, other, out), (self._var,), (out._var,),
-                             self.device, 0, name)
+            self.engine._push_rec((_rec_scalar, func, self, other, out), self._var, None, out._var,
+                                  self.device, name)
         return out
 
     def _rbinary(self, func: Any, other: Any, name: str) -> Array:
@@ -249,7 +260,7 @@ class Array:
         out = Array(self.engine, self.device)
         out._grads = self._grads
         out._meta = (func, (self,), _NO_KWARGS)
-        self.engine.push(_run_unary, (func, self, out), (self._var,), (out._var,), self.device, 0, name)
+        self.engine._push_rec((_rec_unary, func, self, out), self._var, None, out._var, self.device, name)
         return out
 
     def _inplace(self, method: str, *args: Any, **kwargs: Any) -> Array:

@@ -42,7 +42,17 @@ from time import monotonic
 import torch
 
 from ..devices import Device, require_available
-from .engine import DEADLOCK_FIX, Engine, EngineClosedError, EngineConfig, EngineDeadlockError, register_engine
+from .engine import (
+    DEADLOCK_FIX,
+    AutoBatch,
+    Engine,
+    EngineClosedError,
+    EngineConfig,
+    EngineDeadlockError,
+    register_engine,
+    run_auto,
+    run_rec,
+)
 from .var import DONE, QUEUED, RUNNING, Op, Var
 from .waitgraph import Waiter, describe_op, find_cycle
 from .worker import DEFER_MAX, DEFER_NAP_S, CpuWorker, Worker
@@ -82,6 +92,10 @@ class ThreadedEngine(Engine):
         self._has_gpu = False
         self._last: tuple[Device | None, Worker | None] = (None, None)
         self._blocked: dict[int, Waiter] = {}  # threads waiting inside operations, by thread id
+        # Automatic batches (see _push_rec). max_queued bounds unfinished operations one by one,
+        # which batches would make coarse, so it turns them off.
+        self._auto_size = self.config.auto_bulk if self.config.max_queued is None else 0
+        self._open_auto: list[AutoBatch] = []  # every thread's unsent automatic batch (engine lock)
         # Initialise this thread's PyTorch thread count now (see CpuWorker.setup) and remember it
         # as the process default that workers restore after setting their own budgets.
         self._host_threads = torch.get_num_threads()
@@ -130,7 +144,6 @@ class ThreadedEngine(Engine):
         switched = device is not last_dev or kind != "compute"
         if switched:
             worker = self._worker(device, kind)
-        op.worker = worker
         with self._lock:
             if self._closed:
                 raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
@@ -138,35 +151,42 @@ class ThreadedEngine(Engine):
             # A thread inside an operation may not wait for room: the room may be its own operation.
             if limit is not None and worker.unfinished >= limit and not self._running_ops():
                 self._wait_for_room(worker, limit)
-            if self._trace is not None:
-                self._trace_deps(op, self._ids)
-            for v in op.reads:
-                if v._writing or v._queue:
-                    self._enqueue_var(v, op, False)
-                else:
-                    v._readers += 1
-            for v in op.writes:
-                if v._writing or v._readers or v._queue:
-                    self._enqueue_var(v, op, True)
-                else:
-                    v._writing = True
-                v._last_write = op
-            worker.unfinished += 1
-            self._pending += 1
-            waits = op.wait_count - 1  # drop the guard count Op() starts with
-            op.wait_count = waits
-            if waits == 0:
-                op.state = QUEUED
-                if op.priority:
-                    worker.enqueue_pushed(op)
-                    return
-                q = worker._q  # Worker.enqueue_pushed, inlined for the common case
-                q.append(op)
-                # a push that turns to another worker is work meant to run beside the last one's
-                # (d2l 12.3's automatic parallelism): that worker is woken now, never left to its nap
-                if worker._sleeping and (switched or worker._nap > DEFER_NAP_S or not worker.small_ops
-                                         or len(q) >= DEFER_MAX):
-                    worker.wake()
+            if self._open_auto:
+                self._order_after_auto(op)
+            self._submit_locked(op, worker, switched)
+
+    def _submit_locked(self, op: Op, worker: Worker, switched: bool) -> None:
+        """Schedule ``op`` on ``worker`` (lock held; callers check that the engine is open)."""
+        op.worker = worker
+        if self._trace is not None:
+            self._trace_deps(op, self._ids)
+        for v in op.reads:
+            if v._writing or v._queue:
+                self._enqueue_var(v, op, False)
+            else:
+                v._readers += 1
+        for v in op.writes:
+            if v._writing or v._readers or v._queue:
+                self._enqueue_var(v, op, True)
+            else:
+                v._writing = True
+            v._last_write = op
+        worker.unfinished += 1
+        self._pending += 1
+        waits = op.wait_count - 1  # drop the guard count Op() starts with
+        op.wait_count = waits
+        if waits == 0:
+            op.state = QUEUED
+            if op.priority:
+                worker.enqueue_pushed(op)
+                return
+            q = worker._q  # Worker.enqueue_pushed, inlined for the common case
+            q.append(op)
+            # a push that turns to another worker is work meant to run beside the last one's
+            # (d2l 12.3's automatic parallelism): that worker is woken now, never left to its nap
+            if worker._sleeping and (switched or worker._nap > DEFER_NAP_S or not worker.small_ops
+                                     or len(q) >= DEFER_MAX):
+                worker.wake()
 
     def _wait_for_room(self, worker: Worker, limit: int) -> None:
         """Block (lock held) until ``worker`` has fewer than ``limit`` unfinished operations."""
@@ -185,6 +205,134 @@ class ThreadedEngine(Engine):
         """Wake every worker sleeping on queued operations a push did not wake it for (lock held)."""
         for w in self._workers.values():
             w.wake_if_queued()
+
+    # ----------------------------------------------------------------- automatic batches
+    # One thread's consecutive elementwise array operations to a busy CPU worker are collected as
+    # light records (function, inputs, output) into one engine operation, MXNet's bulk execution
+    # without a bulk() block. Collecting one costs a lock round trip and a few stores: no Op, no
+    # scheduling, no release. Nothing waits longer than it would unbatched: a push to an idle
+    # worker is sent at once, the worker sends the batches collected for it before it goes idle,
+    # any wait that needs a result sends its batch (whichever thread waits), and so does a push that
+    # uses a result or writes an input of an unsent batch. A record joins only if what it reads is
+    # ready, made in the batch, or made by work already queued on the same worker: members never
+    # wait behind work that could wait for them.
+    def _push_rec(self, rec: tuple, read: Var, read2: Var | None, out: Var, device: Device, name: str) -> None:
+        batch = self._local.auto
+        if batch is not None and batch.device is device:
+            op = batch.op
+            last = read._last_write
+            if (last is None or last is op or last.state == DONE) and (
+                    read2 is None or (last := read2._last_write) is None or last is op or last.state == DONE):
+                lock = batch.lock
+                lock.acquire()
+                if not batch.sealed:
+                    recs = batch.recs
+                    recs.append(rec)
+                    batch.reads[read] = None
+                    if read2 is not None:
+                        batch.reads[read2] = None
+                    out._last_write = op
+                    batch.outs.append(out)
+                    lock.release()
+                    if len(recs) >= self._auto_size:
+                        self._flush_auto()
+                    return
+                lock.release()
+        self._push_rec_slow(rec, read, read2, out, device, name)
+
+    def _push_rec_slow(self, rec: tuple, read: Var, read2: Var | None, out: Var, device: Device,
+                       name: str) -> None:
+        loc = self._local
+        reads = (read,) if read2 is None else (read, read2)
+        batch = loc.auto
+        if batch is not None and (batch.sealed or batch.device is not device):
+            self._flush_auto()
+            batch = None
+        if (not self._auto_size or loc.bulk is not None or loc.worker is not None or loc.running
+                or self._trace is not None or self._closed):
+            self.push(run_rec, (rec,), reads, (out,), device, 0, name)  # one by one
+            return
+        switched = device is not self._last[0]
+        worker = self._worker(device, "compute")
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
+            for v in reads:  # written in another thread's unsent batch: send it, then order after it
+                last = v._last_write
+                if last is not None and last.worker is None and last.fn is run_auto and (
+                        batch is None or last is not batch.op):
+                    self._send_auto(last.args[0])
+            if batch is not None and _joins(reads, batch.op, worker):
+                batch.lock.acquire()
+                batch.recs.append(rec)
+                for v in reads:
+                    batch.reads[v] = None
+                out._last_write = batch.op
+                batch.outs.append(out)
+                batch.lock.release()
+                if len(batch.recs) >= self._auto_size:
+                    self._send_auto(batch)
+                    loc.auto = None
+                return
+            if batch is not None:
+                self._send_auto(batch)
+                loc.auto = None
+            op = Op(self, run_rec, (rec,), reads, (out,), None, 0, name)
+            if not worker.can_steal or not (worker.busy or worker._q) or not _joins(reads, None, worker):
+                self._submit_locked(op, worker, switched)  # an idle worker starts at once
+                return
+            batch = loc.auto = AutoBatch(Op(self, run_auto, (), (), (), None, 0, "auto_bulk"), device, worker)
+            self._open_auto.append(batch)
+            batch.recs.append(rec)
+            for v in reads:
+                batch.reads[v] = None
+            out._last_write = batch.op
+            batch.outs.append(out)
+
+    def _flush_auto(self) -> None:
+        loc = self._local
+        batch = loc.auto
+        if batch is not None:
+            loc.auto = None
+            if not batch.sealed:
+                with self._lock:
+                    self._send_auto(batch)
+
+    def _send_auto(self, batch: AutoBatch) -> None:
+        """Schedule an automatic batch as one operation, unless already sent (engine lock held)."""
+        with batch.lock:
+            if batch.sealed:
+                return
+            batch.sealed = True
+        self._open_auto.remove(batch)
+        op = batch.op
+        op.reads = tuple(v for v in batch.reads if v._last_write is not op)
+        op.writes = tuple(batch.outs)
+        op.name = f"auto_bulk[{len(batch.recs)}]"
+        self._submit_locked(op, batch.worker, False)
+
+    def _order_after_auto(self, op: Op) -> None:
+        """Send the unsent batches ``op`` must follow: they write what it uses or read what it writes."""
+        for v in op.reads:
+            last = v._last_write
+            if last is not None and last.worker is None and last.fn is run_auto:
+                self._send_auto(last.args[0])
+        for v in op.writes:
+            last = v._last_write
+            if last is not None and last.worker is None and last.fn is run_auto:
+                self._send_auto(last.args[0])
+            for batch in list(self._open_auto):
+                if v in batch.reads:
+                    self._send_auto(batch)
+
+    def send_auto_for(self, worker: Worker) -> bool:
+        """Called by ``worker`` (lock held) before it goes idle: send the batches collected for it."""
+        sent = False
+        for batch in list(self._open_auto):
+            if batch.worker is worker:
+                self._send_auto(batch)
+                sent = True
+        return sent
 
     @staticmethod
     def _enqueue_var(v: Var, op: Op, is_write: bool) -> None:
@@ -249,6 +397,10 @@ class ThreadedEngine(Engine):
         if op.state == DONE:
             return
         w = op.worker
+        if w is None and op.fn is run_auto:  # an unsent automatic batch (maybe another thread's)
+            with self._lock:
+                self._send_auto(op.args[0])
+            w = op.worker
         if w.__class__ is Op:  # a member of a sent batch: wait for (or run) the batch
             self._wait_done(w, var)
             return
@@ -337,6 +489,8 @@ class ThreadedEngine(Engine):
                 "every pushed operation, that one included, so it would never return. Wait for what the "
                 "function needs with wait_to_read(), or call waitall() outside pushed functions")
         with self._lock:
+            for batch in list(self._open_auto):  # every thread's collected operations count as pushed
+                self._send_auto(batch)
             self._all_waiters += 1
             self._wake_deferred()
             try:
@@ -369,6 +523,23 @@ class ThreadedEngine(Engine):
                 w.stop()
         finally:
             self._lock.release()
+
+
+def _joins(reads: tuple, op: Op | None, worker: Worker) -> bool:
+    """May a record reading ``reads`` join the batch ``op`` for ``worker``? (lock held)
+
+    Only if each input is ready, made in the batch, or made by an operation already queued or
+    running on the same worker, which runs before the batch anyway.
+    """
+    for v in reads:
+        if v._bulk_write is not None or v._queue:
+            return False
+        last = v._last_write
+        if last is None or last is op or last.state == DONE:
+            continue
+        if last.worker is not worker or not (last.state == QUEUED or last.state == RUNNING):
+            return False
+    return True
 
 
 register_engine("threaded", ThreadedEngine)

@@ -44,6 +44,7 @@ import torch
 
 from .._threads import restore_process_default, set_thread_budget
 from ..devices import Device, cpu_count
+from .engine import run_auto
 from .var import QUEUED, RUNNING, Op
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class Worker:
         # Weak: the thread must not keep an unclosed, unreferenced engine alive (see _loop).
         self._engine_ref = weakref.ref(engine)
         self._lock = engine._lock
+        self._open_auto = engine._open_auto  # threads' unsent automatic batches (see ThreadedEngine)
         self._latency = engine.config.batch_latency_us * 1e-6
         self.device = device
         self.lane = lane
@@ -180,6 +182,12 @@ class Worker:
                 skipped.append(op)
         return out, skipped
 
+    def _send_collected(self) -> bool:
+        """Before going idle (lock held): send the automatic batches threads collect for this worker."""
+        # (an unsent batch's operation holds the engine: this reference is never the last one)
+        eng = self._engine_ref()
+        return eng is not None and eng.send_auto_for(self)
+
     # worker thread ---------------------------------------------------------------------------
     def setup(self) -> None:
         """Per-thread initialisation (thread budget, CUDA device and streams)."""
@@ -205,6 +213,9 @@ class Worker:
         while True:
             with lock:
                 batch, skipped = self._take()
+                if not batch and self._open_auto and self._send_collected():
+                    batch, more = self._take()
+                    skipped += more
                 if not batch:
                     if self._stop:
                         break
@@ -255,8 +266,9 @@ class Worker:
         began = perf_counter()
         if len(batch) == 1:
             self.current = op = batch[0]
+            members = len(op.args[0].recs) if op.fn is run_auto else 1
             run_op(op, label)
-            self.small_ops = perf_counter() - began < SMALL_OP_S
+            self.small_ops = perf_counter() - began < SMALL_OP_S * members
             eng._complete(batch)
             return
         self._done = []
