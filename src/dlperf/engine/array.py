@@ -55,6 +55,7 @@ from ..devices import Device, DeviceLike, cpu, require_available, tag
 from ..errors import DeviceMismatchError, UsageError
 from .engine import Engine, default_engine
 from .external import External, external, watch
+from .var import DONE as _DONE
 from .var import Var
 
 __all__ = ["Array", "array", "ones", "zeros", "empty", "full", "ones_like", "zeros_like", "arange", "dot",
@@ -231,24 +232,55 @@ class Array:
         return _apply(func, args, kwargs or {})
 
     def _binary(self, func: Any, other: Any, name: str) -> Array:
-        out = Array(self.engine, self.device)
-        grad = _grad_enabled()
-        if type(other) is Array:
-            if other.device != self.device:
-                _mismatch(name, self, other)
-            if not grad:
+        t = type(other)
+        if t is int or t is float:  # `x + 1`: the commonest small operation, kept lean
+            if not _grad_enabled():
                 return _apply(func, (self, other), {}, name)
-            out._grads = self._grads | other._grads if other._grads else self._grads
-            out._meta = (func, (self, other), _NO_KWARGS)
-            self.engine._push_rec((_rec_binary, func, self, other, out), self._var, other._var, out._var,
-                                  self.device, name)
-        elif isinstance(other, torch.Tensor) or not grad:
-            return _apply(func, (self, other), {}, name)
-        else:
+            eng = self.engine
+            dev = self.device
+            out = Array(eng, dev)
             out._grads = self._grads
-            out._meta = (func, (self, other), _NO_KWARGS)
-            self.engine._push_rec((_rec_scalar, func, self, other, out), self._var, None, out._var,
-                                  self.device, name)
+            # The record doubles as the shape recipe (see _infer): one allocation for both.
+            out._meta = rec = (_rec_scalar, func, self, other, out)
+            var = self._var
+            batch = eng._local.auto
+            # Engine._push_rec's common case, inlined: one more record for this thread's open
+            # automatic batch (see ThreadedEngine._push_rec for the rules).
+            if batch is not None and batch.device is dev:
+                op = batch.op
+                last = var._last_write
+                if last is None or last is op or last.state == _DONE:
+                    lock = batch.lock
+                    lock.acquire()
+                    if not batch.sealed:
+                        recs = batch.recs
+                        recs.append(rec)
+                        batch.reads[var] = None
+                        out._var._last_write = op
+                        batch.outs.append(out._var)
+                        lock.release()
+                        if len(recs) >= eng._auto_size:
+                            eng._flush_auto()
+                        return out
+                    lock.release()
+            eng._push_rec(rec, var, None, out._var, dev, name)
+            return out
+        if t is Array:
+            if other.device is not self.device and other.device != self.device:
+                _mismatch(name, self, other)
+            if not _grad_enabled():
+                return _apply(func, (self, other), {}, name)
+            out = Array(self.engine, self.device)
+            out._grads = self._grads | other._grads if other._grads else self._grads
+            out._meta = rec = (_rec_binary, func, self, other, out)
+            self.engine._push_rec(rec, self._var, other._var, out._var, self.device, name)
+            return out
+        if isinstance(other, torch.Tensor) or not _grad_enabled():
+            return _apply(func, (self, other), {}, name)
+        out = Array(self.engine, self.device)
+        out._grads = self._grads
+        out._meta = rec = (_rec_scalar, func, self, other, out)
+        self.engine._push_rec(rec, self._var, None, out._var, self.device, name)
         return out
 
     def _rbinary(self, func: Any, other: Any, name: str) -> Array:
@@ -259,8 +291,8 @@ class Array:
             return _apply(func, (self,), {}, name)
         out = Array(self.engine, self.device)
         out._grads = self._grads
-        out._meta = (func, (self,), _NO_KWARGS)
-        self.engine._push_rec((_rec_unary, func, self, out), self._var, None, out._var, self.device, name)
+        out._meta = rec = (_rec_unary, func, self, out)
+        self.engine._push_rec(rec, self._var, None, out._var, self.device, name)
         return out
 
     def _inplace(self, method: str, *args: Any, **kwargs: Any) -> Array:
@@ -613,7 +645,10 @@ def _meta_of(a: Array, depth: int) -> torch.Tensor | None:
 
 
 def _infer(recipe: tuple, depth: int = 0) -> torch.Tensor | None:
-    func, args, kwargs = recipe
+    if recipe[0] in _RECORDS:  # a record (runner, func, inputs..., output)
+        func, args, kwargs = recipe[1], recipe[2:-1], _NO_KWARGS
+    else:
+        func, args, kwargs = recipe
     try:
         with torch.no_grad():
             margs, mkwargs = _to_meta(args, depth), _to_meta(kwargs, depth)
@@ -623,6 +658,9 @@ def _infer(recipe: tuple, depth: int = 0) -> torch.Tensor | None:
     except Exception:  # not expressible on meta (data-dependent shapes, Python callables): wait
         return None
     return res if isinstance(res, torch.Tensor) and res.device.type == "meta" else None
+
+
+_RECORDS = (_rec_unary, _rec_scalar, _rec_binary)
 
 
 def _mismatch(op: str, a: Array, b: Array) -> None:
