@@ -147,16 +147,17 @@ def test_a_write_of_an_input_waits_for_the_batch_reading_it(eng):
 
 def test_an_error_fails_only_its_record_and_what_uses_it(eng):
     a = dnp.ones((2, 3), engine=eng)
-    a.wait_to_read()
+    b = dnp.ones((4, 5), engine=eng)
+    eng.waitall()
     _busy(eng)
-    bad = a @ a  # shape mismatch, raised inside the batch
+    bad = a + b  # shapes do not broadcast: raised inside the batch
     worse = bad + 1
     fine = a + 1
-    assert _unsent(bad) and _unsent(fine)
+    assert _unsent(bad) and _unsent(worse) and _unsent(fine)
     assert fine.tolist() == [[2.0] * 3] * 2
-    with pytest.raises(RuntimeError, match="shapes"):
+    with pytest.raises(RuntimeError, match="size"):
         worse.tensor()
-    with pytest.raises(RuntimeError, match="shapes"):
+    with pytest.raises(RuntimeError, match="size"):
         bad.tensor()
     eng.waitall()  # already reported
     assert (a * 3).tolist() == [[3.0] * 3] * 2  # the engine stays usable
@@ -164,10 +165,11 @@ def test_an_error_fails_only_its_record_and_what_uses_it(eng):
 
 def test_an_unreported_error_surfaces_at_waitall(eng):
     a = dnp.ones((2, 3), engine=eng)
-    a.wait_to_read()
+    b = dnp.ones((4, 5), engine=eng)
+    eng.waitall()
     _busy(eng)
-    _ = a @ a
-    with pytest.raises(RuntimeError, match="shapes"):
+    _ = a + b
+    with pytest.raises(RuntimeError, match="size"):
         eng.waitall()
 
 
@@ -206,6 +208,15 @@ def test_the_size_bound_sends_full_batches(eng):
     sizes = sorted(len(op.args[0].recs) for op in batches.values() if op.args)
     assert sizes and max(sizes) <= 8  # eng's auto_bulk
     assert [y.item() for y in ys] == list(range(20))
+
+
+def test_a_matrix_product_is_never_collected(eng):
+    a = dnp.ones((2, 2), engine=eng)
+    a.wait_to_read()
+    _busy(eng)
+    y = a @ a
+    assert not _unsent(y) and y._var._last_write.fn is not run_auto
+    assert y.tolist() == [[2.0, 2.0]] * 2
 
 
 def test_a_push_to_an_idle_worker_is_not_held_back(eng):

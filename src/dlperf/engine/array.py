@@ -53,7 +53,7 @@ import torch
 
 from ..devices import Device, DeviceLike, cpu, require_available, tag
 from ..errors import DeviceMismatchError, UsageError
-from .engine import Engine, default_engine
+from .engine import Engine, default_engine, run_rec
 from .external import External, external, watch
 from .var import DONE as _DONE
 from .var import Var
@@ -246,23 +246,19 @@ class Array:
             batch = eng._local.auto
             # Engine._push_rec's common case, inlined: one more record for this thread's open
             # automatic batch (see ThreadedEngine._push_rec for the rules).
-            if batch is not None and batch.device is dev:
+            if batch is not None and batch.device is dev and not batch.sealed:
                 op = batch.op
                 last = var._last_write
                 if last is None or last is op or last.state == _DONE:
-                    lock = batch.lock
-                    lock.acquire()
-                    if not batch.sealed:
-                        recs = batch.recs
-                        recs.append(rec)
-                        batch.reads[var] = None
-                        out._var._last_write = op
-                        batch.outs.append(out._var)
-                        lock.release()
-                        if len(recs) >= eng._auto_size:
-                            eng._flush_auto()
-                        return out
-                    lock.release()
+                    batch.reads[var] = None
+                    ov = out._var
+                    ov._last_write = op
+                    ov._writing = True
+                    recs = batch.recs
+                    recs.append(rec)
+                    if batch.sealed or len(recs) >= eng._auto_size:
+                        eng._appended(batch, rec, var, None, name)
+                    return out
             eng._push_rec(rec, var, None, out._var, dev, name)
             return out
         if t is Array:
@@ -273,7 +269,10 @@ class Array:
             out = Array(self.engine, self.device)
             out._grads = self._grads | other._grads if other._grads else self._grads
             out._meta = rec = (_rec_binary, func, self, other, out)
-            self.engine._push_rec(rec, self._var, other._var, out._var, self.device, name)
+            if func is torch.matmul:  # not a small operation: never collected into a batch
+                self.engine.push(run_rec, (rec,), (self._var, other._var), (out._var,), self.device, 0, name)
+            else:
+                self.engine._push_rec(rec, self._var, other._var, out._var, self.device, name)
             return out
         if isinstance(other, torch.Tensor) or not _grad_enabled():
             return _apply(func, (self, other), {}, name)

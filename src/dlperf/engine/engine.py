@@ -154,19 +154,25 @@ def run_rec(rec: tuple) -> None:
 
 
 class AutoBatch:
-    """One thread's records collected for one worker, not yet sent (see threaded.ThreadedEngine._push_rec)."""
+    """One thread's records collected for one worker, not yet sent (see threaded.ThreadedEngine._push_rec).
 
-    __slots__ = ("op", "recs", "reads", "outs", "device", "worker", "lock", "sealed")
+    Only the owning thread appends, without a lock: a thread that sends the batch seals it and
+    takes the records appended so far (under ``lock``); the owner looks at ``sealed`` after each
+    append and pushes a record the sender did not take again (see ``ThreadedEngine._appended``).
+    """
+
+    __slots__ = ("op", "recs", "run", "reads", "outs", "device", "worker", "lock", "sealed")
 
     def __init__(self, op: Op, device: Device, worker: Any) -> None:
-        self.recs: list[tuple] = []
+        self.recs: list[tuple] = []  # (runner, function, inputs..., output array)
+        self.run: list[tuple] = []   # the records taken when it was sealed: what runs
         self.op = op  # runs run_auto(self)
         op.args = (self,)
         self.reads: dict[Var, None] = {}  # a dict: ordered, O(1) membership
-        self.outs: list[Var] = []
+        self.outs: tuple[Var, ...] = ()   # the outputs' variables, once sealed
         self.device = device
         self.worker = worker
-        self.lock = threading.Lock()  # appends by the owner vs. sending by any thread
+        self.lock = threading.Lock()
         self.sealed = False
 
 
@@ -176,7 +182,7 @@ def run_auto(batch: AutoBatch) -> None:
     A failing record fails only its own result and the later records that use it, as if each
     had been pushed alone: independent work in the same batch is not lost.
     """
-    recs = batch.recs
+    recs = batch.run
     try:
         for rec in recs:
             rec[0](rec)
@@ -389,7 +395,7 @@ class Engine:
         for v in op.reads:  # (the hot path of every worker: no helper calls while nothing failed)
             if v.exc is not None:
                 if op.fn is run_auto:  # only the records that use the failed input are skipped
-                    run_auto_checked(op.args[0], op.args[0].recs)
+                    run_auto_checked(op.args[0], op.args[0].run)
                     return
                 self._skip(op, v.exc)
                 return
@@ -418,6 +424,9 @@ class Engine:
         op.exc = exc
         for v in op.writes:
             v.exc = exc
+        if op.fn is run_auto:
+            for v in op.args[0].outs:
+                v.exc = exc
         if not ran and op.fn is _run_bulk:
             for inner in op.args[0]:
                 inner.exc = exc

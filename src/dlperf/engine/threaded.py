@@ -218,27 +218,37 @@ class ThreadedEngine(Engine):
     # wait behind work that could wait for them.
     def _push_rec(self, rec: tuple, read: Var, read2: Var | None, out: Var, device: Device, name: str) -> None:
         batch = self._local.auto
-        if batch is not None and batch.device is device:
+        if batch is not None and batch.device is device and not batch.sealed:
             op = batch.op
             last = read._last_write
             if (last is None or last is op or last.state == DONE) and (
                     read2 is None or (last := read2._last_write) is None or last is op or last.state == DONE):
-                lock = batch.lock
-                lock.acquire()
-                if not batch.sealed:
-                    recs = batch.recs
-                    recs.append(rec)
-                    batch.reads[read] = None
-                    if read2 is not None:
-                        batch.reads[read2] = None
-                    out._last_write = op
-                    batch.outs.append(out)
-                    lock.release()
-                    if len(recs) >= self._auto_size:
-                        self._flush_auto()
-                    return
-                lock.release()
+                reads = batch.reads
+                reads[read] = None
+                if read2 is not None:
+                    reads[read2] = None
+                out._last_write = op
+                out._writing = True  # granted to the batch: nothing else can have asked for it
+                recs = batch.recs
+                recs.append(rec)
+                if batch.sealed or len(recs) >= self._auto_size:
+                    self._appended(batch, rec, read, read2, name)
+                return
         self._push_rec_slow(rec, read, read2, out, device, name)
+
+    def _appended(self, batch: AutoBatch, rec: tuple, read: Var, read2: Var | None, name: str) -> None:
+        """After an append to this thread's batch that filled it or raced with its sending."""
+        if batch.sealed:
+            index = len(batch.recs) - 1  # only this thread appends
+            with batch.lock:  # the sender is done once it lets go
+                taken = index < len(batch.run)
+            if not taken:  # appended after the sender took the records: push it again
+                out = rec[-1]._var
+                out._writing = False
+                out._last_write = None
+                self._push_rec_slow(rec, read, read2, out, batch.device, name)
+            return
+        self._flush_auto()
 
     def _push_rec_slow(self, rec: tuple, read: Var, read2: Var | None, out: Var, device: Device,
                        name: str) -> None:
@@ -254,7 +264,7 @@ class ThreadedEngine(Engine):
             return
         switched = device is not self._last[0]
         worker = self._worker(device, "compute")
-        with self._lock:
+        with self._lock:  # every sender holds it: nothing seals the batch meanwhile
             if self._closed:
                 raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
             for v in reads:  # written in another thread's unsent batch: send it, then order after it
@@ -263,13 +273,7 @@ class ThreadedEngine(Engine):
                         batch is None or last is not batch.op):
                     self._send_auto(last.args[0])
             if batch is not None and _joins(reads, batch.op, worker):
-                batch.lock.acquire()
-                batch.recs.append(rec)
-                for v in reads:
-                    batch.reads[v] = None
-                out._last_write = batch.op
-                batch.outs.append(out)
-                batch.lock.release()
+                self._add(batch, rec, reads, out)
                 if len(batch.recs) >= self._auto_size:
                     self._send_auto(batch)
                     loc.auto = None
@@ -277,17 +281,23 @@ class ThreadedEngine(Engine):
             if batch is not None:
                 self._send_auto(batch)
                 loc.auto = None
-            op = Op(self, run_rec, (rec,), reads, (out,), None, 0, name)
-            if not worker.can_steal or not (worker.busy or worker._q) or not _joins(reads, None, worker):
-                self._submit_locked(op, worker, switched)  # an idle worker starts at once
+            # A push to an idle worker starts at once; only small work is batched (a long member
+            # would hold back the dependents of the members before it).
+            if (not worker.can_steal or not (worker.busy or worker._q) or worker.long_ops
+                    or not _joins(reads, None, worker)):
+                self._submit_locked(Op(self, run_rec, (rec,), reads, (out,), None, 0, name), worker, switched)
                 return
             batch = loc.auto = AutoBatch(Op(self, run_auto, (), (), (), None, 0, "auto_bulk"), device, worker)
             self._open_auto.append(batch)
-            batch.recs.append(rec)
-            for v in reads:
-                batch.reads[v] = None
-            out._last_write = batch.op
-            batch.outs.append(out)
+            self._add(batch, rec, reads, out)
+
+    @staticmethod
+    def _add(batch: AutoBatch, rec: tuple, reads: tuple, out: Var) -> None:
+        for v in reads:
+            batch.reads[v] = None
+        out._last_write = batch.op
+        out._writing = True
+        batch.recs.append(rec)
 
     def _flush_auto(self) -> None:
         loc = self._local
@@ -304,11 +314,16 @@ class ThreadedEngine(Engine):
             if batch.sealed:
                 return
             batch.sealed = True
+            # The owner may append meanwhile: what it appends from here on is not taken (it sees
+            # `sealed` and pushes the record again). Copies are single C calls: atomic under the GIL.
+            run = batch.run = batch.recs[:]
+            reads = list(batch.reads)
         self._open_auto.remove(batch)
         op = batch.op
-        op.reads = tuple(v for v in batch.reads if v._last_write is not op)
-        op.writes = tuple(batch.outs)
-        op.name = f"auto_bulk[{len(batch.recs)}]"
+        op.reads = tuple(v for v in reads if v._last_write is not op)
+        # The outputs were granted to the batch when collected; _complete releases them.
+        batch.outs = tuple(rec[-1]._var for rec in run)
+        op.name = f"auto_bulk[{len(run)}]"
         self._submit_locked(op, batch.worker, False)
 
     def _order_after_auto(self, op: Op) -> None:
@@ -365,6 +380,14 @@ class ThreadedEngine(Engine):
             v._readers += 1
             self._ready(op)
 
+    def _release_writes(self, op: Op, writes: tuple, forget: bool) -> None:
+        for v in writes:
+            v._writing = False
+            if v._queue:
+                self._grant(v)
+            elif forget and v._last_write is op:
+                v._last_write = None
+
     def _complete(self, ops: list[Op]) -> None:
         """Release the variables of finished operations and wake whoever waits (takes the lock)."""
         with self._lock:
@@ -375,12 +398,9 @@ class ThreadedEngine(Engine):
                     v._readers -= 1
                     if v._readers == 0 and v._queue:
                         self._grant(v)
-                for v in op.writes:
-                    v._writing = False
-                    if v._queue:
-                        self._grant(v)
-                    elif forget and v._last_write is op:
-                        v._last_write = None
+                self._release_writes(op, op.writes, forget)
+                if op.fn is run_auto:  # an automatic batch's outputs are kept beside its writes
+                    self._release_writes(op, op.args[0].outs, forget)
                 # Break the cycles op -> args -> output array -> var -> op: reference counting, not
                 # the cyclic collector, then frees each finished operation (see the module docstring).
                 op.args = ()

@@ -60,6 +60,8 @@ DEFER_MAX = 64  # unless this many operations are queued: then they are worth a 
 SMALL_OP_S = 0.00002  # ...and only while its recent operations took less than this each, about what a
 # wake-up costs: a nap must never hold back work that could run beside another device's (d2l 12.3's
 # automatic parallelism shows from ~0.1 ms operations on), nor the start of anything longer
+LONG_OP_S = 0.0002  # a worker whose recent operations took longer gets no automatic batches: a long
+# member would hold back the dependents of the members before it
 _seq = itertools.count()
 
 
@@ -91,6 +93,7 @@ class Worker:
         self._sleeping = False
         self._nap = IDLE_CHECK_S  # timeout of the current (or next) sleep (engine lock)
         self.small_ops = False   # its last batch (or stolen op) averaged under SMALL_OP_S an op
+        self.long_ops = False    # ...or over LONG_OP_S: then pushes to it are not batched automatically
         self._stop = False
         self.setup_error: BaseException | None = None
         self._wake = threading.Lock()
@@ -266,13 +269,16 @@ class Worker:
         began = perf_counter()
         if len(batch) == 1:
             self.current = op = batch[0]
-            members = len(op.args[0].recs) if op.fn is run_auto else 1
+            members = len(op.args[0].run) if op.fn is run_auto else 1
             run_op(op, label)
-            self.small_ops = perf_counter() - began < SMALL_OP_S * members
+            took = perf_counter() - began
+            self.small_ops = took < SMALL_OP_S * members
+            self.long_ops = took > LONG_OP_S * members
             eng._complete(batch)
             return
         self._done = []
         start = began
+        members = sum(len(op.args[0].run) if op.fn is run_auto else 1 for op in batch)
         for op in batch:
             self.current = op
             run_op(op, label)
@@ -285,7 +291,9 @@ class Worker:
                 self._done = []
                 eng._complete(done)
                 start = now
-        self.small_ops = perf_counter() - began < SMALL_OP_S * len(batch)
+        took = perf_counter() - began
+        self.small_ops = took < SMALL_OP_S * members
+        self.long_ops = took > LONG_OP_S * members
         done, self._done = self._done, []
         if done:
             eng._complete(done)
@@ -338,7 +346,9 @@ class CpuWorker(Worker):
         if want == have:  # the usual case: one CPU device, the whole machine
             began = perf_counter()
             self.run_op(op, where)
-            self.small_ops = perf_counter() - began < SMALL_OP_S
+            took = perf_counter() - began
+            self.small_ops = took < SMALL_OP_S
+            self.long_ops = took > LONG_OP_S
             return
         torch.set_num_threads(want)
         try:
