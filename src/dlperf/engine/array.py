@@ -209,6 +209,44 @@ def _run_grad(a: Array, out: Array) -> None:
     out._meta = None
 
 
+def _scalar_fast(func: Any, name: str) -> Any:
+    """An operator method whose commonest case, ``x + 1``, collects into the open automatic batch
+    without a further call: Engine._push_rec's common case, inlined (see
+    ThreadedEngine._push_rec for the rules); everything else goes through ``Array._binary``."""
+
+    def method(self: Array, other: Any) -> Array:
+        t = type(other)
+        if (t is not int and t is not float) or not _grad_enabled():
+            return self._binary(func, other, name)
+        eng = self.engine
+        dev = self.device
+        out = Array(eng, dev)
+        out._grads = self._grads
+        # The record doubles as the shape recipe (see _infer): one allocation for both.
+        out._meta = rec = (_rec_scalar, func, self, other, out)
+        var = self._var
+        batch = eng._local.auto
+        if batch is not None and batch.device is dev and not batch.sealed:
+            op = batch.op
+            last = var._last_write
+            if last is None or last is op or last.state == _DONE:
+                batch.reads[var] = None
+                ov = out._var
+                ov._last_write = op
+                ov._writing = True
+                batch.outs.append(ov)
+                recs = batch.recs
+                recs.append(rec)
+                if batch.sealed or len(recs) >= eng._auto_size:
+                    eng._appended(batch, rec, var, None, name)
+                return out
+        eng._push_rec(rec, var, None, out._var, dev, name)
+        return out
+
+    method.__name__ = method.__qualname__ = f"__{name}__"
+    return method
+
+
 class Array:
     """An engine-managed array on one device; see the module docstring for what blocks.
 
@@ -233,33 +271,13 @@ class Array:
 
     def _binary(self, func: Any, other: Any, name: str) -> Array:
         t = type(other)
-        if t is int or t is float:  # `x + 1`: the commonest small operation, kept lean
+        if t is int or t is float:
             if not _grad_enabled():
                 return _apply(func, (self, other), {}, name)
-            eng = self.engine
-            dev = self.device
-            out = Array(eng, dev)
+            out = Array(self.engine, self.device)
             out._grads = self._grads
-            # The record doubles as the shape recipe (see _infer): one allocation for both.
             out._meta = rec = (_rec_scalar, func, self, other, out)
-            var = self._var
-            batch = eng._local.auto
-            # Engine._push_rec's common case, inlined: one more record for this thread's open
-            # automatic batch (see ThreadedEngine._push_rec for the rules).
-            if batch is not None and batch.device is dev and not batch.sealed:
-                op = batch.op
-                last = var._last_write
-                if last is None or last is op or last.state == _DONE:
-                    batch.reads[var] = None
-                    ov = out._var
-                    ov._last_write = op
-                    ov._writing = True
-                    recs = batch.recs
-                    recs.append(rec)
-                    if batch.sealed or len(recs) >= eng._auto_size:
-                        eng._appended(batch, rec, var, None, name)
-                    return out
-            eng._push_rec(rec, var, None, out._var, dev, name)
+            self.engine._push_rec(rec, self._var, None, out._var, self.device, name)
             return out
         if t is Array:
             if other.device is not self.device and other.device != self.device:
@@ -304,20 +322,15 @@ class Array:
                          (self._var,), self.device, 0, method)
         return self
 
-    def __add__(self, o: Any) -> Array:
-        return self._binary(torch.add, o, "add")
+    __add__ = _scalar_fast(torch.add, "add")
 
-    def __sub__(self, o: Any) -> Array:
-        return self._binary(torch.sub, o, "sub")
+    __sub__ = _scalar_fast(torch.sub, "sub")
 
-    def __mul__(self, o: Any) -> Array:
-        return self._binary(torch.mul, o, "mul")
+    __mul__ = _scalar_fast(torch.mul, "mul")
 
-    def __truediv__(self, o: Any) -> Array:
-        return self._binary(torch.true_divide, o, "div")
+    __truediv__ = _scalar_fast(torch.true_divide, "div")
 
-    def __pow__(self, o: Any) -> Array:
-        return self._binary(torch.pow, o, "pow")
+    __pow__ = _scalar_fast(torch.pow, "pow")
 
     def __matmul__(self, o: Any) -> Array:
         return self._binary(torch.matmul, o, "matmul")

@@ -161,7 +161,7 @@ class AutoBatch:
     append and pushes a record the sender did not take again (see ``ThreadedEngine._appended``).
     """
 
-    __slots__ = ("op", "recs", "run", "reads", "outs", "device", "worker", "lock", "sealed")
+    __slots__ = ("op", "recs", "run", "reads", "outs", "sent_outs", "device", "worker", "lock", "sealed")
 
     def __init__(self, op: Op, device: Device, worker: Any) -> None:
         self.recs: list[tuple] = []  # (runner, function, inputs..., output array)
@@ -169,7 +169,8 @@ class AutoBatch:
         self.op = op  # runs run_auto(self)
         op.args = (self,)
         self.reads: dict[Var, None] = {}  # a dict: ordered, O(1) membership
-        self.outs: tuple[Var, ...] = ()   # the outputs' variables, once sealed
+        self.outs: list[Var] = []  # each record's output variable, appended just before the record
+        self.sent_outs: list[Var] = []  # those of the records taken when it was sealed
         self.device = device
         self.worker = worker
         self.lock = threading.Lock()
@@ -425,7 +426,7 @@ class Engine:
         for v in op.writes:
             v.exc = exc
         if op.fn is run_auto:
-            for v in op.args[0].outs:
+            for v in op.args[0].sent_outs:
                 v.exc = exc
         if not ran and op.fn is _run_bulk:
             for inner in op.args[0]:

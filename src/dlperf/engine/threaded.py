@@ -229,6 +229,7 @@ class ThreadedEngine(Engine):
                     reads[read2] = None
                 out._last_write = op
                 out._writing = True  # granted to the batch: nothing else can have asked for it
+                batch.outs.append(out)  # before the record: a sender takes as many as records
                 recs = batch.recs
                 recs.append(rec)
                 if batch.sealed or len(recs) >= self._auto_size:
@@ -297,6 +298,7 @@ class ThreadedEngine(Engine):
             batch.reads[v] = None
         out._last_write = batch.op
         out._writing = True
+        batch.outs.append(out)
         batch.recs.append(rec)
 
     def _flush_auto(self) -> None:
@@ -318,11 +320,12 @@ class ThreadedEngine(Engine):
             # `sealed` and pushes the record again). Copies are single C calls: atomic under the GIL.
             run = batch.run = batch.recs[:]
             reads = list(batch.reads)
+            outs = batch.outs[:len(run)]  # each record's output is appended just before it
         self._open_auto.remove(batch)
         op = batch.op
         op.reads = tuple(v for v in reads if v._last_write is not op)
         # The outputs were granted to the batch when collected; _complete releases them.
-        batch.outs = tuple(rec[-1]._var for rec in run)
+        batch.sent_outs = outs
         op.name = f"auto_bulk[{len(run)}]"
         self._submit_locked(op, batch.worker, False)
 
@@ -400,7 +403,7 @@ class ThreadedEngine(Engine):
                         self._grant(v)
                 self._release_writes(op, op.writes, forget)
                 if op.fn is run_auto:  # an automatic batch's outputs are kept beside its writes
-                    self._release_writes(op, op.args[0].outs, forget)
+                    self._release_writes(op, op.args[0].sent_outs, forget)
                 # Break the cycles op -> args -> output array -> var -> op: reference counting, not
                 # the cyclic collector, then frees each finished operation (see the module docstring).
                 op.args = ()
