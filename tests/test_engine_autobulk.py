@@ -269,3 +269,27 @@ def test_off_means_one_operation_per_push():
         y = x + 1
         assert not _unsent(y) and y._var._last_write.fn is not run_auto
         assert y.tolist() == [2.0, 2.0]
+
+
+def test_fast_path_arrays_are_complete(eng):
+    # x + scalar builds its output without Array() and Var(): every field must still be set, as
+    # the constructors set it (apart from the grant to the batch and the record).
+    from dlperf.engine.array import Array
+    from dlperf.engine.var import Var
+
+    x = dnp.ones(2, engine=eng)
+    x.wait_to_read()
+    _busy(eng)
+    _ = x + 1  # opens the batch
+    y = x + 2  # collected by the operator method itself
+    assert _unsent(y)
+    ref = Array(eng, x.device)
+    for obj, plain, cls in ((y, ref, Array), (y._var, ref._var, Var)):
+        for slot in cls.__slots__:
+            if slot == "__weakref__":
+                continue
+            got = getattr(obj, slot)  # AttributeError: a field the fast path forgot
+            if slot not in ("_var", "_meta", "_writing", "_last_write"):
+                assert got == plain.__getattribute__(slot) or got is plain.__getattribute__(slot), slot
+    assert y._var._writing and y._var._last_write is y._var._last_write.args[0].op
+    assert y.tolist() == [3.0, 3.0]
