@@ -53,7 +53,7 @@ import torch
 
 from ..devices import Device, DeviceLike, cpu, require_available, tag
 from ..errors import DeviceMismatchError, UsageError
-from .engine import Engine, default_engine, run_rec
+from .engine import Engine, default_engine
 from .external import External, external, watch
 from .var import DONE as _DONE
 from .var import Var
@@ -151,6 +151,13 @@ def _rec_scalar(rec: tuple) -> None:
     res = func(a._data, b)
     dev = out.device
     out._data = _fix(res, dev) if dev.index else res
+    out._meta = None
+
+
+def _run_binary(func: Any, a: Array, b: Array, out: Array) -> None:
+    if out.device.is_gpu:
+        _record_streams((a, b))
+    out._data = _fix(func(a._data, b._data), out.device)
     out._meta = None
 
 
@@ -299,7 +306,9 @@ class Array:
             out._grads = self._grads | other._grads if other._grads else self._grads
             out._meta = rec = (_rec_binary, func, self, other, out)
             if func is torch.matmul:  # not a small operation: never collected into a batch
-                self.engine.push(run_rec, (rec,), (self._var, other._var), (out._var,), self.device, 0, name)
+                out._meta = (func, (self, other), _NO_KWARGS)
+                self.engine.push(_run_binary, (func, self, other, out), (self._var, other._var), (out._var,),
+                                 self.device, 0, name)
             else:
                 self.engine._push_rec(rec, self._var, other._var, out._var, self.device, name)
             return out

@@ -460,6 +460,36 @@ class ThreadedEngine(Engine):
             finally:
                 self._blind_waiters -= blind
 
+    def _run_queued_batches(self) -> bool:
+        """Run, in this waiting thread, the array records first in line on an idle CPU worker.
+
+        Small work only (what automatic batches hold): waking the worker and sleeping until it is
+        done costs two thread switches, and on a loaded machine each can wait for a free core.
+        """
+        with self._lock:
+            for w in self._workers.values():
+                q = w._q
+                if (q and q[0].fn in _SMALL_WORK and w.can_steal and not w.busy and not w.long_ops
+                        and w.setup_error is None):
+                    ops = []
+                    while q and q[0].fn in _SMALL_WORK:
+                        op = q.popleft()
+                        if op.state == QUEUED:
+                            op.state = RUNNING  # (the worker skips what it finds in this state)
+                            ops.append(op)
+                    break
+            else:
+                return False
+        stack = self._running_stack()
+        for op in ops:
+            stack.append(op)
+            try:
+                w.run_stolen(op, w.caller_label)
+            finally:
+                stack.pop()
+            self._complete([op])
+        return True
+
     def _mark_waited(self, op: Op) -> int:
         """Ask for a wake-up when ``op`` finishes (lock held); 1 if every completion must wake us."""
         op.waited = True
@@ -514,6 +544,9 @@ class ThreadedEngine(Engine):
         with self._lock:
             for batch in list(self._open_auto):  # every thread's collected operations count as pushed
                 self._send_auto(batch)
+        while self._auto_size and self._run_queued_batches():
+            pass
+        with self._lock:
             self._all_waiters += 1
             self._wake_deferred()
             try:
@@ -546,6 +579,9 @@ class ThreadedEngine(Engine):
                 w.stop()
         finally:
             self._lock.release()
+
+
+_SMALL_WORK = (run_auto, run_rec)  # automatic batches and single elementwise array operations
 
 
 def _joins(reads: tuple, op: Op | None, worker: Worker) -> bool:
