@@ -15,6 +15,11 @@ milliseconds on its own, see :mod:`dlperf.engine.worker`), every wait first wake
 whose queued operations it may need, and finishing operations wakes only threads that wait for
 one of them (or for everything): a woken thread competes for the GIL with the one doing the work.
 
+Small array operations are cheaper still: while a CPU worker is busy, one thread's consecutive
+elementwise operations to it are collected into one engine operation (MXNet's bulk execution,
+done automatically; ``EngineConfig.auto_bulk``). Each costs the frontend a few stores instead of
+an operation, a scheduling pass and a release. The rules are at ``ThreadedEngine._push_rec``.
+
 A thread that blocks while it runs an operation (a pushed function that waits) is a node of the
 wait-for graph (:mod:`dlperf.engine.waitgraph`): it first releases its batch's finished
 operations, then checks under the lock whether its wait closes a cycle, and again after
