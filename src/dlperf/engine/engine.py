@@ -161,7 +161,7 @@ class AutoBatch:
     append and pushes a record the sender did not take again (see ``ThreadedEngine._appended``).
     """
 
-    __slots__ = ("op", "recs", "run", "reads", "outs", "sent_outs", "device", "worker", "lock", "sealed")
+    __slots__ = ("op", "recs", "run", "reads", "outs", "sent_outs", "device", "worker", "lock", "sealed", "seen")
 
     def __init__(self, op: Op, device: Device, worker: Any) -> None:
         self.recs: list[tuple] = []  # (runner, function, inputs..., output array)
@@ -175,6 +175,7 @@ class AutoBatch:
         self.worker = worker
         self.lock = threading.Lock()
         self.sealed = False
+        self.seen = -1  # its size when its worker last looked (see ThreadedEngine.send_auto_for)
 
 
 def run_auto(batch: AutoBatch) -> None:

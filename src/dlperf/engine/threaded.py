@@ -348,14 +348,21 @@ class ThreadedEngine(Engine):
                 if v in batch.reads:
                     self._send_auto(batch)
 
-    def send_auto_for(self, worker: Worker) -> bool:
-        """Called by ``worker`` (lock held) before it goes idle: send the batches collected for it."""
-        sent = False
+    def send_auto_for(self, worker: Worker) -> int:
+        """Called by ``worker`` (lock held) before it goes idle: send the batches collected for it
+        that stopped growing since it last looked. 1: sent some; -1: some still grow (look again
+        soon: their thread is busy collecting and sends them at the size bound); 0: none."""
+        result = 0
         for batch in list(self._open_auto):
             if batch.worker is worker:
-                self._send_auto(batch)
-                sent = True
-        return sent
+                n = len(batch.recs)
+                if n == batch.seen:
+                    self._send_auto(batch)
+                    result = 1
+                else:
+                    batch.seen = n
+                    result = result or -1
+        return result
 
     @staticmethod
     def _enqueue_var(v: Var, op: Op, is_write: bool) -> None:

@@ -185,11 +185,12 @@ class Worker:
                 skipped.append(op)
         return out, skipped
 
-    def _send_collected(self) -> bool:
-        """Before going idle (lock held): send the automatic batches threads collect for this worker."""
+    def _send_collected(self) -> int:
+        """Before going idle (lock held): send the automatic batches threads collect for this worker
+        (see ThreadedEngine.send_auto_for for the result)."""
         # (an unsent batch's operation holds the engine: this reference is never the last one)
         eng = self._engine_ref()
-        return eng is not None and eng.send_auto_for(self)
+        return 0 if eng is None else eng.send_auto_for(self)
 
     # worker thread ---------------------------------------------------------------------------
     def setup(self) -> None:
@@ -216,9 +217,13 @@ class Worker:
         while True:
             with lock:
                 batch, skipped = self._take()
-                if not batch and self._open_auto and self._send_collected():
-                    batch, more = self._take()
-                    skipped += more
+                if not batch and self._open_auto:
+                    collected = self._send_collected()
+                    if collected > 0:
+                        batch, more = self._take()
+                        skipped += more
+                    elif collected < 0:
+                        nap = min(nap, NAP_S)  # look again soon: a thread is still collecting
                 if not batch:
                     if self._stop:
                         break
