@@ -106,14 +106,15 @@ class EngineConfig:
     """A worker running many small ready operations releases their dependents at least this often."""
     auto_bulk: int = AUTO_BULK_DEFAULT
     """Threaded engine, CPU devices: while a device's worker is busy, one thread's consecutive
-    elementwise array operations to it (``y = x + 1``, ``-x``, ``a * b``) are collected, up to this
-    many, into one engine operation, as :meth:`Engine.bulk` does by hand. The batch is sent when the
-    worker runs dry, at any wait or blocker in any thread that needs one of its results, at
-    ``waitall``, when the thread pushes to another device, when another push uses what it writes
-    (or writes what it reads), and at this size; a push to an idle worker is sent at once, so
-    nothing waits longer than it would without batching. 0 turns it off; the naive engine ignores it.
-    Errors behave as in :meth:`Engine.bulk`: the first failing member skips the rest of its batch,
-    and every result of the batch carries the error."""
+    elementwise array operations to it (``y = x + 1``, ``-x``, ``a * b``; not matrix products) are
+    collected, up to this many, into one engine operation, as :meth:`Engine.bulk` does by hand,
+    which roughly halves their cost. A batch is sent at any wait or blocker (in any thread) that
+    needs one of its results, at ``waitall``, when its thread pushes to another device, when
+    another push uses a result or writes an input of it, at this size, and by the worker itself
+    when it runs dry and the batch stopped growing. A push to an idle worker, or to one whose recent
+    operations were long, is sent at once: nothing waits longer than it would without batching.
+    A failing member fails only its own result and what uses it, as if pushed alone. 0 turns it
+    off; the naive engine, traced engines and ``max_queued`` ignore it."""
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
