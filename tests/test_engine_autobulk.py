@@ -295,48 +295,52 @@ def test_fast_path_arrays_are_complete(eng):
     assert y.tolist() == [3.0, 3.0]
 
 
+def _chain_and_share(eng, k: int, seed: int, shared: list) -> None:
+    import random
+
+    rng = random.Random(seed * 10 + k)
+    x, tx = _pair(eng, (3,), seed=seed * 10 + k)
+    mine = []
+    y, ty = x * 1.0, tx * 1.0  # never x itself: x is written in place below
+    for i in range(300):
+        r = rng.random()
+        if r < 0.55:
+            y, ty = y * 0.5 + i, ty * 0.5 + i
+        elif r < 0.7:
+            y, ty = -y, -ty
+        elif r < 0.8 and shared:
+            a, ta = shared[rng.randrange(len(shared))]
+            y, ty = y + a, ty + ta
+        elif r < 0.87:
+            shared.append((y, ty))
+        elif r < 0.92 and shared:
+            a, ta = shared[rng.randrange(len(shared))]
+            torch.testing.assert_close(a.tensor(), ta)
+        elif r < 0.96:
+            x += 1  # an in-place write of an input that earlier records read
+            tx = tx + 1
+            y, ty = y + x, ty + tx
+        mine.append((y, ty))
+    for a, ta in mine[::7]:
+        torch.testing.assert_close(a.tensor(), ta)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_threads_sharing_results_see_eager_values(seed):
     # Three threads chain small operations, publish results to each other mid-batch, use and
     # wait on the others' (often still collected in their owner's open batch), and write their
     # own inputs in place: every value must equal eager PyTorch's.
-    import random
-
     shared: list = []
     errors: list = []
+
+    def work(eng, k: int) -> None:
+        try:
+            _chain_and_share(eng, k, seed, shared)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
     with create_engine("threaded", auto_bulk=16) as eng:
-
-        def work(k: int) -> None:
-            try:
-                rng = random.Random(seed * 10 + k)
-                x, tx = _pair(eng, (3,), seed=seed * 10 + k)
-                mine = []
-                y, ty = x * 1.0, tx * 1.0  # never x itself: x is written in place below
-                for i in range(300):
-                    r = rng.random()
-                    if r < 0.55:
-                        y, ty = y * 0.5 + i, ty * 0.5 + i
-                    elif r < 0.7:
-                        y, ty = -y, -ty
-                    elif r < 0.8 and shared:
-                        a, ta = shared[rng.randrange(len(shared))]
-                        y, ty = y + a, ty + ta
-                    elif r < 0.87:
-                        shared.append((y, ty))
-                    elif r < 0.92 and shared:
-                        a, ta = shared[rng.randrange(len(shared))]
-                        torch.testing.assert_close(a.tensor(), ta)
-                    elif r < 0.96:
-                        x += 1  # an in-place write of an input that earlier records read
-                        tx = tx + 1
-                        y, ty = y + x, ty + tx
-                    mine.append((y, ty))
-                for a, ta in mine[::7]:
-                    torch.testing.assert_close(a.tensor(), ta)
-            except BaseException as exc:  # reported by the main thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+        threads = [threading.Thread(target=work, args=(eng, k)) for k in range(3)]
         for t in threads:
             t.start()
         for t in threads:
