@@ -353,3 +353,15 @@ def test_threads_sharing_results_see_eager_values(seed):
         eng.waitall()
     if errors:
         raise errors[0]
+
+
+def test_a_push_waiting_inside_for_a_collected_result_does_not_deadlock(eng):
+    # Unbatched, y's operation would be queued before the function that waits for it; batched, it
+    # must still be: the thread's other pushes send its open batch first.
+    x = dnp.ones(2, engine=eng)
+    x.wait_to_read()
+    _busy(eng)
+    y = x + 1
+    assert _unsent(y)
+    op = eng.push(lambda: y.tolist())  # reads y without declaring it: waits inside
+    assert op.wait() == [2.0, 2.0]

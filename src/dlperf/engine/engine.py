@@ -298,7 +298,13 @@ class Engine:
         if self._closed:
             raise EngineClosedError(f"this {self.kind} engine is closed; create a new one to push more work")
         op = Op(self, fn, args, reads, writes, None, priority, name)
-        bulk = self._local.bulk
+        loc = self._local
+        if loc.auto is not None:
+            # This thread's automatic batch goes first, as pushed: a worker runs in push order,
+            # and an operation that waits inside for a collected result must not be queued ahead
+            # of it (it would wait for work behind itself).
+            self._flush_auto()
+        bulk = loc.bulk
         if bulk is not None:
             self._add_to_bulk(bulk, op, dev, kind)
             return op
