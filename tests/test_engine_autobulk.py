@@ -365,3 +365,16 @@ def test_a_push_waiting_inside_for_a_collected_result_does_not_deadlock(eng):
     assert _unsent(y)
     op = eng.push(lambda: y.tolist())  # reads y without declaring it: waits inside
     assert op.wait() == [2.0, 2.0]
+
+
+def test_another_threads_push_to_the_worker_goes_after_a_collected_batch(eng):
+    x = dnp.ones(2, engine=eng)
+    x.wait_to_read()
+    _busy(eng)
+    y = x + 1
+    assert _unsent(y)
+    got = []
+    t = threading.Thread(target=lambda: got.append(eng.push(lambda: y.tolist()).wait()))
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and got == [[2.0, 2.0]]

@@ -157,7 +157,7 @@ class ThreadedEngine(Engine):
             if limit is not None and worker.unfinished >= limit and not self._running_ops():
                 self._wait_for_room(worker, limit)
             if self._open_auto:
-                self._order_after_auto(op)
+                self._order_after_auto(op, worker)
             self._submit_locked(op, worker, switched)
 
     def _submit_locked(self, op: Op, worker: Worker, switched: bool) -> None:
@@ -334,8 +334,12 @@ class ThreadedEngine(Engine):
         op.name = f"auto_bulk[{len(run)}]"
         self._submit_locked(op, batch.worker, False)
 
-    def _order_after_auto(self, op: Op) -> None:
-        """Send the unsent batches ``op`` must follow: they write what it uses or read what it writes."""
+    def _order_after_auto(self, op: Op, worker: Worker) -> None:
+        """Send the unsent batches ``op`` must follow: every one collected for its worker (which
+        runs in push order), and those that write what it uses or read what it writes."""
+        for batch in list(self._open_auto):
+            if batch.worker is worker:
+                self._send_auto(batch)
         for v in op.reads:
             last = v._last_write
             if last is not None and last.worker is None and last.fn is run_auto:
