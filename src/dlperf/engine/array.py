@@ -2,7 +2,8 @@
 
 Every operation on an :class:`Array` (operators, tensor methods, the functions of this module and
 ``torch.*`` functions through ``__torch_function__``) becomes one engine operation that reads its
-input arrays and writes a new one, on the device of its inputs. The result is an :class:`Array`
+input arrays and writes a new one, on the device of its inputs (small elementwise ones, such as
+``x + 1``, may share one: see ``EngineConfig.auto_bulk``). The result is an :class:`Array`
 whose value is not computed yet; the call returns immediately. The functions here take NumPy's
 and MXNet's spellings where they differ from torch's (``axis=``, ``ctx=`` beside ``device=``).
 

@@ -213,14 +213,15 @@ class ThreadedEngine(Engine):
 
     # ----------------------------------------------------------------- automatic batches
     # One thread's consecutive elementwise array operations to a busy CPU worker are collected as
-    # light records (function, inputs, output) into one engine operation, MXNet's bulk execution
-    # without a bulk() block. Collecting one costs a lock round trip and a few stores: no Op, no
-    # scheduling, no release. Nothing waits longer than it would unbatched: a push to an idle
-    # worker is sent at once, the worker sends the batches collected for it before it goes idle,
-    # any wait that needs a result sends its batch (whichever thread waits), and so does a push that
-    # uses a result or writes an input of an unsent batch. A record joins only if what it reads is
-    # ready, made in the batch, or made by work already queued on the same worker: members never
-    # wait behind work that could wait for them.
+    # light records (runner, function, inputs, output) into one engine operation, MXNet's bulk
+    # execution without a bulk() block. Collecting one costs a few stores, no lock (see AutoBatch):
+    # no Op, no scheduling, no release. Nothing waits longer than it would unbatched: a push to an
+    # idle worker is sent at once; the worker, once it runs dry, sends a batch that stopped growing
+    # (one still growing is sent by its thread at the size bound); any wait that needs a result
+    # sends its batch (whichever thread waits), waitall sends them all, and any other push sends
+    # the batches of its worker and those whose results it uses or whose inputs it writes. A record
+    # joins only if what it reads is ready, made in the batch, or made by work already queued on
+    # the same worker: members never wait behind work that could wait for them.
     def _push_rec(self, rec: tuple, read: Var, read2: Var | None, out: Var, device: Device, name: str) -> None:
         batch = self._local.auto
         if batch is not None and batch.device is device and not batch.sealed:
