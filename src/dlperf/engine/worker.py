@@ -37,7 +37,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import TYPE_CHECKING
 
 import torch
@@ -274,16 +274,19 @@ class Worker:
         began = perf_counter()
         if len(batch) == 1:
             self.current = op = batch[0]
-            members = len(op.args[0].run) if op.fn is run_auto else 1
-            run_op(op, label)
-            took = perf_counter() - began
-            self.small_ops = took < SMALL_OP_S * members
-            self.long_ops = took > LONG_OP_S * members
+            if op.fn is run_auto:
+                cpu = thread_time()
+                run_op(op, label)
+                self._judge(thread_time() - cpu, len(op.args[0].run))
+            else:
+                run_op(op, label)
+                self._judge(perf_counter() - began, 1)
             eng._complete(batch)
             return
         self._done = []
         start = began
         members = sum(len(op.args[0].run) if op.fn is run_auto else 1 for op in batch)
+        cpu = thread_time() if members > len(batch) else 0.0
         for op in batch:
             self.current = op
             run_op(op, label)
@@ -296,12 +299,18 @@ class Worker:
                 self._done = []
                 eng._complete(done)
                 start = now
-        took = perf_counter() - began
-        self.small_ops = took < SMALL_OP_S * members
-        self.long_ops = took > LONG_OP_S * members
+        self._judge(thread_time() - cpu if members > len(batch) else perf_counter() - began, members)
         done, self._done = self._done, []
         if done:
             eng._complete(done)
+
+    def _judge(self, took: float, members: int) -> None:
+        # Automatic batches are timed in this thread's CPU time (a system call, paid once a batch):
+        # they run while their frontend thread pushes more, and the time spent waiting for the GIL
+        # would make small operations look long, turn batching off and wake this worker for every
+        # push, the very contention that made them look long.
+        self.small_ops = took < SMALL_OP_S * members
+        self.long_ops = took > LONG_OP_S * members
 
     def release_finished(self) -> None:
         """Release the batch's finished operations now (called before this thread blocks in a wait)."""
@@ -349,11 +358,14 @@ class CpuWorker(Worker):
         """Run ``op`` in a waiting thread, under this device's thread budget."""
         want, have = self.budget(), torch.get_num_threads()
         if want == have:  # the usual case: one CPU device, the whole machine
+            if op.fn is run_auto:
+                cpu = thread_time()
+                self.run_op(op, where)
+                self._judge(thread_time() - cpu, len(op.args[0].run))
+                return
             began = perf_counter()
             self.run_op(op, where)
-            took = perf_counter() - began
-            self.small_ops = took < SMALL_OP_S
-            self.long_ops = took > LONG_OP_S
+            self._judge(perf_counter() - began, 1)
             return
         torch.set_num_threads(want)
         try:
