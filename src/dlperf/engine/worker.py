@@ -44,7 +44,7 @@ import torch
 
 from .._threads import restore_process_default, set_thread_budget
 from ..devices import Device, cpu_count
-from .engine import run_auto
+from .engine import _run_bulk, run_auto
 from .var import QUEUED, RUNNING, Op
 
 if TYPE_CHECKING:
@@ -279,14 +279,16 @@ class Worker:
                 run_op(op, label)
                 self._judge(thread_time() - cpu, len(op.args[0].run))
             else:
+                members = _members(op)
                 run_op(op, label)
-                self._judge(perf_counter() - began, 1)
+                self._judge(perf_counter() - began, members)
             eng._complete(batch)
             return
         self._done = []
         start = began
-        members = sum(len(op.args[0].run) if op.fn is run_auto else 1 for op in batch)
-        cpu = thread_time() if members > len(batch) else 0.0
+        members = sum(_members(op) for op in batch)
+        auto = any(op.fn is run_auto for op in batch)
+        cpu = thread_time() if auto else 0.0
         for op in batch:
             self.current = op
             run_op(op, label)
@@ -299,7 +301,7 @@ class Worker:
                 self._done = []
                 eng._complete(done)
                 start = now
-        self._judge(thread_time() - cpu if members > len(batch) else perf_counter() - began, members)
+        self._judge(thread_time() - cpu if auto else perf_counter() - began, members)
         done, self._done = self._done, []
         if done:
             eng._complete(done)
@@ -363,9 +365,10 @@ class CpuWorker(Worker):
                 self.run_op(op, where)
                 self._judge(thread_time() - cpu, len(op.args[0].run))
                 return
+            members = _members(op)
             began = perf_counter()
             self.run_op(op, where)
-            self._judge(perf_counter() - began, 1)
+            self._judge(perf_counter() - began, members)
             return
         torch.set_num_threads(want)
         try:
@@ -401,6 +404,16 @@ def _cores() -> int:
     if now - _cores_cache[0] > 1.0:
         _cores_cache[:] = [now, cpu_count()]
     return int(_cores_cache[1])
+
+
+def _members(op: Op) -> int:
+    """How many pushed operations ``op`` runs: a batch's members (so each is judged small or long)."""
+    fn = op.fn
+    if fn is run_auto:
+        return len(op.args[0].run)
+    if fn is _run_bulk:
+        return len(op.args[0])
+    return 1
 
 
 def _has_dependents(op: Op) -> bool:
