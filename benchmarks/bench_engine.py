@@ -9,7 +9,10 @@ Experiments (all CPU unless a GPU is visible):
    end) [async_us_per_op] and synchronous (a wait after each) [sync_us_per_op]; bulk execution; plain
    PyTorch eager [torch_us_per_op], in alternating rounds of one run, with the ratios to it
    [async_vs_torch, sync_vs_torch] and whether other work competed for the CPUs meanwhile
-   [per_op_contention, judged by dlperf.timing's contention rule].
+   [per_op_contention, judged by dlperf.timing's contention rule]. The engine batches small
+   operations automatically (EngineConfig.auto_bulk); the same rounds also time an engine with it
+   off [async_no_auto_bulk_us_per_op, async_no_auto_bulk_vs_torch], and the asynchronous loop's
+   process CPU time against torch's [async_cpu_vs_torch], which other programs sway less.
 4. Automatic parallelism (§12.3.1): 10 matrix products on cpu(0) and 10 on cpu(1), one intra-op
    thread each: together versus the longer alone [parallel_ratio]; plain PyTorch runs them one
    after the other [torch_sequential_ratio].
@@ -122,11 +125,14 @@ def barriers(repeats: int) -> dict:
 
 # ------------------------------------------------------------------------------------------ 3
 def per_op_overhead(repeats: int, n: int = 1000) -> dict:
-    asyncs, syncs, bulks, torchs = [], [], [], []
+    asyncs, syncs, bulks, torchs, offs = [], [], [], [], []
+    async_cpu, torch_cpu = [], []  # process CPU time (all threads): less sensitive to other programs
     monitor = ContentionMonitor(threads=2)  # the frontend and the engine's worker
-    with create_engine() as eng:
+    with create_engine() as eng, create_engine(auto_bulk=0) as off:
         x = dnp.ones((1, 2), engine=eng)
         x.wait_to_read()
+        x_off = dnp.ones((1, 2), engine=off)
+        x_off.wait_to_read()
         for r in range(repeats + 1):  # the first round warms up and is dropped
             if r == 1:
                 monitor.start()
@@ -135,11 +141,12 @@ def per_op_overhead(repeats: int, n: int = 1000) -> dict:
             # Each variant ends with waitall: the ops are independent, so the last result can be
             # ready (a waiting thread may run it itself) while earlier ones still queue, and their
             # cost would leak into the next variant's (or torch's) time instead of this one's.
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(n):
                 y = x + 1
             eng.waitall()
             asyncs.append((time.perf_counter() - t0) / n)
+            async_cpu.append((time.process_time() - c0) / n)
 
             t0 = time.perf_counter()
             for _ in range(n):
@@ -155,21 +162,33 @@ def per_op_overhead(repeats: int, n: int = 1000) -> dict:
             eng.waitall()
             bulks.append((time.perf_counter() - t0) / n)
 
-            xt = torch.ones(1, 2)
             t0 = time.perf_counter()
+            for _ in range(n):
+                y_off = x_off + 1
+            off.waitall()
+            offs.append((time.perf_counter() - t0) / n)
+
+            xt = torch.ones(1, 2)
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(n):
                 yt = xt + 1
             torchs.append((time.perf_counter() - t0) / n)
+            torch_cpu.append((time.process_time() - c0) / n)
         contention = monitor.stop()
-        assert y.tolist() == yt.tolist() == [[2.0, 2.0]]
-    a, s, b, t = (med(v[1:]) * 1e6 for v in (asyncs, syncs, bulks, torchs))
+        assert y.tolist() == y_off.tolist() == yt.tolist() == [[2.0, 2.0]]
+    a, s, b, t, o = (med(v[1:]) * 1e6 for v in (asyncs, syncs, bulks, torchs, offs))
+    cpu_ratio = med(async_cpu[1:]) / med(torch_cpu[1:])
     busy = f"contended: {contention.reason}" if contention.contended else "not contended"
     row("12.2.3 1000x(x+1), 1x2", "torch eager", f"{t:9.2f} us/op", f"synchronous, no engine; {busy}")
     row("", "engine async", f"{a:9.2f} us/op", f"{a / t:.2f}x torch (target <= 1.5x; MXNet 1.9.1: 36 us)")
     row("", "engine sync (wait each)", f"{s:9.2f} us/op", f"{s / t:.2f}x torch (target <= 4x; MXNet 1.9.1: 91 us)")
     row("", "engine async, bulk(64)", f"{b:9.2f} us/op", f"{b / t:.2f}x torch")
+    row("", "engine async, auto_bulk=0", f"{o:9.2f} us/op", f"{o / t:.2f}x torch (automatic batches off)")
+    row("", "engine async, CPU time", "", f"{cpu_ratio:.2f}x torch's (process CPU time, all threads)")
     return {"async_us_per_op": a, "sync_us_per_op": s, "bulk_us_per_op": b, "torch_us_per_op": t,
-            "async_vs_torch": a / t, "sync_vs_torch": s / t, "per_op_contention": contention.to_dict()}
+            "async_vs_torch": a / t, "sync_vs_torch": s / t, "async_no_auto_bulk_us_per_op": o,
+            "async_no_auto_bulk_vs_torch": o / t, "async_cpu_vs_torch": cpu_ratio,
+            "per_op_contention": contention.to_dict()}
 
 
 # ------------------------------------------------------------------------------------------ 4

@@ -15,6 +15,11 @@ milliseconds on its own, see :mod:`dlperf.engine.worker`), every wait first wake
 whose queued operations it may need, and finishing operations wakes only threads that wait for
 one of them (or for everything): a woken thread competes for the GIL with the one doing the work.
 
+Small array operations are cheaper still: while a CPU worker is busy, one thread's consecutive
+elementwise operations to it are collected into one engine operation (MXNet's bulk execution,
+done automatically; ``EngineConfig.auto_bulk``). Each costs the frontend a few stores instead of
+an operation, a scheduling pass and a release. The rules are at ``ThreadedEngine._push_rec``.
+
 A thread that blocks while it runs an operation (a pushed function that waits) is a node of the
 wait-for graph (:mod:`dlperf.engine.waitgraph`): it first releases its batch's finished
 operations, then checks under the lock whether its wait closes a cycle, and again after
@@ -42,7 +47,17 @@ from time import monotonic
 import torch
 
 from ..devices import Device, require_available
-from .engine import DEADLOCK_FIX, Engine, EngineClosedError, EngineConfig, EngineDeadlockError, register_engine
+from .engine import (
+    DEADLOCK_FIX,
+    AutoBatch,
+    Engine,
+    EngineClosedError,
+    EngineConfig,
+    EngineDeadlockError,
+    register_engine,
+    run_auto,
+    run_rec,
+)
 from .var import DONE, QUEUED, RUNNING, Op, Var
 from .waitgraph import Waiter, describe_op, find_cycle
 from .worker import DEFER_MAX, DEFER_NAP_S, CpuWorker, Worker
@@ -82,6 +97,10 @@ class ThreadedEngine(Engine):
         self._has_gpu = False
         self._last: tuple[Device | None, Worker | None] = (None, None)
         self._blocked: dict[int, Waiter] = {}  # threads waiting inside operations, by thread id
+        # Automatic batches (see _push_rec). max_queued bounds unfinished operations one by one,
+        # which batches would make coarse, so it turns them off.
+        self._auto_size = self.config.auto_bulk if self.config.max_queued is None else 0
+        self._open_auto: list[AutoBatch] = []  # every thread's unsent automatic batch (engine lock)
         # Initialise this thread's PyTorch thread count now (see CpuWorker.setup) and remember it
         # as the process default that workers restore after setting their own budgets.
         self._host_threads = torch.get_num_threads()
@@ -130,7 +149,6 @@ class ThreadedEngine(Engine):
         switched = device is not last_dev or kind != "compute"
         if switched:
             worker = self._worker(device, kind)
-        op.worker = worker
         with self._lock:
             if self._closed:
                 raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
@@ -138,35 +156,42 @@ class ThreadedEngine(Engine):
             # A thread inside an operation may not wait for room: the room may be its own operation.
             if limit is not None and worker.unfinished >= limit and not self._running_ops():
                 self._wait_for_room(worker, limit)
-            if self._trace is not None:
-                self._trace_deps(op, self._ids)
-            for v in op.reads:
-                if v._writing or v._queue:
-                    self._enqueue_var(v, op, False)
-                else:
-                    v._readers += 1
-            for v in op.writes:
-                if v._writing or v._readers or v._queue:
-                    self._enqueue_var(v, op, True)
-                else:
-                    v._writing = True
-                v._last_write = op
-            worker.unfinished += 1
-            self._pending += 1
-            waits = op.wait_count - 1  # drop the guard count Op() starts with
-            op.wait_count = waits
-            if waits == 0:
-                op.state = QUEUED
-                if op.priority:
-                    worker.enqueue_pushed(op)
-                    return
-                q = worker._q  # Worker.enqueue_pushed, inlined for the common case
-                q.append(op)
-                # a push that turns to another worker is work meant to run beside the last one's
-                # (d2l 12.3's automatic parallelism): that worker is woken now, never left to its nap
-                if worker._sleeping and (switched or worker._nap > DEFER_NAP_S or not worker.small_ops
-                                         or len(q) >= DEFER_MAX):
-                    worker.wake()
+            if self._open_auto:
+                self._order_after_auto(op, worker)
+            self._submit_locked(op, worker, switched)
+
+    def _submit_locked(self, op: Op, worker: Worker, switched: bool) -> None:
+        """Schedule ``op`` on ``worker`` (lock held; callers check that the engine is open)."""
+        op.worker = worker
+        if self._trace is not None:
+            self._trace_deps(op, self._ids)
+        for v in op.reads:
+            if v._writing or v._queue:
+                self._enqueue_var(v, op, False)
+            else:
+                v._readers += 1
+        for v in op.writes:
+            if v._writing or v._readers or v._queue:
+                self._enqueue_var(v, op, True)
+            else:
+                v._writing = True
+            v._last_write = op
+        worker.unfinished += 1
+        self._pending += 1
+        waits = op.wait_count - 1  # drop the guard count Op() starts with
+        op.wait_count = waits
+        if waits == 0:
+            op.state = QUEUED
+            if op.priority:
+                worker.enqueue_pushed(op)
+                return
+            q = worker._q  # Worker.enqueue_pushed, inlined for the common case
+            q.append(op)
+            # a push that turns to another worker is work meant to run beside the last one's
+            # (d2l 12.3's automatic parallelism): that worker is woken now, never left to its nap
+            if worker._sleeping and (switched or worker._nap > DEFER_NAP_S or not worker.small_ops
+                                     or len(q) >= DEFER_MAX):
+                worker.wake()
 
     def _wait_for_room(self, worker: Worker, limit: int) -> None:
         """Block (lock held) until ``worker`` has fewer than ``limit`` unfinished operations."""
@@ -185,6 +210,164 @@ class ThreadedEngine(Engine):
         """Wake every worker sleeping on queued operations a push did not wake it for (lock held)."""
         for w in self._workers.values():
             w.wake_if_queued()
+
+    # ----------------------------------------------------------------- automatic batches
+    # One thread's consecutive elementwise array operations to a busy CPU worker are collected as
+    # light records (runner, function, inputs, output) into one engine operation, MXNet's bulk
+    # execution without a bulk() block. Collecting one costs a few stores, no lock (see AutoBatch):
+    # no Op, no scheduling, no release. Nothing waits longer than it would unbatched: a push to an
+    # idle worker is sent at once; the worker, once it runs dry, sends a batch that stopped growing
+    # (one still growing is sent by its thread at the size bound); any wait that needs a result
+    # sends its batch (whichever thread waits), waitall sends them all, and any other push sends
+    # the batches of its worker and those whose results it uses or whose inputs it writes. A record
+    # joins only if what it reads is ready, made in the batch, or made by work already queued on
+    # the same worker: members never wait behind work that could wait for them.
+    def _push_rec(self, rec: tuple, read: Var, read2: Var | None, out: Var, device: Device, name: str) -> None:
+        batch = self._local.auto
+        if batch is not None and batch.device is device and not batch.sealed:
+            op = batch.op
+            last = read._last_write
+            if (last is None or last is op or last.state == DONE) and (
+                    read2 is None or (last := read2._last_write) is None or last is op or last.state == DONE):
+                reads = batch.reads
+                reads[read] = None
+                if read2 is not None:
+                    reads[read2] = None
+                out._last_write = op
+                out._writing = True  # granted to the batch: nothing else can have asked for it
+                batch.outs.append(out)  # before the record: a sender takes as many as records
+                recs = batch.recs
+                recs.append(rec)
+                if batch.sealed or len(recs) >= self._auto_size:
+                    self._appended(batch, rec, read, read2, name)
+                return
+        self._push_rec_slow(rec, read, read2, out, device, name)
+
+    def _appended(self, batch: AutoBatch, rec: tuple, read: Var, read2: Var | None, name: str) -> None:
+        """After an append to this thread's batch that filled it or raced with its sending."""
+        if batch.sealed:
+            index = len(batch.recs) - 1  # only this thread appends
+            with batch.lock:  # the sender is done once it lets go
+                taken = index < len(batch.run)
+            if not taken:  # appended after the sender took the records: push it again
+                out = rec[-1]._var
+                out._writing = False
+                out._last_write = None
+                self._push_rec_slow(rec, read, read2, out, batch.device, name)
+            return
+        self._flush_auto()
+
+    def _push_rec_slow(self, rec: tuple, read: Var, read2: Var | None, out: Var, device: Device,
+                       name: str) -> None:
+        loc = self._local
+        reads = (read,) if read2 is None else (read, read2)
+        batch = loc.auto
+        if batch is not None and (batch.sealed or batch.device is not device):
+            self._flush_auto()
+            batch = None
+        if (not self._auto_size or loc.bulk is not None or loc.worker is not None or loc.running
+                or self._trace is not None or self._closed):
+            self.push(run_rec, (rec,), reads, (out,), device, 0, name)  # one by one
+            return
+        switched = device is not self._last[0]
+        worker = self._worker(device, "compute")
+        with self._lock:  # every sender holds it: nothing seals the batch meanwhile
+            if self._closed:
+                raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
+            for v in reads:  # written in another thread's unsent batch: send it, then order after it
+                last = v._last_write
+                if last is not None and last.worker is None and last.fn is run_auto and (
+                        batch is None or last is not batch.op):
+                    self._send_auto(last.args[0])
+            if batch is not None and _joins(reads, batch.op, worker):
+                self._add(batch, rec, reads, out)
+                if len(batch.recs) >= self._auto_size:
+                    self._send_auto(batch)
+                    loc.auto = None
+                return
+            if batch is not None:
+                self._send_auto(batch)
+                loc.auto = None
+            # A push to an idle worker starts at once; only small work is batched (a long member
+            # would hold back the dependents of the members before it).
+            if (not worker.can_steal or not (worker.busy or worker._q) or worker.long_ops
+                    or not _joins(reads, None, worker)):
+                self._submit_locked(Op(self, run_rec, (rec,), reads, (out,), None, 0, name), worker, switched)
+                return
+            batch = loc.auto = AutoBatch(Op(self, run_auto, (), (), (), None, 0, "auto_bulk"), device, worker)
+            self._open_auto.append(batch)
+            self._add(batch, rec, reads, out)
+
+    @staticmethod
+    def _add(batch: AutoBatch, rec: tuple, reads: tuple, out: Var) -> None:
+        for v in reads:
+            batch.reads[v] = None
+        out._last_write = batch.op
+        out._writing = True
+        batch.outs.append(out)
+        batch.recs.append(rec)
+
+    def _flush_auto(self) -> None:
+        loc = self._local
+        batch = loc.auto
+        if batch is not None:
+            loc.auto = None
+            if not batch.sealed:
+                with self._lock:
+                    self._send_auto(batch)
+
+    def _send_auto(self, batch: AutoBatch) -> None:
+        """Schedule an automatic batch as one operation, unless already sent (engine lock held)."""
+        with batch.lock:
+            if batch.sealed:
+                return
+            batch.sealed = True
+            # The owner may append meanwhile: what it appends from here on is not taken (it sees
+            # `sealed` and pushes the record again). Copies are single C calls: atomic under the GIL.
+            run = batch.run = batch.recs[:]
+            reads = list(batch.reads)
+            outs = batch.outs[:len(run)]  # each record's output is appended just before it
+        self._open_auto.remove(batch)
+        op = batch.op
+        op.reads = tuple(v for v in reads if v._last_write is not op)
+        # The outputs were granted to the batch when collected; _complete releases them.
+        batch.sent_outs = outs
+        op.name = f"auto_bulk[{len(run)}]"
+        self._submit_locked(op, batch.worker, False)
+
+    def _order_after_auto(self, op: Op, worker: Worker) -> None:
+        """Send the unsent batches ``op`` must follow: every one collected for its worker (which
+        runs in push order), and those that write what it uses or read what it writes."""
+        for batch in list(self._open_auto):
+            if batch.worker is worker:
+                self._send_auto(batch)
+        for v in op.reads:
+            last = v._last_write
+            if last is not None and last.worker is None and last.fn is run_auto:
+                self._send_auto(last.args[0])
+        for v in op.writes:
+            last = v._last_write
+            if last is not None and last.worker is None and last.fn is run_auto:
+                self._send_auto(last.args[0])
+            for batch in list(self._open_auto):
+                if v in batch.reads:
+                    self._send_auto(batch)
+
+    def send_auto_for(self, worker: Worker) -> int:
+        """Called by ``worker`` (lock held) before it goes idle: send the batches collected for it
+        that stopped growing since it last looked. 1: sent some; -1: some still grow (look again
+        soon: their thread is busy collecting and sends them at the size bound); 0: none."""
+        result = 0
+        for batch in list(self._open_auto):
+            if batch.worker is worker:
+                n = len(batch.recs)
+                if n == batch.seen:
+                    self._send_auto(batch)
+                    result = 1
+                else:
+                    batch.seen = n
+                    result = result or -1
+        return result
 
     @staticmethod
     def _enqueue_var(v: Var, op: Op, is_write: bool) -> None:
@@ -217,6 +400,14 @@ class ThreadedEngine(Engine):
             v._readers += 1
             self._ready(op)
 
+    def _release_writes(self, op: Op, writes: tuple, forget: bool) -> None:
+        for v in writes:
+            v._writing = False
+            if v._queue:
+                self._grant(v)
+            elif forget and v._last_write is op:
+                v._last_write = None
+
     def _complete(self, ops: list[Op]) -> None:
         """Release the variables of finished operations and wake whoever waits (takes the lock)."""
         with self._lock:
@@ -227,12 +418,9 @@ class ThreadedEngine(Engine):
                     v._readers -= 1
                     if v._readers == 0 and v._queue:
                         self._grant(v)
-                for v in op.writes:
-                    v._writing = False
-                    if v._queue:
-                        self._grant(v)
-                    elif forget and v._last_write is op:
-                        v._last_write = None
+                self._release_writes(op, op.writes, forget)
+                if op.fn is run_auto:  # an automatic batch's outputs are kept beside its writes
+                    self._release_writes(op, op.args[0].sent_outs, forget)
                 # Break the cycles op -> args -> output array -> var -> op: reference counting, not
                 # the cyclic collector, then frees each finished operation (see the module docstring).
                 op.args = ()
@@ -249,6 +437,10 @@ class ThreadedEngine(Engine):
         if op.state == DONE:
             return
         w = op.worker
+        if w is None and op.fn is run_auto:  # an unsent automatic batch (maybe another thread's)
+            with self._lock:
+                self._send_auto(op.args[0])
+            w = op.worker
         if w.__class__ is Op:  # a member of a sent batch: wait for (or run) the batch
             self._wait_done(w, var)
             return
@@ -284,6 +476,36 @@ class ThreadedEngine(Engine):
                     self._cond.wait()
             finally:
                 self._blind_waiters -= blind
+
+    def _run_queued_batches(self) -> bool:
+        """Run, in this waiting thread, the array records first in line on an idle CPU worker.
+
+        Small work only (what automatic batches hold): waking the worker and sleeping until it is
+        done costs two thread switches, and on a loaded machine each can wait for a free core.
+        """
+        with self._lock:
+            for w in self._workers.values():
+                q = w._q
+                if (q and q[0].fn in _SMALL_WORK and w.can_steal and not w.busy and not w.long_ops
+                        and w.setup_error is None):
+                    ops = []
+                    while q and q[0].fn in _SMALL_WORK:
+                        op = q.popleft()
+                        if op.state == QUEUED:
+                            op.state = RUNNING  # (the worker skips what it finds in this state)
+                            ops.append(op)
+                    break
+            else:
+                return False
+        stack = self._running_stack()
+        for op in ops:
+            stack.append(op)
+            try:
+                w.run_stolen(op, w.caller_label)
+            finally:
+                stack.pop()
+            self._complete([op])
+        return True
 
     def _mark_waited(self, op: Op) -> int:
         """Ask for a wake-up when ``op`` finishes (lock held); 1 if every completion must wake us."""
@@ -337,6 +559,11 @@ class ThreadedEngine(Engine):
                 "every pushed operation, that one included, so it would never return. Wait for what the "
                 "function needs with wait_to_read(), or call waitall() outside pushed functions")
         with self._lock:
+            for batch in list(self._open_auto):  # every thread's collected operations count as pushed
+                self._send_auto(batch)
+        while self._auto_size and self._run_queued_batches():
+            pass
+        with self._lock:
             self._all_waiters += 1
             self._wake_deferred()
             try:
@@ -369,6 +596,26 @@ class ThreadedEngine(Engine):
                 w.stop()
         finally:
             self._lock.release()
+
+
+_SMALL_WORK = (run_auto, run_rec)  # automatic batches and single elementwise array operations
+
+
+def _joins(reads: tuple, op: Op | None, worker: Worker) -> bool:
+    """May a record reading ``reads`` join the batch ``op`` for ``worker``? (lock held)
+
+    Only if each input is ready, made in the batch, or made by an operation already queued or
+    running on the same worker, which runs before the batch anyway.
+    """
+    for v in reads:
+        if v._bulk_write is not None or v._queue:
+            return False
+        last = v._last_write
+        if last is None or last is op or last.state == DONE:
+            continue
+        if last.worker is not worker or not (last.state == QUEUED or last.state == RUNNING):
+            return False
+    return True
 
 
 register_engine("threaded", ThreadedEngine)

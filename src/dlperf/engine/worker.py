@@ -37,13 +37,14 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import TYPE_CHECKING
 
 import torch
 
 from .._threads import restore_process_default, set_thread_budget
 from ..devices import Device, cpu_count
+from .engine import _run_bulk, run_auto
 from .var import QUEUED, RUNNING, Op
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ DEFER_MAX = 64  # unless this many operations are queued: then they are worth a 
 SMALL_OP_S = 0.00002  # ...and only while its recent operations took less than this each, about what a
 # wake-up costs: a nap must never hold back work that could run beside another device's (d2l 12.3's
 # automatic parallelism shows from ~0.1 ms operations on), nor the start of anything longer
+LONG_OP_S = 0.0002  # a worker whose recent operations took longer gets no automatic batches: a long
+# member would hold back the dependents of the members before it
 _seq = itertools.count()
 
 
@@ -72,6 +75,7 @@ class Worker:
         # Weak: the thread must not keep an unclosed, unreferenced engine alive (see _loop).
         self._engine_ref = weakref.ref(engine)
         self._lock = engine._lock
+        self._open_auto = engine._open_auto  # threads' unsent automatic batches (see ThreadedEngine)
         self._latency = engine.config.batch_latency_us * 1e-6
         self.device = device
         self.lane = lane
@@ -89,6 +93,7 @@ class Worker:
         self._sleeping = False
         self._nap = IDLE_CHECK_S  # timeout of the current (or next) sleep (engine lock)
         self.small_ops = False   # its last batch (or stolen op) averaged under SMALL_OP_S an op
+        self.long_ops = False    # ...or over LONG_OP_S: then pushes to it are not batched automatically
         self._stop = False
         self.setup_error: BaseException | None = None
         self._wake = threading.Lock()
@@ -180,6 +185,13 @@ class Worker:
                 skipped.append(op)
         return out, skipped
 
+    def _send_collected(self) -> int:
+        """Before going idle (lock held): send the automatic batches threads collect for this worker
+        (see ThreadedEngine.send_auto_for for the result)."""
+        # (an unsent batch's operation holds the engine: this reference is never the last one)
+        eng = self._engine_ref()
+        return 0 if eng is None else eng.send_auto_for(self)
+
     # worker thread ---------------------------------------------------------------------------
     def setup(self) -> None:
         """Per-thread initialisation (thread budget, CUDA device and streams)."""
@@ -205,6 +217,13 @@ class Worker:
         while True:
             with lock:
                 batch, skipped = self._take()
+                if not batch and self._open_auto:
+                    collected = self._send_collected()
+                    if collected > 0:
+                        batch, more = self._take()
+                        skipped += more
+                    elif collected < 0:
+                        nap = min(nap, NAP_S)  # look again soon: a thread is still collecting
                 if not batch:
                     if self._stop:
                         break
@@ -255,12 +274,21 @@ class Worker:
         began = perf_counter()
         if len(batch) == 1:
             self.current = op = batch[0]
-            run_op(op, label)
-            self.small_ops = perf_counter() - began < SMALL_OP_S
+            if op.fn is run_auto:
+                cpu = thread_time()
+                run_op(op, label)
+                self._judge(thread_time() - cpu, len(op.args[0].run))
+            else:
+                members = _members(op)
+                run_op(op, label)
+                self._judge(perf_counter() - began, members)
             eng._complete(batch)
             return
         self._done = []
         start = began
+        members = sum(_members(op) for op in batch)
+        auto = any(op.fn is run_auto for op in batch)
+        cpu = thread_time() if auto else 0.0
         for op in batch:
             self.current = op
             run_op(op, label)
@@ -273,10 +301,18 @@ class Worker:
                 self._done = []
                 eng._complete(done)
                 start = now
-        self.small_ops = perf_counter() - began < SMALL_OP_S * len(batch)
+        self._judge(thread_time() - cpu if auto else perf_counter() - began, members)
         done, self._done = self._done, []
         if done:
             eng._complete(done)
+
+    def _judge(self, took: float, members: int) -> None:
+        # Automatic batches are timed in this thread's CPU time (a system call, paid once a batch):
+        # they run while their frontend thread pushes more, and the time spent waiting for the GIL
+        # would make small operations look long, turn batching off and wake this worker for every
+        # push, the very contention that made them look long.
+        self.small_ops = took < SMALL_OP_S * members
+        self.long_ops = took > LONG_OP_S * members
 
     def release_finished(self) -> None:
         """Release the batch's finished operations now (called before this thread blocks in a wait)."""
@@ -324,9 +360,15 @@ class CpuWorker(Worker):
         """Run ``op`` in a waiting thread, under this device's thread budget."""
         want, have = self.budget(), torch.get_num_threads()
         if want == have:  # the usual case: one CPU device, the whole machine
+            if op.fn is run_auto:
+                cpu = thread_time()
+                self.run_op(op, where)
+                self._judge(thread_time() - cpu, len(op.args[0].run))
+                return
+            members = _members(op)
             began = perf_counter()
             self.run_op(op, where)
-            self.small_ops = perf_counter() - began < SMALL_OP_S
+            self._judge(perf_counter() - began, members)
             return
         torch.set_num_threads(want)
         try:
@@ -362,6 +404,16 @@ def _cores() -> int:
     if now - _cores_cache[0] > 1.0:
         _cores_cache[:] = [now, cpu_count()]
     return int(_cores_cache[1])
+
+
+def _members(op: Op) -> int:
+    """How many pushed operations ``op`` runs: a batch's members (so each is judged small or long)."""
+    fn = op.fn
+    if fn is run_auto:
+        return len(op.args[0].run)
+    if fn is _run_bulk:
+        return len(op.args[0])
+    return 1
 
 
 def _has_dependents(op: Op) -> bool:
