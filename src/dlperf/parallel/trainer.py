@@ -44,7 +44,7 @@ from .lanes import EngineLanes, comm_lanes, thread_budget
 from .procs import ProcessAxis, allreduce_across_processes, broadcast_from_first, join_processes, local_parts
 from .replicas import broadcast_buffers, max_replica_difference, replicate
 from .servers import is_dist_kvstore, open_dist_kvstore
-from .split import check_devices, check_placed, split_batch
+from .split import check_devices, check_placed, place_parts, split_batch, split_sizes
 
 __all__ = ["Trainer", "make_optimizer", "OPTIMIZERS", "NonFiniteError"]
 
@@ -328,7 +328,11 @@ class Trainer:
             check_placed(X, self.devices, "input")
             check_placed(y, self.devices, "label")
             return list(X), list(y), sum(int(t.shape[0]) for t in X)
-        Xs, ys = split_batch(X, y, self.devices, even_split=False)  # losses are weighted by share
+        if isinstance(X, torch.Tensor) and isinstance(y, torch.Tensor) and X.dim() > 0 and \
+                X.shape[0] == y.shape[0] >= self.k:  # the common case: devices checked once, in __init__
+            sizes = split_sizes(X.shape[0], self.k)
+            return place_parts(X, self.devices, sizes), place_parts(y, self.devices, sizes), int(X.shape[0])
+        Xs, ys = split_batch(X, y, self.devices, even_split=False)  # losses are weighted by share; or one error
         return Xs, ys, int(X.shape[0])
 
     def _split_global(self, X, y) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
