@@ -262,13 +262,15 @@ class GradientBuckets:
                                    name=f"allreduce bucket {b} across processes")
             self.done[b] = [*self.done[b], across.var]
 
-    def replica_done(self) -> None:
-        """A replica finished backward; after the last one, push buckets whose parameters got no grad."""
+    def replica_done(self) -> bool:
+        """A replica finished backward; after the last one (True), push buckets whose parameters got no grad."""
         with self._lock:
             self._replicas_done += 1
             if self._replicas_done == self.k:
                 for b in range(len(self.buckets)):
                     self._push(b)
+                return True
+            return False
 
     def wait(self) -> None:
         """Block until every pushed reduction is done; raise the first error once."""

@@ -423,11 +423,15 @@ class Trainer:
     def _wait_replicas(self, ops: Sequence[Op], update_pushed: bool) -> list[torch.Tensor]:
         """Wait for the replicas' operations (and the updates pushed from them); their losses."""
         if update_pushed and self._await_update_push(ops):
-            # Every replica's operation has started (each one's gradients were in), so waiting on them
-            # cannot run one in this thread; an update may be, which saves waking its worker.
-            losses = _wait_each(ops)
-            _wait_each(self._update_ops)
-            return losses
+            # Every replica's operation has ended its work, so waiting on them cannot run one in this thread.
+            # The updates come first: a queued one is run here, which saves waking its worker. (They read
+            # every replica's step variable: done, they imply the replicas' operations are.)
+            try:
+                _wait_each(self._update_ops)
+            except Exception as exc:
+                _wait_each(ops)  # a replica's own error comes first
+                raise exc from None
+            return _wait_each(ops)
         return self._wait_ops(ops)
 
     def _push_updates(self) -> None:
@@ -447,18 +451,18 @@ class Trainer:
         else:
             self._update_ops = [push(self._step_every_optimizer, reads=reads, writes=tuple(self._replica_vars),
                                      device=self.devices[0], name=f"{name} {','.join(map(str, self.devices))}")]
-        self._updates_pushed.set()
 
     def _step_every_optimizer(self) -> None:
         for opt in self.optimizers:
             opt.step()
 
     def _await_update_push(self, ops: Sequence[Op]) -> bool:
-        """Wait until backward pushed the updates (True), or every replica's operation ended without (False).
+        """Wait until the last replica ended backward with the updates pushed (True), or every replica's
+        operation ended without that (False).
 
-        The wait for the step's end must be pushed after the updates (the engine orders by push), and
-        they are pushed from inside a replica's operation; one that failed never pushes them, so the
-        operations' states are looked at now and then.
+        The updates are pushed from inside a replica's operation, so this thread cannot wait on them before;
+        the last replica says so as it ends (one wake-up of this thread per step, after the replicas' work).
+        One that failed says nothing, so the operations' states are looked at now and then.
         """
         while not self._updates_pushed.wait(0.02):
             if all(op.state == DONE for op in ops):
@@ -522,8 +526,8 @@ class Trainer:
             rep.zero_grad(set_to_none=True)
         loss = self.loss(rep(self._layout(X)), y) * share
         loss.backward()
-        if overlapped:
-            self._buckets.replica_done()
+        if overlapped and self._buckets.replica_done() and self._update_ops:
+            self._updates_pushed.set()  # the last replica: every update is pushed (see _await_update_push)
         if update_here:
             self.optimizers[i].step()
         return loss.detach()
