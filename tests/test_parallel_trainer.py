@@ -276,6 +276,41 @@ def test_a_step_failing_in_backward_raises_once_and_leaves_the_weights_untouched
         assert trainer.max_replica_difference() == 0.0
 
 
+@pytest.mark.timeout(60)
+def test_a_replica_failing_after_the_updates_were_pushed_updates_no_replica(monkeypatch):
+    """The updates are pushed from backward, once every bucket is reduced; a replica that fails after
+    that (here: right after it reports its backward done) must keep every replica's weights as they were."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    X, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    before = [p.detach().clone() for p in net.parameters()]
+    reference = copy.deepcopy(net)
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.1}) as trainer, \
+            Trainer(reference, _devices(2), "sgd", {"lr": 0.1}) as oracle:
+        real_done = trainer._buckets.replica_done
+        calls = []
+
+        def done_then_fail():
+            last = real_done()
+            calls.append(last)
+            if len(calls) == 2:  # the second replica to end: every update has been pushed by now
+                raise RuntimeError("failed after backward")
+            return last
+
+        monkeypatch.setattr(trainer._buckets, "replica_done", done_then_fail)
+        with pytest.raises(RuntimeError, match="failed after backward"):
+            trainer.train_step(X, y)
+        monkeypatch.setattr(trainer._buckets, "replica_done", real_done)
+        for r in trainer.replicas:
+            for p, b in zip(r.parameters(), before):
+                assert torch.equal(p.detach(), b)
+        trainer.train_step(X, y)
+        oracle.train_step(X, y)
+        for p, q in zip(trainer.module.parameters(), oracle.module.parameters()):
+            assert torch.equal(p, q)
+        assert trainer.max_replica_difference() == 0.0
+
+
 # -- interrupts: closing never waits on a step that will not complete ----------------------------
 
 @pytest.mark.timeout(30)
