@@ -3,8 +3,11 @@
 Every step runs on one asynchronous dependency engine (d2l 12.2): each replica's forward and backward
 is an engine operation on its device's worker, each gradient bucket's reduction is pushed by backward
 hooks as soon as the bucket is full (operations on communication lanes, see
-:mod:`dlperf.parallel.lanes`), and each replica's optimizer step is an operation that reads the
-buckets' variables. ``trace=`` or :meth:`Trainer.start_trace` records the engine's timeline.
+:mod:`dlperf.parallel.lanes`), and the optimizer steps are pushed from backward too, right after the
+last bucket's reduction, as operations that read the buckets' variables (one per GPU; on logical CPU
+devices one that steps every replica's optimizer). The caller pushes the replicas' operations and is
+woken once, when the last replica ends. ``trace=`` or :meth:`Trainer.start_trace` records the engine's
+timeline.
 
 >>> import torch
 >>> from torch import nn
