@@ -371,7 +371,8 @@ class Trainer:
         update_across = self.k == 1 and self.processes is not None and self._kv is None and not self.check_finite
         # several devices in this process alone: the updates are pushed from backward, right after the
         # last bucket's reduction, and run on the device workers as soon as the sums are there
-        update_pushed = overlapped and self.processes is None and self._kv is None and not self.check_finite
+        update_pushed = overlapped and self.processes is None and self._kv is None and not self.check_finite \
+            and bool(self._buckets.buckets)  # (no bucket: nothing in backward would push them)
         losses = self._run_replicas(Xs, ys, total, update_here, update_across, update_pushed)
         if update_across:
             try:
