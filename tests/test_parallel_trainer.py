@@ -12,6 +12,7 @@ from dlperf.devices import copy_to, cpu, gpu
 from dlperf.errors import DeviceMismatchError, DeviceUnavailableError, UsageError
 from dlperf.models import get_spec
 from dlperf.parallel import Trainer, split_and_load
+from dlperf.parallel.trainer import make_optimizer
 
 ALGORITHMS = ["naive", "cpu", "sharded", "ring"]
 
@@ -309,6 +310,24 @@ def test_a_replica_failing_after_the_updates_were_pushed_updates_no_replica(monk
         for p, q in zip(trainer.module.parameters(), oracle.module.parameters()):
             assert torch.equal(p, q)
         assert trainer.max_replica_difference() == 0.0
+
+
+def test_named_sgd_updates_with_one_multi_tensor_call_and_the_same_result():
+    torch.manual_seed(0)
+    net = nn.Linear(5, 3)
+    ref = copy.deepcopy(net)
+    opt = make_optimizer("sgd", net.parameters(), {"lr": 0.1, "momentum": 0.9})
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    assert opt.defaults["foreach"] is True
+    chosen = make_optimizer("sgd", nn.Linear(2, 2).parameters(), {"lr": 0.1, "foreach": False})
+    assert chosen.defaults["foreach"] is False
+    for _ in range(3):
+        for model, o in ((net, opt), (ref, plain)):
+            o.zero_grad()
+            model(torch.ones(4, 5)).square().sum().backward()
+            o.step()
+    for a, b in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
 # -- interrupts: closing never waits on a step that will not complete ----------------------------

@@ -77,7 +77,8 @@ def make_optimizer(optimizer: OptimizerLike, params: Iterable[nn.Parameter],
     except KeyError:
         raise unknown_choice("optimizer", optimizer, OPTIMIZERS) from None
     kwargs = dict(optimizer_params or {})
-    if cls is torch.optim.SGD and "foreach" not in kwargs and not kwargs.get("fused"):
+    if cls is torch.optim.SGD and "foreach" not in kwargs and not kwargs.get("fused") \
+            and not kwargs.get("differentiable"):
         kwargs["foreach"] = True
     return cls(params, **kwargs)
 
