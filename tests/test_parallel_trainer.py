@@ -12,6 +12,7 @@ from dlperf.devices import copy_to, cpu, gpu
 from dlperf.errors import DeviceMismatchError, DeviceUnavailableError, UsageError
 from dlperf.models import get_spec
 from dlperf.parallel import Trainer, split_and_load
+from dlperf.parallel.trainer import make_optimizer
 
 ALGORITHMS = ["naive", "cpu", "sharded", "ring"]
 
@@ -276,6 +277,59 @@ def test_a_step_failing_in_backward_raises_once_and_leaves_the_weights_untouched
         assert trainer.max_replica_difference() == 0.0
 
 
+@pytest.mark.timeout(60)
+def test_a_replica_failing_after_the_updates_were_pushed_updates_no_replica(monkeypatch):
+    """The updates are pushed from backward, once every bucket is reduced; a replica that fails after
+    that (here: right after it reports its backward done) must keep every replica's weights as they were."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    X, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    before = [p.detach().clone() for p in net.parameters()]
+    reference = copy.deepcopy(net)
+    with Trainer(net, _devices(2), "sgd", {"lr": 0.1}) as trainer, \
+            Trainer(reference, _devices(2), "sgd", {"lr": 0.1}) as oracle:
+        real_done = trainer._buckets.replica_done
+        calls = []
+
+        def done_then_fail():
+            last = real_done()
+            calls.append(last)
+            if len(calls) == 2:  # the second replica to end: every update has been pushed by now
+                raise RuntimeError("failed after backward")
+            return last
+
+        monkeypatch.setattr(trainer._buckets, "replica_done", done_then_fail)
+        with pytest.raises(RuntimeError, match="failed after backward"):
+            trainer.train_step(X, y)
+        monkeypatch.setattr(trainer._buckets, "replica_done", real_done)
+        for r in trainer.replicas:
+            for p, b in zip(r.parameters(), before):
+                assert torch.equal(p.detach(), b)
+        trainer.train_step(X, y)
+        oracle.train_step(X, y)
+        for p, q in zip(trainer.module.parameters(), oracle.module.parameters()):
+            assert torch.equal(p, q)
+        assert trainer.max_replica_difference() == 0.0
+
+
+def test_named_sgd_updates_with_one_multi_tensor_call_and_the_same_result():
+    torch.manual_seed(0)
+    net = nn.Linear(5, 3)
+    ref = copy.deepcopy(net)
+    opt = make_optimizer("sgd", net.parameters(), {"lr": 0.1, "momentum": 0.9})
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    assert opt.defaults["foreach"] is True
+    chosen = make_optimizer("sgd", nn.Linear(2, 2).parameters(), {"lr": 0.1, "foreach": False})
+    assert chosen.defaults["foreach"] is False
+    for _ in range(3):
+        for model, o in ((net, opt), (ref, plain)):
+            o.zero_grad()
+            model(torch.ones(4, 5)).square().sum().backward()
+            o.step()
+    for a, b in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
 # -- interrupts: closing never waits on a step that will not complete ----------------------------
 
 @pytest.mark.timeout(30)
@@ -285,13 +339,13 @@ def test_an_interrupt_while_a_step_waits_closes_promptly_and_stops_the_engine(mo
     net, X, y, loss_fn = _lenet_batch(64)
     trainer = Trainer(net, _devices(2), "sgd", {"lr": 0.1}, loss=loss_fn, bucket_bytes=64 * 1024)
 
-    def interrupted(ops):
+    def interrupted(ops, update_pushed):
         raise KeyboardInterrupt
 
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         with trainer:
-            monkeypatch.setattr(trainer, "_wait_ops", interrupted)
+            monkeypatch.setattr(trainer, "_wait_replicas", interrupted)
             trainer.train_step(X, y)
     assert time.monotonic() - start < 10.0
     assert trainer.engine.closed

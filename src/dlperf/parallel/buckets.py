@@ -147,6 +147,10 @@ class GradientBuckets:
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self._lock = threading.Lock()
         self._armed = False
+        # Called (under the lock, in the thread that pushed it) once the step's last bucket is pushed:
+        # a trainer pushes its updates there, so they follow the reductions without a round trip
+        # through the caller's thread.
+        self.then_all: Callable[[], None] | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(r, i))
                        for r in range(self.k) for i, p in enumerate(self.params[r])]
         self.bind()
@@ -197,6 +201,7 @@ class GradientBuckets:
             self._pending = [[len(idx) for idx in self.buckets] for _ in range(self.k)]
             self._arrived = [0] * len(self.buckets)
             self._pushed = [False] * len(self.buckets)
+            self._unpushed = len(self.buckets)
             self._replicas_done = 0
             self.done = [[] for _ in self.buckets]
             self._ready = [[] for _ in self.buckets]
@@ -231,6 +236,9 @@ class GradientBuckets:
             self.done[b] = self.reduce(b) if self.k > 1 or self.across is None else []
             if self.across is not None:
                 self._push_across_in_order()
+            self._unpushed -= 1
+            if self._unpushed == 0 and self.then_all is not None:
+                self.then_all()
 
     def _push_across_in_order(self) -> None:
         # caller holds the lock; buckets go across in index order only (see the module's docstring)
@@ -254,13 +262,15 @@ class GradientBuckets:
                                    name=f"allreduce bucket {b} across processes")
             self.done[b] = [*self.done[b], across.var]
 
-    def replica_done(self) -> None:
-        """A replica finished backward; after the last one, push buckets whose parameters got no grad."""
+    def replica_done(self) -> bool:
+        """A replica finished backward; after the last one (True), push buckets whose parameters got no grad."""
         with self._lock:
             self._replicas_done += 1
             if self._replicas_done == self.k:
                 for b in range(len(self.buckets)):
                     self._push(b)
+                return True
+            return False
 
     def wait(self) -> None:
         """Block until every pushed reduction is done; raise the first error once."""

@@ -18,7 +18,7 @@ import torch
 from ..devices import Device, DeviceLike, device_of, require_available, tag, to_device
 from ..errors import DeviceMismatchError, UsageError
 
-__all__ = ["split_sizes", "split_and_load", "split_batch", "check_devices", "check_placed"]
+__all__ = ["split_sizes", "split_and_load", "split_batch", "place_parts", "check_devices", "check_placed"]
 
 
 def check_devices(devices: Sequence[DeviceLike]) -> list[Device]:
@@ -95,8 +95,15 @@ def split_and_load(batch: torch.Tensor, devices: Sequence[DeviceLike], even_spli
     if batch.dim() == 0:
         raise UsageError("split_and_load needs a batch with a first (example) axis; got a 0-d tensor")
     sizes = _check_even(batch.shape[0], len(devs), even_split, "split_and_load")
-    parts = torch.split(batch, sizes)
-    return [_place(p, d) for p, d in zip(parts, devs)]
+    return place_parts(batch, devs, sizes)
+
+
+def place_parts(batch: torch.Tensor, devices: Sequence[Device], sizes: Sequence[int]) -> list[torch.Tensor]:
+    """``batch`` cut into parts of ``sizes`` rows, part i placed on ``devices[i]`` (checked devices, valid sizes).
+
+    The per-step path of a trainer whose devices were checked once: it skips parsing them again.
+    """
+    return [_place(p, d) for p, d in zip(torch.split(batch, sizes), devices)]
 
 
 def split_batch(X: torch.Tensor, y: torch.Tensor, devices: Sequence[DeviceLike],
