@@ -678,10 +678,10 @@ def test_control_channel_drops_hostile_peers_and_answers_workers():
         sock.sendall(_frame("just a string"))
         assert b"a control request is [op, meta]" in sock.recv(256)
         sock.close()
-        client = ControlClient(server.name, server.token, 0, 9, timeout_s=10)
+        client = ControlClient(server.name, server.token, 0, 9, timeout_s=10, server_pid=os.getpid())
         assert client.request(1, {"items": [["k", 0]]}, "a push")() == (0, {"echo": {"items": [["k", 0]]}})
         assert calls == [(0, 1, {"items": [["k", 0]]})]
-        slow = ControlClient(server.name, server.token, 1, 9, timeout_s=0.3)
+        slow = ControlClient(server.name, server.token, 1, 9, timeout_s=0.3, server_pid=os.getpid())
         started = time.monotonic()
         with pytest.raises(KVStoreLinkError, match="server rank 9 did not answer a pull within timeout_s=0.3"):
             slow.request(99, {}, "a pull")()

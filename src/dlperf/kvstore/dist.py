@@ -901,7 +901,9 @@ class DistKVStore(KVStore):
                     and control[0].startswith("dlperf-kvstore-") and len(control[0]) < 100):
                 raise UsageError(f"kvstore server rank {server} named control channel {control!r}; expected "
                                  "[name, token]: every rank must run the same dlperf")
-            self._control[server] = ControlClient(control[0], control[1], self._global_rank, server, self._timeout_s)
+            pid = next(a.owner_pid for (s, _), a in self._arenas.items() if s == server and a is not None)
+            self._control[server] = ControlClient(control[0], control[1], self._global_rank, server, self._timeout_s,
+                                                  pid)
 
     # -- push and pull -----------------------------------------------------------------------------
     def _get(self, key: Key) -> torch.Tensor:
