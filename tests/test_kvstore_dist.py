@@ -740,7 +740,8 @@ def test_a_hostile_shared_memory_offer_or_answer_gives_one_clear_error():
         assert kv._slots == {} and kv._control == {} and "not the segment" in kv._shm_refused[1]
         # an answer naming a slot this worker was not given, or a where it cannot mean
         for where, match in [([2], "slot this worker does not have"), ([7], "where=\\[7\\]"),
-                             ([True], "where=\\[True\\]"), ("0", "where='0'"), ([0, 0], "where=\\[0, 0\\]")]:
+                             ([True], "where=\\[True\\]"), ("0", "where='0'"), ([0, 0], "where=\\[0, 0\\]"),
+                             ([1.0], "where=\\[1.0\\]"), ([-1], "carries no tensors")]:
             with pytest.raises(UsageError, match=match):
                 kv._pulled(1, [["w", 0, 1, 1]], {"where": where}, [])
     finally:

@@ -190,6 +190,8 @@ def _from_wire(wire: Sequence[torch.Tensor], specs: Sequence[tuple[str, int]]) -
     """Undo :func:`_to_wire`, given each tensor's (dtype name, element count) in the original order."""
     is_small = [n * _dtype(d).itemsize < _SMALL_BYTES for d, n in specs]
     wire = list(wire)
+    if any(is_small) and not wire:
+        raise UsageError(f"kvstore message carries no tensors; its metadata names {len(specs)}")
     small = iter(_unpack(wire.pop(0), [s for s, k in zip(specs, is_small, strict=True) if k])
                  if any(is_small) else [])
     if len(wire) != len(specs) - sum(is_small):
@@ -958,7 +960,7 @@ class DistKVStore(KVStore):
         """Each pulled slice: off the wire, or the slot the server's reply names."""
         where = reply.get("where")
         if not (isinstance(where, list) and len(where) == len(items)
-                and all(w in (-1, 0, 1, 2) and not isinstance(w, bool) for w in where)):
+                and all(type(w) is int and w in (-1, 0, 1, 2) for w in where)):  # not True, not 1.0
             raise UsageError(f"kvstore server rank {server} answered a pull of {len(items)} slices with "
                              f"where={where!r}; expected one of -1, 0, 1, 2 per slice: every rank must run the "
                              "same dlperf")
