@@ -227,3 +227,28 @@ def test_refused_and_finished_connections_leave_nothing_listed(server):
     sock.close()
     time.sleep(0.2)
     assert len(server._conns) <= 1 and len(server._threads) <= 3, (server._conns, server._threads)
+
+
+@pytest.mark.timeout(30)
+def test_a_client_closed_while_an_answer_is_on_its_way_keeps_no_socket():
+    gate = threading.Event()
+    waiting = []
+
+    def handle(src, op, meta, reply):
+        waiting.append(reply)
+        gate.set()
+
+    srv = ControlServer(handle, {0}, "test")
+    client = ControlClient(srv.name, srv.token, 0, 1, timeout_s=5, server_pid=os.getpid())
+    try:
+        wait = client.request(2, {}, "a pull")
+        assert gate.wait(5)
+        client.close()  # the store closes while the pull is in flight
+        waiting[0].set_result((0, {"late": True}, []))
+        assert wait() == (0, {"late": True})
+        assert client._idle == []
+        with pytest.raises(KVStoreLinkError, match="used for a push after its store closed"):
+            client.request(1, {}, "a push")
+    finally:
+        client.close()
+        srv.close()

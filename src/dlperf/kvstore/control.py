@@ -289,6 +289,7 @@ class ControlClient:
         self._timeout_s = timeout_s
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -316,6 +317,9 @@ class ControlClient:
 
     def request(self, op: int, meta: dict, what: str) -> Callable[[], tuple[int, dict]]:
         with self._lock:
+            if self._closed:
+                raise KVStoreLinkError(f"kvstore server rank {self._server}'s control channel was used for {what} "
+                                       "after its store closed")
             sock = self._idle.pop() if self._idle else None
         try:
             if sock is None:
@@ -333,7 +337,10 @@ class ControlClient:
                 sock.close()
                 raise self._fail(what, exc) from None
             with self._lock:
-                self._idle.append(sock)
+                if self._closed:  # closed while this answer was on its way: nobody would close it later
+                    sock.close()
+                else:
+                    self._idle.append(sock)
             if not (isinstance(answer, list) and len(answer) == 2 and isinstance(answer[1], dict)):
                 raise KVStoreLinkError(f"kvstore server rank {self._server} answered {what} with "
                                        f"{str(answer)[:80]}; expected [code, meta]: every rank must run the "
@@ -344,6 +351,7 @@ class ControlClient:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for sock in idle:
             sock.close()
