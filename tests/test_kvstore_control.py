@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from dlperf.kvstore import control
 from dlperf.kvstore.control import ControlClient, ControlServer, KVStoreLinkError
@@ -252,3 +253,31 @@ def test_a_client_closed_while_an_answer_is_on_its_way_keeps_no_socket():
     finally:
         client.close()
         srv.close()
+
+
+@pytest.mark.xfail(strict=True, reason="Segment.create does not seal its memory file yet (F_SEAL_SHRINK); drop this "
+                   "marker once it does")
+def test_a_peer_cannot_shrink_an_arena_under_its_server():
+    """A worker opens the arena read-write; a shrink would make the server's next touch of a slot a SIGBUS."""
+    from dlperf.kvstore.shm import Arena
+
+    arena = Arena.create(1 << 20)
+    view = arena.view(0, 1024, torch.float32)
+    try:
+        fd = os.open(f"/proc/{arena.handle['pid']}/fd/{arena.handle['fd']}", os.O_RDWR)  # as a peer does
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                os.ftruncate(fd, 0)
+            except PermissionError:  # sealed: the server's mapping stays whole
+                shrunk = False
+            else:
+                shrunk = True
+                os.ftruncate(fd, size)  # back to its size (zeros) before anything touches it
+        finally:
+            os.close(fd)
+        view.fill_(1.0)
+        assert not shrunk, "a peer shrank the server's arena: the server's next write would raise SIGBUS"
+    finally:
+        del view
+        arena.close()
