@@ -1002,6 +1002,31 @@ class DistKVStore(KVStore):
     def _exchange(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
                   pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> None:
         """One request per server carrying every push and pull of the call; requests overlap."""
+        # Held from before the push counts are taken (a pull's wait then never needs a push stuck behind it)
+        # to the last copy out of a slot; in a fixed order, so two calls cannot each hold what the other needs.
+        locks = self._exchange_locks(pushes, pulls)
+        for lock in locks:
+            lock.acquire()
+        try:
+            self._exchange_locked(pushes, pulls)
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+
+    def _exchange_locks(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
+                        pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> list[threading.Lock]:
+        """The locks of the exchange slots this call writes, or (async: answers land there) reads."""
+        keys = [k for k, _ in pushes] + ([] if self._sync else [k for k, _ in pulls])
+        found: dict[int, threading.Lock] = {}
+        for k in keys:
+            for s in self._slices(k):
+                slots = self._slots.get((k, s.part))
+                if slots is not None:
+                    found[id(slots.lock)] = slots.lock
+        return [found[i] for i in sorted(found)]
+
+    def _exchange_locked(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
+                         pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> None:
         if self._pipelines(pushes, pulls):
             self._pipelined_pushpull(pushes, pulls)
             return

@@ -29,6 +29,7 @@ mapping works.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -135,10 +136,15 @@ class ServerSlots:
 
 @dataclass
 class WorkerSlots:
-    """A worker's views of one remote slice's slots."""
+    """A worker's views of one remote slice's slots.
+
+    ``lock``: one call of this worker at a time writes the exchange slot or waits for an answer in it; a
+    push from one thread would otherwise overwrite an async pull's answer that another is still copying.
+    """
 
     values: list[torch.Tensor]
     exchange: torch.Tensor
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reply(self, where: int) -> torch.Tensor:
         return self.exchange if where == 2 else self.values[where]
