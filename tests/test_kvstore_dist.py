@@ -336,6 +336,48 @@ def _server_dies_worker() -> None:
     time.sleep(120)  # rank 1 idles until the launcher ends it
 
 
+def _double_accumulate(key, received, stored):
+    stored += 2 * received  # every true value is an even multiple of what is pushed
+
+
+def _slot_sharing_worker() -> dict | None:
+    """dist_async, same host: one thread pulls a key while another pushes it; the pulls must be true values."""
+    kv = create_kvstore("dist_async", num_servers=1)
+    kv.set_updater(_double_accumulate)
+    if kv.role == "server":
+        kv.serve()
+        kv.close()
+        return None
+    n = 300_000
+    pattern = torch.arange(1, n + 1, dtype=torch.float64)
+    kv.init("w", torch.zeros(n, dtype=torch.float64))
+    bad = []
+    if kv.rank == 0:
+        done = threading.Event()
+
+        def pushes():
+            try:
+                for _ in range(150):
+                    kv.push("w", pattern)
+            finally:
+                done.set()
+
+        pusher = threading.Thread(target=pushes, name="pusher")
+        pusher.start()
+        out = torch.empty(n, dtype=torch.float64)
+        pulls = 0
+        while not done.is_set() or pulls < 5:
+            kv.pull("w", out=out)
+            pulls += 1
+            ratio = out / pattern
+            if not (torch.all(ratio == ratio[0]) and ratio[0] % 2 == 0):
+                bad.append(sorted({float(r) for r in ratio.unique()[:4]}))
+        pusher.join()
+    traffic = kv.traffic()
+    kv.close()
+    return {"bad": bad, "shm": traffic["shm"]}
+
+
 # --- launches ----------------------------------------------------------------------------------------
 
 
@@ -552,6 +594,14 @@ def test_a_server_that_dies_during_a_same_host_pull_ends_the_job_with_one_line()
     assert time.monotonic() - started < 60  # the waiting worker learns of it at once, not at a timeout
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_same_host_pull_never_reads_a_push_of_the_same_key_from_another_thread():
+    results = [r for r in ProcessLauncher(3, join_timeout_s=JOIN_S).launch(_slot_sharing_worker) if r]
+    assert results[0]["shm"] > 0  # the shared-memory path was the one taken
+    assert [r["bad"] for r in results] == [[], []]
+
+
 # --- without processes ---------------------------------------------------------------------------------
 
 def test_types_are_registered_and_need_a_process_group():
@@ -678,10 +728,10 @@ def test_control_channel_drops_hostile_peers_and_answers_workers():
         sock.sendall(_frame("just a string"))
         assert b"a control request is [op, meta]" in sock.recv(256)
         sock.close()
-        client = ControlClient(server.name, server.token, 0, 9, timeout_s=10)
+        client = ControlClient(server.name, server.token, 0, 9, timeout_s=10, server_pid=os.getpid())
         assert client.request(1, {"items": [["k", 0]]}, "a push")() == (0, {"echo": {"items": [["k", 0]]}})
         assert calls == [(0, 1, {"items": [["k", 0]]})]
-        slow = ControlClient(server.name, server.token, 1, 9, timeout_s=0.3)
+        slow = ControlClient(server.name, server.token, 1, 9, timeout_s=0.3, server_pid=os.getpid())
         started = time.monotonic()
         with pytest.raises(KVStoreLinkError, match="server rank 9 did not answer a pull within timeout_s=0.3"):
             slow.request(99, {}, "a pull")()
@@ -740,7 +790,8 @@ def test_a_hostile_shared_memory_offer_or_answer_gives_one_clear_error():
         assert kv._slots == {} and kv._control == {} and "not the segment" in kv._shm_refused[1]
         # an answer naming a slot this worker was not given, or a where it cannot mean
         for where, match in [([2], "slot this worker does not have"), ([7], "where=\\[7\\]"),
-                             ([True], "where=\\[True\\]"), ("0", "where='0'"), ([0, 0], "where=\\[0, 0\\]")]:
+                             ([True], "where=\\[True\\]"), ("0", "where='0'"), ([0, 0], "where=\\[0, 0\\]"),
+                             ([1.0], "where=\\[1.0\\]"), ([-1], "carries no tensors")]:
             with pytest.raises(UsageError, match=match):
                 kv._pulled(1, [["w", 0, 1, 1]], {"where": where}, [])
     finally:

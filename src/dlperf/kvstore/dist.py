@@ -190,6 +190,8 @@ def _from_wire(wire: Sequence[torch.Tensor], specs: Sequence[tuple[str, int]]) -
     """Undo :func:`_to_wire`, given each tensor's (dtype name, element count) in the original order."""
     is_small = [n * _dtype(d).itemsize < _SMALL_BYTES for d, n in specs]
     wire = list(wire)
+    if any(is_small) and not wire:
+        raise UsageError(f"kvstore message carries no tensors; its metadata names {len(specs)}")
     small = iter(_unpack(wire.pop(0), [s for s, k in zip(specs, is_small, strict=True) if k])
                  if any(is_small) else [])
     if len(wire) != len(specs) - sum(is_small):
@@ -901,7 +903,9 @@ class DistKVStore(KVStore):
                     and control[0].startswith("dlperf-kvstore-") and len(control[0]) < 100):
                 raise UsageError(f"kvstore server rank {server} named control channel {control!r}; expected "
                                  "[name, token]: every rank must run the same dlperf")
-            self._control[server] = ControlClient(control[0], control[1], self._global_rank, server, self._timeout_s)
+            pid = next(a.owner_pid for (s, _), a in self._arenas.items() if s == server and a is not None)
+            self._control[server] = ControlClient(control[0], control[1], self._global_rank, server, self._timeout_s,
+                                                  pid)
 
     # -- push and pull -----------------------------------------------------------------------------
     def _get(self, key: Key) -> torch.Tensor:
@@ -956,7 +960,7 @@ class DistKVStore(KVStore):
         """Each pulled slice: off the wire, or the slot the server's reply names."""
         where = reply.get("where")
         if not (isinstance(where, list) and len(where) == len(items)
-                and all(w in (-1, 0, 1, 2) and not isinstance(w, bool) for w in where)):
+                and all(type(w) is int and w in (-1, 0, 1, 2) for w in where)):  # not True, not 1.0
             raise UsageError(f"kvstore server rank {server} answered a pull of {len(items)} slices with "
                              f"where={where!r}; expected one of -1, 0, 1, 2 per slice: every rank must run the "
                              "same dlperf")
@@ -998,6 +1002,31 @@ class DistKVStore(KVStore):
     def _exchange(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
                   pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> None:
         """One request per server carrying every push and pull of the call; requests overlap."""
+        # Held from before the push counts are taken (a pull's wait then never needs a push stuck behind it)
+        # to the last copy out of a slot; in a fixed order, so two calls cannot each hold what the other needs.
+        locks = self._exchange_locks(pushes, pulls)
+        for lock in locks:
+            lock.acquire()
+        try:
+            self._exchange_locked(pushes, pulls)
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+
+    def _exchange_locks(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
+                        pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> list[threading.Lock]:
+        """The locks of the exchange slots this call writes, or (async: answers land there) reads."""
+        keys = [k for k, _ in pushes] + ([] if self._sync else [k for k, _ in pulls])
+        found: dict[int, threading.Lock] = {}
+        for k in keys:
+            for s in self._slices(k):
+                slots = self._slots.get((k, s.part))
+                if slots is not None:
+                    found[id(slots.lock)] = slots.lock
+        return [found[i] for i in sorted(found)]
+
+    def _exchange_locked(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
+                         pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> None:
         if self._pipelines(pushes, pulls):
             self._pipelined_pushpull(pushes, pulls)
             return

@@ -29,6 +29,7 @@ mapping works.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -74,9 +75,10 @@ def slot_bytes(numel: int, dtype: torch.dtype) -> int:
 class Arena:
     """A mapped segment seen as bytes: the server's own, or a worker's mapping of it."""
 
-    def __init__(self, segment: Segment, nbytes: int, handle: dict[str, int] | None = None) -> None:
+    def __init__(self, segment: Segment, nbytes: int, owner_pid: int, handle: dict[str, int] | None = None) -> None:
         self.segment = segment
         self.nbytes = nbytes
+        self.owner_pid = owner_pid  # the creator's process: its control channel is the one to trust
         self.handle = handle  # what a peer needs to map it (the creator only)
         self.ident = 0  # the creator's number for it, which replies name
         self._bytes: torch.Tensor | None = torch.frombuffer(segment.buffer(), dtype=torch.uint8, count=nbytes)
@@ -84,7 +86,7 @@ class Arena:
     @classmethod
     def create(cls, nbytes: int) -> Arena:
         segment, handle = Segment.create(1, 0, nbytes)
-        return cls(segment, nbytes, handle)
+        return cls(segment, nbytes, os.getpid(), handle)
 
     @classmethod
     def attach(cls, handle: object, nbytes: object) -> Arena:
@@ -92,7 +94,8 @@ class Arena:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= _MAX_ARENA_BYTES:
             raise UsageError(f"a kvstore server named a shared-memory arena of {nbytes!r} bytes; expected an "
                              f"integer from 1 to {_MAX_ARENA_BYTES}: every rank must run the same dlperf")
-        return cls(Segment.attach(handle, 1, 0, nbytes), nbytes)
+        segment = Segment.attach(handle, 1, 0, nbytes)  # checks that handle holds a pid, a descriptor, a token
+        return cls(segment, nbytes, handle["pid"])
 
     def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The flat slot at ``offset``, checked to lie inside the arena."""
@@ -133,10 +136,15 @@ class ServerSlots:
 
 @dataclass
 class WorkerSlots:
-    """A worker's views of one remote slice's slots."""
+    """A worker's views of one remote slice's slots.
+
+    ``lock``: one call of this worker at a time writes the exchange slot or waits for an answer in it; a
+    push from one thread would otherwise overwrite an async pull's answer that another is still copying.
+    """
 
     values: list[torch.Tensor]
     exchange: torch.Tensor
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reply(self, where: int) -> torch.Tensor:
         return self.exchange if where == 2 else self.values[where]
