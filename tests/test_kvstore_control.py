@@ -255,8 +255,6 @@ def test_a_client_closed_while_an_answer_is_on_its_way_keeps_no_socket():
         srv.close()
 
 
-@pytest.mark.xfail(strict=True, reason="Segment.create does not seal its memory file yet (F_SEAL_SHRINK); drop this "
-                   "marker once it does")
 def test_a_peer_cannot_shrink_an_arena_under_its_server():
     """A worker opens the arena read-write; a shrink would make the server's next touch of a slot a SIGBUS."""
     from dlperf.kvstore.shm import Arena

@@ -286,6 +286,17 @@ def test_a_hostile_or_foreign_segment_is_refused_before_it_is_trusted():
             Segment.attach(handle, 2, 64, 1024)
     with pytest.raises(ShmUnavailableError, match="cannot open the creating rank's segment"):
         Segment.attach({"pid": os.getpid(), "fd": 999_999, "token": 1}, 2, 64, 1024)
+    # A handle naming a pipe (opening its other end would block) or an unsealed file: refused at once.
+    r, w = os.pipe()
+    unsealed = os.memfd_create("not-a-segment")
+    try:
+        os.ftruncate(unsealed, Segment.layout(2, 1024)[1])
+        for fd in (r, w, unsealed):
+            with pytest.raises(ShmUnavailableError, match="not a sealed shared-memory file"):
+                Segment.attach({"pid": os.getpid(), "fd": fd, "token": 1}, 2, 64, 1024)
+    finally:
+        for fd in (r, w, unsealed):
+            os.close(fd)
     seg, handle = Segment.create(2, 64, 1024)
     try:
         assert mapped_segments() == (1, 2)  # the descriptor peers open, and the one mmap keeps

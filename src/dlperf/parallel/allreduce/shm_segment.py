@@ -21,10 +21,12 @@ that Python cannot issue, so :func:`spin_barrier_supported` says no there.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import platform
 import secrets
+import stat
 import time
 from collections.abc import Sequence
 
@@ -91,6 +93,13 @@ def mapped_segments(pid: int | str = "self") -> tuple[int, int]:
     return maps, fds
 
 
+def _sealed_against_shrinking(fd: int) -> bool:
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:  # a file without seals (EINVAL)
+        return False
+
+
 class Segment:
     """One mapped segment: ``ctl`` (int64 words: header, then a line per rank) and the data area."""
 
@@ -114,12 +123,15 @@ class Segment:
         """Make and map a new segment; return it and what a peer needs to open it (pid, fd, token)."""
         offset, size = cls.layout(world, data_bytes)
         try:
-            fd = os.memfd_create(SEGMENT_LABEL, os.MFD_CLOEXEC)
+            fd = os.memfd_create(SEGMENT_LABEL, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except (OSError, AttributeError) as exc:
             raise ShmUnavailableError(f"cannot make an anonymous shared-memory file ({exc}); use "
                                       "torch.distributed.all_reduce") from None
         try:
             os.posix_fallocate(fd, 0, size)
+            # Sealed at its size: a peer that opens it read-write cannot shrink it under the other
+            # ranks' mappings (their next touch of a lost page would be SIGBUS, not an error).
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mm = mmap.mmap(fd, size)
         except OSError as exc:
             os.close(fd)
@@ -142,13 +154,19 @@ class Segment:
         path = f"/proc/{pid}/fd/{fd}"
         offset, size = cls.layout(world, data_bytes)
         try:
-            fd_here = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            # O_NONBLOCK/O_NOCTTY: a hostile pid/fd pair naming a FIFO or a terminal must not block or
+            # become our controlling tty; anything but a sealed regular file is refused below.
+            fd_here = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
         except OSError as exc:
             raise ShmUnavailableError(f"cannot open the creating rank's segment {path} ({exc.strerror}): the ranks "
                                       "do not share a host and pid namespace; use torch.distributed.all_reduce") \
                 from None
         try:
-            actual = os.fstat(fd_here).st_size
+            st = os.fstat(fd_here)
+            if not stat.S_ISREG(st.st_mode) or not _sealed_against_shrinking(fd_here):
+                raise ShmUnavailableError(f"{path} is not a sealed shared-memory file: every rank must run the "
+                                          "same dlperf; use torch.distributed.all_reduce otherwise")
+            actual = st.st_size
             if actual != size:
                 raise ShmUnavailableError(f"{path} has {actual} bytes, expected {size}: every rank must pass "
                                           "the same chunk_bytes and run the same dlperf")
