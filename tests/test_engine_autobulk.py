@@ -455,3 +455,18 @@ def test_a_thread_pushing_tiny_records_to_a_worker_that_looked_long_gets_them_ba
         assert 1 <= len(alone) <= 100
         for i, y in enumerate(ys):
             torch.testing.assert_close(y.tensor(), tx + i)
+
+
+def test_the_engine_counts_records_batched_and_sent_alone(eng):
+    x = dnp.ones(2, engine=eng)
+    eng.waitall()
+    time.sleep(0.05)  # the worker ran dry
+    alone, batched = eng.records_alone, eng.records_batched
+    y = x + 1  # to an idle worker: alone
+    y.wait_to_read()
+    assert (eng.records_alone - alone, eng.records_batched - batched) == (1, 0)
+    _busy(eng)
+    ys = [x + i for i in range(5)]  # collected behind the busy op, sent by the blocker
+    eng.waitall()
+    assert (eng.records_alone - alone, eng.records_batched - batched) == (1, 5)
+    assert [z.tolist() for z in ys] == [[1.0 + i] * 2 for i in range(5)]

@@ -102,6 +102,10 @@ class ThreadedEngine(Engine):
         # which batches would make coarse, so it turns them off.
         self._auto_size = self.config.auto_bulk if self.config.max_queued is None else 0
         self._open_auto: list[AutoBatch] = []  # every thread's unsent automatic batch (engine lock)
+        # Array records sent in automatic batches, and sent alone while batching was on (engine
+        # lock): whether a slow run of small operations batched at all (benchmarks/bench_engine.py).
+        self.records_batched = 0
+        self.records_alone = 0
         # Initialise this thread's PyTorch thread count now (see CpuWorker.setup) and remember it
         # as the process default that workers restore after setting their own budgets.
         self._host_threads = torch.get_num_threads()
@@ -301,6 +305,7 @@ class ThreadedEngine(Engine):
             # take long are batched regardless.
             if (not worker.can_steal or not (worker.busy or worker._q)
                     or (worker.long_ops and not _tiny(rec)) or not _joins(reads, None, worker)):
+                self.records_alone += 1
                 self._submit_locked(Op(self, run_rec, (rec,), reads, (out,), None, 0, name), worker, switched)
                 return
             batch = loc.auto = AutoBatch(Op(self, run_auto, (), (), (), None, 0, "auto_bulk"), device, worker)
@@ -342,6 +347,7 @@ class ThreadedEngine(Engine):
         # The outputs were granted to the batch when collected; _complete releases them.
         batch.sent_outs = outs
         op.name = f"auto_bulk[{len(run)}]"
+        self.records_batched += len(run)
         self._submit_locked(op, batch.worker, False)
 
     def _order_after_auto(self, op: Op, worker: Worker) -> None:
