@@ -24,7 +24,7 @@ def _busy(eng, device=None):
     """Keep the device's worker busy for BUSY_S with an operation nothing else depends on."""
     op = eng.push(time.sleep, args=(BUSY_S,), device=device, name="busy")
     # A worker whose last operation looked long (its first, or one preempted on a loaded machine)
-    # gets no batches until it runs a short one; these tests are about what happens with them.
+    # batches only records on tiny inputs until it runs a short one; these tests are about batches.
     eng._worker(device or cpu(0), "compute").long_ops = False
     return op
 

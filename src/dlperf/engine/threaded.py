@@ -229,8 +229,9 @@ class ThreadedEngine(Engine):
     # the same worker: members never wait behind work that could wait for them. Measured on the
     # per-operation benchmark (1000 x `x + 1` then waitall), quiet or with a CPU hog on one of the
     # two cores: after the first round, 997-999 of each round's 1000 records were batched (the
-    # first push of a round finds the worker idle and goes alone); only a loop that starts while
-    # the worker looks long (see below) went one by one, up to all 1000.
+    # first push of a round finds the worker idle and goes alone), also in runs 1.5x slower than
+    # usual under other programs' load: those are slow for want of a core, not of batches. Only a
+    # loop that starts while the worker looks long (see below) went one by one, up to all 1000.
     def _push_rec(self, rec: tuple, read: Var, read2: Var | None, out: Var, device: Device, name: str) -> None:
         batch = self._local.auto
         if batch is not None and batch.device is device and not batch.sealed:
