@@ -12,7 +12,9 @@ Experiments (all CPU unless a GPU is visible):
    [per_op_contention, judged by dlperf.timing's contention rule]. The engine batches small
    operations automatically (EngineConfig.auto_bulk); the same rounds also time an engine with it
    off [async_no_auto_bulk_us_per_op, async_no_auto_bulk_vs_torch], and the asynchronous loop's
-   process CPU time against torch's [async_cpu_vs_torch], which other programs sway less.
+   process CPU time against torch's [async_cpu_vs_torch], which other programs sway less, and the
+   least share of a round's records that went in automatic batches [async_batched_share_min]: near
+   1 (the first push of a round goes alone) unless batching failed, whatever the ratio says.
 4. Automatic parallelism (§12.3.1): 10 matrix products on cpu(0) and 10 on cpu(1), one intra-op
    thread each: together versus the longer alone [parallel_ratio]; plain PyTorch runs them one
    after the other [torch_sequential_ratio].
@@ -127,6 +129,7 @@ def barriers(repeats: int) -> dict:
 def per_op_overhead(repeats: int, n: int = 1000) -> dict:
     asyncs, syncs, bulks, torchs, offs = [], [], [], [], []
     async_cpu, torch_cpu = [], []  # process CPU time (all threads): less sensitive to other programs
+    batched = []  # share of each round's records sent in automatic batches: tells a slow run that did not batch
     monitor = ContentionMonitor(threads=2)  # the frontend and the engine's worker
     with create_engine() as eng, create_engine(auto_bulk=0) as off:
         x = dnp.ones((1, 2), engine=eng)
@@ -141,12 +144,14 @@ def per_op_overhead(repeats: int, n: int = 1000) -> dict:
             # Each variant ends with waitall: the ops are independent, so the last result can be
             # ready (a waiting thread may run it itself) while earlier ones still queue, and their
             # cost would leak into the next variant's (or torch's) time instead of this one's.
+            b0, a0 = eng.records_batched, eng.records_alone
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(n):
                 y = x + 1
             eng.waitall()
             asyncs.append((time.perf_counter() - t0) / n)
             async_cpu.append((time.process_time() - c0) / n)
+            batched.append((eng.records_batched - b0) / max(1, eng.records_batched - b0 + eng.records_alone - a0))
 
             t0 = time.perf_counter()
             for _ in range(n):
@@ -185,9 +190,11 @@ def per_op_overhead(repeats: int, n: int = 1000) -> dict:
     row("", "engine async, bulk(64)", f"{b:9.2f} us/op", f"{b / t:.2f}x torch")
     row("", "engine async, auto_bulk=0", f"{o:9.2f} us/op", f"{o / t:.2f}x torch (automatic batches off)")
     row("", "engine async, CPU time", "", f"{cpu_ratio:.2f}x torch's (process CPU time, all threads)")
+    row("", "engine async, batched", f"{min(batched[1:]):9.3f}", "least share of a round's records batched")
     return {"async_us_per_op": a, "sync_us_per_op": s, "bulk_us_per_op": b, "torch_us_per_op": t,
             "async_vs_torch": a / t, "sync_vs_torch": s / t, "async_no_auto_bulk_us_per_op": o,
             "async_no_auto_bulk_vs_torch": o / t, "async_cpu_vs_torch": cpu_ratio,
+            "async_batched_share_min": min(batched[1:]),
             "per_op_contention": contention.to_dict()}
 
 

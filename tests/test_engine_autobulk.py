@@ -24,7 +24,7 @@ def _busy(eng, device=None):
     """Keep the device's worker busy for BUSY_S with an operation nothing else depends on."""
     op = eng.push(time.sleep, args=(BUSY_S,), device=device, name="busy")
     # A worker whose last operation looked long (its first, or one preempted on a loaded machine)
-    # gets no batches until it runs a short one; these tests are about what happens with them.
+    # batches only records on tiny inputs until it runs a short one; these tests are about batches.
     eng._worker(device or cpu(0), "compute").long_ops = False
     return op
 
@@ -378,3 +378,95 @@ def test_another_threads_push_to_the_worker_goes_after_a_collected_batch(eng):
     t.start()
     t.join(10)
     assert not t.is_alive() and got == [[2.0, 2.0]]
+
+
+def _held(eng):
+    """Keep the worker busy until the returned event is set; the worker looks long meanwhile, as
+    after its first operation or one preempted on a loaded machine."""
+    release = threading.Event()
+    eng.push(release.wait, args=(10,), name="held")
+    w = eng._worker(cpu(0), "compute")
+    deadline = time.monotonic() + 10
+    while not w.busy and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert w.busy
+    w.long_ops = True
+    return release
+
+
+def test_tiny_records_are_collected_behind_a_worker_that_looked_long(eng):
+    x, tx = _pair(eng, (1, 2), seed=11)
+    x.wait_to_read()
+    release = _held(eng)
+    try:
+        ys = [x + i for i in range(5)]
+        assert all(_unsent(y) for y in ys)  # collected while the worker was busy
+        assert len({id(y._var._last_write) for y in ys}) == 1
+    finally:
+        release.set()
+    for i, y in enumerate(ys):  # each blocker sends the batch: nothing waits past it
+        torch.testing.assert_close(y.tensor(), tx + i)
+
+
+def test_big_records_still_go_at_once_behind_a_worker_that_looked_long(eng):
+    big, tbig = _pair(eng, (100, 100), seed=12)  # above TINY_NUMEL
+    big.wait_to_read()
+    release = _held(eng)
+    try:
+        y = big + 1
+        op = y._var._last_write
+        assert not _unsent(y) and op.fn is not run_auto and op.worker is not None  # queued on its own
+    finally:
+        release.set()
+    torch.testing.assert_close(y.tensor(), tbig + 1)
+
+
+def test_a_record_on_an_uncomputed_input_behind_a_worker_that_looked_long_goes_at_once(eng):
+    x = dnp.ones((1, 2), engine=eng)
+    x.wait_to_read()
+    release = _held(eng)
+    try:
+        pending = x.__class__.__matmul__(x, dnp.ones((2, 1), engine=eng))  # size unknown until it runs
+        y = pending + 1
+        assert not _unsent(y)
+    finally:
+        release.set()
+    assert y.tolist() == [[3.0]]
+
+
+def test_a_thread_pushing_tiny_records_to_a_worker_that_looked_long_gets_them_batched(monkeypatch):
+    with create_engine("threaded", auto_bulk=64) as eng:
+        x, tx = _pair(eng, (1, 2), seed=13)
+        x.wait_to_read()
+        alone = []
+        submit = eng._submit_locked
+
+        def counting(op, worker, switched):
+            if op.fn is not run_auto:
+                alone.append(op)
+            submit(op, worker, switched)
+
+        monkeypatch.setattr(eng, "_submit_locked", counting)
+        eng._worker(cpu(0), "compute").long_ops = True  # what its first operation left
+        ys = [x + i for i in range(200)]
+        eng.waitall()
+        # The first starts at once; the next ones find it queued or running and are collected
+        # (without the rule, every one went alone until the worker ran again).
+        assert 1 <= len(alone) <= 100
+        for i, y in enumerate(ys):
+            torch.testing.assert_close(y.tensor(), tx + i)
+
+
+def test_the_engine_counts_records_batched_and_sent_alone(eng):
+    x = dnp.ones(2, engine=eng)
+    eng.waitall()
+    time.sleep(0.05)  # the worker ran dry
+    alone, batched = eng.records_alone, eng.records_batched
+    y = x + 1  # to an idle worker: alone
+    y.wait_to_read()
+    assert (eng.records_alone - alone, eng.records_batched - batched) == (1, 0)
+    _busy(eng)
+    ys = [x + i for i in range(5)]  # collected behind the busy op, sent by the blocker
+    eng.waitall()
+    assert (eng.records_alone - alone, eng.records_batched - batched) == (1, 5)
+    assert [z.tolist() for z in ys] == [[1.0 + i] * 2 for i in range(5)]

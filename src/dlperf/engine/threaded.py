@@ -64,6 +64,7 @@ from .worker import DEFER_MAX, DEFER_NAP_S, CpuWorker, Worker
 
 __all__ = ["ThreadedEngine", "RECHECK_S", "RECHECK_MAX_S"]
 
+TINY_NUMEL = 4096  # an elementwise record on at most this many elements an input takes microseconds
 RECHECK_S = 0.05
 """A thread blocked inside an operation re-checks the wait-for graph after this long (seconds)..."""
 RECHECK_MAX_S = 0.5
@@ -101,6 +102,10 @@ class ThreadedEngine(Engine):
         # which batches would make coarse, so it turns them off.
         self._auto_size = self.config.auto_bulk if self.config.max_queued is None else 0
         self._open_auto: list[AutoBatch] = []  # every thread's unsent automatic batch (engine lock)
+        # Array records sent in automatic batches, and sent alone while batching was on (engine
+        # lock): whether a slow run of small operations batched at all (benchmarks/bench_engine.py).
+        self.records_batched = 0
+        self.records_alone = 0
         # Initialise this thread's PyTorch thread count now (see CpuWorker.setup) and remember it
         # as the process default that workers restore after setting their own budgets.
         self._host_threads = torch.get_num_threads()
@@ -221,7 +226,12 @@ class ThreadedEngine(Engine):
     # sends its batch (whichever thread waits), waitall sends them all, and any other push sends
     # the batches of its worker and those whose results it uses or whose inputs it writes. A record
     # joins only if what it reads is ready, made in the batch, or made by work already queued on
-    # the same worker: members never wait behind work that could wait for them.
+    # the same worker: members never wait behind work that could wait for them. Measured on the
+    # per-operation benchmark (1000 x `x + 1` then waitall), quiet or with a CPU hog on one of the
+    # two cores: after the first round, 997-999 of each round's 1000 records were batched (the
+    # first push of a round finds the worker idle and goes alone), also in runs 1.5x slower than
+    # usual under other programs' load: those are slow for want of a core, not of batches. Only a
+    # loop that starts while the worker looks long (see below) went one by one, up to all 1000.
     def _push_rec(self, rec: tuple, read: Var, read2: Var | None, out: Var, device: Device, name: str) -> None:
         batch = self._local.auto
         if batch is not None and batch.device is device and not batch.sealed:
@@ -289,9 +299,14 @@ class ThreadedEngine(Engine):
                 self._send_auto(batch)
                 loc.auto = None
             # A push to an idle worker starts at once; only small work is batched (a long member
-            # would hold back the dependents of the members before it).
-            if (not worker.can_steal or not (worker.busy or worker._q) or worker.long_ops
-                    or not _joins(reads, None, worker)):
+            # would hold back the dependents of the members before it). A worker's judgement lags:
+            # after an operation that looked long (its first, or one preempted on a loaded machine)
+            # it stays until the worker runs again, which, while this thread holds the GIL, is a
+            # switch interval (5 ms) away: thousands of pushes. Records on inputs too small to
+            # take long are batched regardless.
+            if (not worker.can_steal or not (worker.busy or worker._q)
+                    or (worker.long_ops and not _tiny(rec)) or not _joins(reads, None, worker)):
+                self.records_alone += 1
                 self._submit_locked(Op(self, run_rec, (rec,), reads, (out,), None, 0, name), worker, switched)
                 return
             batch = loc.auto = AutoBatch(Op(self, run_auto, (), (), (), None, 0, "auto_bulk"), device, worker)
@@ -333,6 +348,7 @@ class ThreadedEngine(Engine):
         # The outputs were granted to the batch when collected; _complete releases them.
         batch.sent_outs = outs
         op.name = f"auto_bulk[{len(run)}]"
+        self.records_batched += len(run)
         self._submit_locked(op, batch.worker, False)
 
     def _order_after_auto(self, op: Op, worker: Worker) -> None:
@@ -599,6 +615,17 @@ class ThreadedEngine(Engine):
 
 
 _SMALL_WORK = (run_auto, run_rec)  # automatic batches and single elementwise array operations
+
+
+def _tiny(rec: tuple) -> bool:
+    """Are a record's array inputs all computed and at most ``TINY_NUMEL`` elements each?"""
+    for item in rec[2:-1]:
+        if type(item) is int or type(item) is float:
+            continue
+        data = getattr(item, "_data", None)
+        if data is None or data.numel() > TINY_NUMEL:  # None: not computed yet, size unknown
+            return False
+    return True
 
 
 def _joins(reads: tuple, op: Op | None, worker: Worker) -> bool:

@@ -60,8 +60,9 @@ DEFER_MAX = 64  # unless this many operations are queued: then they are worth a 
 SMALL_OP_S = 0.00002  # ...and only while its recent operations took less than this each, about what a
 # wake-up costs: a nap must never hold back work that could run beside another device's (d2l 12.3's
 # automatic parallelism shows from ~0.1 ms operations on), nor the start of anything longer
-LONG_OP_S = 0.0002  # a worker whose recent operations took longer gets no automatic batches: a long
-# member would hold back the dependents of the members before it
+LONG_OP_S = 0.0002  # a worker whose recent operations took longer gets no automatic batches (but of
+# records on tiny inputs, see ThreadedEngine._push_rec_slow): a long member would hold back the
+# dependents of the members before it
 _seq = itertools.count()
 
 
