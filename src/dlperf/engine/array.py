@@ -290,14 +290,6 @@ class Array:
 
     def _binary(self, func: Any, other: Any, name: str) -> Array:
         t = type(other)
-        if t is int or t is float:
-            if not _grad_enabled():
-                return _apply(func, (self, other), {}, name)
-            out = Array(self.engine, self.device)
-            out._grads = self._grads
-            out._meta = rec = (_rec_scalar, func, self, other, out)
-            self.engine._push_rec(rec, self._var, None, out._var, self.device, name)
-            return out
         if t is Array:
             if other.device is not self.device and other.device != self.device:
                 _mismatch(name, self, other)
@@ -313,7 +305,8 @@ class Array:
             else:
                 self.engine._push_rec(rec, self._var, other._var, out._var, self.device, name)
             return out
-        if isinstance(other, torch.Tensor) or not _grad_enabled():
+        # a scalar (int and float first: the hot path of small array arithmetic)
+        if (t is not int and t is not float and isinstance(other, torch.Tensor)) or not _grad_enabled():
             return _apply(func, (self, other), {}, name)
         out = Array(self.engine, self.device)
         out._grads = self._grads

@@ -471,13 +471,7 @@ class ThreadedEngine(Engine):
                         q.pop()
                     w.wake_if_queued()  # what was pushed before it runs meanwhile
         if steal:
-            stack = self._running_stack()
-            stack.append(op)
-            try:
-                w.run_stolen(op, w.caller_label)
-            finally:
-                stack.pop()
-            self._complete([op])
+            self._run_here(w, op)
             return
         running = self._running_ops()
         if running:
@@ -513,15 +507,19 @@ class ThreadedEngine(Engine):
                     break
             else:
                 return False
-        stack = self._running_stack()
         for op in ops:
-            stack.append(op)
-            try:
-                w.run_stolen(op, w.caller_label)
-            finally:
-                stack.pop()
-            self._complete([op])
+            self._run_here(w, op)
         return True
+
+    def _run_here(self, w: Worker, op: Op) -> None:
+        """Run ``op``, taken from ``w``'s queue, in this waiting thread, then release it."""
+        stack = self._running_stack()
+        stack.append(op)
+        try:
+            w.run_stolen(op, w.caller_label)
+        finally:
+            stack.pop()
+        self._complete([op])
 
     def _mark_waited(self, op: Op) -> int:
         """Ask for a wake-up when ``op`` finishes (lock held); 1 if every completion must wake us."""
