@@ -12,18 +12,19 @@ only and turns every failure into one line naming the file.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 from .errors import DlperfError, UsageError
 
-__all__ = ["FileAccessError", "atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable",
+__all__ = ["FileAccessError", "decode_json", "atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable",
            "safe_torch_load"]
 
 _TMP_SUFFIX = ".tmp"
@@ -274,3 +275,12 @@ def _short_reason(exc: BaseException) -> str:
     if not text or "weights_only" in text or "weights only" in text.lower() or len(text) > 120:
         return f"{type(exc).__name__}: unreadable or truncated"
     return text
+
+
+def decode_json(data: bytes, where: str, fail: Callable[[str, str], Exception]) -> Any:
+    """The JSON document in ``data`` (strict UTF-8), or ``fail(where, why)`` raised: the one decoder for
+    what files and peers send, so bad encoding, bad syntax and hostile nesting give one error each."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise fail(where, f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._io import decode_json
 from ..errors import DlperfError
 
 __all__ = ["MAX_FRAME_BYTES", "ControlClient", "ControlServer", "KVStoreLinkError"]
@@ -85,11 +86,8 @@ def _recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES, deadline: flo
     (n,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size, deadline))
     if n > limit:
         raise ValueError(f"a control frame of {n} bytes is over the {limit} limit")
-    data = _recv_exact(sock, n, deadline)
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise ValueError(f"a control frame of {n} bytes is nested too deeply") from None
+    return decode_json(_recv_exact(sock, n, deadline), f"a control frame of {n} bytes",
+                       lambda where, why: ValueError(f"{where} is {why}"))
 
 
 def _peer(sock: socket.socket) -> tuple[int, int]:

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .. import _io
 from .._cliargs import one_line
 from .._io import atomic_write_text
 from ..errors import DlperfError
@@ -83,10 +84,7 @@ def read_cache_file(path: str, fail: Callable[[str, str], Exception] = _fail) ->
 
 def decode_json(data: bytes, path: str, fail: Callable[[str, str], Exception] = _fail) -> Any:
     """The JSON document in ``data``, or ``fail(path, ...)`` saying why there is none."""
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise fail(path, f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
+    return _io.decode_json(data, path, fail)
 
 
 def _number(value, path: str, where: str, *, allow_none: bool = False) -> float | None:
