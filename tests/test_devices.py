@@ -50,6 +50,24 @@ def test_logical_cpu_devices_are_distinct():
     assert len({cpu(0), cpu(1), cpu(0)}) == 2
 
 
+def test_each_device_is_one_object_however_named():
+    # The engine compares devices by identity on its hot paths.
+    import copy
+    import pickle
+
+    for dev, names in ((cpu(1), (Device("cpu", 1), "cpu:1", "cpu(1)", torch.device("cpu", 1))),
+                       (gpu(2), (Device("gpu", 2), "cuda:2", "gpu:2", torch.device("cuda", 2)))):
+        for name in names:
+            assert to_device(name) is dev
+        assert pickle.loads(pickle.dumps(dev)) is dev
+        assert copy.copy(dev) is dev and copy.deepcopy([dev])[0] is dev
+    # stand-ins equal to an index are refused, and leave the shared object as it was
+    for bad in (True, 1.0):
+        with pytest.raises(UsageError, match="index"):
+            Device("cpu", bad)
+    assert type(cpu(1).index) is int and cpu(1).index == 1
+
+
 def test_try_gpu_falls_back_to_cpu():
     assert try_gpu(num_gpus()) == cpu()
     assert try_gpu(10_000) == cpu()

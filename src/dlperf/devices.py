@@ -60,6 +60,9 @@ __all__ = [
 _LOGICAL_CPU_ATTR = "_dlperf_cpu_index"
 
 
+_DEVICES: dict[tuple[str, int], Device] = {}
+
+
 @dataclass(frozen=True, order=True)
 class Device:
     """A device: ``Device("cpu", 1)`` is ``cpu(1)``, ``Device("gpu", 0)`` is ``gpu(0)``."""
@@ -67,11 +70,30 @@ class Device:
     kind: str
     index: int = 0
 
+    # One object per device: the engine's hot paths compare devices by identity (`is` costs a
+    # pointer comparison, dataclass `==` builds two tuples), so every way of naming cpu(1) (the
+    # constructor, cpu(1), "cpu:1", a copy, a pickle) must give the same object.
+    def __new__(cls, kind: str, index: int = 0) -> Device:
+        # Only exact types hit the cache: __init__ runs again on what this returns, and must not
+        # store an equal stand-in (True for 1) in the shared object.
+        dev = _DEVICES.get((kind, index)) if type(index) is int and type(kind) is str else None
+        return dev if dev is not None else super().__new__(cls)
+
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "gpu"):
             raise UsageError(f"device kind {self.kind!r} is not valid; expected 'cpu' or 'gpu'")
-        if not isinstance(self.index, int) or self.index < 0:
+        if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
             raise UsageError(f"device index {self.index!r} is not valid; expected an integer >= 0")
+        _DEVICES.setdefault((self.kind, self.index), self)
+
+    def __reduce__(self) -> tuple:
+        return (Device, (self.kind, self.index))
+
+    def __copy__(self) -> Device:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Device:
+        return self
 
     @property
     def torch_device(self) -> torch.device:
