@@ -52,9 +52,9 @@ from typing import Any
 import numpy
 import torch
 
-from ..devices import Device, DeviceLike, cpu, require_available, tag
+from ..devices import Device, DeviceLike, LogicalCpuTensor, cpu, require_available, tag
 from ..errors import DeviceMismatchError, UsageError
-from .engine import Engine, default_engine
+from .engine import RECORD_GROUPS, Engine, default_engine
 from .external import External, external, watch
 from .var import DONE as _DONE
 from .var import Var
@@ -153,6 +153,70 @@ def _rec_scalar(rec: tuple) -> None:
     dev = out.device
     out._data = _fix(res, dev) if dev.index else res
     out._meta = None
+
+
+# One multi-tensor call for a run of scalar records: torch's foreach kernels on host tensors call
+# the same per-tensor operator for each item (so results, dtypes and errors are those of one call
+# each), but cross from Python into C++ once: about 0.4 us less an operation than one call each.
+_FOREACH_SCALAR = {torch.add: torch._foreach_add, torch.sub: torch._foreach_sub,
+                   torch.mul: torch._foreach_mul, torch.true_divide: torch._foreach_div,
+                   torch.pow: torch._foreach_pow}
+_HOST_TENSORS = (torch.Tensor, LogicalCpuTensor)
+
+
+def _group_scalar(recs: list[tuple], i: int) -> int:
+    """Run ``recs[i]`` and the scalar records after it with the same function on host tensors that
+    do not need gradients, in one foreach call (see engine.RECORD_GROUPS for the result). A batch's
+    records share its device; the scalars are checked by the call itself (one that it refuses runs
+    the records one by one)."""
+    first = recs[i]
+    func = first[1]
+    many = _FOREACH_SCALAR.get(func)
+    if many is None:
+        _rec_scalar(first)
+        return i + 1
+    tensors: list[torch.Tensor] = []
+    scalars: list[Any] = []
+    seen = None  # runs of records often share their input: check each input once
+    scalar = first[3]
+    same = True  # one scalar object for all (identity, not ==: 1, 1.0 and True differ in dtype)
+    j, n = i, len(recs)
+    while j < n:
+        rec = recs[j]
+        if rec[1] is not func or rec[0] is not _rec_scalar:
+            break
+        a = rec[2]
+        if a is not seen:
+            data = a._data  # None: the result of an earlier record of this run, not computed yet
+            if data is None or type(data) not in _HOST_TENSORS or data.requires_grad or not data.is_cpu:
+                break
+            seen = a
+        tensors.append(data)
+        b = rec[3]
+        if b is not scalar:
+            same = False
+        scalars.append(b)
+        j += 1
+    if j - i < 2:
+        _rec_scalar(first)
+        return i + 1
+    dev = first[-1].device
+    arg = scalar if same else scalars  # one Scalar parses faster than a list of them
+    try:
+        if dev.index:  # tagged inputs: compute plain, tag the results as _fix does
+            with torch._C.DisableTorchFunctionSubclass():
+                results = many(tensors, arg)
+            for res in results:
+                tag(res, dev)
+        else:
+            results = many(tensors, arg)
+    except Exception:
+        return -j
+    for rec, res in zip(recs[i:j], results):
+        out = rec[-1]
+        out._data = res
+        out._meta = None
+    return j
 
 
 def _run_binary(func: Any, a: Array, b: Array, out: Array) -> None:
@@ -687,6 +751,7 @@ def _infer(recipe: tuple, depth: int = 0) -> torch.Tensor | None:
 
 
 _RECORDS = (_rec_unary, _rec_scalar, _rec_binary)
+RECORD_GROUPS[_rec_scalar] = _group_scalar
 
 
 def _mismatch(op: str, a: Array, b: Array) -> None:

@@ -179,18 +179,36 @@ class AutoBatch:
         self.seen = -1  # its size when its worker last looked (see ThreadedEngine.send_auto_for)
 
 
+RECORD_GROUPS: dict[Callable[[tuple], None], Callable[[list[tuple], int], int]] = {}
+"""Record runner -> a function ``group(recs, i)`` that runs ``recs[i]`` together with the records
+after it that it can take in one call (say, one multi-tensor ``torch._foreach_*``): it returns the
+index after the last one it ran, or ``-j`` when it ran none and ``recs[i:j]`` must run one by one
+(their joint call failed: each record's own call then tells which one fails, and how)."""
+
+
 def run_auto(batch: AutoBatch) -> None:
     """Run an automatic batch's records in push order (dependencies inside it hold trivially).
 
-    A failing record fails only its own result and the later records that use it, as if each
-    had been pushed alone: independent work in the same batch is not lost.
+    Consecutive records a group runner can take (see RECORD_GROUPS) run in one call. A failing
+    record fails only its own result and the later records that use it, as if each had been
+    pushed alone: independent work in the same batch is not lost.
     """
     recs = batch.run
+    n = len(recs)
+    i = alone_until = 0
+    groups = RECORD_GROUPS
     try:
-        for rec in recs:
+        while i < n:
+            rec = recs[i]
+            if i >= alone_until and (group := groups.get(rec[0])) is not None:
+                j = group(recs, i)
+                if j > 0:
+                    i = j
+                    continue
+                alone_until = -j
             rec[0](rec)
+            i += 1
     except BaseException as exc:
-        i = next(k for k, r in enumerate(recs) if r is rec)  # identity: arrays overload ==
         _fail_record(batch, rec, exc)
         run_auto_checked(batch, recs[i + 1:])
 
