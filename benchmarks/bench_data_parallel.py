@@ -21,9 +21,16 @@ Other work on a shared machine disturbs single runs, so the single-process confi
 measured in alternating rounds and the least disturbed round (lowest median) of each is reported;
 every round's median is printed too.
 
+* the machine's own parallelism: one bare replica (a plain step on the 128 examples a device gets, one
+  thread) alone, and two of them in two bare threads started together. Two threads run
+  ``parallel_ceiling = 2 * alone / pair`` times as fast as one (2.0 on two free cores; less when the
+  cores are shared or are siblings of one core), which bounds ``speedup_vs_one``;
+  ``ratio_vs_bare_replicas`` is the 2-device Trainer's step over the bare pair's (its own overhead).
+
 The last stdout line is one JSON object: speedup_vs_one, ratio_vs_ddp, ratio_vs_best_plain (the 2-device
 Trainer over the faster plain 2-thread loop, contiguous or channels-last), allreduce_busbw_gbs,
-bucket_busbw_gbs, bucket_busbw_ratio, gloo_busbw_gbs and the raw figures.
+bucket_busbw_gbs, bucket_busbw_ratio, gloo_busbw_gbs, parallel_ceiling, speedup_vs_ceiling,
+ratio_vs_bare_replicas and the raw figures.
 """
 
 from __future__ import annotations
@@ -133,6 +140,55 @@ def measure_plain(threads: int, steps: int, warmup: int, channels_last: bool = F
         torch.set_num_threads(before)
 
 
+def measure_bare_replicas(k: int, steps: int, warmup: int) -> float:
+    """What the Trainer's design can reach on these cores: ``k`` plain PyTorch steps on the batch's
+    k parts (channels-last, one intra-op thread each), each in its own bare thread, started together
+    at every step; the step ends with the slower. No engine, no gradient sum, no dlperf code. With
+    ``k = 1`` it is one part alone, so ``k * t(1) / t(k)`` is how far k threads really run in parallel
+    on this machine now (cores shared with other programs, or siblings of one core, give less)."""
+    import threading
+
+    from dlperf._threads import set_thread_budget
+
+    spec = get_spec("lenet")
+    torch.manual_seed(0)
+    X, y = spec.input.make_batch(BATCH, generator=torch.Generator().manual_seed(1))
+    part = BATCH // 2  # the part each device of the 2-device Trainer gets
+    models = [spec.build().to(memory_format=torch.channels_last) for _ in range(k)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    Xs = [X[i * part:(i + 1) * part].contiguous(memory_format=torch.channels_last) for i in range(k)]
+    ys = [y[i * part:(i + 1) * part] for i in range(k)]
+    start, end = threading.Barrier(k + 1), threading.Barrier(k + 1)
+    stop = False
+
+    def replica(i: int) -> None:
+        set_thread_budget(1, torch.get_num_threads())
+        while True:
+            start.wait()
+            if stop:
+                return
+            opts[i].zero_grad(set_to_none=True)
+            spec.loss(models[i](Xs[i]), ys[i]).backward()
+            opts[i].step()
+            end.wait()
+
+    threads = [threading.Thread(target=replica, args=(i,), name=f"bare replica {i}") for i in range(k)]
+    for t in threads:
+        t.start()
+
+    def step() -> None:
+        start.wait()
+        end.wait()
+
+    try:
+        return time_steps(step, warmup=warmup, steps=steps).median_s * 1e3
+    finally:
+        stop = True
+        start.wait()
+        for t in threads:
+            t.join()
+
+
 def measure_trainer(k: int, steps: int, warmup: int) -> dict[str, float]:
     spec = get_spec("lenet")
     torch.manual_seed(0)
@@ -229,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         "plain_1thread": lambda: {"ms": measure_plain(1, args.steps, args.warmup)},
         "plain_2thread": lambda: {"ms": measure_plain(2, args.steps, args.warmup)},
         "plain_2thread_channels_last": lambda: {"ms": measure_plain(2, args.steps, args.warmup, True)},
+        "bare_replica_alone": lambda: {"ms": measure_bare_replicas(1, args.steps, args.warmup)},
+        "bare_replicas_2": lambda: {"ms": measure_bare_replicas(2, args.steps, args.warmup)},
     }
     rounds: dict[str, list[dict[str, float]]] = {k: [] for k in configs}
     for _ in range(args.rounds):
@@ -250,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
               "trainer_2dev": "dlperf Trainer cpu(0),cpu(1), 1 thread each",
               "plain_1thread": "plain PyTorch loop, 1 thread",
               "plain_2thread": "plain PyTorch loop, 2 threads",
-              "plain_2thread_channels_last": "plain PyTorch loop, 2 threads, channels-last"}
+              "plain_2thread_channels_last": "plain PyTorch loop, 2 threads, channels-last",
+              "bare_replica_alone": "bare replica: 128 examples, 1 thread, alone",
+              "bare_replicas_2": "2 bare replicas side by side, 1 thread each"}
     for key, label in labels.items():
         each = " ".join(f"{r['ms']:.1f}" for r in rounds[key])
         print(f"{label:<48} {best[key]['ms']:>8.1f}  {each}")
@@ -272,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     contended = best["plain_2thread"]["ms"] > 0.8 * best["plain_1thread"]["ms"]
     if contended:
         print("WARNING: another process held a core during this run (2 threads barely beat 1); rerun")
+    # The 2-device Trainer can at best run its two replicas as two bare threads do: how parallel
+    # two threads really are on these cores now bounds speedup_vs_one (2.0 only on two free cores).
+    alone, pair = best["bare_replica_alone"]["ms"], best["bare_replicas_2"]["ms"]
+    ceiling = 2 * alone / pair
+    print(f"two bare threads run {ceiling:.2f}x as fast as one here (the ceiling of speedup_vs_one); the "
+          f"Trainer's 2 devices take {two / pair:.2f}x the bare pair's time")
     result = {
         "speedup_vs_one": one / two,
         "ratio_vs_ddp": two / ddp["ddp_ms"] if ddp else None,
@@ -287,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_vs_ddp_channels_last": two / ddp["ddp_channels_last_ms"] if ddp else None,
         "allreduce_busbw_by_algorithm": busbw,
         "rounds_ms": {k: [r["ms"] for r in v] for k, v in rounds.items()},
+        "parallel_ceiling": ceiling,
+        "speedup_vs_ceiling": one / two / ceiling,
+        "ratio_vs_bare_replicas": two / pair,
+        "bare_replica_alone_ms": alone, "bare_replicas_2_ms": pair,
         "contended": contended,
         **gpu,
     }
