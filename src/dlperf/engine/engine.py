@@ -113,8 +113,11 @@ class EngineConfig:
     another push uses a result or writes an input of it, at this size, and by the worker itself
     when it runs dry and the batch stopped growing. A push to an idle worker, or to one whose recent
     operations were long, is sent at once: nothing waits longer than it would without batching.
-    A failing member fails only its own result and what uses it, as if pushed alone. 0 turns it
-    off; the naive engine, traced engines and ``max_queued`` ignore it."""
+    A failing member fails only its own result and what uses it, as if pushed alone. Consecutive
+    independent scalar records of one function (``x + 1``, ``y * 2`` on host tensors that need no
+    gradient) run as one multi-tensor ``torch._foreach_*`` call: the same per-tensor operator for
+    each, entered from Python once. 0 turns it off; the naive engine, traced engines and
+    ``max_queued`` ignore it."""
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
