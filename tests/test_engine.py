@@ -657,3 +657,31 @@ def test_threads_mixing_pushes_and_waits_on_napping_workers_get_torch_s_values(s
         assert len(results) == 4
         for got, want in results.values():
             assert got == want
+
+
+def test_running_on_names_the_worker_of_the_calling_thread():
+    with create_engine("threaded") as eng:
+        assert eng.running_on() is None  # the frontend
+        # waited for while cpu(1)'s worker is busy, so that it (not this waiting thread) runs it
+        gate = threading.Event()
+        eng.push(gate.wait, device=cpu(1))
+        op = eng.push(eng.running_on, device=cpu(1))
+        opener = threading.Timer(0.05, gate.set)
+        opener.start()
+        assert op.wait() == (cpu(1), "compute")
+        opener.join()
+    with create_engine("naive") as eng:
+        assert eng.push(eng.running_on).wait() is None
+
+
+def test_work_pushed_to_the_running_worker_runs_after_the_operation_in_order():
+    order = []
+    with create_engine("threaded") as eng:
+        def first():
+            place = eng.running_on()
+            eng.push(order.append, args=("second",), device=place[0], kind=place[1])
+            eng.push(order.append, args=("third",), device=place[0], kind=place[1])
+            order.append("first")
+        eng.push(first, device=cpu(1))
+        eng.waitall()
+    assert order == ["first", "second", "third"]

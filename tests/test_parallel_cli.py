@@ -69,6 +69,8 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     (["--download"], "--download needs --data"),
     (["--train-size", str(10**12)], "needs about .* but only .* of memory is available"),
     (["--devices", "cpu:0,cpu:1,cpu:2", "--batch-size", "2"], "smaller than the 3 devices"),
+    (["--bucket-bytes", "0"], "--bucket-bytes"),
+    (["--bucket-bytes", "1MB"], "--bucket-bytes"),
 ])
 def test_bad_input_is_one_clear_error(argv, match, capsys):
     from dlperf.cli import main

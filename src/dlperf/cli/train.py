@@ -23,6 +23,7 @@ from ..errors import UsageError
 from ..parallel.allreduce import DEFAULT_ALGORITHM, algorithm_names
 from ..parallel.training import (
     MAX_BATCH,
+    MAX_BUCKET_BYTES,
     MAX_EPOCHS,
     MAX_LR,
     TRAIN_MODELS,
@@ -61,6 +62,9 @@ def register(sub) -> None:
     p.add_argument("--algorithm", default=DEFAULT_ALGORITHM, type=va.choice("allreduce algorithm", algorithm_names()),
                    help=f"allreduce: {', '.join(algorithm_names())} (auto: the cost model's pick for the "
                         "measured links, printed at start)")
+    p.add_argument("--bucket-bytes", type=va.int_in(1, MAX_BUCKET_BYTES, "--bucket-bytes"), default=None,
+                   help="gradient bucket size (default: 1 MiB, larger for large models); smaller buckets "
+                        "are reduced while backward still runs (see it with --trace)")
     p.add_argument("--kvstore", default=None, type=va.choice("kvstore type", kvstore_types()),
                    help="aggregate through a KVStore: local or device in one process; dist_sync or "
                         "dist_device_sync across processes (parameter servers: dlperf launch --num-servers)")

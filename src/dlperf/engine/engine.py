@@ -285,6 +285,15 @@ class Engine:
         """
         return Var(name)
 
+    def running_on(self) -> tuple[Device, str] | None:
+        """The device and kind of the worker whose thread calls this, inside one of its
+        operations; None in any other thread (a caller running an operation it waited for too).
+
+        Work pushed there from inside an operation runs right after it, with no thread to wake.
+        """
+        worker = self._local.worker
+        return None if worker is None else (worker.device, worker.lane)
+
     def push(self, fn: Callable[..., Any], args: tuple = (), reads: Iterable[Var] = (),
              writes: Iterable[Var] = (), device: DeviceLike | None = None, priority: int = 0,
              name: str | None = None, kind: str = "compute") -> Op:

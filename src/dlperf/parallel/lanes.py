@@ -75,8 +75,14 @@ class EngineLanes:
     def __len__(self) -> int:
         return len(self.lanes)
 
-    def push_schedule(self, phases: list[list], *, priority: int = 0, name: str = "allreduce") -> list[Var]:
-        """Push every task; return one variable per lane, written by that lane's last task."""
+    def push_schedule(self, phases: list[list], *, priority: int = 0, name: str = "allreduce",
+                      on: tuple[Device, str] | None = None) -> list[Var]:
+        """Push every task; return one variable per lane, written by that lane's last task.
+
+        ``on``: push every task to that one worker (device, kind) instead, in the same order and
+        with the same variables: a small collective there costs no thread wake-up (see
+        :meth:`dlperf.engine.Engine.running_on`), only its parallelism across lanes.
+        """
         eng = self.engine
         done = [eng.new_var(f"{name} lane {j}") for j in range(len(self.lanes))]
         for p, phase in enumerate(phases, 1):
@@ -85,8 +91,9 @@ class EngineLanes:
                     continue
                 # the first phase waits for nothing: its tasks touch only their own inputs
                 others = tuple(v for i, v in enumerate(done) if i != j) if p > 1 else ()
-                eng.push(task, reads=others, writes=(done[j],), device=self.lanes[j], priority=priority,
-                         name=f"{name} phase {p}", kind=self.kind)
+                device, kind = (self.lanes[j], self.kind) if on is None else on
+                eng.push(task, reads=others, writes=(done[j],), device=device, priority=priority,
+                         name=f"{name} phase {p}", kind=kind)
         return done
 
     def wait(self, done: Sequence[Var]) -> None:

@@ -454,8 +454,11 @@ class Trainer:
                                      name=f"{_optimizer_name(opt)} {d}")
                                 for i, (d, opt) in enumerate(zip(self.devices, self.optimizers))]
         else:
+            # on the worker of the replica that ended last (this thread): it runs right after, unwoken
+            place = self.engine.running_on()
+            device = place[0] if place is not None and place[0] in self.devices else self.devices[0]
             self._update_ops = [push(self._step_every_optimizer, reads=reads, writes=tuple(self._replica_vars),
-                                     device=self.devices[0], name=f"{name} {','.join(map(str, self.devices))}")]
+                                     device=device, name=f"{name} {','.join(map(str, self.devices))}")]
 
     def _step_every_optimizer(self) -> None:
         for opt in self.optimizers:

@@ -42,6 +42,7 @@ TRAIN_MODELS = ("lenet", "resnet18")
 MAX_BATCH = 2**24
 MAX_EPOCHS = 100_000
 MAX_LR = 100.0  # beyond this SGD on these models only diverges to NaN
+MAX_BUCKET_BYTES = 2**40
 # The embedded dataset keeps each uint8 image and its int64 label, plus two int64 permutations.
 _STORED_EXAMPLE_BYTES = 28 * 28 + 3 * 8
 
@@ -82,6 +83,8 @@ class TrainConfig:
     """Allreduce algorithm by name (``auto``: the cost model's pick for the measured links)."""
     kvstore: str | None = None
     """Aggregate through a KVStore of this type instead of allreduce."""
+    bucket_bytes: int | None = None
+    """Gradient bucket size (None: the Trainer's default); smaller buckets are reduced during backward."""
     seed: int = 0
     """Seed for the weights and the data order."""
     checkpoint: str | None = None
@@ -135,6 +138,8 @@ class TrainConfig:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.lr <= MAX_LR:  # also NaN
             raise UsageError(f"--lr must be > 0 and <= {MAX_LR:g}, got {self.lr}")
+        if self.bucket_bytes is not None and not 1 <= self.bucket_bytes <= MAX_BUCKET_BYTES:
+            raise UsageError(f"--bucket-bytes must be between 1 and {MAX_BUCKET_BYTES}, got {self.bucket_bytes}")
 
     def _check_data(self) -> None:
         from .._cliargs import require_memory
@@ -221,7 +226,7 @@ def serve(config: TrainConfig) -> None:
     serve_kvstore(config.kvstore, "sgd", {"lr": config.lr})  # the update train() gives its Trainer
 
 
-def describe_auto_choice(model: torch.nn.Module, devices: list) -> str:
+def describe_auto_choice(model: torch.nn.Module, devices: list, bucket_bytes: int | None = None) -> str:
     """Which algorithm ``algorithm="auto"`` takes for this model's gradient buckets, and why (one line)."""
     from .allreduce import choose_algorithm
     from .allreduce.auto import describe_bytes
@@ -230,7 +235,8 @@ def describe_auto_choice(model: torch.nn.Module, devices: list) -> str:
     params = [p for p in model.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in params]
     # the Trainer reduces buckets of up to auto_bucket_bytes; a larger parameter gets one of its own
-    nbytes = max(min(sum(sizes), auto_bucket_bytes(params)), max(sizes, default=0))
+    cap = auto_bucket_bytes(params) if bucket_bytes is None else bucket_bytes
+    nbytes = max(min(sum(sizes), cap), max(sizes, default=0))
     # the Trainer pushes each bucket's phases to the engine, one operation per device lane, as backward fills it
     name, reason = choose_algorithm(nbytes, devices, workers=True)
     return f"allreduce: auto chose {name} for gradient buckets of {describe_bytes(nbytes)} ({reason})"
@@ -248,8 +254,9 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
     """
     model = state.spec.build()
     if config.algorithm == "auto" and config.kvstore is None and on_message:
-        on_message(describe_auto_choice(model, config.devices))
+        on_message(describe_auto_choice(model, config.devices, config.bucket_bytes))
     with Trainer(model, config.devices, "sgd", {"lr": config.lr}, loss=state.spec.loss, algorithm=config.algorithm,
+                 bucket_bytes=config.bucket_bytes,
                  kvstore=config.kvstore, check_finite=config.check_finite,
                  # one timeline per run: the first process's (the others would write the same file)
                  trace=config.trace if rank_info().rank == 0 else None) as trainer:
