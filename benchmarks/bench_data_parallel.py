@@ -26,11 +26,14 @@ every round's median is printed too.
   ``parallel_ceiling = 2 * alone / pair`` times as fast as one (2.0 on two free cores; less when the
   cores are shared or are siblings of one core), which bounds ``speedup_vs_one``;
   ``ratio_vs_bare_replicas`` is the 2-device Trainer's step over the bare pair's (its own overhead).
+* the same pair of configurations on a small MLP (32-64-10, batch 64), whose step is ~0.1 ms of work:
+  what the 2-device Trainer costs beyond two bare threads is then nearly all thread hand-offs and
+  bookkeeping [small_trainer_2dev_ms, small_bare_replicas_2_ms, small_ratio_vs_bare_replicas].
 
 The last stdout line is one JSON object: speedup_vs_one, ratio_vs_ddp, ratio_vs_best_plain (the 2-device
 Trainer over the faster plain 2-thread loop, contiguous or channels-last), allreduce_busbw_gbs,
 bucket_busbw_gbs, bucket_busbw_ratio, gloo_busbw_gbs, parallel_ceiling, speedup_vs_ceiling,
-ratio_vs_bare_replicas and the raw figures.
+ratio_vs_bare_replicas, small_ratio_vs_bare_replicas and the raw figures.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.replicas import replicate
 
 BATCH = 256
+SMALL_BATCH = 64  # the small MLP's global batch (32 inputs, 64 hidden, 10 classes)
 ALLREDUCE_BYTES = 64 * 1024 * 1024
 DDP_TIMEOUT_S = 300
 
@@ -140,24 +144,41 @@ def measure_plain(threads: int, steps: int, warmup: int, channels_last: bool = F
         torch.set_num_threads(before)
 
 
-def measure_bare_replicas(k: int, steps: int, warmup: int) -> float:
+def _workload(small: bool) -> tuple:
+    """(build, X, y, loss, channels_last): LeNet on the benchmark's batch, or (``small``) an MLP whose
+    step is so short that what a 2-device step costs beyond two bare threads is the machinery's."""
+    if not small:
+        spec = get_spec("lenet")
+        X, y = spec.input.make_batch(BATCH, generator=torch.Generator().manual_seed(1))
+        return spec.build, X, y, spec.loss, True
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.randn(SMALL_BATCH, 32, generator=g), torch.randint(0, 10, (SMALL_BATCH,), generator=g)
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    return build, X, y, torch.nn.functional.cross_entropy, False
+
+
+def measure_bare_replicas(k: int, steps: int, warmup: int, small: bool = False) -> float:
     """What the Trainer's design can reach on these cores: ``k`` plain PyTorch steps on the batch's
-    k parts (channels-last, one intra-op thread each), each in its own bare thread, started together
-    at every step; the step ends with the slower. No engine, no gradient sum, no dlperf code. With
-    ``k = 1`` it is one part alone, so ``k * t(1) / t(k)`` is how far k threads really run in parallel
-    on this machine now (cores shared with other programs, or siblings of one core, give less)."""
+    halves (channels-last for LeNet, one intra-op thread each), each in its own bare thread, started
+    together at every step; the step ends with the slower. No engine, no gradient sum, no dlperf code.
+    With ``k = 1`` it is one half alone, so ``2 * t(1) / t(2)`` is how far two threads really run in
+    parallel on this machine now (cores shared with other programs, or siblings of one core, give less)."""
     import threading
 
     from dlperf._threads import set_thread_budget
 
-    spec = get_spec("lenet")
+    build, X, y, loss, channels_last = _workload(small)
     torch.manual_seed(0)
-    X, y = spec.input.make_batch(BATCH, generator=torch.Generator().manual_seed(1))
-    part = BATCH // 2  # the part each device of the 2-device Trainer gets
-    models = [spec.build().to(memory_format=torch.channels_last) for _ in range(k)]
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-    Xs = [X[i * part:(i + 1) * part].contiguous(memory_format=torch.channels_last) for i in range(k)]
+    part = X.shape[0] // 2  # the part each device of the 2-device Trainer gets
+    models = [build() for _ in range(k)]
+    Xs = [X[i * part:(i + 1) * part] for i in range(k)]
     ys = [y[i * part:(i + 1) * part] for i in range(k)]
+    if channels_last:
+        models = [m.to(memory_format=torch.channels_last) for m in models]
+        Xs = [x.contiguous(memory_format=torch.channels_last) for x in Xs]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     start, end = threading.Barrier(k + 1), threading.Barrier(k + 1)
     stop = False
 
@@ -168,7 +189,7 @@ def measure_bare_replicas(k: int, steps: int, warmup: int) -> float:
             if stop:
                 return
             opts[i].zero_grad(set_to_none=True)
-            spec.loss(models[i](Xs[i]), ys[i]).backward()
+            loss(models[i](Xs[i]), ys[i]).backward()
             opts[i].step()
             end.wait()
 
@@ -189,13 +210,10 @@ def measure_bare_replicas(k: int, steps: int, warmup: int) -> float:
             t.join()
 
 
-def measure_trainer(k: int, steps: int, warmup: int) -> dict[str, float]:
-    spec = get_spec("lenet")
+def measure_trainer(k: int, steps: int, warmup: int, small: bool = False) -> dict[str, float]:
+    build, X, y, loss, _ = _workload(small)
     torch.manual_seed(0)
-    model = spec.build()
-    X, y = spec.input.make_batch(BATCH, generator=torch.Generator().manual_seed(1))
-    with Trainer(model, [cpu(i) for i in range(k)], "sgd", {"lr": 0.1}, loss=spec.loss,
-                 threads=[1] * k) as trainer:
+    with Trainer(build(), [cpu(i) for i in range(k)], "sgd", {"lr": 0.1}, loss=loss, threads=[1] * k) as trainer:
         t = time_steps(lambda: trainer.train_step(X, y), warmup=warmup, steps=steps)
     return {"ms": t.median_s * 1e3, "q1_ms": t.q1_s * 1e3, "q3_ms": t.q3_s * 1e3, "noisy": t.noisy}
 
@@ -287,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         "plain_2thread_channels_last": lambda: {"ms": measure_plain(2, args.steps, args.warmup, True)},
         "bare_replica_alone": lambda: {"ms": measure_bare_replicas(1, args.steps, args.warmup)},
         "bare_replicas_2": lambda: {"ms": measure_bare_replicas(2, args.steps, args.warmup)},
+        # a step of ~0.1 ms of work: 10x the steps for a steady median
+        "small_trainer_2dev": lambda: measure_trainer(2, 10 * args.steps, 5 * args.warmup, small=True),
+        "small_bare_replicas_2": lambda: {"ms": measure_bare_replicas(2, 10 * args.steps, 5 * args.warmup,
+                                                                      small=True)},
     }
     rounds: dict[str, list[dict[str, float]]] = {k: [] for k in configs}
     for _ in range(args.rounds):
@@ -310,10 +332,12 @@ def main(argv: list[str] | None = None) -> int:
               "plain_2thread": "plain PyTorch loop, 2 threads",
               "plain_2thread_channels_last": "plain PyTorch loop, 2 threads, channels-last",
               "bare_replica_alone": "bare replica: 128 examples, 1 thread, alone",
-              "bare_replicas_2": "2 bare replicas side by side, 1 thread each"}
+              "bare_replicas_2": "2 bare replicas side by side, 1 thread each",
+              "small_trainer_2dev": "small MLP, batch 64: Trainer cpu(0),cpu(1)",
+              "small_bare_replicas_2": "small MLP, batch 64: 2 bare replicas"}
     for key, label in labels.items():
-        each = " ".join(f"{r['ms']:.1f}" for r in rounds[key])
-        print(f"{label:<48} {best[key]['ms']:>8.1f}  {each}")
+        each = " ".join(f"{r['ms']:.2f}" for r in rounds[key])
+        print(f"{label:<48} {best[key]['ms']:>8.2f}  {each}")
     if ddp:
         print(f"{'PyTorch DDP, 2 gloo processes x 1 thread':<48} {ddp['ddp_ms']:>8.1f}")
         print(f"{'PyTorch DDP, same, channels-last':<48} {ddp['ddp_channels_last_ms']:>8.1f}")
@@ -357,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         "speedup_vs_ceiling": one / two / ceiling,
         "ratio_vs_bare_replicas": two / pair,
         "bare_replica_alone_ms": alone, "bare_replicas_2_ms": pair,
+        "small_trainer_2dev_ms": best["small_trainer_2dev"]["ms"],
+        "small_bare_replicas_2_ms": best["small_bare_replicas_2"]["ms"],
+        "small_ratio_vs_bare_replicas": best["small_trainer_2dev"]["ms"] / best["small_bare_replicas_2"]["ms"],
         "contended": contended,
         **gpu,
     }
