@@ -37,7 +37,7 @@ __all__ = ["GradientBuckets", "DEFAULT_BUCKET_BYTES", "MAX_BUCKETS", "auto_bucke
 # 1 MiB: large enough that per-bucket overhead (a few engine pushes, ~20 us) stays small. A small
 # model (LeNet: 0.5 MB) forms one bucket, reduced as backward ends by the last replica's worker (see
 # GradientBuckets._finish_on): on two cores that both run replicas, lanes reducing smaller buckets
-# during backward only took cores from it (LeNet in 3 buckets: 2-5% slower per step than in one).
+# during backward only took cores from it (LeNet in 3 buckets: no faster, up to 8% slower per step).
 DEFAULT_BUCKET_BYTES = 1 << 20
 # The step's last bucket, when at most this large, is reduced by the worker of the replica that
 # completes it (see GradientBuckets._finish_on).
