@@ -17,6 +17,11 @@ Measured in one run, with the shared timing protocol (warm-up, then the median o
   ``bucket_busbw_ratio`` is its bus bandwidth over the standalone allreduce's.
 * with a GPU: the Trainer on gpu(0) against a plain PyTorch loop on the same GPU.
 
+Every configuration allocates host memory as dlperf's commands do (freed blocks up to 32 MiB stay in
+the process, dlperf._hostmem; the DDP processes too, through the launcher): with glibc's adaptive
+defaults the plain loops, run in this main thread, took 22 or 38 ms a step by whether their freed
+activations had gone back to the kernel. ``DLPERF_HOST_MALLOC=system`` measures with the defaults.
+
 Other work on a shared machine disturbs single runs, so the single-process configurations are
 measured in alternating rounds and the least disturbed round (lowest median) of each is reported;
 every round's median is printed too.
@@ -47,6 +52,7 @@ import time
 
 import torch
 
+from dlperf._hostmem import host_malloc_state, keep_freed_host_memory
 from dlperf.bench.timing import time_steps
 from dlperf.devices import copy_to, cpu
 from dlperf.engine import create_engine
@@ -296,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="allreduce repetitions")
     ap.add_argument("--no-ddp", action="store_true", help="skip the DDP peer (no process launch)")
     args = ap.parse_args(argv)
+    # Every configuration, ours and the peers', allocates with the policy dlperf's commands use: under
+    # glibc's adaptive thresholds the plain loops in this (main) thread were bimodal, 22 or 38 ms a
+    # step by whether their freed activations went back to the kernel (DLPERF_HOST_MALLOC=system
+    # measures that way; see dlperf._hostmem).
+    keep_freed_host_memory()
 
     configs = {
         "trainer_1dev": lambda: measure_trainer(1, args.steps, args.warmup),
@@ -322,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"LeNet, global batch {BATCH}, one training step (median of {args.steps} steps, best of "
           f"{args.rounds} alternating rounds; {os.cpu_count()} cores; torch {torch.__version__})")
+    print(f"host memory, every configuration: {host_malloc_state()}")
     print("(the Trainer picks channels-last activations for conv nets on CPU; the rows marked so run the")
     print(" peers with the same layout, to separate the layout's gain from the parallel machinery's)")
     print(f"{'configuration':<48} {'ms/step':>8}  {'each round':<24}")
@@ -385,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         "small_bare_replicas_2_ms": best["small_bare_replicas_2"]["ms"],
         "small_ratio_vs_bare_replicas": best["small_trainer_2dev"]["ms"] / best["small_bare_replicas_2"]["ms"],
         "contended": contended,
+        "host_malloc": host_malloc_state(),
         **gpu,
     }
     print(json.dumps(result))

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._cliargs import one_line
+from ..._hostmem import keep_freed_host_memory
 from ..._io import check_writable
 from ...errors import UsageError
 from .faults import (
@@ -92,6 +93,7 @@ def _prepare_worker(setup: _Setup, rank: int) -> None:
     # Its own process group: whatever the worker starts can be killed with it, even after it died.
     os.setpgid(0, 0)
     set_parent_death_signal(setup.launcher_pid)
+    keep_freed_host_memory()  # as dlperf's commands do in their own process (see dlperf._hostmem)
     os.environ["DLPERF_ROLE"] = setup.roles.get(rank, DEFAULT_ROLE)
     os.environ[HOST_ENV] = setup.host
     if setup.checkpoint is not None:
