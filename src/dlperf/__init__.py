@@ -6,6 +6,7 @@ subpackages: :mod:`dlperf.models`, :mod:`dlperf.bench`, and the others listed in
 
 from __future__ import annotations
 
+from ._hostmem import keep_freed_host_memory
 from .devices import (
     Device,
     as_in,
@@ -33,6 +34,7 @@ __all__ = [
     "cpu",
     "device_of",
     "gpu",
+    "keep_freed_host_memory",
     "num_gpus",
     "to_device",
     "try_all_gpus",
