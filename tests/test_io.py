@@ -390,3 +390,42 @@ def test_resume_from_a_directory_says_so(tmp_path, capsys):
     rc = main(["train", "--resume", str(tmp_path), "--epochs", "1", "--train-size", "10", "--test-size", "10"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "is a directory, not a file" in err and "does not exist" not in err
+
+
+class _InterruptedFile:
+    """A file whose writes stop with KeyboardInterrupt after ``limit`` bytes, as a Ctrl-C mid-write does."""
+
+    def __init__(self, f, limit: int) -> None:
+        self._f, self._left = f, limit
+
+    def write(self, data) -> int:
+        if self._left <= 0:
+            raise KeyboardInterrupt
+        self._left -= len(data)
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def test_save_torch_turns_a_ctrl_c_mid_write_into_keyboard_interrupt_and_keeps_the_old_file(tmp_path, monkeypatch):
+    from contextlib import contextmanager
+
+    from dlperf._io import safe_torch_load, save_torch
+
+    path = tmp_path / "state.pt"
+    save_torch(path, {"w": torch.arange(3.0)})
+    real = io_mod.atomic_open
+
+    @contextmanager
+    def interrupted(target, mode):
+        with real(target, mode) as f:
+            yield _InterruptedFile(f, 4096)
+
+    monkeypatch.setattr(io_mod, "atomic_open", interrupted)
+    # torch's zip writer, unwinding from the interrupt, raises "unexpected pos" of its own
+    with pytest.raises(KeyboardInterrupt):
+        save_torch(path, {"a": torch.zeros(1 << 16)})
+    monkeypatch.setattr(io_mod, "atomic_open", real)
+    assert safe_torch_load(path)["w"].tolist() == [0.0, 1.0, 2.0]
+    assert _temporaries(tmp_path) == []

@@ -25,7 +25,7 @@ from typing import IO, Any
 from .errors import DlperfError, UsageError
 
 __all__ = ["FileAccessError", "decode_json", "atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable",
-           "safe_torch_load"]
+           "safe_torch_load", "save_torch"]
 
 _TMP_SUFFIX = ".tmp"
 # Room for ".", ".<pid>.<token>.tmp" within the usual 255-byte NAME_MAX.
@@ -227,6 +227,36 @@ def check_writable(path: str | os.PathLike) -> Path:
     except OSError as exc:
         raise _wrap(given, exc) from None
     return given
+
+
+def save_torch(path: str | os.PathLike, obj: Any) -> None:
+    """``torch.save(obj)`` to ``path`` atomically (see :func:`atomic_open`): a crash leaves the old
+    file or the new one.
+
+    A Ctrl-C during the write is raised as KeyboardInterrupt: torch's zip writer, unwinding from it,
+    raises a RuntimeError of its own ("unexpected pos") that would otherwise hide the interrupt and
+    turn a clean stop into a traceback.
+    """
+    import torch
+
+    try:
+        with atomic_open(path, "wb") as f:
+            torch.save(obj, f)
+    except Exception as exc:
+        if _raised_while_interrupted(exc):
+            raise KeyboardInterrupt from None
+        raise
+
+
+def _raised_while_interrupted(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, KeyboardInterrupt):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def safe_torch_load(path: str | os.PathLike, what: str = "checkpoint", expected: str | None = None) -> Any:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._io import atomic_open, safe_torch_load
+from .._io import safe_torch_load, save_torch
 from ..devices import Device, DeviceLike, cpu, to_device
 from ..engine import Engine, Op, Var, create_engine
 from ..errors import UsageError
@@ -382,8 +382,7 @@ class KVStore(ABC):
     def save(self, path: str | os.PathLike) -> None:
         """Write :meth:`state_dict` to ``path`` atomically (a crash leaves the old file or the new one)."""
         state = self.state_dict()
-        with atomic_open(path, "wb") as f:
-            torch.save(state, f)
+        save_torch(path, state)
 
     def load(self, path: str | os.PathLike) -> None:
         """Read a file written by :meth:`save` as data only (no pickled code runs) and load it."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._io import atomic_open, safe_torch_load
+from .._io import safe_torch_load, save_torch
 from ..errors import UsageError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CHECKPOINT_FORMAT"]
@@ -23,8 +23,7 @@ _CHECKPOINT_FORMAT = CHECKPOINT_FORMAT
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Write ``state`` so that a crash leaves either the old file or the new one, never half of one."""
-    with atomic_open(path, "wb") as f:
-        torch.save(state, f)
+    save_torch(path, state)
 
 
 _CONFIG_TYPES: dict[str, tuple[type, ...]] = {
