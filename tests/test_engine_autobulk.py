@@ -355,24 +355,26 @@ def test_threads_sharing_results_see_eager_values(seed):
         raise errors[0]
 
 
-def test_a_push_waiting_inside_for_a_collected_result_does_not_deadlock(eng):
-    # Unbatched, y's operation would be queued before the function that waits for it; batched, it
-    # must still be: the thread's other pushes send its open batch first.
+def _collected_behind_busy_worker(eng):
+    """``ones(2) + 1``, still in this thread's open batch behind a busy worker."""
     x = dnp.ones(2, engine=eng)
     x.wait_to_read()
     _busy(eng)
     y = x + 1
     assert _unsent(y)
+    return y
+
+
+def test_a_push_waiting_inside_for_a_collected_result_does_not_deadlock(eng):
+    # Unbatched, y's operation would be queued before the function that waits for it; batched, it
+    # must still be: the thread's other pushes send its open batch first.
+    y = _collected_behind_busy_worker(eng)
     op = eng.push(lambda: y.tolist())  # reads y without declaring it: waits inside
     assert op.wait() == [2.0, 2.0]
 
 
 def test_another_threads_push_to_the_worker_goes_after_a_collected_batch(eng):
-    x = dnp.ones(2, engine=eng)
-    x.wait_to_read()
-    _busy(eng)
-    y = x + 1
-    assert _unsent(y)
+    y = _collected_behind_busy_worker(eng)
     got = []
     t = threading.Thread(target=lambda: got.append(eng.push(lambda: y.tolist()).wait()))
     t.start()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dlperf._hostmem import HOST_MALLOC_ENV, keep_freed_host_memory
+from dlperf._hostmem import HOST_MALLOC_ENV, is_glibc, keep_freed_host_memory
 from dlperf.errors import UsageError
 
 # Three 16 MB blocks live at once, then all freed, as a training step's activations are. Both
@@ -34,8 +34,7 @@ faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20
 print(json.dumps({"applied": applied, "faults_per_step": faults}))
 """
 
-_GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
-glibc = pytest.mark.skipif(not _GLIBC, reason="the tuning applies to glibc's malloc only")
+glibc = pytest.mark.skipif(not is_glibc(), reason="the tuning applies to glibc's malloc only")
 
 
 def _probe(setting: str | None) -> dict:

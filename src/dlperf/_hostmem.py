@@ -25,7 +25,7 @@ import sys
 
 from .errors import UsageError
 
-__all__ = ["keep_freed_host_memory", "host_malloc_state", "HOST_MALLOC_ENV", "MMAP_THRESHOLD_BYTES",
+__all__ = ["keep_freed_host_memory", "host_malloc_state", "is_glibc", "HOST_MALLOC_ENV", "MMAP_THRESHOLD_BYTES",
            "TRIM_THRESHOLD_BYTES"]
 
 HOST_MALLOC_ENV = "DLPERF_HOST_MALLOC"
@@ -50,20 +50,27 @@ def keep_freed_host_memory() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    if choice == "system" or not sys.platform.startswith("linux"):
+    if choice == "system" or not is_glibc():
         return False
     try:
-        libc = ctypes.CDLL(None)
-        version = libc.gnu_get_libc_version  # present in glibc only
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    version.restype = ctypes.c_char_p
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     return _applied
+
+
+def is_glibc() -> bool:
+    """Whether this process runs on glibc (whose malloc these settings are for)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (ValueError, OSError):  # another C library does not know the name
+        return False
 
 
 def _choice() -> str:
