@@ -54,7 +54,8 @@ import torch
 
 from ..devices import Device, DeviceLike, LogicalCpuTensor, cpu, require_available, tag
 from ..errors import DeviceMismatchError, UsageError
-from .engine import RECORD_GROUPS, Engine, default_engine
+from .batches import RECORD_GROUPS
+from .engine import Engine, default_engine
 from .external import External, external, watch
 from .var import DONE as _DONE
 from .var import Var

@@ -51,6 +51,7 @@ from typing import Any
 from ..devices import Device, DeviceLike, cpu, require_available
 from ..errors import DlperfError, UsageError, unknown_choice
 from ..registry import Registry
+from .batches import run_auto, run_auto_checked, run_bulk, run_rec
 from .var import DONE, Op, Var
 
 __all__ = [
@@ -138,7 +139,7 @@ class _Bulk:
     def __init__(self, size: int) -> None:
         self.size = size
         self.ops: list[Op] = []
-        self.device: Device | None = None
+        self.device: Device = _CPU0  # set by the first push collected
         self.kind = "compute"
 
 
@@ -150,109 +151,6 @@ class _ThreadState(threading.local):
     worker: Any = None                 # the Worker whose thread this is
     running: list[Op] | None = None    # operations this thread runs inline, innermost last
     auto: Any = None                   # the threaded engine's automatic batch of this thread
-
-
-def run_rec(rec: tuple) -> None:
-    """Run one array operation record: ``rec[0]`` is the function, the whole record its argument."""
-    rec[0](rec)
-
-
-class AutoBatch:
-    """One thread's records collected for one worker, not yet sent (see threaded.ThreadedEngine._push_rec).
-
-    Only the owning thread appends, without a lock: a thread that sends the batch seals it and
-    takes the records appended so far (under ``lock``); the owner looks at ``sealed`` after each
-    append and pushes a record the sender did not take again (see ``ThreadedEngine._appended``).
-    """
-
-    __slots__ = ("op", "recs", "run", "reads", "outs", "sent_outs", "device", "worker", "lock", "sealed", "seen")
-
-    def __init__(self, op: Op, device: Device, worker: Any) -> None:
-        self.recs: list[tuple] = []  # (runner, function, inputs..., output array)
-        self.run: list[tuple] = []   # the records taken when it was sealed: what runs
-        self.op = op  # runs run_auto(self)
-        op.args = (self,)
-        self.reads: dict[Var, None] = {}  # a dict: ordered, O(1) membership
-        self.outs: list[Var] = []  # each record's output variable, appended just before the record
-        self.sent_outs: list[Var] = []  # those of the records taken when it was sealed
-        self.device = device
-        self.worker = worker
-        self.lock = threading.Lock()
-        self.sealed = False
-        self.seen = -1  # its size when its worker last looked (see ThreadedEngine.send_auto_for)
-
-
-RECORD_GROUPS: dict[Callable[[tuple], None], Callable[[list[tuple], int], int]] = {}
-"""Record runner -> a function ``group(recs, i)`` that runs ``recs[i]`` together with the records
-after it that it can take in one call (say, one multi-tensor ``torch._foreach_*``): it returns the
-index after the last one it ran, or ``-j`` when it ran none and ``recs[i:j]`` must run one by one
-(their joint call failed: each record's own call then tells which one fails, and how)."""
-
-
-def run_auto(batch: AutoBatch) -> None:
-    """Run an automatic batch's records in push order (dependencies inside it hold trivially).
-
-    Consecutive records a group runner can take (see RECORD_GROUPS) run in one call. A failing
-    record fails only its own result and the later records that use it, as if each had been
-    pushed alone: independent work in the same batch is not lost.
-    """
-    recs = batch.run
-    n = len(recs)
-    i = alone_until = 0
-    groups = RECORD_GROUPS
-    try:
-        while i < n:
-            rec = recs[i]
-            if i >= alone_until and (group := groups.get(rec[0])) is not None:
-                j = group(recs, i)
-                if j > 0:
-                    i = j
-                    continue
-                alone_until = -j
-            rec[0](rec)
-            i += 1
-    except BaseException as exc:
-        _fail_record(batch, rec, exc)
-        run_auto_checked(batch, recs[i + 1:])
-
-
-def run_auto_checked(batch: AutoBatch, recs: list[tuple]) -> None:
-    """Run records one by one, skipping those whose inputs failed (they inherit the error)."""
-    for rec in recs:
-        upstream = None
-        for item in rec[2:-1]:  # (runner, function, inputs..., output)
-            var = getattr(item, "_var", None)
-            if var is not None and var.exc is not None:
-                upstream = var.exc
-                break
-        if upstream is not None:
-            rec[-1]._var.exc = upstream
-            continue
-        try:
-            rec[0](rec)
-        except BaseException as exc:
-            _fail_record(batch, rec, exc)
-
-
-def _fail_record(batch: AutoBatch, rec: tuple, exc: BaseException) -> None:
-    rec[-1]._var.exc = exc
-    eng = batch.op.engine
-    with eng._errors_lock:
-        eng._errors.append(exc)
-
-
-def _run_bulk(ops: list[Op]) -> None:
-    # Runs in one worker call, in push order, so dependencies inside the batch hold trivially.
-    # The first failure stops the batch: later members may depend on what it should have written.
-    for i, op in enumerate(ops):
-        try:
-            op.result = op.fn(*op.args)
-        except BaseException as exc:
-            for rest in ops[i:]:
-                rest.exc = exc
-                rest.state = DONE
-            raise
-        op.state = DONE
 
 
 class Engine:
@@ -412,7 +310,7 @@ class Engine:
         written = dict.fromkeys(v for op in ops for v in op.writes)  # a dict: O(1) membership
         reads = tuple(dict.fromkeys(v for op in ops for v in op.reads if v not in written))
         writes = tuple(written)
-        parent = Op(self, _run_bulk, (ops,), reads, writes, None, 0, f"bulk[{len(ops)}]")
+        parent = Op(self, run_bulk, (ops,), reads, writes, None, 0, f"bulk[{len(ops)}]")
         for op in ops:
             op.worker = parent  # an inner op's "worker" field points at its batch: see wait_op
         try:
@@ -466,7 +364,7 @@ class Engine:
         if op.fn is run_auto:
             for v in op.args[0].sent_outs:
                 v.exc = exc
-        if not ran and op.fn is _run_bulk:
+        if not ran and op.fn is run_bulk:
             for inner in op.args[0]:
                 inner.exc = exc
                 inner.state = DONE
@@ -478,6 +376,10 @@ class Engine:
 
     def _store_error(self, op: Op, exc: BaseException) -> None:
         self._mark_failed(op, exc, ran=True)
+        self._note_error(exc)
+
+    def _note_error(self, exc: BaseException) -> None:
+        """Keep ``exc`` for the next wait point that has no operation of its own to raise it."""
         with self._errors_lock:
             self._errors.append(exc)
 
