@@ -51,7 +51,7 @@ from typing import Any
 from ..devices import Device, DeviceLike, cpu, require_available
 from ..errors import DlperfError, UsageError, unknown_choice
 from ..registry import Registry
-from .batches import run_auto, run_auto_checked, run_bulk, run_rec
+from .batches import AutoBatch, run_auto, run_auto_checked, run_bulk, run_rec
 from .var import DONE, Op, Var
 
 __all__ = [
@@ -249,6 +249,14 @@ class Engine:
         self.push(run_rec, (rec,), reads, (out,), device, 0, name)
 
     def _submit(self, op: Op, device: Device, kind: str) -> None:
+        raise NotImplementedError
+
+    _auto_size = 0
+    """Most records one automatic batch collects (engines that batch set it; 0: this one does not)."""
+
+    def _appended(self, batch: AutoBatch, rec: tuple, read: Var, read2: Var | None, name: str) -> None:
+        """After the array frontend appended ``rec`` to this thread's automatic batch and filled it
+        or raced with its sending (only engines that batch automatically have such batches)."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------- bulk execution

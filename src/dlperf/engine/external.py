@@ -171,12 +171,15 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     wait_for([p for group in optimizer.param_groups for p in group["params"]], write=True)
 
 
+# The array class, looked up on first use: ndarray imports this module (arrays declare plain
+# tensors through it), and the hooks here compare types by identity, the cheapest test on a path
+# every module call in the process takes.
 _ARRAY: list[type] = []
 
 
 def _holds_array(values: Any) -> bool:
     if not _ARRAY:
-        from .array import Array
+        from .ndarray import Array
 
         _ARRAY.append(Array)
     array_type = _ARRAY[0]
