@@ -92,7 +92,7 @@ def _make(factory: Any, args: tuple, kwargs: dict, device: DeviceLike | None, en
     kwargs["device"] = dev.torch_device
     out = Array(eng, dev)
     out._meta = meta if meta is not None else (factory, args, kwargs)
-    eng.push(run_make, (factory, args, kwargs, out), (), (out._var,), dev, 0, name)
+    eng._push(run_make, (factory, args, kwargs, out), (), (out._var,), dev, 0, name)
     return out
 
 

@@ -39,18 +39,20 @@ Example:
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from time import perf_counter_ns
 from typing import Any
 
 from ..devices import Device, DeviceLike, cpu, require_available
 from ..errors import DlperfError, UsageError, unknown_choice
 from ..registry import Registry
+from .arguments import EngineArgumentError, as_var, as_vars, check_callable, check_count, check_priority
 from .batches import AutoBatch, run_auto, run_auto_checked, run_bulk, run_rec
 from .var import DONE, Op, Var
 
@@ -61,6 +63,7 @@ __all__ = [
     "EngineClosedError",
     "EngineUsageError",
     "EngineDeadlockError",
+    "EngineArgumentError",
     "register_engine",
     "engine_kinds",
     "create_engine",
@@ -121,12 +124,15 @@ class EngineConfig:
     ``max_queued`` ignore it."""
 
     def __post_init__(self) -> None:
-        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
-            raise UsageError(f"cpu_threads={self.cpu_threads!r} is not valid; expected an integer >= 1 or None")
-        if self.max_queued is not None and (not isinstance(self.max_queued, int) or self.max_queued < 1):
-            raise UsageError(f"max_queued={self.max_queued!r} is not valid; expected an integer >= 1 or None")
-        if self.batch_latency_us < 0:
-            raise UsageError(f"batch_latency_us={self.batch_latency_us!r} is not valid; expected >= 0")
+        for key in ("cpu_threads", "max_queued"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UsageError(f"{key}={value!r} is not valid; expected an integer >= 1 or None")
+        latency = self.batch_latency_us
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < math.inf:
+            raise UsageError(f"batch_latency_us={latency!r} is not valid; expected a finite number >= 0")
+        if not isinstance(self.trace, bool):
+            raise UsageError(f"trace={self.trace!r} is not valid; expected True or False")
         if not isinstance(self.auto_bulk, int) or isinstance(self.auto_bulk, bool) or self.auto_bulk < 0:
             raise UsageError(f"auto_bulk={self.auto_bulk!r} is not valid; expected an integer >= 0 (0: off)")
 
@@ -163,6 +169,9 @@ class Engine:
     kind = "base"
 
     def __init__(self, config: EngineConfig | None = None) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            raise EngineArgumentError(f"{type(self).__name__}: config is {type(config).__name__}; expected an "
+                                      "EngineConfig")
         self.config = config or EngineConfig()
         self._errors: list[BaseException] = []
         self._errors_lock = threading.Lock()
@@ -181,6 +190,8 @@ class Engine:
         >>> create_engine("naive").new_var("w")
         Var(w, idle)
         """
+        if name is not None and not isinstance(name, str):
+            raise EngineArgumentError(f"new_var: name={name!r:.60} is not a string; expected a label, or None")
         return Var(name)
 
     def running_on(self) -> tuple[Device, str] | None:
@@ -192,13 +203,15 @@ class Engine:
         worker = self._local.worker
         return None if worker is None else (worker.device, worker.lane)
 
-    def push(self, fn: Callable[..., Any], args: tuple = (), reads: Iterable[Var] = (),
-             writes: Iterable[Var] = (), device: DeviceLike | None = None, priority: int = 0,
+    def push(self, fn: Callable[..., Any], args: tuple | list = (), reads: Iterable[Any] = (),
+             writes: Iterable[Any] = (), device: DeviceLike | None = None, priority: int = 0,
              name: str | None = None, kind: str = "compute") -> Op:
         """Schedule ``fn(*args)`` on ``device`` after the operations it depends on; return at once.
 
         Args:
-            reads: variables ``fn`` only reads (concurrent with other reads).
+            args: the positional arguments of ``fn``, a tuple (or list).
+            reads: variables ``fn`` only reads (concurrent with other reads); an engine array
+                stands for its variable.
             writes: variables ``fn`` modifies (exclusive; a variable in both counts as written).
             device: where ``fn`` runs (default ``cpu(0)``); each device has its own worker(s).
             priority: among ready operations of one worker, higher runs first (default 0).
@@ -207,11 +220,29 @@ class Engine:
         Returns:
             The :class:`Op` handle; ``op.wait()`` returns ``fn``'s result.
 
+        Raises:
+            EngineArgumentError: an argument of the wrong type (the message names it); a bad
+                ``device`` or ``kind`` raises :class:`~dlperf.errors.UsageError`.
+
         >>> from dlperf.engine import create_engine
         >>> with create_engine() as eng:
         ...     eng.push(sum, args=([1, 2, 3],)).wait()
         6
         """
+        check_callable("push", "fn", fn, "push(f, args=(x,))")
+        if type(args) is not tuple:
+            if not isinstance(args, (tuple, list)):
+                raise EngineArgumentError(f"push: args={args!r:.60} is not a tuple; expected fn's positional "
+                                          "arguments as a tuple, e.g. args=(x,)")
+            args = tuple(args)
+        if name is not None and not isinstance(name, str):
+            raise EngineArgumentError(f"push: name={name!r:.60} is not a string; expected a label for traces, or None")
+        return self._push(fn, args, as_vars("push", "reads", reads, self), as_vars("push", "writes", writes, self),
+                          device, check_priority("push", priority), name, kind)
+
+    def _push(self, fn: Callable[..., Any], args: tuple, reads: Iterable[Var], writes: Iterable[Var],
+              device: DeviceLike | None, priority: int, name: str | None, kind: str = "compute") -> Op:
+        """:meth:`push` for callers that build their own arguments (the array frontend, engines)."""
         # The hot path of every engine array operation: each check costs the common case little.
         if kind != "compute" and kind != "copy":
             raise unknown_choice("operation kind", kind, ("compute", "copy"))
@@ -246,7 +277,7 @@ class Engine:
         automatically (the threaded one) override this with a lean path.
         """
         reads = (read,) if read2 is None else (read, read2)
-        self.push(run_rec, (rec,), reads, (out,), device, 0, name)
+        self._push(run_rec, (rec,), reads, (out,), device, 0, name, "compute")
 
     def _submit(self, op: Op, device: Device, kind: str) -> None:
         raise NotImplementedError
@@ -281,8 +312,7 @@ class Engine:
         ...     box[0]
         10
         """
-        if not isinstance(size, int) or size < 1:
-            raise UsageError(f"bulk size {size!r} is not valid; expected an integer >= 1")
+        check_count("bulk", "size", size)
         outer = self._local.bulk
         if outer is not None:  # nested: the outer batch keeps collecting
             yield
@@ -412,6 +442,8 @@ class Engine:
         An operation still held in another thread's open ``bulk()`` block is waited for until
         that thread sends its batch and the batch has run.
         """
+        if type(op) is not Op and not isinstance(op, Op):
+            raise EngineArgumentError(f"wait_op: op is {type(op).__name__}; expected the Op handle push() returned")
         if op.state != DONE:
             if op.worker is None:  # in an open bulk() batch; if it is ours, send it first
                 self._flush_bulk()
@@ -431,8 +463,8 @@ class Engine:
         pushed: this waits until that thread sends its batch and the write is done.
         """
         var = x if type(x) is Var else x if isinstance(x, Var) else getattr(x, "_var", None)
-        if var is None:
-            raise UsageError(f"wait_to_read expects a Var or an engine array, got {type(x).__name__}")
+        if type(var) is not Var:
+            var = as_var("wait_to_read", "x", x)
         loc = self._local
         if loc.bulk is not None:
             self._flush_bulk()
@@ -449,9 +481,11 @@ class Engine:
             self._report(var.exc)
             raise var.exc
 
-    def wait_to_write(self, var: Var) -> None:
-        """Block until no pushed operation reads or writes ``var`` any more (safe to modify it)."""
-        op = self.push(_noop, writes=(var,), name="wait_to_write")
+    def wait_to_write(self, var: Any) -> None:
+        """Block until no pushed operation reads or writes ``var`` (a :class:`Var` or an engine array)
+        any more: then it is safe to modify."""
+        var = as_var("wait_to_write", "var", var, self)
+        op = self._push(_noop, (), (), (var,), None, 0, "wait_to_write", "compute")
         self._flush_bulk()
         held = var._bulk_write  # a write still in another thread's open bulk() block
         self._wait_done(op, var)
@@ -610,6 +644,8 @@ _ENGINES: Registry[type[Engine]] = Registry("engine")
 
 def register_engine(name: str, cls: type[Engine], *, replace: bool = False) -> None:
     """Make an engine class available to :func:`create_engine` under ``name``."""
+    if not isinstance(cls, type) or not issubclass(cls, Engine):
+        raise EngineArgumentError(f"register_engine: cls is {cls!r:.60}; expected a subclass of Engine")
     _ENGINES.register(name, cls, replace=replace)
 
 
@@ -638,6 +674,12 @@ def create_engine(kind: str | None = None, config: EngineConfig | None = None, *
         raise unknown_choice("engine", kind, sorted(_ENGINES.names()))
     if config is not None and settings:
         raise UsageError("pass either config= or keyword settings, not both")
+    if config is not None and not isinstance(config, EngineConfig):
+        raise EngineArgumentError(f"create_engine: config is {type(config).__name__}; expected an EngineConfig")
+    unknown = sorted(set(settings) - {f.name for f in fields(EngineConfig)})
+    if unknown:
+        raise EngineArgumentError(f"create_engine: unknown setting {unknown[0]!r}; EngineConfig has "
+                                  + ", ".join(f.name for f in fields(EngineConfig)))
     return _ENGINES.get(kind)(config or EngineConfig(**settings))
 
 

@@ -177,8 +177,8 @@ class Array(Inferable):
             out._meta = rec = (rec_binary, func, self, other, out)
             if func is torch.matmul:  # not a small operation: never collected into a batch
                 out._meta = (func, (self, other), NO_KWARGS)
-                self.engine.push(run_binary, (func, self, other, out), (self._var, other._var), (out._var,),
-                                 self.device, 0, name)
+                self.engine._push(run_binary, (func, self, other, out), (self._var, other._var), (out._var,),
+                                  self.device, 0, name)
             else:
                 self.engine._push_rec(rec, self._var, other._var, out._var, self.device, name)
             return out
@@ -209,8 +209,8 @@ class Array(Inferable):
         _check_devices(method, [self, *others])
         if method in RESHAPING_INPLACE:
             self._meta = UNKNOWN
-        self.engine.push(_run_inplace, (method, self, args, kwargs), tuple(a._var for a in others),
-                         (self._var,), self.device, 0, method)
+        self.engine._push(_run_inplace, (method, self, args, kwargs), tuple(a._var for a in others),
+                          (self._var,), self.device, 0, method)
         return self
 
     __add__ = _scalar_fast(torch.add, "add")
@@ -289,8 +289,8 @@ class Array(Inferable):
         others: list[Array] = []
         _collect((key, value), others)
         _check_devices("setitem", [self, *others])
-        self.engine.push(_run_setitem, (self, key, value), tuple(a._var for a in others), (self._var,),
-                         self.device, 0, "setitem")
+        self.engine._push(_run_setitem, (self, key, value), tuple(a._var for a in others), (self._var,),
+                          self.device, 0, "setitem")
 
     def dot(self, other: Any) -> Array:
         """Matrix (or vector) product, as ``numpy.dot`` for 1-D and 2-D operands."""
@@ -347,7 +347,7 @@ class Array(Inferable):
         out = Array(self.engine, self.device)
         out._meta = (torch.zeros_like, (self,), {})
         reads = (self._var,) if self._leaf is None else (self._var, self._leaf.grad)
-        self.engine.push(run_grad, (self, out), reads, (out._var,), self.device, 0, "grad")
+        self.engine._push(run_grad, (self, out), reads, (out._var,), self.device, 0, "grad")
         return out
 
     def backward(self, gradient: Any = None, retain_graph: bool | None = None, create_graph: bool = False,
@@ -364,8 +364,8 @@ class Array(Inferable):
         _collect(gradient, others)
         _check_devices("backward", [self, *others])
         writes = tuple(e.grad for e in self._grads)
-        op = self.engine.push(_run_backward, (self, gradient, retain_graph, create_graph),
-                              (self._var, *(a._var for a in others)), writes, self.device, 0, "backward")
+        op = self.engine._push(_run_backward, (self, gradient, retain_graph, create_graph),
+                               (self._var, *(a._var for a in others)), writes, self.device, 0, "backward")
         if wait:
             try:
                 op.wait()
@@ -543,8 +543,8 @@ def apply(func: Any, args: tuple, kwargs: dict, name: str | None = None) -> Arra
     if tensors:
         _track_tensors(first.engine, tensors, _writes_first(func, args, kwargs) and args, reads, writes, out, grad)
     out._meta = (func, args, kwargs)
-    first.engine.push(_run_generic, (func, args, kwargs, out, inputs, grad), reads, writes,
-                      first.device, 0, label)
+    first.engine._push(_run_generic, (func, args, kwargs, out, inputs, grad), reads, writes,
+                       first.device, 0, label)
     return out
 
 
@@ -576,7 +576,7 @@ def copy_to(x: Array, device: DeviceLike) -> Array:
     out = Array(x.engine, dev)
     out._meta = (torch.clone, (x,), {})
     where = x.device if x.device.is_gpu else dev  # the GPU side drives the transfer
-    x.engine.push(run_copy, (x, out), (x._var,), (out._var,), where, 0, "copy", "copy")
+    x.engine._push(run_copy, (x, out), (x._var,), (out._var,), where, 0, "copy", "copy")
     return out
 
 
@@ -586,7 +586,7 @@ def _copy_into(x: Array, target: Array) -> Array:
     if target is x:
         return x
     where = x.device if x.device.is_gpu else target.device
-    x.engine.push(run_copy_into, (x, target), (x._var,), (target._var,), where, 0, "copy", "copy")
+    x.engine._push(run_copy_into, (x, target), (x._var,), (target._var,), where, 0, "copy", "copy")
     return target
 
 

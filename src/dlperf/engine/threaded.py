@@ -302,7 +302,7 @@ class ThreadedEngine(Engine):
             batch = None
         if (not self._auto_size or loc.bulk is not None or loc.worker is not None or loc.running
                 or self._trace is not None or self._closed):
-            self.push(run_rec, (rec,), reads, (out,), device, 0, name)  # one by one
+            self._push(run_rec, (rec,), reads, (out,), device, 0, name, "compute")  # one by one
             return
         switched = device is not self._last[0]
         worker = self._worker(device, "compute")
