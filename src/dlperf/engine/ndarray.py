@@ -143,6 +143,27 @@ def _scalar_fast(func: Any, name: str) -> Callable[[Array, Any], Array]:
     return method
 
 
+def _operator(route: Callable[[Array, Any, Any, str], Array], func: Any, label: str,
+              dunder: str) -> Callable[[Array, Any], Array]:
+    """The operator method ``dunder``: ``route`` (``Array._binary`` or ``_rbinary``) of ``func``."""
+
+    def method(self: Array, other: Any) -> Array:
+        return route(self, func, other, label)
+
+    method.__name__ = method.__qualname__ = dunder
+    return method
+
+
+def _in_place(torch_method: str, dunder: str) -> Callable[[Array, Any], Array]:
+    """The augmented assignment ``dunder`` (``x += y``): the tensor method ``torch_method`` as one write of ``x``."""
+
+    def method(self: Array, other: Any) -> Array:
+        return self._inplace(torch_method, other)
+
+    method.__name__ = method.__qualname__ = dunder
+    return method
+
+
 class Array(Inferable):
     """An engine-managed array on one device; see the module docstring for what blocks.
 
@@ -223,46 +244,21 @@ class Array(Inferable):
 
     __pow__ = _scalar_fast(torch.pow, "pow")
 
-    def __matmul__(self, o: Any) -> Array:
-        return self._binary(torch.matmul, o, "matmul")
-
-    def __lt__(self, o: Any) -> Array:
-        return self._binary(torch.lt, o, "lt")
-
-    def __le__(self, o: Any) -> Array:
-        return self._binary(torch.le, o, "le")
-
-    def __gt__(self, o: Any) -> Array:
-        return self._binary(torch.gt, o, "gt")
-
-    def __ge__(self, o: Any) -> Array:
-        return self._binary(torch.ge, o, "ge")
-
-    def __eq__(self, o: Any) -> Array:  # type: ignore[override]
-        return self._binary(torch.eq, o, "eq")
-
-    def __ne__(self, o: Any) -> Array:  # type: ignore[override]
-        return self._binary(torch.ne, o, "ne")
-
+    __matmul__ = _operator(_binary, torch.matmul, "matmul", "__matmul__")
+    __lt__ = _operator(_binary, torch.lt, "lt", "__lt__")
+    __le__ = _operator(_binary, torch.le, "le", "__le__")
+    __gt__ = _operator(_binary, torch.gt, "gt", "__gt__")
+    __ge__ = _operator(_binary, torch.ge, "ge", "__ge__")
+    __eq__ = _operator(_binary, torch.eq, "eq", "__eq__")  # type: ignore[assignment]  # elementwise, as torch's
+    __ne__ = _operator(_binary, torch.ne, "ne", "__ne__")  # type: ignore[assignment]
     __hash__ = object.__hash__  # identity, as for torch tensors
 
-    def __radd__(self, o: Any) -> Array:
-        return self._rbinary(torch.add, o, "add")
-
-    def __rsub__(self, o: Any) -> Array:
-        return self._rbinary(torch.sub, o, "sub")
-
-    def __rmul__(self, o: Any) -> Array:
-        return self._rbinary(torch.mul, o, "mul")
-
-    def __rtruediv__(self, o: Any) -> Array:
-        return self._rbinary(torch.true_divide, o, "div")
-
-    def __rpow__(self, o: Any) -> Array:
-        return self._rbinary(torch.pow, o, "pow")
-
-    def __rmatmul__(self, o: Any) -> Array:
-        return self._rbinary(torch.matmul, o, "matmul")
+    __radd__ = _operator(_rbinary, torch.add, "add", "__radd__")
+    __rsub__ = _operator(_rbinary, torch.sub, "sub", "__rsub__")
+    __rmul__ = _operator(_rbinary, torch.mul, "mul", "__rmul__")
+    __rtruediv__ = _operator(_rbinary, torch.true_divide, "div", "__rtruediv__")
+    __rpow__ = _operator(_rbinary, torch.pow, "pow", "__rpow__")
+    __rmatmul__ = _operator(_rbinary, torch.matmul, "matmul", "__rmatmul__")
 
     def __neg__(self) -> Array:
         return self._unary(torch.neg, "neg")
@@ -270,17 +266,10 @@ class Array(Inferable):
     def __abs__(self) -> Array:
         return self._unary(torch.abs, "abs")
 
-    def __iadd__(self, o: Any) -> Array:
-        return self._inplace("add_", o)
-
-    def __isub__(self, o: Any) -> Array:
-        return self._inplace("sub_", o)
-
-    def __imul__(self, o: Any) -> Array:
-        return self._inplace("mul_", o)
-
-    def __itruediv__(self, o: Any) -> Array:
-        return self._inplace("div_", o)
+    __iadd__ = _in_place("add_", "__iadd__")
+    __isub__ = _in_place("sub_", "__isub__")
+    __imul__ = _in_place("mul_", "__imul__")
+    __itruediv__ = _in_place("div_", "__itruediv__")
 
     def __getitem__(self, key: Any) -> Array:
         return apply(operator.getitem, (self, key), {}, "getitem")
