@@ -127,8 +127,10 @@ class Worker:
     first_nap = IDLE_CHECK_S  # sleep after running dry; short only where pushes may skip the wake-up
 
     def __init__(self, host: WorkerHost, device: Device, lane: str) -> None:
-        # Weak: the thread must not keep an unclosed, unreferenced engine alive (see _loop).
-        self._host_ref = weakref.ref(host)
+        # Weak: the thread must not keep an unclosed, unreferenced engine alive (see _loop). It gives
+        # None only once the engine is collected, when no operation of this worker is queued or
+        # running: only _loop and _send_collected, which run then, check.
+        self._host_ref: Callable[[], WorkerHost] = weakref.ref(host)  # type: ignore[assignment]
         self._lock = host.lock
         self._open_auto = host.open_auto  # threads' unsent automatic batches (see ThreadedEngine)
         self._latency = host.batch_latency_s
@@ -158,7 +160,7 @@ class Worker:
     @property
     def host(self) -> WorkerHost:
         """The owning engine (alive whenever an operation of this worker is queued or running)."""
-        return self._host_ref()  # type: ignore[return-value]
+        return self._host_ref()
 
     def start(self) -> None:
         self.thread.start()
@@ -396,7 +398,7 @@ class CpuWorker(Worker):
         fixed = self._fixed_threads
         if fixed is not None:
             return fixed
-        return _cores() // self.host.cpu_workers or 1  # this worker counts, so never divides by 0
+        return _cores() // self._host_ref().cpu_workers or 1  # this worker counts, so never divides by 0
 
     def setup(self) -> None:
         # PyTorch initialises a thread's OpenMP/MKL thread count lazily, on the thread's first
@@ -440,7 +442,7 @@ class CpuWorker(Worker):
         return self.run_op if host.has_gpu else host.execute
 
     def run_op(self, op: Op, where: str) -> None:
-        host = self.host
+        host = self._host_ref()
         if not host.has_gpu:
             host.execute(op, where)
             return
