@@ -178,3 +178,17 @@ def test_register_engine_refuses_what_is_not_an_engine_class():
 
 def test_push_still_runs_on_a_logical_device_given_by_name(eng):
     assert eng.push(lambda: 2, device=cpu(1)).wait() == 2
+
+
+def test_wait_for_refuses_one_tensor_and_what_is_not_a_tensor():
+    import torch
+
+    from dlperf.engine import wait_for
+
+    p = torch.ones(3)
+    _refused(lambda: wait_for(p), "wait_for", "one tensor", "wait_for([p])")
+    _refused(lambda: wait_for(5), "wait_for", "int")
+    _refused(lambda: wait_for([p, "w"]), "wait_for", "tensors[1]", "str")
+    _refused(lambda: wait_for([p], write="yes"), "wait_for", "write='yes'")
+    wait_for([p])
+    wait_for(torch.nn.Linear(2, 2), write=False)
