@@ -192,3 +192,27 @@ def test_wait_for_refuses_one_tensor_and_what_is_not_a_tensor():
     _refused(lambda: wait_for([p], write="yes"), "wait_for", "write='yes'")
     wait_for([p])
     wait_for(torch.nn.Linear(2, 2), write=False)
+
+
+@pytest.mark.parametrize("shape", ["x", (2, "3"), (2, -1), 2.5, True, [[2]]])
+def test_array_factories_refuse_a_bad_shape_at_the_call(eng, shape):
+    _refused(lambda: dnp.ones(shape, engine=eng), "ones", "shape")
+    _refused(lambda: dnp.random.normal(size=shape, engine=eng), "random.normal", "shape")
+
+
+def test_array_factories_take_the_shapes_they_took(eng):
+    assert dnp.zeros((2, 3), engine=eng).shape == (2, 3)
+    assert dnp.ones(numpy.int64(4), engine=eng).shape == (4,)
+    assert dnp.empty([1, numpy.int32(2)], engine=eng).shape == (1, 2)
+    assert dnp.full(None, 7.0, engine=eng).tolist() == 7.0
+    assert dnp.reshape(dnp.ones(6, engine=eng), (2, -1)).shape == (2, 3)  # -1: inferred, as NumPy's
+
+
+def test_array_functions_refuse_what_is_not_an_engine_array_or_engine(eng):
+    _refused(lambda: dnp.ones(2, engine="threaded"), "ones", "engine", "str")
+    _refused(lambda: dnp.copy_to(3, "cpu"), "copy_to", "int")
+    _refused(lambda: dnp.waitall("all"), "waitall", "str")
+    with pytest.raises(UsageError, match="dot got no engine array"):
+        dnp.dot(1, 2)
+    a = dnp.array([1.0, 2.0], engine=eng)
+    assert dnp.dot(a, a).item() == 5.0

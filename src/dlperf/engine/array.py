@@ -49,6 +49,7 @@ NumPy-style namespace.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +58,7 @@ import torch
 
 from ..devices import DeviceLike, cpu, require_available
 from ..errors import UsageError
+from .arguments import EngineArgumentError
 from .engine import Engine, default_engine
 from .engine import waitall as _wait_every_engine
 from .external import watch
@@ -86,6 +88,9 @@ def _call(module: torch.nn.Module, args: list, params: list) -> Any:
 
 def _make(factory: Any, args: tuple, kwargs: dict, device: DeviceLike | None, engine: Engine | None,
           name: str, meta: Any = None) -> Array:
+    if engine is not None and not isinstance(engine, Engine):
+        raise EngineArgumentError(f"{name}: engine is {type(engine).__name__}; expected an Engine "
+                                  "(create_engine()) or None for the default one")
     dev = cpu(0) if device is None else require_available(device)
     eng = engine if engine is not None else default_engine()
     kwargs = dict(kwargs)
@@ -105,10 +110,31 @@ def _place(device: DeviceLike | None, ctx: DeviceLike | None) -> DeviceLike | No
     return ctx
 
 
-def _shape(size: Any) -> tuple[int, ...]:
+def _shape(size: Any, call: str, *, infer_one: bool = False) -> tuple[int, ...]:
+    """``size`` (None, an integer or a sequence of them) as a shape; ``infer_one``: -1 is allowed."""
     if size is None:
         return ()
-    return (size,) if isinstance(size, int) else tuple(size)
+    try:
+        dims: tuple = (operator.index(size),) if not isinstance(size, bool) else (size,)
+    except TypeError:
+        try:
+            dims = tuple(size) if not isinstance(size, (str, bytes)) else (size,)
+        except TypeError:
+            dims = (size,)
+    low = -1 if infer_one else 0
+    shape = []
+    for d in dims:
+        try:
+            if isinstance(d, bool):
+                raise TypeError
+            shape.append(operator.index(d))
+        except TypeError:
+            raise EngineArgumentError(f"{call}: shape {size!r:.60} is not valid; expected an integer or a tuple "
+                                      "of integers, e.g. (2, 3)") from None
+        if shape[-1] < low:
+            raise EngineArgumentError(f"{call}: shape {size!r:.60} has a dimension below {low}; expected sizes "
+                                      f">= {low}")
+    return tuple(shape)
 
 
 def array(data: Any, device: DeviceLike | None = None, dtype: torch.dtype | None = None,
@@ -129,19 +155,19 @@ def array(data: Any, device: DeviceLike | None = None, dtype: torch.dtype | None
 def ones(shape: Any, device: DeviceLike | None = None, dtype: torch.dtype | None = None,
          engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
     """An array of ones (d2l's ``np.ones``)."""
-    return _make(torch.ones, _shape(shape), {"dtype": dtype}, _place(device, ctx), engine, "ones")
+    return _make(torch.ones, _shape(shape, "ones"), {"dtype": dtype}, _place(device, ctx), engine, "ones")
 
 
 def zeros(shape: Any, device: DeviceLike | None = None, dtype: torch.dtype | None = None,
           engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
     """An array of zeros."""
-    return _make(torch.zeros, _shape(shape), {"dtype": dtype}, _place(device, ctx), engine, "zeros")
+    return _make(torch.zeros, _shape(shape, "zeros"), {"dtype": dtype}, _place(device, ctx), engine, "zeros")
 
 
 def empty(shape: Any, device: DeviceLike | None = None, dtype: torch.dtype | None = None,
           engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
     """An array with unspecified contents (allocation only)."""
-    return _make(torch.empty, _shape(shape), {"dtype": dtype}, _place(device, ctx), engine, "empty")
+    return _make(torch.empty, _shape(shape, "empty"), {"dtype": dtype}, _place(device, ctx), engine, "empty")
 
 
 def full(shape: Any, fill_value: Any, device: DeviceLike | None = None, dtype: torch.dtype | None = None,
@@ -151,7 +177,7 @@ def full(shape: Any, fill_value: Any, device: DeviceLike | None = None, dtype: t
     >>> full((2,), 7.0).tolist()
     [7.0, 7.0]
     """
-    return _make(torch.full, (_shape(shape), fill_value), {"dtype": dtype}, _place(device, ctx), engine, "full")
+    return _make(torch.full, (_shape(shape, "full"), fill_value), {"dtype": dtype}, _place(device, ctx), engine, "full")
 
 
 def ones_like(a: Array, dtype: torch.dtype | None = None) -> Array:
@@ -172,7 +198,9 @@ def arange(*args: Any, device: DeviceLike | None = None, dtype: torch.dtype | No
 
 def dot(a: Array, b: Array) -> Array:
     """Matrix (or vector) product of two arrays on one device; returns at once."""
-    return a.dot(b)
+    if isinstance(a, Array):
+        return a.dot(b)
+    return apply(torch.matmul, (a, b), {}, "dot")  # refused with one line unless b is an engine array
 
 
 def matmul(a: Array, b: Array) -> Array:
@@ -279,7 +307,7 @@ def stack(arrays: Sequence[Array], axis: int = 0) -> Array:
 
 def reshape(a: Array, newshape: Any) -> Array:
     """``a`` with a new shape (a copy: see "No aliasing")."""
-    return apply(torch.reshape, (a, _shape(newshape)), {}, "reshape")
+    return apply(torch.reshape, (a, _shape(newshape, "reshape", infer_one=True)), {}, "reshape")
 
 
 def transpose(a: Array, axes: Sequence[int] | None = None) -> Array:
@@ -306,15 +334,17 @@ class _Random:
     def normal(loc: float = 0.0, scale: float = 1.0, size: Any = None, device: DeviceLike | None = None,
                engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
         """Normal samples (d2l's ``np.random.normal``)."""
-        meta = torch.empty(_shape(size), device="meta")
-        return _make(_normal, (loc, scale, _shape(size)), {}, _place(device, ctx), engine, "normal", meta)
+        shape = _shape(size, "random.normal")
+        meta = torch.empty(shape, device="meta")
+        return _make(_normal, (loc, scale, shape), {}, _place(device, ctx), engine, "normal", meta)
 
     @staticmethod
     def uniform(low: float = 0.0, high: float = 1.0, size: Any = None, device: DeviceLike | None = None,
                 engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
         """Uniform samples in ``[low, high)`` (d2l's ``np.random.uniform``)."""
-        meta = torch.empty(_shape(size), device="meta")
-        return _make(_uniform, (low, high, _shape(size)), {}, _place(device, ctx), engine, "uniform", meta)
+        shape = _shape(size, "random.uniform")
+        meta = torch.empty(shape, device="meta")
+        return _make(_uniform, (low, high, shape), {}, _place(device, ctx), engine, "uniform", meta)
 
 
 random = _Random()
@@ -323,6 +353,9 @@ random = _Random()
 def waitall(engine: Engine | None = None) -> None:
     """Wait for every pushed operation: of ``engine``, or (default) of every open engine."""
     if engine is not None:
+        if not isinstance(engine, Engine):
+            raise EngineArgumentError(f"waitall: engine is {type(engine).__name__}; expected an Engine, or None "
+                                      "for every open engine")
         engine.waitall()
         return
     _wait_every_engine()

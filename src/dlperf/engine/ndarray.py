@@ -16,6 +16,7 @@ import torch
 
 from ..devices import Device, DeviceLike, require_available
 from ..errors import DeviceMismatchError, UsageError
+from .arguments import EngineArgumentError
 from .engine import Engine
 from .external import External, external
 from .records import (
@@ -561,6 +562,8 @@ def copy_to(x: Array, device: DeviceLike) -> Array:
     >>> y.device, y.tolist()
     (cpu(1), [1.0, 1.0])
     """
+    if not isinstance(x, Array):
+        raise EngineArgumentError(f"copy_to: x is {type(x).__name__}; expected an engine array (array(x) makes one)")
     dev = require_available(device)
     out = Array(x.engine, dev)
     out._meta = (torch.clone, (x,), {})
