@@ -656,7 +656,9 @@ def engine_kinds() -> list[str]:
 
 
 def _load_builtin() -> None:
-    from . import naive, threaded  # noqa: F401  (they register themselves)
+    # A cycle inside this package that stays: the registry loads the built-in engines on first use,
+    # and each, a subclass of Engine, registers itself (as hybrid's backends do).
+    from . import naive, threaded  # noqa: F401
 
 
 def create_engine(kind: str | None = None, config: EngineConfig | None = None, **settings: Any) -> Engine:

@@ -195,18 +195,23 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     _wait_for([p for group in optimizer.param_groups for p in group["params"]], True)
 
 
-# The array class, looked up on first use: ndarray imports this module (arrays declare plain
-# tensors through it), and the hooks here compare types by identity, the cheapest test on a path
-# every module call in the process takes.
-_ARRAY: list[type] = []
+_array_type: type | None = None  # set by dlperf.engine.ndarray, which defines it (and imports this module)
+
+
+def register_array_type(cls: type) -> None:
+    """Make the hooks here recognise ``cls`` as the engine array (its module calls this once).
+
+    The hooks compare types by identity, the cheapest test on a path every module call in the
+    process takes; before any array class exists, no call can hold an array.
+    """
+    global _array_type
+    _array_type = cls
 
 
 def _holds_array(values: Any) -> bool:
-    if not _ARRAY:
-        from .ndarray import Array
-
-        _ARRAY.append(Array)
-    array_type = _ARRAY[0]
+    array_type = _array_type
+    if array_type is None:
+        return False
     for v in values:
         if type(v) is array_type:
             return True

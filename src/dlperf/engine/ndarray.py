@@ -18,7 +18,7 @@ from ..devices import Device, DeviceLike, require_available
 from ..errors import DeviceMismatchError, UsageError
 from .arguments import EngineArgumentError
 from .engine import Engine
-from .external import External, external
+from .external import External, external, register_array_type
 from .records import (
     rec_binary,
     rec_scalar,
@@ -485,6 +485,8 @@ class Array(Inferable):
 
     __str__ = __repr__
 
+
+register_array_type(Array)
 
 
 def _reverse_axes(t: torch.Tensor) -> torch.Tensor:
