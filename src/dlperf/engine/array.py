@@ -327,6 +327,12 @@ def _uniform(low: float, high: float, size: tuple[int, ...], device: torch.devic
     return out.uniform_(low, high)
 
 
+def _draw(sampler: Any, params: tuple, size: Any, device: DeviceLike | None, engine: Engine | None,
+          name: str) -> Array:
+    shape = _shape(size, f"random.{name}")
+    return _make(sampler, (*params, shape), {}, device, engine, name, torch.empty(shape, device="meta"))
+
+
 class _Random:
     """Random arrays; each draw is an engine operation on the target device."""
 
@@ -334,17 +340,13 @@ class _Random:
     def normal(loc: float = 0.0, scale: float = 1.0, size: Any = None, device: DeviceLike | None = None,
                engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
         """Normal samples (d2l's ``np.random.normal``)."""
-        shape = _shape(size, "random.normal")
-        meta = torch.empty(shape, device="meta")
-        return _make(_normal, (loc, scale, shape), {}, _place(device, ctx), engine, "normal", meta)
+        return _draw(_normal, (loc, scale), size, _place(device, ctx), engine, "normal")
 
     @staticmethod
     def uniform(low: float = 0.0, high: float = 1.0, size: Any = None, device: DeviceLike | None = None,
                 engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
         """Uniform samples in ``[low, high)`` (d2l's ``np.random.uniform``)."""
-        shape = _shape(size, "random.uniform")
-        meta = torch.empty(shape, device="meta")
-        return _make(_uniform, (low, high, shape), {}, _place(device, ctx), engine, "uniform", meta)
+        return _draw(_uniform, (low, high), size, _place(device, ctx), engine, "uniform")
 
 
 random = _Random()
