@@ -488,3 +488,26 @@ def test_a_hybridized_module_on_engine_arrays_is_one_operation_and_readers_wait_
             torch.testing.assert_close(state[k], v, msg=k)
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_the_array_namespace_keeps_every_public_name():
+    from dlperf.engine import ndarray
+
+    for name in dnp.__all__:
+        assert getattr(dnp, name) is not None, name
+    assert dnp.Array is Array is ndarray.Array
+    assert dnp.call_module is not None  # hybridize's entry point
+    for dunder in ("__add__", "__rsub__", "__lt__", "__eq__", "__iadd__", "__matmul__"):
+        assert getattr(Array, dunder).__name__ == dunder
+
+
+def test_operator_methods_label_their_operations_as_before(eng):
+    eng.start_trace()
+    a = dnp.ones(2, engine=eng)
+    b = a + 1  # noqa: F841
+    c = 2 - a  # noqa: F841
+    d = a < a  # noqa: F841
+    a += 1
+    eng.waitall()
+    names = [e.name for e in eng.stop_trace().events]
+    assert names == ["ones", "add", "sub", "lt", "add_"]

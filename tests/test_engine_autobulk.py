@@ -477,15 +477,15 @@ def test_the_engine_counts_records_batched_and_sent_alone(eng):
 # --------------------------------------------- runs of scalar records in one multi-tensor call
 @pytest.fixture
 def foreach_calls(monkeypatch):
-    """Count the records the batches' multi-tensor calls took (see array._group_scalar)."""
-    from dlperf.engine import array as array_module
+    """Count the records the batches' multi-tensor calls took (see records.group_scalar)."""
+    from dlperf.engine import records
 
     taken = []
-    for func, many in list(array_module._FOREACH_SCALAR.items()):
+    for func, many in list(records.FOREACH_SCALAR.items()):
         def counted(tensors, scalars, _many=many):
             taken.append(len(tensors))
             return _many(tensors, scalars)
-        monkeypatch.setitem(array_module._FOREACH_SCALAR, func, counted)
+        monkeypatch.setitem(records.FOREACH_SCALAR, func, counted)
     return taken
 
 

@@ -102,7 +102,7 @@ def test_cpu_consumer_synchronizes_on_gpu_events(lanes):
     op = Op(eng, lambda: None, (), (), (y,), compute, 0, None)
     engine_cuda.torch.cuda.Event = SyncEvent  # restored by monkeypatch
     compute.run_op(op, compute.label)
-    eng._has_gpu = True
+    eng.has_gpu = True
     out = eng.push(lambda: "cpu saw it", reads=[y])
     assert out.wait() == "cpu saw it"
     assert synced == [y._wev.name]  # the CPU side blocked on the GPU write's event first

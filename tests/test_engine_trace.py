@@ -280,3 +280,18 @@ def test_a_trace_of_only_profiler_spans_has_no_operations(tmp_path):
         {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": 1, "ts": 0, "dur": 5}]}))
     with pytest.raises(UsageError, match="profiler's own spans"):
         load_trace(path)
+
+
+def test_union_intervals_matches_a_cell_by_cell_reference():
+    import random
+
+    from dlperf.engine.trace import union_intervals
+
+    rng = random.Random(7)
+    for _ in range(200):
+        spans = [(a, a + rng.randint(0, 6)) for a in (rng.randint(0, 40) for _ in range(rng.randint(0, 8)))]
+        merged = union_intervals(spans)
+        covered = {c for a, b in spans for c in range(a, b)}  # unit cells [c, c + 1) some span covers
+        assert {c for a, b in merged for c in range(a, b)} == covered
+        assert all(merged[i][1] < merged[i + 1][0] for i in range(len(merged) - 1))  # disjoint, apart, sorted
+        assert all(any(a == s for s, _ in spans) for a, _ in merged)  # every start is a span's start

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 from . import array
+from .arguments import EngineArgumentError
 from .array import Array
 from .engine import (
     ENGINE_ENV,
@@ -42,6 +43,7 @@ __all__ = [
     "ENGINE_ENV",
     "Array",
     "Engine",
+    "EngineArgumentError",
     "EngineClosedError",
     "EngineConfig",
     "EngineDeadlockError",

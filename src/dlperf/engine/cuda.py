@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .var import Op
-from .worker import Worker
+from .worker import Worker, WorkerHost
 
 if TYPE_CHECKING:
     from ..devices import Device
-    from .threaded import ThreadedEngine
 
 __all__ = ["GpuWorker", "current_stream"]
 
@@ -40,14 +39,14 @@ class GpuWorker(Worker):
 
     can_steal = False  # stealing would run kernels on the waiter's stream, breaking the event chain
 
-    def __init__(self, engine: ThreadedEngine, device: Device, lane: str) -> None:
-        super().__init__(engine, device, lane)
+    def __init__(self, host: WorkerHost, device: Device, lane: str) -> None:
+        super().__init__(host, device, lane)
         self.stream: Any = None
 
     def setup(self) -> None:
         torch.cuda.set_device(self.device.index)
         # Copy lanes get a higher priority (lower number) so transfers are not starved by compute.
-        lo, hi = torch.cuda.Stream.priority_range()
+        lo, hi = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # a staticmethod the stubs miss
         prio = hi if self.lane == "copy" else lo
         self.stream = torch.cuda.Stream(device=self.device.torch_device, priority=prio)
 
@@ -66,7 +65,7 @@ class GpuWorker(Worker):
                     if k != key:
                         stream.wait_event(ev)
         with torch.cuda.stream(stream):
-            self.engine._execute(op, where)
+            self.host.execute(op, where)
         ev = torch.cuda.Event()
         ev.record(stream)
         for v in op.writes:

@@ -39,18 +39,21 @@ Example:
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from time import perf_counter_ns
 from typing import Any
 
 from ..devices import Device, DeviceLike, cpu, require_available
 from ..errors import DlperfError, UsageError, unknown_choice
 from ..registry import Registry
+from .arguments import EngineArgumentError, as_var, as_vars, check_callable, check_count, check_priority
+from .batches import AutoBatch, run_auto, run_auto_checked, run_bulk, run_rec
 from .var import DONE, Op, Var
 
 __all__ = [
@@ -60,6 +63,7 @@ __all__ = [
     "EngineClosedError",
     "EngineUsageError",
     "EngineDeadlockError",
+    "EngineArgumentError",
     "register_engine",
     "engine_kinds",
     "create_engine",
@@ -120,12 +124,15 @@ class EngineConfig:
     ``max_queued`` ignore it."""
 
     def __post_init__(self) -> None:
-        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
-            raise UsageError(f"cpu_threads={self.cpu_threads!r} is not valid; expected an integer >= 1 or None")
-        if self.max_queued is not None and (not isinstance(self.max_queued, int) or self.max_queued < 1):
-            raise UsageError(f"max_queued={self.max_queued!r} is not valid; expected an integer >= 1 or None")
-        if self.batch_latency_us < 0:
-            raise UsageError(f"batch_latency_us={self.batch_latency_us!r} is not valid; expected >= 0")
+        for key in ("cpu_threads", "max_queued"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UsageError(f"{key}={value!r} is not valid; expected an integer >= 1 or None")
+        latency = self.batch_latency_us
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < math.inf:
+            raise UsageError(f"batch_latency_us={latency!r} is not valid; expected a finite number >= 0")
+        if not isinstance(self.trace, bool):
+            raise UsageError(f"trace={self.trace!r} is not valid; expected True or False")
         if not isinstance(self.auto_bulk, int) or isinstance(self.auto_bulk, bool) or self.auto_bulk < 0:
             raise UsageError(f"auto_bulk={self.auto_bulk!r} is not valid; expected an integer >= 0 (0: off)")
 
@@ -138,7 +145,7 @@ class _Bulk:
     def __init__(self, size: int) -> None:
         self.size = size
         self.ops: list[Op] = []
-        self.device: Device | None = None
+        self.device: Device = _CPU0  # set by the first push collected
         self.kind = "compute"
 
 
@@ -152,109 +159,6 @@ class _ThreadState(threading.local):
     auto: Any = None                   # the threaded engine's automatic batch of this thread
 
 
-def run_rec(rec: tuple) -> None:
-    """Run one array operation record: ``rec[0]`` is the function, the whole record its argument."""
-    rec[0](rec)
-
-
-class AutoBatch:
-    """One thread's records collected for one worker, not yet sent (see threaded.ThreadedEngine._push_rec).
-
-    Only the owning thread appends, without a lock: a thread that sends the batch seals it and
-    takes the records appended so far (under ``lock``); the owner looks at ``sealed`` after each
-    append and pushes a record the sender did not take again (see ``ThreadedEngine._appended``).
-    """
-
-    __slots__ = ("op", "recs", "run", "reads", "outs", "sent_outs", "device", "worker", "lock", "sealed", "seen")
-
-    def __init__(self, op: Op, device: Device, worker: Any) -> None:
-        self.recs: list[tuple] = []  # (runner, function, inputs..., output array)
-        self.run: list[tuple] = []   # the records taken when it was sealed: what runs
-        self.op = op  # runs run_auto(self)
-        op.args = (self,)
-        self.reads: dict[Var, None] = {}  # a dict: ordered, O(1) membership
-        self.outs: list[Var] = []  # each record's output variable, appended just before the record
-        self.sent_outs: list[Var] = []  # those of the records taken when it was sealed
-        self.device = device
-        self.worker = worker
-        self.lock = threading.Lock()
-        self.sealed = False
-        self.seen = -1  # its size when its worker last looked (see ThreadedEngine.send_auto_for)
-
-
-RECORD_GROUPS: dict[Callable[[tuple], None], Callable[[list[tuple], int], int]] = {}
-"""Record runner -> a function ``group(recs, i)`` that runs ``recs[i]`` together with the records
-after it that it can take in one call (say, one multi-tensor ``torch._foreach_*``): it returns the
-index after the last one it ran, or ``-j`` when it ran none and ``recs[i:j]`` must run one by one
-(their joint call failed: each record's own call then tells which one fails, and how)."""
-
-
-def run_auto(batch: AutoBatch) -> None:
-    """Run an automatic batch's records in push order (dependencies inside it hold trivially).
-
-    Consecutive records a group runner can take (see RECORD_GROUPS) run in one call. A failing
-    record fails only its own result and the later records that use it, as if each had been
-    pushed alone: independent work in the same batch is not lost.
-    """
-    recs = batch.run
-    n = len(recs)
-    i = alone_until = 0
-    groups = RECORD_GROUPS
-    try:
-        while i < n:
-            rec = recs[i]
-            if i >= alone_until and (group := groups.get(rec[0])) is not None:
-                j = group(recs, i)
-                if j > 0:
-                    i = j
-                    continue
-                alone_until = -j
-            rec[0](rec)
-            i += 1
-    except BaseException as exc:
-        _fail_record(batch, rec, exc)
-        run_auto_checked(batch, recs[i + 1:])
-
-
-def run_auto_checked(batch: AutoBatch, recs: list[tuple]) -> None:
-    """Run records one by one, skipping those whose inputs failed (they inherit the error)."""
-    for rec in recs:
-        upstream = None
-        for item in rec[2:-1]:  # (runner, function, inputs..., output)
-            var = getattr(item, "_var", None)
-            if var is not None and var.exc is not None:
-                upstream = var.exc
-                break
-        if upstream is not None:
-            rec[-1]._var.exc = upstream
-            continue
-        try:
-            rec[0](rec)
-        except BaseException as exc:
-            _fail_record(batch, rec, exc)
-
-
-def _fail_record(batch: AutoBatch, rec: tuple, exc: BaseException) -> None:
-    rec[-1]._var.exc = exc
-    eng = batch.op.engine
-    with eng._errors_lock:
-        eng._errors.append(exc)
-
-
-def _run_bulk(ops: list[Op]) -> None:
-    # Runs in one worker call, in push order, so dependencies inside the batch hold trivially.
-    # The first failure stops the batch: later members may depend on what it should have written.
-    for i, op in enumerate(ops):
-        try:
-            op.result = op.fn(*op.args)
-        except BaseException as exc:
-            for rest in ops[i:]:
-                rest.exc = exc
-                rest.state = DONE
-            raise
-        op.state = DONE
-
-
 class Engine:
     """Base class: dependency tracking API shared by every engine kind.
 
@@ -265,6 +169,9 @@ class Engine:
     kind = "base"
 
     def __init__(self, config: EngineConfig | None = None) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            raise EngineArgumentError(f"{type(self).__name__}: config is {type(config).__name__}; expected an "
+                                      "EngineConfig")
         self.config = config or EngineConfig()
         self._errors: list[BaseException] = []
         self._errors_lock = threading.Lock()
@@ -283,6 +190,8 @@ class Engine:
         >>> create_engine("naive").new_var("w")
         Var(w, idle)
         """
+        if name is not None and not isinstance(name, str):
+            raise EngineArgumentError(f"new_var: name={name!r:.60} is not a string; expected a label, or None")
         return Var(name)
 
     def running_on(self) -> tuple[Device, str] | None:
@@ -294,13 +203,15 @@ class Engine:
         worker = self._local.worker
         return None if worker is None else (worker.device, worker.lane)
 
-    def push(self, fn: Callable[..., Any], args: tuple = (), reads: Iterable[Var] = (),
-             writes: Iterable[Var] = (), device: DeviceLike | None = None, priority: int = 0,
+    def push(self, fn: Callable[..., Any], args: tuple | list = (), reads: Iterable[Any] = (),
+             writes: Iterable[Any] = (), device: DeviceLike | None = None, priority: int = 0,
              name: str | None = None, kind: str = "compute") -> Op:
         """Schedule ``fn(*args)`` on ``device`` after the operations it depends on; return at once.
 
         Args:
-            reads: variables ``fn`` only reads (concurrent with other reads).
+            args: the positional arguments of ``fn``, a tuple (or list).
+            reads: variables ``fn`` only reads (concurrent with other reads); an engine array
+                stands for its variable.
             writes: variables ``fn`` modifies (exclusive; a variable in both counts as written).
             device: where ``fn`` runs (default ``cpu(0)``); each device has its own worker(s).
             priority: among ready operations of one worker, higher runs first (default 0).
@@ -309,11 +220,29 @@ class Engine:
         Returns:
             The :class:`Op` handle; ``op.wait()`` returns ``fn``'s result.
 
+        Raises:
+            EngineArgumentError: an argument of the wrong type (the message names it); a bad
+                ``device`` or ``kind`` raises :class:`~dlperf.errors.UsageError`.
+
         >>> from dlperf.engine import create_engine
         >>> with create_engine() as eng:
         ...     eng.push(sum, args=([1, 2, 3],)).wait()
         6
         """
+        check_callable("push", "fn", fn, "push(f, args=(x,))")
+        if type(args) is not tuple:
+            if not isinstance(args, (tuple, list)):
+                raise EngineArgumentError(f"push: args={args!r:.60} is not a tuple; expected fn's positional "
+                                          "arguments as a tuple, e.g. args=(x,)")
+            args = tuple(args)
+        if name is not None and not isinstance(name, str):
+            raise EngineArgumentError(f"push: name={name!r:.60} is not a string; expected a label for traces, or None")
+        return self._push(fn, args, as_vars("push", "reads", reads, self), as_vars("push", "writes", writes, self),
+                          device, check_priority("push", priority), name, kind)
+
+    def _push(self, fn: Callable[..., Any], args: tuple, reads: Iterable[Var], writes: Iterable[Var],
+              device: DeviceLike | None, priority: int, name: str | None, kind: str = "compute") -> Op:
+        """:meth:`push` for callers that build their own arguments (the array frontend, engines)."""
         # The hot path of every engine array operation: each check costs the common case little.
         if kind != "compute" and kind != "copy":
             raise unknown_choice("operation kind", kind, ("compute", "copy"))
@@ -348,9 +277,17 @@ class Engine:
         automatically (the threaded one) override this with a lean path.
         """
         reads = (read,) if read2 is None else (read, read2)
-        self.push(run_rec, (rec,), reads, (out,), device, 0, name)
+        self._push(run_rec, (rec,), reads, (out,), device, 0, name, "compute")
 
     def _submit(self, op: Op, device: Device, kind: str) -> None:
+        raise NotImplementedError
+
+    _auto_size = 0
+    """Most records one automatic batch collects (engines that batch set it; 0: this one does not)."""
+
+    def _appended(self, batch: AutoBatch, rec: tuple, read: Var, read2: Var | None, name: str) -> None:
+        """After the array frontend appended ``rec`` to this thread's automatic batch and filled it
+        or raced with its sending (only engines that batch automatically have such batches)."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------- bulk execution
@@ -375,8 +312,7 @@ class Engine:
         ...     box[0]
         10
         """
-        if not isinstance(size, int) or size < 1:
-            raise UsageError(f"bulk size {size!r} is not valid; expected an integer >= 1")
+        check_count("bulk", "size", size)
         outer = self._local.bulk
         if outer is not None:  # nested: the outer batch keeps collecting
             yield
@@ -412,7 +348,7 @@ class Engine:
         written = dict.fromkeys(v for op in ops for v in op.writes)  # a dict: O(1) membership
         reads = tuple(dict.fromkeys(v for op in ops for v in op.reads if v not in written))
         writes = tuple(written)
-        parent = Op(self, _run_bulk, (ops,), reads, writes, None, 0, f"bulk[{len(ops)}]")
+        parent = Op(self, run_bulk, (ops,), reads, writes, None, 0, f"bulk[{len(ops)}]")
         for op in ops:
             op.worker = parent  # an inner op's "worker" field points at its batch: see wait_op
         try:
@@ -466,7 +402,7 @@ class Engine:
         if op.fn is run_auto:
             for v in op.args[0].sent_outs:
                 v.exc = exc
-        if not ran and op.fn is _run_bulk:
+        if not ran and op.fn is run_bulk:
             for inner in op.args[0]:
                 inner.exc = exc
                 inner.state = DONE
@@ -478,6 +414,10 @@ class Engine:
 
     def _store_error(self, op: Op, exc: BaseException) -> None:
         self._mark_failed(op, exc, ran=True)
+        self._note_error(exc)
+
+    def _note_error(self, exc: BaseException) -> None:
+        """Keep ``exc`` for the next wait point that has no operation of its own to raise it."""
         with self._errors_lock:
             self._errors.append(exc)
 
@@ -502,6 +442,8 @@ class Engine:
         An operation still held in another thread's open ``bulk()`` block is waited for until
         that thread sends its batch and the batch has run.
         """
+        if type(op) is not Op and not isinstance(op, Op):
+            raise EngineArgumentError(f"wait_op: op is {type(op).__name__}; expected the Op handle push() returned")
         if op.state != DONE:
             if op.worker is None:  # in an open bulk() batch; if it is ours, send it first
                 self._flush_bulk()
@@ -521,8 +463,8 @@ class Engine:
         pushed: this waits until that thread sends its batch and the write is done.
         """
         var = x if type(x) is Var else x if isinstance(x, Var) else getattr(x, "_var", None)
-        if var is None:
-            raise UsageError(f"wait_to_read expects a Var or an engine array, got {type(x).__name__}")
+        if type(var) is not Var:
+            var = as_var("wait_to_read", "x", x)
         loc = self._local
         if loc.bulk is not None:
             self._flush_bulk()
@@ -539,9 +481,11 @@ class Engine:
             self._report(var.exc)
             raise var.exc
 
-    def wait_to_write(self, var: Var) -> None:
-        """Block until no pushed operation reads or writes ``var`` any more (safe to modify it)."""
-        op = self.push(_noop, writes=(var,), name="wait_to_write")
+    def wait_to_write(self, var: Any) -> None:
+        """Block until no pushed operation reads or writes ``var`` (a :class:`Var` or an engine array)
+        any more: then it is safe to modify."""
+        var = as_var("wait_to_write", "var", var, self)
+        op = self._push(_noop, (), (), (var,), None, 0, "wait_to_write", "compute")
         self._flush_bulk()
         held = var._bulk_write  # a write still in another thread's open bulk() block
         self._wait_done(op, var)
@@ -700,6 +644,8 @@ _ENGINES: Registry[type[Engine]] = Registry("engine")
 
 def register_engine(name: str, cls: type[Engine], *, replace: bool = False) -> None:
     """Make an engine class available to :func:`create_engine` under ``name``."""
+    if not isinstance(cls, type) or not issubclass(cls, Engine):
+        raise EngineArgumentError(f"register_engine: cls is {cls!r:.60}; expected a subclass of Engine")
     _ENGINES.register(name, cls, replace=replace)
 
 
@@ -710,7 +656,9 @@ def engine_kinds() -> list[str]:
 
 
 def _load_builtin() -> None:
-    from . import naive, threaded  # noqa: F401  (they register themselves)
+    # A cycle inside this package that stays: the registry loads the built-in engines on first use,
+    # and each, a subclass of Engine, registers itself (as hybrid's backends do).
+    from . import naive, threaded  # noqa: F401
 
 
 def create_engine(kind: str | None = None, config: EngineConfig | None = None, **settings: Any) -> Engine:
@@ -728,6 +676,12 @@ def create_engine(kind: str | None = None, config: EngineConfig | None = None, *
         raise unknown_choice("engine", kind, sorted(_ENGINES.names()))
     if config is not None and settings:
         raise UsageError("pass either config= or keyword settings, not both")
+    if config is not None and not isinstance(config, EngineConfig):
+        raise EngineArgumentError(f"create_engine: config is {type(config).__name__}; expected an EngineConfig")
+    unknown = sorted(set(settings) - {f.name for f in fields(EngineConfig)})
+    if unknown:
+        raise EngineArgumentError(f"create_engine: unknown setting {unknown[0]!r}; EngineConfig has "
+                                  + ", ".join(f.name for f in fields(EngineConfig)))
     return _ENGINES.get(kind)(config or EngineConfig(**settings))
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .arguments import EngineArgumentError
 from .var import Var
 
 __all__ = ["External", "external", "wait_for", "watch", "hooks_installed"]
@@ -118,9 +119,14 @@ def wait_for(tensors: Iterable[torch.Tensor] | nn.Module, *, write: bool = True)
     ``write=False`` waits only for pending writes (enough to read the values). Raises the error
     of a failed operation that wrote one of them, once.
     """
-    if isinstance(tensors, nn.Module):
-        tensors = _module_tensors(tensors)
-    tensors = list(tensors)
+    checked = _checked_tensors(tensors)
+    if not isinstance(write, bool):
+        raise EngineArgumentError(f"wait_for: write={write!r:.60} is not a bool; expected True (wait for reads "
+                                  "and writes) or False (only writes)")
+    _wait_for(checked, write)
+
+
+def _wait_for(tensors: list[torch.Tensor], write: bool) -> None:
     for engine, table in list(_TABLES.items()):
         if engine.closed or not len(table) or engine._running_ops():
             continue  # inside one of its operations, the engine's own ordering applies
@@ -128,6 +134,24 @@ def wait_for(tensors: Iterable[torch.Tensor] | nn.Module, *, write: bool = True)
             ext = table.get(t)
             if ext is not None:
                 _settle(engine, ext, write)
+
+
+def _checked_tensors(tensors: Any) -> list[torch.Tensor]:
+    if isinstance(tensors, nn.Module):
+        return _module_tensors(tensors)
+    if isinstance(tensors, torch.Tensor):  # iterating it would give its rows, which nothing tracks
+        raise EngineArgumentError("wait_for: tensors is one tensor; expected a list of tensors or a module, "
+                                  "e.g. wait_for([p])")
+    try:
+        out = list(tensors)
+    except TypeError:
+        raise EngineArgumentError(f"wait_for: tensors is {type(tensors).__name__}; expected a list of tensors or a "
+                                  "module") from None
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise EngineArgumentError(f"wait_for: tensors[{i}] is {type(t).__name__} {t!r:.60}; expected a "
+                                      "torch.Tensor")
+    return out
 
 
 def _module_tensors(module: nn.Module, recurse: bool = True) -> list[torch.Tensor]:
@@ -168,18 +192,26 @@ def _uninstall_if_unused() -> bool:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _uninstall_if_unused():
         return
-    wait_for([p for group in optimizer.param_groups for p in group["params"]], write=True)
+    _wait_for([p for group in optimizer.param_groups for p in group["params"]], True)
 
 
-_ARRAY: list[type] = []
+_array_type: type | None = None  # set by dlperf.engine.ndarray, which defines it (and imports this module)
+
+
+def register_array_type(cls: type) -> None:
+    """Make the hooks here recognise ``cls`` as the engine array (its module calls this once).
+
+    The hooks compare types by identity, the cheapest test on a path every module call in the
+    process takes; before any array class exists, no call can hold an array.
+    """
+    global _array_type
+    _array_type = cls
 
 
 def _holds_array(values: Any) -> bool:
-    if not _ARRAY:
-        from .array import Array
-
-        _ARRAY.append(Array)
-    array_type = _ARRAY[0]
+    array_type = _array_type
+    if array_type is None:
+        return False
     for v in values:
         if type(v) is array_type:
             return True
@@ -250,8 +282,8 @@ def watch(module: nn.Module) -> None:
 
 
 def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    wait_for(module)
+    _wait_for(_module_tensors(module), True)
 
 
 def _before_load_state_dict(module: nn.Module, *args: Any) -> None:
-    wait_for(module, write=True)
+    _wait_for(_module_tensors(module), True)

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from ..errors import UsageError
+from .arguments import EngineArgumentError, as_var, check_callable, check_count
 from .engine import Engine, default_engine
 from .var import Op, Var
 
@@ -39,9 +39,10 @@ class InFlight:
     """
 
     def __init__(self, k: int, engine: Engine | None = None) -> None:
-        if not isinstance(k, int) or k < 1:
-            raise UsageError(f"in-flight limit {k!r} is not valid; expected an integer >= 1")
-        self.k = k
+        self.k = check_count("InFlight", "k", k)
+        if engine is not None and not isinstance(engine, Engine):
+            raise EngineArgumentError(f"InFlight: engine is {type(engine).__name__}; expected an Engine "
+                                      "(create_engine()) or None for the default one")
         self.engine = engine if engine is not None else default_engine()
         self._pending: deque[Any] = deque()
         self.max_seen = 0
@@ -62,6 +63,8 @@ class InFlight:
 
     def submit(self, marker: Any) -> None:
         """Record one more mini-batch; block until at most ``k - 1`` earlier ones are unfinished."""
+        if not isinstance(marker, Op):
+            as_var("InFlight.submit", "marker", marker)  # an Op, a Var or an engine array; else the error
         while self._pending and self._done(self._pending[0]):
             self._wait(self._pending.popleft())  # already done: raises its error if it failed
         self._pending.append(marker)
@@ -87,6 +90,7 @@ def bounded(batches: Iterable[T], step: Callable[[T], Any], k: int, engine: Engi
     ...     out
     [0, 1, 2, 3]
     """
+    check_callable("bounded", "step", step, "bounded(batches, lambda b: eng.push(...), 2)")
     window = InFlight(k, engine)
     for batch in batches:
         marker = step(batch)

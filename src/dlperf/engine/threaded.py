@@ -47,16 +47,14 @@ from time import monotonic
 import torch
 
 from ..devices import Device, require_available
+from .batches import AutoBatch, run_auto, run_rec
 from .engine import (
     DEADLOCK_FIX,
-    AutoBatch,
     Engine,
     EngineClosedError,
     EngineConfig,
     EngineDeadlockError,
     register_engine,
-    run_auto,
-    run_rec,
 )
 from .var import DONE, QUEUED, RUNNING, Op, Var
 from .waitgraph import Waiter, describe_op, find_cycle
@@ -92,11 +90,13 @@ class ThreadedEngine(Engine):
         self._pending = 0
         # Who must be woken when operations finish (a notify wakes every waiter, each of which then
         # competes for the GIL, so finishing an operation nobody waits for wakes nobody):
-        self._blind_waiters = 0  # waits that need every completion: room under max_queued, held ops
+        self.blind_waiters = 0  # waits that need every completion: room under max_queued, held ops
         self._all_waiters = 0    # waitall()s: woken when nothing is pending
-        self._cpu_workers = 0
-        self._has_gpu = False
-        self._last: tuple[Device | None, Worker | None] = (None, None)
+        self.cpu_workers = 0
+        self.has_gpu = False
+        # The compute worker pushes went to last. Its worker is read only when a push's device is
+        # this one, which no push's device is while it is None.
+        self._last: tuple[Device | None, Worker] = (None, None)  # type: ignore[assignment]
         self._blocked: dict[int, Waiter] = {}  # threads waiting inside operations, by thread id
         # Automatic batches (see _push_rec). max_queued bounds unfinished operations one by one,
         # which batches would make coarse, so it turns them off.
@@ -108,13 +108,38 @@ class ThreadedEngine(Engine):
         self.records_alone = 0
         # Initialise this thread's PyTorch thread count now (see CpuWorker.setup) and remember it
         # as the process default that workers restore after setting their own budgets.
-        self._host_threads = torch.get_num_threads()
+        self.host_threads = torch.get_num_threads()
+
+    # ----------------------------------------------------------------- what workers see (WorkerHost)
+    # Workers read these once when made, and call the methods below; the counters above
+    # (blind_waiters, cpu_workers, has_gpu, host_threads) they read as plain attributes.
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    @property
+    def open_auto(self) -> list[AutoBatch]:
+        return self._open_auto
+
+    @property
+    def batch_latency_s(self) -> float:
+        return self.config.batch_latency_us * 1e-6
+
+    @property
+    def cpu_threads(self) -> int | None:
+        return self.config.cpu_threads
+
+    execute = Engine._execute
+    fail = Engine._fail
+
+    def worker_started(self, worker: Worker) -> None:
+        self._local.worker = worker
 
     # ----------------------------------------------------------------- workers
     def _worker(self, device: Device, kind: str) -> Worker:
         last_dev, last_w = self._last
         if device is last_dev and kind == "compute":
-            return last_w  # type: ignore[return-value]
+            return last_w
         lane = "copy" if kind == "copy" and device.is_gpu else "compute"
         w = self._workers.get((device, lane))
         if w is None:
@@ -135,10 +160,10 @@ class ThreadedEngine(Engine):
                 from .cuda import GpuWorker
 
                 w = GpuWorker(self, device, lane)
-                self._has_gpu = True
+                self.has_gpu = True
             else:
                 w = CpuWorker(self, device, lane)
-                self._cpu_workers += 1
+                self.cpu_workers += 1
             self._workers[(device, lane)] = w
             w.start()
             return w
@@ -200,13 +225,13 @@ class ThreadedEngine(Engine):
 
     def _wait_for_room(self, worker: Worker, limit: int) -> None:
         """Block (lock held) until ``worker`` has fewer than ``limit`` unfinished operations."""
-        self._blind_waiters += 1
+        self.blind_waiters += 1
         try:
             self._wake_deferred()
             while worker.unfinished >= limit:  # bound memory held by queued work
                 self._cond.wait()
         finally:
-            self._blind_waiters -= 1
+            self.blind_waiters -= 1
         if self._closed:  # closed while we waited: its workers may be stopped already
             raise EngineClosedError("this threaded engine was closed while a push waited for room "
                                     "(max_queued); create a new one to push more work")
@@ -277,7 +302,7 @@ class ThreadedEngine(Engine):
             batch = None
         if (not self._auto_size or loc.bulk is not None or loc.worker is not None or loc.running
                 or self._trace is not None or self._closed):
-            self.push(run_rec, (rec,), reads, (out,), device, 0, name)  # one by one
+            self._push(run_rec, (rec,), reads, (out,), device, 0, name, "compute")  # one by one
             return
         switched = device is not self._last[0]
         worker = self._worker(device, "compute")
@@ -345,7 +370,7 @@ class ThreadedEngine(Engine):
         self._open_auto.remove(batch)
         op = batch.op
         op.reads = tuple(v for v in reads if v._last_write is not op)
-        # The outputs were granted to the batch when collected; _complete releases them.
+        # The outputs were granted to the batch when collected; complete() releases them.
         batch.sent_outs = outs
         op.name = f"auto_bulk[{len(run)}]"
         self.records_batched += len(run)
@@ -424,10 +449,10 @@ class ThreadedEngine(Engine):
             elif forget and v._last_write is op:
                 v._last_write = None
 
-    def _complete(self, ops: list[Op]) -> None:
+    def complete(self, ops: list[Op]) -> None:
         """Release the variables of finished operations and wake whoever waits (takes the lock)."""
         with self._lock:
-            wake = self._blind_waiters
+            wake = self.blind_waiters
             forget = self._trace is None
             for op in ops:
                 for v in op.reads:
@@ -485,7 +510,7 @@ class ThreadedEngine(Engine):
                 while op.state != DONE:
                     self._cond.wait()
             finally:
-                self._blind_waiters -= blind
+                self.blind_waiters -= blind
 
     def _run_queued_batches(self) -> bool:
         """Run, in this waiting thread, the array records first in line on an idle CPU worker.
@@ -519,13 +544,13 @@ class ThreadedEngine(Engine):
             w.run_stolen(op, w.caller_label)
         finally:
             stack.pop()
-        self._complete([op])
+        self.complete([op])
 
     def _mark_waited(self, op: Op) -> int:
         """Ask for a wake-up when ``op`` finishes (lock held); 1 if every completion must wake us."""
         op.waited = True
         if op.worker is None:  # held in another thread's open bulk(): its batch is not known yet
-            self._blind_waiters += 1
+            self.blind_waiters += 1
             return 1
         return 0
 
@@ -553,7 +578,7 @@ class ThreadedEngine(Engine):
                         pause = min(2 * pause, RECHECK_MAX_S)
                         next_check = monotonic() + pause
             finally:
-                self._blind_waiters -= blind
+                self.blind_waiters -= blind
                 del self._blocked[key]
 
     def _check_cycle(self, me: Waiter) -> None:
@@ -587,7 +612,7 @@ class ThreadedEngine(Engine):
                 self._all_waiters -= 1
 
     def _sync_var(self, var: Var) -> None:
-        if self._has_gpu and var._wev is not None:
+        if self.has_gpu and var._wev is not None:
             var._wev.synchronize()
 
     # ----------------------------------------------------------------- lifetime

@@ -26,7 +26,7 @@ from .._io import atomic_write_text
 from ..errors import UsageError
 
 __all__ = ["TraceEvent", "Trace", "WorkerSummary", "TraceSummary", "summarize", "load_trace", "format_summary",
-           "PROFILER_OWN_CATEGORIES"]
+           "union_intervals", "PROFILER_OWN_CATEGORIES"]
 
 
 @dataclass(frozen=True)
@@ -300,7 +300,12 @@ class TraceSummary:
                 "workers": [w.__dict__ for w in self.workers]}
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as disjoint intervals in time order (touching ones merge).
+
+    >>> union_intervals([(5, 8), (0, 2), (1, 3), (8, 9)])
+    [(0, 3), (5, 9)]
+    """
     merged: list[tuple[float, float]] = []
     for s, e in sorted(intervals):
         if merged and s <= merged[-1][1]:
@@ -343,11 +348,11 @@ def summarize(events: list[TraceEvent]) -> TraceSummary:
     workers, edges = [], []
     for name in sorted(by_worker):
         intervals = [(e.start_us, e.end_us) for e in by_worker[name]]
-        merged = _union(intervals)
-        busy = sum(e - s for s, e in merged)
+        merged = union_intervals(intervals)
+        busy = sum(end - start for start, end in merged)
         workers.append(WorkerSummary(name, _outermost(intervals), busy, busy / span if span > 0 else 0.0))
-        for s, e in merged:
-            edges += [(s, 1), (e, -1)]
+        for start, end in merged:
+            edges += [(start, 1), (end, -1)]
     edges.sort(key=lambda x: (x[0], x[1]))  # ends before starts at equal times: touching is not overlap
     overlap, active, prev = 0.0, 0, t0
     for t, d in edges:

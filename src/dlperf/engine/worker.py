@@ -25,8 +25,10 @@ process-wide default that threads started later pick up is put back (checked by
 ``tests/test_engine.py``). With two logical CPU devices on two cores each gets one thread, and two
 matrix products really run side by side: PyTorch releases the GIL while it computes.
 
-A worker holds its engine only weakly, so an engine dropped without :meth:`close` is still
-garbage-collected; its workers notice (at once, or at their next idle check) and end.
+A worker knows its engine only as a :class:`WorkerHost`, given at construction: what it needs to
+run and release operations, nothing of the engine's scheduling state. It holds its host only
+weakly, so an engine dropped without :meth:`close` is still garbage-collected; its workers notice
+(at once, or at their next idle check) and end.
 """
 
 from __future__ import annotations
@@ -36,21 +38,19 @@ import itertools
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from time import perf_counter, thread_time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .._threads import restore_process_default, set_thread_budget
 from ..devices import Device, cpu_count
-from .engine import _run_bulk, run_auto
+from .batches import members as _members
+from .batches import run_auto
 from .var import QUEUED, RUNNING, Op
 
-if TYPE_CHECKING:
-    from .threaded import ThreadedEngine
-
-__all__ = ["Worker", "CpuWorker", "MAX_BATCH"]
+__all__ = ["Worker", "WorkerHost", "CpuWorker", "MAX_BATCH"]
 
 MAX_BATCH = 256  # ready operations taken per lock acquisition: bounds how long priorities wait
 IDLE_CHECK_S = 1.0  # an idle worker checks this often whether its engine was dropped unclosed
@@ -66,18 +66,74 @@ LONG_OP_S = 0.0002  # a worker whose recent operations took longer gets no autom
 _seq = itertools.count()
 
 
+class WorkerHost(Protocol):
+    """What a worker needs from the engine that owns it: all it may read or call there.
+
+    The first four are read once, when the worker is made; the rest at each use.
+    """
+
+    @property
+    def lock(self) -> threading.Lock:
+        """The scheduler's lock: a worker's queues and counters change only under it."""
+
+    @property
+    def open_auto(self) -> Sized:
+        """The automatic batches threads are collecting (one shared, changing container)."""
+
+    @property
+    def batch_latency_s(self) -> float:
+        """A batch's finished operations are released at least this often (seconds)."""
+
+    @property
+    def cpu_threads(self) -> int | None:
+        """Intra-op threads per CPU device; None: a fair share of the cores."""
+
+    @property
+    def cpu_workers(self) -> int:
+        """CPU workers started so far (they share the cores)."""
+
+    @property
+    def blind_waiters(self) -> int:
+        """Threads waiting for any completion: finished operations are released to them at once."""
+
+    @property
+    def has_gpu(self) -> bool:
+        """Whether a GPU worker exists (then CPU operations wait for device events first)."""
+
+    @property
+    def host_threads(self) -> int:
+        """The process default intra-op thread count, put back after a worker's budget."""
+
+    def execute(self, op: Op, where: str) -> None:
+        """Run ``op`` in this thread; skip it if an input failed, keep its error."""
+
+    def complete(self, ops: list[Op]) -> None:
+        """Release the variables of finished operations and wake whoever waits (takes the lock)."""
+
+    def fail(self, op: Op, exc: BaseException) -> None:
+        """Mark ``op`` failed with ``exc`` without running it."""
+
+    def send_auto_for(self, worker: Worker) -> int:
+        """Send ``worker``'s automatic batches that stopped growing (lock held): 1 sent, -1 growing, 0 none."""
+
+    def worker_started(self, worker: Worker) -> None:
+        """Called in the worker's thread before it runs anything (the engine marks the thread)."""
+
+
 class Worker:
     """A thread that runs the ready operations of one device lane (``compute`` or ``copy``)."""
 
     can_steal = False  # may a thread waiting on one of our queued ops run it itself?
     first_nap = IDLE_CHECK_S  # sleep after running dry; short only where pushes may skip the wake-up
 
-    def __init__(self, engine: ThreadedEngine, device: Device, lane: str) -> None:
-        # Weak: the thread must not keep an unclosed, unreferenced engine alive (see _loop).
-        self._engine_ref = weakref.ref(engine)
-        self._lock = engine._lock
-        self._open_auto = engine._open_auto  # threads' unsent automatic batches (see ThreadedEngine)
-        self._latency = engine.config.batch_latency_us * 1e-6
+    def __init__(self, host: WorkerHost, device: Device, lane: str) -> None:
+        # Weak: the thread must not keep an unclosed, unreferenced engine alive (see _loop). It gives
+        # None only once the engine is collected, when no operation of this worker is queued or
+        # running: only _loop and _send_collected, which run then, check.
+        self._host_ref: Callable[[], WorkerHost] = weakref.ref(host)  # type: ignore[assignment]
+        self._lock = host.lock
+        self._open_auto = host.open_auto  # threads' unsent automatic batches (see ThreadedEngine)
+        self._latency = host.batch_latency_s
         self.device = device
         self.lane = lane
         self.label = f"{device}/{lane}"
@@ -102,9 +158,9 @@ class Worker:
         self.thread = threading.Thread(target=self._loop, name=f"dlperf-engine-{self.label}", daemon=True)
 
     @property
-    def engine(self) -> ThreadedEngine:
+    def host(self) -> WorkerHost:
         """The owning engine (alive whenever an operation of this worker is queued or running)."""
-        return self._engine_ref()  # type: ignore[return-value]
+        return self._host_ref()
 
     def start(self) -> None:
         self.thread.start()
@@ -190,8 +246,8 @@ class Worker:
         """Before going idle (lock held): send the automatic batches threads collect for this worker
         (see ThreadedEngine.send_auto_for for the result)."""
         # (an unsent batch's operation holds the engine: this reference is never the last one)
-        eng = self._engine_ref()
-        return 0 if eng is None else eng.send_auto_for(self)
+        host = self._host_ref()
+        return 0 if host is None else host.send_auto_for(self)
 
     # worker thread ---------------------------------------------------------------------------
     def setup(self) -> None:
@@ -202,7 +258,7 @@ class Worker:
 
     def run_op(self, op: Op, where: str) -> None:
         """Run one operation in the current thread (device-specific synchronisation around it)."""
-        self.engine._execute(op, where)
+        self.host.execute(op, where)
 
     def run_stolen(self, op: Op, where: str) -> None:
         """Run ``op`` in a thread that waits for it (only where ``can_steal``)."""
@@ -236,18 +292,18 @@ class Worker:
                 if self._wake.acquire(timeout=nap):
                     nap = self.first_nap
                 else:
-                    if self._engine_ref() is None:
+                    if self._host_ref() is None:
                         break  # the engine was collected unclosed and could not signal us
                     nap = min(2 * nap, IDLE_CHECK_S)
                 continue
             self._process(batch)
-            batch = self.batch = self.current = None
+            del batch  # (see above: nothing may hold an operation while the worker sleeps)
+            self.batch = self.current = None
             nap = self.first_nap
         self.teardown()
 
     def _start(self) -> None:
-        eng = self.engine
-        eng._local.worker = self
+        self.host.worker_started(self)
         try:
             self.setup()
         except BaseException as exc:  # e.g. CUDA init failed: fail this worker's ops, do not hang
@@ -255,23 +311,23 @@ class Worker:
 
     def _process(self, batch: list[Op]) -> None:
         if self.setup_error is not None:
-            eng = self.engine
+            host = self.host
             for op in batch:
-                eng._fail(op, self.setup_error)
-            eng._complete(batch)
+                host.fail(op, self.setup_error)
+            host.complete(batch)
             return
         self.before_batch()
         self._run_batch(batch, self._latency)
 
-    def runner(self, eng: ThreadedEngine) -> Callable[[Op, str], None]:
+    def runner(self, host: WorkerHost) -> Callable[[Op, str], None]:
         """The function that runs one operation here (device synchronisation included)."""
         return self.run_op
 
     def _run_batch(self, batch: list[Op], latency: float) -> None:
-        eng = self.engine
+        host = self.host
         label = self.label
         self.batch = batch
-        run_op = self.runner(eng)
+        run_op = self.runner(host)
         began = perf_counter()
         if len(batch) == 1:
             self.current = op = batch[0]
@@ -283,7 +339,7 @@ class Worker:
                 members = _members(op)
                 run_op(op, label)
                 self._judge(perf_counter() - began, members)
-            eng._complete(batch)
+            host.complete(batch)
             return
         self._done = []
         start = began
@@ -298,14 +354,14 @@ class Worker:
             now = perf_counter()
             # Release now if a long op (or many short ones) ran, or if someone is already waiting:
             # deferring past the next op could hold a dependent back for that op's whole duration.
-            if now - start >= latency or op.waited or eng._blind_waiters or _has_dependents(op):
+            if now - start >= latency or op.waited or host.blind_waiters or _has_dependents(op):
                 self._done = []
-                eng._complete(done)
+                host.complete(done)
                 start = now
         self._judge(thread_time() - cpu if auto else perf_counter() - began, members)
         done, self._done = self._done, []
         if done:
-            eng._complete(done)
+            host.complete(done)
 
     def _judge(self, took: float, members: int) -> None:
         # Automatic batches are timed in this thread's CPU time (a system call, paid once a batch):
@@ -320,7 +376,7 @@ class Worker:
         done = self._done
         if done:
             self._done = []
-            self.engine._complete(done)
+            self.host.complete(done)
 
     def teardown(self) -> None:
         """Per-thread clean-up before the thread exits."""
@@ -332,17 +388,17 @@ class CpuWorker(Worker):
     can_steal = True
     first_nap = NAP_S
 
-    def __init__(self, engine: ThreadedEngine, device: Device, lane: str) -> None:
-        super().__init__(engine, device, lane)
+    def __init__(self, host: WorkerHost, device: Device, lane: str) -> None:
+        super().__init__(host, device, lane)
         self.threads = 0
+        self._fixed_threads = host.cpu_threads
 
     def budget(self) -> int:
         """Intra-op threads for this device: the configured number, or a fair share of the cores."""
-        eng = self._engine_ref()
-        fixed = eng.config.cpu_threads
+        fixed = self._fixed_threads
         if fixed is not None:
             return fixed
-        return _cores() // eng._cpu_workers or 1  # this worker counts, so never divides by 0
+        return _cores() // self._host_ref().cpu_workers or 1  # this worker counts, so never divides by 0
 
     def setup(self) -> None:
         # PyTorch initialises a thread's OpenMP/MKL thread count lazily, on the thread's first
@@ -354,7 +410,7 @@ class CpuWorker(Worker):
     def before_batch(self) -> None:
         want = self.budget()
         if want != self.threads:  # per-thread OpenMP/MKL setting: other threads keep theirs
-            set_thread_budget(want, self.engine._host_threads)
+            set_thread_budget(want, self.host.host_threads)
             self.threads = want
 
     def run_stolen(self, op: Op, where: str) -> None:
@@ -377,20 +433,21 @@ class CpuWorker(Worker):
         finally:
             if want != have:
                 torch.set_num_threads(have)  # also the process default: put the engine's back
-                if have != self.engine._host_threads:
-                    restore_process_default(self.engine._host_threads)
+                host_threads = self.host.host_threads
+                if have != host_threads:
+                    restore_process_default(host_threads)
 
-    def runner(self, eng: ThreadedEngine) -> Callable[[Op, str], None]:
+    def runner(self, host: WorkerHost) -> Callable[[Op, str], None]:
         # Without GPUs there are no device events to wait for: run the operation directly.
-        return self.run_op if eng._has_gpu else eng._execute
+        return self.run_op if host.has_gpu else host.execute
 
     def run_op(self, op: Op, where: str) -> None:
-        eng = self._engine_ref()
-        if not eng._has_gpu:
-            eng._execute(op, where)
+        host = self._host_ref()
+        if not host.has_gpu:
+            host.execute(op, where)
             return
         _host_wait_for_events(op)
-        eng._execute(op, where)
+        host.execute(op, where)
         for v in op.writes:  # a finished host write supersedes any device events
             v._wev = None
             v._revs = None
@@ -405,16 +462,6 @@ def _cores() -> int:
     if now - _cores_cache[0] > 1.0:
         _cores_cache[:] = [now, cpu_count()]
     return int(_cores_cache[1])
-
-
-def _members(op: Op) -> int:
-    """How many pushed operations ``op`` runs: a batch's members (so each is judged small or long)."""
-    fn = op.fn
-    if fn is run_auto:
-        return len(op.args[0].run)
-    if fn is _run_bulk:
-        return len(op.args[0])
-    return 1
 
 
 def _has_dependents(op: Op) -> bool:

@@ -15,22 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine import Trace
+from ..engine.trace import Trace, union_intervals
 
 __all__ = ["comm_overlap", "COMM_PREFIXES", "COMPUTE_PREFIX"]
 
 COMPUTE_PREFIX = "fwd+bwd "
 COMM_PREFIXES = ("allreduce bucket ", "kvstore ")
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 def _length(spans: list[tuple[float, float]]) -> float:
@@ -56,8 +46,8 @@ def comm_overlap(trace: Trace) -> dict[str, Any]:
     ``overlap_fraction`` is the share of communication time hidden behind forward/backward (0 when there
     was no communication).
     """
-    compute = _union([(e.start_us, e.end_us) for e in trace.events if e.name.startswith(COMPUTE_PREFIX)])
-    comm = _union([(e.start_us, e.end_us) for e in trace.events if e.name.startswith(COMM_PREFIXES)])
+    compute = union_intervals([(e.start_us, e.end_us) for e in trace.events if e.name.startswith(COMPUTE_PREFIX)])
+    comm = union_intervals([(e.start_us, e.end_us) for e in trace.events if e.name.startswith(COMM_PREFIXES)])
     comm_us, overlap = _length(comm), _intersect(compute, comm)
     return {"compute_us": _length(compute), "comm_us": comm_us, "overlap_us": overlap,
             "overlap_fraction": overlap / comm_us if comm_us > 0 else 0.0}

@@ -1,0 +1,133 @@
+"""Workers run through the narrow WorkerHost interface: no engine needed, and no import of one."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from dlperf.devices import cpu
+from dlperf.engine import create_engine
+from dlperf.engine.threaded import ThreadedEngine
+from dlperf.engine.var import QUEUED, Op
+from dlperf.engine.worker import CpuWorker, WorkerHost
+
+ENGINE_DIR = Path(__file__).resolve().parents[1] / "src" / "dlperf" / "engine"
+
+
+class RecordingHost:
+    """A WorkerHost that is no engine: it runs what it is given and records every call."""
+
+    def __init__(self, expected: int) -> None:
+        self.lock = threading.Lock()
+        self.open_auto: list = []
+        self.batch_latency_s = 0.0
+        self.cpu_threads: int | None = 1
+        self.cpu_workers = 1
+        self.blind_waiters = 0
+        self.has_gpu = False
+        self.host_threads = torch.get_num_threads()
+        self.where: list[str] = []
+        self.completed: list[Op] = []
+        self.started_in: threading.Thread | None = None
+        self.expected = expected
+        self.all_done = threading.Event()
+
+    def execute(self, op: Op, where: str) -> None:
+        op.result = op.fn(*op.args)
+        self.where.append(where)
+
+    def complete(self, ops: list[Op]) -> None:
+        with self.lock:
+            self.completed += ops
+            if len(self.completed) >= self.expected:
+                self.all_done.set()
+
+    def fail(self, op: Op, exc: BaseException) -> None:
+        op.exc = exc
+
+    def send_auto_for(self, worker: object) -> int:
+        return 0
+
+    def worker_started(self, worker: object) -> None:
+        self.started_in = threading.current_thread()
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at its top or inside functions (relative ones as ``.name``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_workers_import_neither_the_engine_nor_the_threaded_engine():
+    for module in ("worker.py", "cuda.py", "batches.py"):
+        imported = _imports(ENGINE_DIR / module)
+        for higher in (".engine", ".threaded", "dlperf.engine.engine", "dlperf.engine.threaded"):
+            assert higher not in imported, f"{module} imports {higher}"
+
+
+def test_the_threaded_engine_is_a_worker_host():
+    host: WorkerHost = ThreadedEngine()  # checked by mypy too
+    try:
+        for name in ("lock", "open_auto", "batch_latency_s", "cpu_threads", "cpu_workers", "blind_waiters",
+                     "has_gpu", "host_threads", "execute", "complete", "fail", "send_auto_for", "worker_started"):
+            assert hasattr(host, name), name
+    finally:
+        host.close()  # type: ignore[attr-defined]
+
+
+def test_a_cpu_worker_runs_and_releases_ops_through_its_host_alone():
+    host = RecordingHost(expected=20)
+    worker = CpuWorker(host, cpu(0), "compute")
+    worker.start()
+    box: list[int] = []
+    ops = [Op(None, box.append, (i,), (), (), worker, 0, None) for i in range(20)]
+    with host.lock:
+        for op in ops:
+            op.state = QUEUED
+            worker.enqueue(op)
+    assert host.all_done.wait(10)
+    assert box == list(range(20))  # one worker: push order
+    assert host.completed == ops and set(host.where) == {"cpu(0)/compute"}
+    assert host.started_in is worker.thread
+    with host.lock:
+        worker.stop()
+    worker.thread.join(10)
+    assert not worker.thread.is_alive()
+    assert worker.threads == 1  # the host's budget, applied in the worker's own thread
+    assert torch.get_num_threads() == host.host_threads  # the caller's count untouched
+
+
+def test_a_worker_whose_host_is_gone_ends_on_its_own():
+    host = RecordingHost(expected=1)
+    worker = CpuWorker(host, cpu(0), "compute")
+    worker.start()
+    del host
+    gc.collect()
+    deadline = time.monotonic() + 10  # idle workers look at their host about once a second
+    while worker.thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not worker.thread.is_alive()
+
+
+def test_an_engine_dropped_unclosed_still_ends_its_workers():
+    before = set(threading.enumerate())
+    eng = create_engine("threaded")
+    assert eng.push(lambda: 5).wait() == 5
+    threads = [t for t in set(threading.enumerate()) - before if t.name.startswith("dlperf-engine-")]
+    assert threads
+    del eng
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in threads)
