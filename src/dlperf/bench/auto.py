@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._threads import intra_op_threads
 from ..timing import Timing, time_steps
 from .modes import StepFn, compiled_step, eager_step
 
@@ -89,14 +90,8 @@ def _with_threads(n: int, step: StepFn) -> StepFn:
     """``step`` run with ``n`` intra-op threads, the caller's count restored after each call."""
 
     def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        before = torch.get_num_threads()
-        if before == n:
+        with intra_op_threads(n):
             return step(x, y)
-        torch.set_num_threads(n)
-        try:
-            return step(x, y)
-        finally:
-            torch.set_num_threads(before)
 
     return run
 

@@ -65,8 +65,8 @@ def _probe_hardware(threads: int):
 
 
 def _estimated_hardware(threads: int):
+    from .._threads import intra_op_threads
     from ..probe.profile import estimate_hardware
-    from .runner import intra_op_threads
 
     with intra_op_threads(threads):
         return estimate_hardware()

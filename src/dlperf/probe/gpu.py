@@ -9,13 +9,12 @@ import time
 from collections.abc import Callable
 
 from .reference import SEED
+from .result import ProbeRow
 
 _MIB = 1024 * 1024
 
 
 def _row(key: str, what: str, value: float | None, note: str, seed_key: str):
-    from .hardware import ProbeRow
-
     figure = SEED[seed_key]
     return ProbeRow(key, what, value, figure.unit, figure.value, figure.source, note)
 

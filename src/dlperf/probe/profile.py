@@ -29,8 +29,9 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch import nn
 
-from ..bench.timing import Timing, time_steps
+from .._threads import intra_op_threads
 from ..errors import UsageError
+from ..timing import Timing, time_steps
 from .cost import (
     GROUPS,
     Hardware,
@@ -368,12 +369,8 @@ def _usable_cores() -> int:
 
 def _with_threads(n: int, fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
-        before = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
+        with intra_op_threads(n):
             return fn()
-        finally:
-            torch.set_num_threads(before)
 
     return run
 
@@ -443,14 +440,9 @@ def profile(model: nn.Module, example_input: torch.Tensor, *, steps: int = 5, wa
                          "to profile; give a model with parameters that require gradients")
     if steps < 1 or warmup < 0:
         raise UsageError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    before = torch.get_num_threads()
-    try:
-        if threads is not None:
-            torch.set_num_threads(threads)
+    with intra_op_threads(threads):
         return _profile(copy.deepcopy(model).train(), example_input, steps, warmup, hardware, suggest, trace,
                         name or type(model).__name__)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _profile(model: nn.Module, x: torch.Tensor, steps: int, warmup: int, hardware: Hardware | None,
