@@ -36,7 +36,7 @@ import copy
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -55,10 +55,19 @@ LINK_KINDS = ("copy", "host", "device", "network")
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of connection: a message of ``n`` bytes takes ``alpha_s + n / bandwidth`` seconds."""
+    """One kind of connection: a message of ``n`` bytes takes ``alpha_s + n / bandwidth`` seconds.
+
+    The one link model: the cost model's links between devices, the measured links between processes
+    (:mod:`dlperf.probe.links`), the GPU probe's copy rows and the allreduce choice all use it, and
+    :meth:`fit` is how each of them turns measured times into one.
+
+    >>> link = Link.fit([4096, 4 << 20], [20e-6 + 4096 / 9e9, 20e-6 + (4 << 20) / 9e9])
+    >>> link.describe()
+    '20 us + 9.00 GB/s'
+    """
 
     alpha_s: float
-    bandwidth: float  # bytes per second, one direction
+    bandwidth: float  # bytes per second, one direction; inf: no measurable cost per byte
 
     @property
     def beta(self) -> float:
@@ -67,6 +76,41 @@ class Link:
 
     def time(self, nbytes: float) -> float:
         return self.alpha_s + nbytes * self.beta
+
+    def describe(self) -> str:
+        return f"{self.alpha_s * 1e6:.0f} us + {self.bandwidth / 1e9:.2f} GB/s"
+
+    @classmethod
+    def fit(cls, sizes: Sequence[float], seconds: Sequence[float], *, min_alpha_s: float = 0.0) -> Link:
+        """The least-squares line ``t = alpha + n / B`` through measured (bytes, seconds); through both
+        points when there are two. A flat or falling line is noise on a link too fast to see at these
+        sizes: all latency (the slowest time), no cost per byte. ``alpha`` is at least ``min_alpha_s``.
+        """
+        if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+            raise ValueError(f"a link fit needs times at two sizes or more, got sizes {list(sizes)}")
+        k = len(sizes)
+        mean_n, mean_t = sum(sizes) / k, sum(seconds) / k
+        slope = (sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes, seconds))
+                 / sum((n - mean_n) ** 2 for n in sizes))
+        if slope <= 0:
+            return cls(max(max(seconds), min_alpha_s), math.inf)
+        return cls(max(mean_t - slope * mean_n, min_alpha_s), 1.0 / slope)
+
+    # The names of the measured links between processes, read while their callers move to the ones above.
+    @property
+    def latency_s(self) -> float:
+        return self.alpha_s
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth
+
+    def seconds(self, nbytes: float) -> float:
+        return self.time(nbytes)
+
+    @classmethod
+    def from_two_points(cls, small: tuple[float, float], large: tuple[float, float]) -> Link:
+        return cls.fit([small[0], large[0]], [small[1], large[1]])
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from .._cliargs import available_memory_bytes, one_line
 from .._threads import intra_op_threads
 from ..errors import DlperfError
+from ..timing import best_of
 from .reference import GBPS, GFLOPS, NS, SEED, mm_seed
 from .result import ProbeResult, ProbeRow, cores, machine
 
@@ -270,20 +271,9 @@ def _time_mm(torch, n: int, dtype, min_s: float, reps: int) -> float:
     """Peak GFLOP/s: the fastest of many short blocks of products, so a moment of contention costs one block."""
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
-    start = time.perf_counter()
-    torch.mm(a, b)
-    torch.mm(a, b)
-    per_call = max((time.perf_counter() - start) / 2, 1e-6)
+    per_call = max(best_of(lambda: torch.mm(a, b), reps=1, warmup=0, calls=2), 1e-6)
     block = max(1, int(0.01 / per_call))  # blocks of about 10 ms
-    best = math.inf
-    deadline = time.perf_counter() + min_s * max(reps, 1)
-    blocks = 0
-    while blocks < 3 or time.perf_counter() < deadline:
-        begin = time.perf_counter()
-        for _ in range(block):
-            torch.mm(a, b)
-        best = min(best, (time.perf_counter() - begin) / block)
-        blocks += 1
+    best = best_of(lambda: torch.mm(a, b), reps=3, warmup=0, calls=block, min_seconds=min_s * max(reps, 1))
     return 2.0 * n ** 3 / best / 1e9
 
 

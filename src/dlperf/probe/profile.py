@@ -31,7 +31,7 @@ from torch import nn
 
 from .._threads import intra_op_threads
 from ..errors import UsageError
-from ..timing import Timing, time_steps
+from ..timing import Timing, best_of, time_steps
 from .cost import (
     GROUPS,
     Hardware,
@@ -165,13 +165,7 @@ def estimate_hardware(repeats: int = 5) -> Hardware:
     tiny = torch.zeros(1)
 
     def best(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return max(min(times), 1e-9)
+        return max(best_of(fn, reps=repeats), 1e-9)
 
     flops = 2 * 768**3 / best(lambda: torch.mm(a, b))
     copy_bw = 2 * src.numel() * 4 / best(lambda: dst.copy_(src))  # read + write
