@@ -7,6 +7,7 @@ render through :mod:`dlperf.bench.report`, imported when one is asked for.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -191,7 +192,7 @@ class BenchResult:
     def to_pandas(self):
         """The rows as a pandas DataFrame; pandas is optional."""
         try:
-            import pandas as pd
+            pd = importlib.import_module("pandas")  # optional, and without type stubs
         except ImportError:
             raise UsageError("to_pandas() needs pandas; install it with: pip install pandas "
                              "(or use to_rows(), a list of dicts)") from None
@@ -207,19 +208,19 @@ SLOWER_TOLERANCE = 0.10
 def slower_with_more_threads(cells: list[CellResult]) -> list[str]:
     """Lines naming each network and device where a thread count was slower than a smaller one."""
     lines = []
-    groups: dict[tuple[str, Device], list[CellResult]] = {}
+    groups: dict[tuple[str, Device], list[tuple[int, float, CellResult]]] = {}
     for c in cells:
         if c.threads is not None and c.timing is not None:
-            groups.setdefault((c.network, c.device), []).append(c)
+            groups.setdefault((c.network, c.device), []).append((c.threads, c.timing.median_s, c))
     for (net, dev), group in groups.items():
-        group.sort(key=lambda c: c.threads)
-        for i, more in enumerate(group):
-            fewer = min(group[:i], key=lambda c: c.timing.median_s, default=None)
-            if fewer is None or more.timing.median_s <= fewer.timing.median_s * (1 + SLOWER_TOLERANCE):
+        group.sort(key=lambda g: g[0])
+        for i, (threads, median_s, more) in enumerate(group):
+            fewer = min(group[:i], key=lambda g: g[1], default=None)
+            if fewer is None or median_s <= fewer[1] * (1 + SLOWER_TOLERANCE):
                 continue
-            ratio = more.timing.median_s / fewer.timing.median_s
-            why = ("marked contended: other work took the cores" if more.contended or fewer.contended
+            fewer_threads, fewer_s, fewer_cell = fewer
+            why = ("marked contended: other work took the cores" if more.contended or fewer_cell.contended
                    else "not contended: the ops may be too small to share, or the cores are shared")
-            lines.append(f"{net} on {dev}: {more.threads} threads took {ratio:.1f}x as long as {fewer.threads} "
-                         f"({why})")
+            lines.append(f"{net} on {dev}: {threads} threads took {median_s / fewer_s:.1f}x as long as "
+                         f"{fewer_threads} ({why})")
     return lines

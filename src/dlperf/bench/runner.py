@@ -17,6 +17,7 @@ import platform
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -87,7 +88,7 @@ class BenchConfig:
     @classmethod
     def quick(cls, **overrides) -> BenchConfig:
         """The sweep in minutes: fewer timed steps, the same batch sizes."""
-        base = dict(warmup=1, steps=5, max_cell_seconds=12.0)
+        base: dict[str, Any] = dict(warmup=1, steps=5, max_cell_seconds=12.0)
         base.update(overrides)
         return cls(**base)
 
@@ -149,6 +150,31 @@ def step_backend(step: Callable, mode: str) -> str | None:
     return getattr(step, "backend", None) or _MODE_BACKENDS.get(mode)
 
 
+def _time_cell(cell: CellResult, config: BenchConfig, on_step: Callable[[], None] | None) -> None:
+    """Build the cell's model and step, time it, and record the result on ``cell``."""
+    spec, dev = get_spec(cell.network), cell.device
+    torch.manual_seed(config.seed)
+    model = spec.build().to(dev.torch_device)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(config.seed)
+    x, y = spec.input.make_batch(cell.batch_size, dev.torch_device, generator=gen)
+    built = time.perf_counter()
+    step = get_mode(config.mode)(model, spec.loss, optimizer, x, y)
+    build_s = time.perf_counter() - built
+    # a GPU cell keeps one host thread busy launching kernels
+    cell.timing = time_steps(lambda: step(x, y), warmup=config.warmup, steps=config.steps,
+                             synchronize=dev.synchronize, on_step=on_step,
+                             max_seconds=config.max_cell_seconds, threads=cell.threads or 1)
+    if config.mode != "eager":
+        overhead = cell.timing.first_call_overhead_s
+        cell.compile_s = build_s + (overhead or 0.0)
+        cell.backend = step_backend(step, config.mode)
+    cell.mode_chosen = getattr(step, "mode_chosen", None)
+    cell.gain_over_eager = getattr(step, "gain_over_eager", None)
+    cell.auto_reason = getattr(step, "auto_reason", None)
+
+
 def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
              flops: float | None, on_step: Callable[[], None] | None = None) -> CellResult:
     spec = get_spec(net)
@@ -156,31 +182,12 @@ def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
     cell = CellResult(net, dev, threads, batch, config.mode, flops_per_step=flops)
     try:
         with intra_op_threads(threads):
-            torch.manual_seed(config.seed)
-            model = spec.build().to(dev.torch_device)
-            model.train()
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-            gen = torch.Generator().manual_seed(config.seed)
-            x, y = spec.input.make_batch(batch, dev.torch_device, generator=gen)
-            built = time.perf_counter()
-            step = get_mode(config.mode)(model, spec.loss, optimizer, x, y)
-            build_s = time.perf_counter() - built
-            # a GPU cell keeps one host thread busy launching kernels
-            cell.timing = time_steps(lambda: step(x, y), warmup=config.warmup, steps=config.steps,
-                                     synchronize=dev.synchronize, on_step=on_step,
-                                     max_seconds=config.max_cell_seconds, threads=threads or 1)
-            if config.mode != "eager":
-                overhead = cell.timing.first_call_overhead_s
-                cell.compile_s = build_s + (overhead or 0.0)
-                cell.backend = step_backend(step, config.mode)
-            cell.mode_chosen = getattr(step, "mode_chosen", None)
-            cell.gain_over_eager = getattr(step, "gain_over_eager", None)
-            cell.auto_reason = getattr(step, "auto_reason", None)
+            _time_cell(cell, config, on_step)
     except Exception as exc:  # noqa: BLE001 - one cell's failure must not lose the others
         cell.error = describe_failure(exc)
     finally:
-        # Free the model before the next cell allocates its own (fcn-s alone is ~1.4 GB with grads).
-        model = optimizer = step = x = y = None  # noqa: F841
+        # The model, optimizer and batch went with _time_cell's frame; collect them before the next cell
+        # allocates its own (fcn-s alone is ~1.4 GB with grads).
         gc.collect()
         if dev.is_gpu:
             torch.cuda.empty_cache()

@@ -251,11 +251,11 @@ def _short(value: object) -> str:
 
 
 def _positive(value: object, key: str, *, zero_ok: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not zero_ok):
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
         want = "a finite number >= 0" if zero_ok else "a finite number > 0"
         raise UsageError(f"hardware {key} is {_short(value)}; expected {want}: fix the figure or measure it again")
-    return float(value)
+    return number
 
 
 _GB = 1e9

@@ -309,7 +309,7 @@ def _dispatch_rows(plan: Plan) -> list[ProbeRow]:
     def nothing():
         return None
 
-    env = {"f": nothing}
+    env: dict[str, object] = {"f": nothing}
     call = _per_call_ns("f()", plan.py_calls, plan.reps, env)
     empty = _per_call_ns("pass", plan.py_calls, plan.reps, env)
     rows = [_row("py_call", "Python function call", max(call - empty, 0.0),

@@ -92,7 +92,7 @@ class Suggestion:
                 "unit": self.unit, "speedup": self.speedup, "recommended": self.recommended, "note": self.note}
 
     def line(self) -> str:
-        if self.speedup is None:
+        if self.speedup is None or self.baseline_s is None or self.measured_s is None:
             return f"{self.name:<14} not measured: {self.note}"
         verdict = "recommended" if self.recommended else "no gain here"
         note = f"; {self.note}" if self.note else ""
@@ -261,6 +261,7 @@ def _profiled_step(step: Callable[[], object], trace: str | os.PathLike | None,
         seconds["python"] += max(wall - covered, 0.0)
         if best is None or max(wall, covered) < best[1]:
             best = (seconds, max(wall, covered), prof)
+    assert best is not None  # at least one try ran
     seconds, wall, prof = best
     if trace is not None:
         _write_trace(prof, trace)
@@ -346,7 +347,7 @@ def _suggest_channels_last(model: nn.Module, x: torch.Tensor, steps: int) -> Sug
         return None
     how = "model.to(memory_format=torch.channels_last) and the same for each input batch"
     try:
-        cl_model = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        cl_model = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         base, cl = _paired(_trainer(model, x),
                            _trainer(cl_model, x.contiguous(memory_format=torch.channels_last)), steps)
     except Exception as exc:  # noqa: BLE001 (a suggestion that cannot run is reported, not fatal)

@@ -119,19 +119,21 @@ def _host_links(k: int):
     from ...probe import load_probe
     from ...probe.cost import Hardware
 
-    copy, dispatch, where = None, None, "a host copy and an operator timed now"
+    figures: tuple[Link, float] | None = None
+    where = "a host copy and an operator timed now"
     result = load_probe(quiet=True)
     if result is not None:
         try:
             probed = Hardware.from_probe_result(result)
-            copy, dispatch = probed.link("copy"), probed.dispatch_s
+            figures = probed.link("copy"), probed.dispatch_s
             where = "the dlperf probe cache's copy rate and dispatch cost"
         except Exception:  # noqa: BLE001 (a cache without the copy figures: measure instead)
-            copy = None
-    if copy is None:
+            figures = None
+    if figures is None:
         fitted = _fit_link(torch.device("cpu"), torch.device("cpu"), lambda: None)
         # a copy of n bytes reads n and writes n: the schedules' traffic counts both, as STREAM does
-        copy, dispatch = Link(fitted.alpha_s, 2 * fitted.bandwidth), _measure_dispatch_s()
+        figures = Link(fitted.alpha_s, 2 * fitted.bandwidth), _measure_dispatch_s()
+    copy, dispatch = figures
     link = Link(_measure_handoff_s(k), copy.bandwidth)
     links = {"copy": link, "host": link, "device": link, "network": link}
     what = f"{where}, and a worker hand-off timed now"
@@ -331,9 +333,12 @@ def choose_algorithm(nbytes: float, devices: Sequence[DeviceLike] | int, hardwar
     whether the allreduce runs with device workers (``allreduce(..., workers=...)``) or all on the
     calling thread. Predictions that tie go to the project default, :data:`DEFAULT_ALGORITHM`.
     """
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        devices = [Device("cpu", i) for i in range(devices)]
-    devs = [to_device(d) for d in devices]
+    if isinstance(devices, bool):
+        raise UsageError(f"choose_algorithm needs devices or a number of devices, got {devices!r}")
+    if isinstance(devices, int):
+        devs = [Device("cpu", i) for i in range(devices)]
+    else:
+        devs = [to_device(d) for d in devices]
     k = len(devs)
     if k < 1 or isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not 0 <= nbytes < float("inf"):
         raise UsageError(f"choose_algorithm needs a finite nbytes >= 0 and at least one device, got "
@@ -355,7 +360,7 @@ def choose_algorithm(nbytes: float, devices: Sequence[DeviceLike] | int, hardwar
     kind = "logical CPU devices" if shared else "devices"
     if shared:
         in_cache = cache is not None and k * nbytes <= cache[0]
-        rate = cache[1] if in_cache else hardware.link("host").bandwidth
+        rate = cache[1] if cache is not None and in_cache else hardware.link("host").bandwidth
         figures = (f"hand-off {hardware.link('host').alpha_s * 1e6:.3g} us, {hardware.dispatch_s * 1e6:.3g} us/op, "
                    f"{rate / 1e9:.3g} GB/s {'in cache, timed now' if in_cache else 'memory traffic'}")
     else:
