@@ -11,10 +11,10 @@ import platform
 __all__ = ["cpu_model", "host_memory"]
 
 
-def cpu_model() -> str:
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU's marketing name from /proc/cpuinfo, else what :mod:`platform` knows (``x86_64`` at worst)."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
@@ -23,11 +23,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def host_memory() -> tuple[int | None, int | None]:
+def host_memory(meminfo: str = "/proc/meminfo") -> tuple[int | None, int | None]:
     """Host memory (total, used) in bytes from /proc/meminfo; (None, None) elsewhere."""
     try:
         fields = {}
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
                 key, value = line.split(":", 1)
                 fields[key] = int(value.split()[0]) * 1024

@@ -5,6 +5,7 @@ Every function here returns nothing on a machine without a visible CUDA device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from ..timing import best_of
@@ -30,7 +31,7 @@ def launch_rows(torch, device: int, count: int) -> list:
     x.add_(1)
     torch.cuda.synchronize(device)
     # no synchronize inside the block: the host returns before the kernel runs, and that return is the figure
-    issue = best_of(lambda: x.add_(1), reps=1, warmup=0, calls=count)
+    issue = best_of(functools.partial(x.add_, 1), reps=1, warmup=0, calls=count)
     torch.cuda.synchronize(device)
 
     def round_trip():
@@ -61,7 +62,7 @@ def launch_rows(torch, device: int, count: int) -> list:
 
 
 def _copy_time(torch, dst, src, reps: int) -> float:
-    return best_of(lambda: dst.copy_(src), reps=reps, synchronize=torch.cuda.synchronize)
+    return best_of(functools.partial(dst.copy_, src), reps=reps, synchronize=torch.cuda.synchronize)
 
 
 def transfer_rows(torch, device: int, sizes: list[int], reps: int) -> list:

@@ -271,9 +271,10 @@ def _time_mm(torch, n: int, dtype, min_s: float, reps: int) -> float:
     """Peak GFLOP/s: the fastest of many short blocks of products, so a moment of contention costs one block."""
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
-    per_call = max(best_of(lambda: torch.mm(a, b), reps=1, warmup=0, calls=2), 1e-6)
+    product = functools.partial(torch.mm, a, b)
+    per_call = max(best_of(product, reps=1, warmup=0, calls=2), 1e-6)
     block = max(1, int(0.01 / per_call))  # blocks of about 10 ms
-    best = best_of(lambda: torch.mm(a, b), reps=3, warmup=0, calls=block, min_seconds=min_s * max(reps, 1))
+    best = best_of(product, reps=3, warmup=0, calls=block, min_seconds=min_s * max(reps, 1))
     return 2.0 * n ** 3 / best / 1e9
 
 

@@ -21,6 +21,7 @@ Link figures are measured once per process. Each new decision is logged on the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -66,7 +67,7 @@ def describe_bytes(n: float) -> str:
 
 def _median_copy_s(dst: torch.Tensor, src: torch.Tensor, reps: int, sync: Callable[[], None]) -> float:
     # the untimed first copy takes the first touch: page faults and allocator work are not the link
-    return median_of(lambda: dst.copy_(src, non_blocking=True), reps=reps, synchronize=sync)
+    return median_of(functools.partial(dst.copy_, src, non_blocking=True), reps=reps, synchronize=sync)
 
 
 def _fit_link(src_device: torch.device, dst_device: torch.device, sync: Callable[[], None]) -> Link:
@@ -163,7 +164,7 @@ def cache_figures() -> tuple[int, float]:
 def _measure_dispatch_s(calls: int = 2000) -> float:
     """Seconds per eager operator on a one-element tensor: Python binding, dispatcher, kernel."""
     x = torch.zeros(1)
-    return max(best_of(lambda: x.add_(1.0), reps=1, warmup=100, calls=calls), _MIN_ALPHA_S)
+    return max(best_of(functools.partial(x.add_, 1.0), reps=1, warmup=100, calls=calls), _MIN_ALPHA_S)
 
 
 def link_hardware(devices: Sequence[DeviceLike]):
