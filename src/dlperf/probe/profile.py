@@ -31,7 +31,7 @@ from torch import nn
 
 from .._threads import intra_op_threads
 from ..errors import UsageError
-from ..timing import Timing, best_of, time_steps
+from ..timing import Timing, best_of, per_call_samples, time_steps
 from .cost import (
     GROUPS,
     Hardware,
@@ -332,9 +332,7 @@ def _paired(baseline: Callable[[], object], variant: Callable[[], object], steps
     b: list[float] = []
     for _ in range(max(steps, 2)):
         for fn, out in ((baseline, a), (variant, b)):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
+            out += per_call_samples(fn, reps=1, warmup=0)
     return Timing.from_samples(a).median_s, Timing.from_samples(b).median_s
 
 
