@@ -31,12 +31,12 @@ import time
 
 import torch
 
-from dlperf.bench.timing import time_steps
 from dlperf.devices import copy_to, cpu, cpu_count
 from dlperf.parallel import algorithm_names, allreduce, engine_lanes
 from dlperf.parallel.allreduce import choose_algorithm
 from dlperf.parallel.allreduce.auto import cache_figures, describe_bytes, link_hardware, predict
 from dlperf.probe.cost import ALLREDUCE_FORMULAS
+from dlperf.timing import time_steps
 
 SIZES = (4 * 1024, 1024 * 1024, 64 * 1024 * 1024)
 _TIE = 1e-9

@@ -53,7 +53,6 @@ import time
 import torch
 
 from dlperf._hostmem import host_malloc_state, keep_freed_host_memory
-from dlperf.bench.timing import time_steps
 from dlperf.devices import copy_to, cpu
 from dlperf.engine import create_engine
 from dlperf.models import get_spec
@@ -62,6 +61,7 @@ from dlperf.parallel.buckets import GradientBuckets
 from dlperf.parallel.lanes import EngineLanes, comm_lanes
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.replicas import replicate
+from dlperf.timing import time_steps
 
 BATCH = 256
 SMALL_BATCH = 64  # the small MLP's global batch (32 inputs, 64 hidden, 10 classes)

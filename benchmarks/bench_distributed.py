@@ -39,12 +39,12 @@ from functools import partial
 
 import torch
 
-from dlperf.bench.timing import ContentionMonitor, Timing
 from dlperf.devices import cpu
 from dlperf.models import get_spec
 from dlperf.parallel import Trainer
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.procs import PROCESS_ALLREDUCE_ENV
+from dlperf.timing import ContentionMonitor, Timing
 
 BATCH = 256
 PROCESSES = 2

@@ -37,10 +37,10 @@ import time
 import numpy
 import torch
 
-from dlperf.bench.timing import ContentionMonitor, time_steps
 from dlperf.devices import cpu, gpu, num_gpus
 from dlperf.engine import InFlight, create_engine
 from dlperf.engine import array as dnp
+from dlperf.timing import ContentionMonitor, time_steps
 
 ROWS: list[tuple[str, str, str, str]] = []  # (experiment, variant, value, note)
 

@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from dlperf.bench.runner import BenchConfig, intra_op_threads, run_cell
+from dlperf._threads import intra_op_threads
+from dlperf.bench.runner import BenchConfig, run_cell
 from dlperf.devices import cpu
 from dlperf.models import get_spec
 

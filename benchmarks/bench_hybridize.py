@@ -22,10 +22,10 @@ import warnings
 
 import torch
 
-from dlperf.bench.timing import Timing
 from dlperf.hybrid import hybridize
 from dlperf.hybrid.bench_mode import make_step
 from dlperf.models import get_spec
+from dlperf.timing import Timing
 
 CALLS = 1000  # per timing sample, as in the book's benchmark
 

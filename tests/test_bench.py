@@ -9,11 +9,11 @@ from dlperf.bench import report
 from dlperf.bench.modes import eager_step, register_mode
 from dlperf.bench.reference import TABLE7, paper_figure
 from dlperf.bench.runner import BenchConfig, default_threads, run_bench
-from dlperf.bench.timing import Timing, time_steps
 from dlperf.cli import main
 from dlperf.devices import cpu
 from dlperf.errors import UsageError
 from dlperf.models import get_spec
+from dlperf.timing import Timing, time_steps
 
 
 def test_timing_statistics():
@@ -383,14 +383,14 @@ def _cell(threads, median, contention=None):
     if contention:
         verdict = judge_contention(ContentionSignals(wall_s=1, cpu_s=1, threads=threads, cores=2, run_s=1,
                                                      wait_s=1, others_mean=1, others_max=1))
-    from dlperf.bench.runner import CellResult
+    from dlperf.bench.result import CellResult
 
     return CellResult("alexnet-r", cpu(), threads, 16, "eager",
                       timing=Timing.from_samples([median] * 3, contention=verdict))
 
 
 def _result(cells):
-    from dlperf.bench.runner import BenchResult
+    from dlperf.bench.result import BenchResult
 
     return BenchResult(_small_config(networks=["alexnet-r"]), cells, {"cpu": "x", "cores": 2, "gpus": [],
                                                                        "torch": "t", "date": "d"}, 1.0)

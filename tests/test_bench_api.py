@@ -18,7 +18,7 @@ def tiny():
 
 
 def test_run_returns_the_runners_result_with_the_asked_config(tiny):
-    from dlperf.bench.runner import BenchResult
+    from dlperf.bench.result import BenchResult
 
     assert isinstance(tiny, BenchResult)
     c = tiny.config

@@ -13,7 +13,7 @@ import pytest
 from dlperf.cli import main
 from dlperf.probe import cache as probe_cache
 from dlperf.probe import hardware, kernels
-from dlperf.probe.gpu import fit_latency_bandwidth
+from dlperf.probe.cost import Link
 from dlperf.probe.reference import SEED, mm_seed
 
 MIB = 1024 * 1024
@@ -114,9 +114,9 @@ def test_cache_sizes_from_sysfs_and_defaults(tmp_path):
 def test_fit_recovers_latency_and_bandwidth():
     sizes = [4096 * 4 ** k for k in range(6)]
     seconds = [5e-6 + n / 12e9 for n in sizes]
-    alpha, bandwidth = fit_latency_bandwidth(sizes, seconds)
-    assert alpha == pytest.approx(5e-6, rel=1e-6)
-    assert bandwidth == pytest.approx(12e9, rel=1e-6)
+    link = Link.fit(sizes, seconds)
+    assert link.alpha_s == pytest.approx(5e-6, rel=1e-6)
+    assert link.bandwidth == pytest.approx(12e9, rel=1e-6)
 
 
 def test_seed_figures_match_the_book():

@@ -243,3 +243,53 @@ def test_hardware_from_a_probe_run_takes_its_figures():
     assert Hardware.from_probe_result(result, threads=1).peak_flops("float32") == pytest.approx(100e9)
     with pytest.raises(UsageError):  # no matrix-product row at that thread count: no FLOP/s to build on
         Hardware.from_probe_result(result, threads=4)
+
+
+# --- the one link model and its fit, against a plain least-squares reference ---------------------------------
+def _least_squares(sizes, seconds):
+    import numpy as np
+
+    slope, intercept = np.polyfit(np.asarray(sizes, dtype=float), np.asarray(seconds, dtype=float), 1)
+    return intercept, slope
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_link_fit_is_the_least_squares_line(seed):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [4096 * 4 ** k for k in range(6)]
+    seconds = [20e-6 + n / 5e9 + float(torch.rand(1, generator=gen)) * 1e-6 for n in sizes]
+    intercept, slope = _least_squares(sizes, seconds)
+    link = Link.fit(sizes, seconds)
+    assert link.alpha_s == pytest.approx(max(intercept, 0.0), rel=1e-6, abs=1e-12)
+    assert link.beta == pytest.approx(slope, rel=1e-6)
+    assert link.time(1 << 20) == pytest.approx(link.alpha_s + (1 << 20) * slope, rel=1e-6)
+
+
+def test_link_fit_through_two_points_and_its_limits():
+    link = Link.fit([4096, 4 << 20], [20e-6 + 4096 / 9e9, 20e-6 + (4 << 20) / 9e9])
+    assert (link.alpha_s, link.bandwidth) == (pytest.approx(20e-6), pytest.approx(9e9))
+    assert link.describe() == "20 us + 9.00 GB/s"
+    # the large size was no slower: noise on a fast link, all latency
+    assert Link.fit([4096, 4 << 20], [3e-3, 2e-3]) == Link(3e-3, math.inf)
+    # a negative intercept (noise) is no latency at all, or the floor asked for
+    steep = ([1000, 2000], [1e-7, 1e-6])
+    assert Link.fit(*steep).alpha_s == 0.0
+    assert Link.fit(*steep, min_alpha_s=1e-8).alpha_s == 1e-8
+    with pytest.raises(ValueError, match="two sizes"):
+        Link.fit([4096, 4096], [1e-3, 2e-3])
+
+
+def test_linkfit_names_read_the_same_link():
+    from dlperf.probe.links import LinkFit
+
+    fit = LinkFit.from_two_points((4096, 1e-5), (8192, 2e-5))
+    assert isinstance(fit, Link)
+    assert (fit.latency_s, fit.bytes_per_s, fit.seconds(100)) == (fit.alpha_s, fit.bandwidth, fit.time(100))
+
+
+def test_named_tables_list_their_names_on_a_miss():
+    with pytest.raises(UsageError, match=r"^unknown seed hardware 'dgx'; valid choices: pcie-4gpu, v100-8gpu, cpu-4"):
+        Hardware.from_seed("dgx")
+    with pytest.raises(UsageError, match=r"^unknown allreduce algorithm 'bruck'; valid choices: naive, cpu, sharded"):
+        allreduce_time("bruck", 1e6, 4, Hardware.from_seed())
+    assert list(ALLREDUCE_FORMULAS)[:4] == list(PROJECT_ALGORITHMS)

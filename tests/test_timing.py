@@ -16,7 +16,10 @@ from dlperf.timing import (
     ContentionMonitor,
     ContentionSignals,
     Timing,
+    best_of,
     judge_contention,
+    median_of,
+    per_call_samples,
     time_steps,
 )
 
@@ -173,3 +176,60 @@ def test_a_quiet_run_is_not_marked(tmp_path):
         reasons.append([c["contention"] for c in doc["cells"] if c["contended"]])
         time.sleep(5)
     pytest.fail(f"every quiet run was marked: {reasons}")
+
+
+# --- best-of and median-of: one operation's figures, on a fake clock -------------------------------------------
+class FakeClock:
+    """A clock that moves only when the timed function runs: call i takes ``costs[i]`` seconds."""
+
+    def __init__(self, costs):
+        self.now, self.costs, self.calls, self.log = 0.0, list(costs), 0, []
+
+    def perf_counter(self):
+        return self.now
+
+    def fn(self):
+        self.now += self.costs[self.calls % len(self.costs)]
+        self.calls += 1
+        self.log.append("call")
+
+    def sync(self):
+        self.log.append("sync")
+
+
+def test_per_call_samples_warms_up_brackets_and_divides(monkeypatch):
+    import types
+
+    import dlperf.timing as timing
+
+    clock = FakeClock([5.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0])
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    samples = per_call_samples(clock.fn, reps=3, warmup=1, calls=2, synchronize=clock.sync)
+    assert samples == [1.5, 3.5, 7.0]  # the 5 s warm-up call is not timed; blocks of 2 calls, per call
+    assert clock.log == ["call", "sync", "sync", "call", "call", "sync", "sync", "call", "call", "sync",
+                         "sync", "call", "call", "sync"]
+
+
+def test_best_and_median_of_against_their_samples(monkeypatch):
+    import statistics
+    import types
+
+    import dlperf.timing as timing
+
+    costs = [0.0, 3.0, 1.0, 2.0, 9.0]
+    for pick, expected in ((best_of, min), (median_of, statistics.median)):
+        clock = FakeClock(costs)
+        monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+        assert pick(clock.fn, reps=4) == expected(costs[1:])
+
+
+def test_min_seconds_keeps_taking_blocks(monkeypatch):
+    import types
+
+    import dlperf.timing as timing
+
+    clock = FakeClock([1.0])
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    assert len(per_call_samples(clock.fn, reps=2, warmup=0, min_seconds=5.0)) == 5
+    with pytest.raises(ValueError, match="reps >= 1"):
+        per_call_samples(clock.fn, reps=0)

@@ -68,7 +68,8 @@ def is_glibc() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+        version = os.confstr("CS_GNU_LIBC_VERSION")
+        return version is not None and version.startswith("glibc")
     except (ValueError, OSError):  # another C library does not know the name
         return False
 

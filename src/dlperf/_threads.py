@@ -9,6 +9,8 @@ default back; the only setter also sets its caller's count, so a throw-away thre
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -38,3 +40,26 @@ def fresh_thread_default() -> int:
     t.start()
     t.join()
     return out[0]
+
+
+@contextmanager
+def intra_op_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` intra-op threads (None: leave them), then give the caller its count back.
+
+    >>> import torch
+    >>> before = torch.get_num_threads()
+    >>> with intra_op_threads(1):
+    ...     torch.get_num_threads()
+    1
+    >>> torch.get_num_threads() == before
+    True
+    """
+    before = torch.get_num_threads()
+    if n is None or n == before:  # nothing to change, so nothing to restore (set_num_threads is not free)
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -28,7 +28,7 @@ import copy
 import os
 import re
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -218,7 +218,7 @@ _plain_call = torch._C._disabled_torch_function_impl
 
 # Accessors whose tensor result must not take the caller's device: ``_base`` returns the tensor a
 # view was made from (the caller's, possibly untagged, object), ``as_subclass`` asks for a class.
-_KEEP_RESULT = frozenset({torch.Tensor._base.__get__, torch.Tensor.as_subclass})
+_KEEP_RESULT = frozenset({cast(Any, torch.Tensor)._base.__get__, torch.Tensor.as_subclass})  # _base: a property
 
 
 def _is_argument(out: torch.Tensor, args: tuple, kwargs: dict) -> bool:
@@ -317,7 +317,7 @@ class LogicalCpuTensor(torch.Tensor):
         memo[id(self)] = new
         return new
 
-    def __repr__(self, *, tensor_contents=None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # same as torch.Tensor's
         text = repr(self._plain())
         return f"{text[:-1]}, device=cpu({self._dlperf_cpu_index}))"
 
@@ -328,13 +328,13 @@ class LogicalCpuParameter(LogicalCpuTensor, nn.Parameter):
     def __reduce_ex__(self, proto):
         return nn.Parameter(self._plain(), self.requires_grad).__reduce_ex__(proto)
 
-    def __repr__(self, *, tensor_contents=None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # same as torch.Tensor's
         return "Parameter containing:\n" + LogicalCpuTensor.__repr__(self)
 
 
 # class of a tensor on cpu(0) (untagged) -> its class on cpu(i), i >= 1, and back
-_ON_LOGICAL_CPU = {torch.Tensor: LogicalCpuTensor, nn.Parameter: LogicalCpuParameter}
-_ON_CPU0 = {LogicalCpuTensor: torch.Tensor, LogicalCpuParameter: nn.Parameter}
+_ON_LOGICAL_CPU: dict[type, type] = {torch.Tensor: LogicalCpuTensor, nn.Parameter: LogicalCpuParameter}
+_ON_CPU0: dict[type, type] = {LogicalCpuTensor: torch.Tensor, LogicalCpuParameter: nn.Parameter}
 
 
 def _tag_tensor(t: torch.Tensor, index: int) -> None:
@@ -346,7 +346,7 @@ def _tag_tensor(t: torch.Tensor, index: int) -> None:
         return
     if index:
         t.__class__ = target
-        t._dlperf_cpu_index = index
+        setattr(t, _LOGICAL_CPU_ATTR, index)
     else:
         t.__dict__.pop(_LOGICAL_CPU_ATTR, None)
         t.__class__ = target

@@ -7,32 +7,18 @@ import os
 import torch
 
 from .devices import cpu_count, num_gpus
+from .machine import cpu_model, host_memory
 
 __all__ = ["inventory"]
 
 
-def _meminfo() -> tuple[int | None, int | None]:
-    """Host memory (total, used) in bytes from /proc/meminfo; (None, None) elsewhere."""
-    try:
-        fields = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                fields[key] = int(value.split()[0]) * 1024
-        return fields["MemTotal"], fields["MemTotal"] - fields["MemAvailable"]
-    except (OSError, KeyError, ValueError):
-        return None, None
-
-
 def inventory() -> list[dict]:
     """One dict per physical device: the host CPU first, then each CUDA GPU."""
-    from .bench.runner import _cpu_model
-
-    total, used = _meminfo()
+    total, used = host_memory()
     devices = [{
         "device": "cpu",
         "kind": "cpu",
-        "name": _cpu_model(),
+        "name": cpu_model(),
         "cores": cpu_count(),
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

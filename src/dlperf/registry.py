@@ -80,10 +80,9 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         """The entry called ``name`` (resolving a lazy one); a miss raises one line listing what exists."""
         key = self._key(name)
-        try:
-            entry = self._entries[key]
-        except (KeyError, TypeError):  # TypeError: an unhashable name is no name either
-            raise unknown_choice(self.what, name, self.choices()) from None
+        if key is None or key not in self._entries:
+            raise unknown_choice(self.what, name, self.choices())
+        entry = self._entries[key]
         if isinstance(entry, str):
             entry = self._resolve(key)
         return entry
@@ -97,10 +96,11 @@ class Registry(Generic[T]):
                 self._entries[key] = entry
         return entry
 
-    def _key(self, name: object) -> object:
-        if self._normalize is not None and isinstance(name, str):
-            return self._normalize(name)
-        return name
+    def _key(self, name: object) -> str | None:
+        """The registered form of ``name``; None for anything but a string, which names no entry."""
+        if not isinstance(name, str):
+            return None
+        return self._normalize(name) if self._normalize is not None else name
 
     def names(self) -> list[str]:
         """Registered names in registration order (``extra_choices`` excluded)."""
@@ -115,10 +115,8 @@ class Registry(Generic[T]):
         return [(name, self.get(name)) for name in self.names()]
 
     def __contains__(self, name: object) -> bool:
-        try:
-            return self._key(name) in self._entries
-        except TypeError:
-            return False
+        key = self._key(name)
+        return key is not None and key in self._entries
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())

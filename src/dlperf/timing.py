@@ -63,8 +63,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["NOISY_REL_SPREAD", "Contention", "ContentionMonitor", "ContentionSignals", "Timing",
-           "doubling_up_to", "judge_contention", "time_steps"]
+__all__ = ["NOISY_REL_SPREAD", "Contention", "ContentionMonitor", "ContentionSignals", "Timing", "best_of",
+           "doubling_up_to", "judge_contention", "median_of", "per_call_samples", "time_steps"]
 
 # A cell whose interquartile range exceeds this fraction of its median is flagged as noisy: the
 # median is still reported, but the reader should rerun with more steps on a quieter machine.
@@ -426,3 +426,52 @@ def time_steps(step: Callable[[], object], *, warmup: int, steps: int,
         if on_step:
             on_step()
     return Timing.from_samples(samples, warm, monitor.stop())
+
+
+# --- figures of one operation: the probe's and the cost model's measurements ------------------------
+def _no_sync() -> None:
+    return None
+
+
+def per_call_samples(fn: Callable[[], object], *, reps: int, warmup: int = 1, calls: int = 1,
+                     synchronize: Callable[[], None] = _no_sync, min_seconds: float = 0.0) -> list[float]:
+    """Seconds per call of ``fn`` in each timed block of ``calls`` calls, after ``warmup`` untimed calls.
+
+    For figures of one operation (a copy, a matmul, a dispatch), where :func:`time_steps`'s contention
+    watch costs more than the operation: each block is bracketed by ``synchronize`` (a GPU runs
+    asynchronously), ``calls`` > 1 spreads the timer's own cost over an operation shorter than it,
+    and blocks are taken ``reps`` times and then on until ``min_seconds`` have passed since the first.
+
+    >>> samples = per_call_samples(lambda: sum(range(100)), reps=3, calls=10)
+    >>> len(samples), all(s > 0 for s in samples)
+    (3, True)
+    """
+    if reps < 1 or calls < 1 or warmup < 0:
+        raise ValueError(f"need reps >= 1, calls >= 1 and warmup >= 0, got {reps}, {calls} and {warmup}")
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < reps or time.perf_counter() - start < min_seconds:
+        synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize()
+        samples.append((time.perf_counter() - t0) / calls)
+    return samples
+
+
+def best_of(fn: Callable[[], object], *, reps: int, warmup: int = 1, calls: int = 1,
+            synchronize: Callable[[], None] = _no_sync, min_seconds: float = 0.0) -> float:
+    """The fastest per-call time of :func:`per_call_samples`: on a shared machine the block another
+    process disturbed least, for a peak figure such as a bandwidth or FLOP/s."""
+    return min(per_call_samples(fn, reps=reps, warmup=warmup, calls=calls, synchronize=synchronize,
+                                min_seconds=min_seconds))
+
+
+def median_of(fn: Callable[[], object], *, reps: int, warmup: int = 1, calls: int = 1,
+              synchronize: Callable[[], None] = _no_sync) -> float:
+    """The median per-call time of :func:`per_call_samples`, for a typical cost."""
+    return statistics.median(per_call_samples(fn, reps=reps, warmup=warmup, calls=calls, synchronize=synchronize))

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..errors import UsageError
-from .runner import BenchConfig, BenchResult, run_bench
+from .result import BenchResult
+from .runner import BenchConfig, run_bench
 
 __all__ = ["run", "BenchConfig", "BenchResult"]
 

@@ -23,6 +23,7 @@ same weights as eager's would.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 import warnings
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._threads import intra_op_threads
 from ..timing import Timing, time_steps
 from .modes import StepFn, compiled_step, eager_step
 
@@ -89,16 +91,14 @@ def _with_threads(n: int, step: StepFn) -> StepFn:
     """``step`` run with ``n`` intra-op threads, the caller's count restored after each call."""
 
     def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        before = torch.get_num_threads()
-        if before == n:
+        with intra_op_threads(n):
             return step(x, y)
-        torch.set_num_threads(n)
-        try:
-            return step(x, y)
-        finally:
-            torch.set_num_threads(before)
 
     return run
+
+
+def _fewer_threads(n: int, builder: Builder) -> Builder:
+    return lambda m, o: _with_threads(n, builder(m, o))
 
 
 def channels_last_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
@@ -109,7 +109,7 @@ def channels_last_step(model: nn.Module, loss_fn: Callable, optimizer: torch.opt
     ``Module.to`` swaps the parameters' storage in place, so ``optimizer`` still updates them. The
     last batch's converted copy is reused while the batch is unchanged (the benchmark steps one batch).
     """
-    model.to(memory_format=torch.channels_last)
+    model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stubs lack this form
     inner = inner_step(model, loss_fn, optimizer)
     last: list = [None, -1, None]
 
@@ -169,7 +169,7 @@ def candidates(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Te
     for n in fewer:
         for base in ("eager", "channels-last"):
             if base in out:
-                out[f"{base} {n} thr"] = (lambda m, o, b=out[base], n=n: _with_threads(n, b(m, o)))
+                out[f"{base} {n} thr"] = _fewer_threads(n, out[base])
     return out
 
 
@@ -216,7 +216,7 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
             notes["search"] = f"stopped after {done} rounds: the {SEARCH_BUDGET_S:.0f}s budget was spent"
             break
         for name, step in steps.items():
-            t = time_steps(lambda step=step: step(x, y), warmup=0, steps=steps_per_round, threads=threads,
+            t = time_steps(functools.partial(step, x, y), warmup=0, steps=steps_per_round, threads=threads,
                            synchronize=sync)
             samples[name] += t.samples
             per_round[name].append(t.median_s)

@@ -11,12 +11,16 @@ bound checked here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:  # the probe loads on first use: a sweep without --explain never needs it
+    from ..probe.cost import Hardware, StepCounts
 
 __all__ = ["CellFloor", "FloorModel"]
 
@@ -50,7 +54,7 @@ class CellFloor:
                 "pct_of_peak": self.pct_of_peak(measured_s), "floor_source": self.source}
 
 
-def _probe_hardware(threads: int):
+def _probe_hardware(threads: int) -> Hardware | None:
     """The cached probe's figures at ``threads``, or None when there is no cache or it lacks that count."""
     from ..probe.cache import load_probe
     from ..probe.cost import Hardware
@@ -64,9 +68,9 @@ def _probe_hardware(threads: int):
         return None
 
 
-def _estimated_hardware(threads: int):
+def _estimated_hardware(threads: int) -> Hardware:
+    from .._threads import intra_op_threads
     from ..probe.profile import estimate_hardware
-    from .runner import intra_op_threads
 
     with intra_op_threads(threads):
         return estimate_hardware()
@@ -78,19 +82,19 @@ class FloorModel:
     ``hardware_for`` may be replaced (tests price on fixed figures); it returns ``(Hardware, source)``.
     """
 
-    def __init__(self, hardware_for: Callable[[int], tuple[object, str]] | None = None) -> None:
-        self._counts: dict[tuple[str, int], object] = {}
-        self._hardware: dict[int, tuple[object, str]] = {}
+    def __init__(self, hardware_for: Callable[[int], tuple[Hardware, str]] | None = None) -> None:
+        self._counts: dict[tuple[str, int], StepCounts] = {}
+        self._hardware: dict[int, tuple[Hardware, str]] = {}
         self._hardware_for = hardware_for or self.this_machine
 
     @staticmethod
-    def this_machine(threads: int) -> tuple[object, str]:
+    def this_machine(threads: int) -> tuple[Hardware, str]:
         hw = _probe_hardware(threads)
         if hw is not None:
             return hw, f"probe cache ({threads} thread{'s' if threads != 1 else ''})"
         return _estimated_hardware(threads), f"estimated in-process ({threads} thread{'s' if threads != 1 else ''})"
 
-    def counts(self, network: str, batch: int):
+    def counts(self, network: str, batch: int) -> StepCounts:
         key = (network, batch)
         if key not in self._counts:
             from ..models import get_spec
@@ -103,7 +107,7 @@ class FloorModel:
             self._counts[key] = count_step(model, x)
         return self._counts[key]
 
-    def hardware(self, threads: int) -> tuple[object, str]:
+    def hardware(self, threads: int) -> tuple[Hardware, str]:
         if threads not in self._hardware:
             self._hardware[threads] = self._hardware_for(threads)
         return self._hardware[threads]
@@ -139,7 +143,7 @@ def fmt_floor(cell_floor: CellFloor | None) -> str:
     return f"{text} {cell_floor.bottleneck}"
 
 
-def explain_footnotes(sources: list[str]) -> list[str]:
+def explain_footnotes(sources: Sequence[str | None]) -> list[str]:
     """How the floor rows were priced, once per distinct source."""
     notes = ["floor: the cost model's least time for the step (dlperf.probe.cost; its largest component among "
              "compute, memory, dispatch and any allreduce, named beside it); x floor: measured / floor; "

@@ -17,7 +17,7 @@ DESKTOP_THREADS = (1, 2, 4, 8)
 SERVER_THREADS = (1, 2, 4, 8, 16, 32)
 GPUS = ("G980", "G1080", "K80")
 
-_ = None
+_: None = None  # a cell the paper leaves empty
 # network -> framework -> 4 desktop-CPU + 6 server-CPU + 3 GPU figures
 TABLE7: dict[str, dict[str, tuple[float | None, ...]]] = {
     "fcn-s": {
@@ -108,6 +108,6 @@ def paper_figure(network: str, device_kind: str, threads: int | None) -> PaperFi
     if rows is None or col is None:
         return None
     idx, label = col
-    values = {fw: rows[fw][idx] for fw in FRAMEWORKS if rows[fw][idx] is not None}
+    values: dict[str, float] = {fw: v for fw in FRAMEWORKS if (v := rows[fw][idx]) is not None}
     best_fw = min(values, key=values.__getitem__) if values else None
     return PaperFigure(label, rows["Torch"][idx], values.get(best_fw) if best_fw else None, best_fw)

@@ -13,10 +13,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+from typing import TYPE_CHECKING
 
 from ..devices import Device
 from .explain import explain_footnotes, fmt_floor, fmt_pct, fmt_ratio
-from .runner import BenchResult, CellResult
+
+if TYPE_CHECKING:  # the result imports this module for its notebook views
+    from .result import BenchResult, CellResult
 
 ROW_LABELS = ("dlperf (s)", "GFLOP/s", "Torch 2016 (s)", "best 2016 (s)", "vs Torch 2016")
 COMPILE_ROW_LABELS = ("compile (s)", "backend")

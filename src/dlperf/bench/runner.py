@@ -16,19 +16,25 @@ import gc
 import platform
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from .._threads import intra_op_threads
 from ..devices import Device, cpu, cpu_count, num_gpus, require_available, to_device
 from ..errors import UsageError, unknown_choice
+from ..machine import cpu_model
 from ..models import get_spec, model_names
-from ..timing import Timing, doubling_up_to, time_steps
-from .explain import CellFloor, FloorModel
+from ..timing import doubling_up_to, time_steps
+from .explain import FloorModel
 from .modes import get_mode, mode_names
-from .reference import PaperFigure, paper_figure
+from .result import BenchResult, CellResult, slower_with_more_threads
+
+__all__ = ["BenchConfig", "BenchResult", "CellResult", "count_step_flops", "default_devices", "default_threads",
+           "describe_failure", "explain_cell", "machine_info", "run_bench", "run_cell", "slower_with_more_threads",
+           "step_backend"]
 
 
 def default_threads(cores: int | None = None) -> list[int]:
@@ -82,7 +88,7 @@ class BenchConfig:
     @classmethod
     def quick(cls, **overrides) -> BenchConfig:
         """The sweep in minutes: fewer timed steps, the same batch sizes."""
-        base = dict(warmup=1, steps=5, max_cell_seconds=12.0)
+        base: dict[str, Any] = dict(warmup=1, steps=5, max_cell_seconds=12.0)
         base.update(overrides)
         return cls(**base)
 
@@ -96,213 +102,10 @@ class BenchConfig:
                         yield net, dev, t
 
 
-@dataclass
-class CellResult:
-    network: str
-    device: Device
-    threads: int | None
-    batch_size: int
-    mode: str
-    timing: Timing | None = None
-    flops_per_step: float | None = None
-    error: str | None = None
-    compile_s: float | None = None
-    """Building the step plus its first call, beyond a steady step (compile and hybrid modes)."""
-    backend: str | None = None
-    """What ran the step: torch.compile's backend, or the hybrid backend(s) chosen."""
-    explained: bool = False
-    """The sweep asked for floors (``--explain``): the cell's dict carries the floor fields."""
-    floor: CellFloor | None = None
-    floor_note: str | None = None
-    """Why a cell asked to be explained has no floor (a GPU cell, a model the counter cannot run)."""
-    mode_chosen: str | None = None
-    """With ``--mode auto``: the variant that ran the timed steps, and by how much it beat eager."""
-    gain_over_eager: float | None = None
-    auto_reason: str | None = None
-
-    @property
-    def contended(self) -> bool:
-        return self.timing is not None and self.timing.contended
-
-    @property
-    def contention(self) -> str | None:
-        """Why the cell's timing is not to be trusted, when it is contended."""
-        return self.timing.contention.reason if self.timing and self.timing.contention else None
-
-    @property
-    def paper(self) -> PaperFigure | None:
-        return paper_figure(self.network, self.device.kind, self.threads)
-
-    @property
-    def achieved_flops(self) -> float | None:
-        if self.timing is None or not self.flops_per_step:
-            return None
-        return self.flops_per_step / self.timing.median_s
-
-    @property
-    def speedup_vs_paper_torch(self) -> float | None:
-        p = self.paper
-        if self.timing is None or p is None or p.torch_s is None:
-            return None
-        return p.torch_s / self.timing.median_s
-
-    def to_dict(self) -> dict:
-        p = self.paper
-        t = self.timing
-        return {
-            "network": self.network,
-            "device": str(self.device),
-            "threads": self.threads,
-            "batch_size": self.batch_size,
-            "mode": self.mode,
-            "median_s": t.median_s if t else None,
-            "spread": {"q1_s": t.q1_s, "q3_s": t.q3_s, "iqr_s": t.iqr_s, "min_s": t.min_s, "max_s": t.max_s,
-                       "rel": t.rel_spread} if t else None,
-            "noisy": t.noisy if t else None,
-            "contended": self.contended,
-            "contention": self.contention,
-            "contention_signals": t.contention.to_dict() if t and t.contention else None,
-            "compile_s": self.compile_s,
-            "backend": self.backend,
-            "samples": list(t.samples) if t else [],
-            "flops_per_step": self.flops_per_step,
-            "achieved_gflops": self.achieved_flops / 1e9 if self.achieved_flops else None,
-            "paper": {"column": p.column, "torch_s": p.torch_s, "best_s": p.best_s,
-                      "best_framework": p.best_framework} if p else None,
-            "speedup_vs_paper_torch": self.speedup_vs_paper_torch,
-            "error": self.error,
-            **self._extra_fields(),
-        }
-
-    @property
-    def measured_over_floor(self) -> float | None:
-        return self.floor.measured_over_floor(self.timing.median_s if self.timing else None) if self.floor else None
-
-    @property
-    def pct_of_peak(self) -> float | None:
-        return self.floor.pct_of_peak(self.timing.median_s if self.timing else None) if self.floor else None
-
-    def _extra_fields(self) -> dict:
-        """Fields only an explained or auto sweep has, so that other sweeps' documents stay as they were."""
-        extra: dict = {}
-        if self.explained:
-            extra.update(self.floor.to_dict(self.timing.median_s if self.timing else None) if self.floor else
-                         {"floor_s": None, "floor_components": None, "floor_bottleneck": None,
-                          "measured_over_floor": None, "pct_of_peak": None, "floor_source": self.floor_note})
-        if self.mode == "auto":
-            extra.update(mode_chosen=self.mode_chosen, gain_over_eager=self.gain_over_eager,
-                         auto_reason=self.auto_reason)
-        return extra
-
-
-@dataclass
-class BenchResult:
-    config: BenchConfig
-    cells: list[CellResult]
-    machine: dict
-    seconds: float
-    interrupted: bool = False
-    """The sweep was stopped (Ctrl-C) before every cell ran; ``cells`` holds the finished ones."""
-
-    @property
-    def planned(self) -> int:
-        """How many cells the configuration asks for."""
-        return sum(1 for _ in self.config.cells())
-
-    @property
-    def contended(self) -> bool:
-        return any(c.contended for c in self.cells)
-
-    def thread_warnings(self) -> list[str]:
-        """One line per network and device whose time grew with more threads."""
-        return slower_with_more_threads(self.cells)
-
-    def to_dict(self) -> dict:
-        c = self.config
-        return {
-            "schema": "dlperf.bench/1",
-            "interrupted": self.interrupted,
-            "cells_planned": self.planned,
-            "machine": self.machine,
-            "config": {"networks": c.networks, "devices": [str(d) for d in c.devices], "threads": c.threads,
-                       "batch_size": c.batch_size, "warmup": c.warmup, "steps": c.steps, "mode": c.mode,
-                       "max_cell_seconds": c.max_cell_seconds, **({"explain": True} if c.explain else {})},
-            "seconds": self.seconds,
-            "contended": self.contended,
-            "thread_warnings": self.thread_warnings(),
-            "cells": [cell.to_dict() for cell in self.cells],
-        }
-
-    # --- for notebooks: the CLI's table as text, rich, HTML, rows and a DataFrame ---------------------
-
-    def __str__(self) -> str:
-        import io
-
-        from rich.console import Console
-
-        from . import report
-
-        buf = io.StringIO()
-        report.render_terminal(self, Console(file=buf, width=200, color_system=None, force_terminal=False))
-        return buf.getvalue()
-
-    def __rich__(self):
-        from . import report
-
-        return report.rich_renderable(self)
-
-    def _repr_html_(self) -> str:
-        from . import report
-
-        return report.render_html(self)
-
-    def to_rows(self) -> list[dict]:
-        """One flat dict per cell, the CSV's columns (``floor_components`` stays a dict)."""
-        from . import report
-
-        return [report.flat_row(self, cell) for cell in self.cells]
-
-    def to_pandas(self):
-        """The rows as a pandas DataFrame; pandas is optional."""
-        try:
-            import pandas as pd
-        except ImportError:
-            raise UsageError("to_pandas() needs pandas; install it with: pip install pandas "
-                             "(or use to_rows(), a list of dicts)") from None
-        from .report import csv_fields
-
-        return pd.DataFrame(self.to_rows(), columns=list(csv_fields(self)))
-
-
-SLOWER_TOLERANCE = 0.10
-"""More threads must be this much slower than fewer before a sweep is called out (timer noise)."""
-
-
-def slower_with_more_threads(cells: list[CellResult]) -> list[str]:
-    """Lines naming each network and device where a thread count was slower than a smaller one."""
-    lines = []
-    groups: dict[tuple[str, Device], list[CellResult]] = {}
-    for c in cells:
-        if c.threads is not None and c.timing is not None:
-            groups.setdefault((c.network, c.device), []).append(c)
-    for (net, dev), group in groups.items():
-        group.sort(key=lambda c: c.threads)
-        for i, more in enumerate(group):
-            fewer = min(group[:i], key=lambda c: c.timing.median_s, default=None)
-            if fewer is None or more.timing.median_s <= fewer.timing.median_s * (1 + SLOWER_TOLERANCE):
-                continue
-            ratio = more.timing.median_s / fewer.timing.median_s
-            why = ("marked contended: other work took the cores" if more.contended or fewer.contended
-                   else "not contended: the ops may be too small to share, or the cores are shared")
-            lines.append(f"{net} on {dev}: {more.threads} threads took {ratio:.1f}x as long as {fewer.threads} "
-                         f"({why})")
-    return lines
-
-
 def machine_info() -> dict:
     """What the numbers were measured on."""
     info = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -310,17 +113,6 @@ def machine_info() -> dict:
         "date": time.strftime("%Y-%m-%d"),
     }
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def count_step_flops(network: str, batch_size: int) -> float | None:
@@ -335,18 +127,6 @@ def count_step_flops(network: str, batch_size: int) -> float | None:
         return float(counter.get_total_flops()) or None
     except Exception:  # a model the counter cannot trace simply reports no FLOP/s
         return None
-
-
-@contextmanager
-def intra_op_threads(n: int | None) -> Iterator[None]:
-    """Set torch's intra-op threads for the duration, then restore them."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -370,6 +150,31 @@ def step_backend(step: Callable, mode: str) -> str | None:
     return getattr(step, "backend", None) or _MODE_BACKENDS.get(mode)
 
 
+def _time_cell(cell: CellResult, config: BenchConfig, on_step: Callable[[], None] | None) -> None:
+    """Build the cell's model and step, time it, and record the result on ``cell``."""
+    spec, dev = get_spec(cell.network), cell.device
+    torch.manual_seed(config.seed)
+    model = spec.build().to(dev.torch_device)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(config.seed)
+    x, y = spec.input.make_batch(cell.batch_size, dev.torch_device, generator=gen)
+    built = time.perf_counter()
+    step = get_mode(config.mode)(model, spec.loss, optimizer, x, y)
+    build_s = time.perf_counter() - built
+    # a GPU cell keeps one host thread busy launching kernels
+    cell.timing = time_steps(lambda: step(x, y), warmup=config.warmup, steps=config.steps,
+                             synchronize=dev.synchronize, on_step=on_step,
+                             max_seconds=config.max_cell_seconds, threads=cell.threads or 1)
+    if config.mode != "eager":
+        overhead = cell.timing.first_call_overhead_s
+        cell.compile_s = build_s + (overhead or 0.0)
+        cell.backend = step_backend(step, config.mode)
+    cell.mode_chosen = getattr(step, "mode_chosen", None)
+    cell.gain_over_eager = getattr(step, "gain_over_eager", None)
+    cell.auto_reason = getattr(step, "auto_reason", None)
+
+
 def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
              flops: float | None, on_step: Callable[[], None] | None = None) -> CellResult:
     spec = get_spec(net)
@@ -377,31 +182,12 @@ def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
     cell = CellResult(net, dev, threads, batch, config.mode, flops_per_step=flops)
     try:
         with intra_op_threads(threads):
-            torch.manual_seed(config.seed)
-            model = spec.build().to(dev.torch_device)
-            model.train()
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-            gen = torch.Generator().manual_seed(config.seed)
-            x, y = spec.input.make_batch(batch, dev.torch_device, generator=gen)
-            built = time.perf_counter()
-            step = get_mode(config.mode)(model, spec.loss, optimizer, x, y)
-            build_s = time.perf_counter() - built
-            # a GPU cell keeps one host thread busy launching kernels
-            cell.timing = time_steps(lambda: step(x, y), warmup=config.warmup, steps=config.steps,
-                                     synchronize=dev.synchronize, on_step=on_step,
-                                     max_seconds=config.max_cell_seconds, threads=threads or 1)
-            if config.mode != "eager":
-                overhead = cell.timing.first_call_overhead_s
-                cell.compile_s = build_s + (overhead or 0.0)
-                cell.backend = step_backend(step, config.mode)
-            cell.mode_chosen = getattr(step, "mode_chosen", None)
-            cell.gain_over_eager = getattr(step, "gain_over_eager", None)
-            cell.auto_reason = getattr(step, "auto_reason", None)
+            _time_cell(cell, config, on_step)
     except Exception as exc:  # noqa: BLE001 - one cell's failure must not lose the others
         cell.error = describe_failure(exc)
     finally:
-        # Free the model before the next cell allocates its own (fcn-s alone is ~1.4 GB with grads).
-        model = optimizer = step = x = y = None  # noqa: F841
+        # The model, optimizer and batch went with _time_cell's frame; collect them before the next cell
+        # allocates its own (fcn-s alone is ~1.4 GB with grads).
         gc.collect()
         if dev.is_gpu:
             torch.cuda.empty_cache()

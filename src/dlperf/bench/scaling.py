@@ -266,8 +266,9 @@ def render_csv(result: ScalingResult) -> str:
     w.writeheader()
     for r in result.rows:
         extra = {k: r.get(k) for k in EXPLAIN_CSV_FIELDS} if result.explain else {}
-        if extra.get("floor_components"):
-            extra["floor_components"] = ";".join(f"{k}={v:.6g}" for k, v in extra["floor_components"].items())
+        components = extra.get("floor_components")
+        if components:
+            extra["floor_components"] = ";".join(f"{k}={v:.6g}" for k, v in components.items())
         w.writerow({**{k: r.get(k) for k in CSV_FIELDS if not k.startswith("paper_")},
                     **{f"paper_{fw}_s": r["paper_s"].get(fw) for fw in _FRAMEWORKS}, **extra})
     return buf.getvalue()
@@ -387,6 +388,7 @@ def run_scaling(config: ScalingConfig) -> int:
     batches = dict(config.global_batch)
     if config.batch_size is not None:  # one global batch for every network (quick checks)
         batches = {net: config.batch_size for net in config.networks}
+    assert config.steps is not None and config.warmup is not None  # ScalingConfig.__post_init__ fills both in
     result = ScalingResult(config.networks, list(config.devices), config.steps, config.warmup, explain=config.explain)
     t0 = time.perf_counter()
     _measure_all(result, batches)

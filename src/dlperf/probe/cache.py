@@ -19,8 +19,8 @@ from .. import _io
 from .._cliargs import one_line
 from .._io import atomic_write_text
 from ..errors import DlperfError
-from .hardware import FORMAT, ProbeResult, ProbeRow, machine
 from .reference import GBPS, GFLOPS, NS
+from .result import FORMAT, ProbeResult, ProbeRow, machine
 
 _MAX_BYTES = 1024 * 1024
 _MAX_ROWS = 2000

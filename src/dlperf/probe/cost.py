@@ -36,16 +36,18 @@ import copy
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..registry import Registry
 
-__all__ = ["Link", "Hardware", "LINK_KINDS", "ALLREDUCE_FORMULAS", "PROJECT_ALGORITHMS", "allreduce_time",
-           "rank_allreduce", "AllreduceChoice", "parameter_server_time", "StepCounts", "count_step",
+__all__ = ["Link", "Hardware", "LINK_KINDS", "ALLREDUCE_FORMULAS", "AllreduceFormula", "PROJECT_ALGORITHMS",
+           "allreduce_time", "rank_allreduce", "AllreduceChoice", "parameter_server_time", "StepCounts", "count_step",
            "StepFloor", "step_floor", "classify_op", "TrainingStep"]
 
 LINK_KINDS = ("copy", "host", "device", "network")
@@ -55,10 +57,19 @@ LINK_KINDS = ("copy", "host", "device", "network")
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of connection: a message of ``n`` bytes takes ``alpha_s + n / bandwidth`` seconds."""
+    """One kind of connection: a message of ``n`` bytes takes ``alpha_s + n / bandwidth`` seconds.
+
+    The one link model: the cost model's links between devices, the measured links between processes
+    (:mod:`dlperf.probe.links`), the GPU probe's copy rows and the allreduce choice all use it, and
+    :meth:`fit` is how each of them turns measured times into one.
+
+    >>> link = Link.fit([4096, 4 << 20], [20e-6 + 4096 / 9e9, 20e-6 + (4 << 20) / 9e9])
+    >>> link.describe()
+    '20 us + 9.00 GB/s'
+    """
 
     alpha_s: float
-    bandwidth: float  # bytes per second, one direction
+    bandwidth: float  # bytes per second, one direction; inf: no measurable cost per byte
 
     @property
     def beta(self) -> float:
@@ -67,6 +78,41 @@ class Link:
 
     def time(self, nbytes: float) -> float:
         return self.alpha_s + nbytes * self.beta
+
+    def describe(self) -> str:
+        return f"{self.alpha_s * 1e6:.0f} us + {self.bandwidth / 1e9:.2f} GB/s"
+
+    @classmethod
+    def fit(cls, sizes: Sequence[float], seconds: Sequence[float], *, min_alpha_s: float = 0.0) -> Link:
+        """The least-squares line ``t = alpha + n / B`` through measured (bytes, seconds); through both
+        points when there are two. A flat or falling line is noise on a link too fast to see at these
+        sizes: all latency (the slowest time), no cost per byte. ``alpha`` is at least ``min_alpha_s``.
+        """
+        if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+            raise ValueError(f"a link fit needs times at two sizes or more, got sizes {list(sizes)}")
+        k = len(sizes)
+        mean_n, mean_t = sum(sizes) / k, sum(seconds) / k
+        slope = (sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes, seconds))
+                 / sum((n - mean_n) ** 2 for n in sizes))
+        if slope <= 0:
+            return cls(max(max(seconds), min_alpha_s), math.inf)
+        return cls(max(mean_t - slope * mean_n, min_alpha_s), 1.0 / slope)
+
+    # The names of the measured links between processes, read while their callers move to the ones above.
+    @property
+    def latency_s(self) -> float:
+        return self.alpha_s
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth
+
+    def seconds(self, nbytes: float) -> float:
+        return self.time(nbytes)
+
+    @classmethod
+    def from_two_points(cls, small: tuple[float, float], large: tuple[float, float]) -> Link:
+        return cls.fit([small[0], large[0]], [small[1], large[1]])
 
 
 @dataclass(frozen=True)
@@ -114,10 +160,7 @@ class Hardware:
         GPU FLOP/s: V100's are its datasheet's (15.7 TFLOP/s float32, 125 float16 on Tensor Cores,
         900 GB/s HBM2), said so in ``notes``.
         """
-        try:
-            return _SEED_PRESETS[preset]()
-        except KeyError:
-            raise UsageError(f"unknown seed hardware {preset!r}; valid choices: {', '.join(_SEED_PRESETS)}") from None
+        return _SEED_PRESETS.get(preset)()
 
     @classmethod
     def from_probe(cls, figures: Mapping) -> Hardware:
@@ -208,11 +251,11 @@ def _short(value: object) -> str:
 
 
 def _positive(value: object, key: str, *, zero_ok: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not zero_ok):
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
         want = "a finite number >= 0" if zero_ok else "a finite number > 0"
         raise UsageError(f"hardware {key} is {_short(value)}; expected {want}: fix the figure or measure it again")
-    return float(value)
+    return number
 
 
 _GB = 1e9
@@ -241,8 +284,9 @@ def _cpu_4core() -> Hardware:
                     notes="d2l 12.4.2 / 12.4.4 figures")
 
 
-_SEED_PRESETS: dict[str, Callable[[], Hardware]] = {"pcie-4gpu": _pcie_4gpu, "v100-8gpu": _v100_8gpu,
-                                                    "cpu-4core": _cpu_4core}
+_SEED_PRESETS: Registry[Callable[[], Hardware]] = Registry("seed hardware")
+for _name, _preset in (("pcie-4gpu", _pcie_4gpu), ("v100-8gpu", _v100_8gpu), ("cpu-4core", _cpu_4core)):
+    _SEED_PRESETS.register(_name, _preset)
 SEED_PRESETS = tuple(_SEED_PRESETS)
 
 
@@ -284,28 +328,39 @@ def _binomial_tree(n: float, k: int, a: float, b: float) -> float:
     return 2 * math.ceil(math.log2(k)) * (a + n * b)
 
 
-ALLREDUCE_FORMULAS: dict[str, tuple[Callable[[float, int, float, float], float], str, str]] = {
-    "naive": (_to_one_and_back, "device", "2(k-1)(a + n b): all to one device and back (its link serialises)"),
-    "cpu": (_host, "host", "2k(a + n b): every device to host memory and back over the host's link"),
-    "sharded": (_direct_rs_ag, "device", "2a + 2(k-1)/k n b: direct reduce-scatter + all-gather"),
-    "ring": (_ring, "device", "2(k-1)a + 2(k-1)/k n b: ring reduce-scatter + all-gather"),
-    "recursive-doubling": (_recursive_doubling, "device", "lg k (a + n b): pairwise exchange of the whole vector"),
-    "rabenseifner": (_rabenseifner, "device", "2 lg k a + 2(k-1)/k n b: recursive halving, then doubling"),
-    "tree": (_binomial_tree, "device", "2 lg k (a + n b): binomial-tree reduce, then broadcast"),
-}
-"""Name -> (time(n, k, alpha, beta), link kind used, formula). The first four are dlperf.parallel.allreduce's."""
+class AllreduceFormula(NamedTuple):
+    """One algorithm's cost: ``time(n, k, alpha, beta)`` in seconds over the ``link`` kind, and ``text``."""
+
+    time: Callable[[float, int, float, float], float]
+    link: str
+    text: str
+
+
+ALLREDUCE_FORMULAS: Registry[AllreduceFormula] = Registry("allreduce algorithm")
+"""Algorithm name -> its :class:`AllreduceFormula`. The first four are dlperf.parallel.allreduce's."""
+for _name, _formula in (
+    ("naive", AllreduceFormula(_to_one_and_back, "device",
+                               "2(k-1)(a + n b): all to one device and back (its link serialises)")),
+    ("cpu", AllreduceFormula(_host, "host", "2k(a + n b): every device to host memory and back over the host's link")),
+    ("sharded", AllreduceFormula(_direct_rs_ag, "device", "2a + 2(k-1)/k n b: direct reduce-scatter + all-gather")),
+    ("ring", AllreduceFormula(_ring, "device", "2(k-1)a + 2(k-1)/k n b: ring reduce-scatter + all-gather")),
+    ("recursive-doubling", AllreduceFormula(_recursive_doubling, "device",
+                                            "lg k (a + n b): pairwise exchange of the whole vector")),
+    ("rabenseifner", AllreduceFormula(_rabenseifner, "device",
+                                      "2 lg k a + 2(k-1)/k n b: recursive halving, then doubling")),
+    ("tree", AllreduceFormula(_binomial_tree, "device", "2 lg k (a + n b): binomial-tree reduce, then broadcast")),
+):
+    ALLREDUCE_FORMULAS.register(_name, _formula)
 PROJECT_ALGORITHMS = ("naive", "cpu", "sharded", "ring")
 
 
 def allreduce_time(algorithm: str, nbytes: float, k: int, hardware: Hardware, link: str | None = None) -> float:
     """Seconds to allreduce ``nbytes`` on each of ``k`` devices with ``algorithm`` (0 for one device)."""
-    if algorithm not in ALLREDUCE_FORMULAS:
-        raise UsageError(f"unknown allreduce algorithm {algorithm!r}; valid choices: {', '.join(ALLREDUCE_FORMULAS)}")
+    formula, kind, _ = ALLREDUCE_FORMULAS.get(algorithm)
     if k < 1 or nbytes < 0:
         raise UsageError(f"need k >= 1 devices and nbytes >= 0, got k={k}, nbytes={nbytes}")
     if k == 1:
         return 0.0
-    formula, kind, _ = ALLREDUCE_FORMULAS[algorithm]
     chosen = hardware.link(link or kind)
     return formula(nbytes, k, chosen.alpha_s, chosen.beta)
 
@@ -325,7 +380,7 @@ def rank_allreduce(nbytes: float, k: int, hardware: Hardware,
     out = []
     for name in algorithms:
         total = allreduce_time(name, nbytes, k, hardware)
-        formula, kind, text = ALLREDUCE_FORMULAS[name]
+        formula, kind, text = ALLREDUCE_FORMULAS.get(name)
         chosen = hardware.link(kind)
         latency = formula(0.0, k, chosen.alpha_s, chosen.beta) if k > 1 else 0.0
         bandwidth = total - latency

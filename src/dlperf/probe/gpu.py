@@ -5,39 +5,33 @@ Every function here returns nothing on a machine without a visible CUDA device.
 
 from __future__ import annotations
 
-import time
+import functools
 from collections.abc import Callable
 
+from ..timing import best_of
+from .cost import Link
 from .reference import SEED
+from .result import ProbeRow
 
 _MIB = 1024 * 1024
 
 
 def _row(key: str, what: str, value: float | None, note: str, seed_key: str):
-    from .hardware import ProbeRow
-
     figure = SEED[seed_key]
     return ProbeRow(key, what, value, figure.unit, figure.value, figure.source, note)
 
 
-def _sync_timed(torch, fn: Callable[[], None], count: int) -> float:
+def _sync_timed(torch, fn: Callable[[], object], count: int) -> float:
     """Seconds per call of ``fn`` over ``count`` calls, including the final synchronize."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(count):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / count
+    return best_of(fn, reps=1, warmup=0, calls=count, synchronize=torch.cuda.synchronize)
 
 
 def launch_rows(torch, device: int, count: int) -> list:
     x = torch.zeros(1, device=f"cuda:{device}")
     x.add_(1)
     torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(count):
-        x.add_(1)
-    issue = (time.perf_counter() - start) / count  # the host returns before the kernel runs
+    # no synchronize inside the block: the host returns before the kernel runs, and that return is the figure
+    issue = best_of(functools.partial(x.add_, 1), reps=1, warmup=0, calls=count)
     torch.cuda.synchronize(device)
 
     def round_trip():
@@ -67,26 +61,8 @@ def launch_rows(torch, device: int, count: int) -> list:
     ]
 
 
-def fit_latency_bandwidth(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares fit of t = alpha + n / B; returns (alpha in seconds, B in bytes per second)."""
-    k = len(sizes)
-    mean_n, mean_t = sum(sizes) / k, sum(seconds) / k
-    var = sum((n - mean_n) ** 2 for n in sizes)
-    slope = sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes, seconds)) / var if var else 0.0
-    alpha = mean_t - slope * mean_n
-    return alpha, (1.0 / slope if slope > 0 else float("inf"))
-
-
 def _copy_time(torch, dst, src, reps: int) -> float:
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_of(functools.partial(dst.copy_, src), reps=reps, synchronize=torch.cuda.synchronize)
 
 
 def transfer_rows(torch, device: int, sizes: list[int], reps: int) -> list:
@@ -100,8 +76,9 @@ def transfer_rows(torch, device: int, sizes: list[int], reps: int) -> list:
                 gpu = torch.empty(n, dtype=torch.uint8, device=dev)
                 dst, src = (gpu, host) if direction == "host->device" else (host, gpu)
                 times.append(_copy_time(torch, dst, src, reps))
-            alpha, bandwidth = fit_latency_bandwidth(sizes, times)
-            at_1m = times[sizes.index(_MIB)] if _MIB in sizes else alpha + _MIB / bandwidth
+            link = Link.fit(sizes, times)
+            alpha, bandwidth = link.alpha_s, link.bandwidth
+            at_1m = times[sizes.index(_MIB)] if _MIB in sizes else link.time(_MIB)
             kind = "pinned" if pinned else "pageable"
             key = f"gpu{device}_{'h2d' if direction == 'host->device' else 'd2h'}_{kind}_1m"
             rows.append(_row(key, f"Transfer 1MB {direction}, {kind} (GPU {device})", at_1m * 1e9,

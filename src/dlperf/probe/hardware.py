@@ -11,64 +11,24 @@ import ctypes
 import functools
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
 import timeit
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 from .._cliargs import available_memory_bytes, one_line
+from .._threads import intra_op_threads
 from ..errors import DlperfError
+from ..timing import best_of
 from .reference import GBPS, GFLOPS, NS, SEED, mm_seed
+from .result import ProbeResult, ProbeRow, cores, machine
 
-FORMAT = 1
 _KIB = 1024
 _MIB = 1024 * 1024
 _HANDOFF_MAX_S = 1.0  # per call: on a busy machine each hand-off or echo can wait a whole time slice
 _DEFAULT_CACHES = {"L1": 32 * _KIB, "L2": 1 * _MIB, "L3": 8 * _MIB}
-
-
-@dataclass
-class ProbeRow:
-    key: str
-    what: str
-    value: float | None  # in ``unit``; None when this machine cannot measure it (``note`` says why)
-    unit: str
-    seed: float  # the book's figure, in ``unit``
-    seed_source: str
-    note: str = ""
-
-    @property
-    def ratio(self) -> float | None:
-        """This machine's figure over the book's (for times above 1 is slower, for rates above 1 faster)."""
-        if self.value is None or not self.seed:
-            return None
-        return self.value / self.seed
-
-
-@dataclass
-class ProbeResult:
-    machine: dict
-    quick: bool
-    created: float
-    rows: list[ProbeRow] = field(default_factory=list)
-    format: int = FORMAT
-    interrupted: bool = False
-
-    def to_dict(self) -> dict:
-        doc = asdict(self)
-        for row, out in zip(self.rows, doc["rows"]):
-            out["ratio"] = row.ratio
-        return doc
-
-    def row(self, key: str) -> ProbeRow | None:
-        return next((r for r in self.rows if r.key == key), None)
-
-    def figures(self) -> dict[str, float | None]:
-        """Each row's figure by key, in the row's unit (ns, GB/s or GFLOP/s); None where unavailable."""
-        return {r.key: r.value for r in self.rows}
 
 
 @dataclass(frozen=True)
@@ -138,32 +98,6 @@ def cache_sizes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> tuple[dict[
     if "L1" in sizes and "L2" in sizes:
         return sizes, "sysfs"
     return dict(_DEFAULT_CACHES), "defaults: sysfs unreadable"
-
-
-def cores() -> int:
-    from ..devices import cpu_count
-
-    return cpu_count()
-
-
-def _cpu_model() -> str:
-    from ..bench.runner import _cpu_model as model
-
-    return model()
-
-
-def _memory_bytes() -> int | None:
-    from ..inventory import _meminfo
-
-    return _meminfo()[0]
-
-
-def machine() -> dict:
-    """What the figures depend on: the probe's cache is keyed by exactly this."""
-    import torch
-
-    return {"hostname": socket.gethostname(), "cpu": _cpu_model(), "cores": cores(),
-            "memory_bytes": _memory_bytes(), "torch": torch.__version__}
 
 
 def _fmt_bytes(n: int) -> str:
@@ -337,20 +271,10 @@ def _time_mm(torch, n: int, dtype, min_s: float, reps: int) -> float:
     """Peak GFLOP/s: the fastest of many short blocks of products, so a moment of contention costs one block."""
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
-    start = time.perf_counter()
-    torch.mm(a, b)
-    torch.mm(a, b)
-    per_call = max((time.perf_counter() - start) / 2, 1e-6)
+    product = functools.partial(torch.mm, a, b)
+    per_call = max(best_of(product, reps=1, warmup=0, calls=2), 1e-6)
     block = max(1, int(0.01 / per_call))  # blocks of about 10 ms
-    best = math.inf
-    deadline = time.perf_counter() + min_s * max(reps, 1)
-    blocks = 0
-    while blocks < 3 or time.perf_counter() < deadline:
-        begin = time.perf_counter()
-        for _ in range(block):
-            torch.mm(a, b)
-        best = min(best, (time.perf_counter() - begin) / block)
-        blocks += 1
+    best = best_of(product, reps=3, warmup=0, calls=block, min_seconds=min_s * max(reps, 1))
     return 2.0 * n ** 3 / best / 1e9
 
 
@@ -359,12 +283,10 @@ def _mm_rows(plan: Plan) -> list[ProbeRow]:
 
     total = cores()
     counts = list(range(1, total + 1)) if plan.all_thread_counts else sorted({1, total})
-    before = torch.get_num_threads()
     rows = []
-    try:
-        for dtype_name in ("float32", "bfloat16", "float64"):
-            for threads in counts:
-                torch.set_num_threads(threads)
+    for dtype_name in ("float32", "bfloat16", "float64"):
+        for threads in counts:
+            with intra_op_threads(threads):
                 cpu_before, wall_before = time.process_time(), time.perf_counter()
                 value = _time_mm(torch, plan.mm_n, getattr(torch, dtype_name), plan.mm_min_s, plan.reps)
                 busy = (time.process_time() - cpu_before) / max(time.perf_counter() - wall_before, 1e-9)
@@ -374,8 +296,6 @@ def _mm_rows(plan: Plan) -> list[ProbeRow]:
                 rows.append(_row(f"mm_{dtype_name}_{threads}t", f"torch.mm {dtype_name}, {threads} thread"
                                  f"{'s' if threads > 1 else ''}", value, note, seed_key="mm",
                                  seed=mm_seed(dtype_name, threads)))
-    finally:
-        torch.set_num_threads(before)
     return rows
 
 
@@ -390,7 +310,7 @@ def _dispatch_rows(plan: Plan) -> list[ProbeRow]:
     def nothing():
         return None
 
-    env = {"f": nothing}
+    env: dict[str, object] = {"f": nothing}
     call = _per_call_ns("f()", plan.py_calls, plan.reps, env)
     empty = _per_call_ns("pass", plan.py_calls, plan.reps, env)
     rows = [_row("py_call", "Python function call", max(call - empty, 0.0),

@@ -1,4 +1,4 @@
-"""Measured links between processes: latency + size / bandwidth per transport, saved per process layout.
+"""Measured links between processes: a :class:`~dlperf.probe.cost.Link` per transport, saved per process layout.
 
 The figures of one layout (the host of every rank, hence the world size) are saved in the probe's cache
 directory, one file per layout, and read back as hostile input: JSON of one known shape, every field
@@ -13,11 +13,11 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 from .._cliargs import one_line
 from .._io import atomic_write_text
 from .cache import ProbeCacheError, cache_dir, decode_json, read_cache_file
+from .cost import Link
 
 LINKS_FORMAT = "dlperf-links-1"
 TRANSPORTS = ("shm", "hierarchical", "gloo")
@@ -26,27 +26,8 @@ _MAX_HOST_CHARS = 255
 _LATEST_TIME = 1e11
 
 
-@dataclass(frozen=True)
-class LinkFit:
-    """The time of one allreduce of ``nbytes`` over a transport: ``latency_s + nbytes / bandwidth``."""
-
-    latency_s: float
-    bytes_per_s: float
-
-    def seconds(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s
-
-    def describe(self) -> str:
-        return f"{self.latency_s * 1e6:.0f} us + {self.bytes_per_s / 1e9:.2f} GB/s"
-
-    @classmethod
-    def from_two_points(cls, small: tuple[int, float], large: tuple[int, float]) -> LinkFit:
-        """The line through two (bytes, seconds) measurements; a flat or falling line counts as latency only."""
-        (s1, t1), (s2, t2) = small, large
-        per_byte = (t2 - t1) / (s2 - s1)
-        if per_byte <= 0:  # noise: the large size was no slower; its time is all latency
-            return cls(max(t1, t2), math.inf)
-        return cls(max(0.0, t1 - per_byte * s1), 1.0 / per_byte)
+LinkFit = Link
+"""The former name of :class:`dlperf.probe.cost.Link` here, still imported by the process links' choice."""
 
 
 def layout_key(hosts: list[str]) -> str:
@@ -59,7 +40,7 @@ def links_path(hosts: list[str]) -> str:
     return os.path.join(cache_dir(), f"links-{layout_key(hosts)}.json")
 
 
-def save_links(hosts: list[str], fits: dict[str, LinkFit], path: str | None = None) -> str:
+def save_links(hosts: list[str], fits: dict[str, Link], path: str | None = None) -> str:
     """Write the figures of this layout atomically; return where."""
     if path is None:
         from ..hybrid.backends.native_cache import private_dir
@@ -67,8 +48,7 @@ def save_links(hosts: list[str], fits: dict[str, LinkFit], path: str | None = No
 
         path = os.path.join(private_dir(cache_base(), ["dlperf", "probe"]), f"links-{layout_key(hosts)}.json")
     doc = {"format": LINKS_FORMAT, "created": time.time(), "hosts": hosts, "world": len(hosts),
-           "links": {name: {"latency_s": f.latency_s,
-                            "bytes_per_s": None if math.isinf(f.bytes_per_s) else f.bytes_per_s}
+           "links": {name: {"latency_s": f.alpha_s, "bytes_per_s": None if math.isinf(f.bandwidth) else f.bandwidth}
                      for name, f in fits.items()}}
     atomic_write_text(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
     return path
@@ -88,7 +68,7 @@ def _positive(value, path: str, where: str, *, allow_none: bool = False) -> floa
     return float(value)
 
 
-def parse_links(data: bytes, path: str, hosts: list[str]) -> dict[str, LinkFit]:
+def parse_links(data: bytes, path: str, hosts: list[str]) -> dict[str, Link]:
     """The figures in a link cache file's bytes, for the layout ``hosts``; raise ProbeCacheError if unusable."""
     doc = decode_json(data, path, _fail)
     if not isinstance(doc, dict) or doc.get("format") != LINKS_FORMAT:
@@ -115,11 +95,11 @@ def parse_links(data: bytes, path: str, hosts: list[str]) -> dict[str, LinkFit]:
         rate = _positive(fig["bytes_per_s"], path, f"'links.{name}.bytes_per_s'", allow_none=True)
         if latency > 60 or rate <= 0:
             raise _fail(path, f"'links.{name}' is {latency:g} s + size / {rate:g} B/s, not a plausible link")
-        fits[name] = LinkFit(latency, rate)
+        fits[name] = Link(latency, rate)
     return fits
 
 
-def load_links(hosts: list[str], transports: list[str], path: str | None = None) -> tuple[dict[str, LinkFit] | None,
+def load_links(hosts: list[str], transports: list[str], path: str | None = None) -> tuple[dict[str, Link] | None,
                                                                                          str]:
     """This layout's saved figures for ``transports`` (None when there are none or they cannot be used), and where.
 

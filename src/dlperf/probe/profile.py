@@ -29,8 +29,9 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch import nn
 
-from ..bench.timing import Timing, time_steps
+from .._threads import intra_op_threads
 from ..errors import UsageError
+from ..timing import Timing, best_of, per_call_samples, time_steps
 from .cost import (
     GROUPS,
     Hardware,
@@ -91,7 +92,7 @@ class Suggestion:
                 "unit": self.unit, "speedup": self.speedup, "recommended": self.recommended, "note": self.note}
 
     def line(self) -> str:
-        if self.speedup is None:
+        if self.speedup is None or self.baseline_s is None or self.measured_s is None:
             return f"{self.name:<14} not measured: {self.note}"
         verdict = "recommended" if self.recommended else "no gain here"
         note = f"; {self.note}" if self.note else ""
@@ -164,13 +165,7 @@ def estimate_hardware(repeats: int = 5) -> Hardware:
     tiny = torch.zeros(1)
 
     def best(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return max(min(times), 1e-9)
+        return max(best_of(fn, reps=repeats), 1e-9)
 
     flops = 2 * 768**3 / best(lambda: torch.mm(a, b))
     copy_bw = 2 * src.numel() * 4 / best(lambda: dst.copy_(src))  # read + write
@@ -266,6 +261,7 @@ def _profiled_step(step: Callable[[], object], trace: str | os.PathLike | None,
         seconds["python"] += max(wall - covered, 0.0)
         if best is None or max(wall, covered) < best[1]:
             best = (seconds, max(wall, covered), prof)
+    assert best is not None  # at least one try ran
     seconds, wall, prof = best
     if trace is not None:
         _write_trace(prof, trace)
@@ -336,9 +332,7 @@ def _paired(baseline: Callable[[], object], variant: Callable[[], object], steps
     b: list[float] = []
     for _ in range(max(steps, 2)):
         for fn, out in ((baseline, a), (variant, b)):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
+            out += per_call_samples(fn, reps=1, warmup=0)
     return Timing.from_samples(a).median_s, Timing.from_samples(b).median_s
 
 
@@ -351,7 +345,7 @@ def _suggest_channels_last(model: nn.Module, x: torch.Tensor, steps: int) -> Sug
         return None
     how = "model.to(memory_format=torch.channels_last) and the same for each input batch"
     try:
-        cl_model = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        cl_model = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         base, cl = _paired(_trainer(model, x),
                            _trainer(cl_model, x.contiguous(memory_format=torch.channels_last)), steps)
     except Exception as exc:  # noqa: BLE001 (a suggestion that cannot run is reported, not fatal)
@@ -368,12 +362,8 @@ def _usable_cores() -> int:
 
 def _with_threads(n: int, fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
-        before = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
+        with intra_op_threads(n):
             return fn()
-        finally:
-            torch.set_num_threads(before)
 
     return run
 
@@ -443,14 +433,9 @@ def profile(model: nn.Module, example_input: torch.Tensor, *, steps: int = 5, wa
                          "to profile; give a model with parameters that require gradients")
     if steps < 1 or warmup < 0:
         raise UsageError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    before = torch.get_num_threads()
-    try:
-        if threads is not None:
-            torch.set_num_threads(threads)
+    with intra_op_threads(threads):
         return _profile(copy.deepcopy(model).train(), example_input, steps, warmup, hardware, suggest, trace,
                         name or type(model).__name__)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _profile(model: nn.Module, x: torch.Tensor, steps: int, warmup: int, hardware: Hardware | None,

@@ -21,17 +21,18 @@ Link figures are measured once per process. Each new decision is logged on the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import statistics
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...devices import Device, DeviceLike, to_device
 from ...errors import UsageError
+from ...probe.cost import Link
+from ...timing import best_of, median_of
 from .base import DEFAULT_ALGORITHM, AllreduceAlgorithm, Phase, algorithm_names, get_algorithm, register_algorithm
 
 __all__ = ["AutoAllreduce", "choose_algorithm", "link_hardware", "cache_figures", "handoff_steps", "schedule_costs",
@@ -64,22 +65,13 @@ def describe_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _median_copy_s(dst: torch.Tensor, src: torch.Tensor, reps: int, sync) -> float:
-    dst.copy_(src)  # first touch: page faults and allocator work are not the link
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _median_copy_s(dst: torch.Tensor, src: torch.Tensor, reps: int, sync: Callable[[], None]) -> float:
+    # the untimed first copy takes the first touch: page faults and allocator work are not the link
+    return median_of(functools.partial(dst.copy_, src, non_blocking=True), reps=reps, synchronize=sync)
 
 
-def _fit_link(src_device: torch.device, dst_device: torch.device, sync):
+def _fit_link(src_device: torch.device, dst_device: torch.device, sync: Callable[[], None]) -> Link:
     """``Link(alpha, bandwidth)`` from the median time of one copy at two sizes."""
-    from ...probe.cost import Link
-
     sizes, seconds = (_SMALL_BYTES, _LARGE_BYTES), []
     for nbytes, reps in zip(sizes, (_SMALL_REPS, _LARGE_REPS)):
         src = torch.ones(nbytes // 4, device=src_device)
@@ -87,9 +79,7 @@ def _fit_link(src_device: torch.device, dst_device: torch.device, sync):
                           and src_device.type == "cuda")
         seconds.append(_median_copy_s(dst, src, reps, sync))
         del src, dst
-    beta = max((seconds[1] - seconds[0]) / (sizes[1] - sizes[0]), 1e-15)
-    alpha = max(seconds[0] - sizes[0] * beta, _MIN_ALPHA_S)
-    return Link(alpha, 1.0 / beta)
+    return Link.fit(sizes, seconds, min_alpha_s=_MIN_ALPHA_S)
 
 
 def _measure_handoff_s(k: int) -> float:
@@ -105,14 +95,8 @@ def _measure_handoff_s(k: int) -> float:
             for op in [eng.push(noop, device=d) for d in devices]:
                 op.wait()
 
-        for _ in range(20):  # threads started and scheduled once before timing
-            round_trip()
-        times = []
-        for _ in range(_HANDOFF_REPS):
-            t0 = time.perf_counter()
-            round_trip()
-            times.append(time.perf_counter() - t0)
-    return max(statistics.median(times), _MIN_ALPHA_S)
+        # the warm-up rounds start the threads and get them scheduled once before timing
+        return max(median_of(round_trip, reps=_HANDOFF_REPS, warmup=20), _MIN_ALPHA_S)
 
 
 def _gpu_links(gpus: list[Device]):
@@ -134,21 +118,23 @@ def _gpu_links(gpus: list[Device]):
 def _host_links(k: int):
     """Host-memory links of ``k`` logical CPU devices: a worker hand-off, then a copy at the probe's rate."""
     from ...probe import load_probe
-    from ...probe.cost import Hardware, Link
+    from ...probe.cost import Hardware
 
-    copy, dispatch, where = None, None, "a host copy and an operator timed now"
+    figures: tuple[Link, float] | None = None
+    where = "a host copy and an operator timed now"
     result = load_probe(quiet=True)
     if result is not None:
         try:
             probed = Hardware.from_probe_result(result)
-            copy, dispatch = probed.link("copy"), probed.dispatch_s
+            figures = probed.link("copy"), probed.dispatch_s
             where = "the dlperf probe cache's copy rate and dispatch cost"
         except Exception:  # noqa: BLE001 (a cache without the copy figures: measure instead)
-            copy = None
-    if copy is None:
+            figures = None
+    if figures is None:
         fitted = _fit_link(torch.device("cpu"), torch.device("cpu"), lambda: None)
         # a copy of n bytes reads n and writes n: the schedules' traffic counts both, as STREAM does
-        copy, dispatch = Link(fitted.alpha_s, 2 * fitted.bandwidth), _measure_dispatch_s()
+        figures = Link(fitted.alpha_s, 2 * fitted.bandwidth), _measure_dispatch_s()
+    copy, dispatch = figures
     link = Link(_measure_handoff_s(k), copy.bandwidth)
     links = {"copy": link, "host": link, "device": link, "network": link}
     what = f"{where}, and a worker hand-off timed now"
@@ -178,12 +164,7 @@ def cache_figures() -> tuple[int, float]:
 def _measure_dispatch_s(calls: int = 2000) -> float:
     """Seconds per eager operator on a one-element tensor: Python binding, dispatcher, kernel."""
     x = torch.zeros(1)
-    for _ in range(100):
-        x.add_(1.0)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        x.add_(1.0)
-    return max((time.perf_counter() - t0) / calls, _MIN_ALPHA_S)
+    return max(best_of(functools.partial(x.add_, 1.0), reps=1, warmup=100, calls=calls), _MIN_ALPHA_S)
 
 
 def link_hardware(devices: Sequence[DeviceLike]):
@@ -353,9 +334,12 @@ def choose_algorithm(nbytes: float, devices: Sequence[DeviceLike] | int, hardwar
     whether the allreduce runs with device workers (``allreduce(..., workers=...)``) or all on the
     calling thread. Predictions that tie go to the project default, :data:`DEFAULT_ALGORITHM`.
     """
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        devices = [Device("cpu", i) for i in range(devices)]
-    devs = [to_device(d) for d in devices]
+    if isinstance(devices, bool):
+        raise UsageError(f"choose_algorithm needs devices or a number of devices, got {devices!r}")
+    if isinstance(devices, int):
+        devs = [Device("cpu", i) for i in range(devices)]
+    else:
+        devs = [to_device(d) for d in devices]
     k = len(devs)
     if k < 1 or isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not 0 <= nbytes < float("inf"):
         raise UsageError(f"choose_algorithm needs a finite nbytes >= 0 and at least one device, got "
@@ -377,7 +361,7 @@ def choose_algorithm(nbytes: float, devices: Sequence[DeviceLike] | int, hardwar
     kind = "logical CPU devices" if shared else "devices"
     if shared:
         in_cache = cache is not None and k * nbytes <= cache[0]
-        rate = cache[1] if in_cache else hardware.link("host").bandwidth
+        rate = cache[1] if cache is not None and in_cache else hardware.link("host").bandwidth
         figures = (f"hand-off {hardware.link('host').alpha_s * 1e6:.3g} us, {hardware.dispatch_s * 1e6:.3g} us/op, "
                    f"{rate / 1e9:.3g} GB/s {'in cache, timed now' if in_cache else 'memory traffic'}")
     else:

@@ -1,0 +1,277 @@
+"""The import graph of src/dlperf flows one way: no lower layer imports a higher one, no cycle spans packages.
+
+Every module is parsed with :mod:`ast`, so imports inside functions (the lazy ones) count as much as
+those at the top of a file. Layers, lowest first (README's architecture):
+
+    base (the top-level modules) < engine, models, data < hybrid, kvstore < probe < parallel < bench < cli
+
+A cycle inside one package may stay (the code says why); a cycle through two packages means a helper
+lives inside a capability instead of below it.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = SRC / "dlperf"
+
+LAYERS: dict[str, int] = {
+    "": 0,  # top-level modules: errors, _io, timing, registry, devices, _threads, machine, ...
+    "engine": 1, "models": 1, "data": 1,
+    "hybrid": 2, "kvstore": 2,
+    "probe": 3,
+    "parallel": 4,
+    "bench": 5,
+    "cli": 6,
+}
+
+# Edges still waiting for their modules to move; each is (importer, imported) as dotted names. The list
+# only shrinks: an entry that no longer matches an edge fails the test too, so it is deleted once fixed.
+PENDING: dict[tuple[str, str], str] = {
+    # kvstore imports the shared-memory segment and the launch attempt store from parallel/, which are to
+    # move below both users.
+    ("dlperf.kvstore.dist", "dlperf.parallel.launchers"): "attempt_store to move below kvstore",
+    ("dlperf.kvstore.shm", "dlperf.parallel.allreduce.shm_segment"): "shm segment to move below kvstore",
+    ("dlperf.kvstore.dist", "dlperf.parallel.allreduce.shm_segment"): "shm segment to move below kvstore",
+}
+
+# Cycles inside one package, by their modules, each with why it stays or what it waits for. A cycle that is
+# not (a subset of) an entry fails; so does an entry that no cycle matches any more.
+PACKAGE_CYCLES: dict[frozenset[str], str] = {
+    frozenset({"dlperf.hybrid.backends.registry", "dlperf.hybrid.backends.compiled",
+               "dlperf.hybrid.backends.cuda_graphs", "dlperf.hybrid.backends.eager", "dlperf.hybrid.backends.graph",
+               "dlperf.hybrid.backends.native"}):
+        "stays: the registry loads the built-in backends lazily and each registers itself against its base class",
+    frozenset({"dlperf.engine.engine", "dlperf.engine.naive", "dlperf.engine.threaded", "dlperf.engine.worker",
+               "dlperf.engine.cuda"}):
+        "pending: workers reach into the engine's private state",
+    frozenset({"dlperf.engine.array", "dlperf.engine.external"}):
+        "pending: external's Array check imports the array module lazily",
+    frozenset({"dlperf.parallel.servers", "dlperf.parallel.trainer"}):
+        "pending: the Trainer's ways of synchronizing gradients become strategies",
+    frozenset({"dlperf.cli.launch", "dlperf.cli.train"}):
+        "pending: the training options move out of cli/train for both verbs",
+}
+
+
+@dataclass(frozen=True)
+class Edge:
+    importer: str
+    imported: str
+    file: str
+    line: int
+    type_only: bool
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line}: {self.importer} -> {self.imported}"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    if not is_package:
+        base.pop()
+    if node.level > 1:
+        base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[Edge]:
+    """Every import of a dlperf module in ``path``, at any depth, as the most specific module it names."""
+    return imports_in(name, path.read_text(), str(path.relative_to(SRC.parent)), path.name == "__init__.py", modules)
+
+
+def _named(node: ast.AST, importer: str, is_package: bool, modules: dict[str, Path]) -> list[str]:
+    """The modules one import statement names (``from pkg import mod`` names ``pkg.mod`` when it is one)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        source = _resolve(importer, is_package, node)
+        return [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+    return []
+
+
+def _statements(node: ast.AST, type_only: bool = False):
+    """Every node below ``node`` with whether it sits under ``if TYPE_CHECKING:``."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for inner in child.body:
+                yield inner, True
+                yield from _statements(inner, True)
+            for inner in child.orelse:
+                yield inner, type_only
+                yield from _statements(inner, type_only)
+            continue
+        yield child, type_only
+        yield from _statements(child, type_only)
+
+
+def imports_in(name: str, source: str, rel: str, is_package: bool, modules: dict[str, Path]) -> list[Edge]:
+    """One edge per dlperf module each import statement names, resolved to the deepest existing module."""
+    found: dict[tuple[str, int], Edge] = {}
+    for node, type_only in _statements(ast.parse(source, filename=rel)):
+        for target in _named(node, name, is_package, modules):
+            if target.split(".")[0] != "dlperf":
+                continue
+            while target not in modules and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target != name:
+                found.setdefault((target, node.lineno), Edge(name, target, rel, node.lineno, type_only))
+    return list(found.values())
+
+
+def package_of(module: str) -> str:
+    """The subpackage directly below dlperf ('' for a top-level module)."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()):
+        return parts[1]
+    return ""
+
+
+def layer_of(module: str) -> int:
+    package = package_of(module)
+    assert package in LAYERS, f"{module}: package {package!r} has no layer; add it to LAYERS"
+    return LAYERS[package]
+
+
+@pytest.fixture(scope="module")
+def graph() -> list[Edge]:
+    modules = all_modules()
+    return [edge for name, path in modules.items() for edge in imports_of(name, path, modules)]
+
+
+def upward(edge: Edge) -> bool:
+    if edge.imported.startswith("dlperf.cli") and not edge.importer.startswith("dlperf.cli"):
+        return True
+    return layer_of(edge.importer) < layer_of(edge.imported)
+
+
+def test_every_package_has_a_layer():
+    for name in all_modules():
+        layer_of(name)
+
+
+def test_no_import_runs_up_a_layer(graph):
+    bad = sorted({e.where() for e in graph if upward(e) and (e.importer, e.imported) not in PENDING})
+    assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(bad)
+
+
+def test_pending_layer_edges_still_exist(graph):
+    present = {(e.importer, e.imported) for e in graph if upward(e)}
+    stale = sorted(set(PENDING) - present)
+    assert not stale, f"fixed, delete from PENDING: {stale}"
+
+
+def strongly_connected(nodes: list[str], edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative (the graph is a few hundred modules deep at most)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    counter = 0
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            advanced = False
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                    advanced = True
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(sorted(component))
+    return components
+
+
+def test_strongly_connected_finds_cycles():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert sorted(strongly_connected(["a", "b", "c", "d"], edges)) == [["a", "b", "c"], ["d"]]
+
+
+def runtime_cycles(graph: list[Edge]) -> list[list[str]]:
+    """Strongly connected components of the imports that run (``if TYPE_CHECKING:`` ones never do)."""
+    edges: dict[str, set[str]] = {}
+    for e in graph:
+        if not e.type_only:
+            edges.setdefault(e.importer, set()).add(e.imported)
+    return strongly_connected(sorted(all_modules()), edges)
+
+
+def test_no_cycle_spans_two_packages(graph):
+    runtime = [e for e in graph if not e.type_only]
+    problems = []
+    for component in runtime_cycles(graph):
+        if len({package_of(m) for m in component}) < 2:
+            continue
+        inside = set(component)
+        lines = [e.where() for e in runtime if e.importer in inside and e.imported in inside
+                 and package_of(e.importer) != package_of(e.imported)]
+        problems.append(f"cycle through {', '.join(component)}; edges between packages:\n  " + "\n  ".join(lines))
+    assert not problems, "\n".join(problems)
+
+
+def test_cycles_inside_a_package_are_explained(graph):
+    cycles = [set(c) for c in runtime_cycles(graph) if len(c) > 1]
+    unexplained = [sorted(c) for c in cycles if not any(c <= listed for listed in PACKAGE_CYCLES)]
+    assert not unexplained, f"import cycles with no entry in PACKAGE_CYCLES: {unexplained}"
+    stale = [sorted(listed) for listed in PACKAGE_CYCLES if not any(c <= listed for c in cycles)]
+    assert not stale, f"no longer cycles, delete from PACKAGE_CYCLES: {stale}"
+
+
+def test_detects_lazy_and_type_only_imports():
+    modules = {m: Path() for m in ("dlperf.probe.x", "dlperf.bench", "dlperf.bench.runner", "dlperf.cli")}
+    source = ("from typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n    from ..bench import runner\n"
+              "def f():\n    from ..bench.runner import g\n    import dlperf.cli.options\n    return g\n")
+    edges = imports_in("dlperf.probe.x", source, "x.py", False, modules)
+    assert [(e.imported, e.line, e.type_only) for e in edges] == [
+        ("dlperf.bench.runner", 3, True), ("dlperf.bench.runner", 5, False), ("dlperf.cli", 6, False)]
+    assert all(upward(e) for e in edges)
