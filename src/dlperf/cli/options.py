@@ -228,18 +228,29 @@ def _check_parents(path: Path, name: str, text: str) -> None:
 
 
 def output_path(name: str, *, allow_stdout: bool = False) -> Callable[[str], str]:
-    """A file to write: not a directory, and no parent of it is a file (``-`` is stdout when allowed)."""
+    """A file to write: not a directory, and no parent of it is a file (``-`` is stdout when allowed).
+
+    ``/dev/stdout``, ``/dev/stderr``, a character device or a FIFO is accepted and later written in
+    place (:func:`dlperf._io.atomic_open`); a block device or socket is refused.
+    """
 
     @_path_type(name, "output file")
     def parse(text: str) -> str:
+        from .._io import FileAccessError, output_stream, refuse_output_kind
+
         if allow_stdout and text == "-":
             return text
         path = _path_text(text, name)
+        if text != "-" and output_stream(text) is not None:
+            return text
         if text.endswith(os.sep) or path.is_dir():
             raise _fail(f"{_show(text, _PATH_SHOWN)} is a directory; give {name} a file name inside it")
         _check_parents(path, name, text)
-        if path.exists() and not path.is_file():
-            raise _fail(f"{_show(text, _PATH_SHOWN)} is not a regular file; give {name} a file name")
+        if path.exists():
+            try:
+                refuse_output_kind(text, path.stat())
+            except FileAccessError as exc:
+                raise _fail(f"{_show(text, _PATH_SHOWN)}: {exc.strerror}; give {name} a file name") from None
         return text
 
     return parse

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _io
+from .._buildcache import cache_base, private_dir
 from .._cliargs import one_line
 from .._io import atomic_write_text
 from ..errors import DlperfError
@@ -41,8 +42,6 @@ def machine_key(info: dict | None = None) -> str:
 
 
 def cache_dir() -> str:
-    from .kernels import cache_base
-
     return os.path.join(cache_base(), "dlperf", "probe")
 
 
@@ -54,9 +53,6 @@ def cache_path(info: dict | None = None) -> str:
 def save_probe(result: ProbeResult, path: str | None = None) -> str:
     """Write ``result`` atomically to its machine's cache file (or ``path``); return where."""
     if path is None:
-        from ..hybrid.backends.native_cache import private_dir
-        from .kernels import cache_base
-
         path = os.path.join(private_dir(cache_base(), ["dlperf", "probe"]), f"{machine_key(result.machine)}.json")
     atomic_write_text(path, json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n")
     return path

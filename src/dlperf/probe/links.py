@@ -62,8 +62,7 @@ def links_path(hosts: list[str]) -> str:
 def save_links(hosts: list[str], fits: dict[str, LinkFit], path: str | None = None) -> str:
     """Write the figures of this layout atomically; return where."""
     if path is None:
-        from ..hybrid.backends.native_cache import private_dir
-        from .kernels import cache_base
+        from .._buildcache import cache_base, private_dir
 
         path = os.path.join(private_dir(cache_base(), ["dlperf", "probe"]), f"links-{layout_key(hosts)}.json")
     doc = {"format": LINKS_FORMAT, "created": time.time(), "hosts": hosts, "world": len(hosts),
