@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from _toolchain import built_or_skip, cxx_toolchain
 from dlperf import _buildcache as native_cache
 from dlperf.hybrid import hybridize
 from dlperf.hybrid.backends import BackendUnsupported, native
@@ -26,10 +27,7 @@ from dlperf.hybrid.capture import capture
 
 
 def _compiled_or_skip():
-    try:
-        return native.load_extension()
-    except RuntimeError as exc:
-        pytest.skip(f"no C++ toolchain: {exc}")
+    return built_or_skip(native.load_extension, cxx_toolchain())
 
 
 def _net(model: nn.Module):

@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -185,8 +186,8 @@ def test_full_device_gives_one_line_naming_it_and_survives(tmp_path):
     check_writable(full)
     with pytest.raises(FileAccessError) as info:
         atomic_write_text(full, "x" * 100_000)
-    assert str(info.value) == (f"cannot write {full}: no space left on the device for 100000 bytes (any previous "
-                               "file is kept); free some space or write elsewhere")
+    assert str(info.value) == (f"cannot write {full}: no space left on the device for 100000 bytes; free some space "
+                               "or write elsewhere")
     assert info.value.errno == errno.ENOSPC
     assert stat.S_ISCHR(os.stat(full).st_mode)
     assert _temporaries(tmp_path) == []
@@ -476,13 +477,16 @@ def test_output_stream_matches_names_and_the_open_files_only(tmp_path):
     assert io_mod.output_stream(tmp_path / "exists") is None
 
 
-def test_fifo_without_a_reader_is_refused_at_once_not_waited_for(tmp_path):
+def test_fifo_without_a_reader_is_refused_after_a_bounded_wait(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    code = f"from dlperf._io import atomic_write_text; atomic_write_text({str(fifo)!r}, 'x')"
+    code = ("import dlperf._io as io; io.FIFO_READER_WAIT_S = 0.3; "
+            f"io.atomic_write_text({str(fifo)!r}, 'x')")
+    start = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0
-    assert f"cannot write {fifo}: no process is reading this FIFO; start its reader first" in out.stderr
+    assert out.returncode != 0 and time.monotonic() - start < 30
+    assert (f"cannot write {fifo}: no process opened this FIFO for reading within 0.3 s; start its reader "
+            "first") in out.stderr
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 

@@ -27,6 +27,7 @@ import re
 import secrets
 import stat
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +39,8 @@ __all__ = ["FileAccessError", "decode_json", "atomic_open", "atomic_write_bytes"
            "output_stream", "process_alive", "safe_torch_load", "save_torch"]
 
 _TMP_SUFFIX = ".tmp"
+FIFO_READER_WAIT_S = 10.0
+"""How long a write to a FIFO waits for a process to open it for reading before it is refused."""
 # Room for ".", ".<pid>.<token>.tmp" within the usual 255-byte NAME_MAX.
 _MAX_STEM = 200
 
@@ -72,16 +75,19 @@ def _kind(mode: int) -> str:
     return "special file"
 
 
-def _wrap(path: Path, exc: OSError, action: str = "write", size: int | None = None) -> FileAccessError:
+def _wrap(path: Path, exc: OSError, action: str = "write", size: int | None = None,
+          replacing: bool = True) -> FileAccessError:
     if isinstance(exc, FileAccessError):
         return exc
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         need = f"{size} bytes" if size is not None else "the data"
         where = "device" if exc.errno == errno.ENOSPC else "quota"
-        return FileAccessError(path, f"no space left on the {where} for {need} (any previous file is kept); "
-                                     "free some space or write elsewhere", exc.errno, action)
+        kept = " (any previous file is kept)" if replacing else ""
+        return FileAccessError(path, f"no space left on the {where} for {need}{kept}; free some space or write "
+                                     "elsewhere", exc.errno, action)
     if exc.errno == errno.ENXIO:
-        return FileAccessError(path, "no process is reading this FIFO; start its reader first", exc.errno, action)
+        return FileAccessError(path, f"no process opened this FIFO for reading within {FIFO_READER_WAIT_S:g} s; "
+                                     "start its reader first", exc.errno, action)
     reason = exc.strerror or str(exc) or type(exc).__name__
     if exc.filename is not None and os.fspath(exc.filename) != os.fspath(path):
         reason = f"{reason}: {exc.filename}"  # e.g. the parent directory could not be created
@@ -146,7 +152,7 @@ def _in_place(path: Path, fd: int, mode: str, size: int | None) -> Iterator[IO[A
             yield f
             f.flush()
     except OSError as exc:
-        raise _wrap(path, exc, size=size) from None
+        raise _wrap(path, exc, size=size, replacing=False) from None
 
 
 def _fdopen(fd: int, mode: str) -> IO[Any]:
@@ -154,8 +160,19 @@ def _fdopen(fd: int, mode: str) -> IO[Any]:
 
 
 def _open_in_place(real: Path) -> int:
-    """A write descriptor on a character device or FIFO; a FIFO with no reader fails (ENXIO), never waits."""
-    fd = os.open(real, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    """A write descriptor on a character device or FIFO; a FIFO no process opens for reading within
+    FIFO_READER_WAIT_S fails (ENXIO) instead of blocking the open forever."""
+    flags = os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+    deadline = time.monotonic() + FIFO_READER_WAIT_S
+    while True:
+        try:
+            fd = os.open(real, flags)
+            break
+        except OSError as exc:
+            # a reader started beside us (`dlperf ... --json f & cat f`) may open it a moment later
+            if exc.errno != errno.ENXIO or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
     # With a reader present, writes may wait for it to drain the pipe like any other writer's.
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
@@ -230,6 +247,11 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", *, size: int | None =
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_open writes with mode 'wb' or 'w', not {mode!r}")
     given = Path(path)
+    stream = output_stream(given)
+    if stream is not None:
+        with _through_stream(given, stream, mode, size) as f:
+            yield f
+        return
     try:
         fd, real, st = _open_target(given)
     except OSError as exc:
@@ -265,17 +287,29 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", *, size: int | None =
         raise _wrap(given, exc) from None
 
 
+@contextmanager
+def _through_stream(path: Path, fd: int, mode: str, size: int | None) -> Iterator[IO[Any]]:
+    """Write to ``sys.stdout``/``sys.stderr`` (so what was printed before comes first, and a replaced
+    stream, as in a notebook, gets it), or to the descriptor when binary data meets a text-only stream."""
+    stream = sys.stdout if fd == 1 else sys.stderr
+    target = stream if mode == "w" else getattr(stream, "buffer", None)
+    if target is None or stream is None:
+        for other in (sys.stdout, sys.stderr):
+            if other is not None:
+                other.flush()
+        with _in_place(path, os.dup(fd), mode, size) as f:
+            yield f
+        return
+    try:
+        stream.flush()
+        yield target
+        target.flush()
+    except OSError as exc:
+        raise _wrap(path, exc, size=size, replacing=False) from None
+
+
 def _open_target(given: Path) -> tuple[int, Path, os.stat_result | None]:
     """(descriptor to write in place through, or -1 to replace the file; the file; its status)."""
-    stream = output_stream(given)
-    if stream is not None:
-        # What Python buffered for the streams goes first, so the output keeps the order it was written in.
-        for buffered in (sys.stdout, sys.stderr):
-            try:
-                buffered.flush()
-            except (AttributeError, OSError, ValueError):
-                pass  # replaced or closed: nothing of ours is pending there
-        return os.dup(stream), given, None
     real, st = _inspect(given)
     if st is not None and not stat.S_ISREG(st.st_mode):
         return _open_in_place(real), real, st

@@ -112,12 +112,10 @@ def run(args: argparse.Namespace) -> int:
     print(report, flush=True)
     if args.trace:
         print(f"trace written to {args.trace}")
-    if args.json == "-":
+    if args.json:
         import json
 
-        print(json.dumps(report.to_dict()), flush=True)
-    elif args.json:
-        import json
-
-        atomic_write_text(args.json, json.dumps(report.to_dict(), indent=1) + "\n")
+        # "-" and /dev/stdout: one line, the last on stdout; a file: indented
+        document = json.dumps(report.to_dict(), indent=None if args.json == "-" else 1)
+        atomic_write_text(args.json, document + "\n")
     return 0
