@@ -214,13 +214,13 @@ class build_lock:  # noqa: N801 - used as a context manager, reads like one
             except BlockingIOError:
                 pass
             if not told:
-                say(f"dlperf: waiting up to {self.wait_s:.0f} s ({WAIT_ENV}) for {self._holder(fd)}, which is "
-                    f"compiling {self.what} into {os.path.dirname(self.path)}")
+                say(f"dlperf: waiting up to {self.wait_s:.0f} s for {self._holder(fd)}, which is compiling "
+                    f"{self.what} into {os.path.dirname(self.path)} (${WAIT_ENV} sets how long)")
                 told = True
             if time.monotonic() >= deadline:
                 raise BuildWaitTimeout(
                     f"{self._holder(fd)} has been compiling {self.what} for longer than {self.wait_s:.0f} s "
-                    f"(lock {self.path}); let it finish, or stop it and run again (or raise {WAIT_ENV})")
+                    f"(lock {self.path}); let it finish, or stop it and run again (or set ${WAIT_ENV} higher)")
             time.sleep(0.2)
 
     @staticmethod
@@ -319,12 +319,18 @@ def _unusable(where: str, why: str) -> ValueError:
     return ValueError(f"{where}: {why}")
 
 
-def _read_regular(path: str, limit: int | None) -> bytes:
-    """The bytes of ``path`` if it is a regular file of ours that nobody else can write (CacheUnsafe if not)."""
+def _read_regular(path: str, limit: int | None, *, shared: bool = True) -> bytes:
+    """The bytes of ``path`` if it is a regular file of ours that nobody else can write (CacheUnsafe if not).
+
+    ``shared=False``: a file in a directory only this process has used (a fresh build's output), whose
+    mode is the compiler's and the umask's; it must still be a regular file.
+    """
     # O_NONBLOCK: a FIFO put in place of the file must not block the open; O_NOFOLLOW: nor a link redirect it.
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
-        _check_file(path, os.fstat(f.fileno()))
+        st = os.fstat(f.fileno())
+        if shared or not stat.S_ISREG(st.st_mode):
+            _check_file(path, st)
         data = f.read() if limit is None else f.read(limit + 1)
     if limit is not None and len(data) > limit:
         raise OSError(f"{path} is larger than {limit} bytes")
@@ -332,6 +338,16 @@ def _read_regular(path: str, limit: int | None) -> bytes:
 
 
 def _publish(path: str, data: bytes) -> None:
+    # The writer follows links and writes FIFOs in place; in the cache whatever stands there is replaced.
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path)
+        elif not stat.S_ISREG(st.st_mode):
+            os.unlink(path)
     atomic_write_bytes(path, data)
     os.chmod(path, 0o600)  # whatever the umask gave it: a group-writable file would not be loaded
 
@@ -345,7 +361,7 @@ def _build(directory: str | None, filename: str, what: str, expected_time: str,
     try:
         library, loaded = build(workdir)
         if directory is not None:
-            data = _read_regular(library, limit=None)
+            data = _read_regular(library, limit=None, shared=False)
             manifest = {"format": MANIFEST_FORMAT, "file": filename, "size": len(data),
                         "sha256": hashlib.sha256(data).hexdigest(), "built": time.time()}
             # Library first, manifest second: a reader in between sees a mismatch and takes the lock.
