@@ -346,6 +346,8 @@ HOSTILE_FILES = [(_profile("--hardware", f"{{T}}/{name}"), named) for name, (_, 
     (["probe", "--json", "{T}/sock"], "it is a socket"),
     (_profile("--json", "{T}/sock"), "it is a socket"),
     (_profile("--trace", "{T}/adir"), "is a directory"),
+    (_train("--checkpoint", "/dev/stdout"), "is this process's stdout or stderr"),
+    (_train("--checkpoint", "{T}/fifo"), "'{T}/fifo' is not a regular file"),
 ]
 
 CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS + HOSTILE_FILES

@@ -113,7 +113,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cached", action="store_true",
                    help="show this machine's saved figures; measure only when there are none (or they are unusable)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                   type=va.output_path("--json", allow_stdout=True),
+                   type=va.output_path("--json", allow_stdout=True, in_place=True),
                    help="also print one JSON document as the last stdout line (or write it to FILE)")
     # Test-sized measurements: seconds instead of a minute, never saved to the cache.
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)

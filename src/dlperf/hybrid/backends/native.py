@@ -228,6 +228,18 @@ class _NativeRun(functools.partial):
     detail: str
 
 
+class _PythonReplay:
+    """The graph replayed in Python under ``no_grad``: the backend's answer when nothing compiles."""
+
+    def __init__(self, gm: fx.GraphModule, detail: str) -> None:
+        self._gm = gm
+        self.detail = detail
+
+    def __call__(self, x):
+        with torch.no_grad():
+            return self._gm.forward(x)
+
+
 def _prepare(captured: Captured, example_args: tuple) -> Runner:
     if len(example_args) != 1:
         raise BackendUnsupported("the native plan takes exactly one input tensor")
@@ -235,14 +247,7 @@ def _prepare(captured: Captured, example_args: tuple) -> Runner:
     try:
         ext = load_extension()
     except RuntimeError as exc:
-        gm = captured.graph_module
-
-        def python_replay(x):
-            with torch.no_grad():
-                return gm.forward(x)
-
-        python_replay.detail = f"Python graph replay under no_grad ({exc})"
-        return python_replay
+        return _PythonReplay(captured.graph_module, f"Python graph replay under no_grad ({exc})")
     plan = NativePlan(ext, code, params, num_slots, output_slot)
     run = _NativeRun(ext.run_plan, plan.plan_id)
     run.plan = plan
