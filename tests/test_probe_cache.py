@@ -147,10 +147,10 @@ def test_probe_json_to_stdout_appended_to_a_log_keeps_the_log(tmp_path, monkeypa
 
 def test_probe_json_to_dev_full_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    probe_cache.save_probe(_result())
+    saved = probe_cache.read_probe(probe_cache.save_probe(_result()))
     assert main(["probe", "--cached", "--json", "/dev/full"]) == 2
     err = capsys.readouterr().err
-    size = len(json.dumps(_result().to_dict(), allow_nan=False)) + 1
+    size = len(json.dumps(saved.to_dict(), allow_nan=False)) + 1
     assert err == (f"dlperf probe: error: cannot write /dev/full: no space left on the device for {size} bytes; "
                    "free some space or write elsewhere\n")
 
@@ -166,3 +166,14 @@ def test_probe_json_to_a_fifo_without_reader_is_refused_in_bounded_time(tmp_path
     assert main(["probe", "--cached", "--json", str(fifo)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot write {fifo}: no process opened this FIFO for reading" in err
+
+
+def test_a_cache_saved_under_a_group_umask_reads_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    old = os.umask(0o002)
+    try:
+        path = probe_cache.save_probe(_result())
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert probe_cache.load_probe() is not None

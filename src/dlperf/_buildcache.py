@@ -337,8 +337,9 @@ def _read_regular(path: str, limit: int | None, *, shared: bool = True) -> bytes
     return data
 
 
-def _publish(path: str, data: bytes) -> None:
-    # The writer follows links and writes FIFOs in place; in the cache whatever stands there is replaced.
+def write_private(path: str, data: bytes) -> None:
+    """Write a cache file atomically, mode 0600: whatever stood at ``path`` (a link, a FIFO) is replaced,
+    not followed or written into, and the umask cannot leave it writable by group or others."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -349,7 +350,7 @@ def _publish(path: str, data: bytes) -> None:
         elif not stat.S_ISREG(st.st_mode):
             os.unlink(path)
     atomic_write_bytes(path, data)
-    os.chmod(path, 0o600)  # whatever the umask gave it: a group-writable file would not be loaded
+    os.chmod(path, 0o600)  # a group-writable file would not be read back
 
 
 def _build(directory: str | None, filename: str, what: str, expected_time: str,
@@ -365,8 +366,8 @@ def _build(directory: str | None, filename: str, what: str, expected_time: str,
             manifest = {"format": MANIFEST_FORMAT, "file": filename, "size": len(data),
                         "sha256": hashlib.sha256(data).hexdigest(), "built": time.time()}
             # Library first, manifest second: a reader in between sees a mismatch and takes the lock.
-            _publish(os.path.join(directory, filename), data)
-            _publish(os.path.join(directory, MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
+            write_private(os.path.join(directory, filename), data)
+            write_private(os.path.join(directory, MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     say(f"dlperf: compiled {what} in {time.monotonic() - start:.0f} s")

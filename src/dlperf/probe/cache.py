@@ -16,9 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _io
-from .._buildcache import cache_base, private_dir
+from .._buildcache import cache_base, private_dir, write_private
 from .._cliargs import one_line
-from .._io import atomic_write_text
 from ..errors import DlperfError
 from .hardware import FORMAT, ProbeResult, ProbeRow, machine
 from .reference import GBPS, GFLOPS, NS, implausible
@@ -54,7 +53,7 @@ def save_probe(result: ProbeResult, path: str | None = None) -> str:
     """Write ``result`` atomically to its machine's cache file (or ``path``); return where."""
     if path is None:
         path = os.path.join(private_dir(cache_base(), ["dlperf", "probe"]), f"{machine_key(result.machine)}.json")
-    atomic_write_text(path, json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n")
+    write_private(path, (json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n").encode())
     return path
 
 

@@ -15,8 +15,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from .._buildcache import write_private
 from .._cliargs import one_line
-from .._io import atomic_write_text
 from .cache import ProbeCacheError, cache_dir, decode_json, read_cache_file
 
 LINKS_FORMAT = "dlperf-links-1"
@@ -69,7 +69,7 @@ def save_links(hosts: list[str], fits: dict[str, LinkFit], path: str | None = No
            "links": {name: {"latency_s": f.latency_s,
                             "bytes_per_s": None if math.isinf(f.bytes_per_s) else f.bytes_per_s}
                      for name, f in fits.items()}}
-    atomic_write_text(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    write_private(path, (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
     return path
 
 
