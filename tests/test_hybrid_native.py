@@ -518,3 +518,21 @@ def test_a_link_in_place_of_a_cached_file_is_replaced_not_followed(cache_home, t
     with pytest.warns(native_cache.NativeCacheWarning):
         assert tiny.get(cache_home).answer() == 42
     assert victim.read_text() == "mine" and not (directory / native_cache.MANIFEST).is_symlink()
+
+
+@pytest.mark.timeout(60)
+def test_a_full_cache_disk_keeps_the_fresh_build_and_leaves_no_temporary(cache_home, monkeypatch):
+    import dlperf._io
+
+    def full(*_args):
+        raise OSError(28, "No space left on device")
+
+    tiny = TinyLibrary()
+    monkeypatch.setattr(dlperf._io.os, "fsync", full)
+    with pytest.warns(native_cache.NativeCacheWarning,
+                      match="could not keep it in the cache: cannot write .*tiny.so: no space left on the device "
+                            "for [0-9]+ bytes"):
+        assert tiny.get(cache_home).answer() == 42  # built and loaded, only not kept
+    monkeypatch.undo()
+    directory = cache_home / "dlperf" / "tiny"
+    assert sorted(p.name for p in directory.iterdir()) == [native_cache.LOCK]

@@ -355,20 +355,37 @@ def write_private(path: str, data: bytes) -> None:
 
 def _build(directory: str | None, filename: str, what: str, expected_time: str,
            build: Callable[[str], tuple[str, T]]) -> T:
+    try:
+        workdir = tempfile.mkdtemp(prefix=".build-", dir=directory)
+    except OSError as exc:  # a full or read-only cache: the build itself can still happen elsewhere
+        if directory is None:
+            raise
+        warn_once(f"dlperf: cannot build {what} in {directory} ({exc.strerror or exc}); building in a private "
+                  f"temporary directory instead, and not keeping the result")
+        return _build(None, filename, what, expected_time, build)
     where = f"cached in {directory}" if directory else "not cached"
     say(f"dlperf: compiling {what} once for this machine and environment ({expected_time}; {where})...")
     start = time.monotonic()
-    workdir = tempfile.mkdtemp(prefix=".build-", dir=directory)
     try:
         library, loaded = build(workdir)
         if directory is not None:
-            data = _read_regular(library, limit=None, shared=False)
-            manifest = {"format": MANIFEST_FORMAT, "file": filename, "size": len(data),
-                        "sha256": hashlib.sha256(data).hexdigest(), "built": time.time()}
-            # Library first, manifest second: a reader in between sees a mismatch and takes the lock.
-            write_private(os.path.join(directory, filename), data)
-            write_private(os.path.join(directory, MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
+            _keep(directory, filename, library, what)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     say(f"dlperf: compiled {what} in {time.monotonic() - start:.0f} s")
     return loaded
+
+
+def _keep(directory: str, filename: str, library: str, what: str) -> None:
+    """Publish a fresh build with its hash; a cache that cannot take it (a full disk) costs the next
+    process a compile, not this one its library."""
+    try:
+        data = _read_regular(library, limit=None, shared=False)
+        manifest = {"format": MANIFEST_FORMAT, "file": filename, "size": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest(), "built": time.time()}
+        # Library first, manifest second: a reader in between sees a mismatch and takes the lock.
+        write_private(os.path.join(directory, filename), data)
+        write_private(os.path.join(directory, MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
+    except (OSError, CacheUnsafe) as exc:
+        warn_once(f"dlperf: compiled {what} but could not keep it in the cache: {exc}; the next process "
+                  f"compiles it again")
