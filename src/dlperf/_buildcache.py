@@ -345,9 +345,7 @@ def write_private(path: str, data: bytes) -> None:
     except FileNotFoundError:
         pass
     else:
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(path)
-        elif not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):  # a directory is refused below
             os.unlink(path)
     atomic_write_bytes(path, data)
     os.chmod(path, 0o600)  # a group-writable file would not be read back

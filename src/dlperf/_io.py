@@ -6,9 +6,10 @@ never half of one. Three kinds of target are written in place instead, never rep
 
 * the process's own output streams: ``-``, ``/dev/stdout``, ``/dev/stderr`` (and their
   ``/dev/fd``/``/proc/self/fd`` names), and any path that is the file stdout or stderr is open on
-  (``dlperf bench --json log >> log``): the data goes through that descriptor, at its position;
+  (``dlperf bench --json log >> log``): the data goes through that stream, at its position;
 * character devices (``/dev/null``, ``/dev/full``, a terminal);
-* FIFOs, opened without waiting: a FIFO no process reads from is refused at once.
+* FIFOs, opened without blocking: a FIFO no process opens for reading within
+  :data:`FIFO_READER_WAIT_S` is refused, never waited on forever.
 
 Block devices and sockets are refused. A full disk is one error naming the path and the bytes that
 did not fit; the previous file stays and no temporary is left.
@@ -122,7 +123,7 @@ _STREAM_NAMES = {"-": 1, "/dev/stdout": 1, "/dev/stderr": 2, "/dev/fd/1": 1, "/d
 def output_stream(path: str | os.PathLike) -> int | None:
     """1 or 2 when a write to ``path`` must go through stdout's or stderr's descriptor, else None.
 
-    True for ``-`` and the names of those streams, and for any path that is the very file either is
+    So for ``-`` and the names of those streams, and for any path that is the very file either is
     open on (same device and inode): replacing that file would throw away what the stream holds.
     """
     text = os.fspath(path)
@@ -202,9 +203,9 @@ def _remove_orphans(target: Path) -> None:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (this process counts; one of another user's too)."""
+    """Whether process ``pid`` exists on this host (another user's counts too)."""
     if pid == os.getpid():
-        return True
+        return True  # e.g. another thread of ours may be writing the temporary now
     if pid <= 0:
         return False  # 0 and negatives name process groups, not a process
     try:
