@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -310,7 +311,46 @@ PATHS = [
     (_train("--lr", "\udcff"), "'\\udcff'"),
 ]
 
-CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS
+def _profile(*argv):
+    return ["profile", "dlperf.models.lenet:lenet", "--input", "2x1x28x28", *argv]
+
+
+_HW = {"flops": {"float32": 1e11}, "memory_bandwidth": 2e10, "dispatch_s": 1e-5,
+       "links": {"copy": {"alpha_s": 1e-7, "bandwidth": 1e10}}}
+# --hardware files whose figures no machine shows (a floor of 0 or of forever), and other hostile ones
+HARDWARE_FILES = {
+    "hw_tiny_dispatch.json": (json.dumps({**_HW, "dispatch_s": 5e-324}), "dispatch_s is 5e-324 seconds"),
+    "hw_huge_flops.json": (json.dumps({**_HW, "flops": {"float32": 1e308}}), "flops['float32'] is 1e+308 FLOP/s"),
+    "hw_zero_bandwidth.json": (json.dumps({**_HW, "memory_bandwidth": 0}), "memory_bandwidth is 0"),
+    "hw_negative.json": (json.dumps({**_HW, "dispatch_s": -1}), "dispatch_s is -1"),
+    "hw_tiny_bandwidth.json": (json.dumps({**_HW, "memory_bandwidth": 1e-3}), "memory_bandwidth is 0.001 bytes/s"),
+    "hw_huge_link.json": (json.dumps({**_HW, "links": {"copy": {"alpha_s": 1e9, "bandwidth": 1e10}}}),
+                          "links['copy'].alpha_s is 1000000000.0 seconds"),
+    "hw_link_bandwidth.json": (json.dumps({**_HW, "links": {"network": {"alpha_s": 0, "bandwidth": 5e-324}}}),
+                               "links['network'].bandwidth is 5e-324"),
+    "hw_nan.json": ('{"flops": {"float32": NaN}, "memory_bandwidth": 2e10, "dispatch_s": 1e-5}', "NaN is not a number"),
+    "hw_infinity.json": ('{"flops": {"float32": 1e11}, "memory_bandwidth": Infinity, "dispatch_s": 1e-5}',
+                         "Infinity is not a number"),
+    "hw_duplicate.json": ('{"flops": {"float32": 1e11}, "memory_bandwidth": 2e10, "memory_bandwidth": 0, '
+                          '"dispatch_s": 1e-5}', "'memory_bandwidth' appears twice"),
+    "hw_long_name.json": (json.dumps({**_HW, "name": "n" * 300}), "'name' is longer than 200"),
+    "hw_name_number.json": (json.dumps({**_HW, "name": 3}), "'name' must be a string"),
+    "hw_not_utf8.json": ("\udcff", "hw_not_utf8.json"),
+    "hw_list.json": ("[1, 2]", "mapping"),
+    "hw_too_big.json": (" " * (1 << 20) + "{}", "larger than 1048576 bytes"),
+}
+HOSTILE_FILES = [(_profile("--hardware", f"{{T}}/{name}"), named) for name, (_, named) in HARDWARE_FILES.items()] + [
+    (_profile("--hardware", "{T}/fifo"), "fifo"),
+    (_bench("--json", "{T}/sock"), "it is a socket"),
+    (_bench("--csv", "{T}/sock"), "'{T}/sock'"),
+    (["probe", "--json", "{T}/sock"], "it is a socket"),
+    (_profile("--json", "{T}/sock"), "it is a socket"),
+    (_profile("--trace", "{T}/adir"), "is a directory"),
+    (_train("--checkpoint", "/dev/stdout"), "is this process's stdout or stderr"),
+    (_train("--checkpoint", "{T}/fifo"), "'{T}/fifo' is not a regular file"),
+]
+
+CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS + HOSTILE_FILES
 # In-process only: a NUL cannot be passed to a process, and pytest's own arguments could not either.
 IN_PROCESS_ONLY = [
     (_train("--checkpoint", "{T}/ck\0.pt"), "ck\\x00.pt'"),
@@ -347,6 +387,11 @@ def scratch(tmp_path_factory) -> Path:
     os.mkfifo(t / "fifo")
     for name, content in TRACE_FILES.items():
         (t / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    for name, (text, _) in HARDWARE_FILES.items():
+        (t / name).write_bytes(text.encode("utf-8", "surrogateescape"))
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(t / "sock"))
+    sock.close()  # the socket file stays
     images = np.zeros((2, 28, 28), np.uint8)
     labels = np.array([1, 2], np.uint8)
     _idx_dir(t / "idx_empty", np.zeros((0, 28, 28), np.uint8), np.zeros(0, np.uint8))
@@ -410,7 +455,8 @@ def test_the_sweep_is_broad():
     verbs = {argv[0] for argv, _ in CASES if argv}
     assert len(CASES) + len(IN_PROCESS_ONLY) >= 150
     assert len({tuple(argv) for argv, _ in CASES}) == len(CASES)
-    assert verbs == {"bench", "devices", "train", "export", "trace", "nosuchverb", "--bogus", "bench\n"}
+    assert verbs == {"bench", "devices", "train", "export", "trace", "profile", "probe", "nosuchverb", "--bogus",
+                     "bench\n"}
     assert len(SCALING) >= 15
 
 

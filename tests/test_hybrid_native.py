@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -19,16 +20,15 @@ import pytest
 import torch
 from torch import nn
 
+from _toolchain import built_or_skip, cxx_toolchain
+from dlperf import _buildcache as native_cache
 from dlperf.hybrid import hybridize
-from dlperf.hybrid.backends import BackendUnsupported, native, native_cache
+from dlperf.hybrid.backends import BackendUnsupported, native
 from dlperf.hybrid.capture import capture
 
 
 def _compiled_or_skip():
-    try:
-        return native.load_extension()
-    except RuntimeError as exc:
-        pytest.skip(f"no C++ toolchain: {exc}")
+    return built_or_skip(native.load_extension, cxx_toolchain())
 
 
 def _net(model: nn.Module):
@@ -329,7 +329,7 @@ def test_lock_of_a_killed_builder_does_not_block(cache_home, tmp_path):
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
             sys.path[:0] = {sys.path!r}
-            from dlperf.hybrid.backends import native_cache
+            from dlperf import _buildcache as native_cache
             with native_cache.build_lock({directory!r}, 5, "x"):
                 print("locked", flush=True)
                 time.sleep(600)
@@ -423,3 +423,116 @@ def test_compiling_is_announced_before_it_starts(cache_home, monkeypatch, capfd)
     assert "dlperf: compiling the native plan interpreter once for this machine and environment " \
            "(about a minute; cached in" in err
     assert err.count("\n") == 1
+
+
+# --- files of the cache opened safely -----------------------------------------------------------------
+def _replace_with_fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path, 0o600)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", [native_cache.MANIFEST, "tiny.so"])
+def test_a_fifo_in_place_of_a_cached_file_is_rebuilt_not_waited_on(cache_home, name):
+    tiny = TinyLibrary()
+    tiny.get(cache_home)
+    directory = cache_home / "dlperf" / "tiny"
+    _replace_with_fifo(directory / name)
+    start = time.monotonic()
+    with pytest.warns(native_cache.NativeCacheWarning, match="expected a regular file owned by uid"):
+        assert tiny.get(cache_home).answer() == 42
+    assert time.monotonic() - start < 30 and tiny.builds == 2
+    assert (directory / name).is_file()  # the rebuild published a regular file in its place
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", [native_cache.MANIFEST, "tiny.so"])
+def test_a_cached_file_others_could_write_is_not_loaded(cache_home, name):
+    tiny = TinyLibrary()
+    tiny.get(cache_home)
+    directory = cache_home / "dlperf" / "tiny"
+    os.chmod(directory / name, 0o666)
+    with pytest.warns(native_cache.NativeCacheWarning, match="mode 0666; expected a regular file"):
+        assert tiny.get(cache_home).answer() == 42
+    assert tiny.builds == 2 and tiny.loads == []
+    assert stat.S_IMODE((directory / name).stat().st_mode) == 0o600
+
+
+@pytest.mark.timeout(60)
+def test_published_files_are_private_whatever_the_umask(cache_home):
+    old = os.umask(0o002)
+    try:
+        tiny = TinyLibrary()
+        tiny.get(cache_home)
+    finally:
+        os.umask(old)
+    directory = cache_home / "dlperf" / "tiny"
+    for name in ("tiny.so", native_cache.MANIFEST):
+        assert stat.S_IMODE((directory / name).stat().st_mode) == 0o600
+    assert tiny.get(cache_home).answer() == 42 and tiny.builds == 1 and len(tiny.loads) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_as_the_lock_file_is_refused_not_waited_on(cache_home):
+    directory = Path(native_cache.private_dir(str(cache_home), ["dlperf", "tiny"]))
+    os.mkfifo(directory / native_cache.LOCK, 0o600)
+    with pytest.raises(native_cache.CacheUnsafe, match="not a regular file"):
+        with native_cache.build_lock(str(directory), 1, "x"):
+            pass
+
+
+def test_the_build_wait_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(native_cache.WAIT_ENV, raising=False)
+    assert native_cache.build_wait_s() == native_cache.DEFAULT_WAIT_S
+    monkeypatch.setenv(native_cache.WAIT_ENV, "2.5")
+    assert native_cache.build_wait_s() == 2.5
+    for bad in ("soon", "-1", "nan", "inf", "1e300"):
+        monkeypatch.setenv(native_cache.WAIT_ENV, bad)
+        with pytest.raises(native_cache.UsageError, match=f"DLPERF_BUILD_WAIT_S='{bad}' is not a number of seconds"):
+            native_cache.build_wait_s()
+
+
+@pytest.mark.timeout(60)
+def test_the_wait_names_the_holder_from_its_record_and_the_option(cache_home, capfd, monkeypatch):
+    monkeypatch.setenv(native_cache.WAIT_ENV, "0.3")
+    directory = native_cache.private_dir(str(cache_home), ["dlperf", "tiny"])
+    with native_cache.build_lock(directory, 1, "x"):
+        with pytest.raises(native_cache.BuildWaitTimeout) as info:
+            TinyLibrary().get(cache_home, wait_s=None)
+    host = socket.gethostname()[:64]
+    assert f"process {os.getpid()} on {host} has been compiling" in str(info.value)
+    assert "DLPERF_BUILD_WAIT_S" in str(info.value)
+    err = capfd.readouterr().err
+    assert f"waiting up to 0 s for process {os.getpid()} on {host}" in err and "$DLPERF_BUILD_WAIT_S" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_link_in_place_of_a_cached_file_is_replaced_not_followed(cache_home, tmp_path):
+    tiny = TinyLibrary()
+    tiny.get(cache_home)
+    directory = cache_home / "dlperf" / "tiny"
+    victim = tmp_path / "victim"
+    victim.write_text("mine")
+    (directory / native_cache.MANIFEST).unlink()
+    os.symlink(victim, directory / native_cache.MANIFEST)
+    with pytest.warns(native_cache.NativeCacheWarning):
+        assert tiny.get(cache_home).answer() == 42
+    assert victim.read_text() == "mine" and not (directory / native_cache.MANIFEST).is_symlink()
+
+
+@pytest.mark.timeout(60)
+def test_a_full_cache_disk_keeps_the_fresh_build_and_leaves_no_temporary(cache_home, monkeypatch):
+    import dlperf._io
+
+    def full(*_args):
+        raise OSError(28, "No space left on device")
+
+    tiny = TinyLibrary()
+    monkeypatch.setattr(dlperf._io.os, "fsync", full)
+    with pytest.warns(native_cache.NativeCacheWarning,
+                      match="could not keep it in the cache: cannot write .*tiny.so: no space left on the device "
+                            "for [0-9]+ bytes"):
+        assert tiny.get(cache_home).answer() == 42  # built and loaded, only not kept
+    monkeypatch.undo()
+    directory = cache_home / "dlperf" / "tiny"
+    assert sorted(p.name for p in directory.iterdir()) == [native_cache.LOCK]

@@ -297,12 +297,10 @@ def test_compile_backend_keeps_eager_side_effects():
 @pytest.mark.slow
 def test_native_plan_that_skips_an_in_place_input_change_is_never_used():
     # nn.ReLU(inplace=True) on the input changes the caller's tensor; the C++ plan writes a new one.
+    from _toolchain import built_or_skip, cxx_toolchain
     from dlperf.hybrid.backends import native
 
-    try:
-        native.load_extension()
-    except RuntimeError as exc:
-        pytest.skip(f"no C++ toolchain: {exc}")
+    built_or_skip(native.load_extension, cxx_toolchain())
     model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(3, 4))
     net = _run_against_twin(model, "native", False, expect_warning="the inputs after the call differ from eager")
     assert all(c.backend == "eager" for c in net.choices.values())

@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -185,7 +186,8 @@ def test_full_device_gives_one_line_naming_it_and_survives(tmp_path):
     check_writable(full)
     with pytest.raises(FileAccessError) as info:
         atomic_write_text(full, "x" * 100_000)
-    assert str(info.value) == f"cannot write {full}: No space left on device"
+    assert str(info.value) == (f"cannot write {full}: no space left on the device for 100000 bytes; free some space "
+                               "or write elsewhere")
     assert info.value.errno == errno.ENOSPC
     assert stat.S_ISCHR(os.stat(full).st_mode)
     assert _temporaries(tmp_path) == []
@@ -418,8 +420,8 @@ def test_save_torch_turns_a_ctrl_c_mid_write_into_keyboard_interrupt_and_keeps_t
     real = io_mod.atomic_open
 
     @contextmanager
-    def interrupted(target, mode):
-        with real(target, mode) as f:
+    def interrupted(target, mode, **options):
+        with real(target, mode, **options) as f:
             yield _InterruptedFile(f, 4096)
 
     monkeypatch.setattr(io_mod, "atomic_open", interrupted)
@@ -429,3 +431,192 @@ def test_save_torch_turns_a_ctrl_c_mid_write_into_keyboard_interrupt_and_keeps_t
     monkeypatch.setattr(io_mod, "atomic_open", real)
     assert safe_torch_load(path)["w"].tolist() == [0.0, 1.0, 2.0]
     assert _temporaries(tmp_path) == []
+
+
+# --- the process's own streams, devices and FIFOs: written in place, never replaced ---------------------
+_WRITE_TO = """
+import sys
+from dlperf._io import atomic_write_text
+print("table", flush=True)
+for target in sys.argv[1:]:
+    atomic_write_text(target, "json " + target + "\\n")
+"""
+
+
+@pytest.mark.parametrize("alias", ["-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1", "SELF"])
+def test_stdout_appended_to_a_file_keeps_what_the_file_held(tmp_path, alias):
+    log = tmp_path / "log"
+    log.write_text("OLD\n")
+    target = str(log) if alias == "SELF" else alias
+    with open(log, "a") as out:  # `>> log`
+        subprocess.run([sys.executable, "-c", _WRITE_TO, target], stdout=out, check=True, timeout=60)
+    assert log.read_text() == f"OLD\ntable\njson {target}\n"
+    assert _temporaries(tmp_path) == []
+
+
+def test_a_file_that_is_stderr_is_written_through_stderr_at_its_position(tmp_path):
+    log = tmp_path / "log"
+    log.write_text("OLD\n")
+    with open(log, "r+") as err:  # `2<> log`: not O_APPEND, so the stream's own position counts
+        err.seek(0, os.SEEK_END)
+        subprocess.run([sys.executable, "-c", _WRITE_TO, "/dev/stderr", str(log)], stderr=err,
+                       stdout=subprocess.DEVNULL, check=True, timeout=60)
+    assert log.read_text() == f"OLD\njson /dev/stderr\njson {log}\n"
+
+
+def test_stdout_as_a_pipe_receives_the_document():
+    out = subprocess.run([sys.executable, "-c", _WRITE_TO, "/dev/stdout"], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout == "table\njson /dev/stdout\n"
+
+
+def test_output_stream_matches_names_and_the_open_files_only(tmp_path):
+    assert io_mod.output_stream("-") == 1 and io_mod.output_stream("/dev/stderr") == 2
+    assert io_mod.output_stream(tmp_path / "other") is None
+    (tmp_path / "exists").write_text("")
+    assert io_mod.output_stream(tmp_path / "exists") is None
+
+
+def test_fifo_without_a_reader_is_refused_after_a_bounded_wait(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code = ("import dlperf._io as io; io.FIFO_READER_WAIT_S = 0.3; "
+            f"io.atomic_write_text({str(fifo)!r}, 'x')")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and time.monotonic() - start < 30
+    assert (f"cannot write {fifo}: no process opened this FIFO for reading within 0.3 s; start its reader "
+            "first") in out.stderr
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="creating a device node needs root")
+def test_block_device_is_refused_never_written(tmp_path):
+    node = tmp_path / "disk"
+    try:
+        os.mknod(node, stat.S_IFBLK | 0o600, os.makedev(7, 200))
+    except OSError:
+        pytest.skip("cannot create a device node here")
+    with pytest.raises(FileAccessError, match="it is a block device; give a regular file, a character device"):
+        atomic_write_text(node, "x")
+    with pytest.raises(FileAccessError, match="block device"):
+        check_writable(node)
+
+
+# --- full disks ------------------------------------------------------------------------------------------
+def _enospc(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_full_disk_at_fsync_names_the_path_and_bytes_and_keeps_the_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    monkeypatch.setattr(io_mod.os, "fsync", _enospc)
+    with pytest.raises(FileAccessError) as info:
+        atomic_write_text(target, "new" * 10)
+    assert str(info.value) == (f"cannot write {target}: no space left on the device for 30 bytes (any previous file "
+                               "is kept); free some space or write elsewhere")
+    assert target.read_text() == "old"
+    assert _temporaries(tmp_path) == []
+
+
+class _FullAfter:
+    """A file whose writes fail with ENOSPC once ``room`` bytes have gone through."""
+
+    def __init__(self, f, room):
+        self._f, self._room = f, room
+
+    def write(self, data):
+        if len(data) > self._room:
+            _enospc()
+        self._room -= len(data)
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def test_save_torch_on_a_full_disk_is_one_line_not_torchs_unexpected_pos(tmp_path, monkeypatch):
+    from contextlib import contextmanager
+
+    from dlperf._io import save_torch
+
+    path = tmp_path / "state.pt"
+    save_torch(path, {"w": torch.arange(3.0)})
+    real = io_mod.atomic_open
+
+    @contextmanager
+    def full(target, mode, **options):
+        with real(target, mode, **options) as f:
+            yield _FullAfter(f, 4096)
+
+    monkeypatch.setattr(io_mod, "atomic_open", full)
+    with pytest.raises(FileAccessError) as info:
+        save_torch(path, {"a": torch.zeros(1 << 16)})
+    assert str(info.value) == (f"cannot write {path}: no space left on the device for 262144 bytes (any previous "
+                               "file is kept); free some space or write elsewhere")
+    monkeypatch.setattr(io_mod, "atomic_open", real)
+    assert safe_torch_load(path)["w"].tolist() == [0.0, 1.0, 2.0]
+    assert _temporaries(tmp_path) == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 64 KiB tmpfs mounted on a fresh directory (root only; skipped where mounting is not allowed)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if not IS_ROOT:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True,
+                          timeout=30, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()[:100]}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True, timeout=30, check=False)
+
+
+def test_real_full_tmpfs_keeps_the_old_files_and_leaves_no_temporary(small_tmpfs):
+    from dlperf._io import save_torch
+
+    text, state = small_tmpfs / "out.json", small_tmpfs / "state.pt"
+    text.write_text("old")
+    save_torch(state, {"w": torch.arange(3.0)})
+    with pytest.raises(FileAccessError, match=f"cannot write {text}: no space left on the device for 200000 bytes"):
+        atomic_write_text(text, "x" * 200_000)
+    with pytest.raises(FileAccessError, match=f"cannot write {state}: no space left on the device for 400000 bytes"):
+        save_torch(state, {"a": torch.zeros(100_000)})
+    assert text.read_text() == "old"
+    assert safe_torch_load(state)["w"].tolist() == [0.0, 1.0, 2.0]
+    assert _temporaries(small_tmpfs) == []
+
+
+# --- the one JSON decoder and the one liveness check ---------------------------------------------------
+def _fail(where, why):
+    return ValueError(f"{where}: {why}")
+
+
+def test_decode_json_policies():
+    from dlperf._io import decode_json
+
+    assert decode_json(b'{"a": NaN}', "f", _fail)["a"] != 0  # NaN allowed by default
+    with pytest.raises(ValueError, match="f: not valid JSON .*NaN is not a number"):
+        decode_json(b'{"a": NaN}', "f", _fail, allow_nan=False)
+    with pytest.raises(ValueError, match="Infinity is not a number"):
+        decode_json(b'[-Infinity]', "f", _fail, allow_nan=False)
+    assert decode_json(b'{"a": 1, "a": 2}', "f", _fail) == {"a": 2}
+    with pytest.raises(ValueError, match="key 'a' appears twice"):
+        decode_json(b'{"b": {"a": 1, "a": 2}}', "f", _fail, unique_keys=True)
+    with pytest.raises(ValueError, match="f: larger than 4 bytes"):
+        decode_json(b'[1, 2]', "f", _fail, max_bytes=4)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        decode_json(b"[" * 100_000, "f", _fail)
+
+
+def test_process_alive():
+    from dlperf._io import process_alive
+
+    assert process_alive(os.getpid())
+    assert not process_alive(_dead_pid())
+    assert not process_alive(0) and not process_alive(-1) and not process_alive(2**80)

@@ -2,8 +2,17 @@
 
 Writes are atomic for regular files: the data goes to a temporary file beside the target, is flushed
 to disk, then renamed over it, so a reader (or a crash, or SIGKILL) sees the old file or the new one,
-never half of one. A target that exists and is not a regular file (``/dev/full``, a FIFO someone
-reads from) is written in place: replacing it would swap a device node or pipe for a plain file.
+never half of one. Three kinds of target are written in place instead, never replaced:
+
+* the process's own output streams: ``-``, ``/dev/stdout``, ``/dev/stderr`` (and their
+  ``/dev/fd``/``/proc/self/fd`` names), and any path that is the file stdout or stderr is open on
+  (``dlperf bench --json log >> log``): the data goes through that stream, at its position;
+* character devices (``/dev/null``, ``/dev/full``, a terminal);
+* FIFOs, opened without blocking: a FIFO no process opens for reading within
+  :data:`FIFO_READER_WAIT_S` is refused, never waited on forever.
+
+Block devices and sockets are refused. A full disk is one error naming the path and the bytes that
+did not fit; the previous file stays and no temporary is left.
 
 Reads of torch files go through :func:`safe_torch_load`, which unpickles tensors and plain containers
 only and turns every failure into one line naming the file.
@@ -12,11 +21,14 @@ only and turns every failure into one line naming the file.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
 import secrets
 import stat
+import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,9 +37,11 @@ from typing import IO, Any
 from .errors import DlperfError, UsageError
 
 __all__ = ["FileAccessError", "decode_json", "atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable",
-           "safe_torch_load", "save_torch"]
+           "output_stream", "process_alive", "safe_torch_load", "save_torch"]
 
 _TMP_SUFFIX = ".tmp"
+FIFO_READER_WAIT_S = 10.0
+"""How long a write to a FIFO waits for a process to open it for reading before it is refused."""
 # Room for ".", ".<pid>.<token>.tmp" within the usual 255-byte NAME_MAX.
 _MAX_STEM = 200
 
@@ -62,9 +76,19 @@ def _kind(mode: int) -> str:
     return "special file"
 
 
-def _wrap(path: Path, exc: OSError, action: str = "write") -> FileAccessError:
+def _wrap(path: Path, exc: OSError, action: str = "write", size: int | None = None,
+          replacing: bool = True) -> FileAccessError:
     if isinstance(exc, FileAccessError):
         return exc
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        need = f"{size} bytes" if size is not None else "the data"
+        where = "device" if exc.errno == errno.ENOSPC else "quota"
+        kept = " (any previous file is kept)" if replacing else ""
+        return FileAccessError(path, f"no space left on the {where} for {need}{kept}; free some space or write "
+                                     "elsewhere", exc.errno, action)
+    if exc.errno == errno.ENXIO:
+        return FileAccessError(path, f"no process opened this FIFO for reading within {FIFO_READER_WAIT_S:g} s; "
+                                     "start its reader first", exc.errno, action)
     reason = exc.strerror or str(exc) or type(exc).__name__
     if exc.filename is not None and os.fspath(exc.filename) != os.fspath(path):
         reason = f"{reason}: {exc.filename}"  # e.g. the parent directory could not be created
@@ -78,10 +102,81 @@ def _inspect(path: Path) -> tuple[Path, os.stat_result | None]:
         st = os.stat(real)
     except FileNotFoundError:
         return real, None
+    refuse_output_kind(path, st)
+    return real, st
+
+
+def refuse_output_kind(path: str | os.PathLike, st: os.stat_result) -> None:
+    """Raise FileAccessError if a file of ``st``'s kind is never written: a directory, block device or socket."""
     if stat.S_ISDIR(st.st_mode):
         raise FileAccessError(path, "it is a directory; give the path of a file (inside it, or beside it)",
                               errno.EISDIR)
-    return real, st
+    if stat.S_ISBLK(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+        raise FileAccessError(path, f"it is a {_kind(st.st_mode)}; give a regular file, a character device "
+                                    "or a FIFO", errno.EINVAL)
+
+
+_STREAM_NAMES = {"-": 1, "/dev/stdout": 1, "/dev/stderr": 2, "/dev/fd/1": 1, "/dev/fd/2": 2,
+                 "/proc/self/fd/1": 1, "/proc/self/fd/2": 2}
+
+
+def output_stream(path: str | os.PathLike) -> int | None:
+    """1 or 2 when a write to ``path`` must go through stdout's or stderr's descriptor, else None.
+
+    So for ``-`` and the names of those streams, and for any path that is the very file either is
+    open on (same device and inode): replacing that file would throw away what the stream holds.
+    """
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if text in _STREAM_NAMES:
+        return _STREAM_NAMES[text]
+    try:
+        st = os.stat(text)
+    except (OSError, ValueError):
+        return None
+    for fd in (1, 2):
+        try:
+            open_on = os.fstat(fd)
+        except OSError:
+            continue  # closed
+        if (open_on.st_dev, open_on.st_ino) == (st.st_dev, st.st_ino):
+            return fd
+    return None
+
+
+@contextmanager
+def _in_place(path: Path, fd: int, mode: str, size: int | None) -> Iterator[IO[Any]]:
+    """Write through ``fd``, which this function closes; an OSError names ``path``."""
+    try:
+        with _fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+    except OSError as exc:
+        raise _wrap(path, exc, size=size, replacing=False) from None
+
+
+def _fdopen(fd: int, mode: str) -> IO[Any]:
+    return os.fdopen(fd, "w", encoding="utf-8") if mode == "w" else os.fdopen(fd, "wb")
+
+
+def _open_in_place(real: Path) -> int:
+    """A write descriptor on a character device or FIFO; a FIFO no process opens for reading within
+    FIFO_READER_WAIT_S fails (ENXIO) instead of blocking the open forever."""
+    flags = os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+    deadline = time.monotonic() + FIFO_READER_WAIT_S
+    while True:
+        try:
+            fd = os.open(real, flags)
+            break
+        except OSError as exc:
+            # a reader started beside us (`dlperf ... --json f & cat f`) may open it a moment later
+            if exc.errno != errno.ENXIO or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+    # With a reader present, writes may wait for it to drain the pipe like any other writer's.
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
 
 
 def _tmp_prefix(target: Path) -> str:
@@ -99,7 +194,7 @@ def _remove_orphans(target: Path) -> None:
         if not (name.startswith(prefix) and name.endswith(_TMP_SUFFIX)):
             continue
         pid_text = name[len(prefix):-len(_TMP_SUFFIX)].split(".", 1)[0]
-        if not pid_text.isdigit() or _alive(int(pid_text)):
+        if not pid_text.isdigit() or process_alive(int(pid_text)):
             continue
         try:
             os.unlink(target.parent / name)
@@ -107,12 +202,17 @@ def _remove_orphans(target: Path) -> None:
             pass  # another writer removed it first, or we may not: it is only litter
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts too)."""
     if pid == os.getpid():
-        return True  # another thread of ours may be writing it now
+        return True  # e.g. another thread of ours may be writing the temporary now
+    if pid <= 0:
+        return False  # 0 and negatives name process groups, not a process
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
+        return False
+    except OverflowError:
         return False
     except OSError:
         return True  # exists, owned by someone else
@@ -135,25 +235,33 @@ def _fsync_dir(directory: Path) -> None:
 
 
 @contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
+def atomic_open(path: str | os.PathLike, mode: str = "wb", *, size: int | None = None) -> Iterator[IO[Any]]:
     """Open ``path`` for writing; on a clean exit the new content replaces the old one atomically.
 
-    ``mode`` is ``"wb"`` or ``"w"`` (UTF-8 text). If the block raises, the target is untouched and
-    the temporary file is removed. A new file gets the mode ``open()`` would give it (0o666 less the
+    ``mode`` is ``"wb"`` or ``"w"`` (UTF-8 text); ``size``, when known, is how many bytes will be
+    written (a full disk's error says it). If the block raises, the target is untouched and the
+    temporary file is removed. A new file gets the mode ``open()`` would give it (0o666 less the
     umask); a replaced file keeps its mode. A symlink keeps pointing where it did: the file it points
-    to is replaced. An existing non-regular target (device, FIFO) is opened and written directly.
-    Any :class:`OSError` becomes a :class:`FileAccessError` naming ``path``.
+    to is replaced. Stdout, stderr, character devices and FIFOs are written in place (see the module
+    docstring). Any :class:`OSError` becomes a :class:`FileAccessError` naming ``path``.
     """
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_open writes with mode 'wb' or 'w', not {mode!r}")
     given = Path(path)
+    stream = output_stream(given)
+    if stream is not None:
+        with _through_stream(given, stream, mode, size) as f:
+            yield f
+        return
     try:
-        real, st = _inspect(given)
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            f = open(real, mode, **({"encoding": "utf-8"} if mode == "w" else {}))
-            with f:
-                yield f
-            return
+        fd, real, st = _open_target(given)
+    except OSError as exc:
+        raise _wrap(given, exc) from None
+    if fd >= 0:
+        with _in_place(given, fd, mode, size) as f:
+            yield f
+        return
+    try:
         if st is not None and not os.access(real, os.W_OK):
             raise FileAccessError(given, "permission denied (the file is read-only)", errno.EACCES)
         real.parent.mkdir(parents=True, exist_ok=True)
@@ -164,7 +272,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
         raise _wrap(given, exc) from None
     try:
         _match_mode(fd, st)
-        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+        with _fdopen(fd, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -172,12 +280,41 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):
-            raise _wrap(given, exc) from None
+            raise _wrap(given, exc, size=size) from None
         raise
     try:
         _fsync_dir(real.parent)
     except OSError as exc:
         raise _wrap(given, exc) from None
+
+
+@contextmanager
+def _through_stream(path: Path, fd: int, mode: str, size: int | None) -> Iterator[IO[Any]]:
+    """Write to ``sys.stdout``/``sys.stderr`` (so what was printed before comes first, and a replaced
+    stream, as in a notebook, gets it), or to the descriptor when binary data meets a text-only stream."""
+    stream = sys.stdout if fd == 1 else sys.stderr
+    target = stream if mode == "w" else getattr(stream, "buffer", None)
+    if target is None or stream is None:
+        for other in (sys.stdout, sys.stderr):
+            if other is not None:
+                other.flush()
+        with _in_place(path, os.dup(fd), mode, size) as f:
+            yield f
+        return
+    try:
+        stream.flush()
+        yield target
+        target.flush()
+    except OSError as exc:
+        raise _wrap(path, exc, size=size, replacing=False) from None
+
+
+def _open_target(given: Path) -> tuple[int, Path, os.stat_result | None]:
+    """(descriptor to write in place through, or -1 to replace the file; the file; its status)."""
+    real, st = _inspect(given)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        return _open_in_place(real), real, st
+    return -1, real, st
 
 
 def _match_mode(fd: int, st: os.stat_result | None) -> None:
@@ -195,7 +332,7 @@ def _match_mode(fd: int, st: os.stat_result | None) -> None:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (see :func:`atomic_open`); return the path."""
-    with atomic_open(path, "wb") as f:
+    with atomic_open(path, "wb", size=len(data)) as f:
         f.write(data)
     return Path(path)
 
@@ -211,6 +348,8 @@ def check_writable(path: str | os.PathLike) -> Path:
     Creates missing parent directories, as the write itself would. Nothing is written to ``path``.
     """
     given = Path(path)
+    if output_stream(path) is not None:
+        return given
     try:
         real, st = _inspect(given)
         if st is not None and not stat.S_ISREG(st.st_mode):
@@ -239,13 +378,58 @@ def save_torch(path: str | os.PathLike, obj: Any) -> None:
     """
     import torch
 
+    size = _tensor_bytes(obj)
+    recorder: _WriteErrors | None = None
     try:
-        with atomic_open(path, "wb") as f:
-            torch.save(obj, f)
+        with atomic_open(path, "wb", size=size) as f:
+            recorder = _WriteErrors(f)
+            torch.save(obj, recorder)  # type: ignore[arg-type]  # a file in all torch uses: write, flush
     except Exception as exc:
         if _raised_while_interrupted(exc):
             raise KeyboardInterrupt from None
+        if recorder is not None and recorder.error is not None and not isinstance(exc, OSError):
+            # torch's writer turns the OSError of a full disk into "unexpected pos"; the real cause is ours
+            raise _wrap(Path(path), recorder.error, size=size) from None
         raise
+
+
+class _WriteErrors:
+    """A file's ``write``/``flush`` that remember the OSError they raised (torch's writer hides it)."""
+
+    def __init__(self, f: IO[Any]) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
+def _tensor_bytes(obj: Any) -> int | None:
+    """The bytes of the tensors in ``obj`` (plain containers walked), about what torch.save writes."""
+    import torch
+
+    total, stack, seen = 0, [obj], 0
+    while stack and seen < 1_000_000:
+        item = stack.pop()
+        seen += 1
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total or None
 
 
 def _raised_while_interrupted(exc: BaseException) -> bool:
@@ -300,6 +484,28 @@ def safe_torch_load(path: str | os.PathLike, what: str = "checkpoint", expected:
             raise UsageError(f"{what} {str(p)!r} is not {expected} ({_short_reason(exc)})") from None
 
 
+def _json_options(allow_nan: bool, unique_keys: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if not allow_nan:
+        options["parse_constant"] = _refuse_constant
+    if unique_keys:
+        options["object_pairs_hook"] = _unique_object
+    return options
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"key {key[:40]!r} appears twice in one object")
+        seen.add(key)
+    return dict(pairs)
+
+
 def _short_reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0].strip() if str(exc).strip() else ""
     if not text or "weights_only" in text or "weights only" in text.lower() or len(text) > 120:
@@ -307,10 +513,18 @@ def _short_reason(exc: BaseException) -> str:
     return text
 
 
-def decode_json(data: bytes, where: str, fail: Callable[[str, str], Exception]) -> Any:
+def decode_json(data: bytes, where: str, fail: Callable[[str, str], Exception], *, allow_nan: bool = True,
+                unique_keys: bool = False, max_bytes: int | None = None) -> Any:
     """The JSON document in ``data`` (strict UTF-8), or ``fail(where, why)`` raised: the one decoder for
-    what files and peers send, so bad encoding, bad syntax and hostile nesting give one error each."""
+    what files and peers send, so bad encoding, bad syntax and hostile nesting give one error each.
+
+    ``allow_nan=False`` refuses ``NaN``/``Infinity``; ``unique_keys`` refuses an object naming a key
+    twice (which value wins would be the decoder's choice, not the writer's); ``max_bytes`` refuses
+    a larger document before decoding it.
+    """
+    if max_bytes is not None and len(data) > max_bytes:
+        raise fail(where, f"larger than {max_bytes} bytes")
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"), **_json_options(allow_nan, unique_keys))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise fail(where, f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from .._hostmem import keep_freed_host_memory
 from ..errors import DlperfError
@@ -29,7 +30,7 @@ VERB_MODULES: tuple[str, ...] = (
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
         # argparse quotes some values verbatim (unrecognized arguments): keep a newline in one from
         # splitting the error over several lines
         self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
@@ -53,13 +54,18 @@ def _version() -> str:
     return __version__
 
 
+def _verb_names(parser: argparse.ArgumentParser) -> list[str]:
+    return [name for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+            for name in action.choices]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one verb; return its exit status (2 for bad input, with one line on stderr)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         if args.verb is None:
-            verbs = ", ".join(parser._subparsers._group_actions[0].choices)
+            verbs = ", ".join(_verb_names(parser))
             parser.error(f"the following arguments are required: VERB (one of {verbs})")
     except SystemExit as exc:  # a usage error, --help or --version: the status, not an exception
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2

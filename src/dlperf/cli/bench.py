@@ -51,15 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Table 8 instead: time per mini-batch on 1..k devices, global batch split")
     fmt = p.add_argument_group("output")
     fmt.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                     type=va.output_path("--json", allow_stdout=True),
+                     type=va.output_path("--json", allow_stdout=True, in_place=True),
                      help="also print one JSON document as the last stdout line (or write it to FILE)")
     fmt.add_argument("--csv", nargs="?", const="-", default=None, metavar="FILE",
-                     type=va.output_path("--csv", allow_stdout=True),
+                     type=va.output_path("--csv", allow_stdout=True, in_place=True),
                      help="one row per cell as CSV, to stdout instead of the table, or to FILE")
     fmt.add_argument("--markdown", nargs="?", const="-", default=None, metavar="FILE",
-                     type=va.output_path("--markdown", allow_stdout=True),
+                     type=va.output_path("--markdown", allow_stdout=True, in_place=True),
                      help="the table as Markdown, to stdout instead of the terminal table, or to FILE")
-    fmt.add_argument("--plot", default=None, metavar="FILE.png", type=va.output_path("--plot"),
+    fmt.add_argument("--plot", default=None, metavar="FILE.png", type=va.output_path("--plot", in_place=True),
                      help="thread-scaling plot (needs matplotlib)")
     p.set_defaults(func=run)
 
@@ -83,9 +83,9 @@ def outputs_of(args: argparse.Namespace) -> Outputs:
 def scaling_config(args: argparse.Namespace) -> ScalingConfig:
     """``--scaling``'s options as a :class:`~dlperf.bench.scaling.ScalingConfig`; options Table 8 cannot honour
     are refused."""
-    ignored = [f"--mode {args.mode}" if getattr(args, "mode", "eager") != "eager" else None,
-               "--threads" if getattr(args, "threads", None) is not None else None]
-    ignored = [o for o in ignored if o]
+    ignored = [option for option, given in ((f"--mode {getattr(args, 'mode', 'eager')}",
+                                             getattr(args, "mode", "eager") != "eager"),
+                                            ("--threads", getattr(args, "threads", None) is not None)) if given]
     if ignored:
         raise UsageError(f"--scaling does not take {', '.join(ignored)}: it times eager steps with the cores "
                          f"split among the device workers")

@@ -227,19 +227,36 @@ def _check_parents(path: Path, name: str, text: str) -> None:
             return
 
 
-def output_path(name: str, *, allow_stdout: bool = False) -> Callable[[str], str]:
-    """A file to write: not a directory, and no parent of it is a file (``-`` is stdout when allowed)."""
+def output_path(name: str, *, allow_stdout: bool = False, in_place: bool = False) -> Callable[[str], str]:
+    """A file to write: not a directory, and no parent of it is a file (``-`` is stdout when allowed).
+
+    With ``in_place``, ``/dev/stdout``, ``/dev/stderr``, a character device or a FIFO is accepted too
+    and later written in place (:func:`dlperf._io.atomic_open`); a block device or socket never is.
+    Without it (a file that is read back, such as a checkpoint) only a regular file will do.
+    """
 
     @_path_type(name, "output file")
     def parse(text: str) -> str:
+        from .._io import FileAccessError, output_stream, refuse_output_kind
+
         if allow_stdout and text == "-":
             return text
         path = _path_text(text, name)
+        if output_stream(text) is not None:
+            if in_place:
+                return text
+            raise _fail(f"{_show(text, _PATH_SHOWN)} is this process's stdout or stderr; give {name} a file of its "
+                        "own")
         if text.endswith(os.sep) or path.is_dir():
             raise _fail(f"{_show(text, _PATH_SHOWN)} is a directory; give {name} a file name inside it")
         _check_parents(path, name, text)
-        if path.exists() and not path.is_file():
-            raise _fail(f"{_show(text, _PATH_SHOWN)} is not a regular file; give {name} a file name")
+        if path.exists():
+            try:
+                refuse_output_kind(text, path.stat())
+            except FileAccessError as exc:
+                raise _fail(f"{_show(text, _PATH_SHOWN)}: {exc.strerror}; give {name} a file name") from None
+            if not in_place and not path.is_file():
+                raise _fail(f"{_show(text, _PATH_SHOWN)} is not a regular file; give {name} a file name")
         return text
 
     return parse

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 
+from ..errors import DlperfError
 from . import options as va
 
 
@@ -82,18 +83,26 @@ def run(args: argparse.Namespace) -> int:
     if result is None:
         progress = (lambda name: print(f"dlperf probe: measuring {name}...", file=sys.stderr, flush=True))
         plan = TINY if args.tiny else QUICK if args.quick else None
-        result = run_probe(quick=args.quick, progress=progress, _plan=plan, save=not args.tiny)
-        source = None if args.tiny or result.interrupted else cache_path(result.machine)
+        result = run_probe(quick=args.quick, progress=progress, _plan=plan, save=False)
+        source = None if args.tiny or result.interrupted else _save(result)
     render(result, source)
     document = json.dumps(result.to_dict(), allow_nan=False)
-    if args.json == "-":
-        sys.stdout.flush()
-        print(document, flush=True)
-    elif args.json:
+    if args.json:
         from .._io import atomic_write_text
 
-        atomic_write_text(args.json, document + "\n")
+        atomic_write_text(args.json, document + "\n")  # "-" and /dev/stdout: the last stdout line
     return 130 if result.interrupted else 0
+
+
+def _save(result) -> str | None:
+    """Where the figures were saved, or None (with a warning saying why) when they could not be."""
+    from ..probe.cache import save_probe
+
+    try:
+        return save_probe(result)
+    except (DlperfError, OSError, RuntimeError) as exc:  # the figures are still shown
+        va.warn("probe", f"{exc}; the figures were not saved")
+        return None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -104,7 +113,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cached", action="store_true",
                    help="show this machine's saved figures; measure only when there are none (or they are unusable)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                   type=va.output_path("--json", allow_stdout=True),
+                   type=va.output_path("--json", allow_stdout=True, in_place=True),
                    help="also print one JSON document as the last stdout line (or write it to FILE)")
     # Test-sized measurements: seconds instead of a minute, never saved to the cache.
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)

@@ -81,10 +81,10 @@ def register(sub) -> argparse.ArgumentParser:
                         "machines (seed:pcie-4gpu, seed:v100-8gpu, seed:cpu-4core); default: this machine's "
                         "saved `dlperf probe` figures, else a quick estimate")
     p.add_argument("--no-suggest", action="store_true", help="skip measuring the suggestions")
-    p.add_argument("--trace", type=va.output_path("--trace"), metavar="FILE",
+    p.add_argument("--trace", type=va.output_path("--trace", in_place=True), metavar="FILE",
                    help="write the profiled step as a Chrome trace (chrome://tracing, Perfetto)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                   type=va.output_path("--json", allow_stdout=True),
+                   type=va.output_path("--json", allow_stdout=True, in_place=True),
                    help="also print one JSON document as the last stdout line (or write it to FILE)")
     p.set_defaults(func=run)
     return p
@@ -112,12 +112,10 @@ def run(args: argparse.Namespace) -> int:
     print(report, flush=True)
     if args.trace:
         print(f"trace written to {args.trace}")
-    if args.json == "-":
+    if args.json:
         import json
 
-        print(json.dumps(report.to_dict()), flush=True)
-    elif args.json:
-        import json
-
-        atomic_write_text(args.json, json.dumps(report.to_dict(), indent=1) + "\n")
+        # "-" and /dev/stdout: one line, the last on stdout; a file: indented
+        document = json.dumps(report.to_dict(), indent=None if args.json == "-" else 1)
+        atomic_write_text(args.json, document + "\n")
     return 0

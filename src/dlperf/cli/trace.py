@@ -9,8 +9,10 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
+from .._cliargs import one_line
 from ..engine.trace import format_summary, load_trace
 from ..parallel.timeline import comm_overlap
 
@@ -40,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
             doc["communication"] = overlap
         print(json.dumps(doc))
     else:
-        print(format_summary(summary))
+        # worker names come from the file: an escape sequence or a newline in one must not reach the terminal
+        shown = dataclasses.replace(summary, workers=[dataclasses.replace(w, worker=one_line(w.worker))
+                                                      for w in summary.workers])
+        print(format_summary(shown))
         if overlap["comm_us"] > 0:
             print(f"communication {overlap['comm_us'] / 1e3:.3f} ms, of which {overlap['overlap_fraction']:.0%} "
                   f"overlapped forward/backward ({overlap['overlap_us'] / 1e3:.3f} ms)")

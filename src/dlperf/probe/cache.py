@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _io
+from .._buildcache import cache_base, private_dir, write_private
 from .._cliargs import one_line
-from .._io import atomic_write_text
 from ..errors import DlperfError
-from .reference import GBPS, GFLOPS, NS
+from .reference import GBPS, GFLOPS, NS, implausible
 from .result import FORMAT, ProbeResult, ProbeRow, machine
 
 _MAX_BYTES = 1024 * 1024
@@ -41,8 +41,6 @@ def machine_key(info: dict | None = None) -> str:
 
 
 def cache_dir() -> str:
-    from .kernels import cache_base
-
     return os.path.join(cache_base(), "dlperf", "probe")
 
 
@@ -54,11 +52,8 @@ def cache_path(info: dict | None = None) -> str:
 def save_probe(result: ProbeResult, path: str | None = None) -> str:
     """Write ``result`` atomically to its machine's cache file (or ``path``); return where."""
     if path is None:
-        from ..hybrid.backends.native_cache import private_dir
-        from .kernels import cache_base
-
         path = os.path.join(private_dir(cache_base(), ["dlperf", "probe"]), f"{machine_key(result.machine)}.json")
-    atomic_write_text(path, json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n")
+    write_private(path, (json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n").encode())
     return path
 
 
@@ -67,38 +62,53 @@ def _fail(path: str, problem: str) -> ProbeCacheError:
                                     f"(fix: delete it, or run `dlperf probe` to measure again)"))
 
 
-def read_cache_file(path: str, fail: Callable[[str, str], Exception] = _fail) -> bytes:
-    """The bytes of a small regular file of the cache (no links followed, never blocking on a FIFO).
+def read_cache_file(path: str, fail: Callable[[str, str], Exception] = _fail, *, cache: bool = True,
+                    max_bytes: int = _MAX_BYTES) -> bytes:
+    """The bytes of a small regular file (never blocking on a FIFO); of the cache unless ``cache=False``.
 
-    ``fail(path, problem)`` makes the error, so each kind of cache file names itself and its own fix.
+    A cache file must also be no link, owned by the user and not writable by group or others (anyone
+    who could write it could choose the figures); a file the user names (``cache=False``) may be a link.
+    ``fail(path, problem)`` makes the error, so each kind of file names itself and its own fix.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_NOFOLLOW if cache else 0)
+    fd = os.open(path, flags)
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
             raise fail(path, "not a regular file")
-        data = f.read(_MAX_BYTES + 1)
-    if len(data) > _MAX_BYTES:
-        raise fail(path, f"larger than {_MAX_BYTES} bytes")
+        if cache and (st.st_uid != os.geteuid() or st.st_mode & 0o022):
+            raise fail(path, f"owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}, not a file of "
+                             f"uid {os.geteuid()} that only it can write")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise fail(path, f"larger than {max_bytes} bytes")
     return data
 
 
 def decode_json(data: bytes, path: str, fail: Callable[[str, str], Exception] = _fail) -> Any:
-    """The JSON document in ``data``, or ``fail(path, ...)`` saying why there is none."""
-    return _io.decode_json(data, path, fail)
+    """The JSON document in ``data`` (no NaN, no key twice), or ``fail(path, ...)`` saying why there is none."""
+    return _io.decode_json(data, path, fail, allow_nan=False, unique_keys=True)
 
 
-def _number(value, path: str, where: str, *, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
+def _number(value, path: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise _fail(path, f"{where} is {one_line(repr(value))[:60]}, not a finite number")
     return float(value)
 
 
+def _figure(value, path: str, where: str, unit: str) -> float:
+    """A measured figure: finite, positive and within what a machine can show in ``unit``."""
+    problem = implausible(value, unit)
+    if problem is not None:
+        raise _fail(path, f"{where} is {one_line(problem)[:120]}")
+    return float(value)  # type: ignore[arg-type]  # implausible() checked it is a number
+
+
 def _text(value, path: str, where: str, limit: int) -> str:
+    """A string from the file, with control characters escaped: it is printed, and must not drive the terminal."""
     if not isinstance(value, str) or len(value) > limit:
         raise _fail(path, f"{where} is not a string of at most {limit} characters")
-    return value
+    return one_line(value)
 
 
 def _row_from(doc, path: str, index: int) -> ProbeRow:
@@ -108,8 +118,8 @@ def _row_from(doc, path: str, index: int) -> ProbeRow:
     texts = {name: _text(doc.get(name), path, f"{where}.{name}", limit) for name, limit in _TEXT_LIMITS.items()}
     if texts["unit"] not in (NS, GBPS, GFLOPS):
         raise _fail(path, f"{where}.unit {texts['unit']!r} is not one of {NS}, {GBPS}, {GFLOPS}")
-    value = _number(doc.get("value"), path, f"{where}.value", allow_none=True)
-    seed = _number(doc.get("seed"), path, f"{where}.seed")
+    value = None if doc.get("value") is None else _figure(doc["value"], path, f"{where}.value", texts["unit"])
+    seed = _figure(doc.get("seed"), path, f"{where}.seed", texts["unit"])
     return ProbeRow(texts["key"], texts["what"], value, texts["unit"], seed, texts["seed_source"], texts["note"])
 
 
@@ -127,6 +137,8 @@ def _check_machine(info: dict, path: str) -> None:
         elif value is not None and not isinstance(value, (str, int, float)) or isinstance(value, str) \
                 and len(value) > 400:
             raise _fail(path, f"'machine.{name}' is not a short string or a number")
+        elif isinstance(value, str):
+            info[name] = one_line(value)  # shown in the table's title
 
 
 def parse_probe(data: bytes, path: str = "<probe cache>") -> ProbeResult:

@@ -17,6 +17,8 @@ import shutil
 import subprocess
 import threading
 
+from .. import _buildcache
+from .._buildcache import cache_base
 from ..errors import DlperfError
 from . import _csource
 
@@ -33,11 +35,6 @@ class KernelsUnavailable(DlperfError, RuntimeError):
     """The C kernels cannot be built or loaded here; the message says why and how to fix it."""
 
 
-def cache_base() -> str:
-    """$XDG_CACHE_HOME, or ~/.cache (the same base the other compiled libraries use)."""
-    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-
-
 def find_compiler() -> str | None:
     """The C compiler to use: $CC if set, else gcc, else cc; None when none is on PATH."""
     for name in (os.environ.get("CC"), "gcc", "cc"):
@@ -50,9 +47,7 @@ def find_compiler() -> str | None:
 
 def build_key(compiler: str) -> str:
     """Everything the library depends on; a change in any of it means a separate build."""
-    from ..hybrid.backends import native_cache
-
-    env = {"source": _csource.SOURCE, "flags": list(CC_FLAGS), "compiler": native_cache.compiler_identity(compiler),
+    env = {"source": _csource.SOURCE, "flags": list(CC_FLAGS), "compiler": _buildcache.compiler_identity(compiler),
            "machine": platform.machine(), "system": platform.system()}
     return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -103,8 +98,6 @@ def _compile(compiler: str, workdir: str) -> tuple[str, ctypes.CDLL]:
 def kernels() -> ctypes.CDLL:
     """The loaded kernels library, compiling it on first use; raise KernelsUnavailable saying why not."""
     global _loaded, _error
-    from ..hybrid.backends import native_cache
-
     with _lock:
         if _loaded is not None:
             return _loaded
@@ -116,7 +109,7 @@ def kernels() -> ctypes.CDLL:
                       "threading rows are unavailable; install gcc (apt-get install gcc) and run again")
             raise KernelsUnavailable(_error)
         try:
-            _loaded = native_cache.load_or_build(
+            _loaded = _buildcache.load_or_build(
                 base=cache_base(), subdirs=[*_SUBDIRS, build_key(compiler)], filename="probe_kernels.so",
                 what="the probe's C kernels", expected_time="a few seconds",
                 build=functools.partial(_compile, compiler), load=_load)

@@ -14,8 +14,8 @@ import os
 import sys
 import time
 
+from .._buildcache import write_private
 from .._cliargs import one_line
-from .._io import atomic_write_text
 from .cache import ProbeCacheError, cache_dir, decode_json, read_cache_file
 from .cost import Link
 
@@ -43,14 +43,13 @@ def links_path(hosts: list[str]) -> str:
 def save_links(hosts: list[str], fits: dict[str, Link], path: str | None = None) -> str:
     """Write the figures of this layout atomically; return where."""
     if path is None:
-        from ..hybrid.backends.native_cache import private_dir
-        from .kernels import cache_base
+        from .._buildcache import cache_base, private_dir
 
         path = os.path.join(private_dir(cache_base(), ["dlperf", "probe"]), f"links-{layout_key(hosts)}.json")
     doc = {"format": LINKS_FORMAT, "created": time.time(), "hosts": hosts, "world": len(hosts),
            "links": {name: {"latency_s": f.alpha_s, "bytes_per_s": None if math.isinf(f.bandwidth) else f.bandwidth}
                      for name, f in fits.items()}}
-    atomic_write_text(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    write_private(path, (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
     return path
 
 

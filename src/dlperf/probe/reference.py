@@ -14,6 +14,27 @@ GBPS = "GB/s"
 GFLOPS = "GFLOP/s"
 
 
+# What any machine can show, per unit, with margin on both sides: a figure outside is not a measurement
+# (a cache or file holding 0, 5e-324 or 1e308 is refused, not turned into a floor of 0 or inf).
+# Times from a tenth of a picosecond to a day; bandwidths from 1 KB/s to 1 PB/s; FLOP/s from 1 kFLOP/s
+# to 1 EFLOP/s.
+PLAUSIBLE: dict[str, tuple[float, float]] = {NS: (1e-4, 86_400e9), GBPS: (1e-6, 1e6), GFLOPS: (1e-6, 1e9)}
+
+
+def implausible(value: object, unit: str) -> str | None:
+    """Why ``value`` cannot be a figure in ``unit`` (not a number, not finite, out of :data:`PLAUSIBLE`), or None."""
+    import math
+
+    lo, hi = PLAUSIBLE[unit]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{type(value).__name__}, not a number"
+    if not math.isfinite(value):
+        return f"{value!r}, not a finite number"
+    if not lo <= value <= hi:
+        return f"{value:g} {unit}, outside what any machine shows ({lo:g} to {hi:g} {unit})"
+    return None
+
+
 @dataclass(frozen=True)
 class SeedFigure:
     value: float

@@ -7,42 +7,87 @@ reads a JSON file of figures as data, with a size cap.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 
+from .._cliargs import one_line
+from .._io import decode_json
 from ..errors import UsageError
+from .cache import read_cache_file
+from .reference import GBPS, GFLOPS, NS, PLAUSIBLE
 
 __all__ = ["load_factory", "build_model", "read_hardware", "MAX_HARDWARE_BYTES"]
 
 MAX_HARDWARE_BYTES = 1 << 20
+_MAX_NAME = 200
 
 
 def read_hardware(source: str):
-    """The :class:`~dlperf.probe.cost.Hardware` a ``--hardware`` value names; a bad file is one clear error."""
-    import json
+    """The :class:`~dlperf.probe.cost.Hardware` a ``--hardware`` value names; a bad file is one clear error.
+
+    Every figure must be one a machine can show (:data:`dlperf.probe.reference.PLAUSIBLE`): 0, 5e-324 or
+    1e308 would give a floor of nothing or of forever. The name is shown with control characters escaped.
+    """
+    import dataclasses
 
     from ..probe.cost import Hardware
 
     if source.startswith("seed:"):
         return Hardware.from_seed(source[5:])
-    with open(source, "rb") as f:
-        data = f.read(MAX_HARDWARE_BYTES + 1)
-    if len(data) > MAX_HARDWARE_BYTES:
-        raise UsageError(f"--hardware {source!r} is larger than {MAX_HARDWARE_BYTES} bytes; give a JSON file of "
-                         "hardware figures (Hardware.from_probe's format)")
-
-    def no_constant(name: str):
-        raise ValueError(f"{name} is not a number")
-
     try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=no_constant)
-    except (ValueError, RecursionError) as exc:
-        raise UsageError(f"--hardware {source!r} is not valid JSON ({str(exc)[:80]}); give a JSON file of "
-                         "hardware figures (Hardware.from_probe's format)") from None
+        data = read_cache_file(source, _bad_file, cache=False, max_bytes=MAX_HARDWARE_BYTES)
+    except OSError as exc:
+        raise _bad_file(source, f"cannot be read ({exc.strerror or exc})") from None
+    doc = decode_json(data, source, _bad_file, allow_nan=False, unique_keys=True)
+    if isinstance(doc, dict):
+        _check_figures(doc, source)
     try:
-        return Hardware.from_probe(doc)
+        hardware = Hardware.from_probe(doc)
     except UsageError as exc:
         raise UsageError(f"--hardware {source!r}: {exc}") from None
+    return dataclasses.replace(hardware, name=one_line(hardware.name))
+
+
+def _bad_file(source: str, problem: str) -> UsageError:
+    return UsageError(f"--hardware {source!r} is {problem}; give a JSON file of hardware figures "
+                      "(Hardware.from_probe's format)")
+
+
+# (the file's unit, the unit of PLAUSIBLE it is checked in, the factor from one to the other)
+_SECONDS = ("seconds", NS, 1e9)
+_BYTES_PER_S = ("bytes/s", GBPS, 1e-9)
+_FLOP_PER_S = ("FLOP/s", GFLOPS, 1e-9)
+
+
+def _check_figures(doc: dict, source: str) -> None:
+    """Refuse, naming the field, a figure no machine shows (types and missing keys are from_probe's)."""
+    name = doc.get("name")
+    if isinstance(name, str) and len(name) > _MAX_NAME:
+        raise UsageError(f"--hardware {source!r}: 'name' is longer than {_MAX_NAME} characters; give a short name")
+    fields: list[tuple[str, object, tuple[str, str, float], bool]] = [
+        ("memory_bandwidth", doc.get("memory_bandwidth"), _BYTES_PER_S, False),
+        ("dispatch_s", doc.get("dispatch_s"), _SECONDS, False)]
+    flops = doc.get("flops")
+    if isinstance(flops, dict):
+        fields += [(f"flops[{one_line(repr(k))[:40]}]", v, _FLOP_PER_S, False) for k, v in flops.items()]
+    links = doc.get("links")
+    if isinstance(links, dict):
+        for kind, spec in links.items():
+            if isinstance(spec, dict):
+                where = f"links[{one_line(repr(kind))[:40]}]"
+                fields += [(f"{where}.alpha_s", spec.get("alpha_s"), _SECONDS, True),
+                           (f"{where}.bandwidth", spec.get("bandwidth"), _BYTES_PER_S, False)]
+    for key, value, (unit, plausible_unit, factor), zero_ok in fields:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue  # from_probe names it, with what it expects
+        if zero_ok and value == 0:
+            continue
+        lo, hi = (bound / factor for bound in PLAUSIBLE[plausible_unit])
+        if not lo <= value <= hi:
+            raise UsageError(f"--hardware {source!r}: {key} is {value!r} {unit}, outside what any machine shows "
+                             f"({lo:g} to {hi:g} {unit}{' or 0' if zero_ok else ''}); fix the figure or measure it "
+                             "again with `dlperf probe`")
 
 
 def load_factory(spec: str):

@@ -5,7 +5,7 @@ use (a line on stderr says so, and how long it took) and cached under the user's
 keyed by everything the build depends on: source, flags, PyTorch and its headers, the Python
 environment, the compiler and the CPU flags (the code is built with ``-march=native``). Later
 processes load it in milliseconds, after checking its SHA-256 against the manifest written at build
-time (:mod:`.native_cache`). When no compiler works the backend still serves, replaying the graph
+time (:mod:`dlperf._buildcache`). When no compiler works the backend still serves, replaying the graph
 in Python under ``no_grad``; the runner's ``detail`` says which path is live.
 
 Supported graphs: one tensor input, one tensor output, and linear layers, ReLU/sigmoid/tanh,
@@ -31,8 +31,8 @@ import torch
 from torch import fx
 from torch.nn import functional as F
 
+from ... import _buildcache
 from ..capture import Captured
-from . import native_cache
 from . import native_src as src
 from .registry import Backend, BackendUnsupported, Runner, register_backend
 
@@ -47,17 +47,15 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
 
 _CACHE_SUBDIRS = ("dlperf", "native")
 # How long to wait for another process that is compiling the same interpreter before replaying
-# in Python instead (a first compile takes a minute or more on a loaded machine).
-BUILD_WAIT_S = native_cache.DEFAULT_WAIT_S
+# in Python instead; None: $DLPERF_BUILD_WAIT_S, else 15 minutes (see dlperf._buildcache).
+BUILD_WAIT_S: float | None = None
 
 _lock = threading.Lock()
 _extension: object | None = None
 _extension_error: str | None = None
 
 
-def cache_base() -> str:
-    """$XDG_CACHE_HOME, or ~/.cache."""
-    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+cache_base = _buildcache.cache_base
 
 
 def cache_dir() -> str:
@@ -95,7 +93,7 @@ def _cpu_flags() -> str:
 
 
 # The compiler's identity is part of every cache key; one definition, shared with the probe's kernels.
-_compiler_identity = native_cache.compiler_identity
+_compiler_identity = _buildcache.compiler_identity
 
 
 def load_extension():
@@ -109,7 +107,7 @@ def load_extension():
         try:
             key = build_key()
             name = f"dlperf_plan_{key}"
-            _extension = native_cache.load_or_build(
+            _extension = _buildcache.load_or_build(
                 base=cache_base(), subdirs=[*_CACHE_SUBDIRS, key], filename=f"{name}.so",
                 what="the native plan interpreter", expected_time="about a minute",
                 build=functools.partial(_compile, name), load=functools.partial(_import, name),
@@ -230,6 +228,18 @@ class _NativeRun(functools.partial):
     detail: str
 
 
+class _PythonReplay:
+    """The graph replayed in Python under ``no_grad``: the backend's answer when nothing compiles."""
+
+    def __init__(self, gm: fx.GraphModule, detail: str) -> None:
+        self._gm = gm
+        self.detail = detail
+
+    def __call__(self, x):
+        with torch.no_grad():
+            return self._gm.forward(x)
+
+
 def _prepare(captured: Captured, example_args: tuple) -> Runner:
     if len(example_args) != 1:
         raise BackendUnsupported("the native plan takes exactly one input tensor")
@@ -237,14 +247,7 @@ def _prepare(captured: Captured, example_args: tuple) -> Runner:
     try:
         ext = load_extension()
     except RuntimeError as exc:
-        gm = captured.graph_module
-
-        def python_replay(x):
-            with torch.no_grad():
-                return gm.forward(x)
-
-        python_replay.detail = f"Python graph replay under no_grad ({exc})"
-        return python_replay
+        return _PythonReplay(captured.graph_module, f"Python graph replay under no_grad ({exc})")
     plan = NativePlan(ext, code, params, num_slots, output_slot)
     run = _NativeRun(ext.run_plan, plan.plan_id)
     run.plan = plan

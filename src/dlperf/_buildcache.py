@@ -1,5 +1,9 @@
 """A per-user cache of compiled shared libraries that only ever loads bytes it has verified.
 
+Shared by everything dlperf compiles (the native plan interpreter of :mod:`dlperf.hybrid.backends.native`,
+the probe's C kernels of :mod:`dlperf.probe.kernels`), and by the probe's caches of figures for their
+private directories; it sits below both so that neither reaches into the other.
+
 Layout: ``<base>/<subdirs...>/`` (every level created 0700 and checked to belong to the effective
 user, with no group or other write permission) holds the library, ``manifest.json`` (its size and
 SHA-256, written atomically after the library) and ``.lock``.
@@ -12,7 +16,11 @@ directory (``torch.utils.cpp_extension.load_inline`` does) only ever sees its ow
 
 Concurrent builders serialize on ``flock`` of ``.lock``: the kernel drops the lock when its holder
 dies, so a process killed mid-compile leaves nothing that blocks the next one, and a live holder is
-waited for at most ``wait_s`` seconds.
+waited for at most ``wait_s`` seconds (``$DLPERF_BUILD_WAIT_S``, default 900).
+
+Every file of the cache is opened with ``O_NOFOLLOW | O_NONBLOCK`` and used only if it is a regular
+file owned by the effective user that group and others cannot write: a link, a FIFO (which would
+block a plain ``open`` forever) or a file someone else could have written is reported and rebuilt.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -35,7 +44,9 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from ..._io import atomic_write_bytes, atomic_write_text
+from ._cliargs import one_line
+from ._io import atomic_write_bytes, decode_json
+from .errors import UsageError
 
 log = logging.getLogger("dlperf.hybrid")
 
@@ -45,6 +56,8 @@ MANIFEST = "manifest.json"
 LOCK = ".lock"
 MANIFEST_FORMAT = 1
 DEFAULT_WAIT_S = 900.0  # a first compile takes minutes on a loaded two-core machine
+WAIT_ENV = "DLPERF_BUILD_WAIT_S"
+_MAX_WAIT_S = 7 * 24 * 3600.0
 _MAX_MANIFEST_BYTES = 64 * 1024
 _SCRATCH_MAX_AGE_S = 24 * 3600.0
 
@@ -62,6 +75,26 @@ class CacheUnsafe(RuntimeError):
 
 class BuildWaitTimeout(RuntimeError):
     """Another live process held the build lock for longer than the caller is willing to wait."""
+
+
+def cache_base() -> str:
+    """$XDG_CACHE_HOME, or ~/.cache: the base of every per-user cache dlperf keeps."""
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
+def build_wait_s() -> float:
+    """How long to wait for another process compiling the same library: ``$DLPERF_BUILD_WAIT_S`` or 900 s."""
+    text = os.environ.get(WAIT_ENV)
+    if text is None or not text.strip():
+        return DEFAULT_WAIT_S
+    try:
+        value = float(text) if len(text) <= 40 else math.nan
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= _MAX_WAIT_S:  # NaN fails too
+        raise UsageError(f"{WAIT_ENV}={text[:40]!r} is not a number of seconds from 0 to {_MAX_WAIT_S:.0f}; "
+                         f"set it to e.g. 900, or 0 not to wait for another build")
+    return value
 
 
 @functools.cache
@@ -128,6 +161,15 @@ def _check_ours(path: str) -> None:
                           f"and others cannot write (fix: remove it, or chmod go-w it if it is yours)")
 
 
+def _check_file(path: str, st: os.stat_result) -> None:
+    euid = os.geteuid()
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != euid or st.st_mode & 0o022:
+        kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a regular file"
+        raise CacheUnsafe(f"{path} is {kind} owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; "
+                          f"expected a regular file owned by uid {euid} that group and others cannot write "
+                          f"(fix: remove it)")
+
+
 def _describe(st: os.stat_result) -> str:
     kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a symbolic link" if stat.S_ISLNK(st.st_mode) \
         else "not a directory"
@@ -149,8 +191,9 @@ class build_lock:  # noqa: N801 - used as a context manager, reads like one
         self._fd: int | None = None
 
     def __enter__(self) -> build_lock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
         try:
+            _check_file(self.path, os.fstat(fd))
             self._acquire(fd)
             os.ftruncate(fd, 0)
             owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
@@ -172,20 +215,20 @@ class build_lock:  # noqa: N801 - used as a context manager, reads like one
                 pass
             if not told:
                 say(f"dlperf: waiting up to {self.wait_s:.0f} s for {self._holder(fd)}, which is compiling "
-                    f"{self.what} into {os.path.dirname(self.path)}")
+                    f"{self.what} into {os.path.dirname(self.path)} (${WAIT_ENV} sets how long)")
                 told = True
             if time.monotonic() >= deadline:
                 raise BuildWaitTimeout(
                     f"{self._holder(fd)} has been compiling {self.what} for longer than {self.wait_s:.0f} s "
-                    f"(lock {self.path}); let it finish, or stop it and run again")
+                    f"(lock {self.path}); let it finish, or stop it and run again (or set ${WAIT_ENV} higher)")
             time.sleep(0.2)
 
     @staticmethod
     def _holder(fd: int) -> str:
         try:
-            owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            return f"process {int(owner['pid'])} on {str(owner['host'])[:64]}"
-        except (OSError, ValueError, KeyError, TypeError):
+            owner = decode_json(os.pread(fd, 4096, 0) or b"{}", "lock owner", _unusable, allow_nan=False)
+            return f"process {int(owner['pid'])} on {one_line(str(owner['host'])[:64])}"
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):
             return "another process"
 
     def __exit__(self, *exc) -> None:
@@ -197,12 +240,14 @@ class build_lock:  # noqa: N801 - used as a context manager, reads like one
 # --- verified load and build -------------------------------------------------------------------
 def load_or_build(*, base: str, subdirs: Sequence[str], filename: str, what: str, expected_time: str,
                   build: Callable[[str], tuple[str, T]], load: Callable[[str], T],
-                  wait_s: float = DEFAULT_WAIT_S) -> T:
+                  wait_s: float | None = None) -> T:
     """The cached library ``filename`` loaded by ``load(path)`` if its hash checks out, else a fresh build.
 
     ``build(workdir)`` compiles into the empty private ``workdir`` and returns the library's path and
     the loaded object; the library's bytes are then published to the cache with their hash.
+    ``wait_s`` bounds the wait for another builder (default :func:`build_wait_s`).
     """
+    wait_s = build_wait_s() if wait_s is None else wait_s
     try:
         directory = private_dir(base, subdirs)
     except (CacheUnsafe, OSError) as exc:
@@ -239,14 +284,15 @@ def _load_verified(directory: str, filename: str, load: Callable[[str], T]) -> t
         data = _read_regular(path, limit=None)
     except FileNotFoundError:
         return None, None
-    except OSError as exc:
-        return None, f"cannot read it ({exc})"
+    except (OSError, CacheUnsafe) as exc:
+        return None, f"cannot use it ({exc})"
     try:
-        manifest = json.loads(_read_regular(os.path.join(directory, MANIFEST), limit=_MAX_MANIFEST_BYTES))
+        manifest = decode_json(_read_regular(os.path.join(directory, MANIFEST), limit=_MAX_MANIFEST_BYTES),
+                               MANIFEST, _unusable, allow_nan=False, unique_keys=True)
     except FileNotFoundError:
         return None, f"no {MANIFEST} records its hash"
-    except (OSError, ValueError) as exc:
-        return None, f"its {MANIFEST} is unreadable ({exc})"
+    except (OSError, ValueError, CacheUnsafe) as exc:
+        return None, f"its {MANIFEST} is unusable ({exc})"
     digest = hashlib.sha256(data).hexdigest()
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT \
             or manifest.get("file") != filename:
@@ -269,33 +315,75 @@ def _load_verified(directory: str, filename: str, load: Callable[[str], T]) -> t
         shutil.rmtree(scratch, ignore_errors=True)  # the mapping outlives the file
 
 
-def _read_regular(path: str, limit: int | None) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _unusable(where: str, why: str) -> ValueError:
+    return ValueError(f"{where}: {why}")
+
+
+def _read_regular(path: str, limit: int | None, *, shared: bool = True) -> bytes:
+    """The bytes of ``path`` if it is a regular file of ours that nobody else can write (CacheUnsafe if not).
+
+    ``shared=False``: a file in a directory only this process has used (a fresh build's output), whose
+    mode is the compiler's and the umask's; it must still be a regular file.
+    """
+    # O_NONBLOCK: a FIFO put in place of the file must not block the open; O_NOFOLLOW: nor a link redirect it.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise OSError(f"{path} is not a regular file")
+        st = os.fstat(f.fileno())
+        if shared or not stat.S_ISREG(st.st_mode):
+            _check_file(path, st)
         data = f.read() if limit is None else f.read(limit + 1)
     if limit is not None and len(data) > limit:
         raise OSError(f"{path} is larger than {limit} bytes")
     return data
 
 
+def write_private(path: str, data: bytes) -> None:
+    """Write a cache file atomically, mode 0600: whatever stood at ``path`` (a link, a FIFO) is replaced,
+    not followed or written into, and the umask cannot leave it writable by group or others."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):  # a directory is refused below
+            os.unlink(path)
+    atomic_write_bytes(path, data)
+    os.chmod(path, 0o600)  # a group-writable file would not be read back
+
+
 def _build(directory: str | None, filename: str, what: str, expected_time: str,
            build: Callable[[str], tuple[str, T]]) -> T:
+    try:
+        workdir = tempfile.mkdtemp(prefix=".build-", dir=directory)
+    except OSError as exc:  # a full or read-only cache: the build itself can still happen elsewhere
+        if directory is None:
+            raise
+        warn_once(f"dlperf: cannot build {what} in {directory} ({exc.strerror or exc}); building in a private "
+                  f"temporary directory instead, and not keeping the result")
+        return _build(None, filename, what, expected_time, build)
     where = f"cached in {directory}" if directory else "not cached"
     say(f"dlperf: compiling {what} once for this machine and environment ({expected_time}; {where})...")
     start = time.monotonic()
-    workdir = tempfile.mkdtemp(prefix=".build-", dir=directory)
     try:
         library, loaded = build(workdir)
         if directory is not None:
-            data = _read_regular(library, limit=None)
-            manifest = {"format": MANIFEST_FORMAT, "file": filename, "size": len(data),
-                        "sha256": hashlib.sha256(data).hexdigest(), "built": time.time()}
-            # Library first, manifest second: a reader in between sees a mismatch and takes the lock.
-            atomic_write_bytes(os.path.join(directory, filename), data)
-            atomic_write_text(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1) + "\n")
+            _keep(directory, filename, library, what)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     say(f"dlperf: compiled {what} in {time.monotonic() - start:.0f} s")
     return loaded
+
+
+def _keep(directory: str, filename: str, library: str, what: str) -> None:
+    """Publish a fresh build with its hash; a cache that cannot take it (a full disk) costs the next
+    process a compile, not this one its library."""
+    try:
+        data = _read_regular(library, limit=None, shared=False)
+        manifest = {"format": MANIFEST_FORMAT, "file": filename, "size": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest(), "built": time.time()}
+        # Library first, manifest second: a reader in between sees a mismatch and takes the lock.
+        write_private(os.path.join(directory, filename), data)
+        write_private(os.path.join(directory, MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
+    except (OSError, CacheUnsafe) as exc:
+        warn_once(f"dlperf: compiled {what} but could not keep it in the cache: {exc}; the next process "
+                  f"compiles it again")
