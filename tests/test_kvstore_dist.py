@@ -18,12 +18,12 @@ import time
 import pytest
 import torch
 
+from dlperf._shm import ShmUnavailableError, mapped_segments
 from dlperf.cli import main
 from dlperf.errors import UsageError
 from dlperf.kvstore import KVStore, Placement, create_kvstore, kvstore_types
 from dlperf.kvstore.control import MAX_FRAME_BYTES, ControlClient, ControlServer, KVStoreLinkError
 from dlperf.kvstore.shm import SHM_ENV, Arena, shm_wanted
-from dlperf.parallel.allreduce.shm_segment import ShmUnavailableError, mapped_segments
 from dlperf.parallel.launchers import ProcessLauncher
 
 JOIN_S = 90
@@ -314,7 +314,7 @@ def _fast_worker(seed: int) -> dict:
     """The same pushes through the same-host path and through RPC only, for dist_sync and dist_async."""
     import torch.distributed as dist
 
-    from dlperf.parallel.allreduce.shm_segment import mapped_segments
+    from dlperf._shm import mapped_segments
 
     workers = dist.new_group([0, 1])
     runs = {f"{kind} {setting}": _fast_store_round(kind, seed, setting, workers)
@@ -628,7 +628,8 @@ def test_placement_is_stable_spread_and_splits_evenly():
 
 
 def test_small_keys_travel_packed_in_one_buffer_and_big_ones_as_they_are():
-    from dlperf.kvstore.dist import _from_wire, _to_wire
+    from dlperf.kvstore.wire import from_wire as _from_wire
+    from dlperf.kvstore.wire import to_wire as _to_wire
 
     g = torch.Generator().manual_seed(3)
     small = [torch.randn(n, generator=g) for n in (1, 3, 7, 100)] + [torch.arange(5, dtype=torch.int64)]

@@ -212,8 +212,8 @@ def _last_sum_with_a_slow_peer() -> list[float]:
     seen it missing there, looks again only after rank 1 had time to finish and leave."""
     import torch.distributed as dist
 
+    from dlperf import _shm as shm_segment
     from dlperf.parallel.allreduce import shm as shm_module
-    from dlperf.parallel.allreduce import shm_segment
     from dlperf.parallel.allreduce.shm import host_allreduce_
 
     rank = rank_info().rank
@@ -264,7 +264,7 @@ def _last_sum_with_a_slow_peer() -> list[float]:
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_a_rank_done_first_does_not_close_the_shared_memory_under_a_peer_still_leaving_the_last_sum():
-    from dlperf.parallel.allreduce.shm_segment import spin_barrier_supported
+    from dlperf._shm import spin_barrier_supported
 
     if not spin_barrier_supported():
         pytest.skip("shared-memory allreduce needs Linux memfd and x86-64")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..._attempt import attempt_number, attempt_store
 from ..._cliargs import one_line
 from ..._hostmem import keep_freed_host_memory
 from ..._io import check_writable
@@ -44,7 +45,7 @@ from .faults import (
 )
 from .launcher import DEFAULT_ROLE, HOST_ENV, Launcher, LaunchError, rank_info
 
-__all__ = ["ProcessLauncher", "attempt_store", "free_port"]
+__all__ = ["MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "ProcessLauncher", "attempt_store", "free_port"]
 
 # torch's process context installs its own handlers for these in the main thread and leaves them there
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -53,6 +54,8 @@ _SHUTDOWN_TIMEOUT_S = 5
 # signals that stop a launch on purpose: the other nodes hear of it at once, not after their fault timeout
 _INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PORT_TRIES = 3  # free ports tried by a launch that picks its own
+MIN_TIMEOUT_S = 0.01
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -62,14 +65,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _attempt() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
 def _mark(marker_dir: str, local_rank: int, what: str, text: str = "") -> None:
     # a marker's presence is its message; os.replace makes it appear whole. Names carry the attempt so a
     # restarted worker's markers are not confused with its predecessor's.
-    path = Path(marker_dir) / f"{_attempt()}.{local_rank}.{what}"
+    path = Path(marker_dir) / f"{attempt_number()}.{local_rank}.{what}"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text or str(os.getpid()))
     os.replace(tmp, path)
@@ -166,23 +165,6 @@ def _leave_together(dist: Any) -> None:
         dist.barrier()
     except Exception:  # noqa: BLE001 - a peer that failed: the agent reports it, not this rank
         pass
-
-
-def attempt_store(prefix: str = "") -> Any:
-    """The launch's rendezvous store, seen through a prefix of the current attempt; None outside an agent.
-
-    The agent's store outlives a restart, but whatever numbers its keys per process from 0 (``env://``
-    process groups, ``torch.distributed.rpc``'s agents) would read the previous attempt's keys there and
-    connect to processes that are gone. Keys under this prefix belong to this attempt only; ``prefix``
-    keeps one user's keys (the process group, an RPC agent) apart from another's.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    import torch.distributed as dist
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=300))
-    return dist.PrefixStore(f"dlperf/attempt_{_attempt()}/{prefix}", store)
 
 
 def _init_process_group(dist: Any, backend: str, rank: int, timeout: datetime.timedelta) -> None:
@@ -513,10 +495,13 @@ class ProcessLauncher(Launcher):
         if master_port is None and nnodes > 1:
             raise UsageError(f"master_port=None with nnodes={nnodes}: every node must name the same port; "
                              "pass master_port")
-        for name, value in (("join_timeout_s", join_timeout_s), ("fault_timeout_s", fault_timeout_s),
-                            ("collective_timeout_s", collective_timeout_s)):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise UsageError(f"{name}={value!r}: expected a positive number of seconds")
+        for name, seconds in (("join_timeout_s", join_timeout_s), ("fault_timeout_s", fault_timeout_s),
+                              ("collective_timeout_s", collective_timeout_s)):
+            # bounded: torch turns these into timedeltas (1e300 s overflows) and whole seconds (1e-9 s is 0)
+            if seconds is not None and not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+                                            and MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S):
+                raise UsageError(f"{name}={seconds!r}: expected a number of seconds from {MIN_TIMEOUT_S:g} to "
+                                 f"{MAX_TIMEOUT_S:g} (a year)")
         if run_id is not None and not (isinstance(run_id, str) and run_id.strip()):
             raise UsageError(f"run_id={run_id!r}: expected a non-empty string, the same on every node")
         self.nproc_per_node = nproc_per_node
