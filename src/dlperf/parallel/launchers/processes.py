@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import pickle
+import re
 import select
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,9 @@ _SHUTDOWN_TIMEOUT_S = 5
 _INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PORT_TRIES = 3  # free ports tried by a launch that picks its own
 MIN_TIMEOUT_S = 0.01
+_STORE_READ_TIMEOUT_S = 60  # torch's default for the rendezvous store's connect and reads
+_FILTER_POLL_S = 0.05
+_FILTER_DRAIN_READS = 64
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
@@ -320,7 +326,12 @@ class _Watchdog:
 
     def _others_failed(self) -> bool:
         assert self.board is not None
-        self.board.beat(self.global_ranks())
+        ranks = self.global_ranks()
+        if not ranks:
+            # before this node's workers start, the rendezvous (and its join timeout) watches the nodes; a
+            # store that is not up yet would cost each poll a connect timeout, past the launch's deadline
+            return False
+        self.board.beat(ranks)
         if self.board.others_failed():
             self.remote = []
             return True
@@ -388,6 +399,8 @@ class _Watchdog:
         return pids
 
 
+# every log of torch.distributed (the elastic agent, rendezvous, c10d) goes to the launch's log file
+_TORCH_LOGGER = "torch.distributed"
 # loggers of the agent that log a failed worker's traceback
 _AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
 
@@ -408,14 +421,130 @@ class _PlainTracebacks(logging.Filter):
         return True
 
 
+# a line of torch's C++ log ("[W1125 19:11:23.767 TCPStore.cpp:340] ..."), and what follows one: the C++
+# exception's text and its stack ("Exception raised from ...", "frame #3: ...")
+_CPP_LOG = re.compile(rb"^\[?[EWIF]\d{4} \d\d:\d\d:\d\d\.\d+ ")
+_CPP_TAIL = re.compile(rb"^(Exception raised from |frame #\d+|<omitting python frames>)")
+
+
+class _StderrFilter:
+    """Torch's C++ log lines and stack frames go to the launch's log file, everything else to stderr.
+
+    C++ writes them to descriptor 2 itself, past Python's logging: while the launch runs, descriptor 2 is a
+    pipe that this one thread reads line by line. The workers inherit it, so their own output passes through
+    unchanged, and their C++ frames are kept off the terminal too.
+    """
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self.saved = -1
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def start(self) -> None:
+        # multiprocessing's resource tracker outlives the launch: it keeps the real stderr, not the pipe
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        try:
+            read_end, write_end = os.pipe()
+            self.saved = os.dup(2)
+        except OSError:  # no descriptor 2, or none left: torch's lines stay where they go
+            return
+        sys.stderr.flush()
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        self._thread = threading.Thread(target=self._run, args=(read_end,), name="dlperf-launch-stderr",
+                                        daemon=True)
+        self._thread.start()
+
+    def _lines(self, read_end: int) -> Iterator[bytes]:
+        """The pipe's lines until its end, or until :meth:`stop` and what was written before it is read."""
+        pending = b""
+        drained = 0
+        while True:
+            ready, _, _ = select.select([read_end], [], [], _FILTER_POLL_S)
+            chunk = os.read(read_end, 1 << 16) if ready else b""
+            if ready and not chunk:  # every writer is gone
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                yield line + b"\n"
+            if self._stopping.is_set():
+                drained += 1
+                if not ready or drained > _FILTER_DRAIN_READS:  # a writer that never stops is not waited for
+                    break
+        if pending:
+            yield pending
+
+    def _run(self, read_end: int) -> None:
+        in_block = False
+        with open(self.log_path, "ab") as log:
+            for line in self._lines(read_end):
+                if _CPP_LOG.match(line) or _CPP_TAIL.match(line):
+                    in_block = True
+                elif in_block and line.strip() and not line.startswith((b" ", b"\t")):
+                    in_block = False
+                if in_block:
+                    log.write(line)
+                    log.flush()
+                    if not line.strip():
+                        in_block = False
+                else:
+                    os.write(self.saved, line)
+        os.close(read_end)
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        # a process the launch started may still hold the pipe: the thread reads what is there and ends
+        self._stopping.set()
+        self._thread.join()
+        os.close(self.saved)
+        self._thread = None
+
+
+def _raise_signal(signum: int, frame: Any) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
+
+
 class _ParentState:
-    """The environment, signal handlers and log filters the launch changes in this process, put back after."""
+    """The environment, signal handlers and log filters the launch changes in this process, put back after.
+
+    torch's own log output (the agent's traceback blocks, the rendezvous' retries) goes to ``log_path``,
+    never to the terminal; SIGTERM and SIGHUP raise torch's ``SignalException`` from the start, so a launch
+    stopped before the agent installs its handlers (in rendezvous) still unwinds and removes what it made.
+    """
 
     _filter = _PlainTracebacks()
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
 
     def __enter__(self) -> _ParentState:
         for name in _AGENT_LOGGERS:
             logging.getLogger(name).addFilter(self._filter)
+        self.log_handler = logging.FileHandler(self.log_path, delay=True, encoding="utf-8")
+        self.log_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        # torch gives some of its loggers a handler of their own (to stderr): each of those writes to the file
+        # instead while the launch runs; the others reach it through torch.distributed
+        self.loggers = {}
+        for name, found in list(logging.Logger.manager.loggerDict.items()):
+            if isinstance(found, logging.Logger) and found.handlers and name.startswith(_TORCH_LOGGER + "."):
+                self.loggers[name] = (list(found.handlers), found.propagate)
+        torch_log = logging.getLogger(_TORCH_LOGGER)
+        self.loggers[_TORCH_LOGGER] = (list(torch_log.handlers), torch_log.propagate)
+        for name in self.loggers:
+            found = logging.getLogger(name)
+            found.handlers = [self.log_handler]
+            found.propagate = False
+        self.stderr = _StderrFilter(self.log_path)
+        self.stderr.start()
         self.env = dict(os.environ)
         self.handlers = {}
         if threading.current_thread() is threading.main_thread():
@@ -423,9 +552,23 @@ class _ParentState:
                 sig = getattr(signal, name, None)
                 if sig is not None:
                     self.handlers[sig] = signal.getsignal(sig)
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, _raise_signal)
         return self
 
+    def logged(self) -> bool:
+        """Whether torch wrote anything to the log file."""
+        try:
+            return self.log_path.stat().st_size > 0
+        except OSError:
+            return False
+
     def __exit__(self, *exc: object) -> None:
+        self.stderr.stop()
+        for name, (handlers, propagate) in self.loggers.items():
+            found = logging.getLogger(name)
+            found.handlers, found.propagate = handlers, propagate
+        self.log_handler.close()
         for name in _AGENT_LOGGERS:
             logging.getLogger(name).removeFilter(self._filter)
         for k in set(os.environ) - set(self.env):
@@ -530,6 +673,22 @@ class ProcessLauncher(Launcher):
         _check_picklable(fn, args, kwargs)
         if self.checkpoint is not None:
             check_writable(self.checkpoint)
+        log_path = Path(tempfile.gettempdir(), f"dlperf-agent-{os.getpid()}-{uuid.uuid4().hex[:8]}.log")
+        keep_log = False
+        try:
+            with _ParentState(log_path) as parent:
+                try:
+                    return self._launch_with_retries(fn, args, kwargs)
+                except LaunchError as exc:
+                    keep_log = parent.logged()
+                    if keep_log:  # the one line names where the rest went
+                        exc.args = (f"{exc.args[0]} (torch's log: {log_path})", *exc.args[1:])
+                    raise
+        finally:
+            if not keep_log:
+                log_path.unlink(missing_ok=True)
+
+    def _launch_with_retries(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
         # A port picked here is only free until the agent binds it: another program may take it between the
         # two. Then no worker has started yet, and the launch simply moves to another free port.
         tries = 1 if self.master_port is not None else _PORT_TRIES
@@ -550,18 +709,23 @@ class ProcessLauncher(Launcher):
         raise AssertionError("unreachable")
 
     def _launch_on(self, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict[int, Any]:
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
         run_id = self.run_id or (f"dlperf-{port}" if self.nnodes > 1 else f"dlperf-{uuid.uuid4().hex[:12]}")
         host = host_label(self.master_addr)
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
         with tempfile.TemporaryDirectory(prefix="dlperf-launch-") as tmp:
             markers = Path(tmp, "markers")
             markers.mkdir()
             config = LaunchConfig(
                 min_nodes=self.nnodes, max_nodes=self.nnodes, nproc_per_node=self.nproc_per_node,
                 run_id=run_id, rdzv_backend="c10d", rdzv_endpoint=f"{self.master_addr}:{port}",
-                rdzv_configs={"is_host": self.node_rank == 0, "join_timeout": self.join_timeout_s},
+                # torch reads these as whole seconds; the store's connect and reads are bounded by the launch's
+                # timeout too, so an unreachable master fails within it
+                rdzv_configs={"is_host": self.node_rank == 0, "join_timeout": max(1, math.ceil(self.join_timeout_s)),
+                              # (the store tries to connect twice, with up to one timeout's delay between)
+                              "read_timeout": max(1, math.ceil(min(self.join_timeout_s, _STORE_READ_TIMEOUT_S) / 4))},
                 max_restarts=self.max_restarts, monitor_interval=0.1, start_method="spawn",
                 # no redirects: workers print to this process's stdout/stderr; the logs dir holds error files
                 logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp, "logs"))),
@@ -583,29 +747,34 @@ class ProcessLauncher(Launcher):
              host: str) -> dict[int, Any]:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 
         failed: Any = None
-        with _ParentState():
-            watchdog.start()
-            try:
-                results = agent(*agent_args)
-            except ChildFailedError as exc:
-                failed = exc
-            except RendezvousConnectionError as exc:
-                if watchdog.global_ranks():  # workers ran: not a store that was never there
-                    raise
-                cause = exc.__cause__ or exc
-                raise _StoreUnavailable(one_line(str(cause)).split(" Exception raised from")[0][:300]) from None
-            except (SignalException, KeyboardInterrupt) as exc:
-                # handled while the exception lives: it holds the agent, and on node 0 the store with it
-                self._interrupted(watchdog, getattr(exc, "sigval", signal.SIGINT))
-                if isinstance(exc, SignalException) and exc.sigval == signal.SIGINT:
-                    raise KeyboardInterrupt from None
+        watchdog.start()
+        try:
+            results = agent(*agent_args)
+        except ChildFailedError as exc:
+            failed = exc
+        except RendezvousConnectionError as exc:
+            if watchdog.global_ranks():  # workers ran: not a store that was never there
                 raise
-            finally:
-                watchdog.stop()
-                watchdog.kill_leftovers()  # what the workers started outlives them otherwise
+            cause = exc.__cause__ or exc
+            raise _StoreUnavailable(one_line(str(cause)).split(" Exception raised from")[0][:300]) from None
+        except RendezvousError as exc:  # a node missing at rendezvous (RendezvousTimeoutError), or a closed one
+            raise LaunchError(f"the rendezvous on {self.master_addr} did not complete within "
+                              f"join_timeout_s={self.join_timeout_s:g} s ({type(exc).__name__}: "
+                              f"{one_line(str(exc)).split(' Exception raised from')[0][:200]}); start all "
+                              f"{self.nnodes} nodes with the same --master and --nnodes, or raise the timeout"
+                              ) from None
+        except (SignalException, KeyboardInterrupt) as exc:
+            # handled while the exception lives: it holds the agent, and on node 0 the store with it
+            self._interrupted(watchdog, getattr(exc, "sigval", signal.SIGINT))
+            if isinstance(exc, SignalException) and exc.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            watchdog.stop()
+            watchdog.kill_leftovers()  # what the workers started outlives them otherwise
         if failed is not None:
             raise self._failure(failed, watchdog, markers, host)
         # No word on the board after a success: the agent returns only once every node's workers have
