@@ -58,7 +58,7 @@ import torch
 from .._shm import ShmUnavailableError
 from ..errors import UsageError
 from .base import Key, KVStore, _as_list, _key_pairs, register_kvstore
-from .control import ControlClient
+from .control import ControlClient, KVStoreLinkError
 from .placement import BIG_ARRAY_BOUND, Placement, Slice
 from .rpc_agent import agent_name, start_agent, stop_agent
 from .server import SERVERS, Server, serve_call
@@ -139,6 +139,7 @@ class DistKVStore(KVStore):
         self._shm_refused: dict[int, str] = {}  # server -> why its arenas could not be mapped here
         self._control: dict[int, ControlClient] = {}  # same-host servers: requests without RPC
         self._timeout_s = float(timeout_s)
+        self._broken = False  # a request failed for want of its server: close without waiting for the others
         self._traffic = {"shm": 0, "rpc": 0, "in-process": 0}
         self._requests = {"control": 0, "rpc": 0, "in-process": 0}
         self._global_rank = rank
@@ -208,10 +209,18 @@ class DistKVStore(KVStore):
 
         self._requests["control" if control else "in-process" if server == self._global_rank else "rpc"] += 1
         if control:
-            answer = self._control[server].request(op, meta, f"a {'push pull pushpull'.split()[op - PUSH]}")
+            try:
+                answer = self._control[server].request(op, meta, f"a {'push pull pushpull'.split()[op - PUSH]}")
+            except KVStoreLinkError:
+                self._broken = True
+                raise
 
             def wait_control() -> tuple[dict, list[torch.Tensor]]:
-                code, reply = answer()
+                try:
+                    code, reply = answer()
+                except KVStoreLinkError:
+                    self._broken = True
+                    raise
                 if code != OK:
                     raise UsageError(f"kvstore server rank {server}: {reply.get('error', 'failed')}")
                 return reply, []
@@ -222,10 +231,18 @@ class DistKVStore(KVStore):
         if server == self._global_rank:
             future = serve_call(*args)  # the co-located server: no message at all
         else:
-            future = rpc.rpc_async(agent_name(server), serve_call, args=args)
+            try:
+                future = rpc.rpc_async(agent_name(server), serve_call, args=args)
+            except RuntimeError:  # the agent lost its peer
+                self._broken = True
+                raise
 
         def wait() -> tuple[dict, list[torch.Tensor]]:
-            code, reply, body = future.wait()
+            try:
+                code, reply, body = future.wait()
+            except RuntimeError:  # a server that timed out or went away: no goodbye will reach it either
+                self._broken = True
+                raise
             if code != OK:
                 raise UsageError(f"kvstore server rank {server}: {reply.get('error', 'failed')}")
             return reply, body
@@ -634,7 +651,9 @@ class DistKVStore(KVStore):
     def close(self) -> None:
         """Finish pending calls and tell every server this worker is done; then leave the RPC agent.
 
-        Collective: it returns once every rank has closed (RPC's graceful shutdown).
+        Collective: it returns once every rank has closed (RPC's graceful shutdown). A store whose server
+        was lost (a failed request), or closed as an exception leaves its ``with`` block, leaves without the
+        goodbyes and the shutdown's wait for the other ranks, so the failure ends the job within its bounds.
         """
         if self._closed:
             return
@@ -643,21 +662,30 @@ class DistKVStore(KVStore):
                 try:
                     self.wait_all()
                 finally:
-                    for wait in [self._send(server, BYE, {}) for server in self._placement.servers]:
-                        wait()
+                    if not self._broken:  # after a lost server, goodbyes would wait for timeout_s in vain
+                        for wait in [self._send(server, BYE, {}) for server in self._placement.servers]:
+                            wait()
                     # a co-located server stays until every worker has said goodbye: with another store
                     # still open, leaving the RPC agent is no barrier, and a slower peer's goodbye would
                     # find no store here
-                    if self._server is not None and not self._server.all_closed.wait(self._timeout_s):
+                    if not self._broken and self._server is not None \
+                            and not self._server.all_closed.wait(self._timeout_s):
                         raise UsageError(f"kvstore {self._id}: not every worker closed the store within "
                                          f"timeout_s={self._timeout_s:g} s; every rank must close it")
         finally:
             try:
                 super().close()
             finally:
-                stop_agent()
+                # a worker that failed leaves at once: RPC's graceful shutdown would wait for every rank,
+                # and the others wait for this one; its exit is what ends the job (through the launcher)
+                stop_agent(graceful=not self._broken)
                 SERVERS.pop(self._id, None)
                 self._release_shared_memory()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None and not issubclass(exc_type, UsageError):  # a misuse leaves the servers intact
+            self._broken = True
+        self.close()
 
     def _release_shared_memory(self) -> None:
         for client in self._control.values():

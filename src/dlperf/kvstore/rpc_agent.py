@@ -77,11 +77,13 @@ def start_agent(rank: int, world: int, timeout_s: float) -> None:
         _AGENT_USERS += 1
 
 
-def stop_agent() -> None:
+def stop_agent(graceful: bool = True) -> None:
+    """Leave the agent; the last store of the process shuts it down, ``graceful``: once every rank's agent
+    has no work left, else at once (a failed worker must not wait for the peers that wait for it)."""
     import torch.distributed.rpc as rpc
 
     global _AGENT_USERS
     with _AGENT_LOCK:
         _AGENT_USERS -= 1
         if _AGENT_USERS == 0:
-            rpc.shutdown(graceful=True)  # returns once every rank's agent has no work left
+            rpc.shutdown(graceful=graceful)
