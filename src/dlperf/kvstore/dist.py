@@ -682,8 +682,9 @@ class DistKVStore(KVStore):
                 SERVERS.pop(self._id, None)
                 self._release_shared_memory()
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is not None and not issubclass(exc_type, UsageError):  # a misuse leaves the servers intact
+    def __exit__(self, *exc: object) -> None:
+        error = exc[1] if len(exc) > 1 else None
+        if isinstance(error, BaseException) and not isinstance(error, UsageError):  # a misuse: servers intact
             self._broken = True
         self.close()
 
