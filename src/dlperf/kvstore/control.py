@@ -4,8 +4,8 @@ Once a slice's payloads travel through shared memory (:mod:`dlperf.kvstore.shm`)
 carries only key names and slot numbers. Through torch RPC each such request still passes six threads
 (caller, TensorPipe's loops and its handler pool on both sides); on a host whose cores the processes
 share, every hand-off waits for a core. Here the worker's calling thread writes one frame to a Unix
-socket and reads the answer itself, and one server thread per connection reads the request and
-answers it: two hand-offs per round trip.
+socket and reads the answer itself, and one server thread per worker connection reads the request
+and answers it: two hand-offs per round trip.
 
 The server listens on an abstract Unix socket (no file to leave behind) under a random name, and a
 connection counts only after its first frame presents the random token that the server gave its
@@ -13,7 +13,10 @@ workers over RPC, with the worker's rank. Abstract names are visible to every lo
 (``/proc/net/unix``) and any of them may connect, or bind a name its owner has let go: so the server
 drops a peer of another user before reading anything, a hello must be small and complete within
 :data:`_AUTH_TIMEOUT_S` however slowly it trickles in, and a worker sends its token only to the
-server's own process (``SO_PEERCRED``), never to whoever holds the name after the server exits. A frame
+server's own process (``SO_PEERCRED``), never to whoever holds the name after the server exits. Until a
+connection has proved itself it costs no thread: one thread reads every hello, and connections past
+the per-process and overall limits are closed unread (see :class:`ControlServer`); a worker turned
+away, or refused by a full backlog (``EAGAIN``), connects again after a growing pause. A frame
 is a 4-byte length and a JSON document: nothing a peer sends is unpickled or run, and a frame over
 :data:`MAX_FRAME_BYTES`, or nested too deeply to parse, ends the connection.
 
@@ -251,7 +254,7 @@ class ControlServer:
                     for key, _ in sel.select(max(0.0, timeout)):
                         if key.fileobj is self._listener:
                             self._take_new(sel, pending)
-                        elif key.fileobj is not self._wake_read:
+                        elif key.fileobj is not self._wake_read and key.fd in pending:
                             self._read_hello(sel, pending, pending[key.fd])
                     now = time.monotonic()
                     for p in [p for p in pending.values() if p.deadline <= now]:  # too slow: dropped
