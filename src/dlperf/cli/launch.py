@@ -131,7 +131,8 @@ def start(args: argparse.Namespace, fn: Callable[..., Any], *fn_args: Any, backe
     try:
         codes = launcher.launch(_in_worker, args.num_servers, fn, fn_args)
     except LaunchError as exc:
-        print(f"dlperf launch: error: {one_line(str(exc))}", file=sys.stderr)
+        log = f" (torch's log: {exc.log_path})" if exc.log_path else ""
+        print(f"dlperf launch: error: {one_line(str(exc))}{log}", file=sys.stderr)
         return 1
     except SignalException as exc:  # SIGTERM, SIGHUP (SIGINT arrives as KeyboardInterrupt: status 130)
         print(f"dlperf launch: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr)

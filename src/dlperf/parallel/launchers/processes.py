@@ -423,9 +423,10 @@ class ProcessLauncher(Launcher):
 
     The function and its arguments travel to freshly spawned interpreters, so ``fn`` must be defined at
     a module's top level and everything must pickle; return values come back the same way (tensors
-    through shared memory). Workers print to this process's stdout and stderr; a failed worker's
-    traceback is logged there by the agent, and the :class:`LaunchError` carries its last line, rank, role,
-    host and cause. Each worker leads its own process group, and whatever is left of the groups is killed
+    through shared memory). Workers print to this process's stdout and stderr; torch's own output (the
+    agent's log, with a failed worker's traceback, and C++ log lines) goes to a log file instead, kept
+    when the launch fails (:attr:`LaunchError.log_path`), and the :class:`LaunchError` carries the failed
+    worker's last line, rank, role, host and cause. Each worker leads its own process group, and whatever is left of the groups is killed
     when the launch ends; a worker whose launcher dies is killed by the kernel (Linux).
 
     A launcher interrupted by SIGINT (Ctrl-C), SIGTERM or SIGHUP has the agent pass the signal on to its
@@ -494,8 +495,8 @@ class ProcessLauncher(Launcher):
                     return self._launch_with_retries(fn, args, kwargs)
                 except LaunchError as exc:
                     keep_log = parent.logged()
-                    if keep_log:  # the one line names where the rest went
-                        exc.args = (f"{exc.args[0]} (torch's log: {log_path})", *exc.args[1:])
+                    if keep_log:  # where the rest went, for the one line that reports the error
+                        exc.log_path = str(log_path)
                     raise
         finally:
             if not keep_log:
