@@ -30,6 +30,10 @@ own server directly. One request per server carries every key of a batched call,
 below 64 KB travel packed in one buffer, so a model with many small parameters pays the per-message
 cost once per server, not once per key (bytedance/byteps#237).
 
+This module is the client, :class:`DistKVStore`; the other jobs have a module each: key placement
+(:mod:`~dlperf.kvstore.placement`), the wire format (:mod:`~dlperf.kvstore.wire`), the server
+(:mod:`~dlperf.kvstore.server`) and the RPC agent (:mod:`~dlperf.kvstore.rpc_agent`).
+
 On one host the payloads skip the sockets (:mod:`dlperf.kvstore.shm`): the server keeps each slice
 in shared memory that the workers map, a push is written into the worker's slot there and a sync
 pull is read from the value slot, and the push/pull requests (key names, slot numbers) go through
