@@ -426,8 +426,9 @@ class ProcessLauncher(Launcher):
     through shared memory). Workers print to this process's stdout and stderr; torch's own output (the
     agent's log, with a failed worker's traceback, and C++ log lines) goes to a log file instead, kept
     when the launch fails (:attr:`LaunchError.log_path`), and the :class:`LaunchError` carries the failed
-    worker's last line, rank, role, host and cause. Each worker leads its own process group, and whatever is left of the groups is killed
-    when the launch ends; a worker whose launcher dies is killed by the kernel (Linux).
+    worker's last line, rank, role, host and cause. Each worker leads its own process group, and whatever
+    is left of the groups is killed when the launch ends; a worker whose launcher dies is killed by the
+    kernel (Linux).
 
     A launcher interrupted by SIGINT (Ctrl-C), SIGTERM or SIGHUP has the agent pass the signal on to its
     workers, which may finish what they are saving, and tells the other nodes at once, naming its lowest
