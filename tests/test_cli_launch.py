@@ -251,7 +251,7 @@ def test_an_unreachable_master_fails_within_the_timeout_in_one_line(tmp_path):
     assert "frame #" not in err
     assert elapsed < 60  # start-up on a loaded machine, then the rendezvous bounded by --timeout 4
     _no_launch_dirs_left(tmp_path)
-    logs = list(tmp_path.glob("dlperf-agent-*.log"))
+    logs = list(tmp_path.glob("dlperf-logs-*/dlperf-agent-*.log"))
     assert all(str(log) in err for log in logs)  # a log that is kept is named by the line
 
 

@@ -355,3 +355,24 @@ def test_rank_host_is_the_launchers_label_for_the_host_else_the_host_name(monkey
     assert rank_host() == socket.gethostname()
     monkeypatch.setenv(HOST_ENV, f"{socket.gethostname()} (10.77.0.2)")  # a node of a launch over namespaces
     assert rank_host() == f"{socket.gethostname()} (10.77.0.2)"
+
+
+def test_kept_launch_logs_are_private_and_bounded(tmp_path, monkeypatch):
+    import tempfile
+
+    from dlperf.parallel.launchers import processes
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    logs = processes._log_dir()
+    assert logs.parent == tmp_path and (logs.stat().st_mode & 0o777) == 0o700
+    for i in range(processes._KEPT_LOGS + 5):
+        path = logs / f"dlperf-agent-1-{i:04d}.log"
+        path.write_text("x")
+        os.utime(path, (1000 + i, 1000 + i))
+    assert processes._log_dir() == logs
+    left = sorted(p.name for p in logs.iterdir())
+    assert len(left) == processes._KEPT_LOGS - 1  # room for the new launch's log
+    assert left[-1] == f"dlperf-agent-1-{processes._KEPT_LOGS + 4:04d}.log"  # the newest are kept
+    logs.chmod(0o777)  # a directory others may write to (made by someone else, say) is not used
+    other = processes._log_dir()
+    assert other != logs and other.name.startswith("dlperf-logs-") and other.parent == tmp_path

@@ -19,6 +19,7 @@ import pickle
 import select
 import signal
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -54,6 +55,7 @@ _SHUTDOWN_TIMEOUT_S = 5
 _INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PORT_TRIES = 3  # free ports tried by a launch that picks its own
 MIN_TIMEOUT_S = 0.01
+_KEPT_LOGS = 20  # logs of failed launches kept per user; older ones go as new ones come
 _STORE_READ_TIMEOUT_S = 60  # torch's default for the rendezvous store's connect and reads
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
@@ -488,7 +490,7 @@ class ProcessLauncher(Launcher):
         _check_picklable(fn, args, kwargs)
         if self.checkpoint is not None:
             check_writable(self.checkpoint)
-        log_path = Path(tempfile.gettempdir(), f"dlperf-agent-{os.getpid()}-{uuid.uuid4().hex[:8]}.log")
+        log_path = _log_dir() / f"dlperf-agent-{os.getpid()}-{uuid.uuid4().hex[:8]}.log"
         keep_log = False
         try:
             with ParentState(log_path) as parent:
@@ -646,6 +648,23 @@ class ProcessLauncher(Launcher):
         records += [FailureRecord(rank, self.role(rank), host, message, when, True)
                     for rank, (when, message) in reported.items() if rank not in exc.failures]
         return records
+
+
+def _log_dir() -> Path:
+    """This user's directory of kept launch logs (the newest :data:`_KEPT_LOGS`), made private on first use."""
+    path = Path(tempfile.gettempdir(), f"dlperf-logs-{os.getuid()}")
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = path.lstat()
+        # another user may have made the name first (the temporary directory is shared): not used then
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise PermissionError(f"{path} is not this user's private directory")
+        old = sorted(path.glob("dlperf-agent-*.log"), key=lambda p: p.stat().st_mtime)
+        for stale in old[:max(0, len(old) - _KEPT_LOGS + 1)]:
+            stale.unlink(missing_ok=True)
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="dlperf-logs-"))
+    return path
 
 
 def _check_roles(roles: Sequence[str] | Mapping[int, str] | None, world_size: int) -> dict[int, str]:
