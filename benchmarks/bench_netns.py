@@ -49,8 +49,11 @@ import torch
 # when a benchmark runs as a script, and spawned workers inherit it)
 import bench_distributed as lenet
 from dlperf.parallel.launchers import LaunchError, ProcessLauncher
-from dlperf.parallel.launchers.netns import Hosts, unavailable_reason
 from dlperf.timing import time_steps
+
+# the namespaces helper is test support, kept out of the library: it lives beside the tests
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from support.netns import Hosts, unavailable_reason  # noqa: E402
 
 SIZES = (64 * 1024, 1024 * 1024, 16 * 1024 * 1024, 64 * 1024 * 1024)
 PORT = 29500  # the namespaces are fresh: nothing else listens in them

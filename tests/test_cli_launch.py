@@ -208,3 +208,107 @@ def test_bad_input_is_one_line_and_status_2_before_any_process(argv, needles, ca
     captured = capfd.readouterr()
     _one_error_line(captured.err, *needles)
     assert captured.out == ""
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("1e300", "out of range"), ("1e-9", "too short"), ("0.5", "too short"), ("nan", "not a finite number"),
+    ("inf", "not a finite number"), ("-3", "out of range"), ("soon", "not a number"),
+])
+def test_timeouts_out_of_range_are_one_line_and_status_2(value, needle, capfd):
+    assert main(["launch", "--nproc-per-node", "1", "--timeout", value, "--", "train"]) == 2
+    captured = capfd.readouterr()
+    _one_error_line(captured.err, "--timeout", needle)
+
+
+def _launch_cli(args: list[str], tmp_path: Path, **popen: object) -> subprocess.Popen:
+    """``dlperf launch ARGS`` in a child process whose temporary files go under ``tmp_path``."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": SRC}
+    return subprocess.Popen([sys.executable, "-c", "import sys; from dlperf.cli import main; "
+                             "sys.exit(main(sys.argv[1:]))", "launch", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen)
+
+
+def _closed_port() -> int:
+    from dlperf.parallel.launchers import free_port
+
+    return free_port()  # free a moment ago: nothing listens there
+
+
+def _no_launch_dirs_left(tmp_path: Path) -> None:
+    assert not list(tmp_path.glob("dlperf-launch-*")), list(tmp_path.iterdir())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_an_unreachable_master_fails_within_the_timeout_in_one_line(tmp_path):
+    start = time.monotonic()
+    proc = _launch_cli(["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master",
+                        f"127.0.0.1:{_closed_port()}", "--timeout", "4", "--", "train", "--epochs", "1"], tmp_path)
+    _, err = proc.communicate(timeout=90)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, err
+    _one_error_line(err, "could not be reached")
+    assert "frame #" not in err
+    assert elapsed < 60  # start-up on a loaded machine, then the rendezvous bounded by --timeout 4
+    _no_launch_dirs_left(tmp_path)
+    logs = list(tmp_path.glob("dlperf-logs-*/dlperf-agent-*.log"))
+    assert all(str(log) in err for log in logs)  # a log that is kept is named by the line
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_node_missing_at_rendezvous_is_one_line_within_the_timeout(tmp_path):
+    proc = _launch_cli(["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "0", "--master",
+                        f"127.0.0.1:{_closed_port()}", "--timeout", "4", "--", "train", "--epochs", "1"], tmp_path)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 1, err
+    _one_error_line(err, "rendezvous", "did not complete within join_timeout_s=4 s", "start all 2 nodes")
+    assert "RendezvousTimeoutError" in err and "Traceback" not in err
+    _no_launch_dirs_left(tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_sigterm_while_waiting_in_rendezvous_cleans_up_and_says_so(tmp_path):
+    proc = _launch_cli(["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "0", "--master",
+                        f"127.0.0.1:{_closed_port()}", "--timeout", "60", "--", "train", "--epochs", "1"], tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("dlperf-launch-*")):  # the launch has begun its rendezvous
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    _one_error_line(err, "stopped by SIGTERM")
+    _no_launch_dirs_left(tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_run_that_restarts_and_succeeds_shows_no_agent_output(tmp_path, capfd):
+    script = tmp_path / "flaky.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+                      "    raise ValueError('first attempt fails')\n")
+    assert main(["launch", "--nproc-per-node", "2", "--max-restarts", "1", "--", str(script)]) == 0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "frame #" not in err and "first attempt fails" not in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_rank_keeps_the_agent_output_in_the_named_log(tmp_path, capfd):
+    script = tmp_path / "fails.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('rank one is broken')\n")
+    assert main(["launch", "--nproc-per-node", "2", "--", str(script)]) == 1
+    err = capfd.readouterr().err
+    _one_error_line(err, "rank 1 failed: ValueError: rank one is broken")
+    assert "Traceback" not in err
+    if "torch's log: " in err:
+        log = Path(err.split("torch's log: ")[1].split(")")[0])
+        assert log.is_file()
+        log.unlink()

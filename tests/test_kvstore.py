@@ -202,3 +202,72 @@ def test_load_refuses_a_file_of_the_wrong_shape(tmp_path, state):
     torch.save(state, path)
     with KVStore("local") as kv, pytest.raises(UsageError, match="is not a file written by KVStore.save"):
         kv.load(path)
+
+
+@pytest.mark.parametrize("call", ["init", "push", "pull"])
+@pytest.mark.parametrize("key,value,needle", [
+    (("tuple", object()), lambda: torch.ones(3), "got key <object object at"),
+    (["a", "b"], lambda: torch.ones(3), "got 2 keys and a Tensor"),
+    (["a", "b"], lambda: [torch.ones(3)], "got 2 keys and 1 values"),
+    ([1.5], lambda: [torch.ones(3)], "got key 1.5 of type float"),
+    ([None], lambda: [torch.ones(3)], "got key None of type NoneType"),
+])
+def test_bad_keys_and_value_lists_are_one_usage_error(call, key, value, needle):
+    with KVStore("local") as kv:
+        if call != "init":
+            kv.init(["a", "b"], [torch.zeros(3), torch.zeros(3)])
+        with pytest.raises(UsageError) as info:
+            getattr(kv, call)(key, value())
+        assert needle in str(info.value) and call in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["local", "device"])
+def test_dtypes_are_checked_on_push_and_pull_naming_key_and_both_dtypes(kind):
+    with KVStore(kind) as kv:
+        kv.init("w", torch.zeros(3))
+        with pytest.raises(UsageError, match=r"push to key 'w': dtype torch.float64 does not match the stored "
+                                             r"torch.float32"):
+            kv.push("w", torch.ones(3, dtype=torch.float64))
+        out = torch.full((3,), 7, dtype=torch.int64)
+        with pytest.raises(UsageError, match=r"pull from key 'w': dtype torch.int64 does not match the stored "
+                                             r"torch.float32"):
+            kv.pull("w", out=out)
+        assert out.tolist() == [7, 7, 7]  # nothing was written
+        with pytest.raises(UsageError, match="dtype torch.float64"):
+            kv.push_async("w", torch.ones(3, dtype=torch.float64))
+        kv.push("w", torch.ones(3))  # the matching dtype still works, and gives the oracle's value
+        got = torch.empty(3)
+        kv.pull("w", out=got)
+        assert got.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_save_onto_a_full_disk_is_one_error_and_keeps_the_previous_file(tmp_path):
+    """Fault injection: the file system fills up while the state is written (RLIMIT_FSIZE in a child process
+    turns the write past 64 KiB into EFBIG, as a full disk turns it into ENOSPC)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "kv.pt"
+    with KVStore("local") as kv:
+        kv.init("w", torch.arange(4.0))
+        kv.save(path)
+    before = path.read_bytes()
+    child = f"""
+import resource, signal, sys, torch
+from dlperf.kvstore import KVStore
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+with KVStore("local") as kv:
+    kv.init("w", torch.zeros(1_000_000))
+    try:
+        kv.save({str(path)!r})
+    except OSError as exc:
+        print(type(exc).__name__, exc)
+        sys.exit(3)
+"""
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    line = proc.stdout.strip()
+    assert "\n" not in line and str(path) in line and "Traceback" not in proc.stderr, (line, proc.stderr)
+    assert path.read_bytes() == before  # the previous file is kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.pt"]  # and no temporary is left

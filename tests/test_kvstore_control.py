@@ -279,3 +279,86 @@ def test_a_peer_cannot_shrink_an_arena_under_its_server():
     finally:
         del view
         arena.close()
+
+
+_ABUSER = """
+import socket, sys, time
+name, rounds, held = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+kept = []
+for i in range(rounds):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        s.connect("\\0" + name)
+    except OSError:  # the backlog is full: try again, as a flood would
+        s.close()
+        continue
+    if len(kept) < held:
+        kept.append(s)  # connected and silent: it never says who it is
+    else:
+        s.close()
+time.sleep(0.5)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_flood_of_connections_keeps_threads_bounded_and_workers_served(server):
+    """Another local process connecting and closing in a loop, and holding some connections silent: the
+    workers' requests still go through, and the server never runs a thread per connection."""
+    import subprocess
+    import sys
+
+    abusers = [subprocess.Popen([sys.executable, "-c", _ABUSER, server.name, "3000", "40"]) for _ in range(3)]
+    peak = 0
+    clients = [ControlClient(server.name, server.token, rank, 9, timeout_s=20, server_pid=os.getpid())
+               for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 40
+        done = 0
+        while any(a.poll() is None for a in abusers) or done < 50:
+            assert time.monotonic() < deadline, "the workers' requests did not get through the flood"
+            for client in clients:
+                code, reply = client.request(2, {"n": done}, "a pull")()
+                assert (code, reply) == (0, {"echo": {"n": done}})
+            done += 1
+            peak = max(peak, server.thread_count())
+    finally:
+        for client in clients:
+            client.close()
+        for a in abusers:
+            a.kill()
+            a.wait()
+    # the accepting thread, and one per worker connection (each client here holds one): not one per connection
+    assert peak <= 1 + 2 * 2, peak
+
+
+@pytest.mark.timeout(30)
+def test_connections_over_the_limits_are_closed_unread(server, monkeypatch):
+    monkeypatch.setattr(control, "MAX_PENDING_PER_PROCESS", 2)
+    held = [_raw(server.name) for _ in range(2)]  # this process's two silent connections fill its share
+    extra = _raw(server.name)
+    assert _closed_within(extra, 2)  # a third from the same process: closed at once
+    assert not _closed_within(held[0], 0.3)  # those within the limit wait for their hello
+    held[1].close()
+    # a worker from another process is not held back by this process's connections (here: the same
+    # process, once a slot is free again; the client tries again after a pause)
+    client = ControlClient(server.name, server.token, 0, 1, timeout_s=5, server_pid=os.getpid())
+    try:
+        assert client.request(1, {}, "a push")()[0] == 0
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_server_that_stays_full_is_one_line_naming_the_cause(server, monkeypatch):
+    monkeypatch.setattr(control, "MAX_PENDING_PER_PROCESS", 0)  # every connection closed unread
+    monkeypatch.setattr(control, "CONNECT_RETRY_S", 1.0)
+    client = ControlClient(server.name, server.token, 0, 1, timeout_s=5, server_pid=os.getpid())
+    try:
+        started = time.monotonic()
+        with pytest.raises(KVStoreLinkError, match="took no connection for a push in .* tries") as info:
+            client.request(1, {}, "a push")
+        assert time.monotonic() - started < 5
+        assert "\n" not in str(info.value) and "exited or closed its store" not in str(info.value)
+    finally:
+        client.close()

@@ -14,16 +14,17 @@ import socket
 import struct
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from dlperf._shm import ShmUnavailableError, mapped_segments
 from dlperf.cli import main
 from dlperf.errors import UsageError
 from dlperf.kvstore import KVStore, Placement, create_kvstore, kvstore_types
 from dlperf.kvstore.control import MAX_FRAME_BYTES, ControlClient, ControlServer, KVStoreLinkError
 from dlperf.kvstore.shm import SHM_ENV, Arena, shm_wanted
-from dlperf.parallel.allreduce.shm_segment import ShmUnavailableError, mapped_segments
 from dlperf.parallel.launchers import ProcessLauncher
 
 JOIN_S = 90
@@ -314,7 +315,7 @@ def _fast_worker(seed: int) -> dict:
     """The same pushes through the same-host path and through RPC only, for dist_sync and dist_async."""
     import torch.distributed as dist
 
-    from dlperf.parallel.allreduce.shm_segment import mapped_segments
+    from dlperf._shm import mapped_segments
 
     workers = dist.new_group([0, 1])
     runs = {f"{kind} {setting}": _fast_store_round(kind, seed, setting, workers)
@@ -628,7 +629,8 @@ def test_placement_is_stable_spread_and_splits_evenly():
 
 
 def test_small_keys_travel_packed_in_one_buffer_and_big_ones_as_they_are():
-    from dlperf.kvstore.dist import _from_wire, _to_wire
+    from dlperf.kvstore.wire import from_wire as _from_wire
+    from dlperf.kvstore.wire import to_wire as _to_wire
 
     g = torch.Generator().manual_seed(3)
     small = [torch.randn(n, generator=g) for n in (1, 3, 7, 100)] + [torch.arange(5, dtype=torch.int64)]
@@ -799,3 +801,124 @@ def test_a_hostile_shared_memory_offer_or_answer_gives_one_clear_error():
             kv._release_shared_memory()
         arena.close()
     assert mapped_segments() == before
+
+
+ABUSE_ROUNDS = 30
+
+
+def _abused_worker(name_file: str) -> dict:
+    """dist_sync with one server process; the server writes its control socket's name for an abuser to flood,
+    and samples how many control threads it runs."""
+    import torch.distributed as dist
+
+    from dlperf.kvstore.server import SERVERS
+
+    kv = create_kvstore("dist_sync", num_servers=1, timeout_s=60)
+    if kv.role == "server":
+        done, peak = threading.Event(), [0]
+
+        def watch() -> None:
+            named = False
+            while not done.wait(0.005):
+                if not named:
+                    control = next((s.control for s in SERVERS.values() if s.control is not None), None)
+                    if control is not None:
+                        tmp = name_file + ".tmp"
+                        Path(tmp).write_text(control.name)
+                        os.replace(tmp, name_file)
+                        named = True
+                peak[0] = max(peak[0], sum("control" in t.name for t in threading.enumerate()))
+
+        watcher = threading.Thread(target=watch, name="abuse watch")
+        watcher.start()
+        try:
+            kv.serve()
+        finally:
+            done.set()
+            watcher.join()
+        kv.close()
+        return {"role": "server", "peak_control_threads": peak[0]}
+    kv.init("w", torch.zeros(50_000))
+    out = torch.empty(50_000)
+    for step in range(ABUSE_ROUNDS):
+        kv.pushpull("w", torch.full((50_000,), float(step + kv.rank)), out=out)
+        expected = float(2 * step + 1)  # both workers' pushes: step + 0 and step + 1
+        assert torch.equal(out, torch.full((50_000,), expected)), (step, out[:3])
+        time.sleep(0.02)
+    traffic = kv.traffic()
+    kv.close()
+    dist.barrier()
+    return {"role": "worker", "requests": traffic["requests"]}
+
+
+def _flood(name_file: Path, stop: threading.Event, counts: list[int]) -> None:
+    """Another local process's view: connect to the control socket and close, in a loop, as fast as it can."""
+    while not name_file.exists():
+        if stop.wait(0.005):
+            return
+    address = "\0" + name_file.read_text()
+    while not stop.is_set():
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(address)
+            counts[0] += 1
+        except OSError:
+            counts[1] += 1
+        finally:
+            sock.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_flood_on_the_control_socket_at_job_start_neither_hangs_nor_fails_the_job(tmp_path):
+    name_file = tmp_path / "control-name"
+    stop, counts = threading.Event(), [0, 0]
+    flooder = threading.Thread(target=_flood, args=(name_file, stop, counts), name="flooder")
+    flooder.start()
+    try:
+        results = ProcessLauncher(3, join_timeout_s=120).launch(_abused_worker, str(name_file))
+    finally:
+        stop.set()
+        flooder.join(10)
+    assert counts[0] > 100, counts  # the flood did reach the socket while the job ran
+    server = next(r for r in results if r["role"] == "server")
+    # one accepting thread and one per worker connection (two workers, one calling thread each, plus
+    # answers' writers): not one per connection the flood made
+    assert server["peak_control_threads"] <= 8, server
+    workers = [r for r in results if r["role"] == "worker"]
+    assert len(workers) == 2 and all(r["requests"]["control"] >= ABUSE_ROUNDS for r in workers), workers
+
+
+def _link_fails_worker() -> None:
+    """Worker 1 cannot reach its server's control socket any more (as when its connects keep failing): its
+    pushpull fails, and it must leave at once, not in RPC's graceful shutdown waiting for worker 0."""
+    from dlperf.kvstore import control
+
+    control.CONNECT_RETRY_S = 1.0
+    kv = create_kvstore("dist_sync", num_servers=1, timeout_s=60)
+    if kv.role == "server":
+        kv.serve()
+        kv.close()
+        return
+    with kv:
+        kv.init("w", torch.zeros(50_000))
+        if kv.rank == 1:
+            for client in kv._control.values():
+                client.close()
+                client._closed = False
+                client._address = "\0dlperf-kvstore-" + secrets.token_hex(8)  # nothing listens there
+        kv.pushpull("w", torch.ones(50_000))  # worker 0 waits for worker 1's push, which never comes
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_worker_whose_link_fails_ends_the_job_at_once_naming_the_cause():
+    from dlperf.parallel.launchers.launcher import LaunchError
+
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        ProcessLauncher(3, join_timeout_s=150).launch(_link_fails_worker)
+    message = str(info.value)
+    assert "\n" not in message and "rank 1" in message and "took no connection" in message, message
+    assert time.monotonic() - started < 60  # not the store's timeout_s, nor the launch's

@@ -212,8 +212,8 @@ def _last_sum_with_a_slow_peer() -> list[float]:
     seen it missing there, looks again only after rank 1 had time to finish and leave."""
     import torch.distributed as dist
 
+    from dlperf import _shm as shm_segment
     from dlperf.parallel.allreduce import shm as shm_module
-    from dlperf.parallel.allreduce import shm_segment
     from dlperf.parallel.allreduce.shm import host_allreduce_
 
     rank = rank_info().rank
@@ -264,7 +264,7 @@ def _last_sum_with_a_slow_peer() -> list[float]:
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_a_rank_done_first_does_not_close_the_shared_memory_under_a_peer_still_leaving_the_last_sum():
-    from dlperf.parallel.allreduce.shm_segment import spin_barrier_supported
+    from dlperf._shm import spin_barrier_supported
 
     if not spin_barrier_supported():
         pytest.skip("shared-memory allreduce needs Linux memfd and x86-64")
@@ -355,3 +355,24 @@ def test_rank_host_is_the_launchers_label_for_the_host_else_the_host_name(monkey
     assert rank_host() == socket.gethostname()
     monkeypatch.setenv(HOST_ENV, f"{socket.gethostname()} (10.77.0.2)")  # a node of a launch over namespaces
     assert rank_host() == f"{socket.gethostname()} (10.77.0.2)"
+
+
+def test_kept_launch_logs_are_private_and_bounded(tmp_path, monkeypatch):
+    import tempfile
+
+    from dlperf.parallel.launchers import processes
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    logs = processes._log_dir()
+    assert logs.parent == tmp_path and (logs.stat().st_mode & 0o777) == 0o700
+    for i in range(processes._KEPT_LOGS + 5):
+        path = logs / f"dlperf-agent-1-{i:04d}.log"
+        path.write_text("x")
+        os.utime(path, (1000 + i, 1000 + i))
+    assert processes._log_dir() == logs
+    left = sorted(p.name for p in logs.iterdir())
+    assert len(left) == processes._KEPT_LOGS - 1  # room for the new launch's log
+    assert left[-1] == f"dlperf-agent-1-{processes._KEPT_LOGS + 4:04d}.log"  # the newest are kept
+    logs.chmod(0o777)  # a directory others may write to (made by someone else, say) is not used
+    other = processes._log_dir()
+    assert other != logs and other.name.startswith("dlperf-logs-") and other.parent == tmp_path

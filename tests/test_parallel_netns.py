@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from dlperf.parallel.allreduce.shm_segment import spin_barrier_supported
+from dlperf._shm import spin_barrier_supported
 from dlperf.parallel.launchers.faults import session_members
-from dlperf.parallel.launchers.netns import Hosts, unavailable_reason
+from support.netns import Hosts, unavailable_reason
 
 NODE = Path(__file__).with_name("netns_node.py")
 SRC = Path(__file__).parents[1] / "src"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import dlperf
+from dlperf._shm import Segment, mapped_segments
 from dlperf.errors import UsageError
 from dlperf.parallel.allreduce.shm import (
     ShmAllreduce,
@@ -21,7 +22,6 @@ from dlperf.parallel.allreduce.shm import (
     _setup_problem,
     host_allreduce_,
 )
-from dlperf.parallel.allreduce.shm_segment import Segment, mapped_segments
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 
 SIZES = (0, 1, 2, 7, 1000, 4099)

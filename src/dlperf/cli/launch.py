@@ -35,6 +35,7 @@ __all__ = ["register", "run", "start", "parse_master", "NUM_SERVERS_ENV", "DEFAU
 
 DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0
 """The longest a launched job may run (and one collective may wait): a week, unless ``--timeout`` says."""
+MIN_TIMEOUT_S = 1.0
 MAX_PROCESSES = 1024
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 
@@ -54,6 +55,18 @@ def parse_master(text: str) -> tuple[str, int]:
     return m.group(1).strip("[]"), port
 
 
+def _timeout(text: str) -> float:
+    from ..parallel.launchers.processes import MAX_TIMEOUT_S
+    from . import options as va
+
+    value = va.positive_float("--timeout", max_value=MAX_TIMEOUT_S)(text)
+    if value < MIN_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(one_line(
+            f"{text[:40]!r} is too short; give --timeout at least {MIN_TIMEOUT_S:g} seconds (processes take that "
+            "long to start)"))
+    return value
+
+
 def register(sub) -> None:
     from . import options as va
 
@@ -71,8 +84,9 @@ def register(sub) -> None:
                    help=f"parameter servers for a distributed KVStore (passed on as {NUM_SERVERS_ENV})")
     p.add_argument("--max-restarts", default=0, type=va.int_in(0, 1000, "--max-restarts"),
                    help="restart every process this often after a failure before giving up")
-    p.add_argument("--timeout", default=DEFAULT_TIMEOUT_S, type=va.positive_float("--timeout"), metavar="SECONDS",
-                   help="stop the processes after this long (default: a week)")
+    p.add_argument("--timeout", default=DEFAULT_TIMEOUT_S, type=_timeout, metavar="SECONDS",
+                   help=f"stop the launch after this long, rendezvous included ({MIN_TIMEOUT_S:g} s to a year; "
+                        "default: a week)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- VERB ARGS... | SCRIPT.py ARGS...")
     p.set_defaults(func=run)
 
@@ -117,7 +131,8 @@ def start(args: argparse.Namespace, fn: Callable[..., Any], *fn_args: Any, backe
     try:
         codes = launcher.launch(_in_worker, args.num_servers, fn, fn_args)
     except LaunchError as exc:
-        print(f"dlperf launch: error: {one_line(str(exc))}", file=sys.stderr)
+        log = f" (torch's log: {exc.log_path})" if exc.log_path else ""
+        print(f"dlperf launch: error: {one_line(str(exc))}{log}", file=sys.stderr)
         return 1
     except SignalException as exc:  # SIGTERM, SIGHUP (SIGINT arrives as KeyboardInterrupt: status 130)
         print(f"dlperf launch: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr)

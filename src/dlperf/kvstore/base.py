@@ -30,10 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._io import safe_torch_load, save_torch
+from .._cliargs import one_line
+from .._io import FileAccessError, safe_torch_load, save_torch
 from ..devices import Device, DeviceLike, cpu, to_device
 from ..engine import Engine, Op, Var, create_engine
-from ..errors import UsageError
+from ..errors import DlperfError, UsageError
 from ..registry import Registry
 
 __all__ = ["KVStore", "register_kvstore", "create_kvstore", "kvstore_types", "Key"]
@@ -51,6 +52,35 @@ def _as_list(value: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[to
         if not isinstance(v, torch.Tensor):
             raise UsageError(f"{what} item {i} is a {type(v).__name__}, not a torch.Tensor")
     return values
+
+
+def _key_pairs(key: Key | Sequence[Key], value: Any, call: str) -> list[tuple[Key, Any]]:
+    """``[(key, value)]`` for one key, or one pair per key of a list; a key that is neither an int nor a str,
+    or a value list of another length, is one :class:`UsageError`."""
+    if not isinstance(key, (list, tuple)):
+        _check_key(key, call)
+        return [(key, value)]  # type: ignore[list-item]  # _check_key proved key an int or a str
+    for k in key:
+        _check_key(k, call)
+    if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)) or len(value) != len(key):
+        got = (f"{len(value)} values" if isinstance(value, (list, tuple))
+               else f"a {type(value).__name__}")
+        raise UsageError(f"{call} got {len(key)} keys and {got}; give a list of values (a tensor, or one list of "
+                         "per-device tensors) with one entry per key")
+    return list(zip(key, value, strict=True))
+
+
+def _check_key(key: object, call: str) -> None:
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise UsageError(f"{call} got key {one_line(repr(key))[:80]} of type {type(key).__name__}; expected an int "
+                         "or a str (several keys: a list of them)")
+
+
+def _check_dtype(what: str, key: Key, given: torch.Tensor, stored: torch.Tensor) -> None:
+    # copy_ converts silently: a float64 push into a float32 key, or a pull into int64, would round away
+    if given.dtype != stored.dtype:
+        fix = f"convert with .to({stored.dtype})" if what == "push to" else f"pull into a {stored.dtype} tensor"
+        raise UsageError(f"{what} key {key!r}: dtype {given.dtype} does not match the stored {stored.dtype}; {fix}")
 
 
 class KVStore(ABC):
@@ -116,16 +146,13 @@ class KVStore(ABC):
         [2.0, 2.0]
         """
         self._check_open()
-        if isinstance(key, (list, tuple)):
-            for k, v in zip(key, _as_list(value, "init"), strict=True):
-                self.init(k, v)
-            return
-        self._check_key_type(key)
-        if key in self._store:
-            raise UsageError(f"key {key!r} is already initialized; each key is initialized once")
-        value = _as_list(value, "init")[0]
-        home = self._home(key, value, [value.device])
-        self._store[key] = value.detach().to(home, copy=True)
+        for k, v in _key_pairs(key, value, "init"):
+            self._check_key_type(k)
+            if k in self._store:
+                raise UsageError(f"key {k!r} is already initialized; each key is initialized once")
+            first = _as_list(v, "init")[0]
+            home = self._home(k, first, [first.device])
+            self._store[k] = first.detach().to(home, copy=True)
 
     def push(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor],
              priority: int = 0) -> None:
@@ -135,13 +162,10 @@ class KVStore(ABC):
         now, in call order.
         """
         self._check_open()
-        if isinstance(key, (list, tuple)):
-            for k, v in zip(key, value, strict=True):
-                self.push(k, v, priority)
-            return
-        values = self._check_push(key, value)
-        self._settle(key)
-        self._push_now(key, values)
+        for k, v in _key_pairs(key, value, "push"):
+            values = self._check_push(k, v)
+            self._settle(k)
+            self._push_now(k, values)
 
     def _check_push(self, key: Key, value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
         stored = self._get(key)
@@ -150,6 +174,7 @@ class KVStore(ABC):
             if v.shape != stored.shape:
                 raise UsageError(f"push to key {key!r}: shape {tuple(v.shape)} does not match the stored "
                                  f"{tuple(stored.shape)}")
+            _check_dtype("push to", key, v, stored)
         return [v.detach() for v in values]
 
     def _push_now(self, key: Key, values: list[torch.Tensor]) -> None:
@@ -167,13 +192,10 @@ class KVStore(ABC):
              priority: int = 0) -> None:
         """Copy the stored value into ``out`` (a tensor or one per device); ``priority`` is ignored here."""
         self._check_open()
-        if isinstance(key, (list, tuple)):
-            for k, o in zip(key, out, strict=True):
-                self.pull(k, o, priority)
-            return
-        outs = self._check_pull(key, out)
-        self._settle(key)
-        self._pull_now(key, outs)
+        for k, o in _key_pairs(key, out, "pull"):
+            outs = self._check_pull(k, o)
+            self._settle(k)
+            self._pull_now(k, outs)
 
     def _check_pull(self, key: Key, out: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
         stored = self._get(key)
@@ -183,6 +205,7 @@ class KVStore(ABC):
             if o.shape != stored.shape:
                 raise UsageError(f"pull from key {key!r}: out shape {tuple(o.shape)} does not match the stored "
                                  f"{tuple(stored.shape)}; pull into a tensor of the stored shape")
+            _check_dtype("pull from", key, o, stored)
         return outs
 
     def _pull_now(self, key: Key, outs: list[torch.Tensor]) -> None:
@@ -330,6 +353,7 @@ class KVStore(ABC):
     def _update(self, key: Key, grad: torch.Tensor) -> None:
         param = self._params.get(key)
         if param is None:
+            assert self._factory is not None  # only called with an optimizer set
             param = self._params[key] = nn.Parameter(self._store[key], requires_grad=True)
             self._optimizers[key] = self._factory([param])
         param.grad = grad
@@ -380,9 +404,20 @@ class KVStore(ABC):
             self._optimizers[k].load_state_dict(s)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write :meth:`state_dict` to ``path`` atomically (a crash leaves the old file or the new one)."""
+        """Write :meth:`state_dict` to ``path`` atomically (a crash leaves the old file or the new one).
+
+        A write that fails (a full disk, a read-only directory) is one :class:`~dlperf._io.FileAccessError`
+        naming ``path``; the previous file stays as it was and no temporary file is left.
+        """
         state = self.state_dict()
-        save_torch(path, state)
+        try:
+            save_torch(path, state)
+        except DlperfError:
+            raise
+        except (OSError, RuntimeError) as exc:  # torch's zip writer reports a failed write as a RuntimeError
+            err = exc.errno if isinstance(exc, OSError) else None
+            raise FileAccessError(path, f"the kvstore state was not written ({one_line(str(exc))[:160]}); the "
+                                  "previous file is kept. Free space there or save elsewhere", err) from None
 
     def load(self, path: str | os.PathLike) -> None:
         """Read a file written by :meth:`save` as data only (no pickled code runs) and load it."""

@@ -4,8 +4,8 @@ Once a slice's payloads travel through shared memory (:mod:`dlperf.kvstore.shm`)
 carries only key names and slot numbers. Through torch RPC each such request still passes six threads
 (caller, TensorPipe's loops and its handler pool on both sides); on a host whose cores the processes
 share, every hand-off waits for a core. Here the worker's calling thread writes one frame to a Unix
-socket and reads the answer itself, and one server thread per connection reads the request and
-answers it: two hand-offs per round trip.
+socket and reads the answer itself, and one server thread per worker connection reads the request
+and answers it: two hand-offs per round trip.
 
 The server listens on an abstract Unix socket (no file to leave behind) under a random name, and a
 connection counts only after its first frame presents the random token that the server gave its
@@ -13,7 +13,10 @@ workers over RPC, with the worker's rank. Abstract names are visible to every lo
 (``/proc/net/unix``) and any of them may connect, or bind a name its owner has let go: so the server
 drops a peer of another user before reading anything, a hello must be small and complete within
 :data:`_AUTH_TIMEOUT_S` however slowly it trickles in, and a worker sends its token only to the
-server's own process (``SO_PEERCRED``), never to whoever holds the name after the server exits. A frame
+server's own process (``SO_PEERCRED``), never to whoever holds the name after the server exits. Until a
+connection has proved itself it costs no thread: one thread reads every hello, and connections past
+the per-process and overall limits are closed unread (see :class:`ControlServer`); a worker turned
+away, or refused by a full backlog (``EAGAIN``), connects again after a growing pause. A frame
 is a 4-byte length and a JSON document: nothing a peer sends is unpickled or run, and a frame over
 :data:`MAX_FRAME_BYTES`, or nested too deeply to parse, ends the connection.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -41,15 +45,22 @@ from typing import Any
 from .._io import decode_json
 from ..errors import DlperfError
 
-__all__ = ["MAX_FRAME_BYTES", "ControlClient", "ControlServer", "KVStoreLinkError"]
+__all__ = ["MAX_CONNECTIONS_PER_WORKER", "MAX_FRAME_BYTES", "MAX_PENDING", "MAX_PENDING_PER_PROCESS", "ControlClient",
+           "ControlServer", "KVStoreLinkError"]
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_HELLO_BYTES = 4096  # a token and a rank: a stranger gets no bigger buffer than this before it proves itself
+MAX_PENDING = 64  # connections waiting to say who they are; more are closed unread
+MAX_PENDING_PER_PROCESS = 8  # of those, from one process: a flood from one process leaves room for the workers
+MAX_CONNECTIONS_PER_WORKER = 64  # a worker's pool holds one per thread that requests at once
 _LENGTH = struct.Struct("<I")
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-_AUTH_TIMEOUT_S = 30.0
+_AUTH_TIMEOUT_S = 5.0  # a worker sends its hello right after connecting: a silent peer is dropped after this
 _SEND_TIMEOUT_S = 30.0  # a worker that stops reading its answers loses its connection after this
 _JOIN_S = 5.0
+CONNECT_RETRY_S = 30.0  # the longest a worker keeps trying to connect to a busy server
+_FIRST_PAUSE_S = 0.005
+_LAST_PAUSE_S = 0.5
 
 
 class KVStoreLinkError(DlperfError, RuntimeError):
@@ -180,8 +191,25 @@ class _Connection:
 Handler = Callable[[int, int, dict, Any], None]
 
 
+class _Pending:
+    """A connection that has not presented its hello yet: the bytes it sent so far, and its deadline."""
+
+    def __init__(self, sock: socket.socket, pid: int, deadline: float) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.deadline = deadline
+        self.data = bytearray()
+
+
 class ControlServer:
-    """Accepts workers' connections; ``handle(src, op, meta, reply)`` answers each request by ``reply.set_result``."""
+    """Accepts workers' connections; ``handle(src, op, meta, reply)`` answers each request by ``reply.set_result``.
+
+    Threads are bounded whatever local processes do: one thread accepts connections and reads every hello
+    itself (non-blocking, each within :data:`_AUTH_TIMEOUT_S`, at most :data:`MAX_PENDING` waiting, at most
+    :data:`MAX_PENDING_PER_PROCESS` from one process); a connection gets a thread of its own only once it has
+    proved to be a worker's, and each worker at most :data:`MAX_CONNECTIONS_PER_WORKER` of them. A connection
+    over a limit is closed at once: a worker's :class:`ControlClient` connects again after a pause.
+    """
 
     def __init__(self, handle: Handler, workers: set[int], what: str) -> None:
         self._handle = handle
@@ -191,12 +219,20 @@ class ControlServer:
         self.name = f"dlperf-kvstore-{secrets.token_hex(8)}"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind("\0" + self.name)
-        self._listener.listen(64)
+        self._listener.listen(socket.SOMAXCONN)
+        self._listener.setblocking(False)
+        self._wake_read, self._wake_write = socket.socketpair()
         self._lock = threading.Lock()
         self._conns: list[_Connection] = []
+        self._per_worker: dict[int, int] = {}
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._spawn(self._accept, f"{what} control accept")
+
+    def thread_count(self) -> int:
+        """Threads of this server still running (the accepting one, one per worker connection, writers)."""
+        with self._lock:
+            return sum(t.is_alive() for t in self._threads)
 
     def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -207,36 +243,110 @@ class ControlServer:
         thread.start()
 
     def _accept(self) -> None:
+        pending: dict[int, _Pending] = {}
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ)
+            sel.register(self._wake_read, selectors.EVENT_READ)
+            try:
+                while not self._closed:
+                    now = time.monotonic()
+                    timeout = min((p.deadline for p in pending.values()), default=now + _AUTH_TIMEOUT_S) - now
+                    for key, _ in sel.select(max(0.0, timeout)):
+                        if key.fileobj is self._listener:
+                            self._take_new(sel, pending)
+                        elif key.fileobj is not self._wake_read and key.fd in pending:
+                            self._read_hello(sel, pending, pending[key.fd])
+                    now = time.monotonic()
+                    for p in [p for p in pending.values() if p.deadline <= now]:  # too slow: dropped
+                        self._drop(sel, pending, p)
+            finally:
+                for p in list(pending.values()):
+                    self._drop(sel, pending, p)
+
+    def _take_new(self, sel: selectors.BaseSelector, pending: dict[int, _Pending]) -> None:
         while True:
             try:
                 sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError:  # closed
                 return
             try:
-                stranger = _peer(sock)[1] != os.getuid()
+                pid, uid = _peer(sock)
             except OSError:
-                stranger = True
-            with self._lock:
-                if self._closed or stranger:  # another user's process: nothing it sends is read
-                    sock.close()
-                    if self._closed:
-                        return
-                    continue
-                conn = _Connection(sock, self._spawn)
-                self._conns.append(conn)
-            self._spawn(self._serve, f"{self._what} control connection", conn)
+                pid, uid = -1, -1
+            from_pid = sum(p.pid == pid for p in pending.values())
+            # another user's process: nothing it sends is read; past a limit: closed before reading too
+            if uid != os.getuid() or len(pending) >= MAX_PENDING or from_pid >= MAX_PENDING_PER_PROCESS:
+                sock.close()
+                continue
+            sock.setblocking(False)
+            p = _Pending(sock, pid, time.monotonic() + _AUTH_TIMEOUT_S)
+            pending[sock.fileno()] = p
+            sel.register(sock, selectors.EVENT_READ)
 
-    def _serve(self, conn: _Connection) -> None:
+    def _drop(self, sel: selectors.BaseSelector, pending: dict[int, _Pending], p: _Pending) -> None:
+        pending.pop(p.sock.fileno(), None)
+        try:
+            sel.unregister(p.sock)
+        except (KeyError, ValueError):
+            pass
+        p.sock.close()
+
+    def _read_hello(self, sel: selectors.BaseSelector, pending: dict[int, _Pending], p: _Pending) -> None:
+        try:
+            chunk = p.sock.recv(_LENGTH.size + MAX_HELLO_BYTES - len(p.data))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # closed before it said who it is
+            self._drop(sel, pending, p)
+            return
+        p.data += chunk
+        if len(p.data) < _LENGTH.size:
+            return
+        (n,) = _LENGTH.unpack(p.data[:_LENGTH.size])
+        if n > MAX_HELLO_BYTES:
+            self._drop(sel, pending, p)
+            return
+        if len(p.data) < _LENGTH.size + n:
+            return
+        pending.pop(p.sock.fileno(), None)
+        sel.unregister(p.sock)
+        rank = self._check_hello(bytes(p.data[_LENGTH.size:_LENGTH.size + n]))
+        with self._lock:
+            admitted = (rank is not None and not self._closed and len(p.data) == _LENGTH.size + n
+                        and self._per_worker.get(rank, 0) < MAX_CONNECTIONS_PER_WORKER)
+            if admitted:
+                assert rank is not None
+                self._per_worker[rank] = self._per_worker.get(rank, 0) + 1
+                conn = _Connection(p.sock, self._spawn)
+                self._conns.append(conn)
+        if not admitted:
+            p.sock.close()
+            return
+        assert rank is not None
+        p.sock.setblocking(True)
+        self._spawn(self._serve, f"{self._what} control connection", conn, rank)
+
+    def _check_hello(self, data: bytes) -> int | None:
+        """The worker rank a hello proves, or None."""
+        try:
+            hello = decode_json(data, "a hello", lambda where, why: ValueError(why))
+        except ValueError:
+            return None
+        rank = hello.get("rank") if isinstance(hello, dict) else None
+        token = hello.get("token") if isinstance(hello, dict) else None
+        if (isinstance(rank, int) and not isinstance(rank, bool) and rank in self._workers
+                and isinstance(token, str) and token.isascii()
+                and secrets.compare_digest(token.encode(), self.token.encode())):
+            return rank
+        return None
+
+    def _serve(self, conn: _Connection, src: int) -> None:
         sock = conn.sock
         try:
-            hello = _recv_frame(sock, MAX_HELLO_BYTES, time.monotonic() + _AUTH_TIMEOUT_S)
-            rank = hello.get("rank") if isinstance(hello, dict) else None
-            token = hello.get("token") if isinstance(hello, dict) else None
-            if not (isinstance(rank, int) and not isinstance(rank, bool) and rank in self._workers
-                    and isinstance(token, str) and token.isascii()
-                    and secrets.compare_digest(token.encode(), self.token.encode())):
-                return
-            src = rank
             sock.settimeout(None)  # a worker may go quiet for as long as it likes between requests
             # an answer the worker does not read within this ends its connection (see _Connection)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(_SEND_TIMEOUT_S), 0))
@@ -252,6 +362,7 @@ class ControlServer:
         finally:
             conn.close()
             with self._lock:
+                self._per_worker[src] -= 1
                 if conn in self._conns:
                     self._conns.remove(conn)
 
@@ -260,10 +371,9 @@ class ControlServer:
             self._closed = True
             conns, threads = list(self._conns), list(self._threads)
         try:
-            self._listener.shutdown(socket.SHUT_RDWR)
+            self._wake_write.send(b"\0")  # the accepting thread wakes, sees the flag and ends
         except OSError:
             pass
-        self._listener.close()
         for conn in conns:
             try:
                 conn.sock.shutdown(socket.SHUT_RDWR)
@@ -272,6 +382,9 @@ class ControlServer:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(_JOIN_S)
+        self._listener.close()
+        self._wake_read.close()
+        self._wake_write.close()
 
 
 class ControlClient:
@@ -289,7 +402,26 @@ class ControlClient:
         self._lock = threading.Lock()
         self._closed = False
 
-    def _connect(self) -> socket.socket:
+    def _connect(self, what: str) -> socket.socket:
+        """A new connection, tried again with growing pauses while the server's backlog or limits are full
+        (``EAGAIN``, refused, closed unread), for up to ``min(timeout_s, CONNECT_RETRY_S)``."""
+        start = time.monotonic()
+        deadline = start + min(self._timeout_s, CONNECT_RETRY_S)
+        pause, tries = _FIRST_PAUSE_S, 0
+        while True:
+            tries += 1
+            try:
+                return self._connect_once()
+            except (BlockingIOError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as exc:
+                if time.monotonic() + pause > deadline:
+                    raise KVStoreLinkError(
+                        f"kvstore server rank {self._server}'s control socket took no connection for {what} in "
+                        f"{tries} tries over {time.monotonic() - start:.1f} s (last: {exc}); its server is gone, "
+                        "or other processes keep its connection slots busy") from None
+                time.sleep(pause)
+                pause = min(2 * pause, _LAST_PAUSE_S)
+
+    def _connect_once(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self._timeout_s)
@@ -298,20 +430,25 @@ class ControlClient:
             if pid != self._server_pid:  # the server exited and another process took its name
                 raise ValueError(f"the socket is held by pid {pid}, not the server's pid {self._server_pid}")
             _send_frame(sock, {"token": self._token, "rank": self._rank})
-            if _recv_frame(sock) != [0, {}]:
+            # a server over its limits closes the connection unread: the caller tries again
+            if _recv_frame(sock, deadline=time.monotonic() + 2 * _AUTH_TIMEOUT_S) != [0, {}]:
                 raise ValueError("the server refused this worker")
+            sock.settimeout(self._timeout_s)  # each answer's limit from here on
         except BaseException:
             sock.close()
             raise
         return sock
 
     def _fail(self, what: str, exc: BaseException) -> KVStoreLinkError:
+        if isinstance(exc, KVStoreLinkError):
+            return exc
         if isinstance(exc, TimeoutError):
             return KVStoreLinkError(f"kvstore server rank {self._server} did not answer {what} within timeout_s="
                                     f"{self._timeout_s:g} s; find the rank that hangs, or raise timeout_s if "
                                     "the workers are only far apart")
         return KVStoreLinkError(f"kvstore server rank {self._server}'s control connection failed during {what} "
-                                f"({exc}); the server exited or closed its store")
+                                f"({type(exc).__name__}: {exc}); its server process exited, closed its store, or "
+                                "dropped the connection")
 
     def request(self, op: int, meta: dict, what: str) -> Callable[[], tuple[int, dict]]:
         with self._lock:
@@ -321,9 +458,9 @@ class ControlClient:
             sock = self._idle.pop() if self._idle else None
         try:
             if sock is None:
-                sock = self._connect()
+                sock = self._connect(what)
             _send_frame(sock, [op, meta])
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KVStoreLinkError) as exc:
             if sock is not None:
                 sock.close()
             raise self._fail(what, exc) from None

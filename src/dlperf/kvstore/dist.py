@@ -30,6 +30,10 @@ own server directly. One request per server carries every key of a batched call,
 below 64 KB travel packed in one buffer, so a model with many small parameters pays the per-message
 cost once per server, not once per key (bytedance/byteps#237).
 
+This module is the client, :class:`DistKVStore`; the other jobs have a module each: key placement
+(:mod:`~dlperf.kvstore.placement`), the wire format (:mod:`~dlperf.kvstore.wire`), the server
+(:mod:`~dlperf.kvstore.server`) and the RPC agent (:mod:`~dlperf.kvstore.rpc_agent`).
+
 On one host the payloads skip the sockets (:mod:`dlperf.kvstore.shm`): the server keeps each slice
 in shared memory that the workers map, a push is written into the worker's slot there and a sync
 pull is read from the value slot, and the push/pull requests (key names, slot numbers) go through
@@ -46,608 +50,32 @@ which returns once every worker has closed its store.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import socket
 import threading
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-try:
-    from torch.distributed.rpc.functions import async_execution
-except ImportError:  # a build without RPC: the stores say so when created
-    def async_execution(fn):
-        return fn
-
+from .._shm import ShmUnavailableError
 from ..errors import UsageError
-from ..parallel.allreduce.shm_segment import ShmUnavailableError
-from .base import Key, KVStore, _as_list, register_kvstore
-from .control import ControlClient, ControlServer
-from .shm import ARENA_MIN_BYTES, SHM_ENV, Arena, ArenaPlan, ServerSlots, WorkerSlots, cut_slots, shm_wanted
+from .base import Key, KVStore, _as_list, _key_pairs, register_kvstore
+from .control import ControlClient, KVStoreLinkError
+from .placement import BIG_ARRAY_BOUND, Placement, Slice
+from .rpc_agent import agent_name, start_agent, stop_agent
+from .server import SERVERS, Server, serve_call
+from .shm import SHM_ENV, Arena, WorkerSlots, shm_wanted
+from .wire import BYE, DTYPES, INIT, LOAD, OK, PULL, PUSH, PUSHPULL, STATE, from_wire, key_of, to_wire
 
 __all__ = ["NUM_SERVERS_ENV", "SHM_ENV", "server_count",
            "DistKVStore", "DistSyncKVStore", "DistAsyncKVStore", "DistDeviceSyncKVStore", "Placement",
            "BIG_ARRAY_BOUND"]
 
-BIG_ARRAY_BOUND = 1_000_000
-"""Keys with at least this many elements are split across all servers (MXNet's default bound)."""
-
-_INIT, _PUSH, _PULL, _PUSHPULL, _STATE, _LOAD, _BYE = range(1, 8)
-_OK, _ERROR = 0, 1
-_SMALL_BYTES = 64 * 1024  # tensors below this travel packed into one buffer per message
 _PIPELINE_STAGES = 4  # a same-host pushpull is cut into at most about this many requests
 _PIPELINE_MIN_BYTES = 1 << 20  # and none smaller than this, where a request's cost would dominate
-_ALIGN = 8  # every packed tensor starts at a multiple of this, so a dtype view of the buffer is legal
-_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
-                               torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
-
-
-def _stable_hash(key: Key) -> int:
-    # Python's hash of a str differs per process; placement must agree across them
-    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
-
-
-# --- placement -----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Slice:
-    server: int  # global rank of the server
-    part: int
-    start: int  # in the flattened value
-    stop: int
-
-
-@dataclass
-class Placement:
-    """Where each key lives: a list of slices (one for a small key) per key; ``str()`` is a table."""
-
-    servers: list[int]
-    big_array_bound: int
-    keys: dict[Key, list[Slice]] = field(default_factory=dict)
-
-    def place(self, key: Key, numel: int) -> list[Slice]:
-        n = len(self.servers)
-        if numel < max(self.big_array_bound, n):
-            where = [Slice(self.servers[_stable_hash(key) % n], 0, 0, numel)]
-        else:
-            bounds = [numel * i // n for i in range(n + 1)]
-            where = [Slice(s, i, bounds[i], bounds[i + 1]) for i, s in enumerate(self.servers)]
-        self.keys[key] = where
-        return where
-
-    def by_server(self) -> dict[int, int]:
-        """Elements held by each server."""
-        load = dict.fromkeys(self.servers, 0)
-        for slices in self.keys.values():
-            for s in slices:
-                load[s.server] += s.stop - s.start
-        return load
-
-    def __str__(self) -> str:
-        lines = [f"{'key':<24} {'server':>6} {'part':>4} {'elements':>20}"]
-        for key, slices in self.keys.items():
-            for s in slices:
-                lines.append(f"{key!r:<24} {s.server:>6} {s.part:>4} {f'[{s.start}, {s.stop})':>20}")
-        lines.append("per server: " + ", ".join(f"rank {r}: {n} elements" for r, n in self.by_server().items()))
-        return "\n".join(lines)
-
-
-# --- messages --------------------------------------------------------------------------------------
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if it owns exactly its storage, else a copy: RPC ships a view's whole storage."""
-    t = t.detach()
-    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
-    return t if whole and t.is_contiguous() else t.contiguous().clone()
-
-
-def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One uint8 buffer holding every tensor's bytes, each at an aligned offset."""
-    views = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    sizes = [-(-v.numel() // _ALIGN) * _ALIGN for v in views]
-    buf = torch.empty(sum(sizes), dtype=torch.uint8)
-    offset = 0
-    for v, size in zip(views, sizes, strict=True):
-        buf[offset:offset + v.numel()].copy_(v)
-        offset += size
-    return buf
-
-
-def _unpack(buf: torch.Tensor, specs: Sequence[tuple[str, int]]) -> list[torch.Tensor]:
-    """Views of ``buf`` as the packed tensors, given each one's (dtype name, element count)."""
-    out, offset = [], 0
-    for dtype_name, numel in specs:
-        dtype = _dtype(dtype_name)
-        nbytes = numel * dtype.itemsize
-        if offset + nbytes > buf.numel():
-            raise UsageError(f"kvstore message is {buf.numel()} bytes, too short for its tensors")
-        out.append(buf[offset:offset + nbytes].view(dtype))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    return out
-
-
-def _dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise UsageError(f"kvstore message holds dtype {name!r}; expected one of {', '.join(_DTYPES)}") from None
-
-
-def _to_wire(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Small tensors packed into one leading buffer (if any), big ones after it, each sent as is."""
-    small = [t for t in tensors if t.numel() * t.element_size() < _SMALL_BYTES]
-    big = [_own(t) for t in tensors if t.numel() * t.element_size() >= _SMALL_BYTES]
-    return ([_pack(small)] if small else []) + big
-
-
-def _from_wire(wire: Sequence[torch.Tensor], specs: Sequence[tuple[str, int]]) -> list[torch.Tensor]:
-    """Undo :func:`_to_wire`, given each tensor's (dtype name, element count) in the original order."""
-    is_small = [n * _dtype(d).itemsize < _SMALL_BYTES for d, n in specs]
-    wire = list(wire)
-    if any(is_small) and not wire:
-        raise UsageError(f"kvstore message carries no tensors; its metadata names {len(specs)}")
-    small = iter(_unpack(wire.pop(0), [s for s, k in zip(specs, is_small, strict=True) if k])
-                 if any(is_small) else [])
-    if len(wire) != len(specs) - sum(is_small):
-        raise UsageError(f"kvstore message carries {len(wire)} large tensors; its metadata names "
-                         f"{len(specs) - sum(is_small)}")
-    big = iter(wire)
-    return [next(small) if k else next(big).reshape(-1).view(_dtype(d)) for (d, _), k in
-            zip(specs, is_small, strict=True)]
-
-
-def _key_of(name: Any) -> Key:
-    if isinstance(name, bool) or not isinstance(name, (int, str)):
-        raise UsageError(f"kvstore message names key {name!r}; expected an int or a str")
-    return name
-
-
-# --- the server ------------------------------------------------------------------------------------
-
-_SERVERS: dict[str, _Server] = {}  # this process's servers, by store id (the same on every rank)
-
-
-@async_execution  # the returned future is the reply: RPC sends it when the server completes it
-def _serve_call(store_id: str, src: int, op: int, meta: dict, wire: list[torch.Tensor]) -> torch.futures.Future:
-    """What a worker's RPC runs on a server: hand the request over; the future holds the reply."""
-    future: torch.futures.Future = torch.futures.Future()
-    server = _SERVERS.get(store_id)
-    if server is None:
-        future.set_result((_ERROR, {"error": f"no kvstore {store_id!r} here; every rank must create the same "
-                                             "stores in the same order"}, []))
-        return future
-    with server.lock:
-        server.handle(src, op, meta, wire, future)
-    return future
-
-
-@dataclass
-class _Entry:
-    """One stored slice of a key on one server."""
-
-    value: torch.Tensor
-    mode: str
-    merge: torch.Tensor | None = None
-    arrived: set[int] = field(default_factory=set)
-    backlog: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    rounds: int = 0
-    pushes: dict[int, int] = field(default_factory=dict)
-    inits: set[int] = field(default_factory=set)
-    loads: set[int] = field(default_factory=set)
-    param: nn.Parameter | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    error: str | None = None
-    slots: ServerSlots | None = None  # same-host workers' payloads travel through these
-    held: torch.Tensor | None = None  # a round's first push, still in its sender's exchange slot
-
-
-class _Server:
-    """The server half: stored slices, merging per the store's mode, replies when a request is ready.
-
-    Runs under ``lock`` on RPC's threads (and the co-located worker's); it never blocks, it completes
-    futures.
-    """
-
-    def __init__(self, store: DistKVStore) -> None:
-        self.store = store
-        self.entries: dict[tuple[Key, int], _Entry] = {}
-        self.pending: list[Callable[[], bool]] = []
-        self.lock = threading.Lock()
-        self.byes: set[int] = set()
-        self.all_closed = threading.Event()
-        # a server process is configured (set_optimizer, set_updater) between its store's creation and
-        # serve(): inits that arrive before serve() wait for it, so they meet the configured mode
-        self.serving = store.role != "server"
-        self.early_inits: list[tuple[int, dict, list[torch.Tensor], torch.futures.Future]] = []
-        self.host = socket.gethostname()
-        self.arenas: list[Arena] = []
-        self.arena_used = 0  # bytes of the last arena given out
-        self.control: ControlServer | None = None  # started with the first shared-memory offer
-
-    def handle(self, src: int, op: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
-        handlers = {_INIT: self.on_init, _PUSH: self.on_push, _PULL: self.on_pull, _PUSHPULL: self.on_pushpull,
-                    _STATE: self.on_state, _LOAD: self.on_load, _BYE: self.on_bye}
-        try:
-            handler = handlers.get(op)
-            if handler is None:
-                raise UsageError(f"kvstore server got operation {op!r}; expected one of 1..7")
-            handler(src, meta, wire, future)
-        except Exception as exc:  # noqa: BLE001 - the requesting worker raises it; the server keeps serving
-            if not future.done():
-                future.set_result((_ERROR, {"error": f"{type(exc).__name__}: {exc}"}, []))
-        self.pending = [p for p in self.pending if not p()]
-
-    @staticmethod
-    def ok(future: torch.futures.Future, meta: dict | None = None, tensors: Sequence[torch.Tensor] = ()) -> bool:
-        future.set_result((_OK, meta or {}, _to_wire(tensors) if tensors else []))
-        return True
-
-    def entry(self, name: Any, part: int) -> _Entry:
-        key = _key_of(name)
-        found = self.entries.get((key, part))
-        if found is None:
-            raise UsageError(f"key {key!r} is not initialized on server rank {self.store._global_rank}; "
-                             f"call init({key!r}, value) on every worker first")
-        return found
-
-    # -- operations ------------------------------------------------------------------------------
-    def on_bye(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
-        self.byes.add(src)
-        if len(self.byes) >= self.store.num_workers:
-            self.all_closed.set()
-        self.ok(future)
-
-    def start_serving(self) -> None:
-        with self.lock:
-            self.serving = True
-            early, self.early_inits = self.early_inits, []
-            for src, meta, wire, future in early:
-                self.handle(src, _INIT, meta, wire, future)
-
-    def on_init(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
-        if not self.serving:
-            self.early_inits.append((src, meta, wire, future))
-            return
-        # A server process is configured before it serves, so its own mode counts. A co-located server's
-        # worker may still be configuring while a faster peer's init arrives: the first init's mode counts,
-        # and every worker's config is complete once init, a barrier, returns.
-        own = self.store._merge_mode() if self.store.role == "server" else None
-        items = meta["items"]
-        values = _from_wire(wire, [(d, n) for _, _, d, n, _ in items]) if wire else []
-        created = []
-        for name, part, dtype, numel, shape in items:
-            key = _key_of(name)
-            if (key, part) not in self.entries:
-                value = torch.zeros(numel, dtype=_dtype(dtype))
-                created.append(self.entries.setdefault((key, part), _Entry(
-                    value if shape is None else value.reshape(shape), mode=own or meta["mode"])))
-        if created and self.store._shm and meta.get("shm") is True and meta.get("host") == self.host:
-            self.give_slots(created)
-        parts = []
-        for i, (name, part, _, _, _) in enumerate(items):
-            entry = self.entries[(_key_of(name), part)]
-            if meta["mode"] != entry.mode:
-                raise UsageError(f"worker rank {src} merges pushes by {meta['mode']!r} but server rank "
-                                 f"{self.store._global_rank} by {entry.mode!r}; call set_optimizer/set_updater "
-                                 "on every rank, servers included, before init")
-            if values:
-                entry.value.view(-1).copy_(values[i])
-            entry.inits.add(src)
-            parts.append(entry)
-        reply = self.slots_reply(src, items) if meta.get("shm") is True and src != self.store._global_rank else {}
-        workers = self.store.num_workers
-        self.pending.append(lambda: all(len(e.inits) >= workers for e in parts) and self.ok(future, reply))
-
-    def give_slots(self, created: list[_Entry]) -> None:
-        """Move the new slices into an arena: a value slot pair and an exchange slot per remote worker each.
-
-        Small slices too: a request whose slices are all in slots goes through the control channel.
-        """
-        remote = [w for w in self.store._worker_ranks if w != self.store._global_rank]
-        if not remote:
-            return
-        plan = ArenaPlan()
-        for e in created:
-            plan.add(e.value.numel(), e.value.dtype, remote)
-        if self.arenas and self.arena_used + plan.nbytes <= self.arenas[-1].nbytes:
-            arena, base = self.arenas[-1], self.arena_used
-        else:
-            try:
-                arena, base = Arena.create(max(plan.nbytes, ARENA_MIN_BYTES)), 0
-            except ShmUnavailableError:  # no shared memory here: these slices stay on RPC
-                return
-            arena.ident = len(self.arenas)
-            self.arenas.append(arena)
-        plan = ArenaPlan(nbytes=base)
-        for e in created:
-            plan.add(e.value.numel(), e.value.dtype, remote)
-        slots = cut_slots(arena, plan, [(e.value.numel(), e.value.dtype) for e in created])
-        self.arena_used = plan.nbytes
-        for e, slot in zip(created, slots, strict=True):
-            slot.values[0].copy_(e.value.view(-1))
-            e.value, e.slots = slot.values[0].view(e.value.shape), slot
-
-    def slots_reply(self, src: int, items: list) -> dict:
-        """What worker ``src`` needs to map the arenas of these items' slices and find its slots there."""
-        arenas, slots = {}, []
-        for name, part, *_ in items:
-            found = self.entries[(_key_of(name), part)].slots
-            if found is None or src not in found.exchange:
-                continue
-            arena = found.arena
-            handle = arena.handle or {}
-            arenas[arena.ident] = [arena.ident, handle.get("pid"), handle.get("fd"), handle.get("token"), arena.nbytes]
-            slots.append([name, part, arena.ident, *found.offsets, found.exchange_offsets[src]])
-        if not slots:
-            return {}
-        if self.control is None:
-            self.control = ControlServer(self.on_control, set(self.store._worker_ranks),
-                                         f"kvstore server {self.store._global_rank}")
-        return {"shm": {"arenas": list(arenas.values()), "slots": slots,
-                        "control": [self.control.name, self.control.token]}}
-
-    def on_control(self, src: int, op: Any, meta: dict, reply: Any) -> None:
-        """A request off the control channel: a push or pull whose slices are all in shared memory."""
-        if op not in (_PUSH, _PULL, _PUSHPULL):
-            reply.set_result((_ERROR, {"error": f"operation {op!r} does not go through the control channel"}, []))
-            return
-        with self.lock:
-            self.handle(src, op, meta, [], reply)
-
-    def payloads(self, src: int, items: list, wire: list[torch.Tensor]) -> list[tuple[torch.Tensor, bool]]:
-        """Each pushed slice and whether it is borrowed (the sender may overwrite it once answered)."""
-        in_slot = [len(item) > 4 and item[4] == 1 for item in items]
-        on_wire = iter(_from_wire(wire, [(item[2], item[3]) for item, s in zip(items, in_slot, strict=True)
-                                         if not s]))
-        out = []
-        for item, shm in zip(items, in_slot, strict=True):
-            if not shm:
-                out.append((next(on_wire), src == self.store._global_rank))
-                continue
-            entry = self.entry(item[0], item[1])
-            if entry.slots is None or src not in entry.slots.exchange:
-                raise UsageError(f"worker rank {src} pushed key {item[0]!r} part {item[1]!r} through shared memory "
-                                 f"but server rank {self.store._global_rank} gave it no slot there")
-            out.append((entry.slots.exchange[src], True))
-        return out
-
-    def on_push(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future | None,
-                pulled: frozenset = frozenset()) -> None:
-        """``pulled``: the (key, part)s the same request pulls, whose sender waits for the round to end."""
-        items = meta["items"]
-        for item, (value, borrowed) in zip(items, self.payloads(src, items, wire), strict=True):
-            key = _key_of(item[0])
-            entry = self.entry(key, item[1])
-            try:
-                self.push_one(src, key, entry, value, borrowed, hold=(key, item[1]) in pulled)
-            except Exception as exc:  # noqa: BLE001 - a failed merge is reported to the pulls of the key
-                entry.error = f"{type(exc).__name__}: {exc}"
-        if future is not None:
-            self.ok(future)
-
-    def push_one(self, src: int, key: Key, entry: _Entry, value: torch.Tensor, borrowed: bool,
-                 hold: bool = False) -> None:
-        """``borrowed``: ``value`` is the sender's memory (a co-located worker's tensor, an exchange slot).
-
-        ``hold``: the sender touches ``value`` again only after this round ends, so it may be read then.
-        """
-        entry.pushes[src] = entry.pushes.get(src, 0) + 1
-        if not self.store._sync:
-            self.apply(key, entry, value.reshape(entry.value.shape))
-            return
-        if src in entry.arrived:  # this worker is a round ahead: its push waits for the next round
-            entry.backlog.append((src, value.clone() if borrowed else value))
-            return
-        self.merge(key, entry, src, value, owned=not borrowed, hold=hold and entry.slots is not None)
-
-    def merge(self, key: Key, entry: _Entry, src: int, value: torch.Tensor, owned: bool = False,
-              hold: bool = False) -> None:
-        value = value.reshape(entry.value.shape)
-        if entry.merge is None:
-            if entry.slots is not None:  # the sum builds up in the spare value slot: no allocation
-                if hold and entry.held is None:
-                    # the sender waits for this round: its slot is read when the next push comes, one pass
-                    # over both instead of a copy now and an add then
-                    entry.held = value
-                else:
-                    entry.merge = entry.slots.spare().view(entry.value.shape)
-                    if entry.held is not None:
-                        torch.add(entry.held, value, out=entry.merge)
-                        entry.held = None
-                    else:
-                        entry.merge.copy_(value)
-            else:
-                # a remote push arrives in a buffer of its own; a co-located worker's is the worker's tensor
-                entry.merge = value if owned else value.clone()
-        else:
-            entry.merge.add_(value)
-        entry.arrived.add(src)
-        if len(entry.arrived) < self.store.num_workers:
-            return
-        if entry.held is not None:  # the round's only push
-            entry.merge, entry.held = entry.slots.spare().view(entry.value.shape).copy_(entry.held), None
-        total, entry.merge, entry.arrived = entry.merge, None, set()
-        store = self.store
-        if store._updater is None and store._factory is None:
-            # assignment: the sum becomes the stored value, no copy (in shared memory: the slots swap)
-            entry.value = total if entry.slots is None else entry.slots.swap().view(entry.value.shape)
-        else:
-            self.apply(key, entry, total)
-        entry.rounds += 1
-        backlog, entry.backlog = entry.backlog, []
-        for who, early in backlog:
-            if who in entry.arrived:
-                entry.backlog.append((who, early))
-            else:
-                self.merge(key, entry, who, early, owned=True)
-
-    def apply(self, key: Key, entry: _Entry, received: torch.Tensor) -> None:
-        store = self.store
-        with torch.no_grad():
-            if store._updater is not None:
-                store._updater(key, received, entry.value)
-            elif store._factory is None:
-                entry.value.copy_(received)
-            else:
-                if entry.optimizer is None:
-                    entry.param = nn.Parameter(entry.value, requires_grad=True)
-                    entry.optimizer = store._factory([entry.param])
-                entry.param.grad = received
-                with torch.enable_grad():
-                    entry.optimizer.step()
-                entry.param.grad = None
-
-    def ready(self, entry: _Entry, needed: int) -> bool:
-        if self.store._sync:
-            return entry.rounds >= needed
-        if self.store.staleness is None:
-            return True
-        slowest = min(entry.pushes.get(w, 0) for w in self.store._worker_ranks)
-        return slowest >= needed - self.store.staleness
-
-    def on_pull(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
-        wanted = [(self.entry(item[0], item[1]), item[2]) for item in meta["items"]]
-        in_slot = [len(item) > 3 and item[3] == 1 and e.slots is not None and src in e.slots.exchange
-                   for item, (e, _) in zip(meta["items"], wanted, strict=True)]
-
-        def answer() -> bool:
-            if not all(self.ready(e, n) for e, n in wanted):
-                return False
-            errors = [e.error for e, _ in wanted if e.error]
-            if errors:
-                future.set_result((_ERROR, {"error": errors[0]}, []))
-                return True
-            # A sync round cannot end again before this worker pushes anew, after it has its reply: the
-            # stored values go out as they are (through shared memory: the worker reads the value slot
-            # itself). An async push may land any time: send a copy (into the worker's exchange slot).
-            where, values = [], []
-            for (e, _), shm in zip(wanted, in_slot, strict=True):
-                if not shm:
-                    where.append(-1)
-                    values.append(e.value if self.store._sync else e.value.clone())
-                elif self.store._sync:
-                    where.append(e.slots.current)
-                else:
-                    e.slots.exchange[src].copy_(e.value.view(-1))
-                    where.append(2)
-            return self.ok(future, {"where": where}, values)
-
-        if not answer():
-            self.pending.append(answer)
-
-    def on_pushpull(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
-        pulled = frozenset((_key_of(item[0]), item[1]) for item in meta["pull"] if isinstance(item, list) and item)
-        self.on_push(src, {"items": meta["push"]}, wire, None, pulled if self.store._sync else frozenset())
-        self.pending = [p for p in self.pending if not p()]  # the push may end a round others wait for
-        self.on_pull(src, {"items": meta["pull"]}, [], future)
-
-    def on_state(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
-        states = [[k, p, e.optimizer.state_dict()] for (k, p), e in self.entries.items() if e.optimizer]
-        future.set_result((_OK, {"optimizers": states}, []))
-
-    def on_load(self, src: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
-        items = meta["items"]
-        values = _from_wire(wire, [(d, n) for _, _, d, n, _ in items]) if items else []
-        for (name, part, _, _, state), value in zip(items, values, strict=True):
-            entry = self.entry(name, part)
-            entry.value.view(-1).copy_(value)
-            if state is not None:
-                if self.store._factory is None:
-                    raise UsageError("the checkpoint has server-side optimizer state; call set_optimizer on "
-                                     "every rank first")
-                if entry.optimizer is None:
-                    entry.param = nn.Parameter(entry.value, requires_grad=True)
-                    entry.optimizer = self.store._factory([entry.param])
-                entry.optimizer.load_state_dict(state)
-        parts = list(self.entries.values())
-        for entry in parts:
-            entry.loads.add(src)
-        workers = self.store.num_workers
-        self.pending.append(lambda: all(len(e.loads) >= workers for e in parts) and self.ok(future))
-
-
-# --- the RPC agent: one per process, shared by the stores open in it ---------------------------------
-
-_AGENT_LOCK = threading.Lock()
-_AGENT_USERS = 0
 _GENERATIONS = itertools.count()
-
-
-def _agent_name(rank: int) -> str:
-    return f"dlperf-kvstore-{rank}"
-
-
-_ATTEMPT_SCHEME = "dlperf-attempt"
-
-
-def _attempt_rendezvous(url: str, timeout: Any = None, **kwargs: Any):
-    """``dlperf-attempt://``: the launch's store under this attempt's prefix, for the RPC agent's keys."""
-    from urllib.parse import parse_qs, urlparse
-
-    from ..parallel.launchers import attempt_store
-
-    query = parse_qs(urlparse(url).query)
-    store = attempt_store("kvstore-rpc")
-    if store is None:
-        raise UsageError("the dlperf-attempt:// rendezvous needs a launcher's agent store "
-                         "(TORCHELASTIC_USE_AGENT_STORE=True); start the processes with dlperf launch")
-    yield store, int(query["rank"][0]), int(query["world_size"][0])
-
-
-def _rendezvous_url() -> str:
-    """Where the RPC agent meets its peers: the launch's store, this attempt's keys only, under an agent.
-
-    torch.distributed.rpc numbers its store keys per process from 0; after the agent restarts the workers,
-    their agents would read the previous attempt's addresses from the agent's store, which outlives it.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return "env://"
-    import torch.distributed as dist
-
-    try:
-        dist.register_rendezvous_handler(_ATTEMPT_SCHEME, _attempt_rendezvous)
-    except RuntimeError:  # registered by an earlier store of this process
-        pass
-    return f"{_ATTEMPT_SCHEME}://"
-
-
-def _start_agent(rank: int, world: int, timeout_s: float) -> None:
-    import torch.distributed.rpc as rpc
-
-    global _AGENT_USERS
-    with _AGENT_LOCK:
-        if _AGENT_USERS == 0:
-            if not rpc.is_available():
-                raise UsageError("this PyTorch build has no torch.distributed.rpc, which the dist_* kvstores "
-                                 "use; install a build with it, or use 'local'")
-            # The "basic" channel copies CPU tensors through TensorPipe's shared-memory transport; on one host
-            # it moved 8 MB round trips 3x faster than cross-memory attach ("cma") did.
-            options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=timeout_s,
-                                                      _channels=["basic"], init_method=_rendezvous_url())
-            with warnings.catch_warnings():
-                # init_rpc's own gather passes a backend where a group is expected, and says so each time
-                warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-                rpc.init_rpc(_agent_name(rank), rank=rank, world_size=world, rpc_backend_options=options)
-        _AGENT_USERS += 1
-
-
-def _stop_agent() -> None:
-    import torch.distributed.rpc as rpc
-
-    global _AGENT_USERS
-    with _AGENT_LOCK:
-        _AGENT_USERS -= 1
-        if _AGENT_USERS == 0:
-            rpc.shutdown(graceful=True)  # returns once every rank's agent has no work left
-
-
-# --- the store -------------------------------------------------------------------------------------
 
 NUM_SERVERS_ENV = "DLPERF_NUM_SERVERS"
 
@@ -715,6 +143,7 @@ class DistKVStore(KVStore):
         self._shm_refused: dict[int, str] = {}  # server -> why its arenas could not be mapped here
         self._control: dict[int, ControlClient] = {}  # same-host servers: requests without RPC
         self._timeout_s = float(timeout_s)
+        self._broken = False  # a request failed for want of its server: close without waiting for the others
         self._traffic = {"shm": 0, "rpc": 0, "in-process": 0}
         self._requests = {"control": 0, "rpc": 0, "in-process": 0}
         self._global_rank = rank
@@ -727,13 +156,13 @@ class DistKVStore(KVStore):
         self._pushed: dict[Key, int] = {}
         # every rank creates its stores in the same order, so the n-th store has the same id everywhere
         self._id = f"{self.type}/{next(_GENERATIONS)}"
-        self._server = _Server(self) if rank in servers else None
+        self._server = Server(self) if rank in servers else None
         if self._server is not None:
-            _SERVERS[self._id] = self._server
+            SERVERS[self._id] = self._server
         try:
-            _start_agent(rank, world, float(timeout_s))
+            start_agent(rank, world, float(timeout_s))
         except BaseException:
-            _SERVERS.pop(self._id, None)
+            SERVERS.pop(self._id, None)
             raise
         dist.barrier()  # every rank's server is registered before any request can reach it
 
@@ -784,25 +213,41 @@ class DistKVStore(KVStore):
 
         self._requests["control" if control else "in-process" if server == self._global_rank else "rpc"] += 1
         if control:
-            answer = self._control[server].request(op, meta, f"a {'push pull pushpull'.split()[op - _PUSH]}")
+            try:
+                answer = self._control[server].request(op, meta, f"a {'push pull pushpull'.split()[op - PUSH]}")
+            except KVStoreLinkError:
+                self._broken = True
+                raise
 
             def wait_control() -> tuple[dict, list[torch.Tensor]]:
-                code, reply = answer()
-                if code != _OK:
+                try:
+                    code, reply = answer()
+                except KVStoreLinkError:
+                    self._broken = True
+                    raise
+                if code != OK:
                     raise UsageError(f"kvstore server rank {server}: {reply.get('error', 'failed')}")
                 return reply, []
 
             return wait_control
-        wire = _to_wire(tensors) if tensors else []
+        wire = to_wire(tensors) if tensors else []
         args = (self._id, self._global_rank, op, meta, wire)
         if server == self._global_rank:
-            future = _serve_call(*args)  # the co-located server: no message at all
+            future = serve_call(*args)  # the co-located server: no message at all
         else:
-            future = rpc.rpc_async(_agent_name(server), _serve_call, args=args)
+            try:
+                future = rpc.rpc_async(agent_name(server), serve_call, args=args)
+            except RuntimeError:  # the agent lost its peer
+                self._broken = True
+                raise
 
         def wait() -> tuple[dict, list[torch.Tensor]]:
-            code, reply, body = future.wait()
-            if code != _OK:
+            try:
+                code, reply, body = future.wait()
+            except RuntimeError:  # a server that timed out or went away: no goodbye will reach it either
+                self._broken = True
+                raise
+            if code != OK:
                 raise UsageError(f"kvstore server rank {server}: {reply.get('error', 'failed')}")
             return reply, body
 
@@ -829,16 +274,15 @@ class DistKVStore(KVStore):
     def init(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Create keys on their servers from rank 0's values; returns once every worker has called it."""
         self._check_worker()
-        keys = list(key) if isinstance(key, (list, tuple)) else [key]
-        values = _as_list(value, "init") if isinstance(key, (list, tuple)) else _as_list(value, "init")[:1]
-        if len(keys) != len(values):
-            raise UsageError(f"init got {len(keys)} keys and {len(values)} values; give one value per key")
+        pairs = _key_pairs(key, value, "init")
+        keys = [k for k, _ in pairs]
+        values = [_as_list(v, "init")[0] for _, v in pairs]
         for k, v in zip(keys, values, strict=True):
             self._check_key_type(k)
             if k in self._meta or keys.count(k) > 1:
                 raise UsageError(f"key {k!r} is already initialized; each key is initialized once")
-            if str(v.dtype) not in _DTYPES:
-                raise UsageError(f"key {k!r} holds {v.dtype}; a dist store holds one of {', '.join(_DTYPES)}")
+            if str(v.dtype) not in DTYPES:
+                raise UsageError(f"key {k!r} holds {v.dtype}; a dist store holds one of {', '.join(DTYPES)}")
         for k, v in zip(keys, values, strict=True):
             self._meta[k] = (v.shape, v.dtype)
             self._pushed[k] = 0
@@ -847,13 +291,13 @@ class DistKVStore(KVStore):
         mode = self._merge_mode()
         waits = {}
         for server, items in self._by_server(keys).items():
-            meta = {"mode": mode, "items": [[k, s.part, str(self._meta[k][1]), s.stop - s.start,
+            meta: dict[str, Any] = {"mode": mode, "items": [[k, s.part, str(self._meta[k][1]), s.stop - s.start,
                                              list(self._meta[k][0]) if len(self._slices(k)) == 1 else None]
                                             for k, s in items]}
             if self._shm:  # (a co-located worker's init may be the one that creates its server's slots)
                 meta.update(shm=True, host=socket.gethostname())
             tensors = [flat[k][s.start:s.stop] for k, s in items] if self.rank == 0 else []
-            waits[server] = self._send(server, _INIT, meta, tensors)
+            waits[server] = self._send(server, INIT, meta, tensors)
         for server, wait in waits.items():
             self._adopt_slots(server, wait()[0].get("shm"))
 
@@ -885,7 +329,7 @@ class DistKVStore(KVStore):
                 raise UsageError(f"kvstore server rank {server} named slots {row!r}; expected [key, part, arena, "
                                  "value offset, value offset, exchange offset]: every rank must run the same dlperf")
             name, part, ident, *offsets = row
-            key = _key_of(name)
+            key = key_of(name)
             slices = self._placement.keys.get(key, [])
             if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < len(slices) \
                     or slices[part].server != server:
@@ -966,7 +410,7 @@ class DistKVStore(KVStore):
                              "same dlperf")
         specs = [(str(self._meta[item[0]][1]), self._slice(item[0], item[1]).stop - self._slice(item[0], item[1]).start)
                  for item, w in zip(items, where, strict=True) if w == -1]
-        on_wire = iter(_from_wire(body, specs))
+        on_wire = iter(from_wire(body, specs))
         out = []
         for item, w in zip(items, where, strict=True):
             path, slots = self._path(server, item[0], item[1])
@@ -1040,11 +484,11 @@ class DistKVStore(KVStore):
             control = server in self._control and all(len(i) > 4 for i in meta_items) \
                 and all(len(i) > 3 for i in wanted or ())
             if wanted is None:
-                waits[server] = self._send(server, _PUSH, {"items": meta_items}, tensors, control)
+                waits[server] = self._send(server, PUSH, {"items": meta_items}, tensors, control)
             elif not meta_items:
-                waits[server] = self._send(server, _PULL, {"items": wanted}, control=control)
+                waits[server] = self._send(server, PULL, {"items": wanted}, control=control)
             else:
-                waits[server] = self._send(server, _PUSHPULL, {"push": meta_items, "pull": wanted}, tensors, control)
+                waits[server] = self._send(server, PUSHPULL, {"push": meta_items, "pull": wanted}, tensors, control)
         replies = {server: wait() for server, wait in waits.items()}
         if pulls:
             self._deliver(pulls, pull_items, replies)
@@ -1092,7 +536,7 @@ class DistKVStore(KVStore):
                 self._traffic["shm"] += slots.exchange.nbytes
             server = self._slices(pushes[group[0]][0])[0].server
             waits.append((group, server, pull_meta,
-                          self._send(server, _PUSHPULL, {"push": push_meta, "pull": pull_meta}, control=True)))
+                          self._send(server, PUSHPULL, {"push": push_meta, "pull": pull_meta}, control=True)))
         with torch.no_grad():
             for group, server, pull_meta, wait in waits:
                 for i, got in zip(group, self._pulled(server, pull_meta, *wait()), strict=True):
@@ -1106,25 +550,21 @@ class DistKVStore(KVStore):
     def _pull_now(self, key: Key, outs: list[torch.Tensor]) -> None:
         self._exchange([], [(key, outs)])
 
-    def _pairs(self, key, value, check) -> list[tuple[Key, list[torch.Tensor]]]:
-        if isinstance(key, (list, tuple)):
-            values = list(value)
-            if len(values) != len(key):
-                raise UsageError(f"got {len(key)} keys and {len(values)} values; give one value (or one list "
-                                 "of per-device values) per key")
-            return [(k, check(k, v)) for k, v in zip(key, values, strict=True)]
-        return [(key, check(key, value))]
+    @staticmethod
+    def _pairs(key: Key | Sequence[Key], value: Any, check: Callable[[Key, Any], list[torch.Tensor]],
+               call: str) -> list[tuple[Key, list[torch.Tensor]]]:
+        return [(k, check(k, v)) for k, v in _key_pairs(key, value, call)]
 
     def push(self, key, value, priority: int = 0) -> None:
         self._check_worker()
-        pairs = self._pairs(key, value, self._check_push)
+        pairs = self._pairs(key, value, self._check_push, "push")
         for k, _ in pairs:
             self._settle(k)
         self._exchange(pairs, [])
 
     def pull(self, key, out, priority: int = 0) -> None:
         self._check_worker()
-        pairs = self._pairs(key, out, self._check_pull)
+        pairs = self._pairs(key, out, self._check_pull, "pull")
         for k, _ in pairs:
             self._settle(k)
         self._exchange([], pairs)
@@ -1132,8 +572,8 @@ class DistKVStore(KVStore):
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
         """``push`` then ``pull`` in one request per server."""
         self._check_worker()
-        pushes = self._pairs(key, value, self._check_push)
-        pulls = self._pairs(key, value if out is None else out, self._check_pull)
+        pushes = self._pairs(key, value, self._check_push, "push")
+        pulls = self._pairs(key, value if out is None else out, self._check_pull, "pull")
         for k, _ in pushes:
             self._settle(k)
         self._exchange(pushes, pulls)
@@ -1167,10 +607,10 @@ class DistKVStore(KVStore):
         if keys:
             self.pull(keys, out=[values[k] for k in keys])
         optimizers: dict[Key, dict[int, Any]] = {}
-        waits = [self._send(server, _STATE, {}) for server in self._placement.servers]
+        waits = [self._send(server, STATE, {}) for server in self._placement.servers]
         for wait in waits:
             for name, part, state in wait()[0]["optimizers"]:
-                if _key_of(name) in values:
+                if key_of(name) in values:
                     optimizers.setdefault(name, {})[part] = state
         return {"values": values, "optimizers": optimizers, "parts": {k: len(self._slices(k)) for k in values}}
 
@@ -1197,7 +637,7 @@ class DistKVStore(KVStore):
                             part_state = state.get("optimizers", {}).get(key, {}).get(s.part)
                             items.append([key, s.part, str(self._meta[key][1]), s.stop - s.start, part_state])
                             tensors.append(value.to("cpu", self._meta[key][1]).reshape(-1)[s.start:s.stop])
-            waits.append(self._send(server, _LOAD, {"items": items}, tensors))
+            waits.append(self._send(server, LOAD, {"items": items}, tensors))
         for wait in waits:
             wait()
 
@@ -1208,13 +648,16 @@ class DistKVStore(KVStore):
         if self.role != "server":
             raise UsageError(f"serve() runs on server ranks; rank {self._global_rank} is a worker (servers are "
                              f"ranks {self._placement.servers})")
+        assert self._server is not None  # every server rank holds one
         self._server.start_serving()
         self._server.all_closed.wait()
 
     def close(self) -> None:
         """Finish pending calls and tell every server this worker is done; then leave the RPC agent.
 
-        Collective: it returns once every rank has closed (RPC's graceful shutdown).
+        Collective: it returns once every rank has closed (RPC's graceful shutdown). A store whose server
+        was lost (a failed request), or closed as an exception leaves its ``with`` block, leaves without the
+        goodbyes and the shutdown's wait for the other ranks, so the failure ends the job within its bounds.
         """
         if self._closed:
             return
@@ -1223,21 +666,31 @@ class DistKVStore(KVStore):
                 try:
                     self.wait_all()
                 finally:
-                    for wait in [self._send(server, _BYE, {}) for server in self._placement.servers]:
-                        wait()
+                    if not self._broken:  # after a lost server, goodbyes would wait for timeout_s in vain
+                        for wait in [self._send(server, BYE, {}) for server in self._placement.servers]:
+                            wait()
                     # a co-located server stays until every worker has said goodbye: with another store
                     # still open, leaving the RPC agent is no barrier, and a slower peer's goodbye would
                     # find no store here
-                    if self._server is not None and not self._server.all_closed.wait(self._timeout_s):
+                    if not self._broken and self._server is not None \
+                            and not self._server.all_closed.wait(self._timeout_s):
                         raise UsageError(f"kvstore {self._id}: not every worker closed the store within "
                                          f"timeout_s={self._timeout_s:g} s; every rank must close it")
         finally:
             try:
                 super().close()
             finally:
-                _stop_agent()
-                _SERVERS.pop(self._id, None)
+                # a worker that failed leaves at once: RPC's graceful shutdown would wait for every rank,
+                # and the others wait for this one; its exit is what ends the job (through the launcher)
+                stop_agent(graceful=not self._broken)
+                SERVERS.pop(self._id, None)
                 self._release_shared_memory()
+
+    def __exit__(self, *exc: object) -> None:
+        error = exc[1] if len(exc) > 1 else None
+        if isinstance(error, BaseException) and not isinstance(error, UsageError):  # a misuse: servers intact
+            self._broken = True
+        self.close()
 
     def _release_shared_memory(self) -> None:
         for client in self._control.values():

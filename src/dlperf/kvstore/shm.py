@@ -2,7 +2,7 @@
 
 When a worker and a server run on one host, a push or pull need not cross a socket. At ``init`` the
 server takes slots from an anonymous memory file (an *arena*, a
-:class:`~dlperf.parallel.allreduce.shm_segment.Segment`: no name in ``/dev/shm``, gone with the last
+:class:`~dlperf._shm.Segment`: no name in ``/dev/shm``, gone with the last
 mapping however the processes end; a new one when the last is full): per new slice, two value slots
 and one exchange slot per remote worker. Its reply names the arena and the slots; the worker maps the
 arena, and if that works (same host, same pid namespace, the segment's random token matches) the
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._shm import Segment
 from ..errors import UsageError
-from ..parallel.allreduce.shm_segment import Segment
 
 __all__ = ["SHM_ENV", "SLOT_ALIGN", "ARENA_MIN_BYTES", "Arena", "ArenaPlan", "ServerSlots", "WorkerSlots", "cut_slots",
            "shm_wanted", "slot_bytes"]
@@ -95,6 +95,7 @@ class Arena:
             raise UsageError(f"a kvstore server named a shared-memory arena of {nbytes!r} bytes; expected an "
                              f"integer from 1 to {_MAX_ARENA_BYTES}: every rank must run the same dlperf")
         segment = Segment.attach(handle, 1, 0, nbytes)  # checks that handle holds a pid, a descriptor, a token
+        assert isinstance(handle, dict)
         return cls(segment, nbytes, handle["pid"])
 
     def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

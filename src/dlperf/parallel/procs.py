@@ -179,7 +179,7 @@ def join_processes(group: Any = None) -> ProcessAxis | None:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise UsageError(f"WORLD_SIZE={info.world_size} but MASTER_ADDR/MASTER_PORT are not set; start the "
                          "processes with dlperf launch or torchrun, or unset WORLD_SIZE")
-    from .launchers import attempt_store
+    from .._attempt import attempt_store
 
     store = attempt_store()  # under a launcher's agent: this attempt's keys, not a restarted one's predecessor's
     if store is None:

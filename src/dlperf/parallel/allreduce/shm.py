@@ -44,9 +44,8 @@ from typing import Any
 
 import torch
 
-from ...errors import UsageError
-from .base import chunk_bounds
-from .shm_segment import (
+from ..._io import decode_json
+from ..._shm import (
     ABORTED,
     CLOSED,
     DTYPE,
@@ -59,6 +58,8 @@ from .shm_segment import (
     process_alive,
     spin_barrier_supported,
 )
+from ...errors import UsageError
+from .base import chunk_bounds
 
 __all__ = ["ShmAllreduce", "ShmAllreduceError", "ShmUnavailableError", "host_allreduce_", "host_allreduce_kind",
            "close_host_allreduce",
@@ -143,7 +144,7 @@ class _StoreExchange:
                                           "in the same order with the same key") from None
             raw = self.store.get(base + str(r))
             try:
-                item = json.loads(raw)
+                item = decode_json(bytes(raw), base + str(r), lambda where, why: ValueError(why))
             except ValueError:
                 item = None
             if not isinstance(item, dict):
@@ -159,7 +160,8 @@ def _op_code(op: object) -> int | None:
     try:
         import torch.distributed as dist
 
-        return {dist.ReduceOp.SUM: _OP_SUM, dist.ReduceOp.AVG: _OP_MEAN}.get(op)  # type: ignore[arg-type]
+        codes: dict[object, int] = {dist.ReduceOp.SUM: _OP_SUM, dist.ReduceOp.AVG: _OP_MEAN}
+        return codes.get(op)
     except (ImportError, TypeError, AttributeError):
         return None
 
@@ -507,7 +509,7 @@ class _HostPlan:
         self.dist = dist
         self.group = group
         self.world = dist.get_world_size(group)
-        me = {"host": host_name or _host_label(), "rank": dist.get_rank()}
+        me: dict[str, Any] = {"host": host_name or _host_label(), "rank": dist.get_rank()}
         members: list[Any] = [None] * self.world
         dist.all_gather_object(members, me, group=group)
         hosts: dict[str, list[int]] = {}

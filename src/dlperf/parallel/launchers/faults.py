@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..._io import decode_json
+
 __all__ = ["FailureRecord", "FaultBoard", "first_cause", "host_label", "interface_with_address",
            "kill_process_groups", "local_address", "session_members", "set_parent_death_signal"]
 
@@ -242,8 +244,8 @@ class FaultBoard:
         if raw is None:
             return None
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+            return decode_json(bytes(raw), key, lambda where, why: ValueError(why))
+        except ValueError:  # a node of another dlperf, or a torn write: no word from it
             return None
 
     def close(self) -> None:

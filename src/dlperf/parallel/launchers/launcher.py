@@ -31,7 +31,8 @@ class LaunchError(DlperfError, RuntimeError):
 
     When one rank is known to be the cause, ``rank``, ``role``, ``host`` and ``cause`` (its error line,
     or ``"killed by SIGKILL"`` and the like) say which; they are ``None`` for failures of the whole
-    group (a join timeout).
+    group (a join timeout). ``log_path``: the file that holds torch's own output of the launch (the
+    agent's traceback blocks, C++ log lines), kept when the launch failed and torch wrote anything.
     """
 
     def __init__(self, message: str, *, rank: int | None = None, role: str | None = None,
@@ -41,6 +42,7 @@ class LaunchError(DlperfError, RuntimeError):
         self.role = role
         self.host = host
         self.cause = cause
+        self.log_path: str | None = None
 
 
 class RankInfo(NamedTuple):

@@ -13,12 +13,13 @@ was found (environment, signal handlers, no child processes, nor any process a w
 from __future__ import annotations
 
 import datetime
-import logging
+import math
 import os
 import pickle
 import select
 import signal
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..._attempt import attempt_number, attempt_store
 from ..._cliargs import one_line
 from ..._hostmem import keep_freed_host_memory
 from ..._io import check_writable
@@ -43,16 +45,19 @@ from .faults import (
     set_parent_death_signal,
 )
 from .launcher import DEFAULT_ROLE, HOST_ENV, Launcher, LaunchError, rank_info
+from .parent import ParentState
 
-__all__ = ["ProcessLauncher", "attempt_store", "free_port"]
+__all__ = ["MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "ProcessLauncher", "attempt_store", "free_port"]
 
-# torch's process context installs its own handlers for these in the main thread and leaves them there
-_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 # how long the agent waits for signalled workers before SIGKILL: time for a worker to finish a checkpoint write
 _SHUTDOWN_TIMEOUT_S = 5
 # signals that stop a launch on purpose: the other nodes hear of it at once, not after their fault timeout
 _INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PORT_TRIES = 3  # free ports tried by a launch that picks its own
+MIN_TIMEOUT_S = 0.01
+_KEPT_LOGS = 20  # logs of failed launches kept per user; older ones go as new ones come
+_STORE_READ_TIMEOUT_S = 60  # torch's default for the rendezvous store's connect and reads
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -62,14 +67,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _attempt() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
 def _mark(marker_dir: str, local_rank: int, what: str, text: str = "") -> None:
     # a marker's presence is its message; os.replace makes it appear whole. Names carry the attempt so a
     # restarted worker's markers are not confused with its predecessor's.
-    path = Path(marker_dir) / f"{_attempt()}.{local_rank}.{what}"
+    path = Path(marker_dir) / f"{attempt_number()}.{local_rank}.{what}"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text or str(os.getpid()))
     os.replace(tmp, path)
@@ -166,23 +167,6 @@ def _leave_together(dist: Any) -> None:
         dist.barrier()
     except Exception:  # noqa: BLE001 - a peer that failed: the agent reports it, not this rank
         pass
-
-
-def attempt_store(prefix: str = "") -> Any:
-    """The launch's rendezvous store, seen through a prefix of the current attempt; None outside an agent.
-
-    The agent's store outlives a restart, but whatever numbers its keys per process from 0 (``env://``
-    process groups, ``torch.distributed.rpc``'s agents) would read the previous attempt's keys there and
-    connect to processes that are gone. Keys under this prefix belong to this attempt only; ``prefix``
-    keeps one user's keys (the process group, an RPC agent) apart from another's.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    import torch.distributed as dist
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=300))
-    return dist.PrefixStore(f"dlperf/attempt_{_attempt()}/{prefix}", store)
 
 
 def _init_process_group(dist: Any, backend: str, rank: int, timeout: datetime.timedelta) -> None:
@@ -338,7 +322,12 @@ class _Watchdog:
 
     def _others_failed(self) -> bool:
         assert self.board is not None
-        self.board.beat(self.global_ranks())
+        ranks = self.global_ranks()
+        if not ranks:
+            # before this node's workers start, the rendezvous (and its join timeout) watches the nodes; a
+            # store that is not up yet would cost each poll a connect timeout, past the launch's deadline
+            return False
+        self.board.beat(ranks)
         if self.board.others_failed():
             self.remote = []
             return True
@@ -406,55 +395,6 @@ class _Watchdog:
         return pids
 
 
-# loggers of the agent that log a failed worker's traceback
-_AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
-
-
-class _PlainTracebacks(logging.Filter):
-    """Formats a record's traceback with the standard formatter before torch's handler sees it.
-
-    torch's log formatter imports torch._dynamo to format any traceback, seconds on a busy machine,
-    spent between a worker's death and the teardown of the others.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info:
-            record.msg = f"{record.getMessage()}\n{logging.Formatter().formatException(record.exc_info)}"
-            record.args = None
-            record.exc_info = None
-            record.exc_text = None
-        return True
-
-
-class _ParentState:
-    """The environment, signal handlers and log filters the launch changes in this process, put back after."""
-
-    _filter = _PlainTracebacks()
-
-    def __enter__(self) -> _ParentState:
-        for name in _AGENT_LOGGERS:
-            logging.getLogger(name).addFilter(self._filter)
-        self.env = dict(os.environ)
-        self.handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            for name in _AGENT_SIGNALS:
-                sig = getattr(signal, name, None)
-                if sig is not None:
-                    self.handlers[sig] = signal.getsignal(sig)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in _AGENT_LOGGERS:
-            logging.getLogger(name).removeFilter(self._filter)
-        for k in set(os.environ) - set(self.env):
-            del os.environ[k]
-        for k, v in self.env.items():
-            if os.environ.get(k) != v:
-                os.environ[k] = v
-        for sig, handler in self.handlers.items():
-            signal.signal(sig, handler)
-
-
 class ProcessLauncher(Launcher):
     """Run the workers as processes on this node, ``nproc_per_node`` of them, joined in a process group.
 
@@ -485,10 +425,12 @@ class ProcessLauncher(Launcher):
 
     The function and its arguments travel to freshly spawned interpreters, so ``fn`` must be defined at
     a module's top level and everything must pickle; return values come back the same way (tensors
-    through shared memory). Workers print to this process's stdout and stderr; a failed worker's
-    traceback is logged there by the agent, and the :class:`LaunchError` carries its last line, rank, role,
-    host and cause. Each worker leads its own process group, and whatever is left of the groups is killed
-    when the launch ends; a worker whose launcher dies is killed by the kernel (Linux).
+    through shared memory). Workers print to this process's stdout and stderr; torch's own output (the
+    agent's log, with a failed worker's traceback, and C++ log lines) goes to a log file instead, kept
+    when the launch fails (:attr:`LaunchError.log_path`), and the :class:`LaunchError` carries the failed
+    worker's last line, rank, role, host and cause. Each worker leads its own process group, and whatever
+    is left of the groups is killed when the launch ends; a worker whose launcher dies is killed by the
+    kernel (Linux).
 
     A launcher interrupted by SIGINT (Ctrl-C), SIGTERM or SIGHUP has the agent pass the signal on to its
     workers, which may finish what they are saving, and tells the other nodes at once, naming its lowest
@@ -513,10 +455,13 @@ class ProcessLauncher(Launcher):
         if master_port is None and nnodes > 1:
             raise UsageError(f"master_port=None with nnodes={nnodes}: every node must name the same port; "
                              "pass master_port")
-        for name, value in (("join_timeout_s", join_timeout_s), ("fault_timeout_s", fault_timeout_s),
-                            ("collective_timeout_s", collective_timeout_s)):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise UsageError(f"{name}={value!r}: expected a positive number of seconds")
+        for name, seconds in (("join_timeout_s", join_timeout_s), ("fault_timeout_s", fault_timeout_s),
+                              ("collective_timeout_s", collective_timeout_s)):
+            # bounded: torch turns these into timedeltas (1e300 s overflows) and whole seconds (1e-9 s is 0)
+            if seconds is not None and not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+                                            and MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S):
+                raise UsageError(f"{name}={seconds!r}: expected a number of seconds from {MIN_TIMEOUT_S:g} to "
+                                 f"{MAX_TIMEOUT_S:g} (a year)")
         if run_id is not None and not (isinstance(run_id, str) and run_id.strip()):
             raise UsageError(f"run_id={run_id!r}: expected a non-empty string, the same on every node")
         self.nproc_per_node = nproc_per_node
@@ -545,6 +490,22 @@ class ProcessLauncher(Launcher):
         _check_picklable(fn, args, kwargs)
         if self.checkpoint is not None:
             check_writable(self.checkpoint)
+        log_path = _log_dir() / f"dlperf-agent-{os.getpid()}-{uuid.uuid4().hex[:8]}.log"
+        keep_log = False
+        try:
+            with ParentState(log_path) as parent:
+                try:
+                    return self._launch_with_retries(fn, args, kwargs)
+                except LaunchError as exc:
+                    keep_log = parent.logged()
+                    if keep_log:  # where the rest went, for the one line that reports the error
+                        exc.log_path = str(log_path)
+                    raise
+        finally:
+            if not keep_log:
+                log_path.unlink(missing_ok=True)
+
+    def _launch_with_retries(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
         # A port picked here is only free until the agent binds it: another program may take it between the
         # two. Then no worker has started yet, and the launch simply moves to another free port.
         tries = 1 if self.master_port is not None else _PORT_TRIES
@@ -565,18 +526,23 @@ class ProcessLauncher(Launcher):
         raise AssertionError("unreachable")
 
     def _launch_on(self, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict[int, Any]:
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
         run_id = self.run_id or (f"dlperf-{port}" if self.nnodes > 1 else f"dlperf-{uuid.uuid4().hex[:12]}")
         host = host_label(self.master_addr)
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
         with tempfile.TemporaryDirectory(prefix="dlperf-launch-") as tmp:
             markers = Path(tmp, "markers")
             markers.mkdir()
             config = LaunchConfig(
                 min_nodes=self.nnodes, max_nodes=self.nnodes, nproc_per_node=self.nproc_per_node,
                 run_id=run_id, rdzv_backend="c10d", rdzv_endpoint=f"{self.master_addr}:{port}",
-                rdzv_configs={"is_host": self.node_rank == 0, "join_timeout": self.join_timeout_s},
+                # torch reads these as whole seconds; the store's connect and reads are bounded by the launch's
+                # timeout too, so an unreachable master fails within it
+                rdzv_configs={"is_host": self.node_rank == 0, "join_timeout": max(1, math.ceil(self.join_timeout_s)),
+                              # (the store tries to connect twice, with up to one timeout's delay between)
+                              "read_timeout": max(1, math.ceil(min(self.join_timeout_s, _STORE_READ_TIMEOUT_S) / 4))},
                 max_restarts=self.max_restarts, monitor_interval=0.1, start_method="spawn",
                 # no redirects: workers print to this process's stdout/stderr; the logs dir holds error files
                 logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp, "logs"))),
@@ -598,29 +564,34 @@ class ProcessLauncher(Launcher):
              host: str) -> dict[int, Any]:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 
         failed: Any = None
-        with _ParentState():
-            watchdog.start()
-            try:
-                results = agent(*agent_args)
-            except ChildFailedError as exc:
-                failed = exc
-            except RendezvousConnectionError as exc:
-                if watchdog.global_ranks():  # workers ran: not a store that was never there
-                    raise
-                cause = exc.__cause__ or exc
-                raise _StoreUnavailable(one_line(str(cause)).split(" Exception raised from")[0][:300]) from None
-            except (SignalException, KeyboardInterrupt) as exc:
-                # handled while the exception lives: it holds the agent, and on node 0 the store with it
-                self._interrupted(watchdog, getattr(exc, "sigval", signal.SIGINT))
-                if isinstance(exc, SignalException) and exc.sigval == signal.SIGINT:
-                    raise KeyboardInterrupt from None
+        watchdog.start()
+        try:
+            results = agent(*agent_args)
+        except ChildFailedError as exc:
+            failed = exc
+        except RendezvousConnectionError as exc:
+            if watchdog.global_ranks():  # workers ran: not a store that was never there
                 raise
-            finally:
-                watchdog.stop()
-                watchdog.kill_leftovers()  # what the workers started outlives them otherwise
+            cause = exc.__cause__ or exc
+            raise _StoreUnavailable(one_line(str(cause)).split(" Exception raised from")[0][:300]) from None
+        except RendezvousError as exc:  # a node missing at rendezvous (RendezvousTimeoutError), or a closed one
+            raise LaunchError(f"the rendezvous on {self.master_addr} did not complete within "
+                              f"join_timeout_s={self.join_timeout_s:g} s ({type(exc).__name__}: "
+                              f"{one_line(str(exc)).split(' Exception raised from')[0][:200]}); start all "
+                              f"{self.nnodes} nodes with the same --master and --nnodes, or raise the timeout"
+                              ) from None
+        except (SignalException, KeyboardInterrupt) as exc:
+            # handled while the exception lives: it holds the agent, and on node 0 the store with it
+            self._interrupted(watchdog, getattr(exc, "sigval", signal.SIGINT))
+            if isinstance(exc, SignalException) and exc.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            watchdog.stop()
+            watchdog.kill_leftovers()  # what the workers started outlives them otherwise
         if failed is not None:
             raise self._failure(failed, watchdog, markers, host)
         # No word on the board after a success: the agent returns only once every node's workers have
@@ -677,6 +648,23 @@ class ProcessLauncher(Launcher):
         records += [FailureRecord(rank, self.role(rank), host, message, when, True)
                     for rank, (when, message) in reported.items() if rank not in exc.failures]
         return records
+
+
+def _log_dir() -> Path:
+    """This user's directory of kept launch logs (the newest :data:`_KEPT_LOGS`), made private on first use."""
+    path = Path(tempfile.gettempdir(), f"dlperf-logs-{os.getuid()}")
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = path.lstat()
+        # another user may have made the name first (the temporary directory is shared): not used then
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise PermissionError(f"{path} is not this user's private directory")
+        old = sorted(path.glob("dlperf-agent-*.log"), key=lambda p: p.stat().st_mtime)
+        for stale in old[:max(0, len(old) - _KEPT_LOGS + 1)]:
+            stale.unlink(missing_ok=True)
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="dlperf-logs-"))
+    return path
 
 
 def _check_roles(roles: Sequence[str] | Mapping[int, str] | None, world_size: int) -> dict[int, str]:

@@ -27,8 +27,8 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import DlperfError
-from .faults import session_members
+from dlperf.errors import DlperfError
+from dlperf.parallel.launchers.faults import session_members
 
 __all__ = ["Hosts", "NamespaceError", "unavailable_reason"]
 

@@ -30,7 +30,7 @@ import stat
 import time
 from collections.abc import Sequence
 
-from ...errors import DlperfError
+from .errors import DlperfError
 
 __all__ = ["ShmAllreduceError", "ShmUnavailableError", "Segment", "SequenceBarrier", "spin_barrier_supported",
            "mapped_segments", "SEGMENT_LABEL"]
