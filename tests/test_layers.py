@@ -30,16 +30,6 @@ LAYERS: dict[str, int] = {
     "cli": 6,
 }
 
-# Edges still waiting for their modules to move; each is (importer, imported) as dotted names. The list
-# only shrinks: an entry that no longer matches an edge fails the test too, so it is deleted once fixed.
-PENDING: dict[tuple[str, str], str] = {
-    # kvstore imports the shared-memory segment and the launch attempt store from parallel/, which are to
-    # move below both users.
-    ("dlperf.kvstore.dist", "dlperf.parallel.launchers"): "attempt_store to move below kvstore",
-    ("dlperf.kvstore.shm", "dlperf.parallel.allreduce.shm_segment"): "shm segment to move below kvstore",
-    ("dlperf.kvstore.dist", "dlperf.parallel.allreduce.shm_segment"): "shm segment to move below kvstore",
-}
-
 # Cycles inside one package, by their modules, each with why it stays or what it waits for. A cycle that is
 # not (a subset of) an entry fails; so does an entry that no cycle matches any more.
 PACKAGE_CYCLES: dict[frozenset[str], str] = {
@@ -171,14 +161,8 @@ def test_every_package_has_a_layer():
 
 
 def test_no_import_runs_up_a_layer(graph):
-    bad = sorted({e.where() for e in graph if upward(e) and (e.importer, e.imported) not in PENDING})
+    bad = sorted({e.where() for e in graph if upward(e)})
     assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(bad)
-
-
-def test_pending_layer_edges_still_exist(graph):
-    present = {(e.importer, e.imported) for e in graph if upward(e)}
-    stale = sorted(set(PENDING) - present)
-    assert not stale, f"fixed, delete from PENDING: {stale}"
 
 
 def strongly_connected(nodes: list[str], edges: dict[str, set[str]]) -> list[list[str]]:
