@@ -6,21 +6,46 @@ subpackages: :mod:`dlperf.models`, :mod:`dlperf.bench`, and the others listed in
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ._hostmem import keep_freed_host_memory
-from .devices import (
-    Device,
-    as_in,
-    check_same_device,
-    copy_to,
-    cpu,
-    device_of,
-    gpu,
-    num_gpus,
-    to_device,
-    try_all_gpus,
-    try_gpu,
-)
 from .errors import DlperfError, UsageError
+
+if TYPE_CHECKING:
+    from .devices import (
+        Device,
+        as_in,
+        check_same_device,
+        copy_to,
+        cpu,
+        device_of,
+        gpu,
+        num_gpus,
+        to_device,
+        try_all_gpus,
+        try_gpu,
+    )
+
+# The device API imports torch, which takes a second or more: it is loaded on first use, so that
+# `dlperf` can answer Ctrl-C (or --help) during start-up in one line instead of a traceback from
+# inside `import torch`.
+_DEVICE_NAMES = frozenset({
+    "Device", "as_in", "check_same_device", "copy_to", "cpu", "device_of", "gpu", "num_gpus", "to_device",
+    "try_all_gpus", "try_gpu",
+})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEVICE_NAMES:
+        from . import devices
+
+        return getattr(devices, name)
+    raise AttributeError(f"module 'dlperf' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _DEVICE_NAMES)
+
 
 __version__ = "0.1.0"
 

@@ -61,7 +61,12 @@ def _verb_names(parser: argparse.ArgumentParser) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one verb; return its exit status (2 for bad input, with one line on stderr)."""
-    parser = build_parser()
+    try:
+        # the verbs import torch: a Ctrl-C while it loads is an interruption like any other
+        parser = build_parser()
+    except KeyboardInterrupt:
+        print("dlperf: interrupted", file=sys.stderr)
+        return 130
     try:
         args = parser.parse_args(argv)
         if args.verb is None:
