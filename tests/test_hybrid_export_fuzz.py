@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from dlperf.hybrid import export, load
 from dlperf.hybrid.export import ExportFormatError
 
-export_mod = importlib.import_module("dlperf.hybrid.export")  # the package re-exports a function of that name
+export_mod = importlib.import_module("dlperf.hybrid.export_format")
 
 MODELS = ("mlp", "lenet")
 # What a shell payload would create; it must never appear.
