@@ -98,9 +98,12 @@ def _node_roots(op: Any, node: dict, roots: dict[str, int], names: list[str], wh
                 result |= _roots_of([value for _, value in bound], roots)
             continue
         sets = set(info.before_set) | set(info.after_set)
+        if not sets or "*" in sets:  # a list of views (split, unbind): torch does not name their sources
+            result |= _roots_of([value for _, value in bound], roots)
+            continue
         for arg, value in bound:
             arg_info = arg.alias_info
-            if "*" in sets or arg_info is not None and sets & (set(arg_info.before_set) | set(arg_info.after_set)):
+            if arg_info is not None and sets & (set(arg_info.before_set) | set(arg_info.after_set)):
                 result |= _roots_of(value, roots)
     return result
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from .export_format import (
     _DECODERS,
     _DEVICE,
@@ -29,6 +31,9 @@ from .export_format import (
     _json_type,
     _resolve_op,
 )
+
+# dtypes of which no plain tensor exists to feed a graph (torch.zeros fails or needs a quantizer).
+_NOT_PLAIN_DTYPE = re.compile(r"q.*|bits.*|u?int[1-7]")
 
 
 class _GraphSchema:
@@ -104,6 +109,9 @@ class _GraphSchema:
             self.name(f"{field}.name", spec["name"])
             self.shape(f"{field}.shape", spec["shape"])
             self.dtype(f"{field}.dtype", spec["dtype"])
+            if _NOT_PLAIN_DTYPE.fullmatch(spec["dtype"]):
+                self.fail(f"{field}.dtype", f"{spec['dtype']} is not a dtype of plain tensors (quantized, bit-packed "
+                                            f"and sub-byte dtypes cannot be an export's input)")
             self.defined.add(spec["name"])
 
     def state(self, state) -> None:
