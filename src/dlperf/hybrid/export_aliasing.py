@@ -72,34 +72,41 @@ def check_no_writes(doc: dict, ops: Iterable[Any], where: str) -> None:
 
 def _node_roots(op: Any, node: dict, roots: dict[str, int], names: list[str], what: str) -> int:
     """The roots of a node's result, after refusing its writes into any root."""
-    schema = op._schema
-    base = schema.name.removeprefix("aten::")
     if _changes_metadata(op):
         raise ExportFormatError(f"{what} changes a tensor's metadata in place (shape, strides, storage or "
                                 f"requires_grad); a loaded graph may not")
-    bound = _bind(schema, node)
+    bound = _bind(op._schema, node)
+    _refuse_writes(op, bound, roots, names, what)
+    return _result_roots(op, bound, roots)
+
+
+def _refuse_writes(op: Any, bound: list[tuple[Any, Any]], roots: dict[str, int], names: list[str],
+                   what: str) -> None:
     for arg, value in bound:
         info = arg.alias_info
         if info is not None and info.is_write:
             _refuse_write(_roots_of(value, roots), names, what)
-    hidden = _UNDECLARED_WRITES.get(base)
+    hidden = _UNDECLARED_WRITES.get(op._schema.name.removeprefix("aten::"))
     if hidden is not None:
         written, flag = hidden
         values = {arg.name: value for arg, value in bound}
         if flag is None or values.get(flag, True) is not False:
             for name in written:
                 _refuse_write(_roots_of(values.get(name), roots), names, what)
+
+
+def _result_roots(op: Any, bound: list[tuple[Any, Any]], roots: dict[str, int]) -> int:
     result = 0
-    trusted = _schema_is_enforced(op)
-    for ret in schema.returns:
+    everything = _roots_of([value for _, value in bound], roots)
+    for ret in op._schema.returns:
         info = ret.alias_info
         if info is None:
-            if not trusted:
-                result |= _roots_of([value for _, value in bound], roots)
+            if not _schema_is_enforced(op):
+                result |= everything
             continue
         sets = set(info.before_set) | set(info.after_set)
         if not sets or "*" in sets:  # a list of views (split, unbind): torch does not name their sources
-            result |= _roots_of([value for _, value in bound], roots)
+            result |= everything
             continue
         for arg, value in bound:
             arg_info = arg.alias_info
