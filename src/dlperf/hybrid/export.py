@@ -150,6 +150,9 @@ def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple | t
     program = _export_program(module, tuple(example_inputs), dynamic_batch)
     state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     doc, tensors = _describe(program, state, example_inputs)
+    if len(doc["nodes"]) > MAX_NODES:
+        raise DlperfError(f"cannot export {type(module).__name__}: its graph has {len(doc['nodes'])} nodes, and "
+                          f"load reads at most {MAX_NODES} (each costs load a trial run)")
     try:
         with atomic_directory(target, tag=STAGING_TAG) as staging:
             _write_files(staging, doc, tensors, program if pt2 else None)
