@@ -170,7 +170,8 @@ def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple | t
 def _check_finite(module: nn.Module) -> None:
     """Refuse NaN or infinite parameters (and NaN buffers; -inf is a usual attention mask): the
     export would compute NaN, and its check against the model could not tell it from a faithful copy."""
-    tensors = [("parameter", n, t, True) for n, t in module.named_parameters()]
+    tensors: list[tuple[str, str, torch.Tensor, bool]] = [
+        ("parameter", n, t, True) for n, t in module.named_parameters()]
     tensors += [("buffer", n, t, False) for n, t in module.named_buffers()]
     for kind, name, t, strict in tensors:
         if not (t.is_floating_point() or t.is_complex()):

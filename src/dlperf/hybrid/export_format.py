@@ -175,7 +175,8 @@ def _decode(value, env: dict):
     return value
 
 
-_DECODERS = {"dtype": _DTYPES, "layout": _LAYOUTS, "memory_format": _MEMORY_FORMATS, "float": _FLOATS}
+_DECODERS: dict[str, dict[str, Any]] = {"dtype": _DTYPES, "layout": _LAYOUTS, "memory_format": _MEMORY_FORMATS,
+                                        "float": _FLOATS}
 
 
 def _is_int(value) -> bool:

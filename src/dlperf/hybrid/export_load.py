@@ -43,7 +43,7 @@ from .export_schema import _GraphSchema
 class _Step(NamedTuple):
     name: str
     op: str
-    fn: object
+    fn: Any
     inputs: list
     kwargs: dict
     meta: dict

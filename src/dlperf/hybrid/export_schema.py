@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Set as AbstractSet
 
 from .export_format import (
     _DECODERS,
@@ -74,7 +75,7 @@ class _GraphSchema:
             shown = f"an array of {len(value)}" if isinstance(value, list) else _json_type(value)
             self.fail(field, f"is {shown}, expected an array of {least} to {most} entries")
 
-    def record(self, field: str, value, keys: set[str], optional: set[str] = frozenset()) -> None:
+    def record(self, field: str, value, keys: AbstractSet[str], optional: AbstractSet[str] = frozenset()) -> None:
         if not isinstance(value, dict):
             self.fail(field, f"is {_json_type(value)}, expected an object with {', '.join(sorted(keys))}")
         missing, unknown = keys - set(value), set(value) - keys - optional
