@@ -77,7 +77,7 @@ class ExportedModule(nn.Module):
         check_no_writes(doc, [step.fn for step in self._program], where)
         self._trial_run(where)
 
-    def forward(self, *args):
+    def forward(self, *args: Any) -> Any:
         self._check_inputs(args)
         env: dict[str, object] = {spec["name"]: a for spec, a in zip(self._inputs, args)}
         env.update((node_name, getattr(self, attr)) for node_name, attr in self._names.items())
