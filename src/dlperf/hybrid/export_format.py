@@ -33,7 +33,7 @@ _OPERATORS = {f"operator.{name}": getattr(operator, name)
 
 # Limits on what a graph may ask for; far above any real model, far below what would exhaust a machine.
 MAX_GRAPH_BYTES = 64 << 20
-MAX_NODES = 10_000  # load runs about a millisecond per node (README: export and load)
+MAX_NODES = 5_000  # the trial runs at load cost up to a millisecond per node: a few seconds at most
 MAX_RANK = 16
 MAX_ELEMENTS = 1 << 32  # per tensor
 MAX_FILE_BYTES = 1 << 40
