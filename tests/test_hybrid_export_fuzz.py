@@ -309,7 +309,7 @@ def _alias_chain(data, doc, target, at):
     for k in range(data.draw(st.integers(0, 3), label="aliasing ops")):
         op, rest = data.draw(st.sampled_from(ALIASING))
         name = f"alias_{at}_{k}"
-        args = [{"node": target}] + [{"node": target} if a == "@" else a for a in rest]
+        args = [{"node": target}] + [{"node": target} if a == "@" else copy.deepcopy(a) for a in rest]
         nodes.append({"name": name, "op": op, "inputs": args, "kwargs": {}})
         target = name
         if op == "aten.unbind.int":
@@ -326,7 +326,7 @@ def mutate_alias_write(data, doc, params):
     op, rest, out = data.draw(st.sampled_from(WRITING))
     ref = {"node": target}
     if out is None:
-        args = [ref] + [ref if a == "@" else a for a in rest]
+        args = [ref] + [ref if a == "@" else copy.deepcopy(a) for a in rest]
         write = {"name": f"write_{at}", "op": op, "inputs": args, "kwargs": {}}
     else:
         write = {"name": f"write_{at}", "op": op, "inputs": [ref], "kwargs": {out: ref}}
@@ -341,7 +341,7 @@ def mutate_metadata(data, doc, params):
     at = data.draw(st.integers(0, len(doc["nodes"])))
     nodes, target = _alias_chain(data, doc, victim, at)
     op, rest = data.draw(st.sampled_from(METADATA))
-    args = [{"node": target}] + [{"node": target} if a == "@" else a for a in rest]
+    args = [{"node": target}] + [{"node": target} if a == "@" else copy.deepcopy(a) for a in rest]
     doc["nodes"][at:at] = nodes + [{"name": f"meta_{at}", "op": op, "inputs": args, "kwargs": {}}]
     doc.setdefault("@refusal", "changes a tensor's metadata in place")
     return params, False
