@@ -126,3 +126,27 @@ def test_check_passes_within_float_tolerance(tmp_path, capsys, monkeypatch):
     args = _parse(["export", "mlp", str(tmp_path / "out")])
     assert args.func(args) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_weights_that_are_not_finite_are_refused_in_one_line(tmp_path, capsys, value):
+    from dlperf.cli import main
+
+    model = get_spec("mlp").build()
+    state = model.state_dict()
+    name = next(iter(state))
+    state[name][0, 0] = value
+    torch.save(state, tmp_path / "w.pt")
+    assert main(["export", "mlp", str(tmp_path / "out"), "--weights", str(tmp_path / "w.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"parameter {name!r} holds 1 non-finite value" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_check_fails_when_both_outputs_are_nan():
+    from dlperf.hybrid.zoo_export import _close
+
+    nan = torch.full((2, 3), float("nan"))
+    assert not _close(nan, nan.clone())
+    assert not _close(torch.zeros(2), torch.tensor([0.0, float("inf")]))
+    assert _close(torch.ones(2), torch.ones(2))

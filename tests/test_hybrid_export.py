@@ -135,7 +135,7 @@ def test_unknown_version_is_refused(mlp_export):
 
 
 def test_non_aten_operator_is_refused(mlp_export):
-    from dlperf.hybrid.export import _content_hash
+    from dlperf.hybrid.export_format import _content_hash
 
     _, path = mlp_export
     doc = json.loads((path / "graph.json").read_text())
@@ -236,7 +236,7 @@ def test_a_failed_export_leaves_the_previous_export(tmp_path, monkeypatch):
 
 def _rewrite(path, edit):
     """Apply ``edit`` to graph.json as an attacker would: checksums recomputed, so only validation stops it."""
-    from dlperf.hybrid.export import _content_hash
+    from dlperf.hybrid.export_format import _content_hash
 
     doc = json.loads((path / "graph.json").read_text())
     edit(doc)
@@ -323,7 +323,7 @@ def test_malformed_graph_is_refused_at_load(mlp_export, edit, match):
 def test_params_with_other_shapes_are_refused_even_with_matching_checksums(mlp_export):
     from safetensors.torch import save_file
 
-    from dlperf.hybrid.export import _sha256_file
+    from dlperf.hybrid.export_format import _sha256_file
 
     _, path = mlp_export
     names = [v["tensor"] for v in json.loads((path / "graph.json").read_text())["state"].values()]
@@ -386,7 +386,8 @@ import torch
 from torch import nn
 from dlperf.hybrid import export
 
-ex = importlib.import_module("dlperf.hybrid.export")
+import dlperf._io as io
+
 target, point = sys.argv[1], sys.argv[2]
 
 
@@ -402,11 +403,11 @@ def after(fn):
 
 
 if point == "before-swap":
-    ex._swap_into_place = die
+    io._swap_directory = die
 elif point == "after-exchange":
-    ex._exchange = after(ex._exchange)
+    io._exchange = after(io._exchange)
 elif point == "between-renames":  # the fallback for systems without renameat2(RENAME_EXCHANGE)
-    ex._renameat2 = None
+    io._renameat2 = None
     real_rename, calls = os.rename, []
 
     def rename(a, b):
@@ -510,7 +511,7 @@ def test_a_graph_that_writes_into_its_inputs_or_parameters_is_refused(tmp_path, 
             node["inputs"].reverse()
 
     _rewrite(tmp_path, in_place)
-    with pytest.raises(ExportFormatError, match=f"writes into '{written}'"):
+    with pytest.raises(ExportFormatError, match=f"write into '{written}'"):
         load(tmp_path)
 
 
@@ -527,10 +528,131 @@ def test_a_graph_that_only_works_when_the_batch_equals_a_fixed_size_is_refused(m
 def test_decoded_values_come_from_tables_of_torch_values():
     import importlib
 
-    ex = importlib.import_module("dlperf.hybrid.export")
+    ex = importlib.import_module("dlperf.hybrid.export_format")
     assert ex._DTYPES["float32"] is torch.float32 and ex._DTYPES["int64"] is torch.int64
     assert all(isinstance(v, torch.dtype) for v in ex._DTYPES.values())
     assert ex._LAYOUTS == {"strided": torch.strided}
     assert ex._MEMORY_FORMATS["channels_last"] is torch.channels_last
     assert all(isinstance(v, torch.memory_format) for v in ex._MEMORY_FORMATS.values())
     assert not {"os", "__builtins__", "__class__", "Tensor"} & (set(ex._DTYPES) | set(ex._MEMORY_FORMATS))
+
+
+# --- non-finite weights and full disks -------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_parameters_are_refused_before_anything_is_written(tmp_path, value):
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight[1, 2] = value
+    with pytest.raises(DlperfError, match=r"parameter 'weight' holds 1 non-finite value \(of 6\)"):
+        export(model, tmp_path / "net", (torch.randn(2, 3),))
+    assert os.listdir(tmp_path) == []
+
+
+def test_nan_buffers_are_refused_and_infinite_masks_kept(tmp_path):
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mask", torch.tensor([0.0, float("-inf"), 0.0]))
+
+        def forward(self, x):
+            return torch.softmax(x + self.mask, dim=-1)
+
+    model = Masked().eval()
+    x = torch.randn(2, 3)
+    export(model, tmp_path / "ok", (x,))
+    torch.testing.assert_close(load(tmp_path / "ok")(x), model(x))
+    model.mask[0] = float("nan")
+    with pytest.raises(DlperfError, match="buffer 'mask' holds 1 NaN value"):
+        export(model, tmp_path / "nan", (x,))
+
+
+class _DiskFull(Exception):
+    """What safetensors raises on ENOSPC: not an OSError, only the text says it."""
+
+
+def _previous_export(tmp_path):
+    target = tmp_path / "net"
+    old = nn.Linear(3, 2).eval()
+    x = torch.randn(2, 3)
+    export(old, target, (x,))
+    return target, old, x, {p: (target / p).read_bytes() for p in os.listdir(target)}
+
+
+def _assert_kept(tmp_path, target, old, x, before):
+    assert {p: (target / p).read_bytes() for p in os.listdir(target)} == before
+    assert os.listdir(tmp_path) == ["net"]  # no temporary directory left
+    with torch.no_grad():
+        torch.testing.assert_close(load(target)(x), old(x))
+
+
+def _fail_with(exc):
+    def fail(*args, **kwargs):
+        raise exc
+    return fail
+
+
+@pytest.mark.parametrize("where", ["params", "graph", "pt2"])
+def test_a_full_disk_is_one_line_with_the_space_needed(tmp_path, monkeypatch, where):
+    import errno
+    import importlib
+
+    import safetensors.torch
+
+    from dlperf._io import FileAccessError
+
+    export_mod = importlib.import_module("dlperf.hybrid.export")
+    target, old, x, before = _previous_export(tmp_path)
+    if where == "params":
+        text = 'IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        monkeypatch.setattr(safetensors.torch, "save_file", _fail_with(_DiskFull(text)))
+    elif where == "graph":
+        monkeypatch.setattr(export_mod, "_layout", _fail_with(OSError(errno.ENOSPC, "No space left on device")))
+    else:  # torch's zip writer says only "unexpected pos": the free space tells
+        monkeypatch.setattr(torch.export, "save", _fail_with(RuntimeError("[enforce fail] unexpected pos 64")))
+        monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((4096, 4096, 100, 10, 10, 0, 0, 0, 0, 255)))
+    with pytest.raises(FileAccessError) as info:
+        export(nn.Linear(3, 2), target, (x,), pt2=where == "pt2")
+    message = str(info.value)
+    assert "\n" not in message and info.value.errno == errno.ENOSPC
+    assert message.startswith(f"cannot write {target}: no space left on device: the export needs about ")
+    assert "MB" in message and "previous export is kept" in message
+    monkeypatch.undo()
+    _assert_kept(tmp_path, target, old, x, before)
+
+
+def test_other_write_failures_are_not_called_a_full_disk(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    target, old, x, before = _previous_export(tmp_path)
+    monkeypatch.setattr(safetensors.torch, "save_file", _fail_with(_DiskFull("permission denied")))
+    with pytest.raises(_DiskFull):
+        export(nn.Linear(3, 2), target, (x,))
+    monkeypatch.undo()
+    _assert_kept(tmp_path, target, old, x, before)
+
+
+@pytest.fixture()
+def small_filesystem(tmp_path):
+    """A 1 MB tmpfs (needs root and a kernel that lets this process mount; skipped otherwise)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
+                          timeout=30) if os.geteuid() == 0 else None
+    if done is None or done.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount permission)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("pt2", [False, True])
+def test_a_real_full_file_system_keeps_the_previous_export(small_filesystem, pt2):
+    from dlperf._io import FileAccessError
+
+    target, old, x, before = _previous_export(small_filesystem)
+    big = nn.Linear(3, 200_000)  # 3.2 MB of parameters on a 1 MB file system
+    with pytest.raises(FileAccessError, match=r"no space left on device: the export needs about \d+\.\d MB"):
+        export(big, target, (x,), pt2=pt2)
+    _assert_kept(small_filesystem, target, old, x, before)

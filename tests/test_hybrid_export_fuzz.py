@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 from dlperf.hybrid import export, load
 from dlperf.hybrid.export import ExportFormatError
 
-export_mod = importlib.import_module("dlperf.hybrid.export")  # the package re-exports a function of that name
+export_mod = importlib.import_module("dlperf.hybrid.export_format")
 
 MODELS = ("mlp", "lenet")
 # What a shell payload would create; it must never appear.
@@ -280,8 +281,75 @@ def mutate_params(data, doc, params):
     return save({info["tensor"]: torch.zeros(2, 2) for info in doc["state"].values()}), False
 
 
+# Operators whose result may share memory with their first argument, with the rest of their arguments
+# ("@" stands for the first argument again); they work on a tensor of any shape.
+ALIASING = [("aten.view.default", [[-1]]), ("aten.reshape.default", [[-1]]), ("aten.contiguous.default", []),
+            ("aten.flatten.using_ints", []), ("aten.alias.default", []), ("aten.detach.default", []),
+            ("aten.squeeze.default", []), ("aten.unsqueeze.default", [0]), ("aten.expand_as.default", ["@"]),
+            ("aten.as_strided.default", [[1], [1]]), ("aten.dropout.default", [0.0, False]),
+            ("aten.type_as.default", ["@"]), ("aten.unflatten.int", [0, [1, -1]]), ("aten.unbind.int", [])]
+# (operator, arguments after the written one, keyword arguments naming the written one)
+WRITING = [("aten.add_.Tensor", [1.0], None), ("aten.mul_.Tensor", [2.0], None), ("aten.fill_.Scalar", [3.0], None),
+           ("aten.zero_.default", [], None), ("aten.copy_.default", ["@"], None), ("aten.neg.out", [], "out"),
+           ("aten.clamp_.default", [0.0], None), ("aten.abs.out", [], "out")]
+METADATA = [("aten.detach_.default", []), ("aten.requires_grad_.default", [True]), ("aten.t_.default", []),
+            ("aten.unsqueeze_.default", [0]), ("aten.squeeze_.default", []), ("aten.resize_.default", [[1]]),
+            ("aten.as_strided_.default", [[1], [1]]), ("aten.transpose_.default", [0, 0]),
+            ("aten.swapdims_.default", [0, 0]), ("aten.retain_grad.default", []),
+            ("aten.resize_as_.default", ["@"])]
+
+
+def _roots(doc):
+    return [spec["name"] for spec in doc["inputs"]] + list(doc["state"])
+
+
+def _alias_chain(data, doc, target, at):
+    """Nodes taking views of ``target`` one after another; the last one's name."""
+    nodes = []
+    for k in range(data.draw(st.integers(0, 3), label="aliasing ops")):
+        op, rest = data.draw(st.sampled_from(ALIASING))
+        name = f"alias_{at}_{k}"
+        args = [{"node": target}] + [{"node": target} if a == "@" else copy.deepcopy(a) for a in rest]
+        nodes.append({"name": name, "op": op, "inputs": args, "kwargs": {}})
+        target = name
+        if op == "aten.unbind.int":
+            nodes.append({"name": f"{name}_0", "op": "operator.getitem", "inputs": [{"node": name}, 0], "kwargs": {}})
+            target = f"{name}_0"
+    return nodes, target
+
+
+def mutate_alias_write(data, doc, params):
+    """A write, through a chain of views and may-alias ops, into an input or a parameter."""
+    victim = data.draw(st.sampled_from(_roots(doc)))
+    at = data.draw(st.integers(0, len(doc["nodes"])))
+    nodes, target = _alias_chain(data, doc, victim, at)
+    op, rest, out = data.draw(st.sampled_from(WRITING))
+    ref = {"node": target}
+    if out is None:
+        args = [ref] + [ref if a == "@" else copy.deepcopy(a) for a in rest]
+        write = {"name": f"write_{at}", "op": op, "inputs": args, "kwargs": {}}
+    else:
+        write = {"name": f"write_{at}", "op": op, "inputs": [ref], "kwargs": {out: ref}}
+    doc["nodes"][at:at] = nodes + [write]
+    doc.setdefault("@refusal", r"may write into '\w+', an input or parameter")
+    return params, False
+
+
+def mutate_metadata(data, doc, params):
+    """An in-place change of metadata, on an input, a parameter or a view of one."""
+    victim = data.draw(st.sampled_from(_roots(doc)))
+    at = data.draw(st.integers(0, len(doc["nodes"])))
+    nodes, target = _alias_chain(data, doc, victim, at)
+    op, rest = data.draw(st.sampled_from(METADATA))
+    args = [{"node": target}] + [{"node": target} if a == "@" else copy.deepcopy(a) for a in rest]
+    doc["nodes"][at:at] = nodes + [{"name": f"meta_{at}", "op": op, "inputs": args, "kwargs": {}}]
+    doc.setdefault("@refusal", "changes a tensor's metadata in place")
+    return params, False
+
+
 MUTATIONS = [mutate_exploit, mutate_op, mutate_dtype, mutate_encoding, mutate_reference, mutate_nodes, mutate_rename,
-             mutate_files, mutate_shape, mutate_literal, mutate_blind, mutate_params]
+             mutate_files, mutate_shape, mutate_literal, mutate_blind, mutate_params, mutate_alias_write,
+             mutate_metadata]
 
 
 def _aten_state():
@@ -310,17 +378,38 @@ def _example_inputs(module):
     return xs
 
 
-def _attack(data, references, root):
+def _run_and_check_untouched(module, inputs):
+    """Run a loaded export: the caller's inputs and the parameters keep their values and flags."""
+    kept = [(x.clone(), x.requires_grad, x.shape, x.stride()) for x in inputs]
+    state = {n: (t.detach().clone(), t.requires_grad, t.shape) for n, t in module.state_dict(keep_vars=True).items()}
+    try:
+        module(*inputs)
+    except ExportFormatError:
+        event("loaded, refused in forward")
+    for x, (value, grad, shape, stride) in zip(inputs, kept):
+        assert (x.requires_grad, x.shape, x.stride()) == (grad, shape, stride)
+        torch.testing.assert_close(x, value, rtol=0, atol=0, equal_nan=True)
+    for n, t in module.state_dict(keep_vars=True).items():
+        value, grad, shape = state[n]
+        assert (t.requires_grad, t.shape) == (grad, shape), n
+        torch.testing.assert_close(t.detach(), value, rtol=0, atol=0, equal_nan=True)
+
+
+def _attack(data, references, root, mutations=MUTATIONS, max_mutations=3):
     name = data.draw(st.sampled_from(MODELS))
     ref = references[name]
     doc, params = copy.deepcopy(ref["doc"]), ref["params"]
     preserving = True
-    for mutation in data.draw(st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=3)):
+    drawn = data.draw(st.lists(st.sampled_from(mutations), min_size=1, max_size=max_mutations))
+    for mutation in drawn:
         try:
             params, kept = mutation(data, doc, params)
         except (KeyError, IndexError, TypeError, AttributeError):
             kept = False  # an earlier mutation broke the structure this one edits; the document stays as is
         preserving = preserving and kept
+    # An aliasing trick alone must be refused by the write check itself, not by whatever else fails.
+    refusal = doc.pop("@refusal", None) if isinstance(doc, dict) else None
+    refusal = refusal if len(drawn) == 1 else None
     for entry in list(doc["files"].values()) if isinstance(doc.get("files"), dict) else []:
         if isinstance(entry, dict) and data.draw(st.booleans(), label="recompute file checksum"):
             entry.update(sha256=hashlib.sha256(params).hexdigest(), bytes=len(params))
@@ -336,14 +425,15 @@ def _attack(data, references, root):
             module = load(directory)
         except ExportFormatError as exc:
             event(f"refused: {str(exc).split(': ', 1)[-1][:40]}")
+            if refusal is not None:
+                assert re.search(refusal, str(exc)), str(exc)
             module = None
+        assert refusal is None or module is None, "an aliasing trick loaded"
         if module is not None:
             with torch.no_grad():
-                try:
-                    module(*_example_inputs(module))
-                    event("loaded and ran" + (", same results" if preserving else ""))
-                except ExportFormatError:
-                    event("loaded, refused in forward")
+                inputs = _example_inputs(module)
+                _run_and_check_untouched(module, inputs)
+                event("loaded and ran" + (", same results" if preserving else ""))
                 if preserving:
                     torch.testing.assert_close(module(ref["x"]), ref["want"])
         _assert_aten_unchanged(before)
@@ -358,6 +448,14 @@ def _attack(data, references, root):
 @given(data=st.data())
 def test_mutated_exports_are_refused_or_run(references, workspace, data):
     _attack(data, references, workspace)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_aliasing_tricks_are_refused_by_the_write_check(references, workspace, data):
+    _attack(data, references, workspace, mutations=[mutate_alias_write, mutate_metadata], max_mutations=1)
 
 
 @pytest.mark.slow

@@ -528,3 +528,141 @@ def decode_json(data: bytes, where: str, fail: Callable[[str, str], Exception], 
         return json.loads(data.decode("utf-8"), **_json_options(allow_nan, unique_keys))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise fail(where, f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
+
+
+# --- directories replaced as a whole --------------------------------------------------------------
+# A directory of several files (an export) is written into a new sibling ``.NAME.TAG-PID-XXXX`` and
+# swapped with ``NAME`` in one step; ``.NAME.old-PID-XXXX`` holds the previous one while the two-rename
+# fallback has moved it aside.
+
+def _sibling_pattern(target: str, tag: str) -> re.Pattern[str]:
+    return re.compile(rf"\.{re.escape(os.path.basename(target))}\.({re.escape(tag)}|old)-(\d+)-[A-Za-z0-9_]+")
+
+
+@contextmanager
+def atomic_directory(target: str | os.PathLike, tag: str = "new") -> Iterator[str]:
+    """A new, empty directory beside ``target`` to fill; on a clean exit it replaces ``target`` whole.
+
+    The files written into it are flushed to disk, then it is swapped with ``target`` in one rename
+    (``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere two renames, which :func:`recover_directory`
+    and :func:`directory_to_read` undo after a crash between them). If the block raises, ``target``
+    is untouched and the new directory removed. What dead processes left beside ``target`` is
+    cleaned up first. ``tag`` names the temporaries (``.NAME.TAG-PID-XXXX``).
+    """
+    import shutil
+    import tempfile
+
+    target = os.fspath(target)
+    recover_directory(target, tag)
+    parent, base = os.path.split(target)
+    staging = tempfile.mkdtemp(prefix=f".{base}.{tag}-{os.getpid()}-", dir=parent)
+    try:
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would become the directory's mode
+        yield staging
+        # No reader sees the files before the swap, so plain writes suffice; but they must be on
+        # disk before it, or a crash right after could leave empty files in place of the old ones.
+        for entry in os.scandir(staging):
+            if entry.is_file(follow_symlinks=False):
+                fd = os.open(entry.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _fsync_dir(Path(staging))
+        _swap_directory(staging, target, tag)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # after a swap it holds the previous directory
+
+
+def recover_directory(target: str, tag: str = "new") -> None:
+    """Undo what a killed :func:`atomic_directory` left: put a moved-aside ``target`` back, delete temporaries."""
+    import shutil
+
+    parent = os.path.dirname(target)
+    pattern = _sibling_pattern(target, tag)
+    leftovers = []
+    for entry in os.listdir(parent):
+        m = pattern.fullmatch(entry)
+        if m and not _alive(int(m.group(2))):
+            leftovers.append((m.group(1), os.path.join(parent, entry)))
+    for kind, path in sorted(leftovers, key=lambda kp: kp[0] != "old"):
+        if kind == "old" and not os.path.exists(target):
+            os.rename(path, target)
+            _fsync_dir(Path(parent))
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def directory_to_read(target: str, marker: str, tag: str = "new") -> str:
+    """``target``, or while a killed two-rename swap has it moved aside, the newest complete copy
+    (one holding ``marker``); ``target`` itself when there is none."""
+    if os.path.exists(target):
+        return target
+    parent = os.path.dirname(target)
+    pattern = _sibling_pattern(target, tag)
+    try:
+        aside = [os.path.join(parent, e) for e in os.listdir(parent)
+                 if (m := pattern.fullmatch(e)) and m.group(1) == "old"]
+    except OSError:
+        return target
+    complete = [d for d in aside if os.path.isfile(os.path.join(d, marker))]
+    return max(complete, key=os.path.getmtime) if complete else target
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _libc_renameat2() -> Callable[..., int] | None:
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_renameat2 = _libc_renameat2()
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directory entries in one step; False when the system cannot."""
+    import ctypes
+
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False  # kernel or file system without RENAME_EXCHANGE
+    raise OSError(err, os.strerror(err), b)
+
+
+def _swap_directory(staging: str, target: str, tag: str) -> None:
+    """Make ``staging`` the directory at ``target``; what was there ends up at ``staging``."""
+    import shutil
+
+    parent = Path(os.path.dirname(target))
+    if not os.path.exists(target):
+        try:
+            os.rename(staging, target)
+            _fsync_dir(parent)
+            return
+        except OSError as exc:  # another writer created it meanwhile: swap with that one
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    if not _exchange(staging, target):
+        # Two renames: a kill between them leaves no ``target`` but a complete ``.old-`` directory,
+        # which recover_directory (next write) puts back and directory_to_read reads meanwhile.
+        aside = os.path.join(parent, os.path.basename(staging).replace(f".{tag}-", ".old-", 1))
+        os.rename(target, aside)
+        os.rename(staging, target)
+        _fsync_dir(parent)
+        shutil.rmtree(aside, ignore_errors=True)
+    _fsync_dir(parent)

@@ -35,6 +35,7 @@ import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -115,7 +116,7 @@ def _user_line(tb) -> str | None:
         path = os.path.abspath(frame.filename)
         if path.startswith(_TORCH_DIR) or path.startswith(_HERE):
             continue
-        source = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        source = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
         return f"{frame.filename}:{frame.lineno}: {source}"
     return None
 
@@ -327,9 +328,9 @@ class ModuleState:
                     s.live.data.copy_(s.saved)
                 else:  # resized in place
                     s.live.data = s.saved.clone()
-        for s in self._values:
-            s.table[s.key] = s.live
-            _refill(s.live, s.items)
+        for v in self._values:
+            v.table[v.key] = v.live
+            _refill(v.live, v.items)
         for _prefix, table, keys in self._keys:
             for extra in set(table) - keys:
                 del table[extra]
@@ -352,10 +353,13 @@ def _fingerprint(value: object) -> object:
 
 
 def _shallow_copy(value: object) -> object:
-    return type(value)(value) if type(value) in (list, dict, set) else None
+    if isinstance(value, (list, dict, set)) and type(value) in (list, dict, set):
+        return type(value)(value)
+    return None
 
 
-def _refill(container: object, items: object) -> None:
+def _refill(container: Any, items: Any) -> None:
+    """Put a list's, dict's or set's items back (``items`` is its :func:`_shallow_copy`)."""
     if items is None:
         return
     if type(container) is list:

@@ -47,6 +47,7 @@ import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -109,6 +110,8 @@ class HybridModule(nn.Module):
     Parameters, buffers and ``state_dict`` are the wrapped module's own, so an optimizer built on
     either sees the same tensors and checkpoints are interchangeable.
     """
+
+    _inner: nn.Module  # the wrapped module, also as a plain attribute (see __init__)
 
     def __init__(self, module: nn.Module, backend: str = "auto", *, strict: bool = False,
                  max_signatures: int = 8, candidates: Sequence[str] | None = None):
@@ -314,9 +317,11 @@ class HybridModule(nn.Module):
         why_not = backend.unsupported_reason(device, needs_grad)
         if why_not:
             return None, why_not
+        captured = self._captured
+        assert captured is not None, "backends are tried on a captured graph"
         try:
             # prepare() may run the graph (CUDA graph warm-up): copies, and undone like a trial.
-            run = backend.prepare(self._captured, _copies(args)[0])
+            run = backend.prepare(captured, _copies(args)[0])
             if run is self.module:  # the reference itself: a trial would only repeat forward's side effects
                 return run, None
             why_not = _differences(self._observe(run, args, needs_grad, state), reference, state)
@@ -349,7 +354,7 @@ class HybridModule(nn.Module):
         total = [o.float().sum() for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not total or not leaves:
             return out, ()
-        grads = torch.autograd.grad(sum(total), leaves, allow_unused=True)
+        grads = torch.autograd.grad(cast(torch.Tensor, sum(total)), leaves, allow_unused=True)
         return out, tuple(g if g is not None else torch.zeros(()) for g in grads)
 
     def _time_runner(self, run: Callable, args: tuple, device: torch.device, state: ModuleState,

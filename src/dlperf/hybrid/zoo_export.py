@@ -98,10 +98,13 @@ CHECK_ATOL = 1e-5
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """True when the loaded export's output matches the model's (NaN only where the model has NaN)."""
+    """True when the loaded export's output matches the model's, all finite: NaN or inf on either
+    side would match anything or nothing, so such a check proves nothing and fails."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return False
-    return bool(torch.allclose(got, want, rtol=CHECK_RTOL, atol=CHECK_ATOL, equal_nan=True))
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return False
+    return bool(torch.allclose(got, want, rtol=CHECK_RTOL, atol=CHECK_ATOL))
 
 
 def _load_weights(model: torch.nn.Module, path: str, name: str) -> None:

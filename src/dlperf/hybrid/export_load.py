@@ -1,0 +1,355 @@
+"""``load(path)``: an export read back as a module, safe on directories from untrusted sources."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from .._io import directory_to_read
+from ..errors import DlperfError
+from .export_aliasing import check_no_writes
+from .export_format import (
+    _DTYPES,
+    _INT64,
+    _OPERATORS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    GRAPH_FILE,
+    MAX_GRAPH_BYTES,
+    MAX_TRIAL_BYTES,
+    PARAMS_FILE,
+    PT2_FILE,
+    STAGING_TAG,
+    TRIAL_DIM,
+    ExportFormatError,
+    _content_hash,
+    _decode,
+    _describe_value,
+    _dtype_name,
+    _first_line,
+    _resolve_op,
+    _sha256_file,
+)
+from .export_schema import _GraphSchema
+
+
+class _Step(NamedTuple):
+    name: str
+    op: str
+    fn: Any
+    inputs: list
+    kwargs: dict
+    meta: dict
+
+
+class ExportedModule(nn.Module):
+    """A loaded export: interprets the graph's ATen nodes over the saved tensors.
+
+    The constructor validates ``doc`` and ``tensors`` and trial-runs the graph (see :func:`load`);
+    ``forward`` checks the number, dtype and fixed dimensions of its inputs against the export.
+    """
+
+    def __init__(self, doc: dict, tensors: dict[str, torch.Tensor], *, where: str = GRAPH_FILE):
+        super().__init__()
+        _GraphSchema(where).check(doc)
+        _check_params(doc, tensors, where)
+        self.doc = doc
+        self._names: dict[str, str] = {}  # graph placeholder -> attribute holding its tensor
+        for i, (node_name, info) in enumerate(doc["state"].items()):
+            attr = f"t{i}"
+            tensor = tensors[info["tensor"]]
+            if info["kind"] == "parameter":
+                self.register_parameter(attr, nn.Parameter(tensor, requires_grad=tensor.is_floating_point()))
+            else:
+                self.register_buffer(attr, tensor)
+            self._names[node_name] = attr
+        self._program = [_Step(n["name"], n["op"], _resolve_op(n["op"]), n["inputs"], n["kwargs"],
+                               {k: n[k] for k in ("shape", "dtype", "outputs") if k in n}) for n in doc["nodes"]]
+        self._inputs = doc["inputs"]
+        self._outputs = doc["outputs"]
+        check_no_writes(doc, [step.fn for step in self._program], where)
+        self._trial_run(where)
+
+    def forward(self, *args: Any) -> Any:
+        self._check_inputs(args)
+        env: dict[str, object] = {spec["name"]: a for spec, a in zip(self._inputs, args)}
+        env.update((node_name, getattr(self, attr)) for node_name, attr in self._names.items())
+        # Tensors the graph creates (LSTM's zero state) go where the inputs are, whatever device
+        # the export was traced on.
+        return self._interpret(env, args[0].device if args else torch.device("cpu"))
+
+    def _interpret(self, env: dict, device: torch.device, trial: bool = False, limit: int | None = None):
+        env["@device"] = device
+        produced = 0
+        for step in self._program:
+            try:
+                value = _call(step, env)
+            except ExportFormatError:
+                raise
+            except Exception as exc:
+                # ATen errors at forward are the caller's (wrong device, out-of-range token);
+                # anything in the trial runs, and Python operators on the graph's own values, are the file's.
+                if not trial and step.op not in _OPERATORS:
+                    raise
+                raise ExportFormatError(f"node {step.name!r} ({step.op}) fails{' in the trial run' if trial else ''}: "
+                                        f"{type(exc).__name__}: {_first_line(exc)}") from exc
+            if trial:
+                produced += _check_result(step, value)
+                if limit is not None and produced > limit:
+                    raise ExportFormatError(f"node {step.name!r} ({step.op}): the graph's results take more than "
+                                            f"{limit} bytes")
+            env[step.name] = value
+        outs = [_decode(o, env) for o in self._outputs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _trial_run(self, where: str) -> None:
+        """Run the graph with the declared input shapes, comparing every node's dtype and shape with its record.
+
+        On the meta device (shapes only, no memory) with dynamic dimensions of ``TRIAL_DIM``, which
+        bounds the results' size; again with a size that equals no fixed dimension of the graph, so
+        that no broadcast or reshape works only by coincidence; then on zeros where the parameters
+        are, because meta kernels skip some checks the real kernels make (an int64 input to
+        ``linear``, say). A graph that loads must not fail in forward. That it writes into no input
+        or parameter is proven before, for every shape, by :func:`check_no_writes`.
+        """
+        params_device = next((t.device for t in self._state_tensors()), torch.device("cpu"))
+        meta = torch.device("meta")
+        for device, dim, limit in ((meta, TRIAL_DIM, MAX_TRIAL_BYTES), (meta, _unlike_any_dimension(self.doc), None),
+                                   (params_device, TRIAL_DIM, MAX_TRIAL_BYTES)):
+            env = self._trial_env(where, device, dim)
+            # A backstop for the static proof: writes show in version counters (views share their base's).
+            versions = {name: t._version for name, t in env.items()}
+            try:
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    self._interpret(env, device, trial=True, limit=limit)
+            except ExportFormatError as exc:
+                raise ExportFormatError(f"{where}: {exc} (dynamic dimensions of size {dim})") from exc.__cause__
+            written = [name for name, version in versions.items() if env[name]._version != version]
+            if written:
+                raise ExportFormatError(f"{where}: the graph writes into {written[0]!r}, an input or parameter; "
+                                        f"a loaded graph may only write into its own results")
+
+    def _trial_env(self, where: str, device: torch.device, dim: int) -> dict[str, Any]:
+        env: dict[str, Any] = {}
+        for spec in self._inputs:
+            try:
+                env[spec["name"]] = torch.zeros([dim if d is None else d for d in spec["shape"]],
+                                                dtype=_DTYPES[spec["dtype"]], device=device)
+            except Exception as exc:  # quantized and bit dtypes have no plain tensors
+                raise ExportFormatError(f"{where}: input {spec['name']!r}: dtype {spec['dtype']} cannot be an input "
+                                        f"({type(exc).__name__}: {_first_line(exc)})") from exc
+        env.update((name, getattr(self, attr).detach().to(device)) for name, attr in self._names.items())
+        return env
+
+    def _state_tensors(self):
+        return (getattr(self, attr) for attr in self._names.values())
+
+    def _check_inputs(self, args: tuple) -> None:
+        if len(args) != len(self._inputs):
+            raise DlperfError(f"exported model takes {len(self._inputs)} inputs, got {len(args)}")
+        for spec, a in zip(self._inputs, args):
+            want = spec["shape"]
+            ok = isinstance(a, torch.Tensor) and _dtype_name(a.dtype) == spec["dtype"] and a.dim() == len(want) \
+                and all(w is None or w == d for w, d in zip(want, a.shape))
+            if not ok:
+                got = f"{_dtype_name(a.dtype)}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                shown = ["N" if w is None else w for w in want]
+                raise DlperfError(f"input {spec['name']}: expected {spec['dtype']}{shown}, got {got}")
+
+    def extra_repr(self) -> str:
+        return f"{len(self._program)} nodes, format_version={self.doc['format_version']}"
+
+
+def _call(step: _Step, env: dict):
+    args = [_decode(a, env) for a in step.inputs]
+    if step.op not in _OPERATORS:
+        return step.fn(*args, **{k: _decode(v, env) for k, v in step.kwargs.items()})
+    # Python operators only ever see tensors and numbers (and getitem a node's tuple): a graph
+    # cannot make them repeat a sequence a billion times or build an unbounded integer.
+    operands = args[1:] if step.op == "operator.getitem" else args
+    container_ok = step.op != "operator.getitem" or isinstance(args[0], (torch.Tensor, tuple, list))
+    if not container_ok or not all(isinstance(a, (torch.Tensor, int, float)) for a in operands):
+        raise ExportFormatError(f"node {step.name!r} ({step.op}) applied to "
+                                f"{', '.join(type(a).__name__ for a in args)}; expected tensors or numbers")
+    value = step.fn(*args)
+    if isinstance(value, int) and not -_INT64 <= value < _INT64:
+        raise ExportFormatError(f"node {step.name!r} ({step.op}) gives {value}, beyond 64-bit integers")
+    return value
+
+
+def _check_result(step: _Step, value) -> int:
+    """A trial-run value against the shape and dtype graph.json records for its node; its size in bytes."""
+    meta = step.meta
+    if "outputs" in meta:
+        if not isinstance(value, (tuple, list)) or len(value) != len(meta["outputs"]):
+            raise ExportFormatError(f"node {step.name!r} ({step.op}) gives {_describe_value(value)}, "
+                                    f"graph.json records {len(meta['outputs'])} outputs")
+        return sum(_check_tensor(f"node {step.name!r} ({step.op}) output {i}", v, m)
+                   for i, (v, m) in enumerate(zip(value, meta["outputs"])))
+    return _check_tensor(f"node {step.name!r} ({step.op})", value, meta if "shape" in meta else None)
+
+
+def _check_tensor(what: str, value, meta: dict | None) -> int:
+    if meta is None:
+        if not isinstance(value, (int, float, bool)) and value is not None:
+            raise ExportFormatError(f"{what} gives {_describe_value(value)}, graph.json records no tensor there")
+        return 0
+    want = f"{meta['dtype']}{['N' if d is None else d for d in meta['shape']]}"
+    if not isinstance(value, torch.Tensor):
+        raise ExportFormatError(f"{what} gives {_describe_value(value)}, graph.json records {want}")
+    fits = _dtype_name(value.dtype) == meta["dtype"] and value.dim() == len(meta["shape"]) \
+        and all(w is None or w == d for w, d in zip(meta["shape"], value.shape))
+    if not fits:
+        raise ExportFormatError(f"{what} gives {_describe_value(value)}, graph.json records {want}")
+    return value.numel() * value.element_size()
+
+
+def _unlike_any_dimension(doc: dict) -> int:
+    """A prime size for dynamic dimensions that equals no fixed dimension recorded in the graph."""
+    shapes = [spec["shape"] for spec in doc["inputs"]] + [info["shape"] for info in doc["state"].values()]
+    shapes += [n["shape"] for n in doc["nodes"] if "shape" in n]
+    shapes += [o["shape"] for n in doc["nodes"] for o in n.get("outputs", []) if o]
+    fixed = {d for shape in shapes for d in shape}
+    candidate = 11
+    while candidate in fixed or any(candidate % k == 0 for k in range(2, math.isqrt(candidate) + 1)):
+        candidate += 1
+    return candidate
+
+
+def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> ExportedModule:
+    """Load an export written by :func:`export`; raises ExportFormatError on any damage.
+
+    Safe on untrusted directories: see :mod:`dlperf.hybrid.export` for what is checked. Every problem
+    is an :class:`ExportFormatError` raised here, not at the first forward call. The returned module
+    needs no Python class of the original model.
+    """
+    try:
+        return _load(path, device)
+    except ExportFormatError:
+        raise
+    except Exception as exc:  # whatever a crafted file provokes is still a refusal of that file
+        raise ExportFormatError(f"{os.fspath(path)}: cannot load: {type(exc).__name__}: {_first_line(exc)}") from exc
+
+
+def _load(path: str | os.PathLike, device: torch.device | str) -> ExportedModule:
+    root = _export_root(path)
+    graph_path = os.path.join(root, GRAPH_FILE)
+    params_path = os.path.join(root, PARAMS_FILE)
+    for p in (graph_path, params_path):
+        if not os.path.isfile(p):
+            raise ExportFormatError(f"{path}: missing {os.path.basename(p)}; is this a dlperf export?")
+    doc = _read_graph(graph_path)
+    _check_file(params_path, doc["files"][PARAMS_FILE])
+    try:
+        from safetensors.torch import load_file
+
+        tensors = load_file(params_path, device=str(device))
+    except Exception as exc:
+        raise ExportFormatError(f"{params_path}: unreadable safetensors file: {_first_line(exc)}") from exc
+    return ExportedModule(doc, tensors, where=graph_path)
+
+
+def load_pt2(path: str | os.PathLike, *, trusted: bool = False):
+    """The ``torch.export`` program saved with ``export(..., pt2=True)``, after its checksum.
+
+    Only for files you trust (``trusted=True``): ``torch.export.load`` (PyTorch 2.13) unpickles
+    pickled weights and constants with ``torch.load(weights_only=False)`` and ``pickle.loads``,
+    resolves operator names by following attribute paths under ``torch``, and parses symbolic
+    expressions with ``sympy.sympify``; a crafted ``model.pt2`` can run arbitrary code in any of
+    them. The checksum in ``graph.json`` only detects accidents (an attacker recomputes it). For
+    files of unknown origin use :func:`load`, which reads ``graph.json`` and ``params.safetensors``
+    without any of these.
+    """
+    root = _export_root(path)
+    doc = _read_graph(os.path.join(root, GRAPH_FILE))
+    pt2_path = os.path.join(root, PT2_FILE)
+    expected = doc["files"].get(PT2_FILE)
+    if expected is None or not os.path.isfile(pt2_path):
+        raise ExportFormatError(f"{path}: no {PT2_FILE} in this export (export with pt2=True)")
+    _check_file(pt2_path, expected)
+    if trusted is not True:
+        raise ExportFormatError(f"{pt2_path}: torch.export.load can run code embedded in a .pt2 file (it unpickles "
+                                f"parts of it); pass trusted=True only for files you made or trust, or use "
+                                f"dlperf.hybrid.load({os.fspath(path)!r}), which is safe on untrusted files")
+    return torch.export.load(pt2_path)
+
+
+def _export_root(path: str | os.PathLike) -> str:
+    """The directory to read: ``path``, or the previous export a killed fallback swap moved aside."""
+    return directory_to_read(os.path.realpath(os.fspath(path)), GRAPH_FILE, tag=STAGING_TAG)
+
+
+def _read_graph(graph_path: str) -> dict:
+    try:
+        info = os.stat(graph_path)
+    except OSError as exc:
+        raise ExportFormatError(f"{graph_path}: missing ({exc.strerror}); is this a dlperf export?") from exc
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_GRAPH_BYTES:
+        raise ExportFormatError(f"{graph_path}: not a regular file of at most {MAX_GRAPH_BYTES} bytes")
+    try:
+        with open(graph_path, "rb") as f:
+            data = f.read(MAX_GRAPH_BYTES + 1)
+        doc = json.loads(data.decode(), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        digest = _content_hash(doc) if isinstance(doc, dict) else None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ExportFormatError(f"{graph_path}: not a readable JSON graph ({type(exc).__name__}: "
+                                f"{_first_line(exc)})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise ExportFormatError(f"{graph_path}: not a {FORMAT_NAME} file")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise ExportFormatError(f"{graph_path}: format_version {version!r} is not supported "
+                                f"(this dlperf reads version {FORMAT_VERSION}); re-export the model")
+    if doc.get("content_sha256") != digest:
+        raise ExportFormatError(f"{graph_path}: content checksum does not match (file was modified)")
+    _GraphSchema(graph_path).check(doc)
+    return doc
+
+
+def _unique_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _check_file(path: str, expected: dict) -> None:
+    """A file listed in graph.json: a regular file of the recorded size and SHA-256."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise ExportFormatError(f"{path}: missing ({exc.strerror}); graph.json lists it") from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise ExportFormatError(f"{path}: not a regular file")
+    if info.st_size != expected["bytes"] or _sha256_file(path) != expected["sha256"]:
+        raise ExportFormatError(f"{path}: checksum does not match graph.json ({info.st_size} bytes, "
+                                f"{expected['bytes']} recorded; truncated or modified)")
+
+
+def _check_params(doc: dict, tensors: dict, where: str) -> None:
+    """The parameter file holds exactly the tensors graph.json records, with their shapes and dtypes."""
+    recorded = {info["tensor"]: info for info in doc["state"].values()}
+    missing = sorted(set(recorded) - set(tensors))
+    extra = sorted(set(tensors) - set(recorded))
+    if missing or extra:
+        name, problem = (missing[0], "is missing") if missing else (extra[0], "is not in graph.json")
+        raise ExportFormatError(f"{where}: parameter file: tensor {name!r} {problem}")
+    for name, info in recorded.items():
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor) or list(t.shape) != info["shape"] or _dtype_name(t.dtype) != info["dtype"]:
+            raise ExportFormatError(f"{where}: parameter file: tensor {name!r} is {_describe_value(t)}, "
+                                    f"graph.json says {info['dtype']}{info['shape']}")
+
+
