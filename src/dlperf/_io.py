@@ -216,7 +216,12 @@ def process_alive(pid: int) -> bool:
         return False
     except OSError:
         return True  # exists, owned by someone else
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")  # exited, not yet reaped by its parent: it writes nothing more
+    except (OSError, IndexError):
+        return True  # no /proc to ask: kill(0) said it exists
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -583,7 +588,7 @@ def recover_directory(target: str, tag: str = "new") -> None:
     leftovers = []
     for entry in os.listdir(parent):
         m = pattern.fullmatch(entry)
-        if m and not _alive(int(m.group(2))):
+        if m and not process_alive(int(m.group(2))):
             leftovers.append((m.group(1), os.path.join(parent, entry)))
     for kind, path in sorted(leftovers, key=lambda kp: kp[0] != "old"):
         if kind == "old" and not os.path.exists(target):

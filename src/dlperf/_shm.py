@@ -30,6 +30,7 @@ import stat
 import time
 from collections.abc import Sequence
 
+from ._io import process_alive
 from .errors import DlperfError
 
 __all__ = ["ShmAllreduceError", "ShmUnavailableError", "Segment", "SequenceBarrier", "spin_barrier_supported",
@@ -200,21 +201,6 @@ class Segment:
         except BufferError:
             # a tensor over the mapping is still alive somewhere; the mapping goes with it
             pass
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")  # exited, not yet reaped by its parent
-    except (OSError, IndexError):
-        return True
 
 
 class SequenceBarrier:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._io import atomic_write_text
+from .._io import atomic_write_text, decode_json
 from ..errors import UsageError
 
 __all__ = ["TraceEvent", "Trace", "WorkerSummary", "TraceSummary", "summarize", "load_trace", "format_summary",
@@ -142,21 +142,11 @@ def _read_json(path: Path, where: str) -> Any:
         if size > MAX_TRACE_BYTES:
             raise UsageError(f"{where} is {size} bytes, more than the {MAX_TRACE_BYTES} bytes a trace may "
                              "have; trace a shorter run")
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
         raise UsageError(f"{where} is not Chrome trace JSON: {exc}") from None
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except _BadEvent as exc:
-        raise UsageError(f"{where} is not Chrome trace JSON: {exc}") from None
-    except RecursionError:
-        raise UsageError(f"{where} is not a Chrome trace: its JSON nests too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, and integers longer than Python converts
-        raise UsageError(f"{where} is not Chrome trace JSON: {str(exc)[:200]}") from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise _BadEvent(f"it holds {name}, which is not a number JSON allows")
+    return decode_json(data, where, lambda w, why: UsageError(f"{w} is not Chrome trace JSON: {why}"),
+                       allow_nan=False, max_bytes=MAX_TRACE_BYTES)
 
 
 class _BadEvent(ValueError):

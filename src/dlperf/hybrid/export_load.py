@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import stat
@@ -12,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .._io import directory_to_read
+from .._io import decode_json, directory_to_read
 from ..errors import DlperfError
 from .export_aliasing import check_no_writes
 from .export_format import (
@@ -297,9 +296,15 @@ def _read_graph(graph_path: str) -> dict:
     try:
         with open(graph_path, "rb") as f:
             data = f.read(MAX_GRAPH_BYTES + 1)
-        doc = json.loads(data.decode(), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except OSError as exc:
+        raise ExportFormatError(f"{graph_path}: not a readable JSON graph ({type(exc).__name__}: "
+                                f"{_first_line(exc)})") from exc
+    doc = decode_json(data, graph_path, lambda where, why: ExportFormatError(f"{where}: not a readable JSON graph "
+                                                                             f"({why})"),
+                      allow_nan=False, unique_keys=True, max_bytes=MAX_GRAPH_BYTES)
+    try:
         digest = _content_hash(doc) if isinstance(doc, dict) else None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise ExportFormatError(f"{graph_path}: not a readable JSON graph ({type(exc).__name__}: "
                                 f"{_first_line(exc)})") from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
@@ -312,17 +317,6 @@ def _read_graph(graph_path: str) -> dict:
         raise ExportFormatError(f"{graph_path}: content checksum does not match (file was modified)")
     _GraphSchema(graph_path).check(doc)
     return doc
-
-
-def _unique_keys(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
-    return dict(pairs)
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
 
 
 def _check_file(path: str, expected: dict) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..._io import decode_json
+from ..._io import decode_json, process_alive
 from ..._shm import (
     ABORTED,
     CLOSED,
@@ -55,7 +55,6 @@ from ..._shm import (
     SequenceBarrier,
     ShmAllreduceError,
     ShmUnavailableError,
-    process_alive,
     spin_barrier_supported,
 )
 from ...errors import UsageError
