@@ -81,7 +81,8 @@ def register(sub) -> None:
                    help="train as this many processes on this host (dlperf launch for more options)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.set_defaults(func=run)
+    # dlperf launch checks a train command through this, before any process starts
+    p.set_defaults(func=run, check_in_parent=check_in_parent)
 
 
 def train_config(args: argparse.Namespace, processes: int | None = None) -> TrainConfig:
@@ -94,10 +95,13 @@ def train_config(args: argparse.Namespace, processes: int | None = None) -> Trai
                        processes=processes)
 
 
-def check_in_parent(args: argparse.Namespace, processes: int) -> TrainConfig:
-    """Check the options for ``processes`` processes before they start: a mistake is one line, not one a process."""
+def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int = 0) -> TrainConfig:
+    """Check the options for ``processes`` processes (``num_servers`` of them parameter servers) before they
+    start: a mistake is one line, not one a process."""
     from ..parallel.procs import check_process_settings
+    from ..parallel.strategies import choose_strategy
 
+    choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, cli=True)
     config = train_config(args, processes)
     check_resume(config)
     check_process_settings()

@@ -33,7 +33,9 @@ from .allreduce import DEFAULT_ALGORITHM, get_algorithm
 from .checkpoint import CHECKPOINT_FORMAT, load_checkpoint, save_checkpoint
 from .launchers import rank_info, restart_count
 from .split import check_devices
+from .strategies import choose_strategy
 from .trainer import Trainer
+from .trainer_config import TrainerConfig
 
 __all__ = ["TrainConfig", "TrainState", "check_resume", "prepare", "serve", "train", "train_epochs", "epoch_line",
            "parse_devices", "TRAIN_MODELS", "MAX_BATCH", "MAX_EPOCHS", "MAX_LR"]
@@ -106,7 +108,7 @@ class TrainConfig:
 
         require_memory(batch_bytes(get_spec(self.model), self.batch_size, training=True),
                        f"--batch-size {self.batch_size} on {self.model}", "give a smaller --batch-size")
-        self.devices = check_devices(parse_devices(self.devices))  # fail before any data is made or read
+        devices = self.devices = check_devices(parse_devices(self.devices))  # fail before any data is made or read
         if self.processes is None:
             self.processes = rank_info().world_size
         total = self.processes * len(self.devices)
@@ -116,14 +118,7 @@ class TrainConfig:
             raise UsageError(f"--batch-size {self.batch_size} is smaller than the {where}; each device needs at "
                              f"least one example per step: use --batch-size {total} or more")
         get_algorithm(self.algorithm)
-        distributed = self.kvstore is not None and self.kvstore.startswith("dist_")
-        if self.kvstore is not None and self.processes > 1 and not distributed:
-            raise UsageError(f"--kvstore {self.kvstore} with {self.processes} processes: the local stores aggregate "
-                             "one process's devices only; use --kvstore dist_sync, or drop --kvstore (gradients "
-                             "are then summed across processes by allreduce)")
-        if distributed and self.processes < 2:
-            raise UsageError(f"--kvstore {self.kvstore} in one process: a distributed store needs several; add "
-                             "--nproc-per-node 2, or use --kvstore local")
+        choose_strategy(self.kvstore, devices=devices, processes=self.processes, cli=True)
         if self.checkpoint:
             try:
                 check_writable(self.checkpoint)  # now, not after the first epoch
@@ -152,6 +147,10 @@ class TrainConfig:
         if self.data is None:
             require_memory((self.train_size + self.test_size) * _STORED_EXAMPLE_BYTES,
                            f"--train-size {self.train_size} --test-size {self.test_size}", "give smaller sizes")
+
+    def device_list(self) -> list[Device]:
+        """``devices`` as ``__post_init__`` parsed them."""
+        return check_devices(parse_devices(self.devices)) if isinstance(self.devices, str) else self.devices
 
     def checkpoint_config(self) -> dict[str, Any]:
         """The settings a checkpoint records; resuming needs them all equal."""
@@ -223,6 +222,8 @@ def serve(config: TrainConfig) -> None:
     """On a parameter-server rank of a ``dist_*`` store: serve the workers' training of ``config`` to its end."""
     from .servers import serve_kvstore
 
+    if config.kvstore is None:
+        raise UsageError("serving needs a distributed --kvstore, e.g. --kvstore dist_sync")
     serve_kvstore(config.kvstore, "sgd", {"lr": config.lr})  # the update train() gives its Trainer
 
 
@@ -254,12 +255,12 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
     """
     model = state.spec.build()
     if config.algorithm == "auto" and config.kvstore is None and on_message:
-        on_message(describe_auto_choice(model, config.devices, config.bucket_bytes))
-    with Trainer(model, config.devices, "sgd", {"lr": config.lr}, loss=state.spec.loss, algorithm=config.algorithm,
-                 bucket_bytes=config.bucket_bytes,
-                 kvstore=config.kvstore, check_finite=config.check_finite,
-                 # one timeline per run: the first process's (the others would write the same file)
-                 trace=config.trace if rank_info().rank == 0 else None) as trainer:
+        on_message(describe_auto_choice(model, config.device_list(), config.bucket_bytes))
+    options = TrainerConfig("sgd", {"lr": config.lr}, loss=state.spec.loss, algorithm=config.algorithm,
+                            bucket_bytes=config.bucket_bytes, kvstore=config.kvstore, check_finite=config.check_finite,
+                            # one timeline per run: the first process's (the others would write the same file)
+                            trace=config.trace if rank_info().rank == 0 else None)
+    with Trainer(model, config.device_list(), config=options) as trainer:
         if state.resume is not None:
             try:
                 trainer.load_state_dict(state.resume["trainer"])
