@@ -73,6 +73,9 @@ def register(sub) -> None:
                    help="save the state atomically after every epoch")
     p.add_argument("--resume", metavar="FILE", type=va.existing_file("--resume"),
                    help="continue bit-identically from a checkpoint")
+    p.add_argument("--resume-hparams-from-checkpoint", action="store_true",
+                   help="with --resume: train with the optimizer hyperparameters the checkpoint holds (checked "
+                        "for type and range) instead of refusing a checkpoint whose differ from this run's")
     p.add_argument("--check-finite", action="store_true",
                    help="stop at the first step whose loss or gradients are NaN/inf, before it updates the weights")
     p.add_argument("--trace", metavar="FILE", type=va.output_path("--trace"),

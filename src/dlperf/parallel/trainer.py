@@ -132,7 +132,7 @@ class Trainer:
     @property
     def update_on_kvstore(self) -> bool:
         """Whether the store runs the optimizer."""
-        return self.strategy.name in ("update-on-kvstore", "parameter-servers")
+        return self.strategy.state_key == "kvstore"
 
     @property
     def _buckets(self) -> GradientBuckets | None:

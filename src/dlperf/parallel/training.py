@@ -32,8 +32,10 @@ from ..errors import UsageError
 from .allreduce import DEFAULT_ALGORITHM, get_algorithm
 from .checkpoint import CHECKPOINT_FORMAT, load_checkpoint, save_checkpoint
 from .launchers import rank_info, restart_count
+from .optimizers import make_optimizer
+from .resume import HPARAMS_FLAG, history_problem, trainer_state_problem
 from .split import check_devices
-from .strategies import choose_strategy
+from .strategies import STRATEGIES, choose_strategy
 from .trainer import Trainer
 from .trainer_config import TrainerConfig
 
@@ -93,6 +95,8 @@ class TrainConfig:
     """File the state is saved to, atomically, after every epoch."""
     resume: str | None = None
     """Checkpoint to continue from, bit-identically."""
+    resume_hparams_from_checkpoint: bool = False
+    """Resume with the optimizer hyperparameters the checkpoint holds (checked for range), not the run's."""
     check_finite: bool = False
     """Stop at the first step whose loss or gradients are NaN/inf, before it updates the weights."""
     trace: str | None = None
@@ -119,6 +123,8 @@ class TrainConfig:
                              f"least one example per step: use --batch-size {total} or more")
         get_algorithm(self.algorithm)
         choose_strategy(self.kvstore, devices=devices, processes=self.processes, cli=True)
+        if self.resume_hparams_from_checkpoint and not self.resume:
+            raise UsageError(f"{HPARAMS_FLAG} needs --resume FILE to take them from; add it or drop the option")
         if self.checkpoint:
             try:
                 check_writable(self.checkpoint)  # now, not after the first epoch
@@ -191,13 +197,34 @@ class TrainState:
 
 
 def check_resume(config: TrainConfig) -> dict[str, Any] | None:
-    """The checkpoint ``config.resume`` names, read and checked against ``config`` (None without one)."""
-    resume = load_checkpoint(config.resume) if config.resume else None
+    """The checkpoint ``config.resume`` names, read and checked against ``config`` (None without one).
+
+    Every field is checked against the run: its settings, the model's weights and buffers, the
+    optimizer's hyperparameters and state, the step counter and the history (:func:`prepare` checks
+    the step counter against the data's batches once they are loaded). A problem is one
+    :class:`UsageError` line naming the field.
+    """
+    if not config.resume:
+        return None
+    resume = load_checkpoint(config.resume)
     settings = config.checkpoint_config()
-    if resume is not None and resume["config"] != settings:
+    if resume["config"] != settings:
         was = resume["config"]
         diff = {k: (was.get(k), settings.get(k)) for k in sorted({*was, *settings}) if was.get(k) != settings.get(k)}
         raise UsageError(f"--resume {config.resume}: settings differ from the checkpoint's (was, now): {diff}")
+    from ..models import get_spec
+
+    devices = config.device_list()
+    strategy = STRATEGIES.get(choose_strategy(config.kvstore, devices=devices, processes=config.processes or 1))
+    trainer = resume["trainer"]
+    problem = trainer_state_problem(
+        trainer, model=get_spec(config.model).build(), devices=len(devices),
+        make_reference=lambda params: make_optimizer("sgd", params, {"lr": config.lr}),  # as train() makes it
+        on_store=strategy.state_key == "kvstore", from_checkpoint=config.resume_hparams_from_checkpoint)
+    problem = problem or history_problem(resume["history"], trainer["steps"], epochs=config.epochs,
+                                         batches_per_epoch=None)
+    if problem:
+        raise UsageError(f"--resume {config.resume}: {problem}")
     return resume
 
 
@@ -209,11 +236,16 @@ def prepare(config: TrainConfig) -> TrainState:
     if config.resume is None and config.checkpoint and restart_count() > 0 and os.path.exists(config.checkpoint):
         # restarted by the launcher after a failure: continue from the last epoch the checkpoint holds
         config.resume = config.checkpoint
-    resume = check_resume(config)
+    resume = check_resume(config)  # before the data is read: a mismatch is reported at once
     torch.manual_seed(config.seed)
     spec = get_spec(config.model)
     train_loader, test_loader = load_data(config.batch_size, config.data, seed=config.seed, train=config.train_size,
                                           test=config.test_size, download=config.download)
+    if resume is not None:  # the step counter against the data's batches, known now
+        problem = history_problem(resume["history"], resume["trainer"]["steps"], epochs=config.epochs,
+                                  batches_per_epoch=len(train_loader))
+        if problem:
+            raise UsageError(f"--resume {config.resume}: {problem}")
     history = list(resume["history"]) if resume else []
     return TrainState(spec, train_loader, test_loader, resume, history, first=len(history))
 

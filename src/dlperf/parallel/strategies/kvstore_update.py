@@ -27,6 +27,7 @@ class UpdateOnKVStore(Strategy):
     """Update on the store (d2l 12.7): one key per parameter, the store runs the optimizer."""
 
     name = "update-on-kvstore"
+    state_key = "kvstore"
 
     def __init__(self, kvstore: str | KVStore | None = None) -> None:
         super().__init__(kvstore)

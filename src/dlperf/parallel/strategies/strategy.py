@@ -53,6 +53,8 @@ class Strategy(ABC):
 
     name: ClassVar[str] = ""
     """The registry name (``one-device``, ``allreduce``, ...)."""
+    state_key: ClassVar[str] = "optimizer"
+    """The key :meth:`state_dict` keeps the update's state under: ``"optimizer"`` or ``"kvstore"``."""
 
     def __init__(self, kvstore: str | KVStore | None = None) -> None:
         self.kvstore_option = kvstore
