@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 from dlperf.cli import main
+from dlperf.devices import cpu
+from dlperf.parallel import Trainer
+from dlperf.parallel.optimizers import make_optimizer
+from dlperf.parallel.resume import trainer_state_problem
 
 SMALL = ["--train-size", "300", "--test-size", "100", "--batch-size", "100", "--no-progress", "--devices",
          "cpu:0,cpu:1", "--lr", "0.2"]
@@ -135,3 +142,39 @@ def test_an_honest_checkpoint_resumes(honest, tmp_path, capfd):
     path = _crafted(honest, tmp_path, lambda state: None)
     assert main(["train", *SMALL, "--epochs", "2", "--resume", path]) == 0
     assert capfd.readouterr().out.splitlines()[0].startswith("epoch 2: loss ")
+
+
+def _store_trainer_state() -> tuple[dict, nn.Module]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    with Trainer(net, [cpu(0), cpu(1)], "sgd", {"lr": 0.2}, kvstore="local", update_on_kvstore=True) as trainer:
+        trainer.train_step(torch.randn(8, 4), torch.randint(0, 3, (8,)))
+        return trainer.state_dict(), net
+
+
+def _store_problem(state: dict, net: nn.Module, from_checkpoint: bool = False) -> str | None:
+    return trainer_state_problem(state, model=net, devices=2, on_store=True, from_checkpoint=from_checkpoint,
+                                 make_reference=lambda params: make_optimizer("sgd", params, {"lr": 0.2}))
+
+
+def test_a_stores_state_is_checked_like_an_optimizers():
+    state, net = _store_trainer_state()
+    assert _store_problem(state, net) is None
+    # a distributed store's layout: each key's optimizer state per part, and the parts counted
+    store = state["kvstore"]
+    dist = {**state, "kvstore": {"values": store["values"], "parts": {k: 1 for k in store["values"]},
+                                 "optimizers": {k: {0: s} for k, s in store["optimizers"].items()}}}
+    assert _store_problem(dist, net) is None
+    bad_parts = {**dist, "kvstore": {**dist["kvstore"], "parts": {0: 0}}}
+    assert "trainer['kvstore']['parts']" in _store_problem(bad_parts, net)
+    first = next(iter(store["optimizers"]))
+    fast = copy.deepcopy(dist)
+    fast["kvstore"]["optimizers"][first][0]["param_groups"][0]["lr"] = "fast"
+    assert f"trainer['kvstore']['optimizers'][{first}][0]['param_groups'][0]['lr'] is 'fast'" in \
+        _store_problem(fast, net, from_checkpoint=True)
+    wide = copy.deepcopy(state)
+    wide["kvstore"]["values"][0] = torch.zeros(9, 9)
+    assert "trainer['kvstore']['values']['0'] has shape (9, 9), expected (6, 4)" in _store_problem(wide, net)
+    assert "trainer holds store state" in trainer_state_problem(
+        state, model=net, devices=2, on_store=False, from_checkpoint=False,
+        make_reference=lambda params: make_optimizer("sgd", params, {"lr": 0.2}))

@@ -186,7 +186,8 @@ def trainer_state_problem(state: Mapping[str, Any], *, model: torch.nn.Module, d
         return optimizer_problem("trainer['optimizer']", state["optimizer"], make_reference(params), params,
                                  from_checkpoint)
     store = state.get("kvstore")
-    if not isinstance(store, dict) or "optimizer" in state or set(store) != {"values", "optimizers"}:
+    # a distributed store also records in how many parts (slices on servers) it keeps each key
+    if not isinstance(store, dict) or "optimizer" in state or set(store) - {"parts"} != {"values", "optimizers"}:
         return "trainer holds no store state ('kvstore' with 'values' and 'optimizers'); resume with the " \
                "--kvstore that wrote it"
     return _store_problem(store, params, make_reference, from_checkpoint)
@@ -200,14 +201,18 @@ def _store_problem(store: dict[str, Any], params: list[torch.nn.Parameter], make
                               {str(i): p.detach() for i, p in enumerate(params)})
     if problem:
         return problem
+    parts = store.get("parts", {})
+    if not isinstance(parts, dict) or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 2**20
+                                          or k not in values for k, n in parts.items()):
+        return f"trainer['kvstore']['parts'] is {_show(parts)}, expected a count >= 1 for each stored key"
     optimizers = store["optimizers"]
     if not isinstance(optimizers, dict):
         return f"trainer['kvstore']['optimizers'] is {_show(optimizers)}, expected a dict"
-    for key, parts in optimizers.items():
+    for key, kept in optimizers.items():
         if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(params):
             return f"trainer['kvstore']['optimizers'] has key {_show(key)}, expected 0 to {len(params) - 1}"
         # a distributed store keeps one state per slice of a key, a local one a single state
-        slices = parts.items() if isinstance(parts, dict) and "param_groups" not in parts else [(None, parts)]
+        slices = kept.items() if isinstance(kept, dict) and "param_groups" not in kept else [(None, kept)]
         for part, opt_state in slices:
             where = f"trainer['kvstore']['optimizers'][{key}]" + ("" if part is None else f"[{part!r}]")
             problem = optimizer_problem(where, opt_state, make_reference([params[key]]),
