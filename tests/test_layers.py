@@ -39,10 +39,6 @@ PACKAGE_CYCLES: dict[frozenset[str], str] = {
         "stays: the registry loads the built-in backends lazily and each registers itself against its base class",
     frozenset({"dlperf.engine.engine", "dlperf.engine.naive", "dlperf.engine.threaded"}):
         "stays: the engine registry loads the built-in engines lazily and each registers itself",
-    frozenset({"dlperf.parallel.servers", "dlperf.parallel.trainer"}):
-        "pending: the Trainer's ways of synchronizing gradients become strategies",
-    frozenset({"dlperf.cli.launch", "dlperf.cli.train"}):
-        "pending: the training options move out of cli/train for both verbs",
 }
 
 

@@ -339,13 +339,13 @@ def test_an_interrupt_while_a_step_waits_closes_promptly_and_stops_the_engine(mo
     net, X, y, loss_fn = _lenet_batch(64)
     trainer = Trainer(net, _devices(2), "sgd", {"lr": 0.1}, loss=loss_fn, bucket_bytes=64 * 1024)
 
-    def interrupted(ops, update_pushed):
+    def interrupted(ops):
         raise KeyboardInterrupt
 
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         with trainer:
-            monkeypatch.setattr(trainer, "_wait_replicas", interrupted)
+            monkeypatch.setattr(trainer.strategy, "wait_replicas", interrupted)
             trainer.train_step(X, y)
     assert time.monotonic() - start < 10.0
     assert trainer.engine.closed

@@ -170,7 +170,6 @@ def run_script(path: str, argv: list[str]) -> int:
 def _precheck_verb(argv: list[str], world: int, num_servers: int) -> int:
     """Parse (and for ``train`` check) the verb's options here, once, before any process starts."""
     from . import build_parser
-    from .train import check_in_parent
 
     try:
         parsed = build_parser().parse_args(argv)
@@ -183,10 +182,7 @@ def _precheck_verb(argv: list[str], world: int, num_servers: int) -> int:
         if parsed.nproc_per_node is not None:
             raise UsageError(f"train --nproc-per-node {parsed.nproc_per_node} under dlperf launch: give the process "
                              "count once, to dlperf launch (--nproc-per-node) or to dlperf train")
-        if num_servers and not (parsed.kvstore or "").startswith("dist_"):
-            raise UsageError(f"--num-servers {num_servers} with train --kvstore {parsed.kvstore}: parameter servers "
-                             "serve a distributed store; add --kvstore dist_sync to train, or drop --num-servers")
-        check_in_parent(parsed, world)
+        parsed.check_in_parent(parsed, world, num_servers)
     return 0
 
 

@@ -73,6 +73,9 @@ def register(sub) -> None:
                    help="save the state atomically after every epoch")
     p.add_argument("--resume", metavar="FILE", type=va.existing_file("--resume"),
                    help="continue bit-identically from a checkpoint")
+    p.add_argument("--resume-hparams-from-checkpoint", action="store_true",
+                   help="with --resume: train with the optimizer hyperparameters the checkpoint holds (checked "
+                        "for type and range) instead of refusing a checkpoint whose differ from this run's")
     p.add_argument("--check-finite", action="store_true",
                    help="stop at the first step whose loss or gradients are NaN/inf, before it updates the weights")
     p.add_argument("--trace", metavar="FILE", type=va.output_path("--trace"),
@@ -81,7 +84,8 @@ def register(sub) -> None:
                    help="train as this many processes on this host (dlperf launch for more options)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.set_defaults(func=run)
+    # dlperf launch checks a train command through this, before any process starts
+    p.set_defaults(func=run, check_in_parent=check_in_parent)
 
 
 def train_config(args: argparse.Namespace, processes: int | None = None) -> TrainConfig:
@@ -94,10 +98,13 @@ def train_config(args: argparse.Namespace, processes: int | None = None) -> Trai
                        processes=processes)
 
 
-def check_in_parent(args: argparse.Namespace, processes: int) -> TrainConfig:
-    """Check the options for ``processes`` processes before they start: a mistake is one line, not one a process."""
+def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int = 0) -> TrainConfig:
+    """Check the options for ``processes`` processes (``num_servers`` of them parameter servers) before they
+    start: a mistake is one line, not one a process."""
     from ..parallel.procs import check_process_settings
+    from ..parallel.strategies import choose_strategy
 
+    choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, cli=True)
     config = train_config(args, processes)
     check_resume(config)
     check_process_settings()

@@ -477,3 +477,8 @@ def create_kvstore(name: str = "local", **options: Any) -> KVStore:
     ``options`` go to the type's constructor (the distributed types take ``num_servers``, ``staleness``).
     """
     return _TYPES.get(name)(**options)
+
+
+def kvstore_class(name: str) -> type[KVStore]:
+    """The class ``create_kvstore(name)`` makes, without making one (a miss lists the registered types)."""
+    return _TYPES.get(name)

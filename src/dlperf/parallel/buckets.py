@@ -80,20 +80,21 @@ class Across:
     """Where and how buckets are summed across processes: ``reduce(flat)`` on an engine lane of its own.
 
     ``var`` is the engine variable every operation that talks to the other processes writes, so that they
-    run in the order pushed. ``then``, when set as a step's reductions are pushed, runs in the last bucket's
-    operation after its sum (a trainer of one device per process updates its weights there: one hand-off
-    between threads fewer per step, which counts on a machine whose cores are all busy).
+    run in the order pushed. ``then`` runs in the last bucket's operation after its sum (a trainer of one
+    device per process updates its weights there: one hand-off between threads fewer per step, which
+    counts on a machine whose cores are all busy).
     """
 
-    def __init__(self, reduce: Callable[[torch.Tensor], None], lane: Device, var: Var, kind: str = "compute") -> None:
+    def __init__(self, reduce: Callable[[torch.Tensor], None], lane: Device, var: Var, kind: str = "compute",
+                 then: Callable[[], object] | None = None) -> None:
         self.reduce = reduce
         self.lane = lane
         self.var = var
         self.kind = kind
-        self.then: Callable[[], object] | None = None
+        self.then = then
 
 
-def _after(events: list, task: Callable[[], None]) -> Callable[[], None]:
+def _after(events: list[torch.cuda.Event], task: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
         stream = torch.cuda.current_stream()
         for ev in events:
@@ -106,13 +107,16 @@ class GradientBuckets:
     """Flat gradient buffers for k replicas, reduced on the engine's lanes as they fill.
 
     ``reduce(b)`` pushes bucket ``b``'s reduction and returns the variables it leaves written; by
-    default it runs the allreduce algorithm on ``lanes``; a trainer with a KVStore replaces it with
-    the store's ``pushpull_async``.
+    default it is :meth:`allreduce_bucket` (the allreduce algorithm on ``lanes``); a strategy with a
+    KVStore passes the store's ``pushpull_async`` instead. ``on_all_pushed()`` is called (under the
+    lock, in the thread that pushed it) once a step's last bucket is pushed: a strategy pushes its
+    updates there, so they follow the reductions without a round trip through the caller's thread.
     """
 
     def __init__(self, replicas: Sequence[nn.Module], algorithm: str | AllreduceAlgorithm,
                  bucket_bytes: int | None = None, lanes: EngineLanes | None = None,
-                 across: Across | None = None) -> None:
+                 across: Across | None = None, *, reduce: Callable[[int], list[Var]] | None = None,
+                 on_all_pushed: Callable[[], None] | None = None) -> None:
         self.algorithm = get_algorithm(algorithm)
         self.lanes = lanes
         self.across = across
@@ -146,16 +150,14 @@ class GradientBuckets:
         # earlier layers first: the next forward needs them first (engine: higher runs first)
         n_params = len(self.params[0])
         self.priorities = [n_params - min(idx) for idx in self.buckets]
-        self.reduce: Callable[[int], list[Var]] = self._allreduce_bucket
+        self._reduce: Callable[[int], list[Var]] = reduce if reduce is not None else self.allreduce_bucket
         self.done: list[list[Var]] = [[] for _ in self.buckets]
-        self._ready: list[list] = [[] for _ in self.buckets]  # per bucket: CUDA events of its producers
+        # per bucket: CUDA events of its producers
+        self._ready: list[list[torch.cuda.Event]] = [[] for _ in self.buckets]
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self._lock = threading.Lock()
         self._armed = False
-        # Called (under the lock, in the thread that pushed it) once the step's last bucket is pushed:
-        # a trainer pushes its updates there, so they follow the reductions without a round trip
-        # through the caller's thread.
-        self.then_all: Callable[[], None] | None = None
+        self._on_all_pushed = on_all_pushed
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(r, i))
                        for r in range(self.k) for i, p in enumerate(self.params[r])]
         self.bind()
@@ -185,17 +187,22 @@ class GradientBuckets:
                 f.mul_(factor)
 
     # -- reductions as engine operations --------------------------------------------------------------
-    def _allreduce_bucket(self, b: int) -> list[Var]:
+    def _engine_lanes(self) -> EngineLanes:
         if self.lanes is None:
             raise RuntimeError("these gradient buckets have no engine lanes to reduce on")
+        return self.lanes
+
+    def allreduce_bucket(self, b: int) -> list[Var]:
+        """Push bucket ``b``'s allreduce among the replicas on the lanes; the variables it leaves written."""
+        lanes = self._engine_lanes()
         row = self.flats[b]
         algo = self.algorithm
         phases = algo.schedule(row, True) if isinstance(algo, AutoAllreduce) else algo.schedule(row)
         events = self._ready[b]
         if events:  # GPU: the lanes' streams wait for the backward kernels that produced the bucket
             phases = [[None if t is None else _after(events, t) for t in phase] for phase in phases]
-        return self.lanes.push_schedule(phases, priority=self.priorities[b], name=f"allreduce bucket {b}",
-                                        on=self._finish_on(b))
+        return lanes.push_schedule(phases, priority=self.priorities[b], name=f"allreduce bucket {b}",
+                                   on=self._finish_on(b))
 
     def _finish_on(self, b: int) -> tuple[Device, str] | None:
         """Where the step's last small bucket of host memory is reduced: the worker pushing it.
@@ -206,7 +213,7 @@ class GradientBuckets:
         """
         if self._unpushed != 1 or self.flats[b][0].numel() * self.flats[b][0].element_size() > FINISH_HERE_BYTES:
             return None
-        place = self.lanes.engine.running_on()
+        place = self._engine_lanes().engine.running_on()
         if place is None or place[0].is_gpu or any(f.is_cuda for f in self.flats[b]):
             return None
         return place
@@ -231,7 +238,7 @@ class GradientBuckets:
     def disarm(self) -> None:
         self._armed = False
 
-    def _hook(self, r: int, i: int):
+    def _hook(self, r: int, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if not self._armed:
                 return
@@ -253,19 +260,20 @@ class GradientBuckets:
         if self._armed and not self._pushed[b]:
             self._pushed[b] = True
             # one replica in this process: nothing to reduce locally before the processes' sum
-            self.done[b] = self.reduce(b) if self.k > 1 or self.across is None else []
+            self.done[b] = self._reduce(b) if self.k > 1 or self.across is None else []
             if self.across is not None:
-                self._push_across_in_order()
+                self._push_across_in_order(self.across)
             self._unpushed -= 1
-            if self._unpushed == 0 and self.then_all is not None:
-                self.then_all()
+            if self._unpushed == 0 and self._on_all_pushed is not None:
+                self._on_all_pushed()
 
-    def _push_across_in_order(self) -> None:
+    def _push_across_in_order(self, across: Across) -> None:
         # caller holds the lock; buckets go across in index order only (see the module's docstring)
+        engine = self._engine_lanes().engine
         while self._next_across < len(self.buckets) and self._pushed[self._next_across]:
             b = self._next_across
             self._next_across += 1
-            row, across = self.flats[b], self.across
+            row = self.flats[b]
             then = across.then if b == len(self.buckets) - 1 else None
 
             def task(row=row, across=across, then=then) -> None:
@@ -277,9 +285,8 @@ class GradientBuckets:
 
             events = self._ready[b]
             run = _after(events, task) if events else task
-            self.lanes.engine.push(run, reads=tuple(self.done[b]), writes=(across.var,), device=across.lane,
-                                   kind=across.kind, priority=self.priorities[b],
-                                   name=f"allreduce bucket {b} across processes")
+            engine.push(run, reads=tuple(self.done[b]), writes=(across.var,), device=across.lane,
+                        kind=across.kind, priority=self.priorities[b], name=f"allreduce bucket {b} across processes")
             self.done[b] = [*self.done[b], across.var]
 
     def replica_done(self) -> bool:

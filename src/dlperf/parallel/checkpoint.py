@@ -57,7 +57,7 @@ def _check_fields(where: str, d: object, required: dict[str, tuple[type, ...]],
 def _checkpoint_problem(state: object) -> str | None:
     problem = _check_fields("the file", state, {"format": (int,), "config": (dict,), "history": (list,),
                                                 "trainer": (dict,)})
-    if problem:
+    if problem or not isinstance(state, dict):  # (a dict when no problem: narrowed for the type checker)
         return problem
     if state["format"] != _CHECKPOINT_FORMAT:
         return f"format {state['format']} (this dlperf reads format {_CHECKPOINT_FORMAT})"

@@ -95,6 +95,8 @@ class DataParallel(nn.Module):
         if i == 0:
             return self.module
         rep, dev = self._replicas[i], self.devices[i]
+        if rep is None:  # only the first slot is empty: the module itself
+            raise RuntimeError(f"DataParallel has no replica {i}")
         for name, p in self.module.named_parameters(remove_duplicate=False):
             owner_name, _, attr = name.rpartition(".")
             owner = rep.get_submodule(owner_name) if owner_name else rep

@@ -14,17 +14,25 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UsageError
-from ..kvstore import KVStore, create_kvstore
+from ..kvstore import DistKVStore, KVStore, create_kvstore
 from .launchers import rank_info
 
 __all__ = ["is_dist_kvstore", "is_server_rank", "open_dist_kvstore", "serve_kvstore", "server_ranks", "worker_group"]
 
 
 def is_dist_kvstore(kvstore: Any) -> bool:
-    """Whether ``kvstore`` (a type name or a store) keeps its keys on server processes."""
-    from ..kvstore.dist import DistKVStore
+    """Whether ``kvstore`` (a type name or a store) keeps its keys on server processes.
 
-    return isinstance(kvstore, DistKVStore) or (isinstance(kvstore, str) and kvstore.startswith("dist_"))
+    The store's class says so; an unknown type name raises the registry's one line listing the types.
+
+    >>> is_dist_kvstore("dist_sync"), is_dist_kvstore("local"), is_dist_kvstore(None)
+    (True, False, False)
+    """
+    from ..kvstore.base import kvstore_class
+
+    if isinstance(kvstore, str):
+        return issubclass(kvstore_class(kvstore), DistKVStore)
+    return isinstance(kvstore, DistKVStore)
 
 
 def server_ranks(kvstore: Any) -> int:
@@ -56,9 +64,19 @@ def worker_group(kv: KVStore) -> Any:
     return dist.new_group(list(range(workers)))
 
 
-def open_dist_kvstore(kvstore: str | KVStore) -> tuple[KVStore, Any]:
-    """A worker's store (created here from a type name) and its workers' group, for the Trainer."""
+def _dist_store(kvstore: str | KVStore) -> DistKVStore:
     kv = create_kvstore(kvstore) if isinstance(kvstore, str) else kvstore
+    if not isinstance(kv, DistKVStore):
+        if isinstance(kvstore, str):
+            kv.close()
+        raise UsageError(f"kvstore {kv.type!r} keeps its keys in this process; parameter servers need a distributed "
+                         "store: use 'dist_sync' or 'dist_device_sync'")
+    return kv
+
+
+def open_dist_kvstore(kvstore: str | KVStore) -> tuple[DistKVStore, Any]:
+    """A worker's store (created here from a type name) and its workers' group, for the Trainer."""
+    kv = _dist_store(kvstore)
     try:
         group = worker_group(kv)
         if kv.role != "worker":
@@ -78,13 +96,13 @@ def serve_kvstore(kvstore: str, optimizer: Any = "sgd", optimizer_params: dict[s
     """
     import torch.distributed as dist
 
+    from .optimizers import make_optimizer
     from .procs import join_processes
-    from .trainer import make_optimizer
 
     # a script under dlperf launch or torchrun has no process group yet: the workers' Trainers start one
     axis = None if dist.is_initialized() else join_processes()
     try:
-        kv = create_kvstore(kvstore)
+        kv = _dist_store(kvstore)
         try:
             worker_group(kv)
             kv.set_optimizer(lambda params: make_optimizer(optimizer, params, dict(optimizer_params or {})))

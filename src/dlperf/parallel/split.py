@@ -103,7 +103,7 @@ def place_parts(batch: torch.Tensor, devices: Sequence[Device], sizes: Sequence[
 
     The per-step path of a trainer whose devices were checked once: it skips parsing them again.
     """
-    return [_place(p, d) for p, d in zip(torch.split(batch, sizes), devices)]
+    return [_place(p, d) for p, d in zip(torch.split(batch, list(sizes)), devices)]
 
 
 def split_batch(X: torch.Tensor, y: torch.Tensor, devices: Sequence[DeviceLike],

@@ -32,8 +32,12 @@ from ..errors import UsageError
 from .allreduce import DEFAULT_ALGORITHM, get_algorithm
 from .checkpoint import CHECKPOINT_FORMAT, load_checkpoint, save_checkpoint
 from .launchers import rank_info, restart_count
+from .optimizers import make_optimizer
+from .resume import HPARAMS_FLAG, history_problem, trainer_state_problem
 from .split import check_devices
+from .strategies import STRATEGIES, choose_strategy
 from .trainer import Trainer
+from .trainer_config import TrainerConfig
 
 __all__ = ["TrainConfig", "TrainState", "check_resume", "prepare", "serve", "train", "train_epochs", "epoch_line",
            "parse_devices", "TRAIN_MODELS", "MAX_BATCH", "MAX_EPOCHS", "MAX_LR"]
@@ -91,6 +95,8 @@ class TrainConfig:
     """File the state is saved to, atomically, after every epoch."""
     resume: str | None = None
     """Checkpoint to continue from, bit-identically."""
+    resume_hparams_from_checkpoint: bool = False
+    """Resume with the optimizer hyperparameters the checkpoint holds (checked for range), not the run's."""
     check_finite: bool = False
     """Stop at the first step whose loss or gradients are NaN/inf, before it updates the weights."""
     trace: str | None = None
@@ -106,7 +112,7 @@ class TrainConfig:
 
         require_memory(batch_bytes(get_spec(self.model), self.batch_size, training=True),
                        f"--batch-size {self.batch_size} on {self.model}", "give a smaller --batch-size")
-        self.devices = check_devices(parse_devices(self.devices))  # fail before any data is made or read
+        devices = self.devices = check_devices(parse_devices(self.devices))  # fail before any data is made or read
         if self.processes is None:
             self.processes = rank_info().world_size
         total = self.processes * len(self.devices)
@@ -116,14 +122,9 @@ class TrainConfig:
             raise UsageError(f"--batch-size {self.batch_size} is smaller than the {where}; each device needs at "
                              f"least one example per step: use --batch-size {total} or more")
         get_algorithm(self.algorithm)
-        distributed = self.kvstore is not None and self.kvstore.startswith("dist_")
-        if self.kvstore is not None and self.processes > 1 and not distributed:
-            raise UsageError(f"--kvstore {self.kvstore} with {self.processes} processes: the local stores aggregate "
-                             "one process's devices only; use --kvstore dist_sync, or drop --kvstore (gradients "
-                             "are then summed across processes by allreduce)")
-        if distributed and self.processes < 2:
-            raise UsageError(f"--kvstore {self.kvstore} in one process: a distributed store needs several; add "
-                             "--nproc-per-node 2, or use --kvstore local")
+        choose_strategy(self.kvstore, devices=devices, processes=self.processes, cli=True)
+        if self.resume_hparams_from_checkpoint and not self.resume:
+            raise UsageError(f"{HPARAMS_FLAG} needs --resume FILE to take them from; add it or drop the option")
         if self.checkpoint:
             try:
                 check_writable(self.checkpoint)  # now, not after the first epoch
@@ -152,6 +153,10 @@ class TrainConfig:
         if self.data is None:
             require_memory((self.train_size + self.test_size) * _STORED_EXAMPLE_BYTES,
                            f"--train-size {self.train_size} --test-size {self.test_size}", "give smaller sizes")
+
+    def device_list(self) -> list[Device]:
+        """``devices`` as ``__post_init__`` parsed them."""
+        return check_devices(parse_devices(self.devices)) if isinstance(self.devices, str) else self.devices
 
     def checkpoint_config(self) -> dict[str, Any]:
         """The settings a checkpoint records; resuming needs them all equal."""
@@ -192,13 +197,34 @@ class TrainState:
 
 
 def check_resume(config: TrainConfig) -> dict[str, Any] | None:
-    """The checkpoint ``config.resume`` names, read and checked against ``config`` (None without one)."""
-    resume = load_checkpoint(config.resume) if config.resume else None
+    """The checkpoint ``config.resume`` names, read and checked against ``config`` (None without one).
+
+    Every field is checked against the run: its settings, the model's weights and buffers, the
+    optimizer's hyperparameters and state, the step counter and the history (:func:`prepare` checks
+    the step counter against the data's batches once they are loaded). A problem is one
+    :class:`UsageError` line naming the field.
+    """
+    if not config.resume:
+        return None
+    resume = load_checkpoint(config.resume)
     settings = config.checkpoint_config()
-    if resume is not None and resume["config"] != settings:
+    if resume["config"] != settings:
         was = resume["config"]
         diff = {k: (was.get(k), settings.get(k)) for k in sorted({*was, *settings}) if was.get(k) != settings.get(k)}
         raise UsageError(f"--resume {config.resume}: settings differ from the checkpoint's (was, now): {diff}")
+    from ..models import get_spec
+
+    devices = config.device_list()
+    strategy = STRATEGIES.get(choose_strategy(config.kvstore, devices=devices, processes=config.processes or 1))
+    trainer = resume["trainer"]
+    problem = trainer_state_problem(
+        trainer, model=get_spec(config.model).build(), devices=len(devices),
+        make_reference=lambda params: make_optimizer("sgd", params, {"lr": config.lr}),  # as train() makes it
+        on_store=strategy.state_key == "kvstore", from_checkpoint=config.resume_hparams_from_checkpoint)
+    problem = problem or history_problem(resume["history"], trainer["steps"], epochs=config.epochs,
+                                         batches_per_epoch=None)
+    if problem:
+        raise UsageError(f"--resume {config.resume}: {problem}")
     return resume
 
 
@@ -210,11 +236,16 @@ def prepare(config: TrainConfig) -> TrainState:
     if config.resume is None and config.checkpoint and restart_count() > 0 and os.path.exists(config.checkpoint):
         # restarted by the launcher after a failure: continue from the last epoch the checkpoint holds
         config.resume = config.checkpoint
-    resume = check_resume(config)
+    resume = check_resume(config)  # before the data is read: a mismatch is reported at once
     torch.manual_seed(config.seed)
     spec = get_spec(config.model)
     train_loader, test_loader = load_data(config.batch_size, config.data, seed=config.seed, train=config.train_size,
                                           test=config.test_size, download=config.download)
+    if resume is not None:  # the step counter against the data's batches, known now
+        problem = history_problem(resume["history"], resume["trainer"]["steps"], epochs=config.epochs,
+                                  batches_per_epoch=len(train_loader))
+        if problem:
+            raise UsageError(f"--resume {config.resume}: {problem}")
     history = list(resume["history"]) if resume else []
     return TrainState(spec, train_loader, test_loader, resume, history, first=len(history))
 
@@ -223,6 +254,8 @@ def serve(config: TrainConfig) -> None:
     """On a parameter-server rank of a ``dist_*`` store: serve the workers' training of ``config`` to its end."""
     from .servers import serve_kvstore
 
+    if config.kvstore is None:
+        raise UsageError("serving needs a distributed --kvstore, e.g. --kvstore dist_sync")
     serve_kvstore(config.kvstore, "sgd", {"lr": config.lr})  # the update train() gives its Trainer
 
 
@@ -254,12 +287,12 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
     """
     model = state.spec.build()
     if config.algorithm == "auto" and config.kvstore is None and on_message:
-        on_message(describe_auto_choice(model, config.devices, config.bucket_bytes))
-    with Trainer(model, config.devices, "sgd", {"lr": config.lr}, loss=state.spec.loss, algorithm=config.algorithm,
-                 bucket_bytes=config.bucket_bytes,
-                 kvstore=config.kvstore, check_finite=config.check_finite,
-                 # one timeline per run: the first process's (the others would write the same file)
-                 trace=config.trace if rank_info().rank == 0 else None) as trainer:
+        on_message(describe_auto_choice(model, config.device_list(), config.bucket_bytes))
+    options = TrainerConfig("sgd", {"lr": config.lr}, loss=state.spec.loss, algorithm=config.algorithm,
+                            bucket_bytes=config.bucket_bytes, kvstore=config.kvstore, check_finite=config.check_finite,
+                            # one timeline per run: the first process's (the others would write the same file)
+                            trace=config.trace if rank_info().rank == 0 else None)
+    with Trainer(model, config.device_list(), config=options) as trainer:
         if state.resume is not None:
             try:
                 trainer.load_state_dict(state.resume["trainer"])

@@ -1,0 +1,67 @@
+"""Across processes: buckets summed among this process's devices, then across the processes.
+
+The sum across processes is :func:`~dlperf.parallel.procs.allreduce_across_processes`: shared memory
+between the processes of one host, gloo between hosts, or both (hierarchical), as the job's links
+say. One more engine operation per bucket on the processes' lane runs it, in bucket order (see
+:mod:`dlperf.parallel.buckets`). With one device per process the last bucket's operation updates the
+weights right after its sum.
+"""
+
+from __future__ import annotations
+
+from ...kvstore import KVStore
+from ..buckets import Across, GradientBuckets
+from ..procs import allreduce_across_processes
+from .context import StepContext
+from .strategy import ReplicaOptimizers, register_strategy
+
+__all__ = ["AcrossProcesses"]
+
+
+@register_strategy
+class AcrossProcesses(ReplicaOptimizers):
+    """Gradients summed locally by the allreduce algorithm, then across processes bucket by bucket."""
+
+    name = "processes"
+
+    def __init__(self, kvstore: str | KVStore | None = None) -> None:
+        super().__init__(kvstore)
+        # Read by the last bucket's operation when it runs, which may be after the caller saw the
+        # replicas end: set only as a step begins and cleared only by a caller-driven step, both after
+        # that operation has been waited for.
+        self._update_after_sum = False
+
+    def attach(self, ctx: StepContext) -> None:
+        super().attach(ctx)
+        if ctx.processes is None:
+            raise RuntimeError("the processes strategy needs the processes the trainer spans")
+        group = ctx.processes.group
+        across = Across(lambda flat: allreduce_across_processes(flat, group), ctx.process_lane(), ctx.across_var,
+                        then=self._after_last_sum)
+        self.buckets = GradientBuckets(ctx.replicas, ctx.algorithm, ctx.bucket_bytes, lanes=ctx.lanes, across=across)
+
+    def _after_last_sum(self) -> None:
+        if self._update_after_sum:
+            self.optimizers[0].step()
+
+    def begin_step(self) -> None:
+        self._update_after_sum = self.ctx.k == 1 and not self.ctx.check_finite
+        super().begin_step()
+
+    def finish(self, scale: float) -> None:
+        if self._in_step and self._update_after_sum:
+            self._in_step = False
+            try:
+                self._gradient_buckets().wait()
+            except BaseException:
+                self.ctx.renew_failed_vars()
+                raise
+            return
+        if not self._in_step:  # a caller-driven step: its sums update nothing by themselves
+            self._update_after_sum = False
+        super().finish(scale)
+
+    def _gradient_buckets(self) -> GradientBuckets:
+        if self.buckets is None:
+            raise RuntimeError("the processes strategy is not attached to a trainer yet")
+        return self.buckets

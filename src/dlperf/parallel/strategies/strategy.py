@@ -1,0 +1,191 @@
+"""The protocol of a gradient synchronization strategy: one class per way to keep replicas identical.
+
+A :class:`~dlperf.parallel.Trainer` runs each replica's forward and backward as an engine operation;
+its strategy decides everything about the gradients. The Trainer calls, per step:
+
+1. :meth:`Strategy.begin_step` in the caller's thread, before the replicas' operations are pushed;
+2. :meth:`Strategy.zero_grad` and, after backward, :meth:`Strategy.after_backward` inside replica
+   ``i``'s operation (a bucketed strategy's buckets call :meth:`Strategy.on_bucket` from backward's
+   hooks as they fill);
+3. :meth:`Strategy.wait_replicas` for the replicas' operations, then :meth:`Strategy.end_step`
+   (and :meth:`Strategy.abort_step` first when the step failed);
+4. :meth:`Strategy.finish` with the gradients' scale: whatever of the update is not done yet.
+
+:meth:`Strategy.finish` without :meth:`Strategy.begin_step` is the caller-driven step
+(:meth:`~dlperf.parallel.Trainer.step`): the gradients are reduced from scratch. Each implementation
+registers itself in :data:`STRATEGIES` under its :attr:`Strategy.name`; the factory
+(:func:`~dlperf.parallel.strategies.choose.choose_strategy`) picks one from the options.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from ...engine import Op, Var
+from ...errors import UsageError
+from ...kvstore import KVStore
+from ...registry import Registry
+from ..buckets import GradientBuckets
+from ..procs import ProcessAxis
+from .context import StepContext
+
+__all__ = ["Strategy", "ReplicaOptimizers", "STRATEGIES", "register_strategy"]
+
+STRATEGIES: Registry[type[Strategy]] = Registry("gradient synchronization strategy")
+"""Every strategy by name; a miss lists what exists."""
+
+S = TypeVar("S", bound="type[Strategy]")
+
+
+def register_strategy(cls: S) -> S:
+    """Class decorator: make ``cls`` available in :data:`STRATEGIES` under ``cls.name``."""
+    STRATEGIES.register(cls.name, cls)
+    return cls
+
+
+class Strategy(ABC):
+    """One way to synchronize gradients and update the replicas; see the module docstring for the calls."""
+
+    name: ClassVar[str] = ""
+    """The registry name (``one-device``, ``allreduce``, ...)."""
+    state_key: ClassVar[str] = "optimizer"
+    """The key :meth:`state_dict` keeps the update's state under: ``"optimizer"`` or ``"kvstore"``."""
+
+    def __init__(self, kvstore: str | KVStore | None = None) -> None:
+        self.kvstore_option = kvstore
+        self._ctx: StepContext | None = None
+
+    @property
+    def ctx(self) -> StepContext:
+        """The context given to :meth:`attach`."""
+        if self._ctx is None:
+            raise RuntimeError(f"the {self.name!r} strategy is not attached to a trainer yet")
+        return self._ctx
+
+    def join(self, axis: ProcessAxis | None) -> ProcessAxis | None:
+        """The processes the trainer spans, given those it joined (before any replica exists)."""
+        return axis
+
+    def attach(self, ctx: StepContext) -> None:
+        """Take the trainer's replicas and engine: build optimizers, buckets or store keys."""
+        self._ctx = ctx
+
+    def zero_grad(self, i: int) -> None:
+        """Clear replica ``i``'s gradients (inside its operation, before its backward)."""
+        self.ctx.replicas[i].zero_grad(set_to_none=True)
+
+    def begin_step(self) -> None:  # noqa: B027 (most strategies prepare nothing)
+        """A step starts: the next backward on every replica belongs to it."""
+
+    def on_bucket(self, b: int) -> list[Var]:
+        """Push gradient bucket ``b``'s reduction; the variables it leaves written (bucketed strategies)."""
+        raise RuntimeError(f"the {self.name!r} strategy has no gradient buckets")
+
+    def after_backward(self, i: int) -> None:  # noqa: B027
+        """Replica ``i``'s backward ended (inside its operation)."""
+
+    def wait_replicas(self, ops: Sequence[Op]) -> list[Any]:
+        """Wait for the replicas' operations (and what they pushed); their results."""
+        return self.ctx.wait_ops(ops)
+
+    def abort_step(self) -> None:  # noqa: B027
+        """The step failed: wait for whatever it pushed, so nothing writes after the caller saw the error."""
+
+    def end_step(self) -> None:  # noqa: B027
+        """The replicas' operations are over (after success or failure)."""
+
+    @abstractmethod
+    def finish(self, scale: float) -> None:
+        """Complete the update with the gradients multiplied by ``scale`` (all of it without a begun step)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The update's state for a checkpoint: ``{"optimizer": ...}`` or ``{"kvstore": ...}``."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` gave (the trainer's whole state dict is passed)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Detach from the replicas (the engine is closed by the trainer)."""
+
+
+class ReplicaOptimizers(Strategy):
+    """A strategy whose replicas each run their own optimizer on identical (reduced) gradients."""
+
+    def __init__(self, kvstore: str | KVStore | None = None) -> None:
+        super().__init__(kvstore)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.buckets: GradientBuckets | None = None
+        self._in_step = False
+
+    def attach(self, ctx: StepContext) -> None:
+        super().attach(ctx)
+        self.optimizers = [ctx.make_optimizer(r.parameters()) for r in ctx.replicas]
+
+    def zero_grad(self, i: int) -> None:
+        if self.buckets is None:
+            super().zero_grad(i)
+            return
+        self.buckets.bind(i)
+        self.buckets.zero_(i)
+
+    def begin_step(self) -> None:
+        self._in_step = True
+        if self.buckets is not None:
+            self.buckets.arm()
+
+    def after_backward(self, i: int) -> None:
+        if self.buckets is not None:
+            self.buckets.replica_done()
+
+    def abort_step(self) -> None:
+        self._in_step = False
+        if self.buckets is not None:  # no reduction still running may write into buffers the next step zeroes
+            self.buckets.drain()
+
+    def end_step(self) -> None:
+        if self.buckets is not None:
+            self.buckets.disarm()
+
+    def finish(self, scale: float) -> None:
+        """Sum the replicas' gradients (unless the begun step's buckets did), scale them, step every optimizer."""
+        ctx, buckets = self.ctx, self.buckets
+        reduced, self._in_step = self._in_step, False
+        if buckets is not None and not reduced:
+            buckets.allreduce_all()
+        if buckets is not None and (scale != 1.0 or ctx.check_finite):
+            buckets.wait()
+            if scale != 1.0:
+                buckets.scale_(scale)
+        elif buckets is None and scale != 1.0:
+            for p in ctx.replicas[0].parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        if ctx.check_finite:
+            # reduced: every replica holds the same sums
+            grads = ctx.replica_grads() if buckets is None else [row[0] for row in buckets.flats]
+            ctx.raise_if_nonfinite("gradient", grads)
+        ctx.step_optimizers(self.optimizers, tuple(buckets.done_vars()) if buckets is not None else ())
+
+    def state_dict(self) -> dict[str, Any]:
+        # deep copy: an optimizer's state_dict holds its live buffers (momentum), which later steps change
+        return {"optimizer": copy.deepcopy(self.optimizers[0].state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "optimizer" not in state:
+            raise UsageError(f"the state holds no 'optimizer' (keys: {sorted(state)}); the {self.name!r} strategy "
+                             "keeps one optimizer per replica: resume with the settings that wrote it")
+        for opt in self.optimizers:
+            # one copy per replica: load_state_dict keeps tensors that are already on the right
+            # device, and two optimizers sharing a momentum buffer would update it twice per step
+            opt.load_state_dict(copy.deepcopy(state["optimizer"]))
+
+    def close(self) -> None:
+        if self.buckets is not None:
+            self.buckets.close()
