@@ -252,3 +252,21 @@ def test_detects_lazy_and_type_only_imports():
     assert [(e.imported, e.line, e.type_only) for e in edges] == [
         ("dlperf.bench.runner", 3, True), ("dlperf.bench.runner", 5, False), ("dlperf.cli", 6, False)]
     assert all(upward(e) for e in edges)
+
+
+def test_modules_and_constructors_stay_small():
+    """One concept per module: none over 800 lines, the Trainer's under 400, and no constructor with
+    more than 10 parameters besides a config object (group options into a config dataclass instead)."""
+    too_long = [f"{p.relative_to(SRC)}: {n} lines" for p in sorted(PACKAGE.rglob("*.py"))
+                if (n := len(p.read_text().splitlines())) > 800]
+    assert not too_long, too_long
+    assert len((PACKAGE / "parallel" / "trainer.py").read_text().splitlines()) < 400
+    crowded = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+                args = node.args
+                count = len(args.posonlyargs) + len(args.args) - 1 + len(args.kwonlyargs)
+                if count > 10:
+                    crowded.append(f"{path.relative_to(SRC)}:{node.lineno}: {count} parameters")
+    assert not crowded, crowded

@@ -376,3 +376,17 @@ def test_kept_launch_logs_are_private_and_bounded(tmp_path, monkeypatch):
     logs.chmod(0o777)  # a directory others may write to (made by someone else, say) is not used
     other = processes._log_dir()
     assert other != logs and other.name.startswith("dlperf-logs-") and other.parent == tmp_path
+
+
+def test_a_launch_config_and_keyword_options_build_the_same_launcher():
+    from dlperf.parallel.launchers import LaunchConfig
+
+    by_config = ProcessLauncher(LaunchConfig(2, join_timeout_s=90, roles={1: "server"}))
+    by_options = ProcessLauncher(2, join_timeout_s=90, roles={1: "server"})
+    for name in ("nproc_per_node", "nnodes", "join_timeout_s", "collective_timeout_s", "roles", "backend"):
+        assert getattr(by_config, name) == getattr(by_options, name), name
+    assert by_options.collective_timeout_s == 90.0 and by_options.roles == {1: "server"}
+    with pytest.raises(UsageError, match="not both"):
+        ProcessLauncher(LaunchConfig(2), nnodes=1)
+    with pytest.raises(UsageError, match="the options are nproc_per_node, nnodes"):
+        ProcessLauncher(2, join_timeout=90)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from .launch_config import LaunchConfig
 from .launcher import (
     DEFAULT_ROLE,
     HOST_ENV,
@@ -22,5 +23,6 @@ from .launcher import (
 from .processes import ProcessLauncher, attempt_store, free_port
 from .threads import ThreadLauncher
 
-__all__ = ["DEFAULT_ROLE", "HOST_ENV", "Launcher", "LaunchError", "ProcessLauncher", "RankInfo", "ThreadLauncher",
-           "attempt_store", "checkpoint_path", "free_port", "rank_host", "rank_info", "rank_role", "restart_count"]
+__all__ = ["DEFAULT_ROLE", "HOST_ENV", "LaunchConfig", "Launcher", "LaunchError", "ProcessLauncher", "RankInfo",
+           "ThreadLauncher", "attempt_store", "checkpoint_path", "free_port", "rank_host", "rank_info", "rank_role",
+           "restart_count"]

@@ -12,6 +12,7 @@ was found (environment, signal handlers, no child processes, nor any process a w
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -44,20 +45,19 @@ from .faults import (
     local_address,
     set_parent_death_signal,
 )
+from .launch_config import MAX_TIMEOUT_S, MIN_TIMEOUT_S, LaunchConfig
 from .launcher import DEFAULT_ROLE, HOST_ENV, Launcher, LaunchError, rank_info
 from .parent import ParentState
 
-__all__ = ["MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "ProcessLauncher", "attempt_store", "free_port"]
+__all__ = ["MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "LaunchConfig", "ProcessLauncher", "attempt_store", "free_port"]
 
 # how long the agent waits for signalled workers before SIGKILL: time for a worker to finish a checkpoint write
 _SHUTDOWN_TIMEOUT_S = 5
 # signals that stop a launch on purpose: the other nodes hear of it at once, not after their fault timeout
 _INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PORT_TRIES = 3  # free ports tried by a launch that picks its own
-MIN_TIMEOUT_S = 0.01
 _KEPT_LOGS = 20  # logs of failed launches kept per user; older ones go as new ones come
 _STORE_READ_TIMEOUT_S = 60  # torch's default for the rendezvous store's connect and reads
-MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -398,6 +398,9 @@ class _Watchdog:
 class ProcessLauncher(Launcher):
     """Run the workers as processes on this node, ``nproc_per_node`` of them, joined in a process group.
 
+    Built from a :class:`~.LaunchConfig`, or from its fields as keyword arguments
+    (``ProcessLauncher(2, join_timeout_s=90)`` is ``ProcessLauncher(LaunchConfig(2, join_timeout_s=90))``).
+
     Args:
         nproc_per_node: workers on this node.
         nnodes: nodes taking part; each runs its own launcher with the same ``master_addr:master_port``.
@@ -439,44 +442,32 @@ class ProcessLauncher(Launcher):
     itself fails the launch as "interrupted" too.
     """
 
-    def __init__(self, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, backend: str | None = "gloo", join_timeout_s: float = 300.0,
-                 max_restarts: int = 0, *, roles: Sequence[str] | Mapping[int, str] | None = None,
-                 fault_timeout_s: float = 30.0, collective_timeout_s: float | None = None,
-                 checkpoint: str | os.PathLike | None = None, run_id: str | None = None) -> None:
-        for name, value, low in (("nproc_per_node", nproc_per_node, 1), ("nnodes", nnodes, 1),
-                                 ("node_rank", node_rank, 0), ("max_restarts", max_restarts, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise UsageError(f"{name}={value!r}: expected an integer >= {low}")
-        if node_rank >= nnodes:
-            raise UsageError(f"node_rank={node_rank}: expected less than nnodes={nnodes}")
-        if master_port is not None and not (isinstance(master_port, int) and 0 < master_port < 65536):
-            raise UsageError(f"master_port={master_port!r}: expected a TCP port 1..65535, or None for a free one")
-        if master_port is None and nnodes > 1:
-            raise UsageError(f"master_port=None with nnodes={nnodes}: every node must name the same port; "
-                             "pass master_port")
-        for name, seconds in (("join_timeout_s", join_timeout_s), ("fault_timeout_s", fault_timeout_s),
-                              ("collective_timeout_s", collective_timeout_s)):
-            # bounded: torch turns these into timedeltas (1e300 s overflows) and whole seconds (1e-9 s is 0)
-            if seconds is not None and not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
-                                            and MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S):
-                raise UsageError(f"{name}={seconds!r}: expected a number of seconds from {MIN_TIMEOUT_S:g} to "
-                                 f"{MAX_TIMEOUT_S:g} (a year)")
-        if run_id is not None and not (isinstance(run_id, str) and run_id.strip()):
-            raise UsageError(f"run_id={run_id!r}: expected a non-empty string, the same on every node")
+    def __init__(self, config: LaunchConfig | int | None = None, /, **options: Any) -> None:
+        if isinstance(config, LaunchConfig):
+            if options:
+                raise UsageError(f"ProcessLauncher: give a LaunchConfig or options ({', '.join(options)}), "
+                                 "not both")
+        else:
+            try:
+                config = LaunchConfig(**options) if config is None else LaunchConfig(config, **options)
+            except TypeError as exc:  # an unknown or missing option: name the ones there are
+                names = ", ".join(f.name for f in dataclasses.fields(LaunchConfig))
+                raise UsageError(f"ProcessLauncher: {exc}; the options are {names}") from None
+        self.config = config
+        nproc_per_node, nnodes = config.nproc_per_node, config.nnodes
         self.nproc_per_node = nproc_per_node
         self.nnodes = nnodes
-        self.node_rank = node_rank
-        self.master_addr = master_addr
-        self.master_port = master_port
-        self.backend = backend
-        self.join_timeout_s = float(join_timeout_s)
-        self.max_restarts = max_restarts
-        self.roles = _check_roles(roles, nproc_per_node * nnodes)
-        self.fault_timeout_s = float(fault_timeout_s)
-        self.collective_timeout_s = float(collective_timeout_s or join_timeout_s)
-        self.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
-        self.run_id = run_id
+        self.node_rank = config.node_rank
+        self.master_addr = config.master_addr
+        self.master_port = config.master_port
+        self.backend = config.backend
+        self.join_timeout_s = float(config.join_timeout_s)
+        self.max_restarts = config.max_restarts
+        self.roles = _check_roles(config.roles, nproc_per_node * nnodes)
+        self.fault_timeout_s = float(config.fault_timeout_s)
+        self.collective_timeout_s = config.collective_timeout
+        self.checkpoint = None if config.checkpoint is None else os.fspath(config.checkpoint)
+        self.run_id = config.run_id
 
     @property
     def world_size(self) -> int:
