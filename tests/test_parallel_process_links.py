@@ -14,7 +14,8 @@ from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.process_links import LINK_PROBE_ENV, ProcessChoice, probe_again_requested
 from dlperf.parallel.procs import PROCESS_ALLREDUCE_ENV, describe_process_allreduce
 from dlperf.probe.cache import ProbeCacheError
-from dlperf.probe.links import LinkFit, load_links, parse_links, save_links
+from dlperf.probe.cost import Link
+from dlperf.probe.links import load_links, parse_links, save_links
 
 HOSTS = ["node-a", "node-a"]
 
@@ -23,34 +24,34 @@ HOSTS = ["node-a", "node-a"]
 
 
 def test_two_points_give_latency_and_bandwidth():
-    fit = LinkFit.from_two_points((4096, 20e-6 + 4096 / 9e9), (4 << 20, 20e-6 + (4 << 20) / 9e9))
-    assert fit.latency_s == pytest.approx(20e-6)
-    assert fit.bytes_per_s == pytest.approx(9e9)
-    flat = LinkFit.from_two_points((4096, 3e-3), (4 << 20, 2e-3))  # noise: the large size was faster
-    assert flat == LinkFit(3e-3, math.inf)
-    assert flat.seconds(1 << 30) == 3e-3
+    fit = Link.fit([4096, 4 << 20], [20e-6 + 4096 / 9e9, 20e-6 + (4 << 20) / 9e9])
+    assert fit.alpha_s == pytest.approx(20e-6)
+    assert fit.bandwidth == pytest.approx(9e9)
+    flat = Link.fit([4096, 4 << 20], [3e-3, 2e-3])  # noise: the large size was faster
+    assert flat == Link(3e-3, math.inf)
+    assert flat.time(1 << 30) == 3e-3
 
 
 @pytest.mark.parametrize("fits", [
-    {"shm": LinkFit(21e-6, 9e9), "gloo": LinkFit(980e-6, 1.6e9)},
-    {"shm": LinkFit(300e-6, 9e9), "gloo": LinkFit(50e-6, 1.6e9)},
-    {"shm": LinkFit(30e-6, 1e9), "gloo": LinkFit(500e-6, 5e9)},
-    {"hierarchical": LinkFit(200e-6, 3e9), "gloo": LinkFit(200e-6, 3e9)},
-    {"gloo": LinkFit(0.0, math.inf)},
+    {"shm": Link(21e-6, 9e9), "gloo": Link(980e-6, 1.6e9)},
+    {"shm": Link(300e-6, 9e9), "gloo": Link(50e-6, 1.6e9)},
+    {"shm": Link(30e-6, 1e9), "gloo": Link(500e-6, 5e9)},
+    {"hierarchical": Link(200e-6, 3e9), "gloo": Link(200e-6, 3e9)},
+    {"gloo": Link(0.0, math.inf)},
 ])
 def test_the_pick_for_every_size_is_the_fastest_transport(fits):
     choice = ProcessChoice(fits, "given")
     names = list(fits)
     for nbytes in [0, 1, 1000, 4096, 65536, 100_000, 1 << 20, 3 << 20, 1 << 24, 1 << 28, 1 << 32]:
-        best = min(names, key=lambda n: (fits[n].seconds(nbytes), names.index(n)))
-        assert fits[choice.pick(nbytes)].seconds(nbytes) == pytest.approx(fits[best].seconds(nbytes), rel=1e-9)
+        best = min(names, key=lambda n: (fits[n].time(nbytes), names.index(n)))
+        assert fits[choice.pick(nbytes)].time(nbytes) == pytest.approx(fits[best].time(nbytes), rel=1e-9)
 
 
 def test_the_description_names_the_figures_and_the_threshold():
-    always = ProcessChoice({"shm": LinkFit(21e-6, 9e9), "gloo": LinkFit(980e-6, 1.6e9)}, "given").describe()
+    always = ProcessChoice({"shm": Link(21e-6, 9e9), "gloo": Link(980e-6, 1.6e9)}, "given").describe()
     assert always[0] == "process allreduce: shm: 21 us + 9.00 GB/s; gloo: 980 us + 1.60 GB/s -> shm for every size"
     # shm starts 250 us later but moves bytes faster: the lines cross at 250 us / (1/1 - 1/5 ns per byte)
-    split = ProcessChoice({"shm": LinkFit(300e-6, 5e9), "gloo": LinkFit(50e-6, 1e9)}, "given")
+    split = ProcessChoice({"shm": Link(300e-6, 5e9), "gloo": Link(50e-6, 1e9)}, "given")
     crossing = 250e-6 / (1 / 1e9 - 1 / 5e9)
     assert crossing == pytest.approx(312_500)
     assert split.pick(int(crossing) - 1) == "gloo" and split.pick(int(crossing) + 1) == "shm"
@@ -68,7 +69,7 @@ def _doc(**changes) -> bytes:
 
 
 def test_a_valid_document_parses():
-    assert parse_links(_doc(), "f", HOSTS) == {"shm": LinkFit(2e-5, 9e9), "gloo": LinkFit(1e-3, math.inf)}
+    assert parse_links(_doc(), "f", HOSTS) == {"shm": Link(2e-5, 9e9), "gloo": Link(1e-3, math.inf)}
 
 
 @pytest.mark.parametrize("data, problem", [
@@ -105,7 +106,7 @@ def test_a_corrupt_or_incomplete_file_is_reported_and_measured_again(tmp_path, c
     assert load_links(HOSTS, ["shm", "gloo"], path) == (None, path)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not valid JSON" in err and "measuring again" in err
-    save_links(HOSTS, {"shm": LinkFit(2e-5, 9e9)}, path)
+    save_links(HOSTS, {"shm": Link(2e-5, 9e9)}, path)
     assert load_links(HOSTS, ["shm", "gloo"], path) == (None, path)
     assert "no figures for gloo" in capsys.readouterr().err
     os.unlink(path)
@@ -116,7 +117,7 @@ def test_a_corrupt_or_incomplete_file_is_reported_and_measured_again(tmp_path, c
 
 
 def test_saved_figures_read_back(tmp_path):
-    fits = {"shm": LinkFit(2.5e-5, 8.5e9), "gloo": LinkFit(9e-4, math.inf)}
+    fits = {"shm": Link(2.5e-5, 8.5e9), "gloo": Link(9e-4, math.inf)}
     path = save_links(HOSTS, fits, str(tmp_path / "l.json"))
     assert load_links(HOSTS, ["shm", "gloo"], path) == (fits, path)
     assert load_links(HOSTS, ["gloo"], path) == ({"gloo": fits["gloo"]}, path)

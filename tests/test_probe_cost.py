@@ -279,14 +279,6 @@ def test_link_fit_through_two_points_and_its_limits():
         Link.fit([4096, 4096], [1e-3, 2e-3])
 
 
-def test_linkfit_names_read_the_same_link():
-    from dlperf.probe.links import LinkFit
-
-    fit = LinkFit.from_two_points((4096, 1e-5), (8192, 2e-5))
-    assert isinstance(fit, Link)
-    assert (fit.latency_s, fit.bytes_per_s, fit.seconds(100)) == (fit.alpha_s, fit.bandwidth, fit.time(100))
-
-
 def test_named_tables_list_their_names_on_a_miss():
     with pytest.raises(UsageError, match=r"^unknown seed hardware 'dgx'; valid choices: pcie-4gpu, v100-8gpu, cpu-4"):
         Hardware.from_seed("dgx")

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
-from ..probe.links import LinkFit, load_links, save_links
+from ..probe.cost import Link
+from ..probe.links import load_links, save_links
 
 LINK_PROBE_ENV = "DLPERF_LINK_PROBE"
 PROBE_SIZES = (4 << 10, 4 << 20)
@@ -37,7 +38,7 @@ __all__ = ["LINK_PROBE_ENV", "PROBE_SIZES", "ProcessChoice", "choose_process_all
 class ProcessChoice:
     """The fitted links of one group's candidate transports, and where the figures came from."""
 
-    fits: dict[str, LinkFit]
+    fits: dict[str, Link]
     source: str
     thresholds: list[tuple[float, str]] = field(init=False)
     """(from bytes, transport) in increasing order: the fastest transport from that size up."""
@@ -70,23 +71,23 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _regions(fits: dict[str, LinkFit]) -> list[tuple[float, str]]:
+def _regions(fits: dict[str, Link]) -> list[tuple[float, str]]:
     """Where each transport is the fastest: the lines cross at most once per pair, so test between crossings."""
     names = list(fits)
     crossings = set()
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             fa, fb = fits[a], fits[b]
-            slope = 1 / fa.bytes_per_s - 1 / fb.bytes_per_s
+            slope = 1 / fa.bandwidth - 1 / fb.bandwidth
             if slope != 0:
-                at = (fb.latency_s - fa.latency_s) / slope
+                at = (fb.alpha_s - fa.alpha_s) / slope
                 if 0 < at < 1 << 50:
                     crossings.add(math.ceil(at))
     starts = [0, *sorted(crossings)]
     regions: list[tuple[float, str]] = []
     for k, start in enumerate(starts):
         probe_at = (start + starts[k + 1]) / 2 if k + 1 < len(starts) else max(2 * start, 1)
-        best = min(names, key=lambda n: (fits[n].seconds(int(probe_at)), names.index(n)))
+        best = min(names, key=lambda n: (fits[n].time(int(probe_at)), names.index(n)))
         if not regions or regions[-1][1] != best:
             regions.append((start, best))
     return regions
@@ -103,7 +104,7 @@ def run_transport(name: str, flat: torch.Tensor, group: Any) -> None:
         host_allreduce_(flat, group)
 
 
-def _measure(candidates: list[str], group: Any) -> dict[str, LinkFit]:
+def _measure(candidates: list[str], group: Any) -> dict[str, Link]:
     """Every rank times every candidate at both sizes; each repetition counts as its slowest rank's time."""
     import torch.distributed as dist
 
@@ -122,7 +123,7 @@ def _measure(candidates: list[str], group: Any) -> dict[str, LinkFit]:
     for c, name in enumerate(candidates):
         # the best repetition: on a shared host the others measure the neighbours, not the link
         best = [min(times[c, s].tolist()) for s in range(len(PROBE_SIZES))]
-        fits[name] = LinkFit.from_two_points((PROBE_SIZES[0], best[0]), (PROBE_SIZES[1], best[1]))
+        fits[name] = Link.fit(list(PROBE_SIZES), best)
     return fits
 
 
@@ -153,7 +154,7 @@ def _decide(group: Any) -> ProcessChoice:
 
     candidates = _candidates(group)
     if len(candidates) == 1:
-        return ProcessChoice({"gloo": LinkFit(0.0, math.inf)},
+        return ProcessChoice({"gloo": Link(0.0, math.inf)},
                              "only torch.distributed: every host holds one rank or shared memory is unavailable")
     me = dist.get_rank(group)
     hosts: list[Any] = [None] * dist.get_world_size(group)
@@ -163,7 +164,7 @@ def _decide(group: Any) -> ProcessChoice:
     found: list[Any] = [None]
     if me == 0 and not again:
         fits, path = load_links(hosts, candidates)
-        found = [None if fits is None else ({n: (f.latency_s, f.bytes_per_s) for n, f in fits.items()},
+        found = [None if fits is None else ({n: (f.alpha_s, f.bandwidth) for n, f in fits.items()},
                                             f"figures saved in {path} (set {LINK_PROBE_ENV}=again to measure again)")]
     dist.broadcast_object_list(found, src=src, group=group)
     if found[0] is None:
@@ -176,10 +177,10 @@ def _decide(group: Any) -> ProcessChoice:
                 source += f", saved in {save_links(hosts, fits)}"
             except OSError as exc:  # a read-only cache costs a probe next time, not this run
                 source += f", not saved ({exc})"
-            found = [({n: (f.latency_s, f.bytes_per_s) for n, f in fits.items()}, source)]
+            found = [({n: (f.alpha_s, f.bandwidth) for n, f in fits.items()}, source)]
         dist.broadcast_object_list(found, src=src, group=group)  # rank 0's figures, so every rank agrees
     figures, source = found[0]
-    return ProcessChoice({n: LinkFit(*v) for n, v in figures.items()}, source)
+    return ProcessChoice({n: Link(*v) for n, v in figures.items()}, source)
 
 
 _choices: dict[int, tuple[Any, ProcessChoice]] = {}

@@ -98,22 +98,6 @@ class Link:
             return cls(max(max(seconds), min_alpha_s), math.inf)
         return cls(max(mean_t - slope * mean_n, min_alpha_s), 1.0 / slope)
 
-    # The names of the measured links between processes, read while their callers move to the ones above.
-    @property
-    def latency_s(self) -> float:
-        return self.alpha_s
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bandwidth
-
-    def seconds(self, nbytes: float) -> float:
-        return self.time(nbytes)
-
-    @classmethod
-    def from_two_points(cls, small: tuple[float, float], large: tuple[float, float]) -> Link:
-        return cls.fit([small[0], large[0]], [small[1], large[1]])
-
 
 @dataclass(frozen=True)
 class Hardware:

@@ -26,10 +26,6 @@ _MAX_HOST_CHARS = 255
 _LATEST_TIME = 1e11
 
 
-LinkFit = Link
-"""The former name of :class:`dlperf.probe.cost.Link` here, still imported by the process links' choice."""
-
-
 def layout_key(hosts: list[str]) -> str:
     """16 hex digits naming a process layout: the host of every rank, in rank order."""
     return hashlib.sha256(json.dumps({"hosts": hosts}).encode()).hexdigest()[:16]
