@@ -60,6 +60,7 @@ _AUTH_TIMEOUT_S = 5.0  # a worker sends its hello right after connecting: a sile
 _SEND_TIMEOUT_S = 30.0  # a worker that stops reading its answers loses its connection after this
 _JOIN_S = 5.0
 CONNECT_RETRY_S = 30.0  # the longest a worker keeps trying to connect to a busy server
+_CONNECT_WAIT_S = 1  # the longest one connect waits for room in the server's backlog
 _FIRST_PAUSE_S = 0.005
 _LAST_PAUSE_S = 0.5
 
@@ -408,7 +409,7 @@ class ControlClient:
 
     def _connect(self, what: str) -> socket.socket:
         """A new connection, tried again with growing pauses while the server's backlog or limits are full
-        (``EAGAIN``, refused, closed unread, the hello not answered in time), for up to
+        (``EAGAIN`` after waiting for room, refused, closed unread, the hello not answered in time), for up to
         ``min(timeout_s, CONNECT_RETRY_S)``."""
         start = time.monotonic()
         deadline = start + min(self._timeout_s, CONNECT_RETRY_S)
@@ -431,8 +432,11 @@ class ControlClient:
     def _connect_once(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(self._timeout_s)
+            # a blocking connect waits in the kernel for room in a full backlog (woken as the server accepts),
+            # where a timed one fails at once with EAGAIN and loses the room to a process that keeps connecting
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(_CONNECT_WAIT_S), 0))
             sock.connect(self._address)
+            sock.settimeout(self._timeout_s)
             pid, _ = _peer(sock)
             if pid != self._server_pid:  # the server exited and another process took its name
                 raise ValueError(f"the socket is held by pid {pid}, not the server's pid {self._server_pid}")
