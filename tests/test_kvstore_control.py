@@ -332,6 +332,66 @@ def test_a_flood_of_connections_keeps_threads_bounded_and_workers_served(server)
     assert peak <= 1 + 2 * 2, peak
 
 
+_FLOODER = """
+import socket, sys
+print("flooding", flush=True)
+while True:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        sock.connect("\\0" + sys.argv[1])
+    except OSError:
+        pass
+    sock.close()
+"""
+
+# a server in a process of its own, as a parameter server is: it prints its name, token and pid, and
+# closes when its stdin does
+_SERVING = """
+import os, sys
+from dlperf.kvstore.control import ControlServer
+server = ControlServer(lambda src, op, meta, reply: reply.set_result((0, {"echo": meta}, [])), {0, 1}, "t")
+print(server.name, server.token, os.getpid(), flush=True)
+sys.stdin.read()
+server.close()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_new_connections_get_through_a_flood_that_never_pauses():
+    """A process that connects and closes as fast as it can, without end: the accepting thread must not
+    spend itself on the backlog while the workers' hellos wait unread past their deadline."""
+    import subprocess
+    import sys
+
+    serving = subprocess.Popen([sys.executable, "-c", _SERVING], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    flooder = None
+    try:
+        name, token, pid = serving.stdout.readline().split()
+        flooder = subprocess.Popen([sys.executable, "-c", _FLOODER, name], stdout=subprocess.PIPE, text=True)
+        assert flooder.stdout.readline().strip() == "flooding"
+        time.sleep(0.5)  # the flood is under way
+        worst = 0.0
+        for n in range(30):  # each a fresh connection, with its hello, through the flood
+            client = ControlClient(name, token, n % 2, 9, timeout_s=20, server_pid=int(pid))
+            started = time.monotonic()
+            try:
+                assert client.request(2, {"n": n}, "a pull")() == (0, {"echo": {"n": n}})
+            finally:
+                client.close()
+            worst = max(worst, time.monotonic() - started)
+        assert flooder.poll() is None  # it flooded throughout
+    finally:
+        for proc in (flooder, serving):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+                proc.stdout.close()
+        serving.stdin.close()
+    assert worst < 2 * control._AUTH_TIMEOUT_S, worst  # within a hello's deadline, not after retries
+
+
 @pytest.mark.timeout(30)
 def test_connections_over_the_limits_are_closed_unread(server, monkeypatch):
     monkeypatch.setattr(control, "MAX_PENDING_PER_PROCESS", 2)

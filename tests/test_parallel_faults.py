@@ -408,3 +408,25 @@ def test_a_store_that_is_not_up_yet_is_not_a_lost_node():
     board = FaultBoard("127.0.0.1", free_port(), "t", 1, 2, "h", fault_timeout_s=0.5)
     time.sleep(0.6)
     assert board.lost() == [] and not board.others_failed()
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_once_the_workers_started_is_told_before_the_board_first_answered():
+    # the signal may come between the workers' start and the watchdog's first call to the store
+    import torch.distributed as dist
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    boards = [FaultBoard("127.0.0.1", port, "t", n, 2, f"host{n}", fault_timeout_s=2.0) for n in range(2)]
+    try:
+        record = _record(1, False, 3.0)
+        assert not boards[1].publish_interrupt(record)  # no rendezvous yet: no one to tell
+        assert not _wait_for(lambda: boards[0].others_failed(), 0.3)
+        boards[1].rendezvous_met()
+        assert boards[1].publish_interrupt(record)
+        assert _wait_for(lambda: boards[0].others_failed(), 5.0)
+        assert boards[0].gather() == [record]
+    finally:
+        for board in boards:
+            board.close()
+        del server

@@ -55,10 +55,12 @@ MAX_PENDING_PER_PROCESS = 8  # of those, from one process: a flood from one proc
 MAX_CONNECTIONS_PER_WORKER = 64  # a worker's pool holds one per thread that requests at once
 _LENGTH = struct.Struct("<I")
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_ACCEPTS_PER_ROUND = MAX_PENDING  # connections taken from the backlog between two reads of the hellos
 _AUTH_TIMEOUT_S = 5.0  # a worker sends its hello right after connecting: a silent peer is dropped after this
 _SEND_TIMEOUT_S = 30.0  # a worker that stops reading its answers loses its connection after this
 _JOIN_S = 5.0
 CONNECT_RETRY_S = 30.0  # the longest a worker keeps trying to connect to a busy server
+_CONNECT_WAIT_S = 1  # the longest one connect waits for room in the server's backlog
 _FIRST_PAUSE_S = 0.005
 _LAST_PAUSE_S = 0.5
 
@@ -264,7 +266,10 @@ class ControlServer:
                     self._drop(sel, pending, p)
 
     def _take_new(self, sel: selectors.BaseSelector, pending: dict[int, _Pending]) -> None:
-        while True:
+        # a batch per wake-up, not until the backlog is empty: a process that connects as fast as this thread
+        # accepts would keep it here for good, and the hellos already waiting (the workers') and the
+        # deadlines of the silent would never be served
+        for _ in range(_ACCEPTS_PER_ROUND):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -404,7 +409,8 @@ class ControlClient:
 
     def _connect(self, what: str) -> socket.socket:
         """A new connection, tried again with growing pauses while the server's backlog or limits are full
-        (``EAGAIN``, refused, closed unread), for up to ``min(timeout_s, CONNECT_RETRY_S)``."""
+        (``EAGAIN`` after waiting for room, refused, closed unread, the hello not answered in time), for up to
+        ``min(timeout_s, CONNECT_RETRY_S)``."""
         start = time.monotonic()
         deadline = start + min(self._timeout_s, CONNECT_RETRY_S)
         pause, tries = _FIRST_PAUSE_S, 0
@@ -412,7 +418,9 @@ class ControlClient:
             tries += 1
             try:
                 return self._connect_once()
-            except (BlockingIOError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as exc:
+            # (a hello unanswered in time: a server busy with other connections, not one that hangs)
+            except (BlockingIOError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError,
+                    TimeoutError) as exc:
                 if time.monotonic() + pause > deadline:
                     raise KVStoreLinkError(
                         f"kvstore server rank {self._server}'s control socket took no connection for {what} in "
@@ -424,8 +432,11 @@ class ControlClient:
     def _connect_once(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(self._timeout_s)
+            # a blocking connect waits in the kernel for room in a full backlog (woken as the server accepts),
+            # where a timed one fails at once with EAGAIN and loses the room to a process that keeps connecting
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(_CONNECT_WAIT_S), 0))
             sock.connect(self._address)
+            sock.settimeout(self._timeout_s)
             pid, _ = _peer(sock)
             if pid != self._server_pid:  # the server exited and another process took its name
                 raise ValueError(f"the socket is held by pid {pid}, not the server's pid {self._server_pid}")

@@ -252,6 +252,13 @@ class FaultBoard:
         self._store = None
 
     # while the workers run ---------------------------------------------------------------------
+    def rendezvous_met(self) -> None:
+        """This node's workers have started, so the rendezvous met on the store: it is up, and an interrupt
+        from now on is written for the others even if this board's first call has not answered yet."""
+        if not self._ever_ok:
+            self._ever_ok = True
+            self._last_ok = time.monotonic()
+
     def beat(self, ranks: list[int]) -> None:
         self._call(lambda s: s.add(f"beat/{self.node_rank}", 1))
         if ranks and not self._ranks_published:

@@ -318,6 +318,8 @@ class _Watchdog:
         """Tell the other nodes that this one was interrupted (once; the board's thread only)."""
         if self.board is None or self.interrupt_published or self.interrupted is None:
             return
+        if self.global_ranks():  # (the signal may come before the board's first call since they started)
+            self.board.rendezvous_met()
         self.interrupt_published = self.board.publish_interrupt(self.interrupt_record(self.interrupted))
 
     def _others_failed(self) -> bool:
@@ -327,6 +329,7 @@ class _Watchdog:
             # before this node's workers start, the rendezvous (and its join timeout) watches the nodes; a
             # store that is not up yet would cost each poll a connect timeout, past the launch's deadline
             return False
+        self.board.rendezvous_met()
         self.board.beat(ranks)
         if self.board.others_failed():
             self.remote = []
@@ -558,16 +561,20 @@ class ProcessLauncher(Launcher):
         from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 
         failed: Any = None
+        store_lost = False
         watchdog.start()
         try:
             results = agent(*agent_args)
         except ChildFailedError as exc:
             failed = exc
         except RendezvousConnectionError as exc:
-            if watchdog.global_ranks():  # workers ran: not a store that was never there
-                raise
-            cause = exc.__cause__ or exc
-            raise _StoreUnavailable(one_line(str(cause)).split(" Exception raised from")[0][:300]) from None
+            if watchdog.global_ranks():
+                # workers ran, so the store was there: its host (node 0's launcher) is gone. The agent stopped
+                # this node's workers on its way out, and the board, on that store, is gone with it
+                store_lost = True
+            else:
+                cause = exc.__cause__ or exc
+                raise _StoreUnavailable(one_line(str(cause)).split(" Exception raised from")[0][:300]) from None
         except RendezvousError as exc:  # a node missing at rendezvous (RendezvousTimeoutError), or a closed one
             raise LaunchError(f"the rendezvous on {self.master_addr} did not complete within "
                               f"join_timeout_s={self.join_timeout_s:g} s ({type(exc).__name__}: "
@@ -583,6 +590,8 @@ class ProcessLauncher(Launcher):
         finally:
             watchdog.stop()
             watchdog.kill_leftovers()  # what the workers started outlives them otherwise
+        if store_lost:
+            raise self._store_lost(watchdog)
         if failed is not None:
             raise self._failure(failed, watchdog, markers, host)
         # No word on the board after a success: the agent returns only once every node's workers have
@@ -619,6 +628,19 @@ class ProcessLauncher(Launcher):
         if cause is None:
             return LaunchError("the workers were stopped because another node failed, but no node said why; "
                                "see the other nodes' output")
+        return LaunchError(cause.message(), rank=cause.rank, role=cause.role, host=cause.host, cause=cause.cause)
+
+    def _store_lost(self, watchdog: _Watchdog) -> LaunchError:
+        """The rendezvous store went while the workers ran: a lost node the watchdog named, else the store itself.
+
+        The board lives on that store: nothing more can be read from it or written to it (each try would wait
+        out a connect timeout), and the nodes still running find the store gone as this one did.
+        """
+        board = watchdog.board
+        where = self.master_addr if board is None else f"{board.addr}:{board.port}"
+        cause = first_cause(watchdog.remote or []) or FailureRecord(
+            None, "rendezvous store", where, "node 0's rendezvous store closed while the workers ran (its launcher "
+            "was interrupted or killed, or the network is down)", time.time(), False)
         return LaunchError(cause.message(), rank=cause.rank, role=cause.role, host=cause.host, cause=cause.cause)
 
     def _local_records(self, exc: Any, markers: Path, host: str) -> list[FailureRecord]:
