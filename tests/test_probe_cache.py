@@ -65,11 +65,15 @@ def test_bounds_hold_every_real_seed_figure():
         assert implausible(lo / 10, unit) and implausible(hi * 10, unit) and implausible(0, unit)
 
 
-def test_bench_explain_falls_back_instead_of_dividing_by_a_zero_figure(tmp_path, monkeypatch):
+def test_bench_explain_falls_back_instead_of_dividing_by_a_zero_figure(tmp_path, monkeypatch, capsys):
     from dlperf.bench import explain
 
     _craft(tmp_path, monkeypatch, 2, "value", "0")  # the torch.mm row bench --explain prices FLOP/s with
+    monkeypatch.setattr(explain, "_cache_refusal_told", False)
     assert explain._probe_hardware(1) is None  # no cache: the caller estimates instead
+    assert explain._probe_hardware(2) is None
+    told = capsys.readouterr().err.strip().splitlines()
+    assert len(told) == 1 and "measuring again" in told[0], told  # said once, not per thread count
 
 
 def test_escape_sequences_from_a_cache_never_reach_the_terminal(tmp_path, monkeypatch, capsys):
