@@ -16,12 +16,12 @@ An export is a directory of two files (three on request):
 The graph comes from ``torch.export`` of the module in eval mode: the exported computation is
 inference (BatchNorm uses running statistics, dropout is off), as in MXNet's ``export``.
 
-What ``load`` guarantees for a directory from an untrusted source. The checksums catch accidents,
-not attackers (anyone can recompute them), so every field is checked on its own:
-
 The format (names, tables, encodings) is in :mod:`.export_format`, the validator of graph.json in
 :mod:`.export_schema`, the proof that a graph writes nothing it does not own in
 :mod:`.export_aliasing`, and reading in :mod:`.export_load`; this module writes.
+
+What ``load`` guarantees for a directory from an untrusted source. The checksums catch accidents,
+not attackers (anyone can recompute them), so every field is checked on its own:
 
 * Nothing but ATen operators and a fixed table of Python arithmetic operators (``operator.add``,
   ``operator.getitem``...) can be named. An operator name must match ``aten.<op>.<overload>`` with
