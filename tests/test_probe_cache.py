@@ -69,7 +69,7 @@ def test_bench_explain_falls_back_instead_of_dividing_by_a_zero_figure(tmp_path,
     from dlperf.bench import explain
 
     _craft(tmp_path, monkeypatch, 2, "value", "0")  # the torch.mm row bench --explain prices FLOP/s with
-    monkeypatch.setattr(explain, "_cache_refusal_told", False)
+    monkeypatch.setattr(probe_cache, "_refusals_told", set())
     assert explain._probe_hardware(1) is None  # no cache: the caller estimates instead
     assert explain._probe_hardware(2) is None
     told = capsys.readouterr().err.strip().splitlines()

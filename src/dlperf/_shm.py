@@ -28,7 +28,6 @@ import platform
 import secrets
 import stat
 import time
-from collections.abc import Sequence
 
 from ._io import process_alive
 from .errors import DlperfError
@@ -282,7 +281,3 @@ class SequenceBarrier:
         where = f" ({context})" if context else ""
         return ShmAllreduceError(f"{self.what}: {cause} while rank {self.rank} waited at barrier {self.seq}"
                                  f"{where}; {hint}")
-
-
-def same_values(values: Sequence[object]) -> bool:
-    return all(v == values[0] for v in values)

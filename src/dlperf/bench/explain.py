@@ -54,18 +54,12 @@ class CellFloor:
                 "pct_of_peak": self.pct_of_peak(measured_s), "floor_source": self.source}
 
 
-_cache_refusal_told = False
-
-
 def _probe_hardware(threads: int) -> Hardware | None:
     """The cached probe's figures at ``threads``, or None when there is no cache or it lacks that count."""
     from ..probe.cache import load_probe
     from ..probe.cost import Hardware
 
-    global _cache_refusal_told
-    # a saved file that cannot be used is said once a sweep, not once per thread count
-    result = load_probe(quiet=_cache_refusal_told)
-    _cache_refusal_told = True
+    result = load_probe()
     if result is None:
         return None
     try:

@@ -253,10 +253,6 @@ class DistKVStore(KVStore):
 
         return wait
 
-    def _request(self, server: int, op: int, meta: dict,
-                 tensors: Sequence[torch.Tensor] = ()) -> tuple[dict, list[torch.Tensor]]:
-        return self._send(server, op, meta, tensors)()
-
     def _slices(self, key: Key) -> list[Slice]:
         return self._placement.keys[key]
 

@@ -174,7 +174,7 @@ def load_probe(path: str | None = None, *, quiet: bool = False) -> ProbeResult |
     """This machine's saved figures, or None when there are none or they cannot be used.
 
     A corrupt file, or one recorded on another machine, is reported in one line on stderr (unless
-    ``quiet``) and treated as missing, so the caller measures again.
+    ``quiet``; each refusal once a process) and treated as missing, so the caller measures again.
     """
     current = machine()
     path = path or cache_path(current)
@@ -185,7 +185,12 @@ def load_probe(path: str | None = None, *, quiet: bool = False) -> ProbeResult |
     except FileNotFoundError:
         return None
     except ProbeCacheError as exc:
-        if not quiet:
+        # each refusal said once a process: callers that price several thread counts load it once each
+        if not quiet and str(exc) not in _refusals_told:
+            _refusals_told.add(str(exc))
             print(f"dlperf probe: warning: {exc}; measuring again", file=sys.stderr)
         return None
     return result
+
+
+_refusals_told: set[str] = set()

@@ -14,7 +14,7 @@ its strategy decides everything about the gradients. The Trainer calls, per step
 :meth:`Strategy.finish` without :meth:`Strategy.begin_step` is the caller-driven step
 (:meth:`~dlperf.parallel.Trainer.step`): the gradients are reduced from scratch. Each implementation
 registers itself in :data:`STRATEGIES` under its :attr:`Strategy.name`; the factory
-(:func:`~dlperf.parallel.strategies.choose.choose_strategy`) picks one from the options.
+(:func:`~dlperf.parallel.strategies.factory.choose_strategy`) picks one from the options.
 """
 
 from __future__ import annotations
