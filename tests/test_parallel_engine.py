@@ -72,13 +72,13 @@ def test_bucket_reductions_are_pushed_with_earlier_layers_first(monkeypatch):
     net, X, y, loss_fn = _lenet_batch(64)
     pushed = []
     with Trainer(net, [cpu(0), cpu(1)], "sgd", {"lr": 0.1}, loss=loss_fn, bucket_bytes=64 * 1024) as trainer:
-        real = trainer.engine.push
+        real = trainer.engine._push  # every push, checked or not, ends here
 
-        def recording(fn, *args, **kwargs):
-            pushed.append((kwargs.get("name"), kwargs.get("priority", 0)))
-            return real(fn, *args, **kwargs)
+        def recording(fn, args, reads, writes, device, priority, name, kind="compute"):
+            pushed.append((name, priority))
+            return real(fn, args, reads, writes, device, priority, name, kind)
 
-        monkeypatch.setattr(trainer.engine, "push", recording)
+        monkeypatch.setattr(trainer.engine, "_push", recording)
         trainer.train_step(X, y)
         buckets = trainer._buckets.buckets
     prio = {}

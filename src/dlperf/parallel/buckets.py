@@ -285,8 +285,8 @@ class GradientBuckets:
 
             events = self._ready[b]
             run = _after(events, task) if events else task
-            engine.push(run, reads=tuple(self.done[b]), writes=(across.var,), device=across.lane,
-                        kind=across.kind, priority=self.priorities[b], name=f"allreduce bucket {b} across processes")
+            engine._push(run, (), tuple(self.done[b]), (across.var,), across.lane, self.priorities[b],
+                         f"allreduce bucket {b} across processes", across.kind)
             self.done[b] = [*self.done[b], across.var]
 
     def replica_done(self) -> bool:
