@@ -1,0 +1,106 @@
+"""Batches as PyTorch users write them: a tensor, a tuple or list, or a dict of tensors, nested.
+
+Every verb that calls a model (the Trainer, DataParallel, profile, hybridize, export, evaluation) goes
+through these few functions, so a batch of token ids and a dict of features work wherever one float
+tensor does. The conventions are DDP's:
+
+- **Calling.** :func:`call_model` unpacks a *tuple* as positional arguments (``model(*inputs)``) and passes
+  anything else (a tensor, a list, a dict) as the one argument (``model(inputs)``).
+- **Splitting.** :func:`split_tree` cuts every tensor with a first axis along that axis; 0-d tensors and
+  non-tensors (strings, ints, None) go unchanged to every part, as DDP's scatter does.
+- **Describing.** :func:`describe` names a structure in one line (``dict{ids: int64[64,32], mask:
+  bool[64,32]}``), for errors that say what was given.
+
+>>> import torch
+>>> b = {"ids": torch.zeros(4, 3, dtype=torch.int64), "lengths": torch.arange(4), "lang": "en"}
+>>> batch_size(b)
+4
+>>> [describe(p) for p in split_tree(b, [3, 1])]
+['dict{ids: int64[3,3], lengths: int64[3], lang: str}', 'dict{ids: int64[1,3], lengths: int64[1], lang: str}']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .errors import UsageError
+
+__all__ = ["Batch", "call_model", "tensors_of", "map_tensors", "batch_size", "split_tree", "describe"]
+
+Batch = Any
+"""A tensor, or a tuple/list/dict (nested) whose leaves are tensors or plain values."""
+
+_MAX_DESCRIBED = 8
+
+
+def call_model(model: Callable[..., Any], inputs: Batch) -> Any:
+    """``model(*inputs)`` for a tuple, ``model(inputs)`` for anything else (DDP's rule)."""
+    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
+        return model(*inputs)
+    return model(inputs)
+
+
+def tensors_of(tree: Batch) -> list[torch.Tensor]:
+    """The tensor leaves of ``tree``, in a fixed order (dict keys in insertion order)."""
+    leaves, _ = tree_flatten(tree)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Batch) -> Batch:
+    """``tree`` with ``fn`` applied to each tensor leaf; other leaves and the structure are kept."""
+    return tree_map(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
+
+
+def batch_size(tree: Batch, what: str = "batch") -> int:
+    """The common first-axis length of the tensors in ``tree`` that have a first axis.
+
+    One clear error when there is none, or when two tensors disagree (a split would pair the wrong rows).
+    """
+    sized = [t for t in tensors_of(tree) if t.dim() > 0]
+    if not sized:
+        raise UsageError(f"the {what} {describe(tree)} has no tensor with a batch (first) axis; give at least "
+                         f"one tensor whose first dimension counts the examples")
+    n = sized[0].shape[0]
+    for t in sized[1:]:
+        if t.shape[0] != n:
+            raise UsageError(f"the {what} {describe(tree)} mixes batch sizes {n} and {t.shape[0]} along the "
+                             f"first axis; every tensor with a first axis must hold the same examples")
+    return int(n)
+
+
+def split_tree(tree: Batch, sizes: Sequence[int]) -> list[Batch]:
+    """``tree`` cut into ``len(sizes)`` parts along the first axis; 0-d tensors and plain values are shared."""
+    leaves, spec = tree_flatten(tree)
+    columns: list[list[Any]] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            columns.append(list(torch.split(leaf, list(sizes))))
+        else:
+            columns.append([leaf] * len(sizes))
+    return [tree_unflatten([col[i] for col in columns], spec) for i in range(len(sizes))]
+
+
+def _leaf(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{dtype}[{','.join(map(str, value.shape))}]"
+    return type(value).__name__
+
+
+def describe(tree: Batch, depth: int = 0) -> str:
+    """One line naming a batch's structure, dtypes and shapes (not its values)."""
+    if depth > 3:
+        return "..."
+    if isinstance(tree, dict):
+        items = [f"{k}: {describe(v, depth + 1)}" for k, v in list(tree.items())[:_MAX_DESCRIBED]]
+        more = ", ..." if len(tree) > _MAX_DESCRIBED else ""
+        return "dict{" + ", ".join(items) + more + "}"
+    if isinstance(tree, (tuple, list)):
+        items = [describe(v, depth + 1) for v in tree[:_MAX_DESCRIBED]]
+        more = ", ..." if len(tree) > _MAX_DESCRIBED else ""
+        return f"{type(tree).__name__}({', '.join(items)}{more})"
+    return _leaf(tree)

@@ -1,0 +1,61 @@
+"""Batch structures: calling, sizing, splitting and describing, checked against hand-built references."""
+
+import pytest
+import torch
+from torch import nn
+
+from dlperf.batch import batch_size, call_model, describe, map_tensors, split_tree, tensors_of
+from dlperf.errors import UsageError
+
+
+class TwoInputs(nn.Module):
+    def forward(self, a, b):
+        return a + b
+
+
+class DictInput(nn.Module):
+    def forward(self, batch):
+        return {"sum": batch["x"].sum(1), "ids": batch["ids"] * 2}
+
+
+def test_call_model_unpacks_tuples_only():
+    a, b = torch.randn(3, 2), torch.randn(3, 2)
+    assert torch.equal(call_model(TwoInputs(), (a, b)), a + b)
+    x = {"x": torch.randn(3, 4), "ids": torch.randint(0, 9, (3,))}
+    out = call_model(DictInput(), x)
+    assert torch.equal(out["sum"], x["x"].sum(1)) and torch.equal(out["ids"], x["ids"] * 2)
+    assert torch.equal(call_model(nn.Identity(), a), a)
+
+
+def test_split_tree_matches_torch_split_and_shares_plain_values():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ids = torch.randint(0, 100, (7, 5), generator=g)
+    feats = torch.randn(7, 3, generator=g)
+    tree = {"inputs": (ids, feats), "scale": torch.tensor(2.0), "tag": "t"}
+    parts = split_tree(tree, [4, 3])
+    assert len(parts) == 2
+    for part, ref_ids, ref_feats in zip(parts, ids.split([4, 3]), feats.split([4, 3])):
+        assert torch.equal(part["inputs"][0], ref_ids) and torch.equal(part["inputs"][1], ref_feats)
+        assert part["scale"] is tree["scale"] and part["tag"] == "t"
+    assert torch.equal(torch.cat([p["inputs"][0] for p in parts]), ids)
+
+
+def test_batch_size_and_its_errors():
+    assert batch_size((torch.zeros(5, 2), torch.zeros(5), 3)) == 5
+    with pytest.raises(UsageError, match="mixes batch sizes 5 and 4"):
+        batch_size({"a": torch.zeros(5), "b": torch.zeros(4)})
+    with pytest.raises(UsageError, match="no tensor with a batch"):
+        batch_size({"a": torch.tensor(1.0), "b": "x"})
+
+
+def test_map_tensors_and_tensors_of_keep_structure():
+    tree = {"a": [torch.ones(2), "s"], "b": torch.zeros(2, dtype=torch.int64)}
+    doubled = map_tensors(lambda t: t * 2, tree)
+    assert doubled["a"][1] == "s" and torch.equal(doubled["a"][0], torch.full((2,), 2.0))
+    assert [t.dtype for t in tensors_of(tree)] == [torch.float32, torch.int64]
+
+
+def test_describe_is_one_bounded_line():
+    assert describe({"ids": torch.zeros(2, 3, dtype=torch.int64)}) == "dict{ids: int64[2,3]}"
+    long = describe(list(range(100)))
+    assert "\n" not in long and long.endswith(", ...)")
