@@ -102,6 +102,33 @@ class BenchConfig:
                         yield net, dev, t
 
 
+def register_user_networks(networks: list[str], inputs=None) -> list[str]:
+    """Register each ``module:factory`` in ``networks`` as a bench network fed by ``inputs``; the names.
+
+    ``inputs`` is what ``--input`` gives (:data:`dlperf.probe.user_inputs.InputSource`: tensor specs,
+    or a function returning the batch). A zoo name passes through. The factory is imported and called here,
+    once, because the user named it; a network given without inputs, or inputs without one, is refused.
+    """
+    from ..models.spec import user_network
+    from ..probe.targets import build_model
+    from ..probe.user_inputs import batch_maker
+
+    users = [n for n in networks if ":" in n]
+    if inputs and not users:
+        raise UsageError("--input describes the batch of a network given as MODULE:FACTORY, and none is; drop "
+                         "--input (zoo networks make their own batches) or name your model's factory in --networks")
+    if users and not inputs:
+        raise UsageError(f"network {users[0]} needs its batch: give --input with a batch-first shape and dtype per "
+                         "model argument (64x3x32x32, 64x32:int64) or a function returning the batch "
+                         "(mypkg.data:make_batch)")
+    if not users:
+        return networks
+    make = inputs if callable(inputs) else batch_maker(inputs)
+    for target in users:
+        user_network(target, lambda target=target: build_model(target), make)
+    return networks
+
+
 def machine_info() -> dict:
     """What the numbers were measured on."""
     info = {
@@ -121,9 +148,9 @@ def count_step_flops(network: str, batch_size: int) -> float | None:
     try:
         with torch.device("meta"):
             model = spec.build()
-        x, y = spec.input.make_batch(batch_size)
+        x, y = spec.input.make_batch(batch_size, "meta")
         with FlopCounterMode(display=False) as counter:
-            spec.loss(model(x.to("meta")), y.to("meta")).backward()
+            spec.loss(model(x), y).backward()
         return float(counter.get_total_flops()) or None
     except Exception:  # a model the counter cannot trace simply reports no FLOP/s
         return None
