@@ -129,10 +129,11 @@ class CallsWithBatch(nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, inputs: Any) -> Any:
+    def forward(self, *inputs: Any) -> Any:
         from ..batch import call_model
 
-        return call_model(self.inner, inputs)
+        # one argument: the batch (``model(x)``); several: already unpacked (``call_model(model, x)``)
+        return call_model(self.inner, inputs[0]) if len(inputs) == 1 else self.inner(*inputs)
 
 
 def user_network(name: str, build: Callable[[], nn.Module], example: Callable[[nn.Module, torch.Generator | None],

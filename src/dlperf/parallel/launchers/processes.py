@@ -21,11 +21,9 @@ import select
 import signal
 import socket
 import stat
-import sys
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,7 +46,7 @@ from .faults import (
     set_parent_death_signal,
 )
 from .launch_config import MAX_TIMEOUT_S, MIN_TIMEOUT_S, LaunchConfig
-from .launcher import DEFAULT_ROLE, HOST_ENV, Launcher, LaunchError, rank_info, rank_role
+from .launcher import DEFAULT_ROLE, HOST_ENV, Launcher, LaunchError, rank_info
 from .parent import ParentState
 
 __all__ = ["MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "LaunchConfig", "ProcessLauncher", "attempt_store", "free_port"]
@@ -140,8 +138,6 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
         # reports whichever it polls first; the time each rank failed tells the cause from the echoes,
         # so it is taken before this rank's connections close.
         _mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{type(exc).__name__}: {exc}")
-        # the full traceback, into the launch's log (the workers' stderr): the error line names that file
-        sys.stderr.write(f"rank {rank} ({rank_role()}) failed:\n{traceback.format_exc()}")
         raise
     else:
         if backend is not None:
