@@ -81,5 +81,6 @@ def batch_bytes(spec, batch: int, *, training: bool) -> int:
         except Exception:  # noqa: BLE001 (an estimate: any failure falls back to the input's size)
             sizes = {}
     measured = list(sizes.values())
-    per_example = sum(t.numel() * t.element_size() for t in tensors_of(x)) + ((sum(measured) if training else max(measured)) if measured else 0)
+    activations = (sum(measured) if training else max(measured)) if measured else 0
+    per_example = sum(t.numel() * t.element_size() for t in tensors_of(x)) + activations
     return batch * per_example

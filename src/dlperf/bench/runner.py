@@ -12,6 +12,7 @@ work per op to share), on a busy one at the machine.
 
 from __future__ import annotations
 
+import functools
 import gc
 import platform
 import time
@@ -124,8 +125,8 @@ def register_user_networks(networks: list[str], inputs=None) -> list[str]:
     if not users:
         return networks
     make = inputs if callable(inputs) else batch_maker(inputs)
-    for target in users:
-        user_network(target, lambda target=target: build_model(target), make)
+    for name in users:
+        user_network(name, functools.partial(build_model, name), make)
     return networks
 
 

@@ -10,10 +10,10 @@ PyTorch's elastic agent (the machinery of ``torchrun``) starts the processes, th
 :class:`~dlperf.parallel.launchers.ProcessLauncher`; each gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR`` and ``MASTER_PORT``. A dlperf verb runs inside a gloo process group the launcher opens,
 so ``train`` trains one model across every process; a script opens its own, as it would under
-``torchrun`` (a dlperf ``Trainer`` or distributed KVStore in it joins the processes by itself). ``--num-servers S`` is passed to
-every process as ``DLPERF_NUM_SERVERS`` for a distributed KVStore's parameter servers: the last ``S`` ranks
-are servers (role ``"server"`` in :func:`~dlperf.parallel.launchers.rank_role` and in failure messages).
-Under ``train --kvstore dist_sync`` they serve the weights instead of training; a script decides with
+``torchrun`` (a dlperf ``Trainer`` or distributed KVStore in it joins the processes by itself). ``--num-servers
+S`` is passed to every process as ``DLPERF_NUM_SERVERS`` for a distributed KVStore's parameter servers: the
+last ``S`` ranks are servers (role ``"server"`` in :func:`~dlperf.parallel.launchers.rank_role` and in failure
+messages). Under ``train --kvstore dist_sync`` they serve the weights instead of training; a script decides with
 ``rank_role()``. With ``--max-restarts K`` a failed process group is started again, up to ``K`` times;
 ``train --checkpoint FILE`` then continues from the last epoch FILE holds.
 """

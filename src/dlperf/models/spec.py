@@ -55,7 +55,7 @@ class ModelSpec:
 
     name: str
     build: Callable[[], nn.Module]
-    input: InputSpec
+    input: InputSpec | UserInputs
     cpu_batch: int
     gpu_batch: int
     description: str

@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import sys
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -330,10 +330,9 @@ def _profiled_step(step: Callable[[], object], trace: str | os.PathLike | None,
         if best is None or max(wall, covered) < best[1]:
             best = (seconds, max(wall, covered), prof)
     assert best is not None  # at least one try ran
-    seconds, wall, prof = best
     if trace is not None:
-        _write_trace(prof, trace)
-    return seconds, wall
+        _write_trace(best[2], trace)
+    return best[0], best[1]
 
 
 def _write_trace(prof, path: str | os.PathLike) -> None:
