@@ -1,4 +1,4 @@
-"""``dlperf profile MODULE:FACTORY --input SHAPE``: where a training step of your model spends its time.
+"""``dlperf profile MODULE:FACTORY --input SPEC``: where a training step of your model spends its time.
 
     dlperf profile mypkg.nets:make_model --input 64x3x32x32
     dlperf profile mypkg.nets:make_transformer --input 64x32:int64 --input 64:int64:1-33
