@@ -374,6 +374,8 @@ USER = [
     (_user_bench("--input", "4x3:int64:9-1"), "'9-1'"),
     (_user_bench("--input", "4x3:float32:0-9"), "'4x3:float32:0-9'"),
     (_user_bench("--input", "4x3"), "float32[4,3]"),
+    (_user_bench("--input", "1024x1024x1024"), "--input 1024x1024x1024 needs about 16.0 GiB"),
+    (_user_profile("1024x1024x64:int64"), "--input 1024x1024x64:int64 needs about 2.0 GiB"),
     (_user_bench("--input", "4x1x28x28", "--input", LENET), LENET),
     (_user_bench("--input", "4x" + LONG), "'4x999"),
     (_user_bench("--input", "4x1x28x28:int64:0-1:3"), "'4x1x28x28:int64:0-1:3'"),

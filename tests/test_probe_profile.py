@@ -288,3 +288,42 @@ def test_an_estimate_below_what_the_step_reached_is_raised():
     assert whole.flops["float32"] == 2000.0 and whole.memory_bandwidth == 1000.0
     fast = _hardware()
     assert _at_least_observed(fast, counts, {"conv": 2.0, "pooling": 1.0}, 4.0) is fast
+
+
+def test_suggestions_share_one_baseline_in_alternating_rounds():
+    from dlperf.probe.profile import _rounds, _Variant
+
+    calls: list[str] = []
+
+    def fails():
+        calls.append("c")
+        if calls.count("c") > 2:  # after its warm-up: fails mid-run
+            raise RuntimeError("ran out")
+
+    variants = [_Variant("a", "do a", lambda: calls.append("a")), _Variant("b", "do b", lambda: calls.append("b")),
+                _Variant("c", "do c", fails)]
+    base, contention = _rounds(lambda: calls.append("base"), variants, steps=4, warmup=1)
+    assert len(base) == 4 and isinstance(contention.contended, bool)
+    timed = calls[calls.index("base"):]
+    rounds, current = [], []
+    for name in timed:
+        if name == "base" and current:
+            rounds.append(current)
+            current = []
+        current.append(name)
+    rounds.append(current)
+    assert len(rounds) == 5  # the untimed warm-up call, then one round per timed baseline sample
+    for r in rounds[1:]:
+        assert r[0] == "base" and {"a", "b"} <= set(r[1:])  # every live variant once per round, after the baseline
+    assert [r[1] for r in rounds[1:3]] != [rounds[1][1]] * 2  # the order rotates
+    assert len(variants[0].samples) == len(variants[1].samples) == 4
+    assert variants[2].step is None and "ran out" in variants[2].note
+
+
+def test_thread_suggestions_cover_fewer_and_more():
+    from dlperf.probe.profile import _thread_counts
+
+    assert _thread_counts(4, 8) == [1, 2, 8]
+    assert _thread_counts(2, 2) == [1]
+    assert _thread_counts(1, 1) == []
+    assert _thread_counts(1, 4) == [4]

@@ -124,6 +124,13 @@ def register_user_networks(networks: list[str], inputs=None) -> list[str]:
                          "(mypkg.data:make_batch)")
     if not users:
         return networks
+    if not callable(inputs) and not isinstance(inputs, str):
+        from .._cliargs import require_memory
+        from ..probe.user_inputs import input_bytes
+
+        # the batch, its resized copy and the step's activations, before any of it is allocated
+        require_memory(4 * input_bytes(inputs), "--input " + " --input ".join(s.text() for s in inputs),
+                       "give a smaller --input")
     make = inputs if callable(inputs) else batch_maker(inputs)
     for name in users:
         user_network(name, functools.partial(build_model, name), make)
