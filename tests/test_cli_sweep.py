@@ -350,7 +350,61 @@ HOSTILE_FILES = [(_profile("--hardware", f"{{T}}/{name}"), named) for name, (_, 
     (_train("--checkpoint", "{T}/fifo"), "'{T}/fifo' is not a regular file"),
 ]
 
-CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS + HOSTILE_FILES
+LENET = "dlperf.models.lenet:lenet"  # an importable factory: what a user's own module:factory stands for
+
+
+def _user_bench(*argv):
+    return ["bench", "--networks", LENET, "--devices", "cpu", "--threads", "1", "--json", OUT, *argv]
+
+
+def _user_profile(*inputs):
+    return ["profile", LENET, "--steps", "1", "--no-suggest", *[a for i in inputs for a in ("--input", i)]]
+
+
+def _launch(*command):
+    return ["launch", "--nproc-per-node", "2", "--", *command]
+
+
+# the user's own model, batch and launch habits: --networks MODULE:FACTORY, --input specs and factories, python
+USER = [
+    (_user_bench(), "needs its batch"),
+    (_bench("--input", "4x1x28x28"), "none is"),
+    (_user_bench("--input", "4x1x28x28:float99"), "'float99'"),
+    (_user_bench("--input", "0x1x28x28"), "'0x1x28x28'"),
+    (_user_bench("--input", "4x3:int64:9-1"), "'9-1'"),
+    (_user_bench("--input", "4x3:float32:0-9"), "'4x3:float32:0-9'"),
+    (_user_bench("--input", "4x3"), "float32[4,3]"),
+    (_user_bench("--input", "1024x1024x1024"), "--input 1024x1024x1024 needs about 16.0 GiB"),
+    (_user_profile("1024x1024x64:int64"), "--input 1024x1024x64:int64 needs about 2.0 GiB"),
+    (_user_bench("--input", "4x1x28x28", "--input", LENET), LENET),
+    (_user_bench("--input", "4x" + LONG), "'4x999"),
+    (_user_bench("--input", "4x1x28x28:int64:0-1:3"), "'4x1x28x28:int64:0-1:3'"),
+    (_user_bench("--input", "dlperf.models.lenet:missing_batch"), "'missing_batch'"),
+    (_user_bench("--input", "dlperf models:x"), "'dlperf models:x'"),
+    (_bench("--networks", "no_such_module_xyz:make", "--input", "4x3"), "'no_such_module_xyz'"),
+    (_bench("--networks", "dlperf.models.lenet:nope", "--input", "4x3"), "'nope'"),
+    (_bench("--networks", "a b:c", "--input", "4x3"), "'a b:c'"),
+    (_bench("--networks", "mlp," + LENET + ",mlp", "--input", "4x3"), "'mlp'"),
+    (_bench("--networks", "lenet:", "--input", "4x3"), "'lenet:'"),
+    (_user_profile("4x1x28x28:complex7"), "'complex7'"),
+    (_user_profile("4x1x28x28:bool:0-1"), "ranges are for integer"),
+    (_user_profile("4x1x28x28:int8:0-300"), "int8"),
+    (_user_profile("4x1x28x28:int64:-5-x"), "'-5-x'"),
+    (_user_profile("1e3"), "'1e3'"),
+    (_user_profile("4x1x28x28", "2x5"), "batch sizes 2, 4"),
+    (_user_profile("dlperf.models.lenet:missing"), "has no attribute 'missing'"),
+    (_user_profile(LENET, "4x3"), "a batch factory makes the whole batch"),
+    (_user_profile("4x3:int64"), "int64[4,3]"),
+    (_launch("python"), "python with no script"),
+    (_launch("python3", "-c", "print(1)"), "'-c'"),
+    (_launch(sys.executable, "-X", "dev", "s.py"), "'-X'"),
+    (_launch("python", "-m", "1bad"), "'1bad'"),
+    (_launch("python", "-m", "no_such_module_for_launch_xyz"), "'no_such_module_for_launch_xyz'"),
+    (_launch("python", "{T}/missing_script.py"), "missing_script.py"),
+    (_launch("python3.99", "-m"), "expected a module name"),
+]
+
+CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS + HOSTILE_FILES + USER
 # In-process only: a NUL cannot be passed to a process, and pytest's own arguments could not either.
 IN_PROCESS_ONLY = [
     (_train("--checkpoint", "{T}/ck\0.pt"), "ck\\x00.pt'"),
@@ -455,8 +509,8 @@ def test_the_sweep_is_broad():
     verbs = {argv[0] for argv, _ in CASES if argv}
     assert len(CASES) + len(IN_PROCESS_ONLY) >= 150
     assert len({tuple(argv) for argv, _ in CASES}) == len(CASES)
-    assert verbs == {"bench", "devices", "train", "export", "trace", "profile", "probe", "nosuchverb", "--bogus",
-                     "bench\n"}
+    assert verbs == {"bench", "devices", "train", "export", "trace", "profile", "probe", "launch", "nosuchverb",
+                     "--bogus", "bench\n"}
     assert len(SCALING) >= 15
 
 
@@ -466,6 +520,9 @@ SUBPROCESS_CASES = [
     (_train("--train-size", str(10**12)), f"--train-size {10**12}"),
     (["bench", "--batch-size", "1048576", "--networks", "alexnet-s", "--devices", "cpu"], "--batch-size 1048576"),
     (["export", "mlp", OUT], "out.json"),
+    (_user_bench("--input", "4x3:int64:9-1"), "'9-1'"),
+    (_user_profile("4x3:int64"), "int64[4,3]"),
+    (_launch("python", "-c", "1"), "'-c'"),
 ]
 
 

@@ -612,6 +612,26 @@ def test_types_are_registered_and_need_a_process_group():
             KVStore(kind)
 
 
+@pytest.mark.parametrize("env,needle", [
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 with WORLD_SIZE=2"),
+    ({"RANK": "zero", "WORLD_SIZE": "2"}, "RANK='zero' is not an integer"),
+])
+def test_a_launcher_environment_that_cannot_be_joined_is_one_line(monkeypatch, env, needle):
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", **env}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(UsageError, match=needle):
+        KVStore("dist_sync")
+
+
+def test_without_a_launcher_environment_there_is_nothing_to_join(monkeypatch):
+    from dlperf.kvstore.dist import join_launched_processes
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert join_launched_processes() is False
+
+
 def test_placement_is_stable_spread_and_splits_evenly():
     servers = [4, 5, 6, 7]
     a, b = Placement(servers, 1000), Placement(servers, 1000)

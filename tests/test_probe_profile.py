@@ -111,7 +111,7 @@ def test_suggestion_effect_and_line():
 
 
 @pytest.mark.timeout(60)
-def test_profile_refuses_a_model_that_does_not_return_a_tensor():
+def test_profile_takes_tuple_outputs_and_refuses_one_without_a_floating_tensor():
     class Pair(nn.Module):
         def __init__(self):
             super().__init__()
@@ -120,11 +120,21 @@ def test_profile_refuses_a_model_that_does_not_return_a_tensor():
         def forward(self, x):
             return self.lin(x), x
 
+    class Ids(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x).argmax(1)
+
     from dlperf.errors import UsageError
 
-    with pytest.raises(UsageError, match="not a tensor"):
-        profile(Pair(), torch.randn(2, 2), steps=1, suggest=False)
-    with pytest.raises(UsageError, match="shape 2x3"):
+    report = profile(Pair(), torch.randn(2, 2), steps=1, suggest=False, hardware=_hardware())
+    assert report.groups_by_name()["loss"].ops > 0
+    with pytest.raises(UsageError, match="no floating tensor"):
+        profile(Ids(), torch.randn(2, 2), steps=1, suggest=False)
+    with pytest.raises(UsageError, match=r"float32\[2,3\]"):
         profile(MLP(), torch.randn(2, 3), steps=1, suggest=False)
 
 
@@ -153,11 +163,24 @@ USER_MODULE = textwrap.dedent("""
                 return self.lin(x), x
         return Pair()
 
+    def ids_only():
+        class Ids(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(6, 6)
+
+            def forward(self, x):
+                return self.lin(x.flatten(1)[:, :6]).argmax(1)
+        return Ids()
+
     def frozen():
         return nn.Flatten()
 
     def quits():
         raise SystemExit(3)
+
+    def no_batch():
+        return {"n": 3}
 
     NOT_CALLABLE = 3
 """)
@@ -215,11 +238,19 @@ def test_cli_profiles_a_user_module_with_json(user_module, capsys):
     (["user_nets_for_profile:quits"], "raised SystemExit: 3"),
     (["user_script_that_exits:make"], "importing 'user_script_that_exits' failed: SystemExit"),
     (["user_nets_for_profile:not_a_model"], "returned int, not a torch.nn.Module"),
-    (["user_nets_for_profile:pair"], "not a tensor"),
+    (["user_nets_for_profile:ids_only"], "no floating tensor"),
     (["user_nets_for_profile:frozen"], "has no trainable parameters"),
-    (["user_nets_for_profile:make_model", "--input", "4x3x6x6"], "failed on an input of shape 4x3x6x6"),
+    (["user_nets_for_profile:make_model", "--input", "4x3x6x6"], "failed on the input float32[4,3,6,6]"),
     (["user_nets_for_profile:make_model", "--input", "0x3"], "'0x3' has a dimension outside"),
-    (["user_nets_for_profile:make_model", "--input", "abc"], "'abc' is not a shape"),
+    (["user_nets_for_profile:make_model", "--input", "abc"], "'abc' is neither a tensor spec"),
+    (["user_nets_for_profile:make_model", "--input", "4x6:complex7"], "names dtype 'complex7'"),
+    (["user_nets_for_profile:make_model", "--input", "4x6:float32:0-9"], "ranges are for integer"),
+    (["user_nets_for_profile:make_model", "--input", "4x6:int8:0-1000"], "does not fit int8"),
+    (["user_nets_for_profile:make_model", "--input", "4x6:int64:9-1"], "LOW < HIGH"),
+    (["user_nets_for_profile:make_model", "--input", "4x6", "--input", "2x6"], "batch sizes 2, 4"),
+    (["user_nets_for_profile:make_model", "--input", "user_nets_for_profile:no_batch"], "with no tensor"),
+    (["user_nets_for_profile:make_model", "--input", "user_nets_for_profile:make_model", "--input", "4x6"],
+     "a batch factory makes the whole batch"),
     (["user_nets_for_profile:make_model", "--input", "4x"], "'4x' is not a shape"),
     (["not a target"], "is not MODULE:FACTORY"),
     (["user_nets_for_profile:make_model", "--hardware", "seed:tpu"], "unknown seed hardware 'tpu'"),
@@ -257,3 +288,42 @@ def test_an_estimate_below_what_the_step_reached_is_raised():
     assert whole.flops["float32"] == 2000.0 and whole.memory_bandwidth == 1000.0
     fast = _hardware()
     assert _at_least_observed(fast, counts, {"conv": 2.0, "pooling": 1.0}, 4.0) is fast
+
+
+def test_suggestions_share_one_baseline_in_alternating_rounds():
+    from dlperf.probe.profile import _rounds, _Variant
+
+    calls: list[str] = []
+
+    def fails():
+        calls.append("c")
+        if calls.count("c") > 2:  # after its warm-up: fails mid-run
+            raise RuntimeError("ran out")
+
+    variants = [_Variant("a", "do a", lambda: calls.append("a")), _Variant("b", "do b", lambda: calls.append("b")),
+                _Variant("c", "do c", fails)]
+    base, contention = _rounds(lambda: calls.append("base"), variants, steps=4, warmup=1)
+    assert len(base) == 4 and isinstance(contention.contended, bool)
+    timed = calls[calls.index("base"):]
+    rounds, current = [], []
+    for name in timed:
+        if name == "base" and current:
+            rounds.append(current)
+            current = []
+        current.append(name)
+    rounds.append(current)
+    assert len(rounds) == 5  # the untimed warm-up call, then one round per timed baseline sample
+    for r in rounds[1:]:
+        assert r[0] == "base" and {"a", "b"} <= set(r[1:])  # every live variant once per round, after the baseline
+    assert [r[1] for r in rounds[1:3]] != [rounds[1][1]] * 2  # the order rotates
+    assert len(variants[0].samples) == len(variants[1].samples) == 4
+    assert variants[2].step is None and "ran out" in variants[2].note
+
+
+def test_thread_suggestions_cover_fewer_and_more():
+    from dlperf.probe.profile import _thread_counts
+
+    assert _thread_counts(4, 8) == [1, 2, 8]
+    assert _thread_counts(2, 2) == [1]
+    assert _thread_counts(1, 1) == []
+    assert _thread_counts(1, 4) == [4]

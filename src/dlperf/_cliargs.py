@@ -65,8 +65,11 @@ def batch_bytes(spec, batch: int, *, training: bool) -> int:
                 sizes[id(t)] = t.numel() * t.element_size()
                 outputs.append(t)
 
+    from .batch import tensors_of
+
+    # made on the CPU and moved: a user's batch factory may hold real tensors, which the meta device cannot copy
+    x, _ = spec.input.make_batch(1, device="meta")
     with torch.device("meta"):
-        x, _ = spec.input.make_batch(1, device="meta")
         try:
             model = spec.build()
             # leaves only: a block's output is its last layer's, already counted
@@ -78,5 +81,6 @@ def batch_bytes(spec, batch: int, *, training: bool) -> int:
         except Exception:  # noqa: BLE001 (an estimate: any failure falls back to the input's size)
             sizes = {}
     measured = list(sizes.values())
-    per_example = x.numel() * x.element_size() + ((sum(measured) if training else max(measured)) if measured else 0)
+    activations = (sum(measured) if training else max(measured)) if measured else 0
+    per_example = sum(t.numel() * t.element_size() for t in tensors_of(x)) + activations
     return batch * per_example

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from ..errors import UsageError
 from .result import BenchResult
-from .runner import BenchConfig, run_bench
+from .runner import BenchConfig, register_user_networks, run_bench
 
 __all__ = ["run", "BenchConfig", "BenchResult"]
 
@@ -64,13 +64,35 @@ def _threads(value) -> list[int] | None:
     return list(items)
 
 
+def _inputs(value):
+    """``inputs=`` as an :data:`~dlperf.probe.user_inputs.InputSource`: spec strings, a ``module:function``,
+    or a batch itself (a tensor, tuple or dict of tensors)."""
+    from ..batch import tensors_of
+    from ..models.inputs import parse_tensor_spec
+
+    if value is None:
+        return None
+    texts = [value] if isinstance(value, str) else value
+    if isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts):
+        if len(texts) == 1 and texts[0].strip()[:1].isalpha():
+            return texts[0].strip()
+        return [parse_tensor_spec(t, "inputs") for t in texts]
+    if tensors_of(value):
+        return lambda _model, _generator: value
+    raise UsageError(f"inputs must be tensor specs ('64x32:int64'), a 'module:function' returning the batch, or "
+                     f"the batch itself, got {type(value).__name__}; give e.g. inputs=['64x32:int64']")
+
+
 def run(networks=None, devices=None, threads=None, batch_size: int | None = None, steps: int | None = None,
-        warmup: int | None = None, mode: str = "eager", explain: bool = False, quick: bool = False) -> BenchResult:
+        warmup: int | None = None, mode: str = "eager", explain: bool = False, quick: bool = False,
+        inputs=None) -> BenchResult:
     """Time one training step per network, device and thread count; the arguments are ``dlperf bench``'s.
 
     ``networks``, ``devices`` and ``threads`` take one value, a comma-separated string or a list;
     left out, they are the CLI's defaults (the paper's seven networks, every device, 1, 2, 4, ...
-    threads). ``mode`` is one of the bench modes (``eager``, ``compile``, ``hybrid``, ``auto``);
+    threads); a network may be your model's ``"module:factory"``, with ``inputs`` its batch: tensor specs
+    (``["64x32:int64", "64:int64"]``), a ``"module:function"`` returning it, or the batch itself. ``mode`` is
+    one of the bench modes (``eager``, ``compile``, ``hybrid``, ``auto``);
     ``explain`` adds the cost model's floor to every cell; ``quick`` takes fewer timed steps. A bad
     argument raises :class:`~dlperf.errors.UsageError` naming it, before anything is timed.
 
@@ -87,6 +109,7 @@ def run(networks=None, devices=None, threads=None, batch_size: int | None = None
         if not isinstance(value, bool):
             raise UsageError(f"{flag} must be True or False, got {value!r}")
     overrides: dict = {"mode": mode, "explain": explain}
+    register_user_networks(_names(networks, "networks") or [], _inputs(inputs))
     candidates = {"networks": _names(networks, "networks"), "devices": _devices(devices),
                   "threads": _threads(threads), "batch_size": _int(batch_size, "batch_size", 1),
                   "steps": _int(steps, "steps", 1), "warmup": _int(warmup, "warmup", 1)}

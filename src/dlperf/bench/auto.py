@@ -121,8 +121,15 @@ def channels_last_step(model: nn.Module, loss_fn: Callable, optimizer: torch.opt
     return step
 
 
-def _is_conv_net(model: nn.Module, x: torch.Tensor) -> bool:
-    return x.dim() == 4 and any(isinstance(m, nn.Conv2d) for m in model.modules())
+def _is_conv_net(model: nn.Module, x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 4 and any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def _on_gpu(x) -> bool:
+    """Whether the batch (a tensor, tuple or dict, :mod:`dlperf.batch`) lives on a GPU."""
+    from ..batch import tensors_of
+
+    return any(t.is_cuda for t in tensors_of(x))
 
 
 def probe_compile_seconds(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -165,7 +172,7 @@ def candidates(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Te
                 if "channels-last" in out:
                     out["channels-last + compile"] = lambda m, o: channels_last_step(m, loss_fn, o, compiled_step)
     # a GPU step's host threads only launch kernels: fewer of them is no candidate
-    fewer = [] if x.is_cuda else sorted({max(1, threads // 2), 1} - {threads}, reverse=True)
+    fewer = [] if _on_gpu(x) else sorted({max(1, threads // 2), 1} - {threads}, reverse=True)
     for n in fewer:
         for base in ("eager", "channels-last"):
             if base in out:
@@ -209,7 +216,7 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
              if (s := _build(name, b, model, optimizer, x, y, notes)) is not None}
     per_round: dict[str, list[float]] = {name: [] for name in steps}
     samples: dict[str, list[float]] = {name: [] for name in steps}
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    sync = torch.cuda.synchronize if _on_gpu(x) else (lambda: None)
     started = time.perf_counter()
     for done in range(rounds):
         if done >= MIN_ROUNDS and time.perf_counter() - started > SEARCH_BUDGET_S:

@@ -101,10 +101,12 @@ class FloorModel:
             from ..probe.cost import count_step
 
             spec = get_spec(network)
+            x, _ = spec.input.make_batch(batch, torch.device("meta"))
+            # counted under the meta device too: a tensor the forward makes itself (torch.arange for a
+            # mask, in many user models) must land beside the meta activations
             with torch.device("meta"):
                 model = spec.build()
-            x, _ = spec.input.make_batch(batch, torch.device("meta"))
-            self._counts[key] = count_step(model, x)
+                self._counts[key] = count_step(model, x)
         return self._counts[key]
 
     def hardware(self, threads: int) -> tuple[Hardware, str]:

@@ -12,6 +12,7 @@ work per op to share), on a busy one at the machine.
 
 from __future__ import annotations
 
+import functools
 import gc
 import platform
 import time
@@ -102,6 +103,40 @@ class BenchConfig:
                         yield net, dev, t
 
 
+def register_user_networks(networks: list[str], inputs=None) -> list[str]:
+    """Register each ``module:factory`` in ``networks`` as a bench network fed by ``inputs``; the names.
+
+    ``inputs`` is what ``--input`` gives (:data:`dlperf.probe.user_inputs.InputSource`: tensor specs,
+    or a function returning the batch). A zoo name passes through. The factory is imported and called here,
+    once, because the user named it; a network given without inputs, or inputs without one, is refused.
+    """
+    from ..models.spec import user_network
+    from ..probe.targets import build_model
+    from ..probe.user_inputs import batch_maker
+
+    users = [n for n in networks if ":" in n]
+    if inputs and not users:
+        raise UsageError("--input describes the batch of a network given as MODULE:FACTORY, and none is; drop "
+                         "--input (zoo networks make their own batches) or name your model's factory in --networks")
+    if users and not inputs:
+        raise UsageError(f"network {users[0]} needs its batch: give --input with a batch-first shape and dtype per "
+                         "model argument (64x3x32x32, 64x32:int64) or a function returning the batch "
+                         "(mypkg.data:make_batch)")
+    if not users:
+        return networks
+    if not callable(inputs) and not isinstance(inputs, str):
+        from .._cliargs import require_memory
+        from ..probe.user_inputs import input_bytes
+
+        # the batch, its resized copy and the step's activations, before any of it is allocated
+        require_memory(4 * input_bytes(inputs), "--input " + " --input ".join(s.text() for s in inputs),
+                       "give a smaller --input")
+    make = inputs if callable(inputs) else batch_maker(inputs)
+    for name in users:
+        user_network(name, functools.partial(build_model, name), make)
+    return networks
+
+
 def machine_info() -> dict:
     """What the numbers were measured on."""
     info = {
@@ -121,9 +156,9 @@ def count_step_flops(network: str, batch_size: int) -> float | None:
     try:
         with torch.device("meta"):
             model = spec.build()
-        x, y = spec.input.make_batch(batch_size)
+        x, y = spec.input.make_batch(batch_size, "meta")
         with FlopCounterMode(display=False) as counter:
-            spec.loss(model(x.to("meta")), y.to("meta")).backward()
+            spec.loss(model(x), y).backward()
         return float(counter.get_total_flops()) or None
     except Exception:  # a model the counter cannot trace simply reports no FLOP/s
         return None

@@ -1,4 +1,8 @@
-"""``dlperf bench``: time one training step per network, device and thread count (Shi et al. Table 7)."""
+"""``dlperf bench``: time one training step per network, device and thread count (Shi et al. Table 7).
+
+A network is a zoo name or your own model's factory, ``mypkg.nets:make_cnn``, with ``--input`` giving its
+batch (``--input 64x3x32x32``, ``--input 64x32:int64 --input 64:int64``, or ``--input mypkg.data:make_batch``).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from ..bench.sweep import (
 from ..errors import UsageError
 from ..models import model_names
 from . import options as va
+from .profile import input_source, input_value, target
 
 MAX_BATCH = 2**20
 MAX_STEPS = 100_000
@@ -30,8 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__)
     p.add_argument("--quick", action="store_true",
                    help="fewer timed steps (same batch sizes): the whole CPU table in minutes")
-    p.add_argument("--networks", type=va.csv_list("--networks", model_names(), what="network"), default=None,
-                   help=f"comma-separated, default the paper's seven; choices: {', '.join(model_names())}")
+    p.add_argument("--networks", type=va.csv_list("--networks", model_names(), what="network", other=target),
+                   default=None, help=f"comma-separated, default the paper's seven; choices: "
+                                      f"{', '.join(model_names())}, or MODULE:FACTORY for your own model")
+    p.add_argument("--input", action="append", type=input_value, metavar="SPEC|MODULE:FUNCTION",
+                   help="the batch of a MODULE:FACTORY network, as dlperf profile takes it: one SHAPE[:DTYPE"
+                        "[:LOW-HIGH]] per model argument, batch first (64x32:int64), or a function returning the "
+                        "batch; --batch-size repeats its rows to that size"),
     p.add_argument("--devices", type=va.device_list("--devices"), default=None,
                    help="comma-separated, e.g. cpu,gpu(0),cuda:1 (default: the CPU and every GPU)")
     p.add_argument("--threads", type=va.int_list(1, MAX_THREADS, "--threads"), default=None,
@@ -102,8 +112,17 @@ def main_scaling(args: argparse.Namespace) -> int:
     return run_scaling(scaling_config(args))
 
 
+def register_networks(args: argparse.Namespace) -> None:
+    """Make the user's ``module:factory`` networks known to the sweep (imports and runs their code)."""
+    from ..bench.runner import register_user_networks
+
+    inputs = input_source(args.input, "bench") if getattr(args, "input", None) else None
+    register_user_networks(list(getattr(args, "networks", None) or []), inputs)
+
+
 def run(args: argparse.Namespace) -> int:
     outputs = outputs_of(args)
+    register_networks(args)
     if args.scaling:
         return main_scaling(args)
     config = build_config(args)

@@ -2,16 +2,18 @@
 
     dlperf launch --nproc-per-node 2 -- train --devices cpu:0 --epochs 2
     dlperf launch --nproc-per-node 2 -- my_script.py --lr 0.1
+    dlperf launch --nproc-per-node 2 -- python my_script.py --lr 0.1     # horovodrun's and mpirun's habit
+    dlperf launch --nproc-per-node 2 -- python -m mypkg.train --lr 0.1
     dlperf launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -- train ...
 
 PyTorch's elastic agent (the machinery of ``torchrun``) starts the processes, through
 :class:`~dlperf.parallel.launchers.ProcessLauncher`; each gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR`` and ``MASTER_PORT``. A dlperf verb runs inside a gloo process group the launcher opens,
 so ``train`` trains one model across every process; a script opens its own, as it would under
-``torchrun`` (a dlperf ``Trainer`` in it joins the processes by itself). ``--num-servers S`` is passed to
-every process as ``DLPERF_NUM_SERVERS`` for a distributed KVStore's parameter servers: the last ``S`` ranks
-are servers (role ``"server"`` in :func:`~dlperf.parallel.launchers.rank_role` and in failure messages).
-Under ``train --kvstore dist_sync`` they serve the weights instead of training; a script decides with
+``torchrun`` (a dlperf ``Trainer`` or distributed KVStore in it joins the processes by itself). ``--num-servers
+S`` is passed to every process as ``DLPERF_NUM_SERVERS`` for a distributed KVStore's parameter servers: the
+last ``S`` ranks are servers (role ``"server"`` in :func:`~dlperf.parallel.launchers.rank_role` and in failure
+messages). Under ``train --kvstore dist_sync`` they serve the weights instead of training; a script decides with
 ``rank_role()``. With ``--max-restarts K`` a failed process group is started again, up to ``K`` times;
 ``train --checkpoint FILE`` then continues from the last epoch FILE holds.
 """
@@ -38,6 +40,8 @@ DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0
 MIN_TIMEOUT_S = 1.0
 MAX_PROCESSES = 1024
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
+_PYTHON = re.compile(r"^python(3(\.[0-9]{1,2})?)?$")
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 def parse_master(text: str) -> tuple[str, int]:
@@ -87,7 +91,11 @@ def register(sub) -> None:
     p.add_argument("--timeout", default=DEFAULT_TIMEOUT_S, type=_timeout, metavar="SECONDS",
                    help=f"stop the launch after this long, rendezvous included ({MIN_TIMEOUT_S:g} s to a year; "
                         "default: a week)")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- VERB ARGS... | SCRIPT.py ARGS...")
+    p.add_argument("--verbose", action="store_true",
+                   help="on a failure, also print the failed rank's full traceback and torch's log on stderr "
+                        "(they are kept in the log file the error line names)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   metavar="-- VERB ARGS... | SCRIPT.py ARGS... | python SCRIPT.py ARGS... | python -m MODULE ARGS...")
     p.set_defaults(func=run)
 
 
@@ -131,13 +139,26 @@ def start(args: argparse.Namespace, fn: Callable[..., Any], *fn_args: Any, backe
     try:
         codes = launcher.launch(_in_worker, args.num_servers, fn, fn_args)
     except LaunchError as exc:
-        log = f" (torch's log: {exc.log_path})" if exc.log_path else ""
+        if exc.log_path and getattr(args, "verbose", False):
+            _print_log(exc.log_path)
+        log = f" (full traceback and torch's log: {exc.log_path})" if exc.log_path else ""
         print(f"dlperf launch: error: {one_line(str(exc))}{log}", file=sys.stderr)
         return 1
     except SignalException as exc:  # SIGTERM, SIGHUP (SIGINT arrives as KeyboardInterrupt: status 130)
         print(f"dlperf launch: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr)
         return 128 + int(exc.sigval)
     return max((int(c or 0) for c in codes), default=0)
+
+
+def _print_log(path: str) -> None:
+    """The kept log on stderr, as text: what ``--verbose`` shows before the one error line."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(4 << 20).decode("utf-8", "replace")
+    except OSError as exc:
+        print(f"dlperf launch: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+        return
+    sys.stderr.write(text if text.endswith("\n") else text + "\n")
 
 
 def _in_worker(num_servers: int, fn: Callable[..., Any], fn_args: tuple) -> int:
@@ -165,6 +186,72 @@ def run_script(path: str, argv: list[str]) -> int:
         print(exc.code, file=sys.stderr)
         return 1
     return 0
+
+
+def run_module(module: str, argv: list[str]) -> int:
+    """A worker: ``python -m MODULE ARGV``, the current directory first on the path as ``-m`` puts it."""
+    sys.argv = [module, *argv]
+    sys.path.insert(0, os.getcwd())
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _is_python(head: str) -> bool:
+    if _PYTHON.match(os.path.basename(head)):
+        return True
+    try:
+        return os.path.realpath(head) == os.path.realpath(sys.executable)
+    except (OSError, ValueError):
+        return False
+
+
+def _python_command(command: list[str]) -> tuple[Callable[..., int], str, list[str]]:
+    """``python [-u] SCRIPT ARGS`` or ``python [-u] -m MODULE ARGS`` -> the worker that runs it in each process.
+
+    The processes already run this Python; ``-u`` (unbuffered output) reaches them as ``PYTHONUNBUFFERED``
+    (each starts a fresh interpreter); other interpreter options are refused rather than silently dropped.
+    """
+    rest = command[1:]
+    while rest[:1] == ["-u"]:
+        os.environ["PYTHONUNBUFFERED"] = "1"
+        rest = rest[1:]
+    usage = "give python SCRIPT.py ARGS or python -m MODULE ARGS, e.g. dlperf launch --nproc-per-node 2 -- python " \
+            "train.py --lr 0.1"
+    if rest[:1] == ["-m"]:
+        module = rest[1] if len(rest) > 1 else ""
+        if not _MODULE.match(module) or len(module) > 300:
+            raise UsageError(f"python -m {module[:80]!r}: expected a module name; {usage}")
+        if not _module_exists(module.split(".")[0]):
+            raise UsageError(f"python -m {module}: no module named {module.split('.')[0]!r} here; run from the "
+                             "directory that holds it or add it to PYTHONPATH")
+        return run_module, module, rest[2:]
+    if not rest:
+        raise UsageError(f"{command[0]} with no script; {usage}")
+    if rest[0].startswith("-"):
+        raise UsageError(f"python option {rest[0][:40]!r} is not supported under dlperf launch (the processes run "
+                         f"this Python already); {usage}")
+    if not os.path.isfile(rest[0]):
+        raise UsageError(f"script {rest[0][:200]!r} does not exist or is not a file; give the path of a Python "
+                         "script")
+    return run_script, rest[0], rest[1:]
+
+
+def _module_exists(top: str) -> bool:
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(top) is not None  # a top-level name: found without running its code
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path.remove(os.getcwd())
 
 
 def _precheck_verb(argv: list[str], world: int, num_servers: int) -> int:
@@ -202,9 +289,12 @@ def run(args: argparse.Namespace) -> int:
         if status:
             return max(status, 0)
         return start(args, run_verb, command)
+    if _is_python(head):
+        worker, target, argv = _python_command(command)
+        return start(args, worker, target, argv, backend=None)
     if head.endswith(".py"):
         if not os.path.isfile(head):
             raise UsageError(f"script {head!r} does not exist or is not a file; give the path of a Python script")
         return start(args, run_script, head, command[1:], backend=None)
-    raise UsageError(f"{head[:80]!r} is neither a dlperf verb ({', '.join(verbs)}) nor a Python script (.py); "
-                     "give one after --")
+    raise UsageError(f"{head[:80]!r} is neither a dlperf verb ({', '.join(verbs)}) nor a Python script (.py, "
+                     "python SCRIPT.py, python -m MODULE); give one after --")

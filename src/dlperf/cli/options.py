@@ -88,8 +88,10 @@ def positive_float(name: str, *, max_value: float = math.inf, finite: bool = Tru
     return parse
 
 
-def csv_list(name: str, choices: Sequence[str] | None = None, what: str = "name") -> Callable[[str], list[str]]:
-    """A comma-separated list: no empty entries, no duplicates, each one of ``choices`` (a ``what``) when given."""
+def csv_list(name: str, choices: Sequence[str] | None = None, what: str = "name",
+             other: Callable[[str], str] | None = None) -> Callable[[str], list[str]]:
+    """A comma-separated list: no empty entries, no duplicates, each one of ``choices`` (a ``what``) when given;
+    with ``other``, an item holding a colon is checked by it instead (``module:factory``)."""
 
     def parse(text: str) -> list[str]:
         parts = [p.strip() for p in text.split(",")]
@@ -97,13 +99,15 @@ def csv_list(name: str, choices: Sequence[str] | None = None, what: str = "name"
             raise _fail(f"{_show(text)} has an empty entry; give {name} comma-separated items with no "
                         f"empty ones, e.g. {','.join((choices or ['a', 'b'])[:2])}")
         for p in parts:
-            if choices is not None and p.lower() not in choices:
+            if other is not None and ":" in p:
+                other(p)
+            elif choices is not None and p.lower() not in choices:
                 raise _fail(str(unknown_choice(what, p, choices)))
         lowered = [p.lower() for p in parts]
         dup = next((p for i, p in enumerate(lowered) if p in lowered[:i]), None)
         if dup is not None:
             raise _fail(f"{_show(text)} lists {_show(dup)} twice; give {name} each item once")
-        return parts
+        return parts if other is None else [other(p) if ":" in p else p for p in parts]
 
     parse.__name__ = "comma-separated list"
     return parse

@@ -1,6 +1,8 @@
-"""``dlperf profile MODULE:FACTORY --input SHAPE``: where a training step of your model spends its time.
+"""``dlperf profile MODULE:FACTORY --input SPEC``: where a training step of your model spends its time.
 
     dlperf profile mypkg.nets:make_model --input 64x3x32x32
+    dlperf profile mypkg.nets:make_transformer --input 64x32:int64 --input 64:int64:1-33
+    dlperf profile mypkg.nets:make_ranker --input mypkg.data:make_batch
     dlperf profile dlperf.models.lenet:lenet --input 256x1x28x28 --threads 2 --trace step.json --json
 
 The factory is imported and called with no arguments: that runs your code, which is why the verb
@@ -10,13 +12,12 @@ exists only for a module you name. The current directory is searched first, as `
 from __future__ import annotations
 
 import argparse
-import math
 import re
+import sys
 
+from ..errors import UsageError
 from ..probe.targets import build_model, read_hardware
 
-MAX_DIM = 2**24
-MAX_ELEMENTS = 2**31
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 _TARGET = re.compile(f"{_DOTTED}:{_DOTTED}")
 
@@ -36,19 +37,32 @@ def target(text: str) -> str:
     return text.strip()
 
 
-def input_shape(text: str) -> tuple[int, ...]:
-    """A shape such as ``64x3x32x32``: batch first, every dimension a whole number >= 1."""
-    parts = text.strip().lower().split("x")
-    fix = "give --input the shape of one batch, batch first, e.g. 64x3x32x32"
-    if len(text) > 100 or not 1 <= len(parts) <= 8 or not all(p.strip().isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a shape; {fix}")
-    dims = tuple(int(p) for p in parts)
-    if any(not 1 <= d <= MAX_DIM for d in dims):
-        raise argparse.ArgumentTypeError(f"{_shown(text)} has a dimension outside 1..{MAX_DIM}; {fix}")
-    if math.prod(dims) > MAX_ELEMENTS:
-        raise argparse.ArgumentTypeError(f"{_shown(text)} has more than {MAX_ELEMENTS} elements; "
-                                         "give a smaller --input")
-    return dims
+def input_value(text: str):
+    """One ``--input``: a tensor spec ``SHAPE[:DTYPE[:LOW-HIGH]]`` (batch first), or ``module:factory`` of a
+    function returning the whole batch."""
+    from ..models.inputs import parse_tensor_spec
+
+    stripped = text.strip()
+    if stripped[:1].isalpha() or stripped[:1] == "_":
+        if len(text) > 500 or not _TARGET.fullmatch(stripped):
+            raise argparse.ArgumentTypeError(
+                f"{_shown(text)} is neither a tensor spec nor MODULE:FUNCTION; give a batch-first shape with an "
+                "optional dtype and range (64x32:int64:0-1000) or a function returning the batch "
+                "(mypkg.data:make_batch)")
+        return stripped
+    try:
+        return parse_tensor_spec(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def input_source(values: list, verb: str = "profile"):
+    """The ``--input`` values as one :data:`~dlperf.probe.user_inputs.InputSource`: specs, or one factory."""
+    factories = [v for v in values if isinstance(v, str)]
+    if factories and len(values) > 1:
+        raise UsageError(f"{verb} --input {factories[0]} with {len(values) - 1} other --input: a batch factory "
+                         "makes the whole batch; give it alone, or give one tensor spec per model argument")
+    return factories[0] if factories else list(values)
 
 
 def hardware_source(text: str) -> str:
@@ -71,8 +85,11 @@ def register(sub) -> argparse.ArgumentParser:
                                        "measured suggestions", description=__doc__.splitlines()[0])
     p.add_argument("target", metavar="MODULE:FACTORY", type=target,
                    help="a callable that takes no arguments and returns a torch.nn.Module")
-    p.add_argument("--input", required=True, type=input_shape, metavar="SHAPE",
-                   help="shape of one float32 input batch, batch first, e.g. 64x3x32x32")
+    p.add_argument("--input", required=True, action="append", type=input_value, metavar="SPEC|MODULE:FUNCTION",
+                   help="one model argument as SHAPE[:DTYPE[:LOW-HIGH]], batch first (64x3x32x32, 64x32:int64, "
+                        "64x32:int64:0-1000; integer ids default to below the model's smallest nn.Embedding); "
+                        "repeat for several arguments; or a function returning the whole batch (a tensor, tuple "
+                        "or dict), e.g. mypkg.data:make_batch")
     p.add_argument("--threads", type=va.int_in(1, 1024, "--threads"), help="torch intra-op threads (default: as is)")
     p.add_argument("--steps", type=va.int_in(1, 1000, "--steps"), default=5, help="timed steps (default 5)")
     p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0, help="seed for weights and input")
@@ -96,20 +113,27 @@ def run(args: argparse.Namespace) -> int:
     from .._cliargs import require_memory
     from .._io import atomic_write_text, check_writable
     from ..probe.profile import profile
+    from ..probe.user_inputs import batch_maker, input_bytes
 
     for path in (args.trace, args.json):
         if path and path != "-":
             check_writable(path)  # before minutes of profiling
-    # the input, its gradient-free copies for the suggestions, and a doubled batch
-    require_memory(4 * 4 * math.prod(args.input), f"--input {'x'.join(map(str, args.input))}",
-                   "give a smaller --input")
+    source = input_source(args.input)
+    if not isinstance(source, str):
+        # the inputs, their copies for the suggestions, and a doubled batch
+        require_memory(4 * input_bytes(source), "--input " + " --input ".join(s.text() for s in source),
+                       "give a smaller --input")
     hardware = read_hardware(args.hardware) if args.hardware else None  # a bad file fails before user code runs
+    make = batch_maker(source)
     torch.manual_seed(args.seed)
     model = build_model(args.target)
-    x = torch.randn(args.input, generator=torch.Generator().manual_seed(args.seed))
-    report = profile(model, x, steps=args.steps, threads=args.threads, suggest=not args.no_suggest,
+    batch = make(model, torch.Generator().manual_seed(args.seed))
+    report = profile(model, batch, steps=args.steps, threads=args.threads, suggest=not args.no_suggest,
                      trace=args.trace, name=args.target, hardware=hardware)
     print(report, flush=True)
+    if report.contended:
+        print("dlperf profile: timed on a busy machine; the times marked ! are not the step's cost, rerun when the "
+              "machine is quiet", file=sys.stderr, flush=True)
     if args.trace:
         print(f"trace written to {args.trace}")
     if args.json:

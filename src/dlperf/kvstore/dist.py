@@ -2,7 +2,9 @@
 
 ``dist_sync``, ``dist_async`` and ``dist_device_sync`` keep :class:`~dlperf.kvstore.KVStore`'s interface
 across processes started by a launcher (:class:`~dlperf.parallel.launchers.ProcessLauncher`, ``torchrun``)
-with a process group around them. Every rank creates the store (a collective call); the last
+with a process group around them; a script started by ``dlperf launch`` or ``torchrun`` without one joins the
+group its environment describes when it creates its first store (:func:`join_launched_processes`), as the
+Trainer does. Every rank creates the store (a collective call); the last
 ``num_servers`` ranks are *servers*, the others *workers*. With ``num_servers=0`` (the default, or the
 ``DLPERF_NUM_SERVERS`` environment variable) every worker also hosts a server, the co-located design
 of d2l Fig. 12.7.8 (bottom).
@@ -69,7 +71,7 @@ from .server import SERVERS, Server, serve_call
 from .shm import SHM_ENV, Arena, WorkerSlots, shm_wanted
 from .wire import BYE, DTYPES, INIT, LOAD, OK, PULL, PUSH, PUSHPULL, STATE, from_wire, key_of, to_wire
 
-__all__ = ["NUM_SERVERS_ENV", "SHM_ENV", "server_count",
+__all__ = ["NUM_SERVERS_ENV", "SHM_ENV", "server_count", "join_launched_processes",
            "DistKVStore", "DistSyncKVStore", "DistAsyncKVStore", "DistDeviceSyncKVStore", "Placement",
            "BIG_ARRAY_BOUND"]
 
@@ -98,6 +100,52 @@ def server_count(given: int | None, world: int) -> int:
     return given
 
 
+def _env_int(name: str, kind: str) -> int:
+    text = os.environ.get(name, "")
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"kvstore type {kind!r}: {name}={text[:40]!r} is not an integer; start the processes "
+                         "with dlperf launch or torchrun, or unset it") from None
+
+
+def join_launched_processes(kind: str = "dist_sync") -> bool:
+    """Join the gloo process group a launcher's environment describes; False when there is none to join.
+
+    A script started by ``dlperf launch`` or ``torchrun`` has ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` but no group yet: as MXNet's ``kv.create('dist_sync')`` and dlperf's Trainer do, the
+    store joins by itself. Under a launcher's agent the group meets on that attempt's keys of the agent's
+    store, so a restarted group never reads its predecessor's. The group lasts as long as the process.
+    """
+    import atexit
+
+    import torch.distributed as dist
+
+    from .._attempt import attempt_store
+
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(os.environ.get(name) for name in needed):
+        return False
+    rank, world = _env_int("RANK", kind), _env_int("WORLD_SIZE", kind)
+    if not 0 <= rank < world:
+        raise UsageError(f"kvstore type {kind!r}: RANK={rank} with WORLD_SIZE={world}; expected 0 <= RANK < "
+                         "WORLD_SIZE (start the processes with dlperf launch or torchrun)")
+    store = attempt_store("kvstore-group/")
+    if store is None:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    atexit.register(_leave_group)
+    return True
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class DistKVStore(KVStore):
     """A KVStore whose keys live on server processes; see the module docstring for roles and semantics.
 
@@ -123,9 +171,12 @@ class DistKVStore(KVStore):
         super().__init__(kind)
         import torch.distributed as dist
 
+        if dist.is_available() and not dist.is_initialized():
+            join_launched_processes(self.type)
         if not (dist.is_available() and dist.is_initialized()):
             raise UsageError(f"kvstore type {self.type!r} needs torch.distributed's process group; start the "
-                             "workers with ProcessLauncher(n, backend='gloo') or torchrun, or use 'local'")
+                             "workers with dlperf launch, torchrun or ProcessLauncher(n, backend='gloo'), or "
+                             "use 'local'")
         world, rank = dist.get_world_size(), dist.get_rank()
         num_servers = server_count(num_servers, world)
         if staleness is not None and (self._sync or isinstance(staleness, bool) or not isinstance(staleness, int)

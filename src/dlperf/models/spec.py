@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,7 +55,7 @@ class ModelSpec:
 
     name: str
     build: Callable[[], nn.Module]
-    input: InputSpec
+    input: InputSpec | UserInputs
     cpu_batch: int
     gpu_batch: int
     description: str
@@ -95,3 +97,65 @@ def get_model(name: str) -> nn.Module:
 
 def num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+@dataclass(frozen=True)
+class UserInputs:
+    """A user network's batch: ``example()`` makes one at its own size (from specs or the user's factory);
+    ``make_batch`` resizes it and adds targets shaped like the model's output (:mod:`dlperf.models.inputs`)."""
+
+    example: Callable[[torch.Generator | None], Any]
+    output: Any
+    """The model's output on the example batch (any structure): what the targets are shaped after."""
+    description: str = ""
+
+    def make_batch(self, batch_size: int, device: torch.device | str = "cpu",
+                   generator: torch.Generator | None = None) -> tuple[Any, Any]:
+        from ..batch import map_tensors
+        from .inputs import make_targets, resize_batch
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        x = resize_batch(self.example(generator), batch_size)
+        y = make_targets(self.output, batch_size, generator)
+        return map_tensors(lambda t: t.to(device), x), map_tensors(lambda t: t.to(device), y)
+
+
+class CallsWithBatch(nn.Module):
+    """The user's model called on a batch by :func:`dlperf.batch.call_model`'s rule (a tuple: positional
+    arguments), so a step written ``loss_fn(model(x), y)`` runs it on any batch structure."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *inputs: Any) -> Any:
+        from ..batch import call_model
+
+        # one argument: the batch (``model(x)``); several: already unpacked (``call_model(model, x)``)
+        return call_model(self.inner, inputs[0]) if len(inputs) == 1 else self.inner(*inputs)
+
+
+def user_network(name: str, build: Callable[[], nn.Module], example: Callable[[nn.Module, torch.Generator | None],
+                 Any], *, description: str = "") -> ModelSpec:
+    """A :class:`ModelSpec` for a user's model factory and batch maker, registered under ``name`` (replacing
+    an earlier one of that name); the model is built and run once here, to shape the targets."""
+    from ..batch import batch_size, describe
+    from ..errors import UsageError
+    from .inputs import structured_loss
+
+    model = build()
+    first = example(model, torch.Generator().manual_seed(0))
+    try:
+        probe = copy.deepcopy(model).eval()  # eval: one forward must not move BatchNorm's running statistics
+        with torch.no_grad():
+            output = CallsWithBatch(probe)(first)
+    except Exception as exc:  # noqa: BLE001 (user code: any failure is the batch not fitting the model)
+        raise UsageError(f"{name} failed on the batch {describe(first)}: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}; give the inputs the model expects "
+                         "(shape, dtype, one --input per positional argument)") from None
+    n = batch_size(first, "example batch")
+    inputs = UserInputs(lambda g: example(model, g), output, describe(first))
+    spec = ModelSpec(name, lambda: CallsWithBatch(build()), inputs, n, n, description or f"{name} on {describe(first)}",
+                     paper=False, loss=structured_loss)
+    return register(spec, replace=True)

@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..batch import Batch, call_model, describe, map_tensors, tensors_of
 from ..errors import UsageError
 from ..registry import Registry
 
@@ -402,8 +403,10 @@ _LAYOUT_OPS = frozenset({
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "dot", "mv", "addmv", "einsum",
                          "_addmm_activation", "linear_backward", "mkldnn_linear"})
 _LOSS_WORDS = ("nll_loss", "nllloss", "cross_entropy", "log_softmax", "mse_loss", "l1_loss", "smooth_l1",
-               "binary_cross", "_softmax_backward", "kl_div", "huber")
-GROUPS = ("conv", "matmul", "norm", "elementwise", "pooling", "loss", "optimizer", "layout", "python")
+               "binary_cross", "kl_div", "huber")
+# softmax outside a loss is attention's (or a classifier head's), and counting it as loss misleads
+_ATTENTION_WORDS = ("softmax", "attention", "scaled_dot_product")
+GROUPS = ("conv", "matmul", "attention", "norm", "elementwise", "pooling", "loss", "optimizer", "layout", "python")
 """Operator groups, in report order; ``python`` is the time between operators (interpreter, dispatch)."""
 
 
@@ -416,6 +419,8 @@ def classify_op(name: str, phase: str = "") -> str:
         short = short.split(".")[1]
     if phase == "loss" or any(w in short for w in _LOSS_WORDS):
         return "loss"
+    if any(w in short for w in _ATTENTION_WORDS):
+        return "attention"
     if "conv" in short:
         return "conv"
     if "pool" in short:
@@ -495,29 +500,34 @@ class TrainingStep:
     the work of a timed one. ``on_phase`` hears "forward", "loss", "backward", "optimizer", then "".
     """
 
-    def __init__(self, model: nn.Module, x: torch.Tensor, *, lr: float = 1e-3, seed: int = 0,
+    def __init__(self, model: nn.Module, x: Batch, *, lr: float = 1e-3, seed: int = 0,
                  on_phase: Callable[[str], object] = lambda phase: None):
         self.model, self.x, self.on_phase, self.seed = model, x, on_phase, seed
         self.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-        self.labels: torch.Tensor | None = None
+        self.labels: dict[int, torch.Tensor] = {}
 
-    def _loss(self, out: torch.Tensor) -> torch.Tensor:
+    def _loss(self, out: torch.Tensor, key: int = 0) -> torch.Tensor:
         if out.dim() == 2 and out.shape[1] >= 1:
-            if self.labels is None or self.labels.shape[0] != out.shape[0]:
-                g = torch.Generator().manual_seed(self.seed)
-                self.labels = torch.randint(0, out.shape[1], (out.shape[0],), generator=g).to(out.device)
-            return nn.functional.cross_entropy(out, self.labels)
+            labels = self.labels.get(key)
+            if labels is None or labels.shape[0] != out.shape[0]:
+                g = torch.Generator().manual_seed(self.seed + key)
+                labels = self.labels[key] = torch.randint(0, out.shape[1], (out.shape[0],), generator=g).to(out.device)
+            return nn.functional.cross_entropy(out, labels)
         return nn.functional.mse_loss(out, torch.zeros_like(out))
 
     def __call__(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         self.on_phase("forward")
-        out = self.model(self.x)
-        if not isinstance(out, torch.Tensor):
-            raise UsageError(f"the model returned {type(out).__name__}, not a tensor; profile a model whose "
-                             "forward returns one tensor (wrap it to pick the output)")
+        out = call_model(self.model, self.x)
+        # a tuple or dict output: every floating tensor in it takes its own loss, summed
+        outs = [t for t in tensors_of(out) if t.is_floating_point()]
+        if not outs:
+            raise UsageError(f"the model returned {describe(out)}, with no floating tensor to take a loss of; "
+                             "profile a model whose forward returns its outputs")
         self.on_phase("loss")
-        loss = self._loss(out)
+        loss = self._loss(outs[0])
+        for key, extra in enumerate(outs[1:], 1):
+            loss = loss + self._loss(extra, key)
         self.on_phase("backward")
         loss.backward()
         self.on_phase("optimizer")
@@ -526,12 +536,13 @@ class TrainingStep:
         return loss
 
 
-def _count_on(model: nn.Module, x: torch.Tensor) -> StepCounts:
+def _count_on(model: nn.Module, x: Batch) -> StepCounts:
     from torch.utils.flop_counter import FlopCounterMode
 
-    counts = StepCounts(dtype=str(x.dtype).removeprefix("torch.") if x.is_floating_point() else "float32")
+    floating = [t for t in tensors_of(x) if t.is_floating_point()]
+    counts = StepCounts(dtype=str(floating[0].dtype).removeprefix("torch.") if floating else "float32")
     counts.param_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))
-    counts.input_bytes = float(x.numel() * x.element_size())
+    counts.input_bytes = float(sum(t.numel() * t.element_size() for t in tensors_of(x)))
     tally = _Tally(counts)
     flop_phases: dict[str, dict] = {}
     counter = FlopCounterMode(display=False)
@@ -564,7 +575,7 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo).to("meta")
 
 
-def count_step(model: nn.Module, example_input: torch.Tensor, *, on_meta: bool = True) -> StepCounts:
+def count_step(model: nn.Module, example_input: Batch, *, on_meta: bool = True) -> StepCounts:
     """FLOPs, bytes and operator calls of one training step of ``model`` on ``example_input``.
 
     With ``on_meta`` a copy of the model runs on the meta device (shapes only, no arithmetic, no
@@ -573,12 +584,12 @@ def count_step(model: nn.Module, example_input: torch.Tensor, *, on_meta: bool =
     """
     if on_meta:
         try:
-            return _count_on(_meta_copy(model), example_input.to("meta"))
+            return _count_on(_meta_copy(model), map_tensors(lambda t: t.to("meta"), example_input))
         except UsageError:
             raise
         except Exception:  # noqa: BLE001 (the meta device is an optimisation: fall back to a real step)
             pass
-    return _count_on(copy.deepcopy(model), example_input.clone())
+    return _count_on(copy.deepcopy(model), map_tensors(torch.Tensor.clone, example_input))
 
 
 @dataclass(frozen=True)

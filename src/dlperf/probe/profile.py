@@ -6,8 +6,14 @@ disturbed), and sorts every operator's own time into groups (convolution, matmul
 pooling, loss, optimizer, layout copies, and the Python/dispatch time between operators). Each group
 gets its FLOPs and bytes (counted on the meta device), a floor from the
 :class:`~dlperf.probe.cost.Hardware` figures and a verdict: compute-, bandwidth- or overhead-bound.
-Then it tries what dlperf can change and measures each: channels-last memory for convolutions, more
-threads, a larger batch when overhead dominates, and a hybridized graph.
+Then it tries what dlperf can change and measures each: channels-last memory for convolutions, another
+thread count, a larger batch when overhead dominates, and a hybridized graph. Every suggestion is timed
+in the same alternating rounds as one shared baseline, so all of them face the same background load, and
+a report timed on a busy machine says so (``!`` and the reason, as ``dlperf bench`` does).
+
+The input is a batch as PyTorch users write it (:mod:`dlperf.batch`): a tensor, a tuple of positional
+arguments (token ids and lengths), or a dict, of any dtypes; the output may be a tuple or dict too (each
+floating tensor takes its own loss).
 
 >>> import torch
 >>> from torch import nn
@@ -18,9 +24,11 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,8 +38,9 @@ import torch
 from torch import nn
 
 from .._threads import intra_op_threads
+from ..batch import Batch, batch_size, describe, map_tensors, tensors_of
 from ..errors import UsageError
-from ..timing import Timing, best_of, per_call_samples, time_steps
+from ..timing import Contention, ContentionMonitor, Timing, best_of, time_steps
 from .cost import (
     GROUPS,
     Hardware,
@@ -51,6 +60,8 @@ VERDICTS = ("compute-bound", "bandwidth-bound", "overhead-bound")
 OVERHEAD_SHARE = 0.3
 # A suggestion must beat the baseline by this much to be recommended: timings on a busy machine wobble.
 WORTHWHILE = 1.05
+CONTENDED_MARK = "!"
+"""What marks a timing taken while other work competed for the CPUs (``dlperf bench``'s mark)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,7 @@ class Suggestion:
 class ProfileReport:
     model: str
     input_shape: tuple[int, ...]
+    """The input's shape for one tensor; for a tuple or dict, ``(batch,)`` (``inputs`` names it all)."""
     threads: int
     step: Timing
     profiled_step_s: float
@@ -112,28 +124,52 @@ class ProfileReport:
     hardware: Hardware
     counts: StepCounts
     suggestions: list[Suggestion] = field(default_factory=list)
+    inputs: str = ""
+    """The batch's structure, dtypes and shapes (:func:`dlperf.batch.describe`)."""
+    batch: int = 0
+    suggestions_contention: Contention | None = None
+    """The verdict on the window the suggestions were timed in."""
+
+    @property
+    def contended(self) -> bool:
+        """Whether the step or the suggestions were timed while other work competed for the CPUs."""
+        return self.step.contended or bool(self.suggestions_contention and self.suggestions_contention.contended)
 
     def groups_by_name(self) -> dict[str, GroupRow]:
         return {g.group: g for g in self.groups}
 
     @property
     def examples_per_s(self) -> float:
-        return self.input_shape[0] / self.step.median_s if self.input_shape else 0.0
+        n = self.batch or (self.input_shape[0] if self.input_shape else 0)
+        return n / self.step.median_s if self.step.median_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "input_shape": list(self.input_shape), "threads": self.threads,
+        window = self.suggestions_contention
+        return {"model": self.model, "input_shape": list(self.input_shape), "inputs": self.inputs,
+                "batch_size": self.batch, "threads": self.threads, "contended": self.contended,
+                "suggestions_contention": window.to_dict() if window else None,
                 "step": self.step.to_dict(), "examples_per_s": self.examples_per_s,
                 "profiled_step_s": self.profiled_step_s,
                 "groups": [asdict(g) for g in self.groups], "floor": self.floor.to_dict(),
                 "hardware": self.hardware.to_dict() | {"notes": self.hardware.notes},
                 "suggestions": [s.to_dict() for s in self.suggestions]}
 
+    def _contention_lines(self) -> list[str]:
+        marked = [(what, c) for what, c in (("step", self.step.contention),
+                                            ("suggestions", self.suggestions_contention)) if c and c.contended]
+        if not marked:
+            return []
+        lines = [f"{CONTENDED_MARK} marks a time taken while other work competed for the CPUs; it is not the "
+                 "step's cost. Rerun on a quiet machine:"]
+        return lines + [f"  {CONTENDED_MARK} {what}: {c.reason}" for what, c in marked]
+
     def __str__(self) -> str:
-        shape = "x".join(map(str, self.input_shape))
+        shape = self.inputs or "x".join(map(str, self.input_shape))
+        mark = f" {CONTENDED_MARK}" if self.step.contended else ""
         noisy = " (noisy)" if self.step.noisy else ""
         lines = [f"{self.model}, input {shape}, {self.threads} thread(s), {len(self.step.samples)} timed steps",
-                 f"step {self.step.median_s * 1e3:.3f} ms median{noisy}, {self.examples_per_s:,.0f} examples/s; "
-                 f"the profiled step took {self.profiled_step_s * 1e3:.3f} ms",
+                 f"step {self.step.median_s * 1e3:.3f} ms median{mark}{noisy}, {self.examples_per_s:,.0f} "
+                 f"examples/s; the profiled step took {self.profiled_step_s * 1e3:.3f} ms",
                  "",
                  f"{'group':<12}{'ms':>9}{'share':>7}{'MFLOP':>10}{'MB':>9}{'ops':>6}{'floor ms':>10}  verdict"]
         for g in self.groups:
@@ -148,8 +184,12 @@ class ProfileReport:
                       f"{self.floor.overlap_s * 1e3:.3f} ms with full overlap ({self.floor.bottleneck}); measured "
                       f"{self.step.median_s / max(self.floor.no_overlap_s, 1e-12):.1f}x the no-overlap floor"]
         if self.suggestions:
-            lines += ["", "suggestions (each measured):"] + [f"  {s.line()}" for s in self.suggestions]
-        return "\n".join(lines)
+            busy = self.suggestions_contention is not None and self.suggestions_contention.contended
+            head = "suggestions (each timed against one baseline, in alternating rounds)"
+            lines += ["", head + (f" {CONTENDED_MARK}:" if busy else ":")]
+            lines += [f"  {s.line()}" for s in self.suggestions]
+        notes = self._contention_lines()
+        return "\n".join(lines + ([""] + notes if notes else []))
 
 
 # --- this machine's figures, when none are given -------------------------------------------------------------
@@ -238,6 +278,28 @@ def _event_group(event) -> str:
     return "python"  # a user's record_function: Python time between operators
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """File descriptor 2 pointed at /dev/null: the profiler's C++ side logs ``USDT ... profiler_start`` and
+    ``profiler_stop`` there on every start and stop, which Python's own redirection cannot catch.
+
+    Only the profiler's start and stop run inside; the user's step never does, so its warnings stay.
+    """
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 (a closed or replaced stderr): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _profiled_step(step: Callable[[], object], trace: str | os.PathLike | None,
                    tries: int = 1) -> tuple[dict[str, float], float]:
     """Own time per group of a step under torch.profiler, and the step's wall time; optionally the trace.
@@ -250,10 +312,16 @@ def _profiled_step(step: Callable[[], object], trace: str | os.PathLike | None,
 
     best: tuple[dict[str, float], float, object] | None = None
     for _ in range(max(tries, 1)):
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        prof = torch_profile(activities=[ProfilerActivity.CPU])
+        with _native_stderr_silenced():
+            prof.start()
+        try:
             t0 = time.perf_counter()
             step()
             wall = time.perf_counter() - t0
+        finally:
+            with _native_stderr_silenced():
+                prof.stop()
         seconds = dict.fromkeys(GROUPS, 0.0)
         for event in prof.events():
             seconds[_event_group(event)] += event.self_cpu_time_total * 1e-6
@@ -262,10 +330,9 @@ def _profiled_step(step: Callable[[], object], trace: str | os.PathLike | None,
         if best is None or max(wall, covered) < best[1]:
             best = (seconds, max(wall, covered), prof)
     assert best is not None  # at least one try ran
-    seconds, wall, prof = best
     if trace is not None:
-        _write_trace(prof, trace)
-    return seconds, wall
+        _write_trace(best[2], trace)
+    return best[0], best[1]
 
 
 def _write_trace(prof, path: str | os.PathLike) -> None:
@@ -305,52 +372,70 @@ def _group_rows(seconds: dict[str, float], counts: StepCounts, hw: Hardware) -> 
 
 # --- timing and suggestions ---------------------------------------------------------------------------------
 
-def _trainer(model: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+def _trainer(model: nn.Module, x: Batch) -> Callable[[], object]:
     step = TrainingStep(model, x)
-    if x.device.type != "cuda":
+    devices = {t.device for t in tensors_of(x)}
+    cuda = next((d for d in devices if d.type == "cuda"), None)
+    if cuda is None:
         return step
 
     def synced() -> object:  # GPU work is asynchronous: without the wait a timer sees only the launches
         out = step()
-        torch.cuda.synchronize(x.device)
+        torch.cuda.synchronize(cuda)
         return out
 
     return synced
 
 
-def _paired(baseline: Callable[[], object], variant: Callable[[], object], steps: int,
-            warmup: int = 1) -> tuple[float, float]:
-    """Median seconds of ``baseline`` and ``variant`` steps, timed alternately.
+@dataclass
+class _Variant:
+    """One change to try: its step, and how many examples a step of it does per baseline example."""
 
-    Alternating puts both under the same background load: on a shared machine a baseline timed a
-    minute earlier can be off by more than the effect being measured.
+    name: str
+    how: str
+    step: Callable[[], object] | None = None
+    scale: int = 1
+    unit: str = "step"
+    note: str = ""
+    samples: list[float] = field(default_factory=list)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _rounds(baseline: Callable[[], object], variants: list[_Variant], steps: int,
+            warmup: int = 2) -> tuple[list[float], Contention]:
+    """Time the baseline and every variant once per round, for ``steps`` rounds; the baseline's samples.
+
+    One baseline for all: each suggestion is compared with the same steps, taken between its own, so
+    every ratio sees the same background load. A variant that fails drops out with its reason.
     """
-    for _ in range(warmup):
-        baseline()
-        variant()
-    a: list[float] = []
-    b: list[float] = []
-    for _ in range(max(steps, 2)):
-        for fn, out in ((baseline, a), (variant, b)):
-            out += per_call_samples(fn, reps=1, warmup=0)
-    return Timing.from_samples(a).median_s, Timing.from_samples(b).median_s
-
-
-def _failed(name: str, how: str, exc: Exception, prefix: str = "failed") -> Suggestion:
-    return Suggestion(name, how, note=f"{prefix}: {type(exc).__name__}: {exc}")
-
-
-def _suggest_channels_last(model: nn.Module, x: torch.Tensor, steps: int) -> Suggestion | None:
-    if x.dim() != 4 or not any(isinstance(m, nn.Conv2d) for m in model.modules()):
-        return None
-    how = "model.to(memory_format=torch.channels_last) and the same for each input batch"
-    try:
-        cl_model = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        base, cl = _paired(_trainer(model, x),
-                           _trainer(cl_model, x.contiguous(memory_format=torch.channels_last)), steps)
-    except Exception as exc:  # noqa: BLE001 (a suggestion that cannot run is reported, not fatal)
-        return _failed("channels-last", how, exc)
-    return Suggestion("channels-last", how, base, cl)
+    live = [v for v in variants if v.step is not None]
+    for v in live:  # the first calls capture graphs, allocate, pick kernels
+        try:
+            for _ in range(warmup):
+                v.step()  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 (a suggestion that cannot run is reported, not fatal)
+            v.step, v.note = None, f"failed: {type(exc).__name__}: {exc}"
+    baseline()
+    monitor = ContentionMonitor(torch.get_num_threads())
+    base: list[float] = []
+    monitor.start()
+    for r in range(max(steps, 3)):
+        base.append(_timed(baseline))
+        order = [v for v in variants if v.step is not None]
+        # rotated each round: no variant always runs right after the baseline (warm caches) or last
+        k = r % len(order) if order else 0
+        for v in order[k:] + order[:k]:
+            try:
+                v.samples.append(_timed(v.step))  # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001
+                v.step, v.note = None, f"failed: {type(exc).__name__}: {exc}"
+        monitor.sample()
+    return base, monitor.stop()
 
 
 def _usable_cores() -> int:
@@ -368,27 +453,35 @@ def _with_threads(n: int, fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def _suggest_threads(model: nn.Module, x: torch.Tensor, steps: int) -> Suggestion | None:
-    current, cores = torch.get_num_threads(), _usable_cores()
-    if current >= cores:
+def _thread_counts(current: int, cores: int) -> list[int]:
+    """Thread counts worth trying beside ``current``: 1, half, all usable cores (never more)."""
+    return sorted({n for n in (1, max(current // 2, 1), cores) if n != current and 1 <= n <= max(cores, 1)})
+
+
+def _channels_last(model: nn.Module, x: Batch) -> _Variant | None:
+    four_d = [t for t in tensors_of(x) if t.dim() == 4 and t.is_floating_point()]
+    if not four_d or not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         return None
-    how = f"--threads {cores} (torch.set_num_threads({cores})): this machine has {cores} usable cores"
-    step = _trainer(model, x)
-    base, more = _paired(step, _with_threads(cores, step), steps)
-    return Suggestion("threads", how, base, more)
+    how = "model.to(memory_format=torch.channels_last) and the same for each input batch"
+    try:
+        cl_model = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        cl_x = map_tensors(lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t, x)
+        return _Variant("channels-last", how, _trainer(cl_model, cl_x))
+    except Exception as exc:  # noqa: BLE001
+        return _Variant("channels-last", how, note=f"failed: {type(exc).__name__}: {exc}")
 
 
-def _suggest_batch(model: nn.Module, x: torch.Tensor, steps: int) -> Suggestion:
-    b = x.shape[0]
+def _larger_batch(model: nn.Module, x: Batch) -> _Variant:
+    b = batch_size(x)
     how = f"batch {2 * b} instead of {b}: the fixed per-operator cost is shared by twice the examples"
     try:
-        base, double = _paired(_trainer(model, x), _trainer(model, torch.cat([x, x])), steps)
+        doubled = map_tensors(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, x)
+        return _Variant("larger batch", how, _trainer(copy.deepcopy(model), doubled), scale=2, unit="example")
     except (RuntimeError, MemoryError) as exc:
-        return _failed("larger batch", how, exc)
-    return Suggestion("larger batch", how, base / b, double / (2 * b), unit="example")
+        return _Variant("larger batch", how, note=f"failed: {type(exc).__name__}: {exc}", unit="example")
 
 
-def _suggest_hybridize(model: nn.Module, x: torch.Tensor, steps: int) -> Suggestion:
+def _hybridized(model: nn.Module, x: Batch) -> _Variant:
     import warnings
 
     from ..hybrid import hybridize
@@ -398,36 +491,59 @@ def _suggest_hybridize(model: nn.Module, x: torch.Tensor, steps: int) -> Suggest
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hybrid = hybridize(copy.deepcopy(model), backend="graph", strict=True)
-            base, graph = _paired(_trainer(model, x), _trainer(hybrid, x), steps, warmup=2)  # 1st call captures
-    except Exception as exc:  # noqa: BLE001 (capture refuses many models; that is a finding, not a failure)
-        return _failed("hybridize", how, exc, "not applicable")
-    return Suggestion("hybridize", how, base, graph)
+            step = _trainer(hybrid, x)
+            step()  # the first call captures; a model capture refuses is a finding, not a failure
+    except Exception as exc:  # noqa: BLE001
+        return _Variant("hybridize", how, note=f"not applicable: {type(exc).__name__}: {exc}")
+    return _Variant("hybridize", how, step)
 
 
-def _suggestions(model: nn.Module, x: torch.Tensor, report: ProfileReport, steps: int) -> list[Suggestion]:
-    out = [s for s in (_suggest_channels_last(model, x, steps), _suggest_threads(model, x, steps)) if s is not None]
+def _suggestions(model: nn.Module, x: Batch, report: ProfileReport,
+                 steps: int) -> tuple[list[Suggestion], Contention | None]:
+    baseline = _trainer(model, x)
+    current, cores = torch.get_num_threads(), _usable_cores()
+    variants = [v for v in (_channels_last(model, x),) if v is not None]
+    for n in _thread_counts(current, cores):
+        way = "more" if n > current else "fewer"
+        variants.append(_Variant(f"threads {n}", f"--threads {n} (torch.set_num_threads({n})): {way} threads than "
+                                                 f"the {current} now; this machine has {cores} usable cores",
+                                 _with_threads(n, _trainer(copy.deepcopy(model), x))))
     overhead = sum(g.time_s for g in report.groups if g.verdict == "overhead-bound")
     if overhead > OVERHEAD_SHARE * sum(g.time_s for g in report.groups):
-        out.append(_suggest_batch(model, x, steps))
-    out.append(_suggest_hybridize(model, x, steps))
-    return out
+        variants.append(_larger_batch(model, x))
+    variants.append(_hybridized(model, x))
+    base, contention = _rounds(baseline, variants, steps)
+    base_s = Timing.from_samples(base).median_s
+    out = []
+    for v in variants:
+        if v.step is None or not v.samples:
+            out.append(Suggestion(v.name, v.how, unit=v.unit, note=v.note or "not measured"))
+            continue
+        measured = Timing.from_samples(v.samples).median_s
+        examples = batch_size(x) if v.unit == "example" else 1
+        out.append(Suggestion(v.name, v.how, base_s / examples, measured / (examples * v.scale), unit=v.unit))
+    return out, contention
 
 
 # --- the entry point ----------------------------------------------------------------------------------------
 
-def profile(model: nn.Module, example_input: torch.Tensor, *, steps: int = 5, warmup: int = 1,
+def profile(model: nn.Module, example_input: Batch, *, steps: int = 5, warmup: int = 1,
             threads: int | None = None, hardware: Hardware | None = None, suggest: bool = True,
             trace: str | os.PathLike | None = None, name: str | None = None) -> ProfileReport:
     """Profile training steps of ``model`` on batches like ``example_input``; ``model`` itself is not changed.
 
-    ``threads`` sets torch's intra-op threads for the run (restored after); ``hardware`` gives the
-    figures for the floors (default: :func:`estimate_hardware`); ``trace`` writes the profiled step's
-    Chrome trace there. Raises :class:`~dlperf.errors.UsageError` when the model cannot train on the input.
+    ``example_input`` is a tensor, a tuple (the model's positional arguments) or a dict, of any dtypes
+    (:mod:`dlperf.batch`). ``threads`` sets torch's intra-op threads for the run (restored after);
+    ``hardware`` gives the figures for the floors (default: :func:`estimate_hardware`); ``trace`` writes the
+    profiled step's Chrome trace there. Raises :class:`~dlperf.errors.UsageError` when the model cannot
+    train on the input.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"profile needs a torch.nn.Module, got {type(model).__name__}; build the model first")
-    if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1 or example_input.shape[0] < 1:
-        raise UsageError(f"profile needs an input tensor with a batch dimension, got {example_input!r:.60}")
+    if not tensors_of(example_input):
+        raise UsageError(f"profile needs an input batch of tensors, got {describe(example_input)}; give a tensor, "
+                         "a tuple of tensors (the model's arguments) or a dict of tensors")
+    batch_size(example_input, "input")  # one clear error for a batch without (or with mixed) batch sizes
     if not any(p.requires_grad for p in model.parameters()):
         raise UsageError(f"{name or type(model).__name__} has no trainable parameters, so it has no training step "
                          "to profile; give a model with parameters that require gradients")
@@ -438,7 +554,7 @@ def profile(model: nn.Module, example_input: torch.Tensor, *, steps: int = 5, wa
                         name or type(model).__name__)
 
 
-def _profile(model: nn.Module, x: torch.Tensor, steps: int, warmup: int, hardware: Hardware | None,
+def _profile(model: nn.Module, x: Batch, steps: int, warmup: int, hardware: Hardware | None,
              suggest: bool, trace, name: str) -> ProfileReport:
     step = _trainer(model, x)
     try:
@@ -446,16 +562,19 @@ def _profile(model: nn.Module, x: torch.Tensor, steps: int, warmup: int, hardwar
     except UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 (user code: any failure is reported as a usage error)
-        shape = "x".join(map(str, x.shape))
-        raise UsageError(f"the model failed on an input of shape {shape}: {type(exc).__name__}: {exc}; "
-                         "give the input shape the model expects (batch first)") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UsageError(f"the model failed on the input {describe(x)}: {type(exc).__name__}: {first}; give the "
+                         "inputs the model expects (shapes batch first, dtypes, for token ids a range below the "
+                         "embedding size, one --input per positional argument)") from None
     timing = time_steps(step, warmup=max(warmup - 1, 0), steps=steps)
     seconds, profiled = _profiled_step(step, trace, tries=min(steps, 3))
     counts = count_step(model, x)
     hw = hardware or _at_least_observed(_this_machine(), counts, seconds, timing.median_s)
     floor = step_floor(counts, hw, measured_s=timing.median_s)
-    report = ProfileReport(name, tuple(x.shape), torch.get_num_threads(), timing, profiled,
-                           _group_rows(seconds, counts, hw), floor, hw, counts)
+    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else (batch_size(x),)
+    report = ProfileReport(name, shape, torch.get_num_threads(), timing, profiled,
+                           _group_rows(seconds, counts, hw), floor, hw, counts, inputs=describe(x),
+                           batch=batch_size(x))
     if suggest:
-        report.suggestions = _suggestions(model, x, report, steps)
+        report.suggestions, report.suggestions_contention = _suggestions(model, x, report, steps)
     return report
