@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import torch
+from torch.utils import _pytree
 from torch.utils._pytree import tree_flatten
 
 from ..batch import describe
@@ -36,6 +37,8 @@ MAX_TREE_NODES = 4096
 MAX_KEY_CHARS = 128
 _KINDS = ("tuple", "list", "dict")
 _TEXT_CHARS = 400
+# pytree names namedtuple and structseq nodes by markers, not by the tuple classes themselves
+_TUPLE_MARKERS = tuple(m for m in (getattr(_pytree, "namedtuple", None), getattr(_pytree, "structseq", None)) if m)
 
 Tree = Any
 """An int (a leaf), or a one-key dict of kind tuple, list or dict (see the module docstring)."""
@@ -59,7 +62,8 @@ def tree_of_spec(spec: Any, what: str) -> Tree:
         kind = s.type
         if kind is list:
             return {"list": children}
-        if isinstance(kind, type) and issubclass(kind, tuple):  # namedtuples too: see the module docstring
+        # namedtuples and torch's structseqs (torch.return_types) too: see the module docstring
+        if kind in _TUPLE_MARKERS or isinstance(kind, type) and issubclass(kind, tuple):
             return {"tuple": children}
         if isinstance(kind, type) and issubclass(kind, dict):
             keys = list(s.context)
@@ -193,10 +197,10 @@ def flat_tree(leaves: int, root: str = "tuple") -> Tree:
 
 def check_inputs_are_tensors(args: tuple) -> None:
     """Refuse example inputs with a leaf that is not a tensor, naming the structure."""
-    leaves, _ = tree_flatten(args)
-    bad = next((leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)), None)
-    if bad is not None or not leaves:
-        what = "no tensor" if bad is None else f"a {type(bad).__name__} ({bad!r:.40})"
+    leaves, _ = tree_flatten(args, is_leaf=lambda v: v is None)  # pytree drops a None, export would fail on it
+    others = [leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)]
+    if others or not leaves:
+        what = f"a {type(others[0]).__name__} ({others[0]!r:.40})" if others else "no tensor"
         raise DlperfError(f"cannot export with example inputs {describe(args)}: they hold {what}; an export takes "
                           f"tensors (of any dtype) in tuples, lists and dicts: pass non-tensor settings to the "
                           f"model's constructor instead")
