@@ -32,6 +32,20 @@ def _correct(model: nn.Module, X: Batch, y: Batch) -> int:
     return int((out.argmax(dim=-1) == y).sum())
 
 
+def _wait_all(ops: Sequence[Any]) -> list[int]:
+    """Every operation's result; after a failure the others are still waited for (none is left running, and
+    none of their errors is left for the engine to raise later), then the first error is raised."""
+    results, first = [], None
+    for op in ops:
+        try:
+            results.append(op.wait())
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+    return results
+
+
 def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[Any, Any]],
                       devices: Sequence[Device], engine: Engine | None = None,
                       prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
@@ -64,7 +78,7 @@ def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[Any, A
                 counts = [job() for job in jobs]
             else:
                 ops = [engine.push(job, device=devices[i], name=f"evaluate {devices[i]}") for i, job in enumerate(jobs)]
-                counts = [op.wait() for op in ops]
+                counts = _wait_all(ops)
             right += sum(counts)
             seen += n
     finally:
