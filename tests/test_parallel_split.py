@@ -151,3 +151,22 @@ def test_split_step_takes_presplit_structures_only_when_placed_per_device():
     # across processes: this process's slice of the global structure
     Xs, ys, n = split_step(X, torch.arange(4), [cpu(0)], world=2, rank=1)
     assert n == 4 and torch.equal(ys[0], torch.tensor([2, 3])) and Xs[0]["ids"].shape == (2, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(num_gpus() < 2, reason="needs 2 CUDA GPUs")
+def test_a_host_tuple_batch_is_one_batch_on_gpus():
+    from dlperf.parallel.split import split_step
+
+    X = (torch.zeros(4, 3), torch.ones(4, 3))
+    Xs, ys, n = split_step(X, (torch.arange(4), torch.arange(4)), [gpu(0), gpu(1)])
+    assert n == 4 and [x[0].device for x in Xs] == [torch.device("cuda:0"), torch.device("cuda:1")]
+
+
+def test_a_tuple_batch_elsewhere_than_the_devices_is_one_batch():
+    from dlperf.parallel.split import split_step
+
+    # on cpu(2), devices cpu(0), cpu(1): every tensor in one place, so one batch, not two misplaced parts
+    X = tuple(split_and_load(torch.zeros(4, 3), [cpu(2)])) + tuple(split_and_load(torch.ones(4, 3), [cpu(2)]))
+    Xs, ys, n = split_step(X, (torch.arange(4), torch.arange(4)), [cpu(0), cpu(1)])
+    assert n == 4 and [device_of(x[1]) for x in Xs] == [cpu(0), cpu(1)]

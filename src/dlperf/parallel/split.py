@@ -146,8 +146,10 @@ def _examples(X: Batch, y: Batch) -> int:
 def _presplit(X: Any, y: Any, devices: Sequence[Device]) -> bool:
     """Whether ``X`` and ``y`` are lists of one part per device rather than one batch.
 
-    A tuple or list of ``k`` parts with a part away from ``devices[0]`` (or, on one device, a 1-tuple)
-    is taken as pre-split: a batch structure on ``k`` devices has all its tensors in one place.
+    A tuple or list of ``k`` parts is pre-split when part ``i`` is on ``devices[i]``, or when its parts
+    are spread over several devices (misplaced parts, which :func:`check_placed` then names). A batch
+    structure has all its tensors in one place: a tuple ``(ids, mask)`` on the host is one batch,
+    whatever the devices.
     """
     k = len(devices)
     if not (isinstance(X, (list, tuple)) and isinstance(y, (list, tuple)) and len(X) == len(y) == k):
@@ -155,7 +157,9 @@ def _presplit(X: Any, y: Any, devices: Sequence[Device]) -> bool:
     where = [_part_devices(part) for part in X]
     if any(not w for w in where):
         return False
-    return k == 1 or any(w != {devices[0]} for w in where)
+    if all(w == {d} for w, d in zip(where, devices)):
+        return True
+    return len(set().union(*where)) > 1
 
 
 def _part_devices(part: Batch) -> set[Device]:
