@@ -261,3 +261,12 @@ def test_trainer_across_two_processes_equals_eager():
             if kind != "cnn":  # BatchNorm's running statistics are per process: not comparable here
                 assert runs[0][kind]["accuracy"] == pytest.approx(right / seen)
             assert runs[0][kind]["accuracy"] == runs[1][kind]["accuracy"]
+
+
+def test_the_default_loss_on_a_dict_output_is_one_error_naming_it():
+    model, _ = build("dict")
+    X, y = make_batch("dict", 4, fresh_generator())
+    with Trainer(model, [cpu(0), cpu(1)], "sgd", {"lr": LR}, processes=None) as trainer:
+        with pytest.raises(UsageError, match=r"default loss .* got dict\{logits: float32\[2,3\], score: float32\[2\]\} "
+                                             r"and dict\{label: int64\[2\], score: float32\[2\]\}; pass loss="):
+            trainer.train_step(X, y)

@@ -179,7 +179,8 @@ def split_step(X: Batch, y: Batch, devices: Sequence[Device], world: int = 1,
             X.shape[0] == y.shape[0] >= k:  # the common case
         sizes = split_sizes(X.shape[0], k)
         return place_parts(X, devices, sizes), place_parts(y, devices, sizes), int(X.shape[0])
-    if _presplit(X, y, devices):
+    # one device in each of several processes: a 1-tuple is the model's one input, not a part
+    if _presplit(X, y, devices) and not (world > 1 and k == 1):
         if world > 1:
             raise UsageError(f"a trainer of {world} processes takes the global batch, the same in every process, "
                              f"not per-device parts ({type(X).__name__} of {len(X)} parts)")

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch import batch_size, call_model, map_tensors
+from ..batch import batch_size, call_model, describe, map_tensors
 from ..devices import DeviceLike
 from ..engine import Engine, Trace, create_engine
 from ..errors import UsageError
@@ -53,6 +53,9 @@ __all__ = ["Trainer", "TrainerConfig", "make_optimizer", "OPTIMIZERS", "NonFinit
 
 
 def _default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise UsageError(f"the default loss (cross-entropy) takes a tensor of scores and a tensor of labels, got "
+                         f"{describe(out)} and {describe(y)}; pass loss=fn(output, target) for other structures")
     return nn.functional.cross_entropy(out, y)
 
 
