@@ -75,15 +75,22 @@ def batch_size(tree: Batch, what: str = "batch") -> int:
     return int(n)
 
 
-def split_tree(tree: Batch, sizes: Sequence[int]) -> list[Batch]:
-    """``tree`` cut into ``len(sizes)`` parts along the first axis; 0-d tensors and plain values are shared."""
+def split_tree(tree: Batch, sizes: Sequence[int],
+               each: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> list[Batch]:
+    """``tree`` cut into ``len(sizes)`` parts along the first axis; 0-d tensors and plain values are shared.
+
+    ``each(tensor, i)``, if given, is applied to every tensor of part ``i`` (0-d ones too), in the same
+    pass: placing part ``i`` on device ``i`` costs no second walk of the structure.
+    """
     leaves, spec = tree_flatten(tree)
     columns: list[list[Any]] = []
+    k = len(sizes)
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            columns.append(list(torch.split(leaf, list(sizes))))
-        else:
-            columns.append([leaf] * len(sizes))
+        if not isinstance(leaf, torch.Tensor):
+            columns.append([leaf] * k)
+            continue
+        parts = list(torch.split(leaf, list(sizes))) if leaf.dim() > 0 else [leaf] * k
+        columns.append(parts if each is None else [each(p, i) for i, p in enumerate(parts)])
     return [tree_unflatten([col[i] for col in columns], spec) for i in range(len(sizes))]
 
 

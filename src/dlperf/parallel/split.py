@@ -15,12 +15,11 @@ shared, so a copy would cost memory bandwidth and buy nothing. On GPUs each part
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import torch
 
-from ..batch import Batch, batch_size, describe, map_tensors, split_tree, tensors_of
+from ..batch import Batch, batch_size, describe, split_tree, tensors_of
 from ..devices import Device, DeviceLike, device_of, require_available, tag, to_device
 from ..errors import DeviceMismatchError, UsageError
 
@@ -114,7 +113,7 @@ def place_parts(batch: Batch, devices: Sequence[Device], sizes: Sequence[int]) -
     """
     if isinstance(batch, torch.Tensor):
         return [_place(p, d) for p, d in zip(torch.split(batch, list(sizes)), devices)]
-    return [map_tensors(partial(_place, dev=d), part) for part, d in zip(split_tree(batch, sizes), devices)]
+    return split_tree(batch, sizes, lambda t, i: _place(t, devices[i]))
 
 
 def split_batch(X: Batch, y: Batch, devices: Sequence[DeviceLike],
@@ -193,9 +192,15 @@ def split_step(X: Batch, y: Batch, devices: Sequence[Device], world: int = 1,
     mine = slice(rank * k, (rank + 1) * k)
     if world == 1:  # losses are weighted by share, so uneven parts are fine
         return place_parts(X, devices, every), place_parts(y, devices, every), n
-    Xs, ys = split_tree(X, every)[mine], split_tree(y, every)[mine]
-    return ([map_tensors(partial(_place, dev=d), p) for p, d in zip(Xs, devices)],
-            [map_tensors(partial(_place, dev=d), p) for p, d in zip(ys, devices)], n)
+    # this process's parts: the rows of the parts before it skipped, the rest cut as its devices take them
+    start = sum(every[:rank * k])
+    sizes = [start, *every[mine], n - start - sum(every[mine])]
+
+    def place(t: torch.Tensor, i: int) -> torch.Tensor:
+        return _place(t, devices[i - 1]) if 0 < i <= k else t
+
+    Xs, ys = split_tree(X, sizes, place)[1:k + 1], split_tree(y, sizes, place)[1:k + 1]
+    return Xs, ys, n
 
 
 def check_placed(parts: Sequence[Batch], devices: Sequence[Device], what: str = "input") -> None:

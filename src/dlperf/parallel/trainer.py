@@ -228,7 +228,7 @@ class Trainer:
 
     def _layout(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
-            return map_tensors(self._layout, x)
+            return map_tensors(self._layout, x) if self.channels_last else x
         if self.channels_last and x.dim() == 4:
             return x.contiguous(memory_format=torch.channels_last)
         return x
