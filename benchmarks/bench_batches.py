@@ -14,7 +14,9 @@ round's just before it:
 * ``trainer_dict``: the same model and data taken as a dict ``{"ids": ..., "lang": "en"}`` with dict
   targets ``{"label": ...}``: split by :func:`dlperf.batch.split_tree`, called by ``call_model``;
 * ``plain_dict``: a plain PyTorch loop on the dict batch, one thread (what the step costs without
-  any data parallelism).
+  any data parallelism);
+* the split alone (``split_step``: size the batch, cut it, place the parts), tensor and dict in turns,
+  the best block of 200 calls each: what the structure adds to a step without the machine's noise.
 
 The last stdout line is one JSON object: ``dict_over_tensor`` (target: at most 1.05, the structure's
 cost within 5% of the step), each round's ratio, the best medians, each round's, and ``contended``
@@ -34,7 +36,8 @@ from torch import nn
 from dlperf._hostmem import keep_freed_host_memory
 from dlperf.devices import cpu
 from dlperf.parallel import Trainer
-from dlperf.timing import time_steps
+from dlperf.parallel.split import split_step
+from dlperf.timing import best_of, time_steps
 
 BATCH, SEQ, VOCAB = 64, 32, 1000
 
@@ -73,6 +76,19 @@ def trainer_step(as_dict: bool) -> tuple[Trainer, object]:
         model, X, y, loss = Tokens(), ids, labels, nn.functional.cross_entropy
     trainer = Trainer(model, [cpu(0), cpu(1)], "sgd", {"lr": 0.1}, loss=loss, threads=[1, 1], processes=None)
     return trainer, lambda: trainer.train_step(X, y)
+
+
+def measure_split(rounds: int) -> dict[str, float]:
+    """The step's split alone (``split_step``: size, cut, place on two devices), tensor and dict in turns:
+    microseconds, the best block of each (a single thread's Python, so the least disturbed block is it)."""
+    ids, labels = _data()
+    devices = [cpu(0), cpu(1)]
+    batches = {"tensor": (ids, labels), "dict": ({"ids": ids, "lang": "en"}, {"label": labels})}
+    best = {k: float("inf") for k in batches}
+    for _ in range(rounds):
+        for key, (X, y) in batches.items():
+            best[key] = min(best[key], best_of(lambda X=X, y=y: split_step(X, y, devices), reps=5, calls=200) * 1e6)
+    return best
 
 
 def measure_plain(steps: int, warmup: int) -> dict:
@@ -117,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor_trainer.close()
         dict_trainer.close()
     ratios = sorted(d["ms"] / t["ms"] for d, t in zip(rounds["trainer_dict"], rounds["trainer_tensor"]))
+    split_us = measure_split(args.rounds)
     best = {k: min(v, key=lambda r: r["ms"]) for k, v in rounds.items()}
     labels = {"trainer_tensor": "Trainer cpu(0),cpu(1): one int64 tensor",
               "trainer_dict": "Trainer cpu(0),cpu(1): dict batch and targets",
@@ -132,10 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     if contended:
         print("(* contended: other work competed for the cores during that round; see dlperf.timing)")
     ratio = statistics.median(ratios)
+    print(f"the split alone (split_step, 2 devices): tensor {split_us['tensor']:.1f} us, dict "
+          f"{split_us['dict']:.1f} us (+{split_us['dict'] - split_us['tensor']:.1f} us a step)")
     print(f"dict batch / tensor batch, median of the rounds' ratios: {ratio:.3f} (target <= 1.05; each round: "
           f"{' '.join(f'{r:.2f}' for r in ratios)}, sorted)")
     print(json.dumps({"dict_over_tensor": ratio, "target": 1.05, "met": ratio <= 1.05, "round_ratios": ratios,
                       **{f"{k}_ms": v["ms"] for k, v in best.items()},
+                      "split_tensor_us": split_us["tensor"], "split_dict_us": split_us["dict"],
                       "rounds_ms": {k: [r["ms"] for r in v] for k, v in rounds.items()},
                       "contended": contended}))
     return 0
