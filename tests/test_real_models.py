@@ -135,11 +135,13 @@ def assert_params_close(got: nn.Module, want: nn.Module) -> None:
 
 
 STRATEGIES = [([cpu(0)], {}), ([cpu(0), cpu(1)], {}), ([cpu(0), cpu(1)], {"kvstore": "local"}),
+              ([cpu(0), cpu(1)], {"kvstore": "device"}),
               ([cpu(0), cpu(1)], {"kvstore": "local", "update_on_kvstore": True})]
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
-@pytest.mark.parametrize("devices,options", STRATEGIES, ids=["one-device", "allreduce", "kvstore", "update-on-kvstore"])
+@pytest.mark.parametrize("devices,options", STRATEGIES,
+                         ids=["one-device", "allreduce", "kvstore-local", "kvstore-device", "update-on-kvstore"])
 def test_trainer_in_one_process_equals_eager(kind, devices, options):
     model, loss_fn = build(kind)
     g = fresh_generator()
