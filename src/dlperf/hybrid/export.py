@@ -4,8 +4,9 @@ An export is a directory of two files (three on request):
 
 ``graph.json``
     human-readable: a format name and version, the inputs (name, shape, dtype; ``null`` for a
-    dimension that may vary, such as the batch), the parameters and buffers (shape, dtype), and the
-    nodes in execution order, each an ATen operator (``aten.conv2d.default``) with its inputs and
+    dimension that may vary, such as the batch), how they nest in the model's call and how the
+    outputs nest in its result (``input_tree``, ``output_tree``: tuples, lists and dicts, see
+    :mod:`.export_tree`), the parameters and buffers (shape, dtype), and the nodes in execution order, each an ATen operator (``aten.conv2d.default``) with its inputs and
     the shape and dtype of what it produces. It also records the size and SHA-256 of the other
     files and of its own content, so a truncated or damaged export is refused instead of misread.
 ``params.safetensors``
@@ -34,7 +35,9 @@ not attackers (anyone can recompute them), so every field is checked on its own:
   syntax, shapes (lists of ints, ``null`` for a dynamic dimension, bounded rank and size), node
   references only to inputs, parameters and earlier nodes, every listed file present with its size
   and SHA-256, and the parameter file holding exactly the recorded tensors with their shapes and
-  dtypes. Node counts, nesting, strings and tensor sizes are bounded.
+  dtypes. Node counts, nesting, strings and tensor sizes are bounded. The input and output trees
+  are data of three kinds (tuple, list, dict), bounded in depth, size and key length, whose leaves
+  number the flat inputs and outputs once each; they are walked, never executed.
 * No node may write into an input or a parameter, for any input shape: from each operator's
   schema, every value gets the inputs and parameters it may share memory with (views, and ops such
   as ``contiguous`` or ``reshape`` that return their argument for some shapes), and a write

@@ -113,9 +113,11 @@ class DataParallel(nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         """``module(*inputs)``, each device on its part of every input (tensors or structures of them)."""
-        n = batch_size(inputs, "input")
+        # one tensor (the common case) is cut directly; a part that is a tensor is the replica's one input
+        batch = inputs[0] if len(inputs) == 1 and isinstance(inputs[0], torch.Tensor) else inputs
+        n = batch_size(batch, "input")
         k = min(len(self.devices), n)
-        parts = place_parts(inputs, self.devices[:k], split_sizes(n, k))
+        parts = place_parts(batch, self.devices[:k], split_sizes(n, k))
         grad_on = torch.is_grad_enabled()
 
         def run(i: int):
