@@ -170,3 +170,19 @@ def test_a_tuple_batch_elsewhere_than_the_devices_is_one_batch():
     X = tuple(split_and_load(torch.zeros(4, 3), [cpu(2)])) + tuple(split_and_load(torch.ones(4, 3), [cpu(2)]))
     Xs, ys, n = split_step(X, (torch.arange(4), torch.arange(4)), [cpu(0), cpu(1)])
     assert n == 4 and [device_of(x[1]) for x in Xs] == [cpu(0), cpu(1)]
+
+
+@pytest.mark.parametrize("n,world,rank,k", [(10, 2, 1, 2), (10, 2, 0, 2), (7, 3, 2, 1), (9, 2, 1, 3)])
+def test_split_step_across_processes_takes_the_local_parts_of_a_structure(n, world, rank, k):
+    from dlperf.parallel.procs import local_parts
+    from dlperf.parallel.split import split_step
+
+    X = {"ids": torch.arange(n * 2).reshape(n, 2), "tag": "t"}
+    y = (torch.arange(n), torch.tensor(1.0))
+    devs = [cpu(i) for i in range(k)]
+    Xs, ys, total = split_step(X, y, devs, world=world, rank=rank)
+    start, sizes = local_parts(n, world, rank, k)
+    assert total == n and [x["ids"].shape[0] for x in Xs] == sizes
+    assert torch.equal(torch.cat([t[0] for t in ys]), torch.arange(start, start + sum(sizes)))
+    assert [device_of(x["ids"]) for x in Xs] == devs and all(x["tag"] == "t" for x in Xs)
+    assert [device_of(t[1]) for t in ys] == devs
