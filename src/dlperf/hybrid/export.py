@@ -6,8 +6,9 @@ An export is a directory of two files (three on request):
     human-readable: a format name and version, the inputs (name, shape, dtype; ``null`` for a
     dimension that may vary, such as the batch), how they nest in the model's call and how the
     outputs nest in its result (``input_tree``, ``output_tree``: tuples, lists and dicts, see
-    :mod:`.export_tree`), the parameters and buffers (shape, dtype), and the nodes in execution order, each an ATen operator (``aten.conv2d.default``) with its inputs and
-    the shape and dtype of what it produces. It also records the size and SHA-256 of the other
+    :mod:`.export_tree`), the parameters and buffers (shape, dtype), and the nodes in execution
+    order, each an ATen operator (``aten.conv2d.default``) with its inputs and the shape and dtype
+    of what it produces. It also records the size and SHA-256 of the other
     files and of its own content, so a truncated or damaged export is refused instead of misread.
 ``params.safetensors``
     every parameter and buffer, by the module's ``state_dict`` names.
