@@ -59,3 +59,19 @@ def test_describe_is_one_bounded_line():
     assert describe({"ids": torch.zeros(2, 3, dtype=torch.int64)}) == "dict{ids: int64[2,3]}"
     long = describe(list(range(100)))
     assert "\n" not in long and long.endswith(", ...)")
+
+
+def test_split_tree_applies_each_per_part_and_gather_tree_inverts_it():
+    from dlperf.batch import gather_tree
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    tree = {"x": torch.randn(5, 2, generator=g), "pair": (torch.arange(5), "s"), "k": torch.tensor(3)}
+    seen = []
+    parts = split_tree(tree, [2, 3], each=lambda t, i: seen.append((i, tuple(t.shape))) or t + i)
+    assert sorted(seen) == [(0, ()), (0, (2,)), (0, (2, 2)), (1, ()), (1, (3,)), (1, (3, 2))]
+    assert torch.equal(parts[1]["pair"][0], torch.arange(2, 5) + 1) and int(parts[1]["k"]) == 4
+    joined = gather_tree(split_tree(tree, [2, 3]))
+    assert torch.equal(joined["x"], tree["x"]) and joined["pair"][1] == "s"
+    assert torch.equal(joined["k"], torch.tensor([3, 3]))  # one 0-d value per part, stacked
+    with pytest.raises(UsageError, match="hold different values 'a' and 'b'"):
+        gather_tree([{"v": "a"}, {"v": "b"}])

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from dlperf.hybrid import export, load
 from dlperf.hybrid.export import ExportFormatError
+from dlperf.hybrid.export_tree import build
 
 export_mod = importlib.import_module("dlperf.hybrid.export_format")
 
@@ -347,9 +348,33 @@ def mutate_metadata(data, doc, params):
     return params, False
 
 
+# Structure trees as an attacker writes them: the allowed kinds and others, leaves of any number, odd keys.
+tree_values = st.recursive(
+    st.integers(min_value=-2, max_value=6) | json_values,
+    lambda inner: st.dictionaries(st.sampled_from(["tuple", "list", "__class__", "eval"]), st.lists(inner, max_size=4),
+                                  min_size=1, max_size=2)
+    | st.builds(lambda body: {"dict": body}, st.dictionaries(st.text(max_size=6) | st.sampled_from(ATTACK_VALUES[:4]),
+                                                             inner, max_size=3)),
+    max_leaves=10)
+
+
+def mutate_tree(data, doc, params):
+    """Replace the input or output structure (or a part of it) with any tree."""
+    field = data.draw(st.sampled_from(["input_tree", "output_tree"]))
+    tree = doc[field]
+    if isinstance(tree, dict) and data.draw(st.booleans(), label="replace a child"):
+        (kind, body), = tree.items()
+        slots = list(body) if isinstance(body, dict) else list(range(len(body)))
+        if slots:
+            body[data.draw(st.sampled_from(slots))] = data.draw(tree_values)
+            return params, False
+    doc[field] = data.draw(tree_values)
+    return params, False
+
+
 MUTATIONS = [mutate_exploit, mutate_op, mutate_dtype, mutate_encoding, mutate_reference, mutate_nodes, mutate_rename,
              mutate_files, mutate_shape, mutate_literal, mutate_blind, mutate_params, mutate_alias_write,
-             mutate_metadata]
+             mutate_metadata, mutate_tree]
 
 
 def _aten_state():
@@ -383,7 +408,7 @@ def _run_and_check_untouched(module, inputs):
     kept = [(x.clone(), x.requires_grad, x.shape, x.stride()) for x in inputs]
     state = {n: (t.detach().clone(), t.requires_grad, t.shape) for n, t in module.state_dict(keep_vars=True).items()}
     try:
-        module(*inputs)
+        module(*build(module._input_tree, inputs))  # the call in the structure graph.json declares
     except ExportFormatError:
         event("loaded, refused in forward")
     for x, (value, grad, shape, stride) in zip(inputs, kept):

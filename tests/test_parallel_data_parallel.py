@@ -87,3 +87,54 @@ def test_output_is_on_the_first_device_and_uneven_batches_split():
     with DataParallel(net, [cpu(1), cpu(0)], threads=[1, 1]) as dp:
         out = dp(torch.randn(5, 3))  # 3 + 2 rows: the wrapper splits as evenly as it can
     assert out.shape == (5, 2) and device_of(out) == cpu(1)
+
+
+seen: list = []  # (mode, device) per replica's forward
+
+
+class Structured(nn.Module):
+    """Positional token ids, a dict of options with a plain value; returns a dict with a tuple and a scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, ids, extra):
+        h = self.embed(ids).mean(1) * extra["scale"]
+        seen.append((extra["mode"], str(device_of(h))))
+        return {"logits": self.out(h), "pair": (h.sum(-1), ids[:, 0]), "mode": extra["mode"], "total": h.sum()}
+
+
+def test_structured_inputs_and_outputs_match_the_plain_module():
+    torch.manual_seed(0)
+    net = Structured()
+    ref = copy_to(net, cpu(0))
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ids, scale = torch.randint(0, 20, (5, 3), generator=g), torch.rand(5, 1, generator=g)
+    extra = {"scale": scale, "mode": "train"}
+    want = ref(ids, extra)
+    seen.clear()
+    with DataParallel(net, [cpu(0), cpu(1)], threads=[1, 1]) as dp:
+        got = dp(ids, extra)
+    assert sorted(seen) == [("train", "cpu(0)"), ("train", "cpu(1)")]  # the plain value went to every device
+    assert list(got) == list(want)
+    torch.testing.assert_close(got["logits"], want["logits"])
+    torch.testing.assert_close(got["pair"][0], want["pair"][0])
+    assert torch.equal(got["pair"][1], want["pair"][1]) and got["mode"] == "train"
+    # a 0-d output is gathered as one value per device, as torch.nn.DataParallel does
+    parts = ref(ids[:3], {"scale": scale[:3], "mode": "train"})["total"], ref(ids[3:], {"scale": scale[3:],
+                                                                                       "mode": "train"})["total"]
+    torch.testing.assert_close(got["total"], torch.stack(parts))
+    assert device_of(got["logits"]) == cpu(0)
+
+
+def test_outputs_of_different_structures_are_one_error():
+    class Moody(nn.Module):
+        def forward(self, x):
+            return {"a": x} if float(x[0, 0]) > 0 else {"b": x}
+
+    x = torch.tensor([[1.0], [-1.0]])
+    with DataParallel(Moody(), [cpu(0), cpu(1)], threads=[1, 1]) as dp:
+        with pytest.raises(UsageError, match=r"differ in structure \(dict\{a: float32\[1,1\]\} and dict\{b: "):
+            dp(x)

@@ -457,3 +457,74 @@ def test_epoch_record_says_since_which_step_the_loss_was_not_finite():
     assert rec["nonfinite_since_step"] == 8
     assert rec["loss"] != rec["loss"]  # NaN
     assert _epoch_line(rec).startswith("epoch 2: loss nan (non-finite since step 8;")
+
+
+# --- batches as PyTorch users write them ----------------------------------------------------------------
+
+class TokensAndOptions(nn.Module):
+    """A dict batch: token ids, a float feature, a plain option (the same for every device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 6)
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, batch):
+        assert batch["pool"] == "mean"
+        return self.out(torch.cat([self.embed(batch["ids"]).mean(1), batch["age"]], dim=1))
+
+
+def _dict_batch(n):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    X = {"ids": torch.randint(0, 30, (n, 4), generator=g), "age": torch.randn(n, 1, generator=g), "pool": "mean"}
+    return X, (torch.randint(0, 3, (n,), generator=g), torch.rand(n, generator=g))
+
+
+def _weighted_loss(out, y):
+    labels, weights = y  # a tuple of targets reaches the loss as it is
+    return (nn.functional.cross_entropy(out, labels, reduction="none") * weights).mean()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_dict_inputs_and_tuple_targets_equal_eager(k):
+    torch.manual_seed(0)
+    net = TokensAndOptions()
+    X, y = _dict_batch(7)
+    ref = copy_to(net, cpu(0))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    want_loss = _weighted_loss(ref(X), y)
+    want_loss.backward()
+    opt.step()
+    with Trainer(net, _devices(k), "sgd", {"lr": 0.1, "momentum": 0.9}, loss=_weighted_loss) as trainer:
+        loss = trainer.train_step(X, y)
+        _assert_params_close(trainer.module, ref, atol=1e-5)
+        assert trainer.max_replica_difference() == 0.0
+    assert float(loss) == pytest.approx(float(want_loss.detach()), rel=1e-5)
+
+
+def test_caller_driven_step_with_dict_parts():
+    torch.manual_seed(0)
+    net = TokensAndOptions()
+    X, (labels, _) = _dict_batch(6)
+    ref = _reference_step(net, X, labels, nn.functional.cross_entropy, 0.1)
+    devs = _devices(2)
+    with Trainer(net, devs, "sgd", {"lr": 0.1, "momentum": 0.9}) as trainer:
+        trainer.zero_grad()
+        for rep, xs, ys in zip(trainer.replicas, split_and_load(X, devs), split_and_load(labels, devs)):
+            nn.functional.cross_entropy(rep(xs), ys, reduction="sum").backward()
+        trainer.step(batch_size=6)
+        _assert_params_close(trainer.module, ref, atol=1e-5)
+
+
+def test_batch_structure_errors_name_the_structure():
+    torch.manual_seed(0)
+    with Trainer(TokensAndOptions(), _devices(2), "sgd", {"lr": 0.1}) as trainer:
+        X, (labels, _) = _dict_batch(4)
+        with pytest.raises(UsageError, match=r"features have 4 examples but labels have 3; .*inputs dict\{ids: "
+                                             r"int64\[4,4\], age: float32\[4,1\], pool: str\}"):
+            trainer.train_step(X, labels[:3])
+        with pytest.raises(UsageError, match=r"the input dict\{pool: str\} has no tensor with a batch"):
+            trainer.train_step({"pool": "mean"}, labels)
+        with pytest.raises(UsageError, match="a batch of 1 example cannot be split across 2 devices"):
+            trainer.train_step({"ids": X["ids"][:1], "age": X["age"][:1], "pool": "mean"}, labels[:1])
+        trainer.train_step(X, labels)  # still usable

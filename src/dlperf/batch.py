@@ -29,7 +29,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import UsageError
 
-__all__ = ["Batch", "call_model", "tensors_of", "map_tensors", "batch_size", "split_tree", "describe"]
+__all__ = ["Batch", "call_model", "tensors_of", "map_tensors", "batch_size", "split_tree", "gather_tree",
+           "describe"]
 
 Batch = Any
 """A tensor, or a tuple/list/dict (nested) whose leaves are tensors or plain values."""
@@ -60,6 +61,8 @@ def batch_size(tree: Batch, what: str = "batch") -> int:
 
     One clear error when there is none, or when two tensors disagree (a split would pair the wrong rows).
     """
+    if isinstance(tree, torch.Tensor) and tree.dim() > 0:  # the common case, once per part and step
+        return int(tree.shape[0])
     sized = [t for t in tensors_of(tree) if t.dim() > 0]
     if not sized:
         raise UsageError(f"the {what} {describe(tree)} has no tensor with a batch (first) axis; give at least "
@@ -72,16 +75,57 @@ def batch_size(tree: Batch, what: str = "batch") -> int:
     return int(n)
 
 
-def split_tree(tree: Batch, sizes: Sequence[int]) -> list[Batch]:
-    """``tree`` cut into ``len(sizes)`` parts along the first axis; 0-d tensors and plain values are shared."""
+def split_tree(tree: Batch, sizes: Sequence[int],
+               each: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> list[Batch]:
+    """``tree`` cut into ``len(sizes)`` parts along the first axis; 0-d tensors and plain values are shared.
+
+    ``each(tensor, i)``, if given, is applied to every tensor of part ``i`` (0-d ones too), in the same
+    pass: placing part ``i`` on device ``i`` costs no second walk of the structure.
+    """
     leaves, spec = tree_flatten(tree)
     columns: list[list[Any]] = []
+    k = len(sizes)
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            columns.append(list(torch.split(leaf, list(sizes))))
-        else:
-            columns.append([leaf] * len(sizes))
+        if not isinstance(leaf, torch.Tensor):
+            columns.append([leaf] * k)
+            continue
+        parts = list(torch.split(leaf, list(sizes))) if leaf.dim() > 0 else [leaf] * k
+        columns.append(parts if each is None else [each(p, i) for i, p in enumerate(parts)])
     return [tree_unflatten([col[i] for col in columns], spec) for i in range(len(sizes))]
+
+
+def gather_tree(parts: Sequence[Batch], move: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                what: str = "output") -> Batch:
+    """The inverse of :func:`split_tree`: parts of one structure joined along the first axis.
+
+    Tensors with a first axis are concatenated, 0-d tensors stacked (one value per part, as
+    ``nn.DataParallel`` gathers a scalar loss); plain values must be equal in every part and are kept
+    once. ``move`` is applied to every tensor first (to bring the parts to one device). Parts of
+    different structures are one error naming them.
+
+    >>> parts = split_tree({"y": torch.arange(4), "n": 3}, [3, 1])
+    >>> gather_tree(parts)
+    {'y': tensor([0, 1, 2, 3]), 'n': 3}
+    """
+    flat = [tree_flatten(p) for p in parts]
+    spec = flat[0][1]
+    for part, (_, other) in zip(parts[1:], flat[1:]):
+        if other != spec:
+            raise UsageError(f"the replicas' {what}s differ in structure ({describe(parts[0])} and "
+                             f"{describe(part)}); a forward must return the same structure for every part of a batch")
+    joined: list[Any] = []
+    for column in zip(*(leaves for leaves, _ in flat)):
+        first = column[0]
+        if isinstance(first, torch.Tensor):
+            tensors = [move(t) for t in column]
+            joined.append(torch.cat(tensors) if first.dim() > 0 else torch.stack(tensors))
+        elif all(v == first for v in column[1:]):
+            joined.append(first)
+        else:
+            raise UsageError(f"the replicas' {what}s hold different values {first!r} and "
+                             f"{next(v for v in column if v != first)!r} where a tensor is not ({describe(parts[0])}); "
+                             f"return tensors for values that vary with the batch")
+    return tree_unflatten(joined, spec)
 
 
 def _leaf(value: Any) -> str:

@@ -4,9 +4,11 @@ An export is a directory of two files (three on request):
 
 ``graph.json``
     human-readable: a format name and version, the inputs (name, shape, dtype; ``null`` for a
-    dimension that may vary, such as the batch), the parameters and buffers (shape, dtype), and the
-    nodes in execution order, each an ATen operator (``aten.conv2d.default``) with its inputs and
-    the shape and dtype of what it produces. It also records the size and SHA-256 of the other
+    dimension that may vary, such as the batch), how they nest in the model's call and how the
+    outputs nest in its result (``input_tree``, ``output_tree``: tuples, lists and dicts, see
+    :mod:`.export_tree`), the parameters and buffers (shape, dtype), and the nodes in execution
+    order, each an ATen operator (``aten.conv2d.default``) with its inputs and the shape and dtype
+    of what it produces. It also records the size and SHA-256 of the other
     files and of its own content, so a truncated or damaged export is refused instead of misread.
 ``params.safetensors``
     every parameter and buffer, by the module's ``state_dict`` names.
@@ -34,7 +36,9 @@ not attackers (anyone can recompute them), so every field is checked on its own:
   syntax, shapes (lists of ints, ``null`` for a dynamic dimension, bounded rank and size), node
   references only to inputs, parameters and earlier nodes, every listed file present with its size
   and SHA-256, and the parameter file holding exactly the recorded tensors with their shapes and
-  dtypes. Node counts, nesting, strings and tensor sizes are bounded.
+  dtypes. Node counts, nesting, strings and tensor sizes are bounded. The input and output trees
+  are data of three kinds (tuple, list, dict), bounded in depth, size and key length, whose leaves
+  number the flat inputs and outputs once each; they are walked, never executed.
 * No node may write into an input or a parameter, for any input shape: from each operator's
   schema, every value gets the inputs and parameters it may share memory with (views, and ops such
   as ``contiguous`` or ``reshape`` that return their argument for some shapes), and a write
@@ -86,8 +90,10 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_map
 
 from .._io import FileAccessError, _umask, atomic_directory
+from ..batch import map_tensors
 from ..errors import DlperfError
 from .export_format import (
     EXPORT_FILES,
@@ -113,13 +119,14 @@ from .export_format import (
     _sha256_file,
 )
 from .export_load import ExportedModule, load, load_pt2
+from .export_tree import check_inputs_are_tensors, tree_of_spec
 
 __all__ = ["EXPORT_FILES", "FORMAT_NAME", "FORMAT_VERSION", "GRAPH_FILE", "MAX_ELEMENTS", "MAX_FILE_BYTES",
            "MAX_GRAPH_BYTES", "MAX_NODES", "MAX_RANK", "MAX_TRIAL_BYTES", "PARAMS_FILE", "PT2_FILE", "TRIAL_DIM",
            "ExportFormatError", "ExportedModule", "export", "load", "load_pt2"]
 
 
-def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple | torch.Tensor, *,
+def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple | list | dict | torch.Tensor, *,
            dynamic_batch: bool = True, pt2: bool = False) -> dict[str, str]:
     """Write ``module``'s inference graph and parameters to the directory ``path``.
 
@@ -127,8 +134,12 @@ def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple | t
     previous export's files (anything else there would be lost, so it is refused).
 
     Args:
-        example_inputs: positional inputs of a forward call; they fix dtypes and shapes.
-        dynamic_batch: let dimension 0 of every input vary (kept static if the model needs it).
+        example_inputs: the inputs of a forward call; they fix structure, dtypes and shapes. A tuple
+            (or list) holds the positional inputs, a tensor or a dict is the one input; inside them
+            tensors of any dtype may be nested in tuples, lists and dicts (``({"ids": ids, "mask":
+            mask},)``). The loaded module takes the same call and returns the model's structure
+            (dict keys included; namedtuples come back as tuples).
+        dynamic_batch: let dimension 0 of every input tensor vary (kept static if the model needs it).
         pt2: also write ``model.pt2`` (``torch.export.save``) for PyTorch tools that read
             ExportedPrograms (AOTInductor, ExecuTorch); :func:`load` does not need it.
 
@@ -143,13 +154,13 @@ def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple | t
 
     if isinstance(module, HybridModule):
         module = module.module
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    check_inputs_are_tensors(args)
     target = _export_target(path)
     _check_finite(module)
-    program = _export_program(module, tuple(example_inputs), dynamic_batch)
+    program = _export_program(module, args, dynamic_batch)
     state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    doc, tensors = _describe(program, state, example_inputs)
+    doc, tensors = _describe(program, state)
     if len(doc["nodes"]) > MAX_NODES:
         raise DlperfError(f"cannot export {type(module).__name__}: its graph has {len(doc['nodes'])} nodes, and "
                           f"load reads at most {MAX_NODES} (each costs load a trial run)")
@@ -262,10 +273,10 @@ def _export_program(module: nn.Module, args: tuple, dynamic_batch: bool):
             # nn.LSTM re-assigns its flat weight list during tracing; torch warns, harmlessly here.
             warnings.simplefilter("ignore", UserWarning)
             if dynamic_batch:
-                dims = tuple({0: torch.export.Dim.AUTO} if a.dim() > 0 else None for a in args)
+                dims = tree_map(lambda a: {0: torch.export.Dim.AUTO} if a.dim() > 0 else None, args)
                 # A batch of 1 would be specialized (size-1 dimensions broadcast), so trace with
                 # the example repeated; only shapes and dtypes are taken from it.
-                traced = tuple(torch.cat([a, a]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
+                traced = map_tensors(lambda a: torch.cat([a, a]) if a.dim() > 0 and a.shape[0] == 1 else a, args)
                 try:
                     return torch.export.export(module, traced, dynamic_shapes=dims, strict=False)
                 except Exception:  # some graphs pin the batch size; a static export still serves
@@ -278,7 +289,7 @@ def _export_program(module: nn.Module, args: tuple, dynamic_batch: bool):
         module.train(was_training)
 
 
-def _describe(program, state: dict, example_inputs) -> tuple[dict, dict[str, torch.Tensor]]:
+def _describe(program, state: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """The JSON document and the tensors to save, from an ExportedProgram."""
     from torch.export.graph_signature import InputKind
 
@@ -301,6 +312,8 @@ def _describe(program, state: dict, example_inputs) -> tuple[dict, dict[str, tor
             tensors[spec.target] = tensor.detach().contiguous()
             state_nodes[node.name] = {"tensor": spec.target, "kind": spec.kind.name.lower(),
                                       "shape": list(tensor.shape), "dtype": _dtype_name(tensor.dtype)}
+        elif node.op == "call_function" and _is_metadata_assert(node):
+            continue
         elif node.op == "call_function":
             nodes.append({"name": node.name, "op": _op_name(node.target),
                           "inputs": [_encode(a) for a in node.args],
@@ -310,9 +323,20 @@ def _describe(program, state: dict, example_inputs) -> tuple[dict, dict[str, tor
             outputs = [_encode(a) for a in node.args[0]]
         else:
             raise DlperfError(f"cannot export graph node {node.op} {node.target}")
+    call = program.call_spec
+    args_spec = call.in_spec.child(0)  # (args, kwargs): export passes no kwargs
     doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "torch_version": torch.__version__,
-           "inputs": inputs, "outputs": outputs, "state": state_nodes, "nodes": nodes}
+           "inputs": inputs, "outputs": outputs, "input_tree": tree_of_spec(args_spec, "inputs"),
+           "output_tree": tree_of_spec(call.out_spec, "outputs"), "state": state_nodes, "nodes": nodes}
     return doc, tensors
+
+
+def _is_metadata_assert(node: fx.Node) -> bool:
+    """A check torch.export leaves after a dtype cast (``mask.float()``): it produces nothing, and what it
+    checks (the dtype and device of a value the graph itself computed) the loader's trial runs check."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "aten" \
+        and target._opname == "_assert_tensor_metadata" and not node.users
 
 
 def _meta(node: fx.Node, dynamic_ok: bool) -> dict:

@@ -19,7 +19,9 @@ from torch import fx
 from ..errors import DlperfError
 
 FORMAT_NAME = "dlperf-graph"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 had no input_tree/output_tree: its inputs are positional, its outputs one tensor or a tuple.
+READABLE_VERSIONS = (1, 2)
 GRAPH_FILE = "graph.json"
 PARAMS_FILE = "params.safetensors"
 PT2_FILE = "model.pt2"
@@ -70,8 +72,9 @@ _MEMORY_FORMATS = {str(v).removeprefix("torch."): v for v in vars(torch).values(
                    if isinstance(v, torch.memory_format)}
 _FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 _STATE_KINDS = ("parameter", "buffer", "constant_tensor")
-_TOP_FIELDS = ("format", "format_version", "torch_version", "inputs", "outputs", "state", "nodes", "files",
-               "content_sha256")
+_TOP_FIELDS_V1 = ("format", "format_version", "torch_version", "inputs", "outputs", "state", "nodes", "files",
+                  "content_sha256")
+_TOP_FIELDS = (*_TOP_FIELDS_V1[:5], "input_tree", "output_tree", *_TOP_FIELDS_V1[5:])
 _NODE_FIELDS = {"name", "op", "inputs", "kwargs"}
 _PYTHON_ARITY = {"operator.neg": 1}
 

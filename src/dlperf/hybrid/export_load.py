@@ -19,12 +19,12 @@ from .export_format import (
     _INT64,
     _OPERATORS,
     FORMAT_NAME,
-    FORMAT_VERSION,
     GRAPH_FILE,
     MAX_GRAPH_BYTES,
     MAX_TRIAL_BYTES,
     PARAMS_FILE,
     PT2_FILE,
+    READABLE_VERSIONS,
     STAGING_TAG,
     TRIAL_DIM,
     ExportFormatError,
@@ -37,6 +37,7 @@ from .export_format import (
     _sha256_file,
 )
 from .export_schema import _GraphSchema
+from .export_tree import build, flat_tree, flatten_call, tree_text
 
 
 class _Step(NamedTuple):
@@ -73,16 +74,32 @@ class ExportedModule(nn.Module):
                                {k: n[k] for k in ("shape", "dtype", "outputs") if k in n}) for n in doc["nodes"]]
         self._inputs = doc["inputs"]
         self._outputs = doc["outputs"]
+        self._input_tree = doc.get("input_tree", flat_tree(len(self._inputs)))
+        self._output_tree = doc.get("output_tree")  # None: format 1, one tensor or a tuple
         check_no_writes(doc, [step.fn for step in self._program], where)
         self._trial_run(where)
 
     def forward(self, *args: Any) -> Any:
-        self._check_inputs(args)
-        env: dict[str, object] = {spec["name"]: a for spec, a in zip(self._inputs, args)}
+        """The model's call: the positional inputs it was exported with, in the same structure."""
+        flat = flatten_call(self._input_tree, args, self._describe_input)
+        self._check_inputs(tuple(flat))
+        env: dict[str, object] = {spec["name"]: a for spec, a in zip(self._inputs, flat)}
         env.update((node_name, getattr(self, attr)) for node_name, attr in self._names.items())
         # Tensors the graph creates (LSTM's zero state) go where the inputs are, whatever device
         # the export was traced on.
-        return self._interpret(env, args[0].device if args else torch.device("cpu"))
+        outs = self._interpret(env, flat[0].device if flat else torch.device("cpu"))
+        if self._output_tree is None:
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        return build(self._output_tree, outs)
+
+    def _describe_input(self, i: int) -> str:
+        spec = self._inputs[i]
+        return f"{spec['dtype']}[{','.join('N' if d is None else str(d) for d in spec['shape'])}]"
+
+    @property
+    def input_structure(self) -> str:
+        """The call the export takes, in one line (``tuple(dict{ids: int64[N,32], mask: bool[N,32]})``)."""
+        return tree_text(self._input_tree, self._describe_input)
 
     def _interpret(self, env: dict, device: torch.device, trial: bool = False, limit: int | None = None):
         env["@device"] = device
@@ -105,8 +122,7 @@ class ExportedModule(nn.Module):
                     raise ExportFormatError(f"node {step.name!r} ({step.op}): the graph's results take more than "
                                             f"{limit} bytes")
             env[step.name] = value
-        outs = [_decode(o, env) for o in self._outputs]
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return [_decode(o, env) for o in self._outputs]
 
     def _trial_run(self, where: str) -> None:
         """Run the graph with the declared input shapes, comparing every node's dtype and shape with its record.
@@ -310,9 +326,9 @@ def _read_graph(graph_path: str) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise ExportFormatError(f"{graph_path}: not a {FORMAT_NAME} file")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
-        raise ExportFormatError(f"{graph_path}: format_version {version!r} is not supported "
-                                f"(this dlperf reads version {FORMAT_VERSION}); re-export the model")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise ExportFormatError(f"{graph_path}: format_version {version!r} is not supported (this dlperf reads "
+                                f"versions {', '.join(map(str, READABLE_VERSIONS))}); re-export the model")
     if doc.get("content_sha256") != digest:
         raise ExportFormatError(f"{graph_path}: content checksum does not match (file was modified)")
     _GraphSchema(graph_path).check(doc)

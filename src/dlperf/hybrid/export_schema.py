@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Set as AbstractSet
+from typing import NoReturn
 
 from .export_format import (
     _DECODERS,
@@ -20,6 +21,7 @@ from .export_format import (
     _SHA256,
     _STATE_KINDS,
     _TOP_FIELDS,
+    _TOP_FIELDS_V1,
     FORMAT_VERSION,
     MAX_ELEMENTS,
     MAX_FILE_BYTES,
@@ -32,6 +34,7 @@ from .export_format import (
     _json_type,
     _resolve_op,
 )
+from .export_tree import check_tree
 
 # dtypes of which no plain tensor exists to feed a graph (torch.zeros fails or needs a quantizer).
 _NOT_PLAIN_DTYPE = re.compile(r"q.*|bits.*|u?int[1-7]")
@@ -44,18 +47,21 @@ class _GraphSchema:
         self.where = where
         self.defined: set[str] = set()
 
-    def fail(self, field: str, problem: str):
+    def fail(self, field: str, problem: str) -> NoReturn:
         raise ExportFormatError(f"{self.where}: {field}: {problem}")
 
     def check(self, doc) -> None:
         if not isinstance(doc, dict):
             self.fail("document", f"is {_json_type(doc)}, expected an object")
-        for key in _TOP_FIELDS:
+        version = doc.get("format_version")
+        fields = _TOP_FIELDS_V1 if version == 1 and not isinstance(version, bool) else _TOP_FIELDS
+        for key in fields:
             if key not in doc:
                 raise ExportFormatError(f"{self.where}: missing field {key!r}")
-        unknown = sorted(set(doc) - set(_TOP_FIELDS))
+        unknown = sorted(set(doc) - set(fields))
         if unknown:
-            self.fail(f"field {unknown[0]!r}", f"unknown in format_version {FORMAT_VERSION}")
+            shown = 1 if fields is _TOP_FIELDS_V1 else FORMAT_VERSION
+            self.fail(f"field {unknown[0]!r}", f"unknown in format_version {shown}")
         self.string("torch_version", doc["torch_version"])
         self.inputs(doc["inputs"])
         self.state(doc["state"])
@@ -63,6 +69,9 @@ class _GraphSchema:
         self.sequence("outputs", doc["outputs"], 1, 1024)
         for i, out in enumerate(doc["outputs"]):
             self.arg(f"outputs[{i}]", out, 0)
+        if "input_tree" in fields:
+            check_tree(doc["input_tree"], "input_tree", len(doc["inputs"]), self.fail, root="tuple")
+            check_tree(doc["output_tree"], "output_tree", len(doc["outputs"]), self.fail)
         self.files(doc["files"])
 
     def string(self, field: str, value, limit: int = _MAX_STR) -> str:

@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..batch import batch_size, call_model, gather_tree, map_tensors
 from ..devices import Device, DeviceLike, device_of, num_gpus, tag, try_all_gpus
 from ..engine import Engine, create_engine
 from ..errors import DeviceMismatchError, UsageError
-from .split import check_devices, split_and_load
+from .split import check_devices, place_parts, split_sizes
 
 __all__ = ["DataParallel"]
 
@@ -59,7 +61,10 @@ def _skeleton(module: nn.Module, device: Device) -> nn.Module:
 class DataParallel(nn.Module):
     """Wrap ``module`` so that ``dp(x)`` runs the parts of ``x`` on every device concurrently.
 
-    The output is the parts' outputs concatenated along dim 0 on ``devices[0]``. ``devices`` defaults,
+    Inputs may be tensors or tuples, lists and dicts of them, of any dtype (``dp(ids, mask)``,
+    ``dp({"ids": ids})``): every tensor is split along dim 0, plain values go to every device. The
+    output is the parts' outputs joined along dim 0 on ``devices[0]``, in the structure the module
+    returns (:func:`dlperf.batch.gather_tree`: a dict of tensors comes back a dict). ``devices`` defaults,
     as in ``torch.nn.DataParallel``, to every GPU; on a machine without GPUs to the logical CPU
     device the module is on, alone (name ``try_all_gpus(k)`` to run on k devices anywhere). A batch
     that does not divide evenly is split as evenly as it can be. ``threads``: intra-op threads per
@@ -106,14 +111,19 @@ class DataParallel(nn.Module):
         rep.train(self.module.training)
         return rep
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = split_and_load(x, self.devices[:min(len(self.devices), int(x.shape[0]))], even_split=False)
+    def forward(self, *inputs: Any) -> Any:
+        """``module(*inputs)``, each device on its part of every input (tensors or structures of them)."""
+        # one tensor (the common case) is cut directly; a part that is a tensor is the replica's one input
+        batch = inputs[0] if len(inputs) == 1 and isinstance(inputs[0], torch.Tensor) else inputs
+        n = batch_size(batch, "input")
+        k = min(len(self.devices), n)
+        parts = place_parts(batch, self.devices[:k], split_sizes(n, k))
         grad_on = torch.is_grad_enabled()
 
         def run(i: int):
-            def task() -> torch.Tensor:
+            def task() -> Any:
                 with torch.set_grad_enabled(grad_on):  # grad mode is per thread
-                    return self._bind(i)(parts[i])
+                    return call_model(self._bind(i), parts[i])
             return task
 
         ops = [self.engine.push(run(i), device=self.devices[i], name=f"forward {self.devices[i]}")
@@ -127,7 +137,10 @@ class DataParallel(nn.Module):
         if first_error is not None:
             raise first_error
         first = self.devices[0].torch_device
-        return tag(torch.cat([o.to(first, non_blocking=True) for o in outs], dim=0), self.devices[0])
+        if all(isinstance(o, torch.Tensor) and o.dim() > 0 for o in outs):
+            return tag(torch.cat([o.to(first, non_blocking=True) for o in outs], dim=0), self.devices[0])
+        joined = gather_tree(outs, move=lambda t: t.to(first, non_blocking=True))
+        return map_tensors(lambda t: tag(t, self.devices[0]), joined)
 
     def close(self) -> None:
         """Stop the engine's worker threads (an engine passed in is left to its owner)."""

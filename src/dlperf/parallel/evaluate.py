@@ -1,32 +1,58 @@
-"""Multi-device evaluation: split each batch across the replicas, run them at once, combine the counts."""
+"""Multi-device evaluation: split each batch across the replicas, run them at once, combine the counts.
+
+Inputs and labels may be tensors or structures of them (:mod:`dlperf.batch`): a tuple of inputs is the
+model's positional arguments, a dict its one argument.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..batch import Batch, batch_size, call_model, describe, map_tensors
 from ..devices import Device
 from ..engine import Engine
+from ..errors import UsageError
 from .split import split_batch
 
 __all__ = ["evaluate_accuracy"]
 
 
-def _correct(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> int:
+def _correct(model: nn.Module, X: Batch, y: Batch) -> int:
     with torch.no_grad():
-        out = model(X)
+        out = call_model(model, X)
+    if not isinstance(out, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise UsageError(f"accuracy compares a tensor of scores with a tensor of labels; the model returned "
+                         f"{describe(out)} for labels {describe(y)}: evaluate a model that returns the class "
+                         f"scores, or compute the metric from its outputs yourself")
     return int((out.argmax(dim=-1) == y).sum())
 
 
-def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[torch.Tensor, torch.Tensor]],
+def _wait_all(ops: Sequence[Any]) -> list[int]:
+    """Every operation's result; after a failure the others are still waited for (none is left running, and
+    none of their errors is left for the engine to raise later), then the first error is raised."""
+    results, first = [], None
+    for op in ops:
+        try:
+            results.append(op.wait())
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+    return results
+
+
+def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[Any, Any]],
                       devices: Sequence[Device], engine: Engine | None = None,
                       prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
     """Fraction of examples whose arg-max prediction equals the label.
 
-    Batches smaller than the device count are evaluated on the first devices only.
+    Batches smaller than the device count are evaluated on the first devices only. ``prepare`` is
+    applied to every input tensor of a part (a memory layout, say).
 
     >>> from dlperf.devices import cpu
     >>> net = nn.Linear(2, 2)
@@ -42,18 +68,19 @@ def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[torch.
     right = seen = 0
     try:
         for X, y in data:
-            k = min(len(devices), int(X.shape[0]))
+            n = batch_size(X, "input")
+            k = min(len(devices), n)
             Xs, ys = split_batch(X, y, devices[:k], even_split=False)
             if prepare is not None:
-                Xs = [prepare(x) for x in Xs]
+                Xs = [map_tensors(prepare, x) for x in Xs]
             jobs = [partial(_correct, replicas[i], Xs[i], ys[i]) for i in range(k)]
             if engine is None:
                 counts = [job() for job in jobs]
             else:
                 ops = [engine.push(job, device=devices[i], name=f"evaluate {devices[i]}") for i, job in enumerate(jobs)]
-                counts = [op.wait() for op in ops]
+                counts = _wait_all(ops)
             right += sum(counts)
-            seen += int(X.shape[0])
+            seen += n
     finally:
         for r, m in zip(replicas, modes):
             r.train(m)

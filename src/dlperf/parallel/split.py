@@ -1,5 +1,8 @@
 """Split a mini-batch along its first axis and place each part on one device (d2l 12.5.5).
 
+A mini-batch is what PyTorch users pass a model: a tensor, or a tuple, list or dict of tensors of any
+dtype (see :mod:`dlperf.batch`).
+
 Parts are equal unless ``even_split=False`` (Gluon's rule). The parts' tags follow them through
 the forward and backward (see :mod:`dlperf.devices`), so a loss computed from the part on ``cpu(1)``
 is on ``cpu(1)`` too.
@@ -12,13 +15,16 @@ shared, so a copy would cost memory bandwidth and buy nothing. On GPUs each part
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from ..batch import Batch, batch_size, describe, split_tree, tensors_of
 from ..devices import Device, DeviceLike, device_of, require_available, tag, to_device
 from ..errors import DeviceMismatchError, UsageError
 
-__all__ = ["split_sizes", "split_and_load", "split_batch", "place_parts", "check_devices", "check_placed"]
+__all__ = ["split_sizes", "split_and_load", "split_batch", "split_step", "place_parts", "check_devices",
+           "check_placed"]
 
 
 def check_devices(devices: Sequence[DeviceLike]) -> list[Device]:
@@ -75,12 +81,15 @@ def _check_even(n: int, k: int, even_split: bool, what: str) -> list[int]:
     return sizes
 
 
-def split_and_load(batch: torch.Tensor, devices: Sequence[DeviceLike], even_split: bool = True) -> list[torch.Tensor]:
+def split_and_load(batch: Batch, devices: Sequence[DeviceLike], even_split: bool = True) -> list[Batch]:
     """Split ``batch`` along dim 0 into one equal part per device and put each part there.
 
-    As in Gluon, a batch that does not divide evenly is an error unless ``even_split=False``, which
-    gives the first ``n % k`` parts one extra row: silently unequal parts would weight the devices'
-    gradients unequally in code that averages per device.
+    ``batch`` is a tensor or a tuple, list or dict (nested) of them, of any dtype: every tensor with
+    a first axis is cut along it, and 0-d tensors and plain values (strings, ints, None) go to every
+    part, as DDP's scatter does (:func:`dlperf.batch.split_tree`). As in Gluon, a batch that does not
+    divide evenly is an error unless ``even_split=False``, which gives the first ``n % k`` parts one
+    extra row: silently unequal parts would weight the devices' gradients unequally in code that
+    averages per device.
 
     >>> from dlperf.devices import cpu, device_of
     >>> parts = split_and_load(torch.arange(20).reshape(4, 5), [cpu(0), cpu(1)])
@@ -88,45 +97,119 @@ def split_and_load(batch: torch.Tensor, devices: Sequence[DeviceLike], even_spli
     ([(2, 5), (2, 5)], [cpu(0), cpu(1)])
     >>> [len(p) for p in split_and_load(torch.zeros(5, 2), [cpu(0), cpu(1)], even_split=False)]
     [3, 2]
+    >>> [describe(p) for p in split_and_load({"ids": torch.zeros(4, 3, dtype=torch.int64), "lang": "en"},
+    ...                                      [cpu(0), cpu(1)])]
+    ['dict{ids: int64[2,3], lang: str}', 'dict{ids: int64[2,3], lang: str}']
     """
     devs = check_devices(devices)
-    if not isinstance(batch, torch.Tensor):
-        raise UsageError(f"split_and_load expects a torch.Tensor, got {type(batch).__name__}")
-    if batch.dim() == 0:
-        raise UsageError("split_and_load needs a batch with a first (example) axis; got a 0-d tensor")
-    sizes = _check_even(batch.shape[0], len(devs), even_split, "split_and_load")
+    sizes = _check_even(batch_size(batch, "batch split_and_load was given"), len(devs), even_split, "split_and_load")
     return place_parts(batch, devs, sizes)
 
 
-def place_parts(batch: torch.Tensor, devices: Sequence[Device], sizes: Sequence[int]) -> list[torch.Tensor]:
+def place_parts(batch: Batch, devices: Sequence[Device], sizes: Sequence[int]) -> list[Batch]:
     """``batch`` cut into parts of ``sizes`` rows, part i placed on ``devices[i]`` (checked devices, valid sizes).
 
     The per-step path of a trainer whose devices were checked once: it skips parsing them again.
     """
-    return [_place(p, d) for p, d in zip(torch.split(batch, list(sizes)), devices)]
+    if isinstance(batch, torch.Tensor):
+        return [_place(p, d) for p, d in zip(torch.split(batch, list(sizes)), devices)]
+    return split_tree(batch, sizes, lambda t, i: _place(t, devices[i]))
 
 
-def split_batch(X: torch.Tensor, y: torch.Tensor, devices: Sequence[DeviceLike],
-                even_split: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def split_batch(X: Batch, y: Batch, devices: Sequence[DeviceLike],
+                even_split: bool = True) -> tuple[list[Batch], list[Batch]]:
     """Split features and labels the same way (d2l's ``split_batch``); ``even_split`` as in :func:`split_and_load`.
+
+    Either may be a structure, as in :func:`split_and_load`; both must hold the same examples.
 
     >>> from dlperf.devices import cpu
     >>> Xs, ys = split_batch(torch.zeros(5, 2), torch.arange(5), [cpu(0), cpu(1)], even_split=False)
     >>> [len(t) for t in ys]
     [3, 2]
     """
-    if X.shape[0] != y.shape[0]:
-        raise UsageError(f"features have {X.shape[0]} examples but labels have {y.shape[0]}; they must match")
-    return split_and_load(X, devices, even_split), split_and_load(y, devices, even_split)
+    devs = check_devices(devices)
+    n = _examples(X, y)
+    sizes = _check_even(n, len(devs), even_split, "split_batch")
+    return place_parts(X, devs, sizes), place_parts(y, devs, sizes)
 
 
-def check_placed(parts: Sequence[torch.Tensor], devices: Sequence[Device], what: str = "input") -> None:
-    """Raise :class:`DeviceMismatchError` unless ``parts[i]`` lives on ``devices[i]``."""
+def _examples(X: Batch, y: Batch) -> int:
+    """The examples of a batch of inputs and targets, which must agree (one line naming both otherwise)."""
+    n, m = batch_size(X, "input"), batch_size(y, "target")
+    if n != m:
+        raise UsageError(f"features have {n} examples but labels have {m}; they must match (inputs {describe(X)}, "
+                         f"targets {describe(y)})")
+    return n
+
+
+def _presplit(X: Any, y: Any, devices: Sequence[Device]) -> bool:
+    """Whether ``X`` and ``y`` are lists of one part per device rather than one batch.
+
+    A tuple or list of ``k`` parts is pre-split when part ``i`` is on ``devices[i]``, or when its parts
+    are spread over several devices (misplaced parts, which :func:`check_placed` then names). A batch
+    structure has all its tensors in one place: a tuple ``(ids, mask)`` on the host is one batch,
+    whatever the devices.
+    """
+    k = len(devices)
+    if not (isinstance(X, (list, tuple)) and isinstance(y, (list, tuple)) and len(X) == len(y) == k):
+        return False
+    where = [_part_devices(part) for part in X]
+    if any(not w for w in where):
+        return False
+    if all(w == {d} for w, d in zip(where, devices)):
+        return True
+    return len(set().union(*where)) > 1
+
+
+def _part_devices(part: Batch) -> set[Device]:
+    return {device_of(t) for t in tensors_of(part)}
+
+
+def split_step(X: Batch, y: Batch, devices: Sequence[Device], world: int = 1,
+               rank: int = 0) -> tuple[list[Batch], list[Batch], int]:
+    """A training step's parts for this process's (checked) ``devices``, and the examples of the whole batch.
+
+    In one process ``X`` and ``y`` are one batch (split near-evenly) or lists of one part per device,
+    placed already (:func:`check_placed`). Across ``world`` processes they are the global batch, the
+    same in every process, and process ``rank`` takes its slice (:func:`~dlperf.parallel.procs.local_parts`).
+    """
+    k = len(devices)
+    if world == 1 and isinstance(X, torch.Tensor) and isinstance(y, torch.Tensor) and X.dim() > 0 and \
+            X.shape[0] == y.shape[0] >= k:  # the common case
+        sizes = split_sizes(X.shape[0], k)
+        return place_parts(X, devices, sizes), place_parts(y, devices, sizes), int(X.shape[0])
+    # one device in each of several processes: a 1-tuple is the model's one input, not a part
+    if _presplit(X, y, devices) and not (world > 1 and k == 1):
+        if world > 1:
+            raise UsageError(f"a trainer of {world} processes takes the global batch, the same in every process, "
+                             f"not per-device parts ({type(X).__name__} of {len(X)} parts)")
+        check_placed(X, devices, "input")
+        check_placed(y, devices, "label")
+        return list(X), list(y), sum(batch_size(part, "input part") for part in X)
+    n = _examples(X, y)
+    # the same check, on the same global batch, fails in every process: none is left waiting
+    every = split_sizes(n, world * k)
+    mine = slice(rank * k, (rank + 1) * k)
+    if world == 1:  # losses are weighted by share, so uneven parts are fine
+        return place_parts(X, devices, every), place_parts(y, devices, every), n
+    # this process's parts: the rows of the parts before it skipped, the rest cut as its devices take them
+    start = sum(every[:rank * k])
+    sizes = [start, *every[mine], n - start - sum(every[mine])]
+
+    def place(t: torch.Tensor, i: int) -> torch.Tensor:
+        return _place(t, devices[i - 1]) if 0 < i <= k else t
+
+    Xs, ys = split_tree(X, sizes, place)[1:k + 1], split_tree(y, sizes, place)[1:k + 1]
+    return Xs, ys, n
+
+
+def check_placed(parts: Sequence[Batch], devices: Sequence[Device], what: str = "input") -> None:
+    """Raise :class:`DeviceMismatchError` unless every tensor of ``parts[i]`` lives on ``devices[i]``."""
     if len(parts) != len(devices):
         raise UsageError(f"got {len(parts)} {what} parts for {len(devices)} devices; give one per device")
     for i, (p, d) in enumerate(zip(parts, devices)):
-        have = device_of(p)
-        if have != d:
-            raise DeviceMismatchError(
-                f"{what} part {i} is on {have} but its replica is on {d}; "
-                f"split the batch with split_and_load(batch, devices) or move it with dlperf.as_in(x, {d})")
+        for have in sorted(_part_devices(p), key=str):
+            if have != d:
+                raise DeviceMismatchError(
+                    f"{what} part {i} is on {have} but its replica is on {d}; "
+                    f"split the batch with split_and_load(batch, devices) or move it with dlperf.as_in(x, {d})")

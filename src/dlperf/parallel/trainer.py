@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..batch import batch_size, call_model, describe, map_tensors
 from ..devices import DeviceLike
 from ..engine import Engine, Trace, create_engine
 from ..errors import UsageError
@@ -41,9 +42,9 @@ from .buckets import GradientBuckets
 from .evaluate import evaluate_accuracy
 from .lanes import EngineLanes, comm_lanes, thread_budget
 from .optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
-from .procs import ProcessAxis, allreduce_across_processes, broadcast_from_first, join_processes, local_parts
+from .procs import ProcessAxis, allreduce_across_processes, broadcast_from_first, join_processes
 from .replicas import broadcast_buffers, max_replica_difference, replicate
-from .split import check_devices, check_placed, place_parts, split_batch, split_sizes
+from .split import check_devices, split_step
 from .strategies import NonFiniteError, StepContext, Strategy, create_strategy
 from .trainer_config import Loss, TrainerConfig
 
@@ -52,6 +53,9 @@ __all__ = ["Trainer", "TrainerConfig", "make_optimizer", "OPTIMIZERS", "NonFinit
 
 
 def _default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise UsageError(f"the default loss (cross-entropy) takes a tensor of scores and a tensor of labels, got "
+                         f"{describe(out)} and {describe(y)}; pass loss=fn(output, target) for other structures")
     return nn.functional.cross_entropy(out, y)
 
 
@@ -172,39 +176,16 @@ class Trainer:
         """The first replica (on ``devices[0]``): the trained model."""
         return self.replicas[0]
 
-    def _split(self, X: Any, y: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    def _split(self, X: Any, y: Any) -> tuple[list[Any], list[Any], int]:
         """This process's part for each of its devices, and the examples of the whole batch."""
-        if self.processes is not None:
-            return self._split_global(X, y)
-        if isinstance(X, (list, tuple)):
-            check_placed(X, self.devices, "input")
-            check_placed(y, self.devices, "label")
-            return list(X), list(y), sum(int(t.shape[0]) for t in X)
-        if isinstance(X, torch.Tensor) and isinstance(y, torch.Tensor) and X.dim() > 0 and \
-                X.shape[0] == y.shape[0] >= self.k:  # the common case: devices checked once, in __init__
-            sizes = split_sizes(X.shape[0], self.k)
-            return place_parts(X, self.devices, sizes), place_parts(y, self.devices, sizes), int(X.shape[0])
-        Xs, ys = split_batch(X, y, self.devices, even_split=False)  # losses are weighted by share; or one error
-        return Xs, ys, int(X.shape[0])
-
-    def _split_global(self, X: Any, y: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-        if not isinstance(X, torch.Tensor) or not isinstance(y, torch.Tensor):
-            raise UsageError(f"a trainer of {self.world} processes takes the global batch as two tensors, the "
-                             f"same in every process, not per-device parts ({type(X).__name__})")
-        if X.shape[0] != y.shape[0]:
-            raise UsageError(f"features have {X.shape[0]} examples but labels have {y.shape[0]}; they must match")
-        n = int(X.shape[0])
-        # the same check, on the same global batch, fails in every process: none is left waiting
-        start, sizes = local_parts(n, self.world, self.rank, self.k)
-        end = start + sum(sizes)
-        Xs, ys = split_batch(X[start:end], y[start:end], self.devices, even_split=False)
-        return Xs, ys, n
+        return split_step(X, y, self.devices, self.world, self.rank)
 
     def train_step(self, X: torch.Tensor | Sequence[torch.Tensor],
                    y: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward, backward and update on every device at once; return the batch's mean loss.
 
-        ``X`` and ``y`` are a whole batch (split here) or lists with one part per device. Device i's
+        ``X`` and ``y`` are a whole batch (split here) or lists with one part per device; each a tensor or a
+        tuple, list or dict of tensors (:mod:`dlperf.batch`: a tuple is the model's positional inputs). Device i's
         loss is weighted by its share of the batch, so the summed gradients are the gradient of the
         mean loss over the whole batch whatever the split. Across processes ``X`` and ``y`` are the
         global batch, and the loss returned is this process's part of the mean
@@ -214,7 +195,7 @@ class Trainer:
         Xs, ys, total = self._split(X, y)
         strategy, ctx = self.strategy, self._ctx
         strategy.begin_step()
-        ops = [self.engine.push(self._replica_step, args=(i, Xs[i], ys[i], Xs[i].shape[0] / total),
+        ops = [self.engine.push(self._replica_step, args=(i, Xs[i], ys[i], batch_size(Xs[i]) / total),
                                 writes=(ctx.replica_vars[i], ctx.step_vars[i]), device=d, name=f"fwd+bwd {d}")
                for i, d in enumerate(self.devices)]
         try:
@@ -240,12 +221,14 @@ class Trainer:
         if not rep.training:  # walking every submodule each step costs tens of microseconds
             rep.train()
         self.strategy.zero_grad(i)
-        loss = self.loss(rep(self._layout(X)), y) * share
+        loss = self.loss(call_model(rep, self._layout(X)), y) * share
         loss.backward()
         self.strategy.after_backward(i)
         return loss.detach()
 
-    def _layout(self, x: torch.Tensor) -> torch.Tensor:
+    def _layout(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return map_tensors(self._layout, x) if self.channels_last else x
         if self.channels_last and x.dim() == 4:
             return x.contiguous(memory_format=torch.channels_last)
         return x
@@ -287,7 +270,7 @@ class Trainer:
         def mine() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
             for i, (X, y) in enumerate(data):
                 if i % self.world == self.rank:
-                    seen[0] += int(X.shape[0])
+                    seen[0] += batch_size(X, "input")
                     yield X, y
 
         acc = evaluate_accuracy(self.replicas, mine(), self.devices, self.engine, prepare=self._layout)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .._io import check_writable
+from ..batch import batch_size
 from ..devices import Device, to_device
 from ..errors import UsageError
 from .allreduce import DEFAULT_ALGORITHM, get_algorithm
@@ -358,7 +359,7 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
             # closing(): after Ctrl-C the loader's thread stops now, not when the traceback is freed
             with closing(train_loader.epoch_batches(epoch)) as train_batches:
                 for X, y in train_batches:
-                    if X.shape[0] < trainer.total_devices:
+                    if batch_size(X, "input") < trainer.total_devices:
                         continue  # only an epoch's last batch can be this short: see the docstring
                     # summed where it is: reading it on the host every step would stall a GPU's queue
                     loss = trainer.train_step(X, y).detach().float()
