@@ -237,7 +237,7 @@ class Hosts:
 _QDISCS = ("tbf", "htb")
 _MIN_RATE = 1e5  # bytes/s: below this tbf's burst arithmetic gets coarse, and no test needs it
 _MAX_RATE = 1e11
-_TIMER_HZ = 250  # the coarsest kernel timer: a token bucket must hold a tick's worth of bytes
+_TIMER_HZ = 1000  # a token bucket must hold a timer tick's worth of bytes (hrtimers: 1 ms is ample)
 
 
 def _check_rate(rate: float | None) -> None:
@@ -257,7 +257,7 @@ def _shaping(qdisc: str, interface: str, rate: float) -> list[list[str]]:
     """tc commands that limit ``interface``'s sending to ``rate`` bytes/s."""
     bits = f"{int(rate * 8)}bit"
     # a bucket smaller than one timer tick's bytes cannot reach the rate; veth hands over 64 KB GSO packets
-    burst = str(max(int(2 * rate / _TIMER_HZ), 128 * 1024))
+    burst = str(max(int(rate / _TIMER_HZ), 64 * 1024))
     if qdisc == "tbf":
         return [["qdisc", "add", "dev", interface, "root", "tbf", "rate", bits, "burst", burst, "latency", "100ms"]]
     return [["qdisc", "add", "dev", interface, "root", "handle", "1:", "htb", "default", "10", "r2q", "1000"],
