@@ -31,7 +31,9 @@ it is compared with the strategy measured fastest for each rate and model.
 The last stdout line is one JSON object: ``model_error_median`` and ``model_error_max``
 (|predicted - measured| / measured over every cell; targets 0.15 and 0.35), ``auto_within_10pct`` (the
 share of (rate, model) pairs where auto's choice measured within 10% of the best; target 0.9), the
-cells, the choices, the fitted links per rate, contended cells, and the load average before and after.
+cells, the choices, the fitted links per rate, contended cells, and the load average before and after;
+``link_down_exit_s``: host 1's link brought down (``ip link set ... down``) while two hosts train, the
+seconds until both launchers have exited (target: the fault timeout + 5 s), and what each named.
 """
 
 from __future__ import annotations
@@ -255,6 +257,39 @@ def measure_rate(rate_gbit: float, args: argparse.Namespace) -> dict:
     return outs[0]["results"][0]
 
 
+NODE = Path(__file__).resolve().parent.parent / "tests" / "netns_node.py"
+FAULT_TIMEOUT_S = 10.0
+
+
+def measure_link_down(args: argparse.Namespace) -> dict:
+    """Two hosts train (tests/netns_node.py's ``train`` job); host 1's link goes down after 3 steps: the seconds
+    until both launchers have exited, and what each named."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dlperf-bench-cluster-") as tmp, Hosts(2, rate=1.25e8) as hosts:
+        procs = [hosts.popen(i, [sys.executable, str(NODE), "train", "--nnodes", "2", "--node-rank", str(i),
+                                 "--master-addr", hosts.addresses[0], "--master-port", str(PORT + 1),
+                                 "--fault-timeout", str(FAULT_TIMEOUT_S), "--checkpoint", f"{tmp}/ck.pt",
+                                 "--total-steps", "1000", "--pause", "0.2", "--pid-dir", tmp],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(
+                Path(tmp, f"step.{r}").exists() and int(Path(tmp, f"step.{r}").read_text().split()[0]) >= 3
+                for r in range(2)):
+            time.sleep(0.05)
+        hosts.set_link(1, up=False)
+        down = time.monotonic()
+        errors, exits = [], []
+        for p in procs:
+            out, _ = p.communicate(timeout=FAULT_TIMEOUT_S + 120)
+            exits.append(time.monotonic() - down)
+            lines = out.strip().splitlines()
+            errors.append(json.loads(lines[-1]).get("error") if lines else f"exit {p.returncode}, nothing printed")
+    return {"link_down_exit_s": max(exits), "fault_timeout_s": FAULT_TIMEOUT_S,
+            "link_down_within_target": max(exits) <= FAULT_TIMEOUT_S + 5, "link_down_errors": errors}
+
+
 def _layout(strategy: str, hosts: list[int]) -> Layout:
     servers = int(strategy[3:]) if strategy.startswith("ps-") else 0
     return Layout(tuple(hosts[:len(hosts) - servers]), tuple(hosts[len(hosts) - servers:]))
@@ -322,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         cells += c
         choices += ch
         links[str(rate)] = {"network": got["network"], "intra": got["intra"], "hierarchical_kind": got["kind"]}
+    faults = measure_link_down(args)
     load_after = os.getloadavg()
 
     print(f"2 hosts (network namespaces, veth shaped with tbf) x 2 processes x 1 thread; median of "
@@ -355,10 +391,16 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_after": list(load_after),
     }
     met = {k: (result[k] <= v if k.startswith("model") else result[k] >= v) for k, v in TARGETS.items()}
-    print(f"\nmodel error median {result['model_error_median']:.3f} (target <= 0.15), max {result['model_error_max']:.3f}"
-          f" (<= 0.35); auto within 10% of the best in {result['auto_within_10pct']:.2f} of the pairs (>= 0.9); "
+    print(f"\nmodel error median {result['model_error_median']:.3f} (target <= 0.15), "
+          f"max {result['model_error_max']:.3f} (<= 0.35); auto within 10% of the best in "
+          f"{result['auto_within_10pct']:.2f} of the pairs (>= 0.9); "
           f"load average {' '.join(f'{x:.2f}' for x in load_before)} before, "
           f"{' '.join(f'{x:.2f}' for x in load_after)} after")
+    print(f"link of host 1 brought down mid-training: both launchers gone {faults['link_down_exit_s']:.1f} s later "
+          f"(fault_timeout_s {FAULT_TIMEOUT_S:g}, target <= {FAULT_TIMEOUT_S + 5:g} s)")
+    for error in faults["link_down_errors"]:
+        print(f"  named: {error}")
+    result.update(faults)
     if result["contended"]:
         print("WARNING: other work competed for the cores during some cells (see 'contended')")
     result["targets_met"] = met
