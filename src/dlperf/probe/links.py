@@ -139,7 +139,8 @@ def _split_number(text: str) -> tuple[float, str] | None:
 
 
 def parse_rate(text: str) -> float:
-    """Bytes per second from ``10gbit``, ``10Gbit/s``, ``25gbps``, ``1.25GB/s`` or ``16GB`` (bits when it says bit).
+    """Bytes per second from ``10gbit``, ``10Gbit/s``, ``25Gbps``, ``1.25GB/s``, ``1.25GBps`` or ``16GB`` (bits when it
+    says bit or a lower-case bps).
 
     >>> parse_rate("10gbit"), parse_rate("16GB/s")
     (1250000000.0, 16000000000.0)
@@ -147,7 +148,10 @@ def parse_rate(text: str) -> float:
     from ..errors import UsageError
 
     parsed = _split_number(text)
-    unit = parsed[1].lower().removesuffix("/s").removesuffix("ps") if parsed else ""
+    unit = parsed[1] if parsed else ""
+    # Gbps is bits, GBps bytes: the case of the b says which, as in the usual spelling
+    unit = unit[:-3] + "bit" if unit.endswith("bps") else unit[:-3] + "B" if unit.endswith("Bps") else unit
+    unit = unit.lower().removesuffix("/s")
     if parsed is None or unit not in _RATE_UNITS:
         raise UsageError(f"{one_line(repr(text))[:60]} is not a link rate; {_RATE_EXAMPLE}")
     rate = parsed[0] * _RATE_UNITS[unit]
