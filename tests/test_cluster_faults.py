@@ -29,14 +29,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed,
 
 
 def _train(hosts: Hosts, port: int, tmp: Path, pause: float, pid_dir: Path) -> list[subprocess.Popen]:
+    """One ``train`` node per host; rank 0 checkpoints to ``tmp/ck.pt``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
     pid_dir.mkdir(exist_ok=True)
-    return [hosts.popen(i, [sys.executable, str(NODE), "train", "--nnodes", "2", "--node-rank", str(i),
+    return [hosts.popen(i, [sys.executable, str(NODE), "train", "--nnodes", str(hosts.n), "--node-rank", str(i),
                             "--master-addr", hosts.addresses[0], "--master-port", str(port),
                             "--fault-timeout", str(FAULT_TIMEOUT_S), "--checkpoint", str(tmp / "ck.pt"),
                             "--total-steps", str(TOTAL_STEPS), "--pause", str(pause), "--pid-dir", str(pid_dir)],
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for i in range(2)]
+            for i in range(hosts.n)]
 
 
 def _last(proc: subprocess.Popen, timeout: float) -> dict:
@@ -85,3 +86,23 @@ def test_a_link_brought_down_stops_every_process_naming_the_host_and_the_checkpo
     assert {r["start"] for n in resumed for r in n["results"]} == {saved_step}
     want = reference[0]["results"][0]["weights"]
     assert all(r["weights"] == want for n in resumed for r in n["results"])
+
+
+@pytest.mark.timeout(300)
+def test_a_host_on_a_link_ten_times_slower_trains_to_the_same_weights(tmp_path):
+    runs = {}
+    with Hosts(3) as hosts:
+        for name, rates in (("unshaped", [None] * 3), ("slow host 2", [1.25e8, 1.25e8, 1.25e7])):
+            for i, rate in enumerate(rates):
+                hosts.set_rate(i, rate)
+            where = tmp_path / name.replace(" ", "-")
+            where.mkdir()
+            start = time.monotonic()
+            nodes = [_last(p, 200) for p in _train(hosts, 29510 + len(runs), where, 0.0, where / "pids")]
+            runs[name] = (nodes, time.monotonic() - start)
+    for nodes, _ in runs.values():
+        assert all(n["ok"] for n in nodes), nodes
+    weights = {name: [r["weights"] for n in nodes for r in n["results"]] for name, (nodes, _) in runs.items()}
+    # every rank of both runs holds the same weights, bit for bit: gloo sums in a fixed order whatever the timing
+    assert all(w == weights["unshaped"][0] for ws in weights.values() for w in ws)
+    assert len(weights["slow host 2"]) == 3
