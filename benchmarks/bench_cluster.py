@@ -11,9 +11,10 @@ other; each node in a UTS namespace of its own, so that the processes of differe
 each other for neighbours and share memory). Inside that job:
 
 1. **The link is measured, not taken from the configuration**: one rank per host times a gloo
-   allreduce at 4 KB and 4 MB (the sizes dlperf's process-link probe uses), and the line
-   ``t = alpha + n / B`` through them gives the network link (:func:`dlperf.probe.projection.link_from_allreduce`);
-   the two ranks of each host do the same through shared memory for the link inside a host.
+   allreduce at 4 KB, 32 KB, 512 KB and 4 MB (dlperf's process-link probe takes the ends), and the
+   least-squares line ``t = alpha + n / B`` through them gives the network link
+   (:func:`dlperf.probe.projection.link_from_allreduce`); the two ranks of each host do the same through
+   shared memory for the link inside a host.
 2. **Allreduce cells**: gloo allreduce between the hosts (one rank each) at several sizes.
 3. **Strategy cells** on LeNet- and ResNet-18-sized gradients (their parameter bytes): ``ring`` (gloo's
    allreduce over the 4 ranks), ``sharded`` (direct reduce-scatter + all-gather: torch.distributed's
@@ -65,7 +66,7 @@ RATES_GBIT = (1, 10, 25)
 QUICK_RATES_GBIT = (1, 10)
 SIZES = (64 << 10, 1 << 20, 8 << 20, 32 << 20)
 QUICK_SIZES = (64 << 10, 1 << 20, 8 << 20)
-FIT_SIZES = (4 << 10, 4 << 20)
+FIT_SIZES = (4 << 10, 32 << 10, 512 << 10, 4 << 20)  # none of them a cell's size
 ALLREDUCE_STRATEGIES = ("ring", "sharded", "hierarchical")
 SERVER_STRATEGIES = ("ps-1", "ps-2")
 MODELS = ("lenet", "resnet18")
