@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from dlperf.cli import main
 from dlperf.probe.cost import Hardware, Link, allreduce_time, parameter_server_time
@@ -175,3 +176,41 @@ def test_every_strategy_is_zero_on_one_device_but_servers():
         t = communication_time(s, 1e6, Cluster(1, 1, link, link))
         assert t == 0 or s.startswith("ps-"), (s, t)
     assert not math.isnan(communication_time("ps-2", 1e6, Cluster(1, 1, link, link)))
+
+
+def _fake_probe():
+    from types import SimpleNamespace
+
+    figures = {"mm_float32_2t": 100.0, "stream_triad_2t": 20.0, "stream_copy_2t": 10.0, "torch_dispatch": 1000.0,
+               "spin_handoff": 500.0}
+    return SimpleNamespace(figures=lambda: figures, machine={"cpu": "test cpu"})
+
+
+def test_compute_from_the_saved_probe_is_the_floor_and_the_intra_link_its_copy(capsys, monkeypatch, tmp_path):
+    import dlperf.probe.cache as cache
+    from dlperf.probe.cost import count_step, step_floor
+
+    monkeypatch.setattr(cache, "load_probe", lambda *a, **k: _fake_probe())
+    out_file = tmp_path / "scale.json"
+    assert main(["scale", "--model", "mlp", "--batch-size", "4", "--hosts", "2", "--devices-per-host", "2",
+                 "--link", "10gbit", "--compute", "probe", "--json", str(out_file)]) == 0
+    doc = json.loads(out_file.read_text())
+    hw = Hardware.from_probe_result(_fake_probe())
+    from dlperf.models import get_spec
+
+    spec = get_spec("mlp")
+    x, _ = spec.input.make_batch(4, generator=torch.Generator().manual_seed(0))
+    floor = step_floor(count_step(spec.build(), x), hw, devices=1, allreduce=None).no_overlap_s
+    assert doc["rows"][0]["compute_s"] == pytest.approx(floor)
+    assert doc["figures"]["compute"]["source"].startswith("floor from the saved dlperf probe figures")
+    assert doc["figures"]["intra"]["source"].startswith("measured: the saved dlperf probe's copy")
+    assert doc["figures"]["intra"]["value"] == [hw.link("device").alpha_s, hw.link("device").bandwidth]
+
+
+def test_compute_from_the_probe_without_saved_figures_is_one_line(capsys, monkeypatch):
+    import dlperf.probe.cache as cache
+
+    monkeypatch.setattr(cache, "load_probe", lambda *a, **k: None)
+    assert main(["scale", "--model", "mlp", "--hosts", "1", "--compute", "probe"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "dlperf probe --quick" in err
