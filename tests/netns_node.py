@@ -10,7 +10,8 @@ all-reduce every rank computes outside any collective and saves its step count, 
 to ``<pid-dir>/step.<rank>`` after each step, until it is stopped: the caller interrupts a node).
 ``train`` (a small model trained with SGD, its gradients summed by gloo every step, rank 0 saving a
 checkpoint after each step to ``--checkpoint`` and every rank its step count under ``--pid-dir``; with
-an existing checkpoint it resumes from it; ``--pause`` seconds between steps leave time to break a link).
+an existing checkpoint it resumes from it; ``--pause`` seconds between steps leave time to break a link;
+with three nodes or more, every pair of ranks then times an exchange, from which a straggler is named).
 The last stdout line is one JSON object: ``{"ok": true, "results": [...]}``, ``{"ok": false, "error",
 "rank", "role", "host", "cause"}``, or ``{"ok": false, "interrupted": SIGNAL}`` on the node that was
 interrupted (which exits 128 + the signal's number). Every worker writes its pid, and the pid of a
@@ -156,7 +157,35 @@ def train_job(pid_dir: str | None, checkpoint: str, total: int, pause: float) ->
         if pid_dir:
             atomic_write_text(Path(pid_dir, f"step.{rank}"), f"{step + 1} {os.environ['GROUP_RANK']}\n")
         time.sleep(pause)
-    return {"rank": rank, "start": start, "weights": {k: v.tolist() for k, v in model.state_dict().items()}}
+    out = {"rank": rank, "node": int(os.environ["GROUP_RANK"]), "start": start,
+           "weights": {k: v.tolist() for k, v in model.state_dict().items()}}
+    if pid_dir and world > 2:
+        out["pair_seconds"] = _pair_seconds(rank, world)
+    return out
+
+
+def _pair_seconds(rank: int, world: int) -> list[list[float]]:
+    """[a, b, seconds] for every pair of ranks this rank is in: 1 MB there and back, the best of 3."""
+    import torch
+    import torch.distributed as dist
+
+    buf, out = torch.ones(1 << 18), []
+    for a in range(world):
+        for b in range(a + 1, world):
+            best = float("inf")
+            for _ in range(3):
+                dist.barrier()
+                start = time.perf_counter()
+                if rank == a:
+                    dist.send(buf, b)
+                    dist.recv(buf, b)
+                elif rank == b:
+                    dist.recv(buf, a)
+                    dist.send(buf, a)
+                best = min(best, time.perf_counter() - start)
+            if rank in (a, b):
+                out.append([a, b, best])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dlperf.probe.projection import straggler
 from support.netns import Hosts, unavailable_reason
 
 NODE = Path(__file__).with_name("netns_node.py")
@@ -106,3 +107,14 @@ def test_a_host_on_a_link_ten_times_slower_trains_to_the_same_weights(tmp_path):
     # every rank of both runs holds the same weights, bit for bit: gloo sums in a fixed order whatever the timing
     assert all(w == weights["unshaped"][0] for ws in weights.values() for w in ws)
     assert len(weights["slow host 2"]) == 3
+    # an exchange between every pair of hosts after training names host 2 as the straggler, and no host
+    # in the unshaped run
+    for name, want in (("unshaped", None), ("slow host 2", 2)):
+        nodes, _ = runs[name]
+        results = [r for n in nodes for r in n["results"]]
+        node_of = {r["rank"]: r["node"] for r in results}
+        pairs: dict = {}
+        for r in results:  # both ends timed the pair: the slower end's time
+            for a, b, s in r["pair_seconds"]:
+                pairs[(node_of[a], node_of[b])] = max(s, pairs.get((node_of[a], node_of[b]), 0.0))
+        assert straggler(pairs) == want, (name, pairs)

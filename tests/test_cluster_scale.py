@@ -214,3 +214,18 @@ def test_compute_from_the_probe_without_saved_figures_is_one_line(capsys, monkey
     assert main(["scale", "--model", "mlp", "--hosts", "1", "--compute", "probe"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "dlperf probe --quick" in err
+
+
+@pytest.mark.parametrize("hosts", [3, 4, 6])
+def test_the_straggler_is_the_host_whose_every_pair_is_slow(hosts):
+    from dlperf.probe.projection import straggler
+
+    fast, slow = Link(50e-6, 1.25e8), Link(50e-6, 1.25e7)
+    for slow_host in range(hosts):
+        # a pair goes as fast as its slower host's link
+        pairs = {(a, b): (slow if slow_host in (a, b) else fast).time(1 << 20) for a in range(hosts)
+                 for b in range(a + 1, hosts)}
+        assert straggler(pairs) == slow_host
+    even = {(a, b): fast.time(1 << 20) * (1 + 0.1 * a) for a in range(hosts) for b in range(a + 1, hosts)}
+    assert straggler(even) is None
+    assert straggler({(0, 1): 1.0}) is None  # two hosts share one link: no side to blame

@@ -35,6 +35,7 @@ arithmetic is left out, as in d2l's worked example, which the formulas reproduce
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,8 +45,8 @@ from ..registry import Registry
 from .cost import Link
 
 __all__ = ["Cluster", "Layout", "STRATEGIES", "communication_time", "layout_time", "ring_time", "sharded_time",
-           "naive_time", "push_pull_time", "hierarchical_time", "link_from_allreduce", "ScaleRow", "Projection",
-           "project"]
+           "naive_time", "push_pull_time", "hierarchical_time", "link_from_allreduce", "straggler", "ScaleRow",
+           "Projection", "project"]
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,26 @@ def link_from_allreduce(fit: Link, world: int) -> Link:
     if world < 2:
         raise UsageError(f"world={world}: an allreduce fit needs at least 2 ranks")
     return Link(fit.alpha_s / (2 * (world - 1)), fit.bandwidth * 2 * (world - 1) / world)
+
+
+def straggler(pair_seconds: dict[tuple[int, int], float], factor: float = 2.0) -> int | None:
+    """The host whose link is slow, from the time of one exchange between every pair of hosts; None if none is.
+
+    A host is at best as fast as its own link, so its fastest pair bounds that link: the straggler is the
+    host whose fastest pair took more than ``factor`` times the median of the other hosts' fastest pairs.
+
+    >>> straggler({(0, 1): 0.01, (0, 2): 0.1, (1, 2): 0.1})
+    2
+    >>> straggler({(0, 1): 0.01, (0, 2): 0.012, (1, 2): 0.011}) is None
+    True
+    """
+    hosts = sorted({h for pair in pair_seconds for h in pair})
+    if len(hosts) < 3:
+        return None  # two hosts share their one link: the slow side cannot be told apart
+    best = {h: min(t for pair, t in pair_seconds.items() if h in pair) for h in hosts}
+    slowest = max(hosts, key=best.__getitem__)
+    others = statistics.median(best[h] for h in hosts if h != slowest)
+    return slowest if best[slowest] > factor * others else None
 
 
 @dataclass(frozen=True)
