@@ -34,7 +34,10 @@ The last stdout line is one JSON object: ``model_error_median`` and ``model_erro
 share of (rate, model) pairs where auto's choice measured within 10% of the best; target 0.9), the
 cells, the choices, the fitted links per rate, contended cells, and the load average before and after;
 ``link_down_exit_s``: host 1's link brought down (``ip link set ... down``) while two hosts train, the
-seconds until both launchers have exited (target: the fault timeout + 5 s), and what each named.
+seconds until both launchers have exited (target: the fault timeout + 5 s), and what each named;
+``straggler_named``: three hosts train, then again with host 2's link 10x slower: whether an exchange
+between every pair of hosts names host 2 (and no host in the unshaped run), and
+``slow_link_weights_equal``: whether both runs end with the same weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -291,6 +294,47 @@ def measure_link_down(args: argparse.Namespace) -> dict:
             "link_down_within_target": max(exits) <= FAULT_TIMEOUT_S + 5, "link_down_errors": errors}
 
 
+def measure_slow_link() -> dict:
+    """Three hosts train 12 steps unshaped, then with host 2's link 10x slower than the others': whether the weights
+    match bit for bit, the step time of each, and the host an exchange between every pair names as the straggler."""
+    import tempfile
+
+    from dlperf.probe.projection import straggler
+
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="dlperf-bench-cluster-") as tmp, Hosts(3) as hosts:
+        for k, (name, rates) in enumerate((("unshaped", [None] * 3), ("slow", [1.25e8, 1.25e8, 1.25e7]))):
+            for i, rate in enumerate(rates):
+                hosts.set_rate(i, rate)
+            where = Path(tmp, name)
+            where.mkdir()
+            start = time.monotonic()
+            procs = [hosts.popen(i, [sys.executable, str(NODE), "train", "--nnodes", "3", "--node-rank", str(i),
+                                     "--master-addr", hosts.addresses[0], "--master-port", str(PORT + 2 + k),
+                                     "--checkpoint", str(where / "ck.pt"), "--total-steps", "12",
+                                     "--pid-dir", str(where)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for i in range(3)]
+            outs = [p.communicate(timeout=600)[0].strip().splitlines() for p in procs]
+            nodes = [json.loads(lines[-1]) if lines else {"ok": False} for lines in outs]
+            if not all(n["ok"] for n in nodes):
+                raise SystemExit(f"the three-host training ({name}) failed: {nodes}")
+            results = [r for n in nodes for r in n["results"]]
+            node_of = {r["rank"]: r["node"] for r in results}
+            pairs: dict = {}
+            for r in results:
+                for a, b, sec in r["pair_seconds"]:
+                    pairs[(node_of[a], node_of[b])] = max(sec, pairs.get((node_of[a], node_of[b]), 0.0))
+            runs[name] = {"seconds": time.monotonic() - start, "weights": [r["weights"] for r in results],
+                          "straggler": straggler(pairs),
+                          "pair_ms": {f"{a}-{b}": sec * 1e3 for (a, b), sec in pairs.items()}}
+    same = all(w == runs["unshaped"]["weights"][0] for run in runs.values() for w in run["weights"])
+    return {"straggler_named": runs["slow"]["straggler"] == 2 and runs["unshaped"]["straggler"] is None,
+            "slow_link_weights_equal": same, "slow_link_straggler": runs["slow"]["straggler"],
+            "slow_link_pair_ms": {k: v["pair_ms"] for k, v in runs.items()},
+            "slow_link_run_s": {k: v["seconds"] for k, v in runs.items()}}
+
+
 def _layout(strategy: str, hosts: list[int]) -> Layout:
     servers = int(strategy[3:]) if strategy.startswith("ps-") else 0
     return Layout(tuple(hosts[:len(hosts) - servers]), tuple(hosts[len(hosts) - servers:]))
@@ -359,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         choices += ch
         links[str(rate)] = {"network": got["network"], "intra": got["intra"], "hierarchical_kind": got["kind"]}
     faults = measure_link_down(args)
+    faults.update(measure_slow_link())
     load_after = os.getloadavg()
 
     print(f"2 hosts (network namespaces, veth shaped with tbf) x 2 processes x 1 thread; median of "
@@ -401,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
           f"(fault_timeout_s {FAULT_TIMEOUT_S:g}, target <= {FAULT_TIMEOUT_S + 5:g} s)")
     for error in faults["link_down_errors"]:
         print(f"  named: {error}")
+    print(f"three hosts, host 2's link 10x slower: straggler named {faults['slow_link_straggler']} (want 2), "
+          f"weights equal to the unshaped run's: {faults['slow_link_weights_equal']}; pair exchanges (ms) "
+          f"{faults['slow_link_pair_ms']['slow']}")
     result.update(faults)
     if result["contended"]:
         print("WARNING: other work competed for the cores during some cells (see 'contended')")
