@@ -8,6 +8,10 @@ rank on node ``--victim-node`` SIGKILLs itself after a first all-reduce; the oth
 all-reduce, or, with ``--compute``, compute outside any collective) or ``steps`` (after a first
 all-reduce every rank computes outside any collective and saves its step count, with its node's rank,
 to ``<pid-dir>/step.<rank>`` after each step, until it is stopped: the caller interrupts a node).
+``train`` (a small model trained with SGD, its gradients summed by gloo every step, rank 0 saving a
+checkpoint after each step to ``--checkpoint`` and every rank its step count under ``--pid-dir``; with
+an existing checkpoint it resumes from it; ``--pause`` seconds between steps leave time to break a link;
+with three nodes or more, every pair of ranks then times an exchange, from which a straggler is named).
 The last stdout line is one JSON object: ``{"ok": true, "results": [...]}``, ``{"ok": false, "error",
 "rank", "role", "host", "cause"}``, or ``{"ok": false, "interrupted": SIGNAL}`` on the node that was
 interrupted (which exits 128 + the signal's number). Every worker writes its pid, and the pid of a
@@ -111,9 +115,82 @@ def steps_job(pid_dir: str) -> None:
         time.sleep(0.02)
 
 
+def _train_batch(step: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(32, 16, generator=g)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def train_job(pid_dir: str | None, checkpoint: str, total: int, pause: float) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from dlperf._io import atomic_write_bytes, atomic_write_text
+
+    _record_pids(pid_dir)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    start = 0
+    if os.path.exists(checkpoint):
+        import io
+
+        state = torch.load(io.BytesIO(Path(checkpoint).read_bytes()), weights_only=True)
+        model.load_state_dict(state["model"])
+        start = int(state["step"])
+    for step in range(start, total):
+        x, y = _train_batch(step, rank)
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p -= 0.05 * p.grad / world
+        if rank == 0:
+            import io
+
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "step": step + 1}, buf)
+            atomic_write_bytes(checkpoint, buf.getvalue())
+        if pid_dir:
+            atomic_write_text(Path(pid_dir, f"step.{rank}"), f"{step + 1} {os.environ['GROUP_RANK']}\n")
+        time.sleep(pause)
+    out = {"rank": rank, "node": int(os.environ["GROUP_RANK"]), "start": start,
+           "weights": {k: v.tolist() for k, v in model.state_dict().items()}}
+    if pid_dir and world > 2:
+        out["pair_seconds"] = _pair_seconds(rank, world)
+    return out
+
+
+def _pair_seconds(rank: int, world: int) -> list[list[float]]:
+    """[a, b, seconds] for every pair of ranks this rank is in: 1 MB there and back, the best of 3."""
+    import torch
+    import torch.distributed as dist
+
+    buf, out = torch.ones(1 << 18), []
+    for a in range(world):
+        for b in range(a + 1, world):
+            best = float("inf")
+            for _ in range(3):
+                dist.barrier()
+                start = time.perf_counter()
+                if rank == a:
+                    dist.send(buf, b)
+                    dist.recv(buf, b)
+                elif rank == b:
+                    dist.recv(buf, a)
+                    dist.send(buf, a)
+                best = min(best, time.perf_counter() - start)
+            if rank in (a, b):
+                out.append([a, b, best])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("job", choices=["allreduce", "kill", "steps", "links"])
+    p.add_argument("job", choices=["allreduce", "kill", "steps", "links", "train"])
     p.add_argument("--nnodes", type=int, default=2)
     p.add_argument("--node-rank", type=int, required=True)
     p.add_argument("--nproc-per-node", type=int, default=1)
@@ -125,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pid-dir", default=None)
     p.add_argument("--fault-timeout", type=float, default=10.0)
     p.add_argument("--join-timeout", type=float, default=90.0)
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--total-steps", type=int, default=8)
+    p.add_argument("--pause", type=float, default=0.0)
     a = p.parse_args(argv)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -141,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             results = launcher.launch(links_job)
         elif a.job == "steps":
             results = launcher.launch(steps_job, a.pid_dir)
+        elif a.job == "train":
+            results = launcher.launch(train_job, a.pid_dir, a.checkpoint, a.total_steps, a.pause)
         else:
             results = launcher.launch(kill_job, a.pid_dir, a.node_rank == a.victim_node, a.compute)
         out = {"ok": True, "results": results}

@@ -285,3 +285,50 @@ def test_named_tables_list_their_names_on_a_miss():
     with pytest.raises(UsageError, match=r"^unknown allreduce algorithm 'bruck'; valid choices: naive, cpu, sharded"):
         allreduce_time("bruck", 1e6, 4, Hardware.from_seed())
     assert list(ALLREDUCE_FORMULAS)[:4] == list(PROJECT_ALGORITHMS)
+
+
+# --- links named by people, and saved fits between hosts (dlperf.probe.links) ---------------------------------
+
+@pytest.mark.parametrize("text, rate", [("10gbit", 1.25e9), ("25Gbit/s", 3.125e9), ("25gbps", 3.125e9), ("2GBps", 2e9),
+                                        ("1.25GB/s", 1.25e9), ("16GB", 16e9), ("100mbit", 12.5e6),
+                                        ("800 Mbit/s", 1e8)])
+def test_link_rates_in_bits_or_bytes(text, rate):
+    from dlperf.probe.links import parse_rate
+
+    assert parse_rate(text) == pytest.approx(rate)
+
+
+@pytest.mark.parametrize("text, named", [("10", "not a link rate"), ("fast", "not a link rate"),
+                                         ("0gbit", "outside"), ("1e30gbit", "outside"), ("-1gbit", "not a link"),
+                                         ("nan gbit", "not a link rate"), ("1" * 50 + "gbit", "not a link rate")])
+def test_bad_link_rates_name_the_value(text, named):
+    from dlperf.probe.links import parse_rate
+
+    with pytest.raises(UsageError, match=named):
+        parse_rate(text)
+
+
+def test_link_latencies_and_the_pair():
+    from dlperf.probe.links import parse_latency, parse_link
+
+    assert parse_latency("250ns") == pytest.approx(250e-9) and parse_latency("0.2ms") == pytest.approx(2e-4)
+    assert parse_latency("0us") == 0.0
+    assert parse_link("25gbit,20us") == (Link(20e-6, 3.125e9), True)
+    assert parse_link("25gbit") == (Link(0.0, 3.125e9), False)
+    for bad, named in (("10gbit,11s", "longer than"), ("10gbit,fast", "not a latency"),
+                       ("10gbit,1us,2us", "3 parts")):
+        with pytest.raises(UsageError, match=named):
+            parse_link(bad)
+
+
+def test_saved_fits_between_hosts_skip_one_host_layouts_and_bad_files(tmp_path):
+    from dlperf.probe.links import save_links, saved_between_hosts
+
+    assert saved_between_hosts(str(tmp_path)) is None
+    save_links(["a", "a"], {"gloo": Link(1e-4, 1e9)}, path=str(tmp_path / "links-0000000000000001.json"))
+    assert saved_between_hosts(str(tmp_path)) is None  # one host: shared memory's layout, not a network
+    (tmp_path / "links-0000000000000002.json").write_text("{not json")
+    save_links(["a (10.0.0.1)", "b (10.0.0.2)", "b (10.0.0.2)"], {"gloo": Link(2e-4, 5e8)},
+               path=str(tmp_path / "links-0000000000000003.json"))
+    fit, world, path = saved_between_hosts(str(tmp_path))
+    assert (fit, world) == (Link(2e-4, 5e8), 3) and path.endswith("3.json")

@@ -9,6 +9,16 @@ processes it started, then the namespaces, whose interfaces go with them) when t
 on errors and Ctrl-C. Namespaces left by a killed earlier run (their creator's pid is in the name)
 are removed on the next start.
 
+Shaped links: ``Hosts(n, rate=1.25e9)`` (bytes per second, or ``rates=[...]`` one per host) limits every
+host's link to that rate in both directions, as a NIC of that speed would: a ``tbf`` (or ``htb``) queueing
+discipline on the host's own end of its veth (what it sends) and on the far end (what it receives: the
+peer's end for two hosts, the switch's port for more). The qdiscs live on interfaces inside the
+namespaces, so they go with them at teardown. :meth:`Hosts.set_rate` changes one host's rate and
+:meth:`Hosts.set_link` brings its link down or up while processes run. Latency is not emulated: the
+kernel here has no ``netem``, and a tbf queue delays a packet only while the bucket is empty, which
+is queueing, not propagation; a link's latency is whatever the veth and the stack give (tens of us).
+Two hosts share their one veth pair, so a rate given for either shapes it both ways.
+
 Needs Linux, root (CAP_NET_ADMIN) and the ``ip`` command (Debian/Ubuntu: ``apt-get install iproute2``);
 :func:`unavailable_reason` says what is missing.
 
@@ -57,8 +67,8 @@ def unavailable_reason() -> str | None:
     reason = None
     if not os.path.exists("/proc/self/ns/net"):
         reason = "network namespaces need Linux"
-    elif shutil.which("ip") is None:
-        reason = "the 'ip' command is missing; install iproute2 (apt-get install iproute2)"
+    elif shutil.which("ip") is None or shutil.which("tc") is None:
+        reason = "the 'ip' or 'tc' command is missing; install iproute2 (apt-get install iproute2)"
     elif os.geteuid() != 0:
         reason = "making network namespaces needs root (CAP_NET_ADMIN); run as root"
     else:
@@ -97,9 +107,18 @@ class Hosts:
             codes = [node.wait() for node in nodes]
     """
 
-    def __init__(self, n: int = 2, subnet: str = "10.77.0") -> None:
+    def __init__(self, n: int = 2, subnet: str = "10.77.0", *, rate: float | None = None,
+                 rates: Sequence[float | None] | None = None, qdisc: str = "tbf") -> None:
         if not isinstance(n, int) or n < 2:
             raise ValueError(f"n={n!r}: expected at least 2 hosts")
+        if rates is not None and (rate is not None or len(rates) != n):
+            raise ValueError(f"rates={rates!r}: give one rate per host ({n}), or rate= for all of them")
+        self.rates = list(rates) if rates is not None else [rate] * n
+        for r in self.rates:
+            _check_rate(r)
+        if qdisc not in _QDISCS:
+            raise ValueError(f"qdisc={qdisc!r}: expected one of {', '.join(_QDISCS)}")
+        self.qdisc = qdisc
         if not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}", subnet):
             raise ValueError(f"subnet={subnet!r}: expected the first three numbers of a 10.x.y.0/24 network")
         self.n = n
@@ -151,6 +170,37 @@ class Hosts:
         for name, interface, address in zip(self.names, self.interfaces, self.addresses):
             _ip("-n", name, "addr", "add", f"{address}/24", "dev", interface)
             _ip("-n", name, "link", "set", interface, "up")
+        for i, r in enumerate(self.rates):
+            if r is not None:
+                self.set_rate(i, r)
+
+    def _ends(self, i: int) -> list[tuple[str, str]]:
+        """(namespace, interface) of both ends of host ``i``'s link: what it sends, then what it receives."""
+        far = (self.names[1 - i], self.interfaces[1 - i]) if self.n == 2 else (self._switch, f"p{i}")
+        return [(self.names[i], self.interfaces[i]), far]
+
+    def set_rate(self, i: int, rate: float | None) -> None:
+        """Shape host ``i``'s link to ``rate`` bytes/s each way (None: unshaped), replacing any earlier shaping."""
+        _check_rate(rate)
+        for namespace, interface in self._ends(i):
+            _tc(namespace, "qdisc", "del", "dev", interface, "root", check=False)
+            if rate is not None:
+                for command in _shaping(self.qdisc, interface, rate):
+                    _tc(namespace, *command)
+        self.rates[i] = rate
+
+    def qdiscs(self) -> list[str]:
+        """Every root qdisc on the hosts' links, one ``namespace interface kind`` line each (for checks)."""
+        out = []
+        for i in range(self.n):
+            for namespace, interface in self._ends(i) if self.n > 2 else self._ends(i)[:1]:
+                shown = _tc(namespace, "qdisc", "show", "dev", interface, "root").stdout.split()
+                out.append(f"{namespace} {interface} {shown[1] if len(shown) > 1 else '-'}")
+        return out
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Bring host ``i``'s interface down (``ip link set ... down``: nothing passes either way) or up again."""
+        _ip("-n", self.names[i], "link", "set", self.interfaces[i], "up" if up else "down")
 
     def command(self, i: int, argv: Sequence[str]) -> list[str]:
         """``argv`` as it runs inside host ``i``."""
@@ -182,6 +232,37 @@ class Hosts:
         for name in reversed(self._made):
             _ip("netns", "del", name, check=False)
         self._made.clear()
+
+
+_QDISCS = ("tbf", "htb")
+_MIN_RATE = 1e5  # bytes/s: below this tbf's burst arithmetic gets coarse, and no test needs it
+_MAX_RATE = 1e11
+_TIMER_HZ = 1000  # a token bucket must hold a timer tick's worth of bytes (hrtimers: 1 ms is ample)
+
+
+def _check_rate(rate: float | None) -> None:
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                             or not _MIN_RATE <= rate <= _MAX_RATE):
+        raise ValueError(f"rate={rate!r}: expected None or bytes per second from {_MIN_RATE:g} to {_MAX_RATE:g}")
+
+
+def _tc(namespace: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["tc", "-n", namespace, *args], capture_output=True, text=True, timeout=30, check=False)
+    if check and proc.returncode != 0:
+        raise NamespaceError(f"'tc -n {namespace} {' '.join(args)}' failed: {(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+
+def _shaping(qdisc: str, interface: str, rate: float) -> list[list[str]]:
+    """tc commands that limit ``interface``'s sending to ``rate`` bytes/s."""
+    bits = f"{int(rate * 8)}bit"
+    # a bucket smaller than one timer tick's bytes cannot reach the rate; veth hands over 64 KB GSO packets
+    burst = str(max(int(rate / _TIMER_HZ), 64 * 1024))
+    if qdisc == "tbf":
+        return [["qdisc", "add", "dev", interface, "root", "tbf", "rate", bits, "burst", burst, "latency", "100ms"]]
+    return [["qdisc", "add", "dev", interface, "root", "handle", "1:", "htb", "default", "10", "r2q", "1000"],
+            ["class", "add", "dev", interface, "parent", "1:", "classid", "1:10", "htb", "rate", bits, "ceil", bits,
+             "burst", burst, "cburst", burst]]
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

@@ -26,6 +26,7 @@ VERB_MODULES: tuple[str, ...] = (
     "dlperf.cli.trace",
     "dlperf.cli.probe",
     "dlperf.cli.profile",
+    "dlperf.cli.scale",
 )
 
 

@@ -117,3 +117,104 @@ def load_links(hosts: list[str], transports: list[str], path: str | None = None)
         print(f"dlperf: warning: {exc}; measuring again", file=sys.stderr, flush=True)
         return None, path
     return {t: fits[t] for t in transports}, path
+
+
+# --- links named by people: ``--link 10gbit,50us`` ---------------------------------------------------------
+
+_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
+               "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+_TIME_UNITS = {"ns": 1e9, "us": 1e6, "ms": 1e3, "s": 1.0}  # per second
+_RATE_RANGE = (1e3, 1e15)  # bytes/s: from a modem to far beyond any NIC; the probe's plausible bandwidths
+_LATENCY_MAX_S = 10.0
+_RATE_EXAMPLE = "give a rate such as 10gbit, 25Gbit/s, 1.25GB/s or 16GB/s"
+
+
+def _split_number(text: str) -> tuple[float, str] | None:
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*", text)
+    if m is None or len(text) > 40:
+        return None
+    return float(m[1]), m[2]
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second from ``10gbit``, ``10Gbit/s``, ``25Gbps``, ``1.25GB/s``, ``1.25GBps`` or ``16GB`` (bits when it
+    says bit or a lower-case bps).
+
+    >>> parse_rate("10gbit"), parse_rate("16GB/s")
+    (1250000000.0, 16000000000.0)
+    """
+    from ..errors import UsageError
+
+    parsed = _split_number(text)
+    unit = parsed[1] if parsed else ""
+    # Gbps is bits, GBps bytes: the case of the b says which, as in the usual spelling
+    unit = unit[:-3] + "bit" if unit.endswith("bps") else unit[:-3] + "B" if unit.endswith("Bps") else unit
+    unit = unit.lower().removesuffix("/s")
+    if parsed is None or unit not in _RATE_UNITS:
+        raise UsageError(f"{one_line(repr(text))[:60]} is not a link rate; {_RATE_EXAMPLE}")
+    rate = parsed[0] * _RATE_UNITS[unit]
+    if not _RATE_RANGE[0] <= rate <= _RATE_RANGE[1]:
+        raise UsageError(f"{one_line(repr(text))[:60]} is {rate:g} bytes/s, outside {_RATE_RANGE[0]:g} to "
+                         f"{_RATE_RANGE[1]:g}; {_RATE_EXAMPLE}")
+    return rate
+
+
+def parse_latency(text: str) -> float:
+    """Seconds from ``50us``, ``0.2ms``, ``250ns`` or ``0.001s`` (0 allowed: no latency).
+
+    >>> parse_latency("50us")
+    5e-05
+    """
+    from ..errors import UsageError
+
+    parsed = _split_number(text)
+    if parsed is None or parsed[1].lower() not in _TIME_UNITS:
+        raise UsageError(f"{one_line(repr(text))[:60]} is not a latency; give one such as 50us, 0.2ms or 1s")
+    seconds = parsed[0] / _TIME_UNITS[parsed[1].lower()]
+    if seconds > _LATENCY_MAX_S:
+        raise UsageError(f"{one_line(repr(text))[:60]} is longer than {_LATENCY_MAX_S:g} s; give a one-way latency "
+                         "such as 50us")
+    return seconds
+
+
+def parse_link(text: str) -> tuple[Link, bool]:
+    """``RATE[,LATENCY]`` as a Link, and whether the latency was given (the caller assumes one otherwise).
+
+    >>> parse_link("10gbit,50us")
+    (Link(alpha_s=5e-05, bandwidth=1250000000.0), True)
+    """
+    from ..errors import UsageError
+
+    parts = text.split(",")
+    if len(parts) > 2:
+        raise UsageError(f"{one_line(repr(text))[:60]} has {len(parts)} parts; give RATE or RATE,LATENCY, "
+                         "e.g. 10gbit,50us")
+    latency = parse_latency(parts[1]) if len(parts) == 2 else 0.0
+    return Link(latency, parse_rate(parts[0])), len(parts) == 2
+
+
+def saved_between_hosts(directory: str | None = None) -> tuple[Link, int, str] | None:
+    """The newest saved gloo fit of a layout spanning several hosts: (fit of one allreduce, world, path), or None.
+
+    The fit is of a whole allreduce among ``world`` ranks (what :mod:`dlperf.parallel.process_links`
+    measures), not of one message; :func:`dlperf.probe.projection.link_from_allreduce` converts it.
+    """
+    import glob
+
+    best: tuple[float, Link, int, str] | None = None
+    for path in glob.glob(os.path.join(directory or cache_dir(), "links-*.json")):
+        try:
+            doc = decode_json(read_cache_file(path, _fail), path, _fail)
+            hosts = doc.get("hosts") if isinstance(doc, dict) else None
+            if not isinstance(hosts, list) or len(set(map(str, hosts))) < 2:
+                continue
+            fits = parse_links(read_cache_file(path, _fail), path, hosts)
+        except (OSError, ProbeCacheError):
+            continue
+        if "gloo" in fits and math.isfinite(fits["gloo"].bandwidth):
+            created = float(doc["created"])
+            if best is None or created > best[0]:
+                best = (created, fits["gloo"], len(hosts), path)
+    return None if best is None else best[1:]

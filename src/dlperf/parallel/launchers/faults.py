@@ -33,9 +33,10 @@ from typing import Any
 from ..._io import decode_json
 
 __all__ = ["FailureRecord", "FaultBoard", "first_cause", "host_label", "interface_with_address",
-           "kill_process_groups", "local_address", "session_members", "set_parent_death_signal"]
+           "kill_process_groups", "local_address", "session_members", "set_parent_death_signal", "shut_connections_to"]
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+_RETRY_S = 0.5  # after a failed call, the store is not tried again for this long
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,57 @@ def _proc_stat(pid: str) -> tuple[int, int] | None:
     return None if fields[0] in ("Z", "X") else (int(fields[2]), int(fields[3]))
 
 
+def _connections_to(addr: str, port: int) -> dict[int, str]:
+    """This process's file descriptors of TCP connections to ``addr:port`` (Linux /proc), by fd."""
+    try:
+        v4 = f"{struct.unpack('<I', socket.inet_aton(addr))[0]:08X}"
+        # torch's store connects over IPv6 sockets where it can: the address is then IPv4-mapped
+        wanted = {f"{v4}:{port:04X}", f"0000000000000000FFFF0000{v4}:{port:04X}"}
+        rows = [r.split() for table in ("tcp", "tcp6") if Path(f"/proc/self/net/{table}").exists()
+                for r in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]]
+        inodes = {f"socket:[{r[9]}]" for r in rows if len(r) > 9 and r[2] in wanted}
+        found = {}
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if link in inodes:
+                found[int(fd)] = link
+        return found
+    except (OSError, ValueError):
+        return {}
+
+
+def shut_connections_to(addr: str, port: int) -> int:
+    """Shut down this process's TCP connections to ``addr:port`` (Linux); return how many.
+
+    A thread blocked reading from a peer whose link went down waits for TCP to give up (many minutes):
+    the elastic agent's rendezvous reads do. Shutting the socket down makes that read return at once.
+    """
+    count = 0
+    for fd in _connections_to(addr, port):
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+    return count
+
+
+def _bound_reads(fds: list[int], seconds: float) -> None:
+    """Make reads and writes on ``fds`` fail after ``seconds`` instead of waiting for TCP to give up."""
+    value = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    for fd in fds:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        except OSError:
+            pass
+
+
 def session_members(sid: int) -> list[int]:
     """Live processes of session ``sid`` (Linux /proc; empty elsewhere)."""
     if not Path("/proc/self/stat").exists():
@@ -196,6 +248,7 @@ class FaultBoard:
         self._store: Any = None
         self._beats: dict[int, tuple[int, float]] = {}  # node -> (last counter, when it last changed)
         self._last_ok = time.monotonic()
+        self._failed_at = -1.0  # when a call last found the store unreachable
         self._ever_ok = False  # a store not up yet is the rendezvous's business (its join timeout), not a loss
         self._others = [n for n in range(nnodes) if n != node_rank]
         self._ranks_published = False
@@ -205,8 +258,13 @@ class FaultBoard:
         if self._store is None:
             import torch.distributed as dist
 
+            before = _connections_to(self.addr, self.port)
+            timeout = min(2.0, self.fault_timeout_s / 2)
             store = dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=min(2.0, self.fault_timeout_s / 2)))
+                                  timeout=datetime.timedelta(seconds=timeout))
+            # the store's timeout bounds its waits, not a read from a peer whose link is down: bound those
+            # too, on this board's own connection, so a lost link is noticed within the fault timeout
+            _bound_reads([fd for fd in _connections_to(self.addr, self.port) if fd not in before], timeout)
             self._store = dist.PrefixStore(self.prefix, store)
         return self._store
 
@@ -216,10 +274,14 @@ class FaultBoard:
 
     def _attempt(self, fn: Any) -> tuple[bool, Any]:
         """(whether the store answered, what ``fn(store)`` returned)."""
+        if self._store is None and time.monotonic() - self._failed_at < _RETRY_S:
+            # it just failed: every call of this poll would wait out its own timeout, delaying the verdict
+            return False, None
         try:
             out = fn(self._connect())
         except Exception:  # noqa: BLE001 - RuntimeError, DistStoreError, OSError: all mean "not reachable"
             self._store = None
+            self._failed_at = time.monotonic()
             return False, None
         self._last_ok = time.monotonic()
         self._ever_ok = True
@@ -228,7 +290,9 @@ class FaultBoard:
     def _write(self, key: str, value: str) -> bool:
         """Set ``key``, trying again for up to fault_timeout_s: a busy store may miss one short timeout,
         and a failure that is never written leaves the other nodes guessing its cause."""
-        deadline = time.monotonic() + self.fault_timeout_s
+        # a store already silent for the fault timeout gets one try: the others have given up on this node too
+        silent = self._ever_ok and time.monotonic() - self._last_ok > self.fault_timeout_s
+        deadline = time.monotonic() + (0 if silent else self.fault_timeout_s)
         while True:
             if self._attempt(lambda s: s.set(key, value))[0]:
                 return True
@@ -286,6 +350,8 @@ class FaultBoard:
             elif count > 0 and now - last[1] > self.fault_timeout_s:
                 out.append(self._lost_node(n, now - last[1]))
         if self._ever_ok and now - self._last_ok > self.fault_timeout_s:
+            # the agent's own reads from the store would wait for TCP to give up: let them fail now
+            shut_connections_to(self.addr, self.port)
             out.append(FailureRecord(None, "rendezvous store", f"{self.addr}:{self.port}",
                                      f"node 0's rendezvous store stopped answering for "
                                      f"{now - self._last_ok:.0f} s (its launcher was killed or the network "

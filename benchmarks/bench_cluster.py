@@ -1,0 +1,461 @@
+"""Two hosts on shaped links: every gradient strategy measured, beside the cost model's prediction and auto's choice.
+
+Needs root, ``ip`` and ``tc`` (iproute2) and ``unshare`` (util-linux); run under the machine's benchmark lock:
+
+    flock /tmp/dlperf-cpu.lock .venv/bin/python benchmarks/bench_cluster.py [--quick]
+
+For each link rate (default 1, 10 and 25 Gbit/s; ``--quick``: 1 and 10) two network namespaces are joined
+by a veth pair shaped with ``tbf`` to that rate (tests/support/netns.py), and each runs a ProcessLauncher
+with two worker processes of one thread (``--nnodes 2``, world 4, ranks 0-1 on one host and 2-3 on the
+other; each node in a UTS namespace of its own, so that the processes of different hosts never take
+each other for neighbours and share memory). Inside that job:
+
+1. **The link is measured, not taken from the configuration**: one rank per host times a gloo
+   allreduce at 4 KB, 32 KB, 512 KB and 4 MB (dlperf's process-link probe takes the ends), and the
+   least-squares line ``t = alpha + n / B`` through them gives the network link
+   (:func:`dlperf.probe.projection.link_from_allreduce`); the two ranks of each host do the same through
+   shared memory for the link inside a host.
+2. **Allreduce cells**: gloo allreduce between the hosts (one rank each) at several sizes.
+3. **Strategy cells** on LeNet- and ResNet-18-sized gradients (their parameter bytes): ``ring`` (gloo's
+   allreduce over the 4 ranks), ``sharded`` (direct reduce-scatter + all-gather: torch.distributed's
+   all_to_all then all_gather), ``hierarchical`` (dlperf's host_allreduce_: shared memory inside a host,
+   gloo between one leader per host), ``ps-1`` and ``ps-2`` (dlperf's dist_sync KVStore with the last 1
+   or 2 ranks as servers, every key split over the servers; one pushpull per step).
+
+Every cell is timed per repetition on its slowest rank (a barrier before each; the median of the
+repetitions; the allreduce and allreduce-strategy cells alternate round by round, the parameter-server
+cells follow, as their servers serve until the workers close), with dlperf.timing's contention check
+on every rank. The prediction beside it is :mod:`dlperf.probe.projection`'s formula for the cell's
+layout, priced with the two measured links. ``auto`` is the strategy the same formulas rank fastest;
+it is compared with the strategy measured fastest for each rate and model.
+
+The last stdout line is one JSON object: ``model_error_median`` and ``model_error_max``
+(|predicted - measured| / measured over every cell; targets 0.15 and 0.35), ``auto_within_10pct`` (the
+share of (rate, model) pairs where auto's choice measured within 10% of the best; target 0.9), the
+cells, the choices, the fitted links per rate, contended cells, and the load average before and after;
+``link_down_exit_s``: host 1's link brought down (``ip link set ... down``) while two hosts train, the
+seconds until both launchers have exited (target: the fault timeout + 5 s), and what each named;
+``straggler_named``: three hosts train, then again with host 2's link 10x slower: whether an exchange
+between every pair of hosts names host 2 (and no host in the unshaped run), and
+``slow_link_weights_equal``: whether both runs end with the same weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dlperf.parallel.launchers import LaunchError, ProcessLauncher
+from dlperf.probe.cost import Link
+from dlperf.probe.projection import STRATEGIES, Layout, layout_time, link_from_allreduce
+from dlperf.timing import ContentionMonitor
+
+# the namespaces helper is test support, kept out of the library: it lives beside the tests
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from support.netns import Hosts, unavailable_reason  # noqa: E402
+
+PORT = 29500  # the namespaces are fresh: nothing else listens in them
+RATES_GBIT = (1, 10, 25)
+QUICK_RATES_GBIT = (1, 10)
+SIZES = (64 << 10, 1 << 20, 8 << 20, 32 << 20)
+QUICK_SIZES = (64 << 10, 1 << 20, 8 << 20)
+FIT_SIZES = (4 << 10, 32 << 10, 512 << 10, 4 << 20)  # none of them a cell's size
+ALLREDUCE_STRATEGIES = ("ring", "sharded", "hierarchical")
+SERVER_STRATEGIES = ("ps-1", "ps-2")
+MODELS = ("lenet", "resnet18")
+TARGETS = {"model_error_median": 0.15, "model_error_max": 0.35, "auto_within_10pct": 0.9}
+
+
+def gradient_bytes(name: str) -> int:
+    from dlperf.models import get_spec
+
+    return sum(p.numel() * p.element_size() for p in get_spec(name).build().parameters())
+
+
+# --- what runs in every rank ----------------------------------------------------------------------------
+
+class _Timer:
+    """Times a collective on the ranks of ``group``: per repetition the slowest rank, and whether any was crowded."""
+
+    def __init__(self, group, members: list[int]) -> None:
+        self.group, self.members = group, members
+
+    def __call__(self, fn, reps: int, warmup: int) -> tuple[list[float], bool]:
+        import torch.distributed as dist
+
+        for _ in range(warmup):
+            fn()
+        monitor = ContentionMonitor(1)
+        monitor.start()
+        samples = []
+        for _ in range(reps):
+            dist.barrier(group=self.group)
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+            monitor.sample()
+        crowded = monitor.stop().contended
+        both = torch.tensor([*samples, float(crowded)], dtype=torch.float64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        return both[:-1].tolist(), bool(both[-1].item())
+
+
+def _fit(timer: _Timer, run, reps: int) -> Link:
+    seconds = []
+    for nbytes in FIT_SIZES:
+        flat = torch.ones(nbytes // 4)
+        samples, _ = timer(lambda flat=flat: run(flat), reps, 1)
+        seconds.append(min(samples))  # the best repetition: on a shared host the others measure the neighbours
+    return link_from_allreduce(Link.fit(list(FIT_SIZES), seconds, min_alpha_s=1e-7), 2)
+
+
+def _sharded(flat: torch.Tensor, world: int) -> None:
+    import torch.distributed as dist
+
+    parts = flat.view(world, -1)
+    received = torch.empty_like(parts)
+    dist.all_to_all_single(received, parts)  # row j: rank j's part that this rank reduces
+    dist.all_gather_into_tensor(flat, received.sum(0))
+
+
+def _server_cells(servers: int, world: int, me: int, sizes: dict[str, int], reps: int, warmup: int,
+                  groups: dict[int, object]) -> dict[str, tuple[list[float], bool]]:
+    from dlperf.kvstore import create_kvstore
+
+    kv = create_kvstore("dist_sync", num_servers=servers, big_array_bound=1)  # every key split over the servers
+    if kv.role == "server":
+        kv.serve()
+        kv.close()
+        return {}
+    timer = _Timer(groups[servers], list(range(world - servers)))
+    out = {}
+    for key, (model, nbytes) in enumerate(sizes.items()):
+        kv.init(key, torch.zeros(nbytes // 4))
+        grads, result = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        out[model] = timer(lambda key=key, grads=grads, result=result: kv.pushpull(key, grads, out=result),
+                           reps, warmup)
+    kv.close()
+    return out
+
+
+def cluster_worker(sizes: list[int], models: dict[str, int], reps: int, warmup: int, rounds: int) -> dict:
+    import torch.distributed as dist
+
+    from dlperf.parallel.allreduce.shm import host_allreduce_, host_allreduce_kind
+    from dlperf.parallel.launchers import rank_host, rank_info
+
+    torch.set_num_threads(1)
+    me, world, _ = rank_info()
+    names: list = [None] * world
+    dist.all_gather_object(names, rank_host())
+    hosts = [sorted(set(names), key=names.index).index(n) for n in names]
+    leaders = [hosts.index(h) for h in sorted(set(hosts))]
+    # every group is made on every rank, in one order (new_group is collective)
+    pair = dist.new_group(leaders)
+    local = {h: dist.new_group([r for r in range(world) if hosts[r] == h]) for h in sorted(set(hosts))}
+    worker_groups = {s: dist.new_group(list(range(world - s))) for s in (1, 2)}
+    everyone = _Timer(None, list(range(world)))
+    host_allreduce_(torch.zeros(1), host_name=rank_host())  # sets up the hierarchical path, collective
+    kind = host_allreduce_kind()
+
+    fits = torch.zeros(2, 2, dtype=torch.float64)
+    if me in leaders:
+        net = _fit(_Timer(pair, leaders), lambda t: dist.all_reduce(t, group=pair), reps)
+        fits[0] = torch.tensor([net.alpha_s, net.bandwidth])
+    mine = local[hosts[me]]
+    intra = _fit(_Timer(mine, [r for r in range(world) if hosts[r] == hosts[me]]),
+                 lambda t: host_allreduce_(t, mine, host_name=rank_host()), reps)
+    if me == leaders[0]:
+        fits[1] = torch.tensor([intra.alpha_s, intra.bandwidth])
+    dist.all_reduce(fits, op=dist.ReduceOp.MAX)  # rank by rank, only the measuring ranks wrote their row
+
+    samples: dict[tuple[str, str], list[float]] = {}
+    crowded: dict[tuple[str, str], bool] = {}
+
+    def record(key: tuple[str, str], got: tuple[list[float], bool]) -> None:
+        samples.setdefault(key, []).extend(got[0])
+        crowded[key] = crowded.get(key, False) or got[1]
+
+    for _ in range(rounds):
+        for nbytes in sizes:
+            flat = torch.ones(nbytes // 4)
+            if me in leaders:
+                record(("allreduce", str(nbytes)), _Timer(pair, leaders)(lambda f=flat: dist.all_reduce(f, group=pair),
+                                                                         reps, warmup))
+            dist.barrier()
+        for model, nbytes in models.items():
+            numel = -(-nbytes // 4 // world) * world  # whole parts for the sharded exchange
+            flat = torch.ones(numel)
+            runs = {"ring": lambda f=flat: dist.all_reduce(f),
+                    "sharded": lambda f=flat: _sharded(f, world),
+                    "hierarchical": lambda f=flat: host_allreduce_(f, host_name=rank_host())}
+            for strategy in ALLREDUCE_STRATEGIES:
+                record((strategy, model), everyone(runs[strategy], reps, warmup))
+    for servers in (1, 2):
+        for model, got in _server_cells(servers, world, me, models, reps, warmup, worker_groups).items():
+            record((f"ps-{servers}", model), got)
+    # the servers have no samples of their cells: the first worker's are everyone's
+    shared: list = [None]
+    if me == 0:
+        shared = [({f"{a}|{b}": v for (a, b), v in samples.items()},
+                   {f"{a}|{b}": v for (a, b), v in crowded.items()})]
+    dist.broadcast_object_list(shared, src=0)
+    return {"hosts": hosts, "kind": kind, "network": fits[0].tolist(), "intra": fits[1].tolist(),
+            "samples": shared[0][0], "contended": shared[0][1]}
+
+
+def node_main(a: argparse.Namespace) -> int:
+    # the store's shared-memory path tells hosts apart by host name: a real host has one of its own
+    socket.sethostname(f"{socket.gethostname()}-h{a.node_rank}")
+    launcher = ProcessLauncher(2, nnodes=2, node_rank=a.node_rank, master_addr=a.master_addr,
+                               master_port=a.master_port, join_timeout_s=900, fault_timeout_s=30)
+    sizes = list(QUICK_SIZES if a.quick else SIZES)
+    models = {m: gradient_bytes(m) for m in MODELS}
+    try:
+        out = {"ok": True, "results": launcher.launch(cluster_worker, sizes, models, a.reps, a.warmup, a.rounds)}
+    except LaunchError as exc:
+        out = {"ok": False, "error": str(exc)}
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+# --- the measurement --------------------------------------------------------------------------------
+
+# TensorPipe (the store's RPC) finds its address by the host name, which resolves to nothing here, so each node
+# names its interface (TP_SOCKET_IFNAME), as the launcher does for gloo. The store's shared-memory path is off:
+# the namespaces share one pid namespace, so a worker could map a server's arena on the other "host" and then
+# fail to reach its control socket, which lives in that host's network namespace; on real hosts the mapping
+# fails and the RPC path is taken, as it is here.
+_NODE_ENV = {"DLPERF_KVSTORE_SHM": "off"}
+
+
+def measure_rate(rate_gbit: float, args: argparse.Namespace) -> dict:
+    extra = ["--quick"] if args.quick else []
+    with Hosts(2, rate=rate_gbit * 1e9 / 8) as hosts:
+        procs = [hosts.popen(i, ["unshare", "--uts", sys.executable, __file__, "--node-rank", str(i),
+                                 "--master-addr", hosts.addresses[0], "--master-port", str(PORT),
+                                 "--reps", str(args.reps), "--warmup", str(args.warmup), "--rounds",
+                                 str(args.rounds), *extra],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, **_NODE_ENV, TP_SOCKET_IFNAME=hosts.interfaces[i]))
+                 for i in range(2)]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=1800)
+            lines = out.strip().splitlines()
+            if not lines:
+                raise SystemExit(f"a host's launcher printed nothing (exit {p.returncode}):\n{err[-3000:]}")
+            outs.append(json.loads(lines[-1]))
+    if not all(o["ok"] for o in outs):
+        raise SystemExit(f"the launch at {rate_gbit} Gbit/s failed: {[o.get('error') for o in outs]}")
+    return outs[0]["results"][0]
+
+
+NODE = Path(__file__).resolve().parent.parent / "tests" / "netns_node.py"
+FAULT_TIMEOUT_S = 10.0
+
+
+def measure_link_down(args: argparse.Namespace) -> dict:
+    """Two hosts train (tests/netns_node.py's ``train`` job); host 1's link goes down after 3 steps: the seconds
+    until both launchers have exited, and what each named."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dlperf-bench-cluster-") as tmp, Hosts(2, rate=1.25e8) as hosts:
+        procs = [hosts.popen(i, [sys.executable, str(NODE), "train", "--nnodes", "2", "--node-rank", str(i),
+                                 "--master-addr", hosts.addresses[0], "--master-port", str(PORT + 1),
+                                 "--fault-timeout", str(FAULT_TIMEOUT_S), "--checkpoint", f"{tmp}/ck.pt",
+                                 "--total-steps", "1000", "--pause", "0.2", "--pid-dir", tmp],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(
+                Path(tmp, f"step.{r}").exists() and int(Path(tmp, f"step.{r}").read_text().split()[0]) >= 3
+                for r in range(2)):
+            time.sleep(0.05)
+        hosts.set_link(1, up=False)
+        down = time.monotonic()
+        errors, exits = [], []
+        for p in procs:
+            out, _ = p.communicate(timeout=FAULT_TIMEOUT_S + 120)
+            exits.append(time.monotonic() - down)
+            lines = out.strip().splitlines()
+            errors.append(json.loads(lines[-1]).get("error") if lines else f"exit {p.returncode}, nothing printed")
+    return {"link_down_exit_s": max(exits), "fault_timeout_s": FAULT_TIMEOUT_S,
+            "link_down_within_target": max(exits) <= FAULT_TIMEOUT_S + 5, "link_down_errors": errors}
+
+
+def measure_slow_link() -> dict:
+    """Three hosts train 12 steps unshaped, then with host 2's link 10x slower than the others': whether the weights
+    match bit for bit, the step time of each, and the host an exchange between every pair names as the straggler."""
+    import tempfile
+
+    from dlperf.probe.projection import straggler
+
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="dlperf-bench-cluster-") as tmp, Hosts(3) as hosts:
+        for k, (name, rates) in enumerate((("unshaped", [None] * 3), ("slow", [1.25e8, 1.25e8, 1.25e7]))):
+            for i, rate in enumerate(rates):
+                hosts.set_rate(i, rate)
+            where = Path(tmp, name)
+            where.mkdir()
+            start = time.monotonic()
+            procs = [hosts.popen(i, [sys.executable, str(NODE), "train", "--nnodes", "3", "--node-rank", str(i),
+                                     "--master-addr", hosts.addresses[0], "--master-port", str(PORT + 2 + k),
+                                     "--checkpoint", str(where / "ck.pt"), "--total-steps", "12",
+                                     "--pid-dir", str(where)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for i in range(3)]
+            outs = [p.communicate(timeout=600)[0].strip().splitlines() for p in procs]
+            nodes = [json.loads(lines[-1]) if lines else {"ok": False} for lines in outs]
+            if not all(n["ok"] for n in nodes):
+                raise SystemExit(f"the three-host training ({name}) failed: {nodes}")
+            results = [r for n in nodes for r in n["results"]]
+            node_of = {r["rank"]: r["node"] for r in results}
+            pairs: dict = {}
+            for r in results:
+                for a, b, sec in r["pair_seconds"]:
+                    pairs[(node_of[a], node_of[b])] = max(sec, pairs.get((node_of[a], node_of[b]), 0.0))
+            runs[name] = {"seconds": time.monotonic() - start, "weights": [r["weights"] for r in results],
+                          "straggler": straggler(pairs),
+                          "pair_ms": {f"{a}-{b}": sec * 1e3 for (a, b), sec in pairs.items()}}
+    same = all(w == runs["unshaped"]["weights"][0] for run in runs.values() for w in run["weights"])
+    return {"straggler_named": runs["slow"]["straggler"] == 2 and runs["unshaped"]["straggler"] is None,
+            "slow_link_weights_equal": same, "slow_link_straggler": runs["slow"]["straggler"],
+            "slow_link_pair_ms": {k: v["pair_ms"] for k, v in runs.items()},
+            "slow_link_run_s": {k: v["seconds"] for k, v in runs.items()}}
+
+
+def _layout(strategy: str, hosts: list[int]) -> Layout:
+    servers = int(strategy[3:]) if strategy.startswith("ps-") else 0
+    return Layout(tuple(hosts[:len(hosts) - servers]), tuple(hosts[len(hosts) - servers:]))
+
+
+def analyse(rate_gbit: float, got: dict, models: dict[str, int]) -> tuple[list[dict], list[dict]]:
+    net, intra = Link(*got["network"]), Link(*got["intra"])
+    cells, choices = [], []
+    for key, samples in got["samples"].items():
+        what, which = key.split("|")
+        if what == "allreduce":
+            nbytes, strategy, model, layout = int(which), "ring", "-", Layout((0, 1))
+        else:
+            nbytes, strategy, model, layout = models[which], what, which, _layout(what, got["hosts"])
+        measured = statistics.median(samples)
+        predicted = layout_time(strategy, nbytes, layout, net, intra)
+        cells.append({"rate_gbit": rate_gbit, "cell": what, "model": model, "bytes": nbytes, "measured_s": measured,
+                      "predicted_s": predicted, "error": abs(predicted - measured) / measured,
+                      "contended": got["contended"][key], "repetitions": len(samples)})
+    for model, nbytes in models.items():
+        row = {c["cell"]: c for c in cells if c["model"] == model}
+        names = [s for s in STRATEGIES if s in row]
+        auto = min(names, key=lambda s: row[s]["predicted_s"])
+        best = min(names, key=lambda s: row[s]["measured_s"])
+        choices.append({"rate_gbit": rate_gbit, "model": model, "bytes": nbytes, "auto": auto, "best": best,
+                        "auto_measured_s": row[auto]["measured_s"], "best_measured_s": row[best]["measured_s"],
+                        "within_10pct": row[auto]["measured_s"] <= 1.1 * row[best]["measured_s"]})
+    return cells, choices
+
+
+def _size(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MB" if n >= 1 << 20 else f"{n / 1024:.0f} KB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="rates 1 and 10 Gbit/s, sizes up to 8 MB, fewer repetitions")
+    ap.add_argument("--rates", default=None, help="comma-separated link rates in Gbit/s (default 1,10,25)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per cell and round")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--node-rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--master-addr", help=argparse.SUPPRESS)
+    ap.add_argument("--master-port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.reps = args.reps or (3 if args.quick else 5)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    if args.node_rank is not None:
+        return node_main(args)
+    reason = unavailable_reason()
+    if reason is None and shutil.which("unshare") is None:
+        reason = "the 'unshare' command is missing (each host needs a host name of its own); install util-linux"
+    if reason is not None:
+        print(f"bench_cluster: {reason}", file=sys.stderr)
+        return 2
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else list(QUICK_RATES_GBIT if args.quick
+                                                                             else RATES_GBIT)
+    models = {m: gradient_bytes(m) for m in MODELS}
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    cells, choices, links = [], [], {}
+    for rate in rates:
+        got = measure_rate(rate, args)
+        c, ch = analyse(rate, got, models)
+        cells += c
+        choices += ch
+        links[str(rate)] = {"network": got["network"], "intra": got["intra"], "hierarchical_kind": got["kind"]}
+    faults = measure_link_down(args)
+    faults.update(measure_slow_link())
+    load_after = os.getloadavg()
+
+    print(f"2 hosts (network namespaces, veth shaped with tbf) x 2 processes x 1 thread; median of "
+          f"{args.reps} x {args.rounds} repetitions, each on its slowest rank ({os.cpu_count()} cores, torch "
+          f"{torch.__version__}; ! = contended)")
+    for rate in rates:
+        net, intra = Link(*links[str(rate)]["network"]), Link(*links[str(rate)]["intra"])
+        print(f"\n{rate:g} Gbit/s ({rate / 8:.3f} GB/s configured): measured network {net.describe()}, "
+              f"inside a host {intra.describe()}")
+        print(f"{'cell':<14}{'model':<10}{'size':>10}{'measured ms':>13}{'predicted ms':>14}{'error':>8}")
+        for c in (c for c in cells if c["rate_gbit"] == rate):
+            print(f"{c['cell']:<14}{c['model']:<10}{_size(c['bytes']):>10}{c['measured_s'] * 1e3:>12.2f}"
+                  f"{'!' if c['contended'] else ' '}{c['predicted_s'] * 1e3:>14.2f}{c['error'] * 100:>7.0f}%")
+        for ch in (ch for ch in choices if ch["rate_gbit"] == rate):
+            verdict = "within 10%" if ch["within_10pct"] else "MISSED"
+            print(f"  {ch['model']}: auto chose {ch['auto']} ({ch['auto_measured_s'] * 1e3:.1f} ms), measured best "
+                  f"{ch['best']} ({ch['best_measured_s'] * 1e3:.1f} ms): {verdict}")
+    errors = [c["error"] for c in cells]
+    result = {
+        "model_error_median": statistics.median(errors),
+        "model_error_max": max(errors),
+        "auto_within_10pct": sum(ch["within_10pct"] for ch in choices) / len(choices),
+        "targets": TARGETS,
+        "rates_gbit": rates,
+        "links": links,
+        "cells": cells,
+        "choices": choices,
+        "contended": [f"{c['rate_gbit']:g}/{c['cell']}/{c['model']}/{c['bytes']}" for c in cells if c["contended"]],
+        "elapsed_s": time.monotonic() - started,
+        "loadavg_before": list(load_before),
+        "loadavg_after": list(load_after),
+    }
+    met = {k: (result[k] <= v if k.startswith("model") else result[k] >= v) for k, v in TARGETS.items()}
+    print(f"\nmodel error median {result['model_error_median']:.3f} (target <= 0.15), "
+          f"max {result['model_error_max']:.3f} (<= 0.35); auto within 10% of the best in "
+          f"{result['auto_within_10pct']:.2f} of the pairs (>= 0.9); "
+          f"load average {' '.join(f'{x:.2f}' for x in load_before)} before, "
+          f"{' '.join(f'{x:.2f}' for x in load_after)} after")
+    print(f"link of host 1 brought down mid-training: both launchers gone {faults['link_down_exit_s']:.1f} s later "
+          f"(fault_timeout_s {FAULT_TIMEOUT_S:g}, target <= {FAULT_TIMEOUT_S + 5:g} s)")
+    for error in faults["link_down_errors"]:
+        print(f"  named: {error}")
+    print(f"three hosts, host 2's link 10x slower: straggler named {faults['slow_link_straggler']} (want 2), "
+          f"weights equal to the unshaped run's: {faults['slow_link_weights_equal']}; pair exchanges (ms) "
+          f"{faults['slow_link_pair_ms']['slow']}")
+    result.update(faults)
+    if result["contended"]:
+        print("WARNING: other work competed for the cores during some cells (see 'contended')")
+    result["targets_met"] = met
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

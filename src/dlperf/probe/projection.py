@@ -1,0 +1,285 @@
+"""How a data-parallel step would scale across hosts: each gradient strategy priced on a cluster's links (d2l 12.7).
+
+A cluster is ``hosts`` machines of ``devices_per_host`` devices each. Every device sits on an ``intra``
+link (d2l 12.7.1's PCIe switch: to the other devices of its host and to its host's memory) and every
+host on one ``network`` link (its NIC), full duplex. A message of ``n`` bytes over a link takes
+``alpha + n / bandwidth`` (:class:`~dlperf.probe.cost.Link`); messages over different links run at
+once, those over one link share it, and the slowest link sets a collective's pace. The strategies:
+
+* ``naive``: every device sends its gradients to device 0 and gets the sum back (12.7.1's first
+  variant); device 0's link, and host 0's NIC for the other hosts' devices, serialise the copies.
+* ``ring``: one ring through every device (12.7.2); with several hosts its steps wait for the
+  network hop.
+* ``sharded``: direct reduce-scatter then all-gather (12.7.1's split aggregation): each device
+  exchanges 1/p of the gradients with every other device at once, so a host's NIC carries
+  ``G (p - G) / p`` of them each phase.
+* ``ps-1``, ``ps-2``: parameter servers in host memory (12.7.3): every device pushes its gradients,
+  split over the servers, and pulls the result; server ``s`` lives on host ``s mod hosts``. A server
+  receives one message per device; a device reaches a server on its own host over its intra link,
+  others over both NICs.
+* ``hierarchical``: what dlperf's hierarchical sum does (:mod:`dlperf.parallel.allreduce.shm`): the
+  devices of each host allreduce among themselves (sharded), one leader per host runs a ring across
+  the hosts, and each leader's result is copied to its host's other devices.
+
+Computation and communication are assumed not to overlap (a floor on overlap would be the maximum;
+dlperf's trainer overlaps the buckets it can, so a measured step lies between). The reduction
+arithmetic is left out, as in d2l's worked example, which the formulas reproduce:
+
+>>> from dlperf.probe.cost import Link
+>>> pcie = Link(0.0, 16e9)
+>>> one = Cluster(hosts=1, devices_per_host=4, network=pcie, intra=pcie)
+>>> [round(communication_time(s, 160e6, one) * 1e3) for s in ("naive", "ps-1", "sharded")]
+[60, 80, 15]
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+from ..registry import Registry
+from .cost import Link
+
+__all__ = ["Cluster", "Layout", "STRATEGIES", "communication_time", "layout_time", "ring_time", "sharded_time",
+           "naive_time", "push_pull_time", "hierarchical_time", "link_from_allreduce", "straggler", "ScaleRow",
+           "Projection", "project"]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``hosts`` machines of ``devices_per_host`` devices; each host on a ``network`` link, each device on ``intra``."""
+
+    hosts: int
+    devices_per_host: int
+    network: Link
+    intra: Link
+
+    def __post_init__(self) -> None:
+        for name in ("hosts", "devices_per_host"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name}={value!r}: expected a whole number >= 1")
+
+    def layout(self) -> Layout:
+        """Every device's host, in rank order (a host's devices together)."""
+        return Layout(tuple(h for h in range(self.hosts) for _ in range(self.devices_per_host)))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks are: ``hosts[r]`` is rank r's host; ``servers`` the host of each parameter server."""
+
+    hosts: tuple[int, ...]
+    servers: tuple[int, ...] = field(default=())
+
+    @property
+    def world(self) -> int:
+        return len(self.hosts)
+
+    def per_host(self) -> Counter:
+        return Counter(self.hosts)
+
+
+def _ring(n: float, k: int, link: Link) -> float:
+    return 0.0 if k < 2 else 2 * (k - 1) * link.alpha_s + 2 * (k - 1) / k * n * link.beta
+
+
+def ring_time(n: float, layout: Layout, network: Link, intra: Link) -> float:
+    """One ring through every rank: 2(p-1) steps of n/p bytes, each step as slow as its slowest hop."""
+    slow = network if len(layout.per_host()) > 1 else intra
+    return _ring(n, layout.world, slow)
+
+
+def sharded_time(n: float, layout: Layout, network: Link, intra: Link) -> float:
+    """Direct reduce-scatter + all-gather: two phases; each rank's link carries (p-1)/p n, a NIC its host's share."""
+    p = layout.world
+    if p < 2:
+        return 0.0
+    device = 2 * intra.alpha_s + 2 * (p - 1) / p * n * intra.beta
+    counts = layout.per_host()
+    if len(counts) == 1:
+        return device
+    nic = max(g * (p - g) / p for g in counts.values())
+    return max(device, 2 * network.alpha_s + 2 * nic * n * network.beta)
+
+
+def naive_time(n: float, layout: Layout, network: Link, intra: Link) -> float:
+    """All to rank 0 and back: rank 0's link takes p-1 copies each way, host 0's NIC those of the other hosts."""
+    p = layout.world
+    remote = sum(1 for h in layout.hosts if h != layout.hosts[0])
+    return 2 * max((p - 1) * intra.time(n), remote * network.time(n) if remote else 0.0)
+
+
+def push_pull_time(n: float, layout: Layout, network: Link, intra: Link) -> float:
+    """Every rank pushes n/S to each of the S servers (``layout.servers``) and pulls as much back.
+
+    Per phase, the busiest link sets the pace: a host's memory link takes a message from each of its own
+    ranks to each of its servers (the NIC does not see them), a NIC what its host sends to, or receives
+    from, servers elsewhere.
+    """
+    servers = layout.servers
+    if not servers:
+        raise UsageError("a push/pull needs at least one server in the layout")
+    s, part = len(servers), n / len(servers)
+    phase = 0.0
+    for host in set(layout.hosts) | set(servers):
+        ranks_here = sum(1 for h in layout.hosts if h == host)
+        servers_here = sum(1 for h in servers if h == host)
+        # this host's memory link takes a message from each of its own ranks to each of its servers
+        local = ranks_here * servers_here
+        out_msgs = ranks_here * (s - servers_here)  # this host's ranks to servers elsewhere
+        in_msgs = servers_here * (layout.world - ranks_here)  # other hosts' ranks to servers here
+        remote = max(out_msgs, in_msgs)
+        phase = max(phase, local * intra.time(part) if local else 0.0,
+                    remote * network.time(part) if remote else 0.0)
+    return 2 * phase
+
+
+def hierarchical_time(n: float, layout: Layout, network: Link, intra: Link) -> float:
+    """Allreduce inside each host, a ring of one leader per host across them, the leader's result copied back."""
+    counts = layout.per_host()
+    g = max(counts.values())
+    inside = sharded_time(n, Layout(tuple([0] * g)), network, intra) if g > 1 else 0.0
+    if len(counts) == 1:
+        return inside
+    return inside + _ring(n, len(counts), network) + (intra.time(n) if g > 1 else 0.0)
+
+
+LayoutFormula = Callable[[float, Layout, Link, Link], float]
+STRATEGIES: Registry[tuple[LayoutFormula, int]] = Registry("gradient strategy")
+"""Strategy name -> (its time formula over a layout, the number of parameter servers it places; 0: none)."""
+for _name, _entry in (("ring", (ring_time, 0)), ("sharded", (sharded_time, 0)), ("ps-1", (push_pull_time, 1)),
+                      ("ps-2", (push_pull_time, 2)), ("hierarchical", (hierarchical_time, 0)),
+                      ("naive", (naive_time, 0))):
+    STRATEGIES.register(_name, _entry)
+
+
+def layout_time(strategy: str, n: float, layout: Layout, network: Link, intra: Link) -> float:
+    """Seconds for ``strategy`` to sum ``n`` bytes of gradients on ``layout`` (its servers already placed)."""
+    formula, _ = STRATEGIES.get(strategy)
+    if layout.world < 2 and strategy not in ("ps-1", "ps-2"):
+        return 0.0
+    return formula(n, layout, network, intra)
+
+
+def communication_time(strategy: str, n: float, cluster: Cluster) -> float:
+    """Seconds for ``strategy`` to sum ``n`` bytes of gradients over every device of ``cluster``."""
+    _, servers = STRATEGIES.get(strategy)
+    base = cluster.layout()
+    layout = Layout(base.hosts, tuple(s % cluster.hosts for s in range(servers)))
+    return layout_time(strategy, n, layout, cluster.network, cluster.intra)
+
+
+def link_from_allreduce(fit: Link, world: int) -> Link:
+    """The per-message link behind a measured ring allreduce among ``world`` ranks, ``t(n) = fit.time(n)``.
+
+    A ring takes ``2(k-1) alpha + 2(k-1)/k n beta``, so alpha is the intercept over 2(k-1) and beta the
+    slope times k / 2(k-1). For two ranks: half the intercept, the slope as is.
+
+    >>> link_from_allreduce(Link(100e-6, 1e9), 2)
+    Link(alpha_s=5e-05, bandwidth=1000000000.0)
+    """
+    if world < 2:
+        raise UsageError(f"world={world}: an allreduce fit needs at least 2 ranks")
+    return Link(fit.alpha_s / (2 * (world - 1)), fit.bandwidth * 2 * (world - 1) / world)
+
+
+def straggler(pair_seconds: dict[tuple[int, int], float], factor: float = 2.0) -> int | None:
+    """The host whose link is slow, from the time of one exchange between every pair of hosts; None if none is.
+
+    A host is at best as fast as its own link, so its fastest pair bounds that link: the straggler is the
+    host whose fastest pair took more than ``factor`` times the median of the other hosts' fastest pairs.
+
+    >>> straggler({(0, 1): 0.01, (0, 2): 0.1, (1, 2): 0.1})
+    2
+    >>> straggler({(0, 1): 0.01, (0, 2): 0.012, (1, 2): 0.011}) is None
+    True
+    """
+    hosts = sorted({h for pair in pair_seconds for h in pair})
+    if len(hosts) < 3:
+        return None  # two hosts share their one link: the slow side cannot be told apart
+    best = {h: min(t for pair, t in pair_seconds.items() if h in pair) for h in hosts}
+    slowest = max(hosts, key=best.__getitem__)
+    others = statistics.median(best[h] for h in hosts if h != slowest)
+    return slowest if best[slowest] > factor * others else None
+
+
+@dataclass(frozen=True)
+class ScaleRow:
+    """One host count: each strategy's communication seconds, and the step they give."""
+
+    hosts: int
+    devices: int
+    communication_s: dict[str, float]
+    compute_s: float
+
+    def step_s(self, strategy: str) -> float:
+        return self.compute_s + self.communication_s[strategy]
+
+    def share(self, strategy: str) -> float:
+        step = self.step_s(strategy)
+        return self.communication_s[strategy] / step if step > 0 else 0.0
+
+    @property
+    def best(self) -> str:
+        return min(self.communication_s, key=lambda s: (self.communication_s[s], list(self.communication_s).index(s)))
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Rows for 1..N hosts; efficiency is throughput per host over one host's best; the knee where it breaks."""
+
+    rows: list[ScaleRow]
+    gradient_bytes: float
+    strategies: tuple[str, ...]
+
+    def efficiency(self, row: ScaleRow, strategy: str) -> float:
+        first = self.rows[0]
+        step = row.step_s(strategy)
+        if step <= 0:
+            return 1.0
+        return (row.hosts / step) / (first.hosts / first.step_s(first.best)) / row.hosts
+
+    @property
+    def knee(self) -> int | None:
+        """The first host count whose added host brings less than half a host's throughput (best strategy)."""
+        if not self.rows or self.rows[0].step_s(self.rows[0].best) <= 0:
+            return None
+        one = 1 / self.rows[0].step_s(self.rows[0].best)
+        for prev, row in zip(self.rows, self.rows[1:]):
+            gained = row.hosts / row.step_s(row.best) - prev.hosts / prev.step_s(prev.best)
+            if gained < 0.5 * one * (row.hosts - prev.hosts):
+                return row.hosts
+        return None
+
+    def to_dict(self) -> dict:
+        return {"gradient_bytes": self.gradient_bytes, "knee_hosts": self.knee,
+                "rows": [{"hosts": r.hosts, "devices": r.devices, "compute_s": r.compute_s, "best": r.best,
+                          "strategies": {s: {"step_s": r.step_s(s), "communication_s": r.communication_s[s],
+                                             "communication_share": r.share(s),
+                                             "efficiency": self.efficiency(r, s)} for s in self.strategies}}
+                         for r in self.rows]}
+
+
+def project(gradient_bytes: float, compute_s: float, cluster: Cluster,
+            strategies: Sequence[str] = tuple(STRATEGIES)) -> Projection:
+    """Each strategy's step (``compute_s`` per device, then the gradient sum) on 1..``cluster.hosts`` hosts.
+
+    The batch per device stays fixed as hosts are added (weak scaling, as d2l 12.7 scales out).
+    """
+    if not math.isfinite(gradient_bytes) or gradient_bytes < 0:
+        raise UsageError(f"gradient_bytes={gradient_bytes!r}: expected a finite number >= 0")
+    if not math.isfinite(compute_s) or compute_s < 0:
+        raise UsageError(f"compute_s={compute_s!r}: expected a finite number of seconds >= 0")
+    for s in strategies:
+        STRATEGIES.get(s)
+    rows = []
+    for hosts in range(1, cluster.hosts + 1):
+        sub = Cluster(hosts, cluster.devices_per_host, cluster.network, cluster.intra)
+        rows.append(ScaleRow(hosts, hosts * cluster.devices_per_host,
+                             {s: communication_time(s, gradient_bytes, sub) for s in strategies}, compute_s))
+    return Projection(rows, gradient_bytes, tuple(strategies))

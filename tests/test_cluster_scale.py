@@ -1,0 +1,231 @@
+"""``dlperf scale`` and the projection behind it (dlperf.probe.projection): d2l 12.7's worked example, the
+formulas against the cost model's, the knee, where each figure came from, and bad values."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dlperf.cli import main
+from dlperf.probe.cost import Hardware, Link, allreduce_time, parameter_server_time
+from dlperf.probe.links import save_links
+from dlperf.probe.projection import (
+    STRATEGIES,
+    Cluster,
+    Layout,
+    communication_time,
+    layout_time,
+    link_from_allreduce,
+    project,
+)
+
+
+def _scale(capsys, *argv: str) -> tuple[dict, str]:
+    assert main(["scale", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out.strip().splitlines()[-1]), out
+
+
+def test_d2l_12_7_1_worked_example_160mb_on_4_gpus_over_16gbs(capsys):
+    # 160 MB of gradients, 4 GPUs each on a 16 GB/s PCIe link: to one GPU and back 60 ms, to the CPU 80 ms,
+    # split into 4 parts aggregated at once 15 ms (the text leaves latency out: 0us)
+    doc, out = _scale(capsys, "--gradients", "160MB", "--hosts", "1", "--devices-per-host", "4",
+                      "--intra-link", "16GB/s,0us", "--strategies", "naive,ps-1,sharded")
+    (row,) = doc["rows"]
+    got = {s: round(v["communication_s"] * 1e3, 6) for s, v in row["strategies"].items()}
+    assert got == {"naive": 60.0, "ps-1": 80.0, "sharded": 15.0}
+    assert row["best"] == "sharded"
+    assert "given (--intra-link)" in out and "assumed 0: no --model or --step-ms" in out
+
+
+def test_d2l_12_7_2_ring_of_8_v100s_is_about_6_ms():
+    nvlink = Link(0.0, 3 * 18e9)  # the text's 3 x 18 GB/s
+    ring = communication_time("ring", 160e6, Cluster(1, 8, nvlink, nvlink))
+    assert 5e-3 < ring < 6e-3  # 2 (k-1)/k n / B = 5.2 ms; the text rounds 2 n / B = 5.9 ms to "about 6"
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 8])
+def test_one_host_matches_the_cost_models_allreduce_formulas(k):
+    hw = Hardware.from_seed("pcie-4gpu")
+    device = hw.link("device")
+    one = Cluster(1, k, device, device)
+    for strategy, algorithm in (("ring", "ring"), ("sharded", "sharded"), ("naive", "naive")):
+        assert communication_time(strategy, 1e8, one) == pytest.approx(allreduce_time(algorithm, 1e8, k, hw))
+
+
+@pytest.mark.parametrize("hosts", [2, 3, 5])
+def test_one_server_across_hosts_matches_the_cost_models_push_pull(hosts):
+    # one device per host, the server in host 0's memory: the other hosts' pushes all arrive through its NIC,
+    # which is the cost model's one server with hosts - 1 workers (host 0's own push stays in memory)
+    net, fast = Link(50e-6, 1.25e9), Link(0.0, 1e15)
+    got = communication_time("ps-1", 44.7e6, Cluster(hosts, 1, net, fast))
+    hw = Hardware("net", {"float32": 1e12}, 1e11, 1e-6, {"network": net})
+    assert got == pytest.approx(parameter_server_time(44.7e6, hosts - 1, 1, hw))
+
+
+def test_more_servers_spread_the_load_and_hierarchical_crosses_the_network_once_per_host():
+    net, pcie = Link(100e-6, 1.25e9), Link(5e-6, 16e9)
+    cluster = Cluster(4, 2, net, pcie)
+    assert communication_time("ps-2", 1e8, cluster) < communication_time("ps-1", 1e8, cluster)
+    # every host's NIC carries about 2 n in a ring of 8 devices, once n in the ring of 4 leaders
+    ring, hier = communication_time("ring", 1e8, cluster), communication_time("hierarchical", 1e8, cluster)
+    assert hier < ring
+    assert hier == pytest.approx(layout_time("sharded", 1e8, Layout((0, 0)), net, pcie) + 6 * 100e-6
+                                 + 1.5e8 / 1.25e9 + pcie.time(1e8))
+
+
+def test_two_servers_behind_one_nic_share_it():
+    # servers on host 1, workers on host 0: the NIC carries every push whether the keys are split or not
+    net, fast = Link(0.0, 1e9), Link(0.0, 1e15)
+    one = layout_time("ps-1", 1e8, Layout((0, 0), (1,)), net, fast)
+    two = layout_time("ps-2", 1e8, Layout((0, 0), (1, 1)), net, fast)
+    assert one == pytest.approx(two) == pytest.approx(2 * 2 * 1e8 / 1e9)
+
+
+def test_a_measured_ring_allreduce_fit_gives_back_its_link():
+    link = Link(30e-6, 0.6e9)
+    for world in (2, 3, 4):
+        layout = Layout(tuple(range(world)))
+        sizes = [4096.0, 4e6]
+        fit = Link.fit(sizes, [layout_time("ring", n, layout, link, link) for n in sizes])
+        back = link_from_allreduce(fit, world)
+        assert back.alpha_s == pytest.approx(link.alpha_s) and back.bandwidth == pytest.approx(link.bandwidth)
+
+
+def test_the_knee_is_where_an_added_host_brings_less_than_half_a_host():
+    net, pcie = Link(0.0, 1e9), Link(0.0, 1e15)
+    p = project(1e8, 0.05, Cluster(6, 1, net, pcie), ["ps-1"])
+    # by hand: step(N) = 50 ms + 2 (N-1) 100 ms; throughput N / step
+    steps = [0.05 + 2 * (n - 1) * 0.1 for n in range(1, 7)]
+    assert [r.step_s("ps-1") for r in p.rows] == pytest.approx(steps, rel=1e-5)  # host 0: memory, not free
+    gains = [(n + 1) / steps[n] - n / steps[n - 1] for n in range(1, 6)]
+    expected = next(n + 1 for n, g in zip(range(1, 6), gains) if g < 0.5 / steps[0])
+    assert p.knee == expected == 2
+    assert p.efficiency(p.rows[0], "ps-1") == 1.0
+    assert project(1e3, 1.0, Cluster(6, 1, net, pcie)).knee is None  # tiny gradients: linear scaling
+
+
+def test_a_model_is_measured_and_its_figures_say_where_they_came_from(capsys):
+    doc, out = _scale(capsys, "--model", "mlp", "--batch-size", "8", "--hosts", "3", "--link", "10gbit",
+                      "--intra-link", "16GB/s")
+    from dlperf.models import get_spec
+
+    params = sum(p.numel() * p.element_size() for p in get_spec("mlp").build().parameters())
+    assert doc["gradient_bytes"] == params
+    assert [r["hosts"] for r in doc["rows"]] == [1, 2, 3]
+    assert set(doc["rows"][0]["strategies"]) == set(STRATEGIES)
+    assert doc["figures"]["compute"]["source"].startswith("measured now: median of")
+    assert doc["figures"]["network"]["source"].startswith("rate given (--link); latency assumed")
+    assert doc["figures"]["network"]["value"] == [250e-6, 1.25e9]
+    for row in doc["rows"]:
+        for s in row["strategies"].values():
+            assert s["step_s"] == pytest.approx(row["compute_s"] + s["communication_s"])
+            assert 0 <= s["communication_share"] < 1
+    assert "eff" in out and "knee" in out
+
+
+def test_a_factory_model_with_an_assumed_step(capsys):
+    doc, out = _scale(capsys, "--model", "dlperf.models.lenet:lenet", "--input", "4x1x28x28", "--step-ms", "20",
+                      "--hosts", "2", "--devices-per-host", "2", "--link", "1gbit,100us", "--intra-link", "8GB/s,2us")
+    assert doc["rows"][0]["compute_s"] == pytest.approx(0.02)
+    assert doc["figures"]["compute"]["source"] == "assumed (--step-ms)"
+    assert doc["figures"]["network"] == {"value": [100e-6, 1.25e8], "source": "given (--link)"}
+    from dlperf.models.lenet import lenet
+
+    assert doc["gradient_bytes"] == sum(p.numel() * 4 for p in lenet().parameters())
+
+
+def test_without_link_the_saved_measurement_between_hosts_is_used(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fit = Link(2 * 40e-6, 0.5e9)  # what a 2-rank gloo allreduce over a 0.5 GB/s, 40 us link measures
+    (tmp_path / "dlperf" / "probe").mkdir(parents=True, mode=0o700)
+    save_links(["a (10.0.0.1)", "b (10.0.0.2)"], {"gloo": fit},
+               path=str(tmp_path / "dlperf" / "probe" / "links-0123456789abcdef.json"))
+    doc, out = _scale(capsys, "--gradients", "10MB", "--hosts", "2", "--step-ms", "10")
+    assert doc["figures"]["network"]["source"].startswith("measured: gloo between hosts, 2 ranks")
+    alpha, rate = doc["figures"]["network"]["value"]
+    assert alpha == pytest.approx(40e-6) and rate == pytest.approx(0.5e9)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--gradients", "1MB", "--hosts", "0"], "--hosts: '0' is out of range"),
+    (["--gradients", "1MB", "--hosts", "2", "--link", "fast"], "'fast' is not a link rate"),
+    (["--gradients", "1MB", "--hosts", "2", "--link", "10gbit,soon"], "'soon' is not a latency"),
+    (["--gradients", "1MB", "--hosts", "2", "--link", "0gbit"], "outside"),
+    (["--gradients", "1MB", "--hosts", "2"], "needs --link RATE"),
+    (["--gradients", "lots", "--hosts", "1"], "'lots' is not a size"),
+    (["--model", "nope", "--hosts", "1"], "unknown network 'nope'"),
+    (["--model", "mlp", "--gradients", "1MB", "--hosts", "1"], "not allowed with argument"),
+    (["--model", "pkg:make", "--hosts", "1", "--intra-link", "1GB/s"], "needs --input"),
+    (["--gradients", "1MB", "--hosts", "1", "--strategies", "ring,tree"], "unknown gradient strategy 'tree'"),
+    (["--gradients", "1MB", "--hosts", "1", "--step-ms", "nan"], "not a finite number"),
+])
+def test_bad_values_are_one_line_and_exit_2(capsys, argv, named, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no saved link between hosts
+    assert main(["scale", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and named in err, err
+
+
+def test_every_strategy_is_zero_on_one_device_but_servers():
+    link = Link(1e-5, 1e9)
+    for s in STRATEGIES:
+        t = communication_time(s, 1e6, Cluster(1, 1, link, link))
+        assert t == 0 or s.startswith("ps-"), (s, t)
+    assert not math.isnan(communication_time("ps-2", 1e6, Cluster(1, 1, link, link)))
+
+
+def _fake_probe():
+    from types import SimpleNamespace
+
+    figures = {"mm_float32_2t": 100.0, "stream_triad_2t": 20.0, "stream_copy_2t": 10.0, "torch_dispatch": 1000.0,
+               "spin_handoff": 500.0}
+    return SimpleNamespace(figures=lambda: figures, machine={"cpu": "test cpu"})
+
+
+def test_compute_from_the_saved_probe_is_the_floor_and_the_intra_link_its_copy(capsys, monkeypatch, tmp_path):
+    import dlperf.probe.cache as cache
+    from dlperf.probe.cost import count_step, step_floor
+
+    monkeypatch.setattr(cache, "load_probe", lambda *a, **k: _fake_probe())
+    out_file = tmp_path / "scale.json"
+    assert main(["scale", "--model", "mlp", "--batch-size", "4", "--hosts", "2", "--devices-per-host", "2",
+                 "--link", "10gbit", "--compute", "probe", "--json", str(out_file)]) == 0
+    doc = json.loads(out_file.read_text())
+    hw = Hardware.from_probe_result(_fake_probe())
+    from dlperf.models import get_spec
+
+    spec = get_spec("mlp")
+    x, _ = spec.input.make_batch(4, generator=torch.Generator().manual_seed(0))
+    floor = step_floor(count_step(spec.build(), x), hw, devices=1, allreduce=None).no_overlap_s
+    assert doc["rows"][0]["compute_s"] == pytest.approx(floor)
+    assert doc["figures"]["compute"]["source"].startswith("floor from the saved dlperf probe figures")
+    assert doc["figures"]["intra"]["source"].startswith("measured: the saved dlperf probe's copy")
+    assert doc["figures"]["intra"]["value"] == [hw.link("device").alpha_s, hw.link("device").bandwidth]
+
+
+def test_compute_from_the_probe_without_saved_figures_is_one_line(capsys, monkeypatch):
+    import dlperf.probe.cache as cache
+
+    monkeypatch.setattr(cache, "load_probe", lambda *a, **k: None)
+    assert main(["scale", "--model", "mlp", "--hosts", "1", "--compute", "probe"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "dlperf probe --quick" in err
+
+
+@pytest.mark.parametrize("hosts", [3, 4, 6])
+def test_the_straggler_is_the_host_whose_every_pair_is_slow(hosts):
+    from dlperf.probe.projection import straggler
+
+    fast, slow = Link(50e-6, 1.25e8), Link(50e-6, 1.25e7)
+    for slow_host in range(hosts):
+        # a pair goes as fast as its slower host's link
+        pairs = {(a, b): (slow if slow_host in (a, b) else fast).time(1 << 20) for a in range(hosts)
+                 for b in range(a + 1, hosts)}
+        assert straggler(pairs) == slow_host
+    even = {(a, b): fast.time(1 << 20) * (1 + 0.1 * a) for a in range(hosts) for b in range(a + 1, hosts)}
+    assert straggler(even) is None
+    assert straggler({(0, 1): 1.0}) is None  # two hosts share one link: no side to blame
