@@ -65,12 +65,19 @@ def _foreach(group: dict, params: list[torch.Tensor]) -> bool | None:
     return True if params and all(p.device.type == "cpu" for p in params) else None
 
 
+def _mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    # What the learning-rate schedulers' wrapper of step() records; without it they warn that
+    # scheduler.step() came before optimizer.step().
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
 class SGDUpdate(OptimizerUpdate):
     """``torch.optim.SGD``: momentum, dampening, Nesterov, weight decay, maximize."""
 
     kind = "sgd"
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> None:
+        _mark_stepped(self.optimizer)
         state = self.optimizer.state
         for group, indices in self.groups:
             params = [self.params[i] for i in indices]
@@ -89,6 +96,7 @@ class AdamUpdate(OptimizerUpdate):
     kind = "adam"
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> None:
+        _mark_stepped(self.optimizer)
         state = self.optimizer.state
         for group, indices in self.groups:
             params = [self.params[i] for i in indices]
