@@ -101,11 +101,43 @@ def assert_same_state(a: nn.Module, b: nn.Module, opt_a=None, opt_b=None):
                 torch.testing.assert_close(sb[k][key], sa[k][key], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("backend", ["graph", "native"])
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
-def test_100_steps_match_eager_for_every_optimizer(opt):
-    torch.manual_seed(hash(opt) % 1000)
-    ref, net, oe, oc, step = run_both(mlp(), OPTIMIZERS[opt], "mlp", seed=hash(opt) % 97)
+def test_100_steps_match_eager_for_every_optimizer(opt, backend):
+    seed = sum(map(ord, opt))
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HybridizeWarning)  # rmsprop has no native update: eager, said once
+        ref, net, oe, oc, step = run_both(mlp(), OPTIMIZERS[opt], "mlp", seed=seed, backend=backend)
     assert step.state == "replay", repr(step)
+    expected = "eager" if backend == "native" and opt == "rmsprop" else backend
+    assert set(step.choices.values()) == {expected}, repr(step)
+    assert_same_state(ref, net, oe, oc)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_native_step_with_residual_add_mul_and_flatten_matches_eager(rows):
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.flat = nn.Flatten()
+            self.a, self.b, self.c = nn.Linear(12, 12), nn.Linear(12, 12), nn.Linear(12, 3)
+
+        def forward(self, x):
+            x = self.flat(x)
+            h = torch.relu(self.a(x))
+            return self.c(torch.sigmoid(self.b(h)) * h + h)
+
+    torch.manual_seed(rows)
+    g = torch.Generator().manual_seed(rows)
+    net, make = Residual(), OPTIMIZERS["sgd_momentum_wd"]
+    ref = copy.deepcopy(net)
+    oe, oc = make(ref.parameters()), make(net.parameters())
+    eager, captured = eager_step(ref, F.cross_entropy, oe), train_step(net, F.cross_entropy, oc, backend="native")
+    for _ in range(30):
+        x, y = torch.randn(rows, 3, 4, generator=g), torch.randint(0, 3, (rows,), generator=g)
+        eager(x, y), captured(x, y)
+    assert set(captured.choices.values()) == {"native"}, repr(captured)
     assert_same_state(ref, net, oe, oc)
 
 
@@ -129,21 +161,24 @@ def test_dict_batch_with_token_ids_and_dict_output():
     assert_same_state(ref, net, oe, oc)
 
 
-def test_grads_visible_when_asked():
+@pytest.mark.parametrize("backend", ["graph", "native"])
+@pytest.mark.parametrize("opt", ["sgd_momentum_wd", "adam"])
+def test_grads_visible_when_asked(backend, opt):
     torch.manual_seed(6)
-    ref, net, *_ = run_both(mlp(), OPTIMIZERS["sgd_momentum_wd"], "mlp", steps=3, seed=6, keep_grads=True)
+    ref, net, *_ = run_both(mlp(), OPTIMIZERS[opt], "mlp", steps=3, seed=6, keep_grads=True, backend=backend)
     for p, q in zip(ref.parameters(), net.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
 
 
-def test_lr_scheduler_changes_take_effect():
+@pytest.mark.parametrize("backend", ["graph", "native"])
+def test_lr_scheduler_changes_take_effect(backend):
     torch.manual_seed(7)
     ref, net = mlp(), None
     net = copy.deepcopy(ref)
     oe, oc = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(net.parameters(), lr=0.1,
                                                                                         momentum=0.9)
     se, sc = torch.optim.lr_scheduler.StepLR(oe, 3, 0.3), torch.optim.lr_scheduler.StepLR(oc, 3, 0.3)
-    eager, captured = eager_step(ref, F.cross_entropy, oe), train_step(net, F.cross_entropy, oc, backend="graph")
+    eager, captured = eager_step(ref, F.cross_entropy, oe), train_step(net, F.cross_entropy, oc, backend=backend)
     for x, y in batches("mlp", 12, 7):
         eager(x, y), captured(x, y)
         se.step(), sc.step()

@@ -38,6 +38,7 @@ class JointGraph:
     """The traced step: ``graph_module(*params, *buffers, *leaves) -> [loss, *grads]``."""
 
     module: nn.Module
+    loss_fn: Callable
     graph_module: fx.GraphModule
     params: list[torch.Tensor]  # trainable parameters, the order of the gradients
     buffers: list[torch.Tensor]  # buffers and frozen parameters, real tensors of the module
@@ -97,7 +98,7 @@ def capture_joint(module: nn.Module, loss_fn: Callable, x, y) -> JointGraph:
                                 "which a replayed graph would skip")
     _reject_input_mutation(gm, n_params, len(names))
     _simplify(gm)
-    return JointGraph(module, gm, [t for _, t in named_params], [t for _, t in constants], spec,
+    return JointGraph(module, loss_fn, gm, [t for _, t in named_params], [t for _, t in constants], spec,
                       seen_output[-1] if seen_output else None)
 
 

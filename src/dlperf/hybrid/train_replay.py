@@ -33,7 +33,7 @@ def prepare_runner(name: str, joint: JointGraph, update: OptimizerUpdate | None,
 
 
 def _native(joint, update, x, y, keep_grads):
-    from .train_native import native_runner
+    from .backends.native_train import native_runner
 
     return native_runner(joint, update, x, y, keep_grads)
 
