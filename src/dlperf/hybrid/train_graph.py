@@ -43,7 +43,7 @@ class JointGraph:
     params: list[torch.Tensor]  # trainable parameters, the order of the gradients
     buffers: list[torch.Tensor]  # buffers and frozen parameters, real tensors of the module
     input_spec: object  # pytree spec of (x, y)
-    output: object  # a fake tensor shaped like the model's output (for planners)
+    output: torch.Tensor | None  # a fake tensor shaped like the model's output (for planners)
 
     def leaves(self, x, y) -> list:
         return tree_flatten((x, y))[0]
@@ -58,7 +58,7 @@ def capture_joint(module: nn.Module, loss_fn: Callable, x, y) -> JointGraph:
     trainable = trainable_parameters(module)
     if [p for _, p in named_params] != trainable:
         raise TrainCaptureError("trainable parameters are shared in a way the step cannot name")
-    constants = [(n, t) for n, t in module.named_parameters() if not t.requires_grad]
+    constants: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in module.named_parameters() if not t.requires_grad]
     constants += list(module.named_buffers())
     leaves, spec = tree_flatten((x, y))
     tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -99,7 +99,7 @@ def capture_joint(module: nn.Module, loss_fn: Callable, x, y) -> JointGraph:
     _reject_input_mutation(gm, n_params, len(names))
     _simplify(gm)
     return JointGraph(module, loss_fn, gm, [t for _, t in named_params], [t for _, t in constants], spec,
-                      seen_output[-1] if seen_output else None)
+                      seen_output[-1] if seen_output and isinstance(seen_output[-1], torch.Tensor) else None)
 
 
 def _call_args(bx) -> tuple:

@@ -61,7 +61,7 @@ class _Runner:
     """How one input signature is stepped, and why (shown by ``repr``)."""
 
     backend: str
-    step: Callable[[object, object], torch.Tensor]
+    step: Callable[..., torch.Tensor]
     reason: str
 
 
@@ -95,7 +95,8 @@ class TrainStep:
     # --- calling --------------------------------------------------------------------------
     def __call__(self, x, y) -> torch.Tensor:
         if self.state is REPLAY:
-            runner = self._runners.get(_signature(x, y, self.module.training))
+            key = _signature(x, y, self.module.training)
+            runner = self._runners.get(key) if key is not None else None
             if runner is not None:
                 return runner.step(x, y)
         return self._slow_call(x, y)

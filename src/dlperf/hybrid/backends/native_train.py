@@ -50,13 +50,13 @@ def native_runner(joint: JointGraph, update: OptimizerUpdate, x, y, keep_grads: 
     except RuntimeError as exc:
         raise BackendUnsupported(str(exc)) from None
     if joint.output is None:
-        raise BackendUnsupported("the model's output was not seen at capture")
-    loss_grad = _trace_loss_grad(joint, y)
+        raise BackendUnsupported("the model's output is not one tensor")
+    loss_grad = _trace_loss_grad(joint, joint.output, y)
     return _NativeStep(ext, code, params, num_slots, out_slot, [order[id(p)] for p in params], loss_grad,
                        update, keep_grads)
 
 
-def _trace_loss_grad(joint: JointGraph, y: torch.Tensor):
+def _trace_loss_grad(joint: JointGraph, output: torch.Tensor, y: torch.Tensor):
     """``(output, y) -> (loss, d loss / d output)`` as an ATen graph, for the user's own loss."""
     loss_fn = joint.loss_fn
 
@@ -66,7 +66,7 @@ def _trace_loss_grad(joint: JointGraph, y: torch.Tensor):
         (grad,) = torch.autograd.grad(loss, out)
         return loss.detach(), grad
 
-    example = torch.empty(joint.output.shape, dtype=joint.output.dtype)
+    example = torch.empty(output.shape, dtype=output.dtype)
     with torch.enable_grad():
         gm = make_fx(loss_and_grad, tracing_mode="fake")(example, y)
     from ..train_graph import _simplify
