@@ -11,6 +11,7 @@ functional update. Momentum buffers are the optimizer's own ``state[p]["momentum
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable
 
@@ -51,7 +52,7 @@ def native_runner(joint: JointGraph, update: OptimizerUpdate, x, y, keep_grads: 
         raise BackendUnsupported(str(exc)) from None
     if joint.output is None:
         raise BackendUnsupported("the model's output is not one tensor")
-    loss_grad = _trace_loss_grad(joint, joint.output, y)
+    loss_grad = _cross_entropy(ext, joint, joint.output, y) or _trace_loss_grad(joint, joint.output, y)
     return _NativeStep(ext, code, params, num_slots, out_slot, [order[id(p)] for p in params], loss_grad,
                        update, keep_grads)
 
@@ -73,6 +74,31 @@ def _trace_loss_grad(joint: JointGraph, output: torch.Tensor, y: torch.Tensor):
 
     _simplify(gm)
     return gm.forward
+
+
+_CROSS_ENTROPY = {"aten._log_softmax.default", "aten.nll_loss_forward.default", "aten.ones_like.default",
+                  "aten.nll_loss_backward.default", "aten._log_softmax_backward_data.default"}
+
+
+def _cross_entropy(ext, joint: JointGraph, output: torch.Tensor, y: torch.Tensor):
+    """The C++ cross-entropy when the loss is exactly mean softmax cross-entropy over 2-d logits, else None."""
+    if output.dim() != 2 or output.dtype != torch.float32 or y.dim() != 1 or y.dtype != torch.int64:
+        return None
+    gm = _trace_loss_grad(joint, output, y).__self__
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    if {str(n.target) for n in calls} != _CROSS_ENTROPY or len(calls) != len(_CROSS_ENTROPY):
+        return None
+    (log_softmax,) = [n for n in calls if str(n.target) == "aten._log_softmax.default"]
+    (nll,) = [n for n in calls if str(n.target) == "aten.nll_loss_forward.default"]
+    _, _, weight, reduction, ignore_index = nll.args
+    if log_softmax.args[1] not in (1, -1) or weight is not None or reduction != 1:
+        return None
+    fused = ext.cross_entropy_grad
+
+    def loss_and_grad(out, target):
+        return fused(out, target, ignore_index)
+
+    return loss_and_grad
 
 
 class _NativeStep:
