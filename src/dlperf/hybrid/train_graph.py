@@ -21,16 +21,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import batch as batches
-from ..errors import DlperfError
-from .capture import ModuleState, _user_line
+from .capture import CaptureError, ModuleState, _user_line
 from .optim_update import trainable_parameters
 
 _HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                 "_state_dict_hooks")
 
 
-class TrainCaptureError(DlperfError, RuntimeError):
-    """The training step cannot be captured; the message says why (and where, when known)."""
+class TrainCaptureError(CaptureError):
+    """The training step cannot be captured; the message says why, ``line`` where (when known)."""
 
 
 @dataclass

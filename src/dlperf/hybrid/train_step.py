@@ -114,7 +114,9 @@ class TrainStep:
             if self._update is None:
                 self._update = functional_update(self.optimizer, self.module)
             joint = capture_joint(self.module, self.loss_fn, x, y)
-        except (TrainCaptureError, UnsupportedOptimizer) as exc:
+        except TrainCaptureError as exc:
+            return self._fall_back(str(exc), x, y, exc.line)
+        except UnsupportedOptimizer as exc:
             return self._fall_back(str(exc), x, y)
         runner = self._choose(joint, x, y)
         if self.capture_s is None:
@@ -123,10 +125,10 @@ class TrainStep:
         self.state = REPLAY
         return runner.step(x, y)
 
-    def _fall_back(self, reason: str, x, y) -> torch.Tensor:
+    def _fall_back(self, reason: str, x, y, line: str | None = None) -> torch.Tensor:
         self.state, self.fallback_reason, self._runners = EAGER, reason, {}
         warn_at_caller(f"cannot capture the training step of {type(self.module).__name__}: {reason}; "
-                       "running it eagerly", HybridizeWarning)
+                       "running it eagerly", HybridizeWarning, line)
         return self._eager(x, y)
 
     # --- choosing how to replay -----------------------------------------------------------
