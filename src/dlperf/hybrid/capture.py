@@ -82,7 +82,7 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
     # update of them runs once, for real, and is not in the graph: undo it and refuse the graph.
     state = ModuleState(module, parameters=False)
     try:
-        graph = tracer.trace(module, concrete_args=_varargs_placeholders(module, example_args))
+        graph = tracer.trace(module, concrete_args=_varargs_placeholders(module, example_args))  # type: ignore[arg-type]
     except Exception as exc:  # fx raises TraceError, TypeError, AttributeError... all mean "not a graph"
         raise CaptureError(_describe_trace_failure(exc), _user_line(exc.__traceback__)) from exc
     finally:
