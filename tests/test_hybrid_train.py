@@ -269,3 +269,32 @@ def test_unknown_backend_is_one_line():
 
     with pytest.raises(UsageError, match="backend 'fast'"):
         train_step(mlp(), F.cross_entropy, torch.optim.SGD(mlp().parameters(), lr=0.1), backend="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opt", ["sgd_momentum_wd", "adam_capturable"])
+def test_cuda_graph_step_matches_eager_and_follows_lr_changes(opt):
+    makers = {**OPTIMIZERS, "adam_capturable": lambda ps: torch.optim.Adam(ps, lr=1e-2, capturable=True)}
+    torch.manual_seed(12)
+    net = mlp().cuda()
+    ref = copy.deepcopy(net)
+    oe, oc = makers[opt](ref.parameters()), makers[opt](net.parameters())
+    eager = eager_step(ref, F.cross_entropy, oe)
+    captured = train_step(net, F.cross_entropy, oc, backend="cuda_graphs")
+    for i, (x, y) in enumerate(batches("mlp", 40, 12)):
+        if i == 20:  # a schedule's change re-records the graph
+            for group in (*oe.param_groups, *oc.param_groups):
+                group["lr"] *= 0.5
+        x, y = x.cuda(), y.cuda()
+        torch.testing.assert_close(captured(x, y), eager(x, y).detach(), rtol=RTOL, atol=ATOL)
+    assert set(captured.choices.values()) == {"cuda_graphs"}, repr(captured)
+    assert_same_state(ref, net, oe, oc)
+
+
+@pytest.mark.slow
+def test_compile_backend_matches_eager():
+    torch.manual_seed(13)
+    ref, net, oe, oc, step = run_both(mlp(), OPTIMIZERS["sgd_momentum_wd"], "mlp", steps=10, seed=13,
+                                      backend="compile")
+    assert set(step.choices.values()) == {"compile"}, repr(step)
+    assert_same_state(ref, net, oe, oc)

@@ -23,7 +23,8 @@ def prepare_runner(name: str, joint: JointGraph, update: OptimizerUpdate | None,
                    keep_grads: bool) -> tuple[StepRunner | None, str | None]:
     """A runner for backend ``name``, or ``(None, why not)``."""
     assert update is not None
-    prepare = {"graph": graph_runner, "native": _native, "cuda_graphs": cuda_graph_runner}[name]
+    prepare = {"graph": graph_runner, "native": _native, "cuda_graphs": cuda_graph_runner,
+               "compile": compiled_runner}[name]
     try:
         return prepare(joint, update, x, y, keep_grads), None
     except BackendUnsupported as exc:
@@ -56,6 +57,20 @@ def graph_runner(joint: JointGraph, update: OptimizerUpdate, x, y, keep_grads: b
         return loss
 
     step.detail = "joint forward+backward graph, no autograd"  # type: ignore[attr-defined]
+    return step
+
+
+def compiled_runner(joint: JointGraph, update: OptimizerUpdate, x, y, keep_grads: bool) -> StepRunner:
+    """The joint graph compiled by ``torch.compile`` (TorchInductor), then the functional update.
+
+    Compiling takes tens of seconds on a small CPU, paid in the first step; ``auto`` never tries it.
+    """
+    if not hasattr(torch, "compile"):
+        raise BackendUnsupported("this PyTorch has no torch.compile")
+    compiled = torch.compile(joint.graph_module, dynamic=False)
+    step = graph_runner(JointGraph(joint.module, joint.loss_fn, compiled, joint.params, joint.buffers,  # type: ignore[arg-type]
+                                   joint.input_spec, joint.output), update, x, y, keep_grads)
+    step.detail = "joint graph compiled by torch.compile (inductor)"  # type: ignore[attr-defined]
     return step
 
 

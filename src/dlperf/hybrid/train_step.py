@@ -51,7 +51,7 @@ from .train_graph import JointGraph, TrainCaptureError, capture_joint
 __all__ = ["TrainStep", "make_train_step", "train_step"]
 
 EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
-BACKENDS = ("auto", "graph", "native", "cuda_graphs", "eager")
+BACKENDS = ("auto", "graph", "native", "cuda_graphs", "compile", "eager")
 # Steps per candidate when ``auto`` times the training path: steps, not calls, are what it is judged on.
 AUTO_STEPS, AUTO_BUDGET_S = 20, 0.3
 
@@ -90,7 +90,10 @@ class TrainStep:
         self._eager = eager_step(self.module, loss_fn, optimizer)
         self._runners: dict[tuple, _Runner] = {}
         self._update: OptimizerUpdate | None = None
-        self.capture_s: float | None = None  # seconds the first capture (trace and prepare) took
+        # Seconds of the first signature: tracing and preparing the runners; and the whole first call,
+        # which adds auto's timing of the candidates (a few steps each) and the step itself.
+        self.capture_s: float | None = None
+        self.first_call_s: float | None = None
 
     # --- calling --------------------------------------------------------------------------
     def __call__(self, x, y) -> torch.Tensor:
@@ -118,12 +121,16 @@ class TrainStep:
             return self._fall_back(str(exc), x, y, exc.line)
         except UnsupportedOptimizer as exc:
             return self._fall_back(str(exc), x, y)
-        runner = self._choose(joint, x, y)
+        ready = self._candidates(joint, x, y)
         if self.capture_s is None:
             self.capture_s = time.perf_counter() - t0
+        runner = self._choose(ready, x, y)
         self._runners[key] = runner
         self.state = REPLAY
-        return runner.step(x, y)
+        loss = runner.step(x, y)
+        if self.first_call_s is None:
+            self.first_call_s = time.perf_counter() - t0
+        return loss
 
     def _fall_back(self, reason: str, x, y, line: str | None = None) -> torch.Tensor:
         self.state, self.fallback_reason, self._runners = EAGER, reason, {}
@@ -156,8 +163,7 @@ class TrainStep:
                 r.reason += "; skipped " + "; ".join(skipped)
         return ready
 
-    def _choose(self, joint: JointGraph, x, y) -> _Runner:
-        ready = self._candidates(joint, x, y)
+    def _choose(self, ready: list[_Runner], x, y) -> _Runner:
         if self.backend != "auto":
             return ready[0]
         ready.append(_Runner("eager", self._eager, "the eager step"))
@@ -202,8 +208,9 @@ def train_step(module: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opti
     Args:
         backend: ``native`` (C++ plan: forward, backward and a fused SGD update), ``graph`` (the joint ATen
             graph replayed without autograd), ``cuda_graphs`` (the graph step recorded as one CUDA graph),
-            ``eager``, or ``auto``, which times the applicable ones against the eager step and keeps the
-            fastest (``repr`` says which and by how much).
+            ``compile`` (the joint graph through ``torch.compile``; seconds to compile, never tried by
+            ``auto``), ``eager``, or ``auto``, which times the applicable ones against the eager step and
+            keeps the fastest (``repr`` says which and by how much).
         keep_grads: leave each step's gradients in ``.grad`` (eager does; skipping it saves a pass).
 
     >>> import torch
