@@ -298,3 +298,20 @@ def test_compile_backend_matches_eager():
                                       backend="compile")
     assert set(step.choices.values()) == {"compile"}, repr(step)
     assert_same_state(ref, net, oe, oc)
+
+
+def test_native_cross_entropy_honours_ignore_index_and_other_losses_trace():
+    torch.manual_seed(14)
+    g = torch.Generator().manual_seed(14)
+    for loss in (F.cross_entropy, lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1),
+                 lambda out, y: F.mse_loss(out, F.one_hot(y.clamp(min=0), 3).float())):
+        net = mlp()
+        ref = copy.deepcopy(net)
+        oe, oc = OPTIMIZERS["sgd_nesterov"](ref.parameters()), OPTIMIZERS["sgd_nesterov"](net.parameters())
+        eager, captured = eager_step(ref, loss, oe), train_step(net, loss, oc, backend="native")
+        for _ in range(10):
+            x, y = torch.randn(6, 12, generator=g), torch.randint(0, 3, (6,), generator=g)
+            y[::3] = -100  # ignored rows: no loss, no gradient
+            torch.testing.assert_close(captured(x, y), eager(x, y).detach(), rtol=RTOL, atol=ATOL)
+        assert set(captured.choices.values()) == {"native"}, repr(captured)
+        assert_same_state(ref, net, oe, oc)

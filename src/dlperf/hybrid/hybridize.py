@@ -27,9 +27,9 @@ or the module's structure. A forward that updates module state outside the graph
 (``self.calls += 1`` on a Python int or a buffer) runs eagerly, with a warning naming the
 attribute; in-place updates inside the graph (BatchNorm statistics, ``self.total.add_(x.sum())``)
 are replayed. Outputs may be tensors or any nesting of tuples, lists, dicts and namedtuples of
-them. Inference-only backends (``native``) serve only calls made under
-``torch.no_grad()``/``torch.inference_mode()``; with autograd recording, a backend that keeps
-gradients is used, so training through a hybridized module is exactly eager's.
+them. With autograd recording, every backend keeps gradients (the ``native`` plan as one autograd
+node whose backward is the plan's backward instructions), each checked against eager's gradients,
+so training through a hybridized module is eager's mathematics.
 
 >>> import torch
 >>> from dlperf.models import get_model

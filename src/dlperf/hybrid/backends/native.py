@@ -1,4 +1,8 @@
-"""Inference replay in one C++ call: the captured graph compiled into a plan of fused instructions.
+"""Replay in one C++ call: the captured graph compiled into a plan of fused instructions.
+
+Without autograd, a call is one ``run_plan``. With autograd recording, the plan's forward is one
+autograd node whose backward is the plan's backward instructions (:mod:`.native_train`), so training
+through a hybridized module skips autograd's per-operator bookkeeping too.
 
 The plan interpreter (:mod:`.native_src`) is compiled with the machine's C++ compiler on first
 use (a line on stderr says so, and how long it took) and cached under the user's cache directory,
@@ -247,7 +251,13 @@ def _prepare(captured: Captured, example_args: tuple) -> Runner:
     try:
         ext = load_extension()
     except RuntimeError as exc:
+        if torch.is_grad_enabled():
+            raise BackendUnsupported(str(exc)) from None
         return _PythonReplay(captured.graph_module, f"Python graph replay under no_grad ({exc})")
+    if torch.is_grad_enabled():  # training through the hybridized module: forward and backward in the plan
+        from .native_train import autograd_runner
+
+        return autograd_runner(ext, code, params, num_slots, output_slot, example_args)
     plan = NativePlan(ext, code, params, num_slots, output_slot)
     run = _NativeRun(ext.run_plan, plan.plan_id)
     run.plan = plan
@@ -256,5 +266,6 @@ def _prepare(captured: Captured, example_args: tuple) -> Runner:
 
 
 NATIVE = register_backend(Backend(
-    name="native", prepare=_prepare, supports_grad=False, devices=("cpu",), in_auto=True,
-    description="fused C++ plan replayed in one call (inference; Python fallback without a compiler)"))
+    name="native", prepare=_prepare, supports_grad=True, devices=("cpu",), in_auto=True,
+    description="fused C++ plan replayed in one call (with autograd: its backward instructions as one "
+                "autograd node; Python fallback without a compiler)"))

@@ -155,3 +155,63 @@ class _NativeStep:
                 for p, g in zip(self.params, grads):
                     p.grad = g
         return loss
+
+
+class _PlanFunction(torch.autograd.Function):
+    """A hybridized module's forward and backward as two calls into one training plan."""
+
+    @staticmethod
+    def forward(ctx, runner: NativeAutogradRunner, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        out, ctx.generation = runner.forward(x)
+        ctx.runner = runner
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        return (None, None, *ctx.runner.backward(x, ctx.generation, grad_out))
+
+
+class NativeAutogradRunner:
+    """``run(x)`` with autograd recording: the plan's forward, and its backward instructions as the backward.
+
+    The plan keeps one set of activations; a backward whose forward has been overwritten by a later call
+    (two forwards, then two backwards) recomputes its forward from the saved input first.
+    """
+
+    def __init__(self, ext, code, params, num_slots, out_slot):
+        self.plan_id = ext.make_train_plan(code, params, num_slots, out_slot)
+        weakref.finalize(self, ext.free_train_plan, self.plan_id)
+        self._forward, self._backward = ext.train_forward, ext.train_backward
+        self.params = params
+        self.generation = 0
+        self.detail = f"C++ plan of {len(code) // 6} instructions, forward and backward (autograd sees one node)"
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        self.generation += 1
+        # A copy: the plan's buffers are reused by the next call, the caller keeps this output.
+        return self._forward(self.plan_id, x).clone(), self.generation
+
+    def backward(self, x: torch.Tensor, generation: int, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        if generation != self.generation:
+            self._forward(self.plan_id, x)
+        grads = [torch.empty_like(p) for p in self.params]
+        self._backward(self.plan_id, grad_out.contiguous(), grads, [], [], MODE_GRADS)
+        self.generation += 1  # the backward released the input: a second backward recomputes
+        return grads
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _PlanFunction.apply(self, x, *self.params)
+
+
+def autograd_runner(ext, code, params, num_slots, out_slot, example_args: tuple) -> NativeAutogradRunner:
+    """The native backend's runner for calls that record autograd (training through a hybridized module)."""
+    (x,) = example_args
+    if x.requires_grad:
+        raise BackendUnsupported("the native plan computes no gradient for the input")
+    if not all(p.requires_grad for p in params):
+        raise BackendUnsupported("the native plan differentiates every weight; some are frozen")
+    if not all(p.dtype == torch.float32 and p.is_contiguous() for p in params):
+        raise BackendUnsupported("the native plan differentiates contiguous float32 weights only")
+    return NativeAutogradRunner(ext, code, params, num_slots, out_slot)
