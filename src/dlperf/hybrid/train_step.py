@@ -178,8 +178,10 @@ class TrainStep:
         saved = ModuleState(self.module)
         opt_state = _snapshot_optimizer(self.optimizer)
         try:
+            on_gpu = any(p.is_cuda for p in self.module.parameters())
             timing = time_steps(lambda: runner.step(x, y), warmup=1, steps=AUTO_STEPS, min_steps=3,
-                                max_seconds=AUTO_BUDGET_S)
+                                max_seconds=AUTO_BUDGET_S,
+                                synchronize=torch.cuda.synchronize if on_gpu else _no_sync)
         finally:
             saved.restore()
             _restore_optimizer(self.optimizer, opt_state)
@@ -235,6 +237,10 @@ def make_train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.
             saved.restore()
             _restore_optimizer(optimizer, opt_state)
     return step
+
+
+def _no_sync() -> None:
+    return None
 
 
 def _signature(x, y, training: bool) -> tuple | None:
