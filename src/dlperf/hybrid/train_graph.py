@@ -24,8 +24,7 @@ from .. import batch as batches
 from .capture import CaptureError, ModuleState, _user_line
 from .optim_update import trainable_parameters
 
-_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                "_state_dict_hooks")
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 class TrainCaptureError(CaptureError):
@@ -121,7 +120,7 @@ def _hooks(module: nn.Module) -> str:
     from torch.nn.modules import module as base
 
     found = [f"{name or type(module).__name__}.{table}" for name, sub in module.named_modules()
-             for table in _HOOK_TABLES[:4] if getattr(sub, table, None)]
+             for table in _HOOK_TABLES if getattr(sub, table, None)]
     found += [f"{name}.register_hook" for name, p in module.named_parameters()
               if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)]
     if base._global_forward_hooks or base._global_forward_pre_hooks or base._global_backward_hooks:
