@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -291,13 +293,30 @@ def test_cuda_graph_step_matches_eager_and_follows_lr_changes(opt):
     assert_same_state(ref, net, oe, oc)
 
 
+COMPILE_SCRIPT = """
+import copy, torch
+from torch.nn import functional as F
+from dlperf.hybrid import train_step
+from dlperf.steps import eager_step
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+ref = copy.deepcopy(net)
+oe = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+oc = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+eager, captured = eager_step(ref, F.cross_entropy, oe), train_step(net, F.cross_entropy, oc, backend="compile")
+for _ in range(10):
+    x, y = torch.randn(5, 12), torch.randint(0, 3, (5,))
+    torch.testing.assert_close(captured(x, y), eager(x, y).detach(), rtol=1e-4, atol=1e-5)
+for p, q in zip(net.parameters(), ref.parameters()):
+    torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+assert set(captured.choices.values()) == {"compile"}, repr(captured)
+"""
+
+
 @pytest.mark.slow
 def test_compile_backend_matches_eager():
-    torch.manual_seed(13)
-    ref, net, oe, oc, step = run_both(mlp(), OPTIMIZERS["sgd_momentum_wd"], "mlp", steps=10, seed=13,
-                                      backend="compile")
-    assert set(step.choices.values()) == {"compile"}, repr(step)
-    assert_same_state(ref, net, oe, oc)
+    # In a child process: inductor keeps a compile thread pool alive for the life of the process.
+    subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], check=True, timeout=600)
 
 
 def test_native_cross_entropy_honours_ignore_index_and_other_losses_trace():
