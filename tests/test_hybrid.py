@@ -262,7 +262,7 @@ def test_unknown_backend_lists_choices():
         hybridize(nn.Linear(2, 2), backend="tvm")
 
 
-def test_non_tensor_and_keyword_inputs_run_eagerly_with_warning():
+def test_keyword_inputs_run_eagerly_with_warning_and_plain_values_are_captured():
     class Scale(nn.Module):
         def forward(self, x, k=2.0):
             return x * k
@@ -270,8 +270,12 @@ def test_non_tensor_and_keyword_inputs_run_eagerly_with_warning():
     net = hybridize(Scale(), backend="graph")
     with pytest.warns(HybridizeWarning, match="keyword"):
         assert torch.equal(net(torch.ones(2), k=3.0), torch.full((2,), 3.0))
-    with pytest.warns(HybridizeWarning, match="only tensor inputs"):
+    # A plain value beside the tensors is part of the input structure: each value gets its own graph.
+    with torch.no_grad():
         assert torch.equal(net(torch.ones(2), 4.0), torch.full((2,), 4.0))
+        assert torch.equal(net(torch.ones(2), 5.0), torch.full((2,), 5.0))
+        assert torch.equal(net(torch.ones(2), 4.0), torch.full((2,), 4.0))
+    assert len(net.choices) == 2 and "inputs tuple(float32[2], float)" in repr(net), repr(net)
 
 
 def test_state_dict_is_the_wrapped_modules():

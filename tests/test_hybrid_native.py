@@ -22,7 +22,7 @@ from torch import nn
 
 from _toolchain import built_or_skip, cxx_toolchain
 from dlperf import _buildcache as native_cache
-from dlperf.hybrid import hybridize
+from dlperf.hybrid import HybridizeWarning, hybridize
 from dlperf.hybrid.backends import BackendUnsupported, native
 from dlperf.hybrid.capture import capture
 
@@ -98,13 +98,23 @@ def test_parameter_updates_are_visible_to_the_plan():
         torch.testing.assert_close(net(x), model(x))
 
 
-def test_grad_mode_never_uses_the_inference_plan():
-    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
-    net = hybridize(copy.deepcopy(model), candidates=["native", "graph"])
-    out = net(torch.randn(2, 8))
-    assert out.grad_fn is not None
+def test_grad_mode_runs_the_plans_backward_as_one_autograd_node():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3))
+    ref = copy.deepcopy(model)
+    net = hybridize(model, backend="native")
+    xs = [torch.randn(2, 8), torch.randn(2, 8)]
+    outs = [net(x) for x in xs]  # two forwards, then two backwards: the first one recomputes its forward
+    assert all("PlanFunction" in type(o.grad_fn).__name__ for o in outs), outs[0].grad_fn
+    for out, x, w in zip(reversed(outs), reversed(xs), (1.0, 2.0)):
+        (out * w).sum().backward()
+        (ref(x) * w).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
     (choice,) = net.choices.values()
-    assert choice.backend == "graph" and "inference only" in choice.reason
+    assert choice.backend == "native" and "backward" in choice.reason, choice.reason
+    with pytest.warns(HybridizeWarning, match="no gradient for the input"):
+        net(torch.randn(2, 8, requires_grad=True))
 
 
 def test_unsupported_graph_is_refused_and_auto_moves_on():

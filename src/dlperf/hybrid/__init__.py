@@ -14,7 +14,8 @@ from .backends import backend_names, get_backend, register_backend
 from .capture import CaptureError
 from .export import FORMAT_VERSION, ExportedModule, ExportFormatError, export, load, load_pt2
 from .hybridize import HybridizeWarning, HybridModule, hybridize
+from .train_step import TrainStep, make_train_step, train_step
 
 __all__ = ["FORMAT_VERSION", "CaptureError", "ExportFormatError", "ExportedModule", "HybridModule",
-           "HybridizeWarning", "backend_names", "export", "get_backend", "hybridize", "load", "load_pt2",
-           "register_backend"]
+           "HybridizeWarning", "TrainStep", "backend_names", "export", "get_backend", "hybridize", "load", "load_pt2",
+           "make_train_step", "register_backend", "train_step"]

@@ -30,6 +30,7 @@ Dropout, LSTM and unknown layers stay module calls and keep reading their mode a
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import os
 import traceback
@@ -81,7 +82,7 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
     # update of them runs once, for real, and is not in the graph: undo it and refuse the graph.
     state = ModuleState(module, parameters=False)
     try:
-        graph = tracer.trace(module)
+        graph = tracer.trace(module, concrete_args=_varargs_placeholders(module, example_args))  # type: ignore[arg-type]
     except Exception as exc:  # fx raises TraceError, TypeError, AttributeError... all mean "not a graph"
         raise CaptureError(_describe_trace_failure(exc), _user_line(exc.__traceback__)) from exc
     finally:
@@ -99,6 +100,17 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
     _reject_escaping_values(gm)
     _lower_leaf_modules(gm)
     return Captured(module, gm, len(example_args))
+
+
+def _varargs_placeholders(module: nn.Module, example_args: tuple) -> tuple | None:
+    """For ``forward(self, *args)``: one placeholder per example input (fx would make one for ``*args``)."""
+    code = type(module).forward.__code__
+    if code.co_argcount == 1 and code.co_kwonlyargcount == 0 and code.co_flags & inspect.CO_VARARGS \
+            and example_args:
+        from torch.fx._symbolic_trace import PH
+
+        return tuple(PH for _ in example_args)
+    return None
 
 
 def _describe_trace_failure(exc: Exception) -> str:

@@ -27,9 +27,9 @@ or the module's structure. A forward that updates module state outside the graph
 (``self.calls += 1`` on a Python int or a buffer) runs eagerly, with a warning naming the
 attribute; in-place updates inside the graph (BatchNorm statistics, ``self.total.add_(x.sum())``)
 are replayed. Outputs may be tensors or any nesting of tuples, lists, dicts and namedtuples of
-them. Inference-only backends (``native``) serve only calls made under
-``torch.no_grad()``/``torch.inference_mode()``; with autograd recording, a backend that keeps
-gradients is used, so training through a hybridized module is exactly eager's.
+them. With autograd recording, every backend keeps gradients (the ``native`` plan as one autograd
+node whose backward is the plan's backward instructions), each checked against eager's gradients,
+so training through a hybridized module is eager's mathematics.
 
 >>> import torch
 >>> from dlperf.models import get_model
@@ -44,18 +44,19 @@ gradients is used, so training through a hybridized module is exactly eager's.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from ..batch import describe, tensors_of
 from ..engine.array import Array, call_module
 from ..errors import UsageError
 from ..timing import time_steps
+from ._warn import warn_at_caller
 from .backends.registry import Backend, BackendUnsupported, get_backend
 from .capture import Captured, CaptureError, ModuleState, capture
 
@@ -135,6 +136,8 @@ class HybridModule(nn.Module):
         self._runs: dict[tuple, Callable] = {}  # signature -> runner, the hot path's view of _choices
         self._fallback_reason: str | None = None
         self._warned_full = False
+        # Calls with tuples/lists/dicts of tensors: one flat-input hybrid per structure (see _structured_call).
+        self._structured: dict[tuple, HybridModule] = {}
 
     # --- state machine --------------------------------------------------------------------
     @property
@@ -144,18 +147,21 @@ class HybridModule(nn.Module):
 
     @property
     def choices(self) -> dict[tuple, Choice]:
-        """Signature -> the backend serving it and the reason."""
-        return dict(self._choices)
+        """Signature -> the backend serving it and the reason (structured inputs: their flat tensors)."""
+        merged = dict(self._choices)
+        for structure, sub in self._structured.items():
+            merged.update({(structure, *key): choice for key, choice in sub._choices.items()})
+        return merged
 
     def reset(self) -> HybridModule:
         """Forget the captured graph and runners; the next call captures again."""
         self._state, self._captured, self._choices, self._runs = CAPTURE, None, {}, {}
-        self._fallback_reason, self._warned_full = None, False
+        self._fallback_reason, self._warned_full, self._structured = None, False, {}
         return self
 
     def eager(self) -> HybridModule:
         """Switch hybridization off: calls run the original module."""
-        self._state, self._choices, self._runs = EAGER, {}, {}
+        self._state, self._choices, self._runs, self._structured = EAGER, {}, {}, {}
         self._fallback_reason = "switched off by eager()"
         return self
 
@@ -176,7 +182,7 @@ class HybridModule(nn.Module):
             if self.strict:
                 raise
             self._state, self._fallback_reason = EAGER, str(exc)
-            self._warn(f"cannot hybridize {type(self.module).__name__}: {exc}; running eagerly")
+            self._warn(f"cannot hybridize {type(self.module).__name__}: {exc}; running eagerly", exc.line)
             return False
         self._state = REPLAY
         return True
@@ -218,6 +224,8 @@ class HybridModule(nn.Module):
             return call_module(self, args)
         if self._state is EAGER:
             return self.module(*args, **kwargs)
+        if not kwargs and args and not all(isinstance(a, torch.Tensor) for a in args) and tensors_of(args):
+            return self._structured_call(args)
         why_not = _uncapturable_call(args, kwargs)
         if why_not:
             self._warn(f"{why_not}; this call runs eagerly")
@@ -250,6 +258,30 @@ class HybridModule(nn.Module):
         self._runs[key] = choice.run
         log.info("dlperf.hybrid: %s for %s: %s", choice.backend, _format_signature(key), choice.reason)
         return output
+
+    def _structured_call(self, args: tuple):
+        """A call whose inputs are tuples, lists or dicts of tensors (and plain values).
+
+        The tensors are passed flat to a hybrid of :class:`_FlatInputs`, which rebuilds the structure and
+        calls the module: capture, checks and backends all see plain tensors. Plain values (a string, a
+        flag) are part of the structure, so a new value is a new graph, as a new shape is.
+        """
+        leaves, spec = tree_flatten(args)
+        constants = tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor))
+        try:
+            key = (spec, constants)
+            hash(key)
+        except TypeError:
+            self._warn(f"inputs {describe(args)} hold an unhashable plain value; this call runs eagerly")
+            return self.module(*args)
+        sub = self._structured.get(key)
+        if sub is None:
+            if len(self._structured) >= self.max_signatures:
+                return self.module(*args)
+            sub = HybridModule(_FlatInputs(self.module, spec, leaves), self.backend, strict=self.strict,
+                               max_signatures=self.max_signatures, candidates=self.candidates)
+            self._structured[key] = sub
+        return sub(*[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)])
 
     # --- choosing a runner for a new signature --------------------------------------------
     def _prepare(self, args: tuple) -> tuple[Choice, object]:
@@ -384,8 +416,9 @@ class HybridModule(nn.Module):
             state.restore()
         return timing.median_s
 
-    def _warn(self, message: str) -> None:
-        warnings.warn(message, HybridizeWarning, stacklevel=4)
+    def _warn(self, message: str, line: str | None = None) -> None:
+        # At the user's offending line when capture found one, else at the user's call: never in dlperf.
+        warn_at_caller(message, HybridizeWarning, line)
 
     # --- plumbing --------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
@@ -403,7 +436,33 @@ class HybridModule(nn.Module):
             lines.append(f"eager because: {self._fallback_reason}")
         for key, choice in self._choices.items():
             lines.append(f"{_format_signature(key)} -> {choice.backend}: {choice.reason}")
+        for (_, constants), sub in self._structured.items():
+            flat = cast(_FlatInputs, sub.module)
+            values = f" with {', '.join(f'#{i}={v!r}' for i, v in constants)}" if constants else ""
+            lines.append(f"inputs {flat.structure}{values}: state={sub.state!r}")
+            if sub._fallback_reason:
+                lines.append(f"  eager because: {sub._fallback_reason}")
+            lines += [f"  {_format_signature(k)} -> {c.backend}: {c.reason}" for k, c in sub._choices.items()]
         return "\n".join(lines)
+
+
+class _FlatInputs(nn.Module):
+    """``module`` called on a structure rebuilt from flat tensors: what a graph of structured inputs captures."""
+
+    def __init__(self, module: nn.Module, spec, example_leaves: list):
+        super().__init__()
+        self.module = module
+        self._spec = spec
+        self.structure = describe(tree_unflatten(example_leaves, spec))
+        self._tensor_at = [i for i, leaf in enumerate(example_leaves) if isinstance(leaf, torch.Tensor)]
+        # Plain values stay; tensor places are filled on each call (no example tensor is kept alive).
+        self._leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in example_leaves]
+
+    def forward(self, *tensors):
+        leaves = list(self._leaves)
+        for i, t in zip(self._tensor_at, tensors):
+            leaves[i] = t
+        return self.module(*tree_unflatten(leaves, self._spec))
 
 
 def hybridize(module: nn.Module, backend: str = "auto", *, strict: bool = False,

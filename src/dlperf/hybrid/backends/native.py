@@ -1,4 +1,8 @@
-"""Inference replay in one C++ call: the captured graph compiled into a plan of fused instructions.
+"""Replay in one C++ call: the captured graph compiled into a plan of fused instructions.
+
+Without autograd, a call is one ``run_plan``. With autograd recording, the plan's forward is one
+autograd node whose backward is the plan's backward instructions (:mod:`.native_train`), so training
+through a hybridized module skips autograd's per-operator bookkeeping too.
 
 The plan interpreter (:mod:`.native_src`) is compiled with the machine's C++ compiler on first
 use (a line on stderr says so, and how long it took) and cached under the user's cache directory,
@@ -26,6 +30,7 @@ import platform
 import sys
 import sysconfig
 import threading
+import weakref
 
 import torch
 from torch import fx
@@ -34,6 +39,7 @@ from torch.nn import functional as F
 from ... import _buildcache
 from ..capture import Captured
 from . import native_src as src
+from .native_train_src import MODE_GRADS
 from .registry import Backend, BackendUnsupported, Runner, register_backend
 
 log = logging.getLogger("dlperf.hybrid")
@@ -247,7 +253,11 @@ def _prepare(captured: Captured, example_args: tuple) -> Runner:
     try:
         ext = load_extension()
     except RuntimeError as exc:
+        if torch.is_grad_enabled():
+            raise BackendUnsupported(str(exc)) from None
         return _PythonReplay(captured.graph_module, f"Python graph replay under no_grad ({exc})")
+    if torch.is_grad_enabled():  # training through the hybridized module: forward and backward in the plan
+        return autograd_runner(ext, code, params, num_slots, output_slot, example_args)
     plan = NativePlan(ext, code, params, num_slots, output_slot)
     run = _NativeRun(ext.run_plan, plan.plan_id)
     run.plan = plan
@@ -255,6 +265,67 @@ def _prepare(captured: Captured, example_args: tuple) -> Runner:
     return run
 
 
+class _PlanFunction(torch.autograd.Function):
+    """A hybridized module's forward and backward as two calls into one training plan."""
+
+    @staticmethod
+    def forward(ctx, runner: NativeAutogradRunner, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        out, ctx.generation = runner.forward(x)
+        ctx.runner = runner
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        return (None, None, *ctx.runner.backward(x, ctx.generation, grad_out))
+
+
+class NativeAutogradRunner:
+    """``run(x)`` with autograd recording: the plan's forward, and its backward instructions as the backward.
+
+    The plan keeps one set of activations; a backward whose forward has been overwritten by a later call
+    (two forwards, then two backwards) recomputes its forward from the saved input first.
+    """
+
+    def __init__(self, ext, code, params, num_slots, out_slot):
+        self.plan_id = ext.make_train_plan(code, params, num_slots, out_slot)
+        weakref.finalize(self, ext.free_train_plan, self.plan_id)
+        self._forward, self._backward = ext.train_forward, ext.train_backward
+        self.params = params
+        self.generation = 0
+        self.detail = f"C++ plan of {len(code) // 6} instructions, forward and backward (autograd sees one node)"
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        self.generation += 1
+        # A copy: the plan's buffers are reused by the next call, the caller keeps this output.
+        return self._forward(self.plan_id, x).clone(), self.generation
+
+    def backward(self, x: torch.Tensor, generation: int, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        if generation != self.generation:
+            self._forward(self.plan_id, x)
+        grads = [torch.empty_like(p) for p in self.params]
+        self._backward(self.plan_id, grad_out.contiguous(), grads, [], [], MODE_GRADS)
+        self.generation += 1  # the backward released the input: a second backward recomputes
+        return grads
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _PlanFunction.apply(self, x, *self.params)
+
+
+def autograd_runner(ext, code, params, num_slots, out_slot, example_args: tuple) -> NativeAutogradRunner:
+    """The native backend's runner for calls that record autograd (training through a hybridized module)."""
+    (x,) = example_args
+    if x.requires_grad:
+        raise BackendUnsupported("the native plan computes no gradient for the input")
+    if not all(p.requires_grad for p in params):
+        raise BackendUnsupported("the native plan differentiates every weight; some are frozen")
+    if not all(p.dtype == torch.float32 and p.is_contiguous() for p in params):
+        raise BackendUnsupported("the native plan differentiates contiguous float32 weights only")
+    return NativeAutogradRunner(ext, code, params, num_slots, out_slot)
+
+
 NATIVE = register_backend(Backend(
-    name="native", prepare=_prepare, supports_grad=False, devices=("cpu",), in_auto=True,
-    description="fused C++ plan replayed in one call (inference; Python fallback without a compiler)"))
+    name="native", prepare=_prepare, supports_grad=True, devices=("cpu",), in_auto=True,
+    description="fused C++ plan replayed in one call (with autograd: its backward instructions as one "
+                "autograd node; Python fallback without a compiler)"))

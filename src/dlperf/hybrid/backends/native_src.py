@@ -14,6 +14,8 @@ kept from earlier calls are never overwritten.
 
 from __future__ import annotations
 
+from . import native_train_src as train_src
+
 # Instruction opcodes; keep in sync with the switch in ``run_plan``.
 OP_LINEAR = 0  # a=input slot, b=output slot, c=weight index, d=bias index (-1: none), e=activation
 OP_ACT = 1  # a=input, b=output, e=activation
@@ -180,6 +182,9 @@ at::Tensor run_plan(int64_t id, at::Tensor input) {
   }
   return out;
 }
-""".replace("SMALL_ROWS_PLACEHOLDER", str(SMALL_ROWS))
+"""
 
-FUNCTIONS = ["make_plan", "free_plan", "run_plan"]
+# One library for inference and training plans: the training half reuses the plan and its kernels.
+SOURCE = (SOURCE + train_src.SOURCE).replace("SMALL_ROWS_PLACEHOLDER", str(SMALL_ROWS))
+
+FUNCTIONS = ["make_plan", "free_plan", "run_plan", *train_src.FUNCTIONS]

@@ -1,0 +1,290 @@
+"""``train_step(module, loss_fn, optimizer)``: a whole training step captured once, replayed without autograd.
+
+d2l 12.1's hybridized Gluon block trains from one static graph; this is that for PyTorch. The first call
+traces forward, loss and backward into one *joint* graph of ATen operations with PyTorch's own tracer
+(``make_fx`` over ``torch.func.functional_call`` and ``torch.autograd.grad``, on fake tensors: nothing runs
+and no state changes while tracing). Later calls replay that graph under ``no_grad`` -- no autograd tape,
+no ``nn.Module.__call__`` -- and hand the gradients to a functional optimizer update (SGD with momentum,
+weight decay, dampening and Nesterov; Adam and AdamW, AMSGrad included) that keeps its state in the
+optimizer's own ``state``, so ``optimizer.state_dict()`` and a later eager ``optimizer.step()`` see the
+same tensors. Hyperparameters are read from ``param_groups`` on every step, so learning-rate schedulers
+take effect. Where the native plan interpreter can run the model (linear layers, activations, add, mul,
+flatten) it runs forward, backward and a fused SGD update in C++ with buffers planned once
+(:mod:`.train_native`); the loss and its gradient stay in the joint graph.
+
+The mathematics is eager's: BatchNorm running statistics and ``num_batches_tracked`` update in place in the
+graph, dropout draws from the global generator in eager's order, and ``keep_grads=True`` leaves each
+gradient in ``.grad`` as ``zero_grad(set_to_none=True); backward()`` would. What a graph cannot replay --
+data-dependent Python control flow, in-place changes to the inputs, hooks, state updated in Python,
+optimizers or options without a functional update -- runs the plain eager step instead, with the reason in
+``repr`` and one warning at the caller's line.
+
+>>> import torch
+>>> from torch import nn
+>>> net = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+>>> opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+>>> step = train_step(net, nn.functional.cross_entropy, opt)
+>>> loss = step(torch.randn(16, 8), torch.randint(0, 2, (16,)))
+>>> step.state
+'replay'
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .. import batch as batches
+from ..steps import StepFn, eager_step
+from ..timing import time_steps
+from ._warn import warn_at_caller
+from .capture import ModuleState
+from .hybridize import HybridizeWarning, HybridModule
+from .optim_update import OptimizerUpdate, UnsupportedOptimizer, functional_update
+from .train_graph import JointGraph, TrainCaptureError, capture_joint
+
+__all__ = ["TrainStep", "make_train_step", "train_step"]
+
+EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
+BACKENDS = ("auto", "graph", "native", "cuda_graphs", "compile", "eager")
+# Steps per candidate when ``auto`` times the training path: steps, not calls, are what it is judged on.
+AUTO_STEPS, AUTO_BUDGET_S = 20, 0.3
+
+
+@dataclass
+class _Runner:
+    """How one input signature is stepped, and why (shown by ``repr``)."""
+
+    backend: str
+    step: Callable[..., torch.Tensor]
+    reason: str
+
+
+class TrainStep:
+    """A captured training step; call it as ``step(x, y) -> loss``. See the module docstring.
+
+    States: ``capture`` (the next call traces), ``replay`` and ``eager`` (for good, ``fallback_reason`` says
+    why). Each input signature (structure, shapes, dtypes, devices, ``module.training``) gets its own graph.
+    """
+
+    def __init__(self, module: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, *,
+                 backend: str = "auto", keep_grads: bool = False, max_signatures: int = 8):
+        if backend not in BACKENDS:
+            from ..errors import UsageError
+
+            raise UsageError(f"train_step backend {backend!r} is not one of {', '.join(BACKENDS)}; "
+                             "pick one of those (auto times the applicable ones)")
+        self.module = module.module if isinstance(module, HybridModule) else module
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.backend = backend
+        self.keep_grads = keep_grads
+        self.max_signatures = max_signatures
+        self.state = CAPTURE
+        self.fallback_reason: str | None = None
+        self._eager = eager_step(self.module, loss_fn, optimizer)
+        self._runners: dict[tuple, _Runner] = {}
+        self._update: OptimizerUpdate | None = None
+        # Seconds of the first signature: tracing and preparing the runners; and the whole first call,
+        # which adds auto's timing of the candidates (a few steps each) and the step itself.
+        self.capture_s: float | None = None
+        self.first_call_s: float | None = None
+
+    # --- calling --------------------------------------------------------------------------
+    def __call__(self, x, y) -> torch.Tensor:
+        if self.state is REPLAY:
+            key = _signature(x, y, self.module.training)
+            runner = self._runners.get(key) if key is not None else None
+            if runner is not None:
+                return runner.step(x, y)
+        return self._slow_call(x, y)
+
+    def _slow_call(self, x, y) -> torch.Tensor:
+        if self.state is EAGER:
+            return self._eager(x, y)
+        key = _signature(x, y, self.module.training)
+        if key is None:
+            return self._fall_back(f"inputs {batches.describe(x)} / {batches.describe(y)} hold no tensor", x, y)
+        if len(self._runners) >= self.max_signatures:
+            return self._eager(x, y)
+        t0 = time.perf_counter()
+        try:
+            if self._update is None:
+                self._update = functional_update(self.optimizer, self.module)
+            joint = capture_joint(self.module, self.loss_fn, x, y)
+        except TrainCaptureError as exc:
+            return self._fall_back(str(exc), x, y, exc.line)
+        except UnsupportedOptimizer as exc:
+            return self._fall_back(str(exc), x, y)
+        ready = self._candidates(joint, x, y)
+        if self.capture_s is None:
+            self.capture_s = time.perf_counter() - t0
+        runner = self._choose(ready, x, y)
+        self._runners[key] = runner
+        self.state = REPLAY
+        loss = runner.step(x, y)
+        if self.first_call_s is None:
+            self.first_call_s = time.perf_counter() - t0
+        return loss
+
+    def _fall_back(self, reason: str, x, y, line: str | None = None) -> torch.Tensor:
+        self.state, self.fallback_reason, self._runners = EAGER, reason, {}
+        warn_at_caller(f"cannot capture the training step of {type(self.module).__name__}: {reason}; "
+                       "running it eagerly", HybridizeWarning, line)
+        return self._eager(x, y)
+
+    # --- choosing how to replay -----------------------------------------------------------
+    def _candidates(self, joint: JointGraph, x, y) -> list[_Runner]:
+        from .train_replay import prepare_runner
+
+        names = [self.backend] if self.backend != "auto" else ["native", "graph", "cuda_graphs"]
+        ready, skipped = [], []
+        for name in names:
+            if name == "eager":
+                ready.append(_Runner("eager", self._eager, "requested"))
+                continue
+            step, why_not = prepare_runner(name, joint, self._update, x, y, keep_grads=self.keep_grads)
+            if step is None:
+                skipped.append(f"{name}: {why_not}")
+                if self.backend != "auto":
+                    warn_at_caller(f"train_step backend {name!r} cannot serve this step ({why_not}); "
+                                   "running eagerly", HybridizeWarning)
+            else:
+                ready.append(_Runner(name, step, getattr(step, "detail", name)))
+        if not ready:
+            ready.append(_Runner("eager", self._eager, "no backend could serve: " + "; ".join(skipped)))
+        elif skipped:
+            for r in ready:
+                r.reason += "; skipped " + "; ".join(skipped)
+        return ready
+
+    def _choose(self, ready: list[_Runner], x, y) -> _Runner:
+        if self.backend != "auto":
+            return ready[0]
+        ready.append(_Runner("eager", self._eager, "the eager step"))
+        timed = sorted(((self._time(r, x, y), r) for r in ready), key=lambda t: t[0])
+        best_s, best = timed[0]
+        others = ", ".join(f"{r.backend} {s * 1e6:.0f} us" for s, r in timed[1:])
+        best.reason = f"fastest step: {best_s * 1e6:.0f} us vs {others} ({best.reason})"
+        return best
+
+    def _time(self, runner: _Runner, x, y) -> float:
+        """Median seconds per step of ``runner``; the steps are undone (weights, buffers, optimizer, RNG)."""
+        saved = ModuleState(self.module)
+        opt_state = _snapshot_optimizer(self.optimizer)
+        try:
+            on_gpu = any(p.is_cuda for p in self.module.parameters())
+            timing = time_steps(lambda: runner.step(x, y), warmup=1, steps=AUTO_STEPS, min_steps=3,
+                                max_seconds=AUTO_BUDGET_S,
+                                synchronize=torch.cuda.synchronize if on_gpu else _no_sync)
+        finally:
+            saved.restore()
+            _restore_optimizer(self.optimizer, opt_state)
+        return timing.median_s
+
+    # --- reports --------------------------------------------------------------------------
+    @property
+    def choices(self) -> dict[tuple, str]:
+        """Signature -> backend stepping it."""
+        return {k: r.backend for k, r in self._runners.items()}
+
+    def __repr__(self) -> str:
+        lines = [f"TrainStep({type(self.module).__name__}, {type(self.optimizer).__name__}, "
+                 f"backend={self.backend!r}, state={self.state!r})"]
+        if self.fallback_reason:
+            lines.append(f"  eager because: {self.fallback_reason}")
+        for key, runner in self._runners.items():
+            lines.append(f"  {_describe_key(key)} -> {runner.backend}: {runner.reason}")
+        return "\n".join(lines)
+
+
+def train_step(module: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, *,
+               backend: str = "auto", keep_grads: bool = False) -> TrainStep:
+    """A training step (forward, loss, backward, optimizer update) captured on its first call.
+
+    Args:
+        backend: ``native`` (C++ plan: forward, backward and a fused SGD update), ``graph`` (the joint ATen
+            graph replayed without autograd), ``cuda_graphs`` (the graph step recorded as one CUDA graph),
+            ``compile`` (the joint graph through ``torch.compile``; seconds to compile, never tried by
+            ``auto``), ``eager``, or ``auto``, which times the applicable ones against the eager step and
+            keeps the fastest (``repr`` says which and by how much).
+        keep_grads: leave each step's gradients in ``.grad`` (eager does; skipping it saves a pass).
+
+    >>> import torch
+    >>> net = torch.nn.Linear(4, 2)
+    >>> step = train_step(net, torch.nn.functional.mse_loss, torch.optim.Adam(net.parameters()))
+    >>> float(step(torch.randn(8, 4), torch.randn(8, 2))) >= 0
+    True
+    """
+    return TrainStep(module, loss_fn, optimizer, backend=backend, keep_grads=keep_grads)
+
+
+def make_train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, example_x=None,
+                    example_y=None, *, backend: str = "auto") -> StepFn:
+    """:data:`dlperf.steps.MakeStep` for the captured step: captured now when an example batch is given."""
+    step = TrainStep(model, loss_fn, optimizer, backend=backend)
+    if example_x is not None and example_y is not None:
+        saved = ModuleState(step.module)
+        opt_state = _snapshot_optimizer(optimizer)
+        try:
+            step(example_x, example_y)  # capture and choose now, not in the first timed step
+        finally:
+            saved.restore()
+            _restore_optimizer(optimizer, opt_state)
+    return step
+
+
+def _no_sync() -> None:
+    return None
+
+
+def _signature(x, y, training: bool) -> tuple | None:
+    leaves, spec = tree_flatten((x, y))
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((leaf.shape, leaf.dtype, leaf.device))
+        else:
+            parts.append(leaf)
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return None
+    return (spec, *parts, training)
+
+
+def _describe_key(key: tuple) -> str:
+    parts = [f"{str(p[1]).removeprefix('torch.')}{list(p[0])}" for p in key[1:-1] if isinstance(p, tuple)]
+    return f"({', '.join(parts)}; {'train' if key[-1] else 'eval'})"
+
+
+def _snapshot_optimizer(opt: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+    state = {p: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+             for p, s in opt.state.items()}
+    return state, [dict(g) for g in opt.param_groups]
+
+
+def _restore_optimizer(opt: torch.optim.Optimizer, saved: tuple[dict, list[dict]]) -> None:
+    state, groups = saved
+    with torch.no_grad():
+        for p in list(opt.state):
+            if p not in state:
+                del opt.state[p]
+        for p, s in state.items():
+            live = opt.state[p]
+            for k in list(live):
+                if k not in s:
+                    del live[k]
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor) and isinstance(live.get(k), torch.Tensor) \
+                        and live[k].shape == v.shape:
+                    live[k].copy_(v)  # in place: a native plan holds these very tensors
+                else:
+                    live[k] = v
+    for g, saved_g in zip(opt.param_groups, groups):
+        g.update(saved_g)
+
+
