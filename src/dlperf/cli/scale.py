@@ -74,7 +74,7 @@ def _model_arg(text: str) -> str:
 def register(sub) -> argparse.ArgumentParser:
     from ..probe.projection import STRATEGIES
     from . import options as va
-    from .profile import input_shape
+    from .profile import input_value
 
     p = sub.add_parser("scale", help="project a model's data-parallel step on N hosts: each gradient strategy's "
                                      "time, communication share, efficiency, the knee",
@@ -84,8 +84,10 @@ def register(sub) -> argparse.ArgumentParser:
                       help="a zoo network (lenet, resnet18, ...) or a factory that builds a torch.nn.Module")
     what.add_argument("--gradients", type=_size_arg, metavar="SIZE",
                       help="gradient bytes per step instead of a model (e.g. 160MB); compute from --step-ms")
-    p.add_argument("--input", type=input_shape, metavar="SHAPE",
-                   help="one device's input batch for a MODULE:FACTORY model, batch first, e.g. 64x3x32x32")
+    p.add_argument("--input", action="append", type=input_value, metavar="SPEC|MODULE:FUNCTION",
+                   help="one device's input batch for a MODULE:FACTORY model, as profile takes it: a batch-first "
+                        "tensor spec with optional dtype and range (64x3x32x32, 64x32:int64:0-1000; repeat for "
+                        "several arguments) or a function returning the batch")
     p.add_argument("--batch-size", type=va.int_in(1, 1 << 20, "--batch-size"),
                    help="batch per device for a zoo network (default: its CPU batch of Shi et al.)")
     p.add_argument("--hosts", required=True, type=va.int_in(1, MAX_HOSTS, "--hosts"), help="project 1..N hosts")
@@ -122,9 +124,12 @@ def _model_and_batch(args: argparse.Namespace):
         if args.batch_size is not None:
             raise UsageError("--batch-size is for zoo networks; a MODULE:FACTORY model takes its batch from --input")
         from ..probe.targets import build_model
+        from ..probe.user_inputs import batch_maker
+        from .profile import input_source
 
         torch.manual_seed(0)
-        return build_model(args.model), torch.randn(args.input, generator=torch.Generator().manual_seed(0))
+        model = build_model(args.model)
+        return model, batch_maker(input_source(args.input, "scale"))(model, torch.Generator().manual_seed(0))
     if args.input is not None:
         raise UsageError("--input is for a MODULE:FACTORY model; give a zoo network's batch with --batch-size")
     from ..models import get_spec
@@ -145,7 +150,9 @@ def _compute(args: argparse.Namespace, model, x) -> Figure:
         return Figure(args.step_ms / 1e3, "assumed (--step-ms)")
     if model is None:
         return Figure(0.0, "assumed 0: no --model or --step-ms, communication alone")
-    batch = x.shape[0]
+    from ..batch import batch_size
+
+    batch = batch_size(x)
     if args.compute == "probe":
         from ..probe.cache import load_probe
 
