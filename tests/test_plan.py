@@ -82,7 +82,8 @@ def test_plan_names_round_trip_and_bad_values_are_one_line():
 
 def test_describe_prints_the_figures_it_was_chosen_on():
     plan = parse_plan("1x2,channels-last").with_figures(47.9, [("2 x 1", 58.7), ("contiguous", 66.1)], ["why"])
-    assert plan.line() == "plan: 1 replica x 2 threads, channels-last, eager: 47.9 ms/step (2 x 1: 58.7; contiguous: 66.1)"
+    assert plan.line() == ("plan: 1 replica x 2 threads, channels-last, eager: 47.9 ms/step "
+                           "(2 x 1: 58.7; contiguous: 66.1)")
     assert "because: why" in plan.describe() and "memory_format    'channels_last'" in plan.describe()
     assert plan == parse_plan("1x2,channels-last")  # figures do not take part in equality
 
@@ -250,7 +251,7 @@ def test_budget_skips_and_says_so():
     decision = search(model, batch, [cpu(0), cpu(1)], _sleepy_builder(0, []), reference,
                       PlannerOptions(rounds=2, steps=2, cores=2, budget_s=0.001, use_cache=False))
     assert decision.plan == reference
-    assert any("skipped for time" in s for s in decision.skipped)
+    assert any(s.startswith("for time") for s in decision.skipped)
     assert any("compile" in s for s in decision.skipped)  # the run's length is unknown
 
 

@@ -422,7 +422,7 @@ def _executions_phase(session: _Session, found: list[Measurement], model: nn.Mod
             continue
         if session.elapsed() + execution.setup_s > session.budget:
             session.skipped.append(f"{name}: needs ~{execution.setup_s:.0f} s of setup, beyond the time budget "
-                                   f"({session.budget:.0f} s)")
+                                   f"({session.budget:.1f} s)")
             continue
         m = Measurement(dataclasses.replace(leader.plan, execution=name), leader.floor_ms)
         session.rounds([leader, m], max(1, options.rounds - 1))
@@ -463,7 +463,8 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     best, noise = _decide(found, session, reasons)
     alternatives = [(_difference(m.plan, best.plan), m.ms) for m in found if m is not best and m.ms is not None]
     plan = best.plan.with_figures(best.ms, [(n, ms) for n, ms in alternatives if ms is not None], reasons)
-    skipped = session.skipped + [f"{m.plan.name}: {m.note}" for m in found if m.note == "skipped for time"]
+    late = [m.plan.name for m in found if m.note == "skipped for time"]
+    skipped = session.skipped + ([f"for time (budget {session.budget:.1f} s): {'; '.join(late)}"] if late else [])
     decision = PlanDecision(plan, reference, found, time.perf_counter() - started, False, skipped, noise,
                             any(m.contended for m in found))
     if options.use_cache:
