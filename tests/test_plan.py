@@ -99,7 +99,7 @@ def test_trainer_refuses_plans_it_cannot_realise():
 
 @pytest.mark.parametrize("name", ["1x2,contiguous", "1x2,channels-last", "2x1,contiguous", "2x1,channels-last",
                                   "2x1,contiguous,kvstore-local", "2x1,channels-last,allreduce-ring",
-                                  "1x1,contiguous"])
+                                  "1x1,contiguous", "1x2,channels-last,caller", "1x1,contiguous,caller"])
 def test_every_plan_reaches_the_plain_loops_weights(name):
     torch.manual_seed(seed())
     model = small_cnn()
@@ -134,7 +134,8 @@ def test_auto_plans_on_the_first_batch_and_reaches_the_same_weights():
             trainer.train_step(X, y)
         decision = trainer.planning.decision
         assert trainer.plan == decision.plan and trainer.k == trainer.plan.replicas
-        assert {m.plan.name for m in decision.measurements} >= {"2x1,channels-last,eager", "1x2,contiguous,eager"}
+        assert {m.plan.name for m in decision.measurements} >= {"2x1,channels-last,eager", "1x2,contiguous,eager,caller",
+                                                                "1x1,channels-last,eager,caller"}
         assert_same(trainer.module, plain_weights(model, batches))
 
 

@@ -65,7 +65,7 @@ class PlannerOptions:
     """Untimed steps per candidate before its first round (first allocations, compilation)."""
     rounds: int = 3
     """Alternating rounds; each candidate's least disturbed round counts."""
-    keep: int = 6
+    keep: int = 8
     """At most this many candidates are measured after pricing (the reference always is)."""
     allow_mixed_precision: bool = False
     """Consider bf16/fp16 plans, which change the numerics (GPUs only)."""
@@ -202,14 +202,20 @@ def enumerate_plans(model: nn.Module, batch: Any, devices: Sequence[Device], ref
         notes.append(f"replicas: kept at {reference.replicas} (BatchNorm's statistics depend on the split)")
     else:
         n = _examples(batch)
-        splits = [(r, cores // r) for r in range(1, min(cores, n, MAX_REPLICAS_TRIED) + 1) if cores // r >= 1]
-        splits = [(r, t) for r, t in splits if r * t == cores or r == 1] or [(1, cores)]
+        # one replica with any number of threads (a small model runs fastest on fewer than all the cores),
+        # several replicas sharing the cores evenly
+        splits = [(1, t) for t in sorted({1, 2, 4, cores} - {c for c in (2, 4) if c > cores})]
+        splits += [(r, cores // r) for r in range(2, min(cores, n, MAX_REPLICAS_TRIED) + 1)
+                   if r * (cores // r) == cores]
     plans = [reference]
     for r, t in splits:
         # a split of its own gets the cost model's allreduce (resolved in search); the reference keeps the user's
         algorithm = reference.algorithm if r == reference.replicas else ("auto" if r > 1 else DEFAULT_ALGORITHM)
+        # one replica runs on the calling thread: no hand-off to a worker and back each step
+        where = "caller" if r == 1 else "worker"
         for layout in layouts:
-            plan = dataclasses.replace(base, replicas=r, threads=t, memory_format=layout, algorithm=algorithm)
+            plan = dataclasses.replace(base, replicas=r, threads=t, memory_format=layout, algorithm=algorithm,
+                                       step_thread=where)
             if plan not in plans:
                 plans.append(plan)
     return plans, notes
@@ -357,6 +363,8 @@ def _difference(plan: Plan, chosen: Plan) -> str:
     parts = []
     if (plan.replicas, plan.threads) != (chosen.replicas, chosen.threads):
         parts.append(f"{plan.replicas} x {plan.threads}")
+    if plan.step_thread != chosen.step_thread:
+        parts.append("calling thread" if plan.step_thread == "caller" else "worker")
     if plan.memory_format != chosen.memory_format:
         parts.append(plan.memory_format.replace("_", "-"))
     if plan.execution != chosen.execution:

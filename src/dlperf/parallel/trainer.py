@@ -105,8 +105,8 @@ class Trainer:
                 r.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # (torch's stubs lack it)
         self._forwards = self.planning.forwards(self.replicas)
         self._trace_path = Path(cfg.trace) if cfg.trace is not None else None
-        cores = self.processes.cores() if self.processes is not None else None
-        self.engine: Engine = create_engine("threaded", cpu_threads=cpu_threads(self.devices, cfg.threads, cores),
+        threads = cpu_threads(self.devices, cfg.threads, self.processes.cores() if self.processes is not None else None)
+        self.engine: Engine = create_engine(self.planning.engine_kind(), cpu_threads=threads,
                                             trace=cfg.trace is not None)
         lanes, kind = comm_lanes(self.devices)
         self.lanes = EngineLanes(self.engine, lanes, kind)
@@ -211,7 +211,8 @@ class Trainer:
         if self.planning.pending:
             self.planning.plan_now(self, X, y)
         try:
-            return self._train_step(X, y)
+            with self.planning.step_threads():
+                return self._train_step(X, y)
         except Exception as exc:
             if not self.planning.fall_back(self, exc):
                 raise

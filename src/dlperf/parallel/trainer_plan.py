@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .._threads import intra_op_threads
 from ..devices import Device
 from ..errors import DlperfError, UsageError
 from .lanes import thread_budget
@@ -81,6 +82,8 @@ def apply_plan(plan: Plan, devices: Sequence[Device], cfg: TrainerConfig) -> tup
         raise UsageError(f"plan {plan.name!r}: fp16 needs loss scaling, which the Trainer does not do; use bf16")
     placed = plan.devices_for(devices)
     gpus = any(d.is_gpu for d in placed)
+    if plan.step_thread == "caller" and gpus:
+        raise UsageError(f"plan {plan.name!r}: the calling thread runs CPU steps; drop caller on GPU devices")
     if plan.mixed_precision == "bf16" and not gpus:
         raise UsageError(f"plan {plan.name!r}: bf16 mixed precision is planned for GPUs; drop bf16 on CPU devices")
     if plan.cudnn_benchmark and gpus:
@@ -144,6 +147,16 @@ class PlanState:
         if self.plan is None or self.plan.execution == "eager":
             return list(replicas)
         return [EXECUTIONS.get(self.plan.execution).prepare(r) for r in replicas]
+
+    def engine_kind(self) -> str:
+        """The engine a build uses: threaded (device workers), or naive when one replica runs on the caller."""
+        return "naive" if self.plan is not None and self.plan.step_thread == "caller" else "threaded"
+
+    def step_threads(self) -> contextlib.AbstractContextManager[Any]:
+        """The plan's intra-op threads around a step the calling thread runs itself (given back after)."""
+        if self.plan is None or self.plan.step_thread != "caller":
+            return contextlib.nullcontext()
+        return intra_op_threads(self.plan.threads)
 
     def precision(self, device: Device) -> contextlib.AbstractContextManager[Any]:
         if self.plan is None or self.plan.mixed_precision == "off":
