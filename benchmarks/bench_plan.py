@@ -201,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as cache_dir:
         for name in names:
+            started = time.perf_counter()
             results[name] = measure_model(name, args, cache_dir)
+            print(f"{name}: {results[name]['plan']} ({time.perf_counter() - started:.0f} s)", file=sys.stderr,
+                  flush=True)
     ddp = {} if args.no_ddp else measure_ddp(names, args.steps, args.warmup, args.rounds)
 
     print(f"one training step per model, ms (median of {args.steps} steps, best of {args.rounds} alternating rounds; "

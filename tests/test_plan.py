@@ -134,8 +134,8 @@ def test_auto_plans_on_the_first_batch_and_reaches_the_same_weights():
             trainer.train_step(X, y)
         decision = trainer.planning.decision
         assert trainer.plan == decision.plan and trainer.k == trainer.plan.replicas
-        assert {m.plan.name for m in decision.measurements} >= {"2x1,channels-last,eager", "1x2,contiguous,eager,caller",
-                                                                "1x1,channels-last,eager,caller"}
+        names = {m.plan.name for m in decision.measurements}
+        assert names >= {"2x1,channels-last,eager", "1x2,contiguous,eager,caller", "1x1,channels-last,eager,caller"}
         assert_same(trainer.module, plain_weights(model, batches))
 
 
@@ -286,3 +286,39 @@ def test_a_cache_others_can_write_is_not_trusted(capsys):
     again = search(model, batch, [cpu(0), cpu(1)], _sleepy_builder(2, built), Plan(replicas=2, threads=1), options)
     assert not again.cached and built
     assert "that only it can write" in capsys.readouterr().err
+
+
+def test_gpu_plans_write_the_gpu_choices_and_mixed_precision_only_when_allowed():
+    from dlperf.devices import Device
+    from dlperf.parallel.planner import enumerate_plans
+
+    gpus = [Device("gpu", 0), Device("gpu", 1)]
+    X, y = fresh_batches(1, 0)[0]
+    reference = Plan(replicas=2, threads=1)
+    plans, notes = enumerate_plans(small_cnn(), (X, y), gpus, reference, PlannerOptions())
+    assert plans[0] == reference and all(p.replicas == 2 for p in plans)
+    assert all(p.cudnn_benchmark and p.pin_memory for p in plans[1:])
+    assert {p.memory_format for p in plans} == {"contiguous", "channels_last"}
+    assert all(p.mixed_precision == "off" for p in plans) and any("mixed precision" in n for n in notes)
+    with pytest.raises(UsageError, match="bf16 mixed precision is planned for GPUs"):
+        Trainer(small_cnn(), [cpu(0)], plan="1x1,bf16")
+    with pytest.raises(UsageError, match="calling thread runs one replica"):
+        parse_plan("2x1,caller")
+
+
+def test_a_candidate_that_fails_is_dropped_not_measured_as_another_plan(capsys):
+    def broken(module):
+        def forward(x):
+            raise RuntimeError("device lost")
+        return forward
+
+    register_execution(Execution("test-broken", broken), replace=True)
+    try:
+        X, y = fresh_batches(1, seed())[0]
+        decision = plan_for(small_cnn(), (X, y), [cpu(0)], options=QUICK)
+        failed = [m for m in decision.measurements if m.plan.execution == "test-broken"]
+        assert failed and failed[0].note.startswith("failed: RuntimeError: device lost") and failed[0].ms is None
+        assert decision.plan.execution == "eager"
+        assert "falling back" not in capsys.readouterr().err
+    finally:
+        EXECUTIONS.remove("test-broken")

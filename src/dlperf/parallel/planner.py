@@ -327,8 +327,10 @@ class _Session:
             if run is None:
                 run = self.runs[id(m)] = self.build(m.plan)
             first = m.first_step_ms is None
+            # a slow step stops its timing once the budget is spent (one timed step is always taken)
             timing = time_steps(run.step, warmup=self.options.warmup if first else 0, steps=self.options.steps,
-                                synchronize=run.synchronize, threads=run.threads)
+                                synchronize=run.synchronize, threads=run.threads, min_steps=1,
+                                max_seconds=max(0.0, self.budget - self.elapsed()))
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is dropped, with the reason
             m.note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             m.by_round.clear()

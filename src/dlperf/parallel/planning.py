@@ -44,6 +44,7 @@ def candidate_builder(model: nn.Module, batch: tuple[Any, Any], devices: Sequenc
         copied = copy.deepcopy(model).to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
         cfg = dataclasses.replace(config, plan=plan, trace=None, processes=None, check_finite=False)
         trainer = Trainer(copied, plan.devices_for(devices), config=cfg)
+        trainer.planning.fallback = False  # a candidate that fails is dropped, not measured as another plan
         return CandidateRun(step=lambda: trainer.train_step(X, y), close=trainer.close,
                             threads=plan.replicas * plan.threads)
 

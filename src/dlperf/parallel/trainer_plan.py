@@ -121,6 +121,8 @@ class PlanState:
         self.decision: PlanDecision | None = None
         self.source: nn.Module | None = None
         self.fell_back = False
+        self.fallback = True
+        """Whether a failed step may fall back (a candidate being measured must fail instead)."""
         self.built: Plan | None = None
         """The plan the Trainer is built on now (None: no plan)."""
 
@@ -177,6 +179,7 @@ class PlanState:
             model = copy.deepcopy(source).to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
             cfg = dataclasses.replace(given, plan=plan, trace=None, processes=None, check_finite=False)
             candidate = type(trainer)(model, plan.devices_for(trainer.devices), config=cfg)
+            candidate.planning.fallback = False
             return CandidateRun(step=lambda: candidate.train_step(X, y), close=candidate.close,
                                 threads=plan.replicas * plan.threads)
 
@@ -213,7 +216,8 @@ class PlanState:
 
     def fall_back(self, trainer: Trainer, exc: BaseException) -> bool:
         """After a step failed under a plan: rebuild on the reference and say so (True), or let it raise."""
-        if (self.fell_back or self.plan is None or self.reference is None or self.plan == self.reference
+        if (self.fell_back or not self.fallback or self.plan is None or self.reference is None
+                or self.plan == self.reference
                 or isinstance(exc, DlperfError) or not isinstance(exc, (RuntimeError, MemoryError))):
             return False
         self.fell_back = True
