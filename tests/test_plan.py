@@ -322,3 +322,15 @@ def test_a_candidate_that_fails_is_dropped_not_measured_as_another_plan(capsys):
         assert "falling back" not in capsys.readouterr().err
     finally:
         EXECUTIONS.remove("test-broken")
+
+
+def test_the_cache_keeps_the_newest_entries_only(monkeypatch):
+    from dlperf.parallel import plan_cache
+
+    monkeypatch.setattr(plan_cache, "MAX_ENTRIES", 2)
+    for i, key in enumerate(("a", "b", "c")):
+        plan_cache.save_plan(key, Plan(replicas=1, threads=i + 1).with_figures(1.0 + i, [("x", 2.0)]))
+        time.sleep(0.01)
+    assert plan_cache.cached_plan("a") is None
+    assert plan_cache.cached_plan("c") == Plan(replicas=1, threads=3)
+    assert plan_cache.cached_plan("c").measured_ms == 3.0

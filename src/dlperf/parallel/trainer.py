@@ -45,14 +45,10 @@ from .procs import ProcessAxis, allreduce_across_processes, broadcast_from_first
 from .replicas import broadcast_buffers, max_replica_difference, replicate
 from .split import check_devices, check_placed, place_parts, split_batch, split_sizes
 from .strategies import NonFiniteError, StepContext, Strategy, create_strategy
-from .trainer_config import Loss, TrainerConfig
+from .trainer_config import Loss, TrainerConfig, default_loss
 from .trainer_plan import Plan, PlanState, cpu_threads, wants_channels_last
 
 __all__ = ["Trainer", "TrainerConfig", "make_optimizer", "OPTIMIZERS", "NonFiniteError"]
-
-
-def _default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out, y)
 
 
 class Trainer:
@@ -85,7 +81,7 @@ class Trainer:
         self.devices = check_devices(devices)
         self.check_finite = cfg.check_finite
         self.buffers = cfg.buffers
-        self.loss: Loss = cfg.loss or _default_loss
+        self.loss: Loss = cfg.loss or default_loss
         self.k = len(self.devices)
         axis = join_processes(None if cfg.processes == "auto" else cfg.processes) if cfg.processes is not None else None
         try:

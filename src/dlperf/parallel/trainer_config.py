@@ -33,6 +33,11 @@ MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged over the examples: the loss when a config gives none."""
+    return nn.functional.cross_entropy(out, y)
+
+
 @dataclass
 class TrainerConfig:
     """How a :class:`Trainer` trains; every field is checked when the config is made.
