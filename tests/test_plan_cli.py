@@ -102,3 +102,12 @@ def test_bad_values_are_one_line_and_exit_2(factories, argv, words, capsys):
     assert main(["train", "--epochs", "1", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+def test_auto_on_a_checkpoint_without_a_plan_resumes_as_it_was_trained(tmp_path, capsys):
+    ck = tmp_path / "ck.pt"
+    common = ["--devices", "cpu:0,cpu:1", *SMALL]
+    assert main(["train", *common, "--epochs", "1", "--checkpoint", str(ck)]) == 0
+    capsys.readouterr()
+    assert main(["train", *common, "--epochs", "2", "--resume", str(ck), "--plan", "auto"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "plan: as the checkpoint was trained (it records no plan)"

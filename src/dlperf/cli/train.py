@@ -243,6 +243,9 @@ def _choose_plan(config: TrainConfig, state: TrainState, plan: object) -> object
         if plan is None or plan == "auto" or plan == chosen:
             print(f"plan: {chosen.summary()} (from the checkpoint)", flush=True)
             return None  # the Trainer takes the checkpoint's plan over when it loads the state
+    if plan == "auto" and state.resume is not None:
+        print("plan: as the checkpoint was trained (it records no plan)", flush=True)
+        return None
     if plan != "auto":
         if isinstance(plan, Plan):
             print(plan.line(), flush=True)
