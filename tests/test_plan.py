@@ -334,3 +334,10 @@ def test_the_cache_keeps_the_newest_entries_only(monkeypatch):
     assert plan_cache.cached_plan("a") is None
     assert plan_cache.cached_plan("c") == Plan(replicas=1, threads=3)
     assert plan_cache.cached_plan("c").measured_ms == 3.0
+
+
+def test_a_named_plan_keeps_the_runs_own_store_and_algorithm():
+    plan = parse_plan("2x1").filled(algorithm="ring", bucket_bytes=4096, kvstore="local")
+    assert (plan.algorithm, plan.bucket_bytes, plan.kvstore) == ("ring", 4096, "local")
+    pinned = parse_plan("2x1,allreduce-naive").filled(algorithm="ring")
+    assert pinned.algorithm == "naive"  # what the plan names wins

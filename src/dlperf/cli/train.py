@@ -237,6 +237,8 @@ def _choose_plan(config: TrainConfig, state: TrainState, plan: object) -> object
     from ..parallel.planner import PlannerOptions
     from ..parallel.planning import plan_for
 
+    if isinstance(plan, Plan):  # a plan by name leaves the store and algorithm to the run's options
+        plan = plan.filled(algorithm=config.algorithm, bucket_bytes=config.bucket_bytes, kvstore=config.kvstore)
     recorded = state.resume["trainer"].get("plan") if state.resume is not None else None
     if recorded is not None:
         chosen = Plan.from_dict(recorded, "the checkpoint's plan")

@@ -107,6 +107,7 @@ def run_factories(args: argparse.Namespace) -> int:
         for skipped in decision.skipped:
             print(f"plan: skipped {skipped}", flush=True)
     elif plan is not None:
+        plan = plan.filled(algorithm=args.algorithm, bucket_bytes=args.bucket_bytes, kvstore=args.kvstore)
         print(plan.line(), flush=True)
     history: list[dict[str, Any]] = []
     with Trainer(model, args.devices, "sgd", {"lr": args.lr}, loss=loss, plan=plan, algorithm=args.algorithm,

@@ -250,6 +250,15 @@ class Plan:
             raise UsageError(f"{where} has unexpected fields {extra[:5]}; known: {', '.join(sorted(known))}")
         return cls(**dict(data))
 
+    def filled(self, *, algorithm: str | None = None, bucket_bytes: int | None = None,
+               kvstore: str | None = None) -> Plan:
+        """This plan with the run's own options where the plan leaves them at their defaults (a plan named
+        ``1x2`` says nothing about the store, so ``--kvstore local`` still holds)."""
+        return dataclasses.replace(
+            self, algorithm=algorithm if algorithm and self.algorithm == DEFAULT_ALGORITHM else self.algorithm,
+            bucket_bytes=self.bucket_bytes if self.bucket_bytes is not None else bucket_bytes,
+            kvstore=self.kvstore if self.kvstore is not None else kvstore)
+
     def with_figures(self, measured_ms: float | None, alternatives: Sequence[tuple[str, float]],
                      reasons: Sequence[str] = ()) -> Plan:
         return dataclasses.replace(self, measured_ms=measured_ms, alternatives=tuple(alternatives),
