@@ -341,3 +341,17 @@ def test_a_named_plan_keeps_the_runs_own_store_and_algorithm():
     assert (plan.algorithm, plan.bucket_bytes, plan.kvstore) == ("ring", 4096, "local")
     pinned = parse_plan("2x1,allreduce-naive").filled(algorithm="ring")
     assert pinned.algorithm == "naive"  # what the plan names wins
+
+
+def test_a_slow_step_cannot_stretch_planning_far_beyond_the_budget():
+    built: list[Plan] = []
+
+    def build(plan: Plan) -> CandidateRun:
+        built.append(plan)
+        return CandidateRun(step=lambda: time.sleep(0.1), close=lambda: None)
+
+    model, batch = small_cnn(), fresh_batches(1, 0)[0]
+    decision = search(model, batch, [cpu(0), cpu(1)], build, Plan(replicas=2, threads=1),
+                      PlannerOptions(rounds=3, steps=3, warmup=1, cores=2, budget_s=0.25, use_cache=False))
+    assert decision.planning_s < 1.5 and len(built) <= 2
+    assert any(s.startswith("for time") for s in decision.skipped)

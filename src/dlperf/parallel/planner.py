@@ -343,9 +343,11 @@ class _Session:
     def rounds(self, group: list[Measurement], rounds: int) -> None:
         """Alternate over ``group``, the order reversed every other round so drift hits all alike."""
         for i in range(rounds):
+            if i > 0 and self.elapsed() > self.budget:
+                break  # every candidate timed so far has a figure from the rounds it shared with the others
             order = group if i % 2 == 0 else group[::-1]
             for m in order:
-                if m.note.startswith("failed"):
+                if m.note.startswith("failed") or self.round_index + i in m.by_round:
                     continue
                 if m is not group[0] and self.elapsed() > self.budget:
                     if not m.by_round:
@@ -462,10 +464,9 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     found = _price(model, batch, plans, options, reasons)
     session = _Session(build, options)
     try:
-        session.time_round(found[0], -1)  # its step time sets the budget when the run's length is known
+        session.time_round(found[0], 0)  # round 0's reference; its step time sets the budget for a known run
         if options.budget_s is None and options.run_steps and found[0].ms is not None:
             session.budget = min(DEFAULT_BUDGET_S, RUN_SHARE * options.run_steps * found[0].ms / 1e3)
-        found[0].by_round.pop(-1, None)
         session.rounds(found, options.rounds)
         found += _executions_phase(session, found, model, devices)
     finally:
