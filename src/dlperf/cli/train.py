@@ -10,6 +10,13 @@ test accuracy and the training seconds, and the last line reads like d2l's
 ``--nproc-per-node N`` trains as N processes on this host (the short form of ``dlperf launch
 --nproc-per-node N -- train ...``): ``--devices`` are each process's own, ``--batch-size`` is the global
 batch, the first process prints and writes the checkpoint.
+
+``--plan auto`` measures the plans valid for the model, batch and devices on the first batch (replicas x
+threads, layout, ...: :mod:`dlperf.parallel.planner`) and trains on the fastest, printing it first; ``--plan
+1x2,channels-last`` pins one. ``--model pkg.module:factory`` and ``--data pkg.module:factory`` train your own
+model and data: each factory is imported and called with no arguments (that runs your code), the data
+factory returning ``train`` or ``(train, test)``, each an iterable of ``(inputs, targets)`` batches that can
+be iterated once per epoch (a ``DataLoader`` is one).
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ def register(sub) -> None:
 
     p = sub.add_parser("train", help="train LeNet or ResNet-18 data-parallel on a list of devices",
                        description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="lenet", choices=TRAIN_MODELS)
+    p.add_argument("--model", default="lenet", type=model_source,
+                   help=f"{', '.join(TRAIN_MODELS)}, or pkg.module:factory (called with no arguments)")
     p.add_argument("--devices", default="cpu:0", type=va.device_list("--devices"),
                    help="comma-separated, e.g. cpu:0,cpu:1 or gpu:0,gpu:1")
     p.add_argument("--batch-size", type=va.int_in(1, MAX_BATCH, "--batch-size"), default=256,
@@ -52,8 +60,12 @@ def register(sub) -> None:
                         "epoch's last batch with fewer examples than devices is skipped")
     p.add_argument("--lr", type=va.positive_float("--lr", max_value=MAX_LR), default=0.2)
     p.add_argument("--epochs", type=va.int_in(1, MAX_EPOCHS, "--epochs"), default=10)
-    p.add_argument("--data", metavar="DIR", type=va.existing_dir("--data"),
-                   help="Fashion-MNIST IDX directory (default: embedded glyphs)")
+    p.add_argument("--data", metavar="DIR|MODULE:FACTORY", type=data_source,
+                   help="Fashion-MNIST IDX directory, or pkg.module:factory returning train or (train, test) "
+                        "batches (default: embedded glyphs)")
+    p.add_argument("--plan", default=None, type=plan_option,
+                   help="auto: measure the plans valid here on the first batch and train on the fastest (printed "
+                        "first); or pin one by name, e.g. 1x2,channels-last (replicas x threads, layout, ...)")
     p.add_argument("--download", action="store_true", help="download Fashion-MNIST into --data first")
     p.add_argument("--train-size", type=va.int_in(1, 10**12, "--train-size"), default=12000,
                    help="embedded dataset: training images")
@@ -88,14 +100,50 @@ def register(sub) -> None:
     p.set_defaults(func=run, check_in_parent=check_in_parent)
 
 
+def _factory_text(text: str) -> bool:
+    return ":" in text and not text.startswith(("/", ".", "~"))
+
+
+def model_source(text: str) -> str:
+    """A zoo model's name or ``pkg.module:factory``."""
+    from .profile import target
+
+    if text in TRAIN_MODELS:
+        return text
+    if _factory_text(text):
+        return target(text)
+    raise argparse.ArgumentTypeError(f"{text[:60]!r} is neither a model ({', '.join(TRAIN_MODELS)}) nor "
+                                     "MODULE:FACTORY; give one, e.g. lenet or mypkg.nets:make_model")
+
+
+def data_source(text: str) -> str:
+    """A Fashion-MNIST directory, or ``pkg.module:factory`` returning batches."""
+    from . import options as va
+    from .profile import target
+
+    return target(text) if _factory_text(text) else va.existing_dir("--data")(text)
+
+
+def plan_option(text: str) -> object:
+    """``auto`` or a plan's name, checked now (one line, exit 2)."""
+    from ..parallel.plan import parse_plan
+
+    if text == "auto":
+        return text
+    try:
+        return parse_plan(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def train_config(args: argparse.Namespace, processes: int | None = None) -> TrainConfig:
     """The parsed options as a :class:`~dlperf.parallel.training.TrainConfig` (which checks them).
 
     Every option named like a config field is passed on, so a new option needs only its field and its
     ``add_argument``. ``processes``: how many will train (default: as this process was started).
     """
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)},
-                       processes=processes)
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)
+                          and f.name != "plan"}, processes=processes)
 
 
 def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int = 0) -> TrainConfig:
@@ -103,7 +151,11 @@ def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int =
     start: a mistake is one line, not one a process."""
     from ..parallel.procs import check_process_settings
     from ..parallel.strategies import choose_strategy
+    from .train_factory import uses_factories
 
+    if getattr(args, "plan", None) is not None or uses_factories(args):
+        raise UsageError("--plan and MODULE:FACTORY models or data train in one process; drop them, or drop the "
+                         "process count")
     choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, cli=True)
     config = train_config(args, processes)
     check_resume(config)
@@ -112,9 +164,16 @@ def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int =
 
 
 def run(args: argparse.Namespace) -> int:
+    from .train_factory import run_factories, uses_factories
+
+    if uses_factories(args):
+        return run_factories(args)
     if args.nproc_per_node is not None:
+        if args.plan is not None:
+            raise UsageError("--plan with --nproc-per-node: plans are measured in one process; drop one of them "
+                             "(--plan auto shows whether processes would pay)")
         return _launch(args)
-    return _run(train_config(args), args.json, args.no_progress)
+    return _run(train_config(args), args.json, args.no_progress, args.plan)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -130,7 +189,7 @@ def _launch(args: argparse.Namespace) -> int:
     return start(layout, _run, config, args.json, args.no_progress)
 
 
-def _run(config: TrainConfig, as_json: bool, no_progress: bool) -> int:
+def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = None) -> int:
     from ..parallel.launchers import rank_info
     from ..parallel.servers import is_server_rank, server_ranks
     from ..parallel.training import serve
@@ -143,6 +202,7 @@ def _run(config: TrainConfig, as_json: bool, no_progress: bool) -> int:
     if rank_info().rank != 0:  # one process reports: the others train silently
         return _quiet(config)
     state = prepare(config)
+    config.plan = _choose_plan(config, state, plan)
     try:
         _train(config, state, show_progress=not (no_progress or as_json) and sys.stderr.isatty())
     except KeyboardInterrupt:
@@ -164,6 +224,48 @@ def _run(config: TrainConfig, as_json: bool, no_progress: bool) -> int:
                           "processes": config.processes, "test_acc": acc, "sec_per_epoch": per_epoch,
                           "epochs": history}))
     return 0
+
+
+def _choose_plan(config: TrainConfig, state: TrainState, plan: object) -> object:
+    """The plan the run follows (printed first): the checkpoint's when resuming, measured on the first batch
+    for ``auto``, or the one named."""
+    from contextlib import closing
+
+    import torch
+
+    from ..parallel.plan import Plan
+    from ..parallel.planner import PlannerOptions
+    from ..parallel.planning import plan_for
+
+    if isinstance(plan, Plan):  # a plan by name leaves the store and algorithm to the run's options
+        plan = plan.filled(algorithm=config.algorithm, bucket_bytes=config.bucket_bytes, kvstore=config.kvstore)
+    recorded = state.resume["trainer"].get("plan") if state.resume is not None else None
+    if recorded is not None:
+        chosen = Plan.from_dict(recorded, "the checkpoint's plan")
+        if plan is None or plan == "auto" or plan == chosen:
+            print(f"plan: {chosen.summary()} (from the checkpoint)", flush=True)
+            return None  # the Trainer takes the checkpoint's plan over when it loads the state
+    if plan == "auto" and state.resume is not None:
+        print("plan: as the checkpoint was trained (it records no plan)", flush=True)
+        return None
+    if plan != "auto":
+        if isinstance(plan, Plan):
+            print(plan.line(), flush=True)
+        return plan
+    with closing(state.train_loader.epoch_batches(0)) as batches:
+        X, y = next(iter(batches))
+    steps = max(1, (config.epochs - len(state.history)) * len(state.train_loader))
+    rng = torch.get_rng_state()  # planning must not move the weights the run starts from
+    try:
+        decision = plan_for(state.spec.build(), (X, y), config.device_list(), optimizer_params={"lr": config.lr},
+                            loss=state.spec.loss, options=PlannerOptions(run_steps=steps))
+    finally:
+        torch.set_rng_state(rng)
+    print(decision.plan.line() + (" [cached]" if decision.cached else f" [planned in {decision.planning_s:.1f} s]"),
+          flush=True)
+    for skipped in decision.skipped:
+        print(f"plan: skipped {skipped}", flush=True)
+    return decision.plan
 
 
 def _quiet(config: TrainConfig) -> int:

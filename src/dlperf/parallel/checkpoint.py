@@ -34,6 +34,7 @@ _HISTORY_TYPES: dict[str, tuple[type, ...]] = {
     "epoch": (int,), "loss": (float, int), "test_acc": (float, int), "seconds": (float, int)}
 _HISTORY_OPTIONAL: dict[str, tuple[type, ...]] = {"nonfinite_since_step": (int, type(None))}
 _TRAINER_TYPES: dict[str, tuple[type, ...]] = {"model": (dict,), "buffers": (list,), "steps": (int,)}
+_TRAINER_OPTIONAL: dict[str, tuple[type, ...]] = {"plan": (dict,)}  # written by a trainer that follows a plan
 
 
 def _check_fields(where: str, d: object, required: dict[str, tuple[type, ...]],
@@ -66,7 +67,8 @@ def _checkpoint_problem(state: object) -> str | None:
         problem = problem or _check_fields(f"history[{i}]", rec, _HISTORY_TYPES, _HISTORY_OPTIONAL)
     trainer = state["trainer"]
     problem = problem or _check_fields("trainer", {k: v for k, v in trainer.items()
-                                                   if k not in ("optimizer", "kvstore")}, _TRAINER_TYPES)
+                                                   if k not in ("optimizer", "kvstore")}, _TRAINER_TYPES,
+                                   _TRAINER_OPTIONAL)
     if problem:
         return problem
     if not any(isinstance(trainer.get(k), dict) for k in ("optimizer", "kvstore")):

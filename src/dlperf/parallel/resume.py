@@ -170,6 +170,14 @@ def trainer_state_problem(state: Mapping[str, Any], *, model: torch.nn.Module, d
     problem = tensors_problem("trainer['model']", state.get("model"), model.state_dict())
     if problem:
         return problem
+    if "plan" in state:  # a planned run kept one replica per planned device: the resumed run follows the plan
+        from ..errors import UsageError
+        from .plan import Plan
+
+        try:
+            devices = Plan.from_dict(state["plan"], "trainer['plan']").replicas
+        except (UsageError, TypeError) as exc:
+            return f"{exc}; resume from a checkpoint dlperf wrote"
     buffers = state.get("buffers")
     if not isinstance(buffers, list) or len(buffers) != devices:
         return f"trainer['buffers'] is {_show(buffers)}, expected one dict per device ({devices}); resume on the " \

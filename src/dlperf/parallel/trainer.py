@@ -33,30 +33,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch import batch_size, call_model, describe, map_tensors
+from ..batch import batch_size, call_model, map_tensors
 from ..devices import DeviceLike
 from ..engine import Engine, Trace, create_engine
 from ..errors import UsageError
 from .allreduce import get_algorithm
 from .buckets import GradientBuckets
 from .evaluate import evaluate_accuracy
-from .lanes import EngineLanes, comm_lanes, thread_budget
+from .lanes import EngineLanes, comm_lanes
 from .optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
 from .procs import ProcessAxis, allreduce_across_processes, broadcast_from_first, join_processes
 from .replicas import broadcast_buffers, max_replica_difference, replicate
 from .split import check_devices, split_step
 from .strategies import NonFiniteError, StepContext, Strategy, create_strategy
-from .trainer_config import Loss, TrainerConfig
+from .trainer_config import Loss, TrainerConfig, default_loss
+from .trainer_plan import Plan, PlanState, cpu_threads, wants_channels_last
 
 __all__ = ["Trainer", "TrainerConfig", "make_optimizer", "OPTIMIZERS", "NonFiniteError"]
-
-
-
-def _default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if not isinstance(out, torch.Tensor) or not isinstance(y, torch.Tensor):
-        raise UsageError(f"the default loss (cross-entropy) takes a tensor of scores and a tensor of labels, got "
-                         f"{describe(out)} and {describe(y)}; pass loss=fn(output, target) for other structures")
-    return nn.functional.cross_entropy(out, y)
 
 
 class Trainer:
@@ -80,13 +73,17 @@ class Trainer:
         if optimizer_params is not None:
             options["optimizer_params"] = optimizer_params
         self.config = dataclasses.replace(config, **options) if config is not None else TrainerConfig(**options)
-        cfg = self.config
+        self._closed = False
+        self.planning = PlanState(self.config.plan, self.config.planner)
+        self._build(module, *self.planning.start(module, check_devices(devices), self.config))
+
+    def _build(self, module: nn.Module, devices: Sequence[DeviceLike], cfg: TrainerConfig) -> None:
+        """Replicas, engine, lanes and strategy for ``devices`` as ``cfg`` says (again when a plan changes)."""
         self.devices = check_devices(devices)
         self.check_finite = cfg.check_finite
         self.buffers = cfg.buffers
-        self.loss: Loss = cfg.loss or _default_loss
+        self.loss: Loss = cfg.loss or default_loss
         self.k = len(self.devices)
-        self._closed = False
         axis = join_processes(None if cfg.processes == "auto" else cfg.processes) if cfg.processes is not None else None
         try:
             self.strategy: Strategy = create_strategy(cfg.kvstore, update_on_kvstore=cfg.update_on_kvstore,
@@ -99,14 +96,14 @@ class Trainer:
         if self.processes is not None:  # every process starts from the first one's weights
             broadcast_from_first([*module.parameters(), *module.buffers()], self.processes.group)
         self.replicas = replicate(module, self.devices)
-        self.channels_last = cfg.memory_format == "channels_last" or (
-            cfg.memory_format == "auto" and not any(d.is_gpu for d in self.devices)
-            and any(isinstance(m, nn.Conv2d) for m in module.modules()))
+        self.channels_last = wants_channels_last(cfg, self.devices, module)
         if self.channels_last:
             for r in self.replicas:
                 r.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # (torch's stubs lack it)
+        self._forwards = self.planning.forwards(self.replicas)
         self._trace_path = Path(cfg.trace) if cfg.trace is not None else None
-        self.engine: Engine = create_engine("threaded", cpu_threads=self._cpu_threads(cfg.threads),
+        threads = cpu_threads(self.devices, cfg.threads, self.processes.cores() if self.processes is not None else None)
+        self.engine: Engine = create_engine(self.planning.engine_kind(), cpu_threads=threads,
                                             trace=cfg.trace is not None)
         lanes, kind = comm_lanes(self.devices)
         self.lanes = EngineLanes(self.engine, lanes, kind)
@@ -118,6 +115,12 @@ class Trainer:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force (None without one, or while ``plan="auto"`` waits for the first batch); what
+        planning measured: ``trainer.planning.decision``."""
+        return self.planning.plan
 
     @property
     def steps(self) -> int:
@@ -157,19 +160,6 @@ class Trainer:
         """The devices of every process together: the parts a global batch is split into."""
         return self.k * self.world
 
-    def _cpu_threads(self, threads: Sequence[int] | None) -> int:
-        if threads is None:
-            cores = self.processes.cores() if self.processes is not None else None
-            return max(thread_budget(self.devices, cores))
-        budget = list(threads)
-        if len(budget) != len(self.devices) or any(not isinstance(t, int) or t < 1 for t in budget):
-            raise UsageError(f"threads={budget!r} is not valid; expected one integer >= 1 per device "
-                             f"({len(self.devices)} devices)")
-        if len(set(budget)) != 1:
-            raise UsageError(f"threads={budget!r} gives devices different budgets; the engine gives every CPU "
-                             "device worker one budget: pass equal numbers, e.g. threads=[1, 1]")
-        return budget[0]
-
     # -- training ---------------------------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
@@ -192,6 +182,17 @@ class Trainer:
         (:meth:`sum_across_processes` of it is the batch's mean loss).
         """
         self._check_open()
+        if self.planning.pending:
+            self.planning.plan_now(self, X, y)
+        try:
+            with self.planning.step_threads():
+                return self._train_step(X, y)
+        except Exception as exc:
+            if not self.planning.fall_back(self, exc):
+                raise
+        return self._train_step(X, y)
+
+    def _train_step(self, X: Any, y: Any) -> torch.Tensor:
         Xs, ys, total = self._split(X, y)
         strategy, ctx = self.strategy, self._ctx
         strategy.begin_step()
@@ -221,7 +222,8 @@ class Trainer:
         if not rep.training:  # walking every submodule each step costs tens of microseconds
             rep.train()
         self.strategy.zero_grad(i)
-        loss = self.loss(call_model(rep, self._layout(X)), y) * share
+        with self.planning.precision(self.devices[i]):
+            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y) * share
         loss.backward()
         self.strategy.after_backward(i)
         return loss.detach()
@@ -303,10 +305,14 @@ class Trainer:
             "buffers": [{k: v.detach().cpu().clone() for k, v in r.named_buffers()} for r in self.replicas],
             "steps": self.steps,
             **self.strategy.state_dict(),
+            **({"plan": self.plan.to_dict()} if self.plan is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` into every replica and optimizer (or the store)."""
+        """Restore :meth:`state_dict` into every replica and optimizer (or the store); a recorded plan is
+        taken over unless this trainer was given another one."""
+        if "plan" in state and self.steps == 0 and self.processes is None:
+            self.planning.adopt_recorded(self, state["plan"])
         if len(state["buffers"]) != self.k:
             raise UsageError(f"the checkpoint holds {len(state['buffers'])} replicas but this trainer has "
                              f"{self.k} devices; resume on the same number of devices")
@@ -344,6 +350,9 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
+        self._teardown(abort)
+
+    def _teardown(self, abort: bool = False) -> None:
         try:
             self.strategy.close()
         finally:

@@ -18,10 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..batch import describe
 from ..errors import UsageError, unknown_choice
 from ..kvstore import KVStore
 from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
 from .optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
+from .plan import Plan, parse_plan
+from .planner import PlannerOptions
 
 __all__ = ["TrainerConfig", "BUFFER_MODES", "MEMORY_FORMATS", "Loss"]
 
@@ -29,6 +32,14 @@ BUFFER_MODES = ("per-device", "broadcast")
 MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged over the examples: the loss when a config gives none."""
+    if not isinstance(out, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise UsageError(f"the default loss (cross-entropy) takes a tensor of scores and a tensor of labels, got "
+                         f"{describe(out)} and {describe(y)}; pass loss=fn(output, target) for other structures")
+    return nn.functional.cross_entropy(out, y)
 
 
 @dataclass
@@ -75,6 +86,12 @@ class TrainerConfig:
     processes: Any = "auto"
     """``"auto"``: with the job's other processes when started as one of several (``WORLD_SIZE`` > 1);
     ``None``: this process alone; or a ``torch.distributed`` process group to span."""
+    plan: Any = None
+    """``None``: train as the options say; ``"auto"``: measure the plans valid here on the first batch and
+    train on the fastest (:mod:`dlperf.parallel.planner`); a :class:`~dlperf.parallel.plan.Plan` or its
+    name (``"1x2,channels-last"``) to pin one. A plan overrides threads, layout, algorithm, buckets, store."""
+    planner: PlannerOptions | None = None
+    """How ``plan="auto"`` plans (budget, rounds, mixed precision allowed, cache); None: the defaults."""
 
     def __post_init__(self) -> None:
         if self.memory_format not in MEMORY_FORMATS:
@@ -92,6 +109,12 @@ class TrainerConfig:
                              "params -> torch.optim.Optimizer")
         if isinstance(self.optimizer, str):
             OPTIMIZERS.get(self.optimizer)  # a miss lists the names
+        if isinstance(self.plan, str) and self.plan != "auto":
+            self.plan = parse_plan(self.plan)  # one line naming the bad part
+        elif self.plan is not None and self.plan != "auto" and not isinstance(self.plan, Plan):
+            raise UsageError(f"plan={self.plan!r}: expected None, 'auto', a Plan or a plan name such as '1x2'")
+        if self.planner is not None and not isinstance(self.planner, PlannerOptions):
+            raise UsageError(f"planner={self.planner!r}: expected a PlannerOptions (or None)")
 
     def new_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         """One optimizer over ``params`` as configured."""

@@ -104,6 +104,8 @@ class TrainConfig:
     """File the engine's timeline of the run is written to (Chrome trace JSON; ``dlperf trace FILE``)."""
     processes: int | None = None
     """Processes training together (``devices`` are each one's own); None: as the launcher started this one."""
+    plan: Any = None
+    """The :class:`~dlperf.parallel.plan.Plan` the Trainer follows (None: as the options say; see TrainerConfig)."""
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -291,6 +293,7 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
         on_message(describe_auto_choice(model, config.device_list(), config.bucket_bytes))
     options = TrainerConfig("sgd", {"lr": config.lr}, loss=state.spec.loss, algorithm=config.algorithm,
                             bucket_bytes=config.bucket_bytes, kvstore=config.kvstore, check_finite=config.check_finite,
+                            plan=config.plan,
                             # one timeline per run: the first process's (the others would write the same file)
                             trace=config.trace if rank_info().rank == 0 else None)
     with Trainer(model, config.device_list(), config=options) as trainer:

@@ -1,0 +1,244 @@
+"""dlperf's planned training step against the peers a practitioner writes by hand, per model, in one run.
+
+    flock /tmp/dlperf-cpu.lock .venv/bin/python benchmarks/bench_plan.py            # every model
+    .venv/bin/python benchmarks/bench_plan.py --quick --models lenet,mlp            # a few minutes
+
+For each model and batch (LeNet b256, ResNet-18 on 28x28 b128, Shi et al.'s fcn-s b64 and ResNet-56 b128,
+the zoo's LSTM b128, a small Transformer-encoder classifier b64, d2l's MLP b64):
+
+* **planning**: :func:`dlperf.parallel.planning.plan_for` on the machine's cores with a fresh plan cache
+  (``planning_s``), then again with the decision cached (``cached_planning_s``);
+* **dlperf planned**: a Trainer following the chosen plan, one training step on the whole batch;
+* **peers**: a plain PyTorch loop (zero_grad, forward, loss, backward, SGD step) with 1 and with 2 intra-op
+  threads, each contiguous and, for models with 2-D convolutions, channels-last; and PyTorch DDP with 2 gloo
+  processes of 1 thread each on 127.0.0.1, each layout, started once for every model. These are
+  ``bench_data_parallel.py``'s peers (there for LeNet only), written here for any model.
+
+The in-process configurations are timed in alternating rounds with the shared timer (warm-up, then the median
+of single steps; each timing carries a contention mark); the least disturbed round of each counts.
+``plan_vs_best_peer`` is the planned step over the fastest peer's (<= 1.0: never slower than the best
+hand-tuned peer). The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from dlperf._hostmem import host_malloc_state, keep_freed_host_memory
+from dlperf.devices import cpu
+from dlperf.models import get_spec
+from dlperf.parallel import Trainer
+from dlperf.parallel.launchers import ProcessLauncher, rank_info
+from dlperf.parallel.plan import uses_conv2d
+from dlperf.parallel.planner import PlannerOptions, usable_cores
+from dlperf.parallel.planning import plan_for
+from dlperf.timing import time_steps
+
+DDP_TIMEOUT_S = 600
+LR = 0.01
+
+
+class TransformerClassifier(nn.Module):
+    """A small Transformer-encoder classifier on token ids: embedding, 2 encoder layers, mean pool, linear."""
+
+    def __init__(self, vocab: int = 1000, d_model: int = 64, heads: int = 4, layers: int = 2, classes: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=4 * d_model, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+def _transformer_batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 1000, (n, 32), generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+# name -> (zoo name or None, batch)
+MODELS: dict[str, tuple[str | None, int]] = {
+    "lenet": ("lenet", 256), "resnet18": ("resnet18", 128), "fcn-s": ("fcn-s", 64), "resnet-56": ("resnet-56", 128),
+    "lstm": ("lstm", 128), "transformer": (None, 64), "mlp": ("mlp", 64),
+}
+
+
+def workload(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Callable]:
+    """(model, (inputs, targets), loss) with fixed seeds: every process and configuration gets the same."""
+    zoo, batch = MODELS[name]
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if zoo is None:
+        return TransformerClassifier(), _transformer_batch(batch, g), nn.functional.cross_entropy
+    spec = get_spec(zoo)
+    return spec.build(), spec.input.make_batch(batch, generator=g), spec.loss
+
+
+def layouts(model: nn.Module, X: torch.Tensor) -> list[bool]:
+    return [False, True] if uses_conv2d(model) and X.dim() == 4 else [False]
+
+
+def plain_step(name: str, channels_last: bool) -> Callable[[], None]:
+    """The hand-written loop: one model, the whole batch, SGD."""
+    model, (X, y), loss = workload(name)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        X = X.contiguous(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss(model(X), y).backward()
+        opt.step()
+    return step
+
+
+def _ddp_worker(names: list[str], steps: int, warmup: int, rounds: int) -> dict[str, float]:
+    """One DDP rank: each model's steps on its half of the batch, both layouts where they apply."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world, _ = rank_info()
+    torch.set_num_threads(1)
+    out: dict[str, float] = {}
+    for name in names:
+        model0, (X, y), loss = workload(name)
+        mine = slice(rank * X.shape[0] // world, (rank + 1) * X.shape[0] // world)
+        for cl in layouts(model0, X):
+            model, (X, y), loss = workload(name)
+            Xr, yr = X[mine], y[mine]
+            if cl:
+                model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+                Xr = Xr.contiguous(memory_format=torch.channels_last)
+            ddp = DDP(model)
+            opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+
+            def step(ddp=ddp, opt=opt, Xr=Xr, yr=yr, loss=loss) -> None:
+                opt.zero_grad(set_to_none=True)
+                loss(ddp(Xr), yr).backward()  # DDP averages the gradients over ranks during backward
+                opt.step()
+            # a barrier around each step: both ranks start together, a step ends with the slower
+            best = min(time_steps(step, warmup=warmup, steps=steps, synchronize=dist.barrier, threads=1).median_s
+                       for _ in range(rounds))
+            out[f"{name}/ddp{'_channels_last' if cl else ''}"] = best * 1e3
+    return out
+
+
+def measure_ddp(names: list[str], steps: int, warmup: int, rounds: int) -> dict[str, float]:
+    launcher = ProcessLauncher(2, backend="gloo", join_timeout_s=DDP_TIMEOUT_S)
+    results = launcher.launch(_ddp_worker, names, steps, warmup, rounds)
+    return {k: max(r[k] for r in results) for k in results[0]}  # a step ends when the slower rank ends
+
+
+def measure_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict:
+    model, (X, y), loss = workload(name)
+    os.environ["XDG_CACHE_HOME"] = cache_dir  # a fresh plan cache: planning_s is a first run's
+    options = PlannerOptions(steps=args.plan_steps, rounds=args.plan_rounds)
+    t0 = time.perf_counter()
+    decision = plan_for(model, (X, y), optimizer_params={"lr": LR}, loss=loss, options=options)
+    planning_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cached = plan_for(model, (X, y), optimizer_params={"lr": LR}, loss=loss, options=options)
+    cached_s = time.perf_counter() - t0
+    assert cached.cached and cached.plan == decision.plan
+    plan = decision.plan
+    trainer = Trainer(workload(name)[0], plan.devices_for([cpu(0)]), "sgd", {"lr": LR}, loss=loss, plan=plan,
+                      processes=None)
+    configs: dict[str, tuple[Callable[[], object], int]] = {"dlperf_planned": (lambda: trainer.train_step(X, y),
+                                                                                plan.replicas * plan.threads)}
+    for threads in (1, 2):
+        for cl in layouts(model, X):
+            configs[f"plain_{threads}t{'_channels_last' if cl else ''}"] = (plain_step(name, cl), threads)
+    rounds: dict[str, list[float]] = {k: [] for k in configs}
+    contended: dict[str, bool] = {k: False for k in configs}
+    try:
+        for i in range(args.rounds):
+            for key in (configs if i % 2 == 0 else dict(reversed(configs.items()))):
+                step, threads = configs[key]
+                before = torch.get_num_threads()
+                torch.set_num_threads(threads if key != "dlperf_planned" else before)
+                try:
+                    t = time_steps(step, warmup=args.warmup if i == 0 else 0, steps=args.steps, threads=threads)
+                finally:
+                    torch.set_num_threads(before)
+                rounds[key].append(t.median_s * 1e3)
+                contended[key] |= t.contended
+    finally:
+        trainer.close()
+    return {"plan": plan.name, "plan_line": plan.line(), "reasons": list(plan.reasons), "planning_s": planning_s,
+            "cached_planning_s": cached_s, "skipped": decision.skipped, "candidates": decision.to_dict()["candidates"],
+            "ms": {k: min(v) for k, v in rounds.items()}, "rounds_ms": rounds, "contended": contended}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the least disturbed counts")
+    ap.add_argument("--plan-steps", type=int, default=3, help="the planner's timed steps per candidate and round")
+    ap.add_argument("--plan-rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="fewer steps and rounds (a few minutes for every model)")
+    ap.add_argument("--no-ddp", action="store_true", help="skip the DDP peers (no process launch)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.rounds, args.plan_steps, args.plan_rounds = 3, 1, 2, 2, 2
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"unknown models {unknown}; valid: {', '.join(MODELS)}")
+    keep_freed_host_memory()  # as dlperf's commands (and bench_data_parallel.py) allocate
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-plan-") as cache_dir:
+        for name in names:
+            started = time.perf_counter()
+            results[name] = measure_model(name, args, cache_dir)
+            print(f"{name}: {results[name]['plan']} ({time.perf_counter() - started:.0f} s)", file=sys.stderr,
+                  flush=True)
+    ddp = {} if args.no_ddp else measure_ddp(names, args.steps, args.warmup, args.rounds)
+
+    print(f"one training step per model, ms (median of {args.steps} steps, best of {args.rounds} alternating rounds; "
+          f"{usable_cores()} cores; torch {torch.__version__}; host memory: {host_malloc_state()})")
+    summary: dict[str, dict] = {}
+    for name in names:
+        r = results[name]
+        peers = {k: v for k, v in r["ms"].items() if k != "dlperf_planned"}
+        peers.update({k.split("/", 1)[1]: v for k, v in ddp.items() if k.startswith(name + "/")})
+        best_peer = min(peers, key=peers.__getitem__)
+        ratio = r["ms"]["dlperf_planned"] / peers[best_peer]
+        print(f"\n{name} ({MODELS[name][1]} examples): {r['plan_line']}")
+        print(f"  planning {r['planning_s']:.1f} s, cached {r['cached_planning_s']:.2f} s"
+              + (f"; skipped: {'; '.join(r['skipped'])}" if r["skipped"] else ""))
+        rows = {"dlperf_planned": r["ms"]["dlperf_planned"], **peers}
+        for key, ms in rows.items():
+            mark = " (contended)" if r["contended"].get(key) else ""
+            print(f"  {key:<34} {ms:>9.2f}{mark}")
+        print(f"  plan_vs_best_peer {ratio:.3f} (best peer: {best_peer})")
+        summary[name] = {"plan": r["plan"], "plan_vs_best_peer": ratio, "best_peer": best_peer,
+                         "planned_ms": r["ms"]["dlperf_planned"], "peers_ms": peers, "planning_s": r["planning_s"],
+                         "cached_planning_s": r["cached_planning_s"], "skipped": r["skipped"],
+                         "contended": any(r["contended"].values()), "rounds_ms": r["rounds_ms"],
+                         "candidates": r["candidates"]}
+    ratios = [s["plan_vs_best_peer"] for s in summary.values()]
+    doc = {"models": summary, "plan_vs_best_peer": {n: s["plan_vs_best_peer"] for n, s in summary.items()},
+           "planning_s": {n: s["planning_s"] for n, s in summary.items()},
+           "cached_planning_s": {n: s["cached_planning_s"] for n, s in summary.items()},
+           "at_most_1": sum(r <= 1.0 for r in ratios), "at_most_0_9": sum(r <= 0.9 for r in ratios),
+           "contended": any(s["contended"] for s in summary.values()), "host_malloc": host_malloc_state(),
+           "cores": usable_cores(), "torch": torch.__version__}
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,494 @@
+"""The planner: which :class:`~dlperf.parallel.plan.Plan` trains this model fastest here, found by measuring.
+
+1. **Enumerate** the plans valid for the model, batch and devices: replicas x intra-op threads that fill
+   the cores (the replica count stays the reference's for a model with BatchNorm, whose statistics depend
+   on the split), each layout where 2-D convolutions make it matter, then on the fastest of those every
+   other registered execution (``torch.compile`` only when the run's length is known and its compile time
+   fits the budget); on GPUs precision (only when allowed), cuDNN benchmark mode and pinned memory.
+2. **Price** each replicas x threads split with the cost model (:func:`~dlperf.probe.cost.step_floor`,
+   with the saved probe's figures at that thread count, else d2l's quad-core) and drop those whose floor
+   is far above the best; the allreduce algorithm of a split with several replicas is the cost model's pick.
+3. **Measure** the survivors a few steps each, in alternating rounds through :func:`dlperf.timing.time_steps`
+   (each timing carries its contention mark); the least disturbed round counts, as in the benchmarks.
+4. **Keep** the fastest only if it beats the reference (the run as it would be without a plan) by more
+   than the noise, else the reference; cache the decision (:mod:`~dlperf.parallel.plan_cache`).
+
+Everything stays inside a time budget (default: 10% of the planned run or 30 s, whichever is smaller);
+what did not fit is listed in :attr:`PlanDecision.skipped`. Candidates are measured through a builder the
+caller gives (``build(plan) -> CandidateRun``), so the planner knows nothing of who runs the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..devices import Device
+from ..errors import UsageError
+from ..timing import time_steps
+from .allreduce import DEFAULT_ALGORITHM
+from .plan import EXECUTIONS, Plan, has_batch_statistics, uses_conv2d
+from .plan_cache import cached_plan, plan_key, save_plan
+
+__all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "enumerate_plans",
+           "usable_cores", "DEFAULT_BUDGET_S"]
+
+DEFAULT_BUDGET_S = 30.0
+RUN_SHARE = 0.1
+"""The share of the planned run the planner may spend (when the run's length is known)."""
+MIN_GAIN = 0.03
+"""A plan must beat the reference by at least this fraction, whatever the measured spread."""
+PRUNE_RATIO = 3.0
+"""Splits whose cost-model floor exceeds the best floor this many times are not measured."""
+MAX_REPLICAS_TRIED = 8
+
+
+@dataclass
+class PlannerOptions:
+    """How hard the planner looks; every field is checked when made."""
+
+    budget_s: float | None = None
+    """Seconds planning may take (None: 10% of the run when ``run_steps`` is given, at most 30 s)."""
+    run_steps: int | None = None
+    """Steps the run will take, when known: sets the budget and lets compiled executions be weighed."""
+    steps: int = 3
+    """Timed steps per candidate per round."""
+    warmup: int = 1
+    """Untimed steps per candidate before its first round (first allocations, compilation)."""
+    rounds: int = 3
+    """Alternating rounds; each candidate's least disturbed round counts."""
+    keep: int = 8
+    """At most this many candidates are measured after pricing (the reference always is)."""
+    allow_mixed_precision: bool = False
+    """Consider bf16/fp16 plans, which change the numerics (GPUs only)."""
+    executions: Sequence[str] | None = None
+    """Executions to consider (None: every registered one available here)."""
+    cores: int | None = None
+    """CPU cores the replicas' threads may fill (None: those this process may run on)."""
+    use_cache: bool = True
+    """Return a cached decision without measuring, and record new ones."""
+    cache_path: str | None = None
+    """Where decisions are cached (None: ``$XDG_CACHE_HOME/dlperf/plans.json``)."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("warmup", 0), ("rounds", 1), ("keep", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1000:
+                raise UsageError(f"planner {name}={value!r}: expected an integer from {low} to 1000")
+        if self.budget_s is not None and (isinstance(self.budget_s, bool) or not isinstance(self.budget_s, (int, float))
+                                          or not 0 < self.budget_s <= 3600):
+            raise UsageError(f"planner budget_s={self.budget_s!r}: expected seconds in (0, 3600]")
+        for name in ("run_steps", "cores"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UsageError(f"planner {name}={value!r}: expected an integer >= 1 (or None)")
+        for name in self.executions or ():
+            EXECUTIONS.get(name)  # a miss lists what exists
+
+
+@dataclass
+class CandidateRun:
+    """A plan made ready to time: ``step()`` runs one training step, ``close()`` frees it."""
+
+    step: Callable[[], object]
+    close: Callable[[], None]
+    threads: int = 1
+    """Threads a step keeps busy (the contention check compares the machine's load against it)."""
+    synchronize: Callable[[], None] = lambda: None
+
+
+@dataclass
+class Measurement:
+    """One candidate: its floor, each round's median ms per step, and why it was not measured, if so."""
+
+    plan: Plan
+    floor_ms: float | None = None
+    by_round: dict[int, float] = field(default_factory=dict)
+    """Median ms per step in each round it was timed in (rounds count from 0)."""
+    first_step_ms: float | None = None
+    contended: bool = False
+    note: str = ""
+
+    @property
+    def rounds_ms(self) -> list[float]:
+        return list(self.by_round.values())
+
+    @property
+    def ms(self) -> float | None:
+        """The least disturbed round's median (another process only ever slows a round down)."""
+        return min(self.by_round.values()) if self.by_round else None
+
+    def ratios(self, other: Measurement) -> list[float]:
+        """This candidate's time over ``other``'s in each round both were timed in: side by side, so a
+        change in the machine's load between rounds moves both."""
+        return [ms / other.by_round[i] for i, ms in self.by_round.items() if i in other.by_round]
+
+
+@dataclass
+class PlanDecision:
+    """The chosen plan (with its figures), the reference it had to beat, and everything measured."""
+
+    plan: Plan
+    reference: Plan
+    measurements: list[Measurement] = field(default_factory=list)
+    planning_s: float = 0.0
+    cached: bool = False
+    skipped: list[str] = field(default_factory=list)
+    noise: float = MIN_GAIN
+    contended: bool = False
+
+    def table(self) -> str:
+        """Every candidate, its floor and rounds, for people (``plan.describe()`` has the choice)."""
+        rows = [f"{'plan':<40} {'floor ms':>9} {'ms/step':>9}  rounds / note"]
+        for m in self.measurements:
+            mark = "*" if m.plan == self.plan else " "
+            floor = f"{m.floor_ms:9.2f}" if m.floor_ms is not None else f"{'-':>9}"
+            ms = f"{m.ms:9.2f}" if m.ms is not None else f"{'-':>9}"
+            rounds = " ".join(f"{r:.2f}" for r in m.rounds_ms)
+            rows.append(f"{mark}{m.plan.name:<39} {floor} {ms}  {rounds}{' ' + m.note if m.note else ''}")
+        state = "cached" if self.cached else f"{self.planning_s:.1f} s"
+        rows.append(f"planning: {state}; noise {self.noise:.0%}{'; CONTENDED' if self.contended else ''}")
+        rows += [f"skipped: {s}" for s in self.skipped]
+        return "\n".join(rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.name, "reference": self.reference.name, "measured_ms": self.plan.measured_ms,
+                "planning_s": self.planning_s, "cached": self.cached, "noise": self.noise,
+                "contended": self.contended, "skipped": list(self.skipped),
+                "candidates": {m.plan.name: {"ms": m.ms, "rounds_ms": m.rounds_ms, "floor_ms": m.floor_ms,
+                                             "note": m.note} for m in self.measurements}}
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity, which a container or ``taskset`` narrows)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _inputs(batch: Any) -> Any:
+    return batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+
+
+def _examples(batch: Any) -> int:
+    from ..batch import batch_size
+
+    return batch_size(_inputs(batch), "the example batch")
+
+
+def enumerate_plans(model: nn.Module, batch: Any, devices: Sequence[Device], reference: Plan,
+                    options: PlannerOptions) -> tuple[list[Plan], list[str]]:
+    """The eager plans worth measuring beside ``reference`` (first in the list), and notes on what was left out."""
+    notes: list[str] = []
+    x = _inputs(batch)
+    layouts = ["contiguous"]
+    if uses_conv2d(model) and isinstance(x, torch.Tensor) and x.dim() == 4:
+        layouts.append("channels_last")
+    base = dataclasses.replace(reference, execution="eager")
+    if any(d.is_gpu for d in devices):
+        return _gpu_plans(base, layouts, model, options, notes), notes
+    cores = options.cores or usable_cores()
+    if has_batch_statistics(model):
+        splits = [(reference.replicas, max(1, cores // reference.replicas))]
+        notes.append(f"replicas: kept at {reference.replicas} (BatchNorm's statistics depend on the split)")
+    else:
+        n = _examples(batch)
+        # one replica with any number of threads (a small model runs fastest on fewer than all the cores),
+        # several replicas sharing the cores evenly
+        splits = [(1, t) for t in sorted({1, 2, 4, cores} - {c for c in (2, 4) if c > cores})]
+        splits += [(r, cores // r) for r in range(2, min(cores, n, MAX_REPLICAS_TRIED) + 1)
+                   if r * (cores // r) == cores]
+    plans = [reference]
+    for r, t in splits:
+        # a split of its own gets the cost model's allreduce (resolved in search); the reference keeps the user's
+        algorithm = reference.algorithm if r == reference.replicas else ("auto" if r > 1 else DEFAULT_ALGORITHM)
+        # one replica runs on the calling thread: no hand-off to a worker and back each step
+        where = "caller" if r == 1 else "worker"
+        for layout in layouts:
+            plan = dataclasses.replace(base, replicas=r, threads=t, memory_format=layout, algorithm=algorithm,
+                                       step_thread=where)
+            if plan not in plans:
+                plans.append(plan)
+    return plans, notes
+
+
+def _gpu_plans(base: Plan, layouts: list[str], model: nn.Module, options: PlannerOptions,
+               notes: list[str]) -> list[Plan]:
+    precisions = ["off"]
+    if options.allow_mixed_precision and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        precisions.append("bf16")
+    elif not options.allow_mixed_precision:
+        notes.append("mixed precision: not considered (it changes the numerics; allow it to consider it)")
+    conv = uses_conv2d(model)
+    plans = [base]
+    for layout in layouts:
+        for precision in precisions:
+            plan = dataclasses.replace(base, memory_format=layout, mixed_precision=precision, cudnn_benchmark=conv,
+                                       pin_memory=True)
+            if plan not in plans:
+                plans.append(plan)
+    return plans
+
+
+def _floors(model: nn.Module, batch: Any, plans: Sequence[Plan]) -> tuple[dict[tuple[int, int], float], str]:
+    """The cost model's step floor (ms) of each replicas x threads split, and where its figures came from."""
+    from ..probe.cache import load_probe
+    from ..probe.cost import Hardware, count_step, step_floor
+
+    x = _inputs(batch)
+    if not isinstance(x, torch.Tensor):
+        return {}, "not priced: the cost model counts models of one tensor input"
+    counts = count_step(model, x)
+    probe = load_probe(quiet=True)
+    floors: dict[tuple[int, int], float] = {}
+    source = "the saved probe" if probe is not None else "d2l's quad-core (no saved probe: run dlperf probe)"
+    for r, t in sorted({(p.replicas, p.threads) for p in plans}):
+        hw = None
+        if probe is not None:
+            try:
+                hw = Hardware.from_probe_result(probe, threads=t)
+            except (UsageError, KeyError, ValueError):
+                hw = None
+        if hw is None:
+            seed = Hardware.from_seed("cpu-4core")  # one core's figures: t threads, t times the FLOP/s
+            hw = dataclasses.replace(seed, flops={k: v * t for k, v in seed.flops.items()})
+        floors[(r, t)] = step_floor(counts, hw, devices=r, allreduce="sharded" if r > 1 else None).no_overlap_s * 1e3
+    return floors, source
+
+
+def _price(model: nn.Module, batch: Any, plans: list[Plan], options: PlannerOptions,
+           notes: list[str]) -> list[Measurement]:
+    """Measurements-to-be for the plans the cost model does not rule out (the reference always stays)."""
+    try:
+        floors, source = _floors(model, batch, plans)
+        if floors:
+            notes.append(f"floors: the cost model with {source}")
+        else:
+            notes.append(source)
+    except Exception as exc:  # noqa: BLE001 - counting runs the user's model on meta tensors
+        floors = {}
+        notes.append(f"not priced: counting the step failed ({type(exc).__name__}: {str(exc)[:80]})")
+    found = [Measurement(p, floors.get((p.replicas, p.threads))) for p in plans]
+    best = min((m.floor_ms for m in found if m.floor_ms is not None), default=None)
+    kept = [found[0]]
+    rest = sorted(found[1:], key=lambda m: m.floor_ms if m.floor_ms is not None else 0.0)
+    for m in rest:
+        if best is not None and m.floor_ms is not None and m.floor_ms > PRUNE_RATIO * best:
+            notes.append(f"{m.plan.name}: not measured, its floor {m.floor_ms:.2f} ms is over "
+                         f"{PRUNE_RATIO:g}x the best")
+        elif len(kept) >= options.keep:
+            notes.append(f"{m.plan.name}: not measured, beyond the {options.keep} kept after pricing")
+        else:
+            kept.append(m)
+    return kept
+
+
+def _with_algorithm(plan: Plan, model: nn.Module, devices: Sequence[Device]) -> tuple[Plan, str | None]:
+    """``plan`` with the allreduce algorithm the cost model picks for its gradient buckets, and why."""
+    if plan.replicas < 2 or plan.kvstore is not None or plan.algorithm != "auto":
+        return plan, None
+    from .allreduce import choose_algorithm
+    from .buckets import auto_bucket_bytes
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    sizes = [p.numel() * p.element_size() for p in params]
+    cap = plan.bucket_bytes or auto_bucket_bytes(params)
+    nbytes = max(min(sum(sizes), cap), max(sizes, default=0))
+    name, reason = choose_algorithm(nbytes, plan.devices_for(devices), workers=True)
+    return dataclasses.replace(plan, algorithm=name), f"allreduce {name}: {reason}"
+
+
+class _Session:
+    """One search's clock, open candidate runs and notes."""
+
+    def __init__(self, build: Callable[[Plan], CandidateRun], options: PlannerOptions) -> None:
+        self.build, self.options = build, options
+        self.start = time.perf_counter()
+        self.budget = options.budget_s if options.budget_s is not None else DEFAULT_BUDGET_S
+        self.runs: dict[int, CandidateRun] = {}
+        self.skipped: list[str] = []
+        self.round_index = 0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def time_round(self, m: Measurement, index: int) -> None:
+        run = self.runs.get(id(m))
+        try:
+            if run is None:
+                run = self.runs[id(m)] = self.build(m.plan)
+            first = m.first_step_ms is None
+            # a slow step stops its timing once the budget is spent (one timed step is always taken)
+            timing = time_steps(run.step, warmup=self.options.warmup if first else 0, steps=self.options.steps,
+                                synchronize=run.synchronize, threads=run.threads, min_steps=1,
+                                max_seconds=max(0.0, self.budget - self.elapsed()))
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is dropped, with the reason
+            m.note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
+            m.by_round.clear()
+            return
+        m.by_round[index] = timing.median_s * 1e3
+        m.contended |= timing.contended
+        if first:
+            m.first_step_ms = timing.warmup_samples[0] * 1e3 if timing.warmup_samples else m.by_round[index]
+
+    def rounds(self, group: list[Measurement], rounds: int) -> None:
+        """Alternate over ``group``, the order reversed every other round so drift hits all alike."""
+        for i in range(rounds):
+            if i > 0 and self.elapsed() > self.budget:
+                break  # every candidate timed so far has a figure from the rounds it shared with the others
+            order = group if i % 2 == 0 else group[::-1]
+            for m in order:
+                if m.note.startswith("failed") or self.round_index + i in m.by_round:
+                    continue
+                if m is not group[0] and self.elapsed() > self.budget:
+                    if not m.by_round:
+                        m.note = "skipped for time"
+                    continue  # one with a figure is only refined by more rounds
+                self.time_round(m, self.round_index + i)
+        self.round_index += rounds
+
+    def close(self) -> None:
+        for run in self.runs.values():
+            run.close()
+        self.runs.clear()
+
+
+def _difference(plan: Plan, chosen: Plan) -> str:
+    """What sets ``plan`` apart from ``chosen``, in the plan line's words (``2 x 1``, ``contiguous``)."""
+    parts = []
+    if (plan.replicas, plan.threads) != (chosen.replicas, chosen.threads):
+        parts.append(f"{plan.replicas} x {plan.threads}")
+    if plan.step_thread != chosen.step_thread:
+        parts.append("calling thread" if plan.step_thread == "caller" else "worker")
+    if plan.memory_format != chosen.memory_format:
+        parts.append(plan.memory_format.replace("_", "-"))
+    if plan.execution != chosen.execution:
+        parts.append(plan.execution)
+    if plan.mixed_precision != chosen.mixed_precision:
+        parts.append(f"precision {plan.mixed_precision}")
+    return ", ".join(parts) or plan.name
+
+
+def _gain(m: Measurement, against: Measurement) -> tuple[float, float]:
+    """(median ratio of ``m`` to ``against`` over the rounds both ran, half the ratios' range): how much
+    faster ``m`` is, and how much that moved from round to round."""
+    ratios = sorted(m.ratios(against))
+    if not ratios:
+        return float("inf"), 0.0
+    return statistics.median(ratios), (ratios[-1] - ratios[0]) / 2
+
+
+def _decide(found: list[Measurement], session: _Session, reasons: list[str]) -> tuple[Measurement, float]:
+    """The fastest candidate by its ratio to the reference round by round, if that beats the noise."""
+    reference = found[0]
+    if reference.ms is None:
+        raise UsageError(f"the reference plan {reference.plan.name} could not run ({reference.note}); "
+                         "check the model, batch and devices without a plan first")
+    measured = [m for m in found if m.ms is not None and m.ratios(reference)]
+    best = min(measured, key=lambda m: _gain(m, reference)[0])
+    run_steps = session.options.run_steps
+    if best.plan.execution != "eager" and run_steps and best.first_step_ms is not None:
+        setup_ms = max(0.0, best.first_step_ms - (best.ms or 0.0))
+        if (best.ms or 0.0) * run_steps + setup_ms >= (reference.ms or 0.0) * run_steps:
+            reasons.append(f"{best.plan.execution}: its setup ({setup_ms / 1e3:.1f} s) outweighs its gain over "
+                           f"{run_steps} steps")
+            best = min((m for m in measured if m.plan.execution == "eager"), key=lambda m: _gain(m, reference)[0])
+    ratio, moved = _gain(best, reference)
+    noise = max(MIN_GAIN, moved)
+    if best is not reference and ratio < 1 - noise and max(best.ratios(reference)) < 1:
+        reasons.append(f"measured: {ratio:.2f}x the reference's step time in every round ({best.ms:.2f} against "
+                       f"{reference.ms:.2f} ms at best), beyond the noise ({noise:.0%})")
+        return best, noise
+    reasons.append(f"measured: no plan beat the reference ({reference.ms:.2f} ms/step) in every round by more "
+                   f"than the noise ({noise:.0%}); kept it")
+    return reference, noise
+
+
+def _executions_phase(session: _Session, found: list[Measurement], model: nn.Module,
+                      devices: Sequence[Device]) -> list[Measurement]:
+    """Every other execution on the fastest eager plan, when the run's length lets it pay and time allows."""
+    options = session.options
+    measured = [m for m in found if m.ms is not None]
+    if not measured:
+        return []
+    leader = min(measured, key=lambda m: m.ms or 0.0)
+    names = [n for n in (options.executions or EXECUTIONS.names()) if n != "eager"]
+    extra: list[Measurement] = []
+    for name in names:
+        execution = EXECUTIONS.get(name)
+        why = execution.unavailable(model, devices)
+        if why:
+            session.skipped.append(f"{name}: {why}")
+            continue
+        if execution.setup_s > 0 and options.run_steps is None:
+            session.skipped.append(f"{name}: the run's length is unknown, so its setup cannot be weighed")
+            continue
+        if session.elapsed() + execution.setup_s > session.budget:
+            session.skipped.append(f"{name}: needs ~{execution.setup_s:.0f} s of setup, beyond the time budget "
+                                   f"({session.budget:.1f} s)")
+            continue
+        m = Measurement(dataclasses.replace(leader.plan, execution=name), leader.floor_ms)
+        session.rounds([leader, m], max(1, options.rounds - 1))
+        extra.append(m)
+    return extra
+
+
+def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Callable[[Plan], CandidateRun],
+           reference: Plan, options: PlannerOptions | None = None) -> PlanDecision:
+    """Choose the plan to train ``model`` on ``batch`` across ``devices`` (see the module's steps).
+
+    ``reference`` is what the run would do without a plan; ``build(plan)`` readies a candidate on its own
+    copy of the model (the caller's weights are never stepped).
+    """
+    options = options or PlannerOptions()
+    extra = repr((reference.to_dict(), options.allow_mixed_precision, tuple(options.executions or ()),
+                  options.cores or usable_cores(), options.run_steps is not None))
+    key = plan_key(model, batch, devices, extra)
+    started = time.perf_counter()
+    if options.use_cache:
+        hit = cached_plan(key, options.cache_path)
+        if hit is not None:
+            return PlanDecision(hit, reference, planning_s=time.perf_counter() - started, cached=True)
+    plans, notes = enumerate_plans(model, batch, devices, reference, options)
+    reasons = list(notes)
+    plans = [_chosen_algorithm(p, model, devices, reasons) for p in plans]
+    found = _price(model, batch, plans, options, reasons)
+    session = _Session(build, options)
+    try:
+        session.time_round(found[0], 0)  # round 0's reference; its step time sets the budget for a known run
+        if options.budget_s is None and options.run_steps and found[0].ms is not None:
+            session.budget = min(DEFAULT_BUDGET_S, RUN_SHARE * options.run_steps * found[0].ms / 1e3)
+        session.rounds(found, options.rounds)
+        found += _executions_phase(session, found, model, devices)
+    finally:
+        session.close()
+    best, noise = _decide(found, session, reasons)
+    alternatives = [(_difference(m.plan, best.plan), m.ms) for m in found if m is not best and m.ms is not None]
+    plan = best.plan.with_figures(best.ms, [(n, ms) for n, ms in alternatives if ms is not None], reasons)
+    late = [m.plan.name for m in found if m.note == "skipped for time"]
+    skipped = session.skipped + ([f"for time (budget {session.budget:.1f} s): {'; '.join(late)}"] if late else [])
+    decision = PlanDecision(plan, reference, found, time.perf_counter() - started, False, skipped, noise,
+                            any(m.contended for m in found))
+    if options.use_cache:
+        save_plan(key, plan, options.cache_path)
+    return decision
+
+
+def _chosen_algorithm(plan: Plan, model: nn.Module, devices: Sequence[Device], reasons: list[str]) -> Plan:
+    try:
+        plan, reason = _with_algorithm(plan, model, devices)
+    except UsageError as exc:
+        reasons.append(f"{plan.name}: allreduce left at auto ({exc})")
+        return plan
+    if reason and reason not in reasons:
+        reasons.append(reason)
+    return plan
