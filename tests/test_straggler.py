@@ -98,3 +98,17 @@ def test_the_interface_that_reaches_the_master_is_given_to_gloo_and_to_tensorpip
     nowhere = {"MASTER_ADDR": "192.0.2.1"}
     processes.choose_socket_interface(nowhere)
     assert nowhere == {"MASTER_ADDR": "192.0.2.1"}
+
+
+def test_a_host_whose_writes_to_the_store_are_slow_is_named_on_a_slow_link():
+    def rows(*link_ms: float) -> ExchangeReport:
+        return ExchangeReport(tuple(ExchangeRow(r, f"h{r}", 1.5, 20, ms / 1e3) for r, ms in enumerate(link_ms)))
+
+    slow = rows(0.9, 1.8, 21.7)
+    assert slow.straggler() is None and slow.slow_link() == "h2"
+    assert slow.describe().startswith("straggler: h2, on a slow link (every rank spent 1.50-1.50 s in 20 sums")
+    assert slow.as_dict()["straggler"] == {"rank": None, "host": "h2", "cause": "slow link"}
+    assert rows(0.9, 1.8, 2.1).slow_link() is None
+    # the first host's writes cross no link; with one other host no side of the link can be blamed
+    assert rows(30.0, 1.8, 2.0).slow_link() is None
+    assert rows(0.9, 21.7).slow_link() is None

@@ -202,6 +202,9 @@ _STRAGGLER_FACTOR = 2.0
 _STRAGGLER_MIN_WAIT_S = 1e-3
 """... and waited on it more than this per sum, on average (below it the difference is noise)."""
 _GATHER_TIMEOUT_S = 10.0
+_LINK_PROBE_BYTES = 1 << 18
+"""A slow link slows every rank's sums alike (a ring waits on its slowest hop), so the sums cannot name it:
+each rank also times one write of this many bytes to the store, a few milliseconds on a fast link."""
 _LAST_REPORT: ExchangeReport | None = None
 _gathers = 0  # trainers one process ended: each gathers under its own keys
 
@@ -238,6 +241,8 @@ class ExchangeRow:
     host: str
     seconds: float
     count: int
+    link_s: float = 0.0
+    """The best of two writes of ``_LINK_PROBE_BYTES`` to the launch's store (on the first rank's host)."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +263,25 @@ class ExchangeReport:
         least = min(r.seconds for r in self.rows)
         return [r.seconds - least for r in self.rows]
 
+    def slow_link(self) -> str | None:
+        """The host whose link to the store is slow next to the other hosts', or ``None``.
+
+        Writes from the first rank's host do not cross a link, so only the other hosts are compared, and
+        only when there are at least two of them (with one, no side of the link can be blamed).
+        """
+        first = self.rows[0].host
+        best: dict[str, float] = {}
+        for r in self.rows:
+            if r.host != first:
+                best[r.host] = min(r.link_s, best.get(r.host, float("inf")))
+        if len(best) < 2:
+            return None
+        host = max(best, key=lambda h: best[h])
+        others = max(s for h, s in best.items() if h != host)
+        if best[host] > _STRAGGLER_FACTOR * others and best[host] - others > _STRAGGLER_MIN_WAIT_S:
+            return host
+        return None
+
     def straggler(self) -> ExchangeRow | None:
         """The rank every other rank waited on, or ``None`` when no rank held the others up."""
         if len(self.rows) < 2:
@@ -275,6 +299,13 @@ class ExchangeReport:
         count = max(r.count for r in self.rows)
         spent = [r.seconds for r in self.rows]
         slow = self.straggler()
+        link = self.slow_link() if slow is None else None
+        if link is not None:
+            ms = {r.host: r.link_s * 1e3 for r in self.rows if r.host != self.rows[0].host}
+            theirs = [v for h, v in ms.items() if h != link]
+            return (f"straggler: {link}, on a slow link (every rank spent {min(spent):.2f}-{max(spent):.2f} s in "
+                    f"{count} sums across processes; {_LINK_PROBE_BYTES >> 10} KiB to the first host took "
+                    f"{ms[link]:.1f} ms from it, {min(theirs):.1f}-{max(theirs):.1f} ms from the others)")
         if slow is None:
             return (f"straggler: none (every rank spent {min(spent):.2f}-{max(spent):.2f} s in {count} sums "
                     "across processes)")
@@ -283,10 +314,12 @@ class ExchangeReport:
                 f"on it over {count} sums across processes; it spent {slow.seconds:.2f} s in them)")
 
     def as_dict(self) -> dict[str, Any]:
-        slow = self.straggler()
-        return {"straggler": None if slow is None else {"rank": slow.rank, "host": slow.host},
+        slow, link = self.straggler(), self.slow_link()
+        named = ({"rank": slow.rank, "host": slow.host, "cause": "waited on"} if slow is not None else
+                 {"rank": None, "host": link, "cause": "slow link"} if link is not None else None)
+        return {"straggler": named,
                 "ranks": [{"rank": r.rank, "host": r.host, "exchange_s": r.seconds, "exchanges": r.count,
-                           "wait_s": w} for r, w in zip(self.rows, self.waits(), strict=True)]}
+                           "wait_s": w, "link_s": r.link_s} for r, w in zip(self.rows, self.waits(), strict=True)]}
 
 
 def gather_exchanges(clock: ExchangeClock, axis: ProcessAxis) -> ExchangeReport | None:
@@ -305,7 +338,13 @@ def gather_exchanges(clock: ExchangeClock, axis: ProcessAxis) -> ExchangeReport 
     store = attempt_store(f"exchanges/{_gathers}/")
     if store is None:
         return None
-    store.set(str(axis.rank), json.dumps([rank_host(), clock.seconds, clock.count]))
+    payload, link_s = b"\0" * _LINK_PROBE_BYTES, float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        store.set(f"link/{axis.rank}", payload)
+        store.add(f"link/{axis.rank}/acks", 1)  # set does not wait for the store; this reply comes after it
+        link_s = min(link_s, time.perf_counter() - start)
+    store.set(str(axis.rank), json.dumps([rank_host(), clock.seconds, clock.count, link_s]))
     if axis.rank != 0:
         return None
     import datetime
@@ -317,8 +356,8 @@ def gather_exchanges(clock: ExchangeClock, axis: ProcessAxis) -> ExchangeReport 
         return None
     rows = []
     for r, key in enumerate(keys):
-        host, seconds, count = json.loads(store.get(key))
-        rows.append(ExchangeRow(r, str(host), float(seconds), int(count)))
+        host, seconds, count, link_s = json.loads(store.get(key))
+        rows.append(ExchangeRow(r, str(host), float(seconds), int(count), float(link_s)))
     _LAST_REPORT = ExchangeReport(tuple(rows))
     return _LAST_REPORT
 
