@@ -159,10 +159,10 @@ def _run(config: TrainConfig, as_json: bool, no_progress: bool) -> int:
         names += f" x {config.processes - servers} processes"
         if servers:
             names += f" + {servers} server{'s' * (servers > 1)}"
-    print(f"test acc: {acc:.2f}, {per_epoch:.1f} sec/epoch on {names}")
     exchanges = last_exchange_report() if config.processes > 1 else None
-    if exchanges is not None:
+    if exchanges is not None:  # before the d2l line, which stays the last
         print(exchanges.describe())
+    print(f"test acc: {acc:.2f}, {per_epoch:.1f} sec/epoch on {names}")
     if as_json:
         print(json.dumps({"model": config.model, "devices": [str(d) for d in config.devices],
                           "processes": config.processes, "test_acc": acc, "sec_per_epoch": per_epoch,
