@@ -1,7 +1,8 @@
 """Faults on links between emulated hosts: a link brought down mid-run, then back for a resume.
 
 Each node is its own launcher (``tests/netns_node.py train``) in a network namespace; the job trains a
-small model with its gradients summed over gloo, rank 0 saving a checkpoint after every step. Marked slow
+small model with its gradients summed over gloo, rank 0 saving a checkpoint after every step; the slow-link
+test trains with dlperf's Trainer instead (``fit``), whose own summary names the straggler. Marked slow
 and distributed; needs root, ``ip`` and ``tc`` (skipped with the reason otherwise).
 """
 
