@@ -11,7 +11,9 @@ to ``<pid-dir>/step.<rank>`` after each step, until it is stopped: the caller in
 ``train`` (a small model trained with SGD, its gradients summed by gloo every step, rank 0 saving a
 checkpoint after each step to ``--checkpoint`` and every rank its step count under ``--pid-dir``; with
 an existing checkpoint it resumes from it; ``--pause`` seconds between steps leave time to break a link;
-with three nodes or more, every pair of ranks then times an exchange, from which a straggler is named).
+with three nodes or more, every pair of ranks then times an exchange). ``fit`` trains a model of about 1 MB
+of gradients with dlperf's Trainer (the ``processes`` strategy) for ``--total-steps`` steps; the first rank
+returns the run's own exchange report, which names the straggler.
 The last stdout line is one JSON object: ``{"ok": true, "results": [...]}``, ``{"ok": false, "error",
 "rank", "role", "host", "cause"}``, or ``{"ok": false, "interrupted": SIGNAL}`` on the node that was
 interrupted (which exits 128 + the signal's number). Every worker writes its pid, and the pid of a
@@ -188,9 +190,33 @@ def _pair_seconds(rank: int, world: int) -> list[list[float]]:
     return out
 
 
+def fit_job(total: int) -> dict:
+    """A model with about 1 MB of gradients trained by dlperf's Trainer across the processes; the first rank
+    returns the run's own exchange report (the straggler it names)."""
+    import torch
+
+    from dlperf.devices import cpu
+    from dlperf.parallel import Trainer
+    from dlperf.parallel.procs import last_exchange_report
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1))
+    with Trainer(model, [cpu(0)], "sgd", {"lr": 0.05}, loss=torch.nn.functional.mse_loss) as trainer:
+        for step in range(total):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(24, 256, generator=g)
+            trainer.train_step(x, x.sum(1, keepdim=True).sin())
+    report = last_exchange_report()
+    return {"rank": rank, "node": int(os.environ["GROUP_RANK"]),
+            "weights": {k: v.tolist() for k, v in model.state_dict().items()},
+            "exchanges": report.as_dict() if report is not None else None,
+            "summary": report.describe() if report is not None else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("job", choices=["allreduce", "kill", "steps", "links", "train"])
+    p.add_argument("job", choices=["allreduce", "kill", "steps", "links", "train", "fit"])
     p.add_argument("--nnodes", type=int, default=2)
     p.add_argument("--node-rank", type=int, required=True)
     p.add_argument("--nproc-per-node", type=int, default=1)
@@ -221,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             results = launcher.launch(links_job)
         elif a.job == "steps":
             results = launcher.launch(steps_job, a.pid_dir)
+        elif a.job == "fit":
+            results = launcher.launch(fit_job, a.total_steps)
         elif a.job == "train":
             results = launcher.launch(train_job, a.pid_dir, a.checkpoint, a.total_steps, a.pause)
         else:

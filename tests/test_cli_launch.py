@@ -89,6 +89,7 @@ def test_train_as_two_processes_equals_two_devices_and_checkpoints_resume(tmp_pa
     # one process prints: one epoch line, one summary
     assert sum(line.startswith("epoch 1:") for line in out) == 1
     assert out[-1].endswith("on [cpu(0)] x 2 processes")
+    assert out[-2].startswith("straggler: ") and sum(line.startswith("straggler: ") for line in out) == 1
     saved = load_checkpoint(ck)
     assert saved["config"]["processes"] == 2 and len(saved["history"]) == 1
 

@@ -191,6 +191,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = None) -> int:
     from ..parallel.launchers import rank_info
+    from ..parallel.procs import last_exchange_report
     from ..parallel.servers import is_server_rank, server_ranks
     from ..parallel.training import serve
 
@@ -218,11 +219,14 @@ def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = N
         names += f" x {config.processes - servers} processes"
         if servers:
             names += f" + {servers} server{'s' * (servers > 1)}"
+    exchanges = last_exchange_report() if config.processes > 1 else None
+    if exchanges is not None:  # before the d2l line, which stays the last
+        print(exchanges.describe())
     print(f"test acc: {acc:.2f}, {per_epoch:.1f} sec/epoch on {names}")
     if as_json:
         print(json.dumps({"model": config.model, "devices": [str(d) for d in config.devices],
                           "processes": config.processes, "test_acc": acc, "sec_per_epoch": per_epoch,
-                          "epochs": history}))
+                          "epochs": history, "exchanges": exchanges.as_dict() if exchanges else None}))
     return 0
 
 

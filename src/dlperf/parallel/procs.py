@@ -23,9 +23,11 @@ compute the same update.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,8 +41,10 @@ PROCESS_ALLREDUCE_ENV = "DLPERF_PROCESS_ALLREDUCE"
 _TRANSPORTS = ("auto", "gloo", "shm")
 _SHM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-__all__ = ["PROCESS_ALLREDUCE_ENV", "ProcessAxis", "allreduce_across_processes", "broadcast_from_first",
-           "check_process_settings", "describe_process_allreduce", "join_processes", "local_parts"]
+__all__ = ["PROCESS_ALLREDUCE_ENV", "ExchangeClock", "ExchangeReport", "ExchangeRow", "ProcessAxis",
+           "allreduce_across_processes", "broadcast_from_first", "check_process_settings",
+           "describe_process_allreduce", "gather_exchanges", "join_processes", "last_exchange_report",
+           "local_parts"]
 
 
 def allreduce_across_processes(flat: torch.Tensor, group: Any = None) -> None:
@@ -187,3 +191,177 @@ def join_processes(group: Any = None) -> ProcessAxis | None:
     else:
         dist.init_process_group("gloo", store=store, rank=info.rank, world_size=info.world_size)
     return ProcessAxis(info.rank, info.world_size, max(1, local_world), None, owns_default_group=True)
+
+
+# Straggler: who the others wait on. A sum across processes ends at about the same moment on every rank,
+# so a rank's time inside it is the transfer plus its wait for the last rank to arrive. The rank that
+# spends least there arrived last: its peers' extra time is what they waited on it. Each rank adds up its
+# own sums (no clock is shared between hosts) and hands the totals over once, when training ends.
+_STRAGGLER_FACTOR = 2.0
+"""Named only when every peer spent more than this many times the straggler's own time in the sums..."""
+_STRAGGLER_MIN_WAIT_S = 1e-3
+"""... and waited on it more than this per sum, on average (below it the difference is noise)."""
+_GATHER_TIMEOUT_S = 10.0
+_LINK_PROBE_BYTES = 1 << 18
+"""A slow link slows every rank's sums alike (a ring waits on its slowest hop), so the sums cannot name it:
+each rank also times one write of this many bytes to the store, a few milliseconds on a fast link."""
+_LAST_REPORT: ExchangeReport | None = None
+_gathers = 0  # trainers one process ended: each gathers under its own keys
+
+
+@dataclass
+class ExchangeClock:
+    """Seconds this process spent in sums across processes, and how many; the first one is left out
+    (under ``auto`` it measures the links first)."""
+
+    seconds: float = 0.0
+    count: int = 0
+    skipped: int = 0
+
+    def timed(self, fn: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        """``fn`` with each call's wall time added up here."""
+        def run(flat: torch.Tensor) -> None:
+            start = time.perf_counter()
+            try:
+                fn(flat)
+            finally:
+                if self.skipped == 0:
+                    self.skipped = 1
+                else:
+                    self.seconds += time.perf_counter() - start
+                    self.count += 1
+        return run
+
+
+@dataclass(frozen=True)
+class ExchangeRow:
+    """One rank's share: its host as the launch names it, seconds in sums across processes, how many sums."""
+
+    rank: int
+    host: str
+    seconds: float
+    count: int
+    link_s: float = 0.0
+    """The best of two writes of ``_LINK_PROBE_BYTES`` to the launch's store (on the first rank's host)."""
+
+
+@dataclass(frozen=True)
+class ExchangeReport:
+    """Every rank's time in sums across processes, and the straggler they name (if any).
+
+    >>> r = ExchangeReport((ExchangeRow(0, "a", 2.0, 10), ExchangeRow(1, "b", 0.1, 10), ExchangeRow(2, "c", 2.1, 10)))
+    >>> r.straggler().rank, [round(w, 1) for w in r.waits()]
+    (1, [1.9, 0.0, 2.0])
+    >>> ExchangeReport((ExchangeRow(0, "a", 1.0, 10), ExchangeRow(1, "b", 0.9, 10))).straggler() is None
+    True
+    """
+
+    rows: tuple[ExchangeRow, ...] = field(default_factory=tuple)
+
+    def waits(self) -> list[float]:
+        """Per rank, the seconds it spent in the sums beyond the rank that spent least (its wait on others)."""
+        least = min(r.seconds for r in self.rows)
+        return [r.seconds - least for r in self.rows]
+
+    def slow_link(self) -> str | None:
+        """The host whose link to the store is slow next to the other hosts', or ``None``.
+
+        Writes from the first rank's host do not cross a link, so only the other hosts are compared, and
+        only when there are at least two of them (with one, no side of the link can be blamed).
+        """
+        first = self.rows[0].host
+        best: dict[str, float] = {}
+        for r in self.rows:
+            if r.host != first:
+                best[r.host] = min(r.link_s, best.get(r.host, float("inf")))
+        if len(best) < 2:
+            return None
+        host = max(best, key=lambda h: best[h])
+        others = max(s for h, s in best.items() if h != host)
+        if best[host] > _STRAGGLER_FACTOR * others and best[host] - others > _STRAGGLER_MIN_WAIT_S:
+            return host
+        return None
+
+    def straggler(self) -> ExchangeRow | None:
+        """The rank every other rank waited on, or ``None`` when no rank held the others up."""
+        if len(self.rows) < 2:
+            return None
+        last = min(self.rows, key=lambda r: r.seconds)
+        peers = [r for r in self.rows if r is not last]
+        count = max(1, last.count)
+        if all(p.seconds > _STRAGGLER_FACTOR * last.seconds and
+               (p.seconds - last.seconds) / count > _STRAGGLER_MIN_WAIT_S for p in peers):
+            return last
+        return None
+
+    def describe(self) -> str:
+        """One line for a run's summary."""
+        count = max(r.count for r in self.rows)
+        spent = [r.seconds for r in self.rows]
+        slow = self.straggler()
+        link = self.slow_link() if slow is None else None
+        if link is not None:
+            ms = {r.host: r.link_s * 1e3 for r in self.rows if r.host != self.rows[0].host}
+            theirs = [v for h, v in ms.items() if h != link]
+            return (f"straggler: {link}, on a slow link (every rank spent {min(spent):.2f}-{max(spent):.2f} s in "
+                    f"{count} sums across processes; {_LINK_PROBE_BYTES >> 10} KiB to the first host took "
+                    f"{ms[link]:.1f} ms from it, {min(theirs):.1f}-{max(theirs):.1f} ms from the others)")
+        if slow is None:
+            return (f"straggler: none (every rank spent {min(spent):.2f}-{max(spent):.2f} s in {count} sums "
+                    "across processes)")
+        waits = [w for r, w in zip(self.rows, self.waits(), strict=True) if r is not slow]
+        return (f"straggler: rank {slow.rank} on {slow.host} (its peers waited {min(waits):.2f}-{max(waits):.2f} s "
+                f"on it over {count} sums across processes; it spent {slow.seconds:.2f} s in them)")
+
+    def as_dict(self) -> dict[str, Any]:
+        slow, link = self.straggler(), self.slow_link()
+        named = ({"rank": slow.rank, "host": slow.host, "cause": "waited on"} if slow is not None else
+                 {"rank": None, "host": link, "cause": "slow link"} if link is not None else None)
+        return {"straggler": named,
+                "ranks": [{"rank": r.rank, "host": r.host, "exchange_s": r.seconds, "exchanges": r.count,
+                           "wait_s": w, "link_s": r.link_s} for r, w in zip(self.rows, self.waits(), strict=True)]}
+
+
+def gather_exchanges(clock: ExchangeClock, axis: ProcessAxis) -> ExchangeReport | None:
+    """Hand this rank's totals over; on the first rank of ``axis``, collect every rank's and keep the report
+    (:func:`last_exchange_report`).
+
+    Through the launch's rendezvous store, not a collective: a rank that stops early (an error, Ctrl-C)
+    leaves the others waiting on no sum, and the first rank waits at most ``_GATHER_TIMEOUT_S`` for a
+    missing one, then reports nothing. ``None`` on the other ranks and outside a launcher's agent.
+    """
+    global _LAST_REPORT, _gathers
+    from .._attempt import attempt_store
+    from .launchers import rank_host
+
+    _gathers += 1
+    store = attempt_store(f"exchanges/{_gathers}/")
+    if store is None:
+        return None
+    payload, link_s = b"\0" * _LINK_PROBE_BYTES, float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        store.set(f"link/{axis.rank}", payload)
+        store.add(f"link/{axis.rank}/acks", 1)  # set does not wait for the store; this reply comes after it
+        link_s = min(link_s, time.perf_counter() - start)
+    store.set(str(axis.rank), json.dumps([rank_host(), clock.seconds, clock.count, link_s]))
+    if axis.rank != 0:
+        return None
+    import datetime
+
+    keys = [str(r) for r in range(axis.world)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=_GATHER_TIMEOUT_S))
+    except RuntimeError:  # a rank that stopped early never reports: no straggler can be named
+        return None
+    rows = []
+    for r, key in enumerate(keys):
+        host, seconds, count, link_s = json.loads(store.get(key))
+        rows.append(ExchangeRow(r, str(host), float(seconds), int(count), float(link_s)))
+    _LAST_REPORT = ExchangeReport(tuple(rows))
+    return _LAST_REPORT
+
+
+def last_exchange_report() -> ExchangeReport | None:
+    """The report of the last multi-process training this (first) process ended, or ``None``."""
+    return _LAST_REPORT

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,12 +99,24 @@ def _prepare_worker(setup: _Setup, rank: int) -> None:
     os.environ[HOST_ENV] = setup.host
     if setup.checkpoint is not None:
         os.environ["DLPERF_CHECKPOINT"] = setup.checkpoint
-    if setup.nnodes > 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
-        # gloo otherwise binds to the address the host name resolves to, which need not reach the others
-        address = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        interface = interface_with_address(address) if address else None
-        if interface:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    if setup.nnodes > 1:
+        choose_socket_interface(os.environ)
+
+
+def choose_socket_interface(env: MutableMapping[str, str]) -> None:
+    """Bind gloo and TensorPipe to the interface that reaches ``MASTER_ADDR``, unless the user chose one.
+
+    Both otherwise bind to the address the host name resolves to, which need not reach the other hosts.
+    TensorPipe (``torch.distributed.rpc``, the parameter servers' transport) reads ``TP_SOCKET_IFNAME``,
+    gloo ``GLOO_SOCKET_IFNAME``.
+    """
+    if "GLOO_SOCKET_IFNAME" in env:
+        return
+    address = local_address(env.get("MASTER_ADDR", "127.0.0.1"))
+    interface = interface_with_address(address) if address else None
+    if interface:
+        env["GLOO_SOCKET_IFNAME"] = interface
+        env.setdefault("TP_SOCKET_IFNAME", interface)
 
 
 class _StoreUnavailable(Exception):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ...kvstore import KVStore
 from ..buckets import Across, GradientBuckets
-from ..procs import allreduce_across_processes
+from ..procs import ExchangeClock, allreduce_across_processes, gather_exchanges
 from .context import StepContext
 from .strategy import ReplicaOptimizers, register_strategy
 
@@ -30,14 +30,17 @@ class AcrossProcesses(ReplicaOptimizers):
         # replicas end: set only as a step begins and cleared only by a caller-driven step, both after
         # that operation has been waited for.
         self._update_after_sum = False
+        self.exchanges = ExchangeClock()
+        """Time in sums across processes; every rank's is gathered as the trainer closes (the straggler)."""
+        self._failed = False
 
     def attach(self, ctx: StepContext) -> None:
         super().attach(ctx)
         if ctx.processes is None:
             raise RuntimeError("the processes strategy needs the processes the trainer spans")
         group = ctx.processes.group
-        across = Across(lambda flat: allreduce_across_processes(flat, group), ctx.process_lane(), ctx.across_var,
-                        then=self._after_last_sum)
+        across = Across(self.exchanges.timed(lambda flat: allreduce_across_processes(flat, group)),
+                        ctx.process_lane(), ctx.across_var, then=self._after_last_sum)
         self.buckets = GradientBuckets(ctx.replicas, ctx.algorithm, ctx.bucket_bytes, lanes=ctx.lanes, across=across)
 
     def _after_last_sum(self) -> None:
@@ -47,6 +50,15 @@ class AcrossProcesses(ReplicaOptimizers):
     def begin_step(self) -> None:
         self._update_after_sum = self.ctx.k == 1 and not self.ctx.check_finite
         super().begin_step()
+
+    def abort_step(self) -> None:
+        self._failed = True
+        super().abort_step()
+
+    def close(self) -> None:
+        super().close()
+        if not self._failed and self._ctx is not None and self._ctx.processes is not None:
+            gather_exchanges(self.exchanges, self._ctx.processes)
 
     def finish(self, scale: float) -> None:
         if self._in_step and self._update_after_sum:
