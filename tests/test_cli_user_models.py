@@ -166,12 +166,12 @@ def test_bench_times_user_models_from_specs_and_factories(user_models, capsys):
 
 def test_a_user_network_step_is_the_plain_pytorch_step(user_models):
     """One bench step of a user network leaves the weights plain PyTorch's SGD step leaves."""
-    from dlperf.bench.runner import register_user_networks
+    from dlperf.bench.runner import user_networks
     from dlperf.models import get_spec
     from dlperf.steps import eager_step
 
-    register_user_networks(["my_models_e2e:make_dict_model"], "my_models_e2e:make_dict_batch")
-    spec = get_spec("my_models_e2e:make_dict_model")
+    with user_networks(["my_models_e2e:make_dict_model"], "my_models_e2e:make_dict_batch"):
+        spec = get_spec("my_models_e2e:make_dict_model")
     torch.manual_seed(5)
     model = spec.build()
     x, y = spec.input.make_batch(12, generator=torch.Generator().manual_seed(1))
@@ -404,3 +404,14 @@ def test_launch_python_bad_commands_are_one_line(user_models, capfd, command, ne
     assert main(["launch", "--nproc-per-node", "2", "--", *command]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_user_networks_are_known_only_while_their_sweep_runs(user_models, capsys):
+    from dlperf.bench import run
+    from dlperf.models import model_names
+
+    zoo = model_names()
+    assert main(["bench", "--networks", "my_models_e2e:make_cnn", "--input", "4x3x8x8", "--devices", "cpu",
+                 "--threads", "1", "--steps", "1", "--warmup", "1"]) == 0
+    run(networks="my_models_e2e:make_cnn", inputs=["4x3x8x8"], devices="cpu", threads=1, steps=1, warmup=1)
+    assert model_names() == zoo

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from ..errors import UsageError
 from .result import BenchResult
-from .runner import BenchConfig, register_user_networks, run_bench
+from .runner import BenchConfig, run_bench, user_networks
 
 __all__ = ["run", "BenchConfig", "BenchResult"]
 
@@ -109,10 +109,10 @@ def run(networks=None, devices=None, threads=None, batch_size: int | None = None
         if not isinstance(value, bool):
             raise UsageError(f"{flag} must be True or False, got {value!r}")
     overrides: dict = {"mode": mode, "explain": explain}
-    register_user_networks(_names(networks, "networks") or [], _inputs(inputs))
-    candidates = {"networks": _names(networks, "networks"), "devices": _devices(devices),
-                  "threads": _threads(threads), "batch_size": _int(batch_size, "batch_size", 1),
-                  "steps": _int(steps, "steps", 1), "warmup": _int(warmup, "warmup", 1)}
-    overrides.update({k: v for k, v in candidates.items() if v is not None})
-    config = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
-    return run_bench(config)
+    with user_networks(_names(networks, "networks") or [], _inputs(inputs)):
+        candidates = {"networks": _names(networks, "networks"), "devices": _devices(devices),
+                      "threads": _threads(threads), "batch_size": _int(batch_size, "batch_size", 1),
+                      "steps": _int(steps, "steps", 1), "warmup": _int(warmup, "warmup", 1)}
+        overrides.update({k: v for k, v in candidates.items() if v is not None})
+        config = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
+        return run_bench(config)

@@ -12,6 +12,7 @@ work per op to share), on a busy one at the machine.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import platform
@@ -135,6 +136,20 @@ def register_user_networks(networks: list[str], inputs=None) -> list[str]:
     for name in users:
         user_network(name, functools.partial(build_model, name), make)
     return networks
+
+
+@contextlib.contextmanager
+def user_networks(networks: list[str], inputs=None) -> Iterator[list[str]]:
+    """:func:`register_user_networks` for the length of one sweep: the zoo is left as it was found, so a
+    library caller's later ``model_names()`` lists the zoo alone."""
+    from ..models.spec import unregister
+
+    try:
+        yield register_user_networks(networks, inputs)
+    finally:
+        for name in networks:
+            if ":" in name:
+                unregister(name)
 
 
 def machine_info() -> dict:

@@ -112,17 +112,21 @@ def main_scaling(args: argparse.Namespace) -> int:
     return run_scaling(scaling_config(args))
 
 
-def register_networks(args: argparse.Namespace) -> None:
-    """Make the user's ``module:factory`` networks known to the sweep (imports and runs their code)."""
-    from ..bench.runner import register_user_networks
+def user_networks_of(args: argparse.Namespace):
+    """The user's ``module:factory`` networks known to the sweep while it runs (imports and runs their code)."""
+    from ..bench.runner import user_networks
 
     inputs = input_source(args.input, "bench") if getattr(args, "input", None) else None
-    register_user_networks(list(getattr(args, "networks", None) or []), inputs)
+    return user_networks(list(getattr(args, "networks", None) or []), inputs)
 
 
 def run(args: argparse.Namespace) -> int:
     outputs = outputs_of(args)
-    register_networks(args)
+    with user_networks_of(args):
+        return _run(args, outputs)
+
+
+def _run(args: argparse.Namespace, outputs) -> int:
     if args.scaling:
         return main_scaling(args)
     config = build_config(args)

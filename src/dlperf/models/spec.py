@@ -76,6 +76,11 @@ def register(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
     return spec
 
 
+def unregister(name: str) -> None:
+    """Forget ``name`` (a no-op when it is not registered)."""
+    _MODELS.remove(name)
+
+
 def model_names(paper_only: bool = False) -> list[str]:
     """Registered names in registration order (the paper's table order first)."""
     return [n for n, s in _MODELS.items() if s.paper or not paper_only]
