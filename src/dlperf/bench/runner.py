@@ -208,6 +208,7 @@ def _time_cell(cell: CellResult, config: BenchConfig, on_step: Callable[[], None
     cell.mode_chosen = getattr(step, "mode_chosen", None)
     cell.gain_over_eager = getattr(step, "gain_over_eager", None)
     cell.auto_reason = getattr(step, "auto_reason", None)
+    cell.plan = getattr(step, "plan", None)
 
 
 def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,
