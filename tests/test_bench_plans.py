@@ -107,6 +107,9 @@ def test_a_plan_stands_in_bench_unless_another_beats_it_in_every_round(monkeypat
     assert name == "channels-last 1 thr"
     assert auto.plan_variant(parse_plan("1x2"), 2, nn.functional.cross_entropy)[0] == "eager"
     assert auto.plan_variant(parse_plan("2x1"), 2, nn.functional.cross_entropy)[0] == "plan 2x1,contiguous,eager"
+    # a plan cached by a run that could weigh compile keeps its execution in the cell
+    assert auto.plan_variant(parse_plan("1x2,channels-last,compile"), 2, nn.functional.cross_entropy)[0] == \
+        "channels-last + compile"
     per_round = {"eager": [0.02, 0.02, 0.02], name: [0.010, 0.010, 0.010], "hybrid": [0.0099, 0.0098, 0.0099]}
     medians = {k: sorted(v)[1] for k, v in per_round.items()}
     best, gain, _ = auto._pick(medians, per_round, name)

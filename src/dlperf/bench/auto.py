@@ -23,8 +23,9 @@ On a CPU cell the layout and thread-count candidates are the planner's (:mod:`dl
 plan ``dlperf train --plan auto`` and ``dlperf profile`` give for this model and batch (the same
 enumeration, pricing, measurement and cache) is timed as one candidate, and it stands unless another
 execution (hybrid, compile) beats it by more than the noise in every round; the cell records its name.
-A one-replica plan runs as the plain step at its threads and layout (``channels-last``, ``eager 1 thr``);
-one of several replicas runs as a :class:`~dlperf.parallel.Trainer` following it (``plan 2x1,...``).
+A one-replica eager or compiled plan runs as the plain step at its threads and layout (``channels-last``,
+``eager 1 thr``, ``channels-last + compile``); any other runs as a :class:`~dlperf.parallel.Trainer`
+following it (``plan 2x1,contiguous,eager``).
 """
 
 from __future__ import annotations
@@ -172,15 +173,17 @@ def probe_compile_seconds(model: nn.Module, loss_fn: Callable, x: torch.Tensor, 
 
 def plan_variant(plan, threads: int, loss_fn: Callable) -> tuple[str, Builder]:
     """The candidate that runs ``plan`` (a :class:`~dlperf.parallel.plan.Plan`) in a cell of ``threads``."""
-    if plan.replicas == 1:
-        layout = "channels-last" if plan.memory_format == "channels_last" else "eager"
-        if layout == "channels-last":
-            builder: Builder = lambda m, o: channels_last_step(m, loss_fn, o)  # noqa: E731
+    if plan.replicas == 1 and plan.execution in ("eager", "compile"):
+        inner = eager_step if plan.execution == "eager" else compiled_step
+        if plan.memory_format == "channels_last":
+            name = "channels-last" if plan.execution == "eager" else "channels-last + compile"
+            builder: Builder = lambda m, o: channels_last_step(m, loss_fn, o, inner)  # noqa: E731
         else:
-            builder = lambda m, o: eager_step(m, loss_fn, o)  # noqa: E731
+            name = plan.execution
+            builder = lambda m, o: inner(m, loss_fn, o)  # noqa: E731
         if plan.threads == threads:
-            return layout, builder
-        return f"{layout} {plan.threads} thr", _fewer_threads(plan.threads, builder)
+            return name, builder
+        return f"{name} {plan.threads} thr", _fewer_threads(plan.threads, builder)
     return f"plan {plan.name}", lambda m, o: _trainer_step(plan, m, o, loss_fn)
 
 
@@ -291,6 +294,10 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
             samples[name] += t.samples
             per_round[name].append(t.median_s)
     medians = {name: Timing.from_samples(s).median_s for name, s in samples.items()}
+    for timed in steps.values():  # a Trainer candidate's device workers go with its copy of the model
+        trainer = getattr(timed, "trainer", None)
+        if trainer is not None:
+            trainer.close()
     best, gain, worst = _pick(medians, per_round, base)
     choice = AutoChoice(best, gain, medians, notes, worst)
     if plan is not None:
