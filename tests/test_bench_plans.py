@@ -88,6 +88,8 @@ def test_profile_suggestions_are_the_planners_candidates_against_its_reference()
     assert planned[0].name == f"plan {report.plan}" and report.suggestions[0] is planned[0]
     # one baseline for every candidate: the planner's reference, timed in the same rounds
     assert len({s.baseline_s for s in planned if s.measured_s}) == 1
+    # only the planner's choice is recommended: a candidate faster at its best round alone is not
+    assert not any(s.recommended for s in planned[1:])
     assert not any(s.name.startswith(("threads ", "channels-last")) for s in report.suggestions)
     assert report.to_dict()["plan"] == report.plan
     # the decision is the planner's, cached under the key the next report finds at once

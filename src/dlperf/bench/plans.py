@@ -99,6 +99,12 @@ def plan_advice(model: nn.Module, x: Any) -> PlanAdvice:
         if m.plan == plan or m.plan == decision.reference:
             continue
         measured = m.ms / 1e3 if m.ms is not None else None
+        faster = bool(measured and base and measured < base)
+        note = m.note or ("" if measured else "not measured")
+        if faster:  # the planner weighs every round, not the best one: a faster best round alone is noise
+            why = ("not faster than the reference by more than the noise in every round"
+                   if plan == decision.reference else f"{plan.name} beat it")
+            note = "; ".join(filter(None, [note, f"not chosen: {why}"]))
         out.append(Suggestion(f"plan {m.plan.name}", _how(m.plan), base if measured else None, measured,
-                              note=m.note or ("" if measured else "not measured")))
+                              note=note, rejected=faster))
     return PlanAdvice(plan.name, out, cached=False, planning_s=decision.planning_s)

@@ -88,6 +88,8 @@ class Suggestion:
     measured_s: float | None = None
     unit: str = "step"
     note: str = ""
+    rejected: bool = False
+    """Measured faster, yet the planner did not choose it (not faster in every round beyond the noise)."""
 
     @property
     def speedup(self) -> float | None:
@@ -97,7 +99,7 @@ class Suggestion:
 
     @property
     def recommended(self) -> bool:
-        return self.speedup is not None and self.speedup >= WORTHWHILE
+        return self.speedup is not None and self.speedup >= WORTHWHILE and not self.rejected
 
     def to_dict(self) -> dict:
         return {"name": self.name, "how": self.how, "baseline_s": self.baseline_s, "measured_s": self.measured_s,
