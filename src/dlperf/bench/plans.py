@@ -104,7 +104,7 @@ def plan_advice(model: nn.Module, x: Any) -> PlanAdvice:
         if faster:  # the planner weighs every round, not the best one: a faster best round alone is noise
             why = ("not faster than the reference by more than the noise in every round"
                    if plan == decision.reference else f"{plan.name} beat it")
-            note = "; ".join(filter(None, [note, f"not chosen: {why}"]))
+            note = "; ".join(filter(None, [note, why]))
         out.append(Suggestion(f"plan {m.plan.name}", _how(m.plan), base if measured else None, measured,
                               note=note, rejected=faster))
     return PlanAdvice(plan.name, out, cached=False, planning_s=decision.planning_s)

@@ -110,7 +110,7 @@ class Suggestion:
             return f"{self.name:<14} {self.measured_s * 1e3:.3g} ms/{self.unit}: {self.how}; {self.note}"
         if self.speedup is None or self.baseline_s is None or self.measured_s is None:
             return f"{self.name:<14} not measured: {self.note}"
-        verdict = "recommended" if self.recommended else "no gain here"
+        verdict = "recommended" if self.recommended else "not chosen" if self.rejected else "no gain here"
         note = f"; {self.note}" if self.note else ""
         return (f"{self.name:<14} {self.baseline_s * 1e3:.3g} -> {self.measured_s * 1e3:.3g} ms/{self.unit}, "
                 f"{self.speedup:.2f}x ({verdict}): {self.how}{note}")
