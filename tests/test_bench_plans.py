@@ -138,3 +138,16 @@ def test_a_two_replica_plan_runs_as_a_trainer_with_eagers_math():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     finally:
         step.trainer.close()
+
+
+def test_a_model_the_planner_cannot_train_is_profiled_with_the_reason(monkeypatch):
+    import dlperf.bench.plans as plans
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no replica fits")
+
+    monkeypatch.setattr(plans, "plan_for", refuse)
+    report = profile(nn.Sequential(nn.Linear(8, 3)), torch.randn(8, 8), steps=1, plans=plan_advice)
+    assert report.plan is None
+    assert report.suggestions[0].line().startswith("plan") and "not planned: RuntimeError: no replica fits" in \
+        report.suggestions[0].line()

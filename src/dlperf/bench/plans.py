@@ -70,16 +70,24 @@ def _how(plan: Plan) -> str:
     return f"dlperf train --plan {plan.name} (Trainer(..., plan={plan.name!r})): {plan.summary()}"
 
 
+def _not_planned(why: str) -> PlanAdvice:
+    return PlanAdvice(None, [Suggestion("plan", "dlperf train --plan auto", note=f"not planned: {why}")])
+
+
 def plan_advice(model: nn.Module, x: Any) -> PlanAdvice:
     """``dlperf profile``'s thread-count and layout suggestions: the planner's candidates, each measured
     against the planner's reference in its alternating rounds; the chosen plan first."""
+    if any(t.device.type != "cpu" for t in tensors_of(x)):
+        return _not_planned("the batch is not on the CPU; for GPUs, dlperf train --plan auto --devices gpu(0) "
+                            "plans on them")
     made = _targets(model, x)
     if made is None:
-        return PlanAdvice(None, [Suggestion("plan", "dlperf train --plan auto",
-                                            note="not planned: the model returns several outputs, and a planned "
-                                                 "Trainer takes one loss")])
+        return _not_planned("the model returns several outputs, and a planned Trainer takes one loss")
     y, loss = made
-    decision = report_plan(model, (x, y), threads=torch.get_num_threads(), loss=loss)
+    try:
+        decision = report_plan(model, (x, y), threads=torch.get_num_threads(), loss=loss)
+    except Exception as exc:  # noqa: BLE001 - the profile stands without a plan; the line says why
+        return _not_planned(f"{type(exc).__name__}: {str(exc).strip()[:120]}")
     plan = decision.plan
     by_plan = {m.plan: m for m in decision.measurements if m.ms is not None}
     reference = by_plan.get(decision.reference)
