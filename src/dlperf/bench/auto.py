@@ -36,6 +36,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ from torch import nn
 from .._threads import intra_op_threads
 from ..timing import Timing, time_steps
 from .modes import StepFn, compiled_step, eager_step
+
+if TYPE_CHECKING:
+    from ..parallel.plan import Plan
 
 __all__ = ["make_step", "AutoChoice", "choose", "plan_variant", "COMPILE_BOUND_S", "MIN_GAIN", "USE_PLANNER"]
 
@@ -171,7 +175,7 @@ def probe_compile_seconds(model: nn.Module, loss_fn: Callable, x: torch.Tensor, 
     return trace_s * INDUCTOR_OVER_TRACE
 
 
-def plan_variant(plan, threads: int, loss_fn: Callable) -> tuple[str, Builder]:
+def plan_variant(plan: Plan, threads: int, loss_fn: Callable) -> tuple[str, Builder]:
     """The candidate that runs ``plan`` (a :class:`~dlperf.parallel.plan.Plan`) in a cell of ``threads``."""
     if plan.replicas == 1 and plan.execution in ("eager", "compile"):
         inner = eager_step if plan.execution == "eager" else compiled_step
@@ -187,7 +191,7 @@ def plan_variant(plan, threads: int, loss_fn: Callable) -> tuple[str, Builder]:
     return f"plan {plan.name}", lambda m, o: _trainer_step(plan, m, o, loss_fn)
 
 
-def _trainer_step(plan, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable) -> StepFn:
+def _trainer_step(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable) -> StepFn:
     """A Trainer following ``plan`` on ``model`` (its replicas share the cores), stepping as a bench step does."""
     from ..devices import cpu
     from ..parallel.trainer import Trainer
@@ -205,7 +209,7 @@ def _trainer_step(plan, model: nn.Module, optimizer: torch.optim.Optimizer, loss
 
 
 def candidates(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, threads: int,
-               compile_bound_s: float, notes: dict[str, str], plan=None) -> dict[str, Builder]:
+               compile_bound_s: float, notes: dict[str, str], plan: Plan | None = None) -> dict[str, Builder]:
     """The variants worth timing for this model; the ones left out get a line in ``notes``.
 
     With ``plan`` (the planner's), the plan's variant replaces the layout and thread-count variants."""
@@ -265,7 +269,7 @@ def _build(name: str, builder: Builder, model: nn.Module, optimizer: torch.optim
 
 def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, x: torch.Tensor,
            y: torch.Tensor, *, compile_bound_s: float | None = None, rounds: int = ROUNDS,
-           steps_per_round: int = STEPS_PER_ROUND, plan=None) -> tuple[AutoChoice, dict[str, Builder]]:
+           steps_per_round: int = STEPS_PER_ROUND, plan: Plan | None = None) -> tuple[AutoChoice, dict[str, Builder]]:
     """Time every candidate against eager, alternating, and pick; ``model`` and ``optimizer`` are untouched.
 
     ``compile_bound_s`` defaults to :data:`COMPILE_BOUND_S`, read at the call. With ``plan`` (the
