@@ -175,8 +175,11 @@ def test_auto_step_keeps_eagers_math_and_reports_its_choice(monkeypatch):
     step = auto.make_step(model, spec.loss, torch.optim.SGD(model.parameters(), lr=0.1), x, y, rounds=1)
     ref_step = eager_step(reference, spec.loss, torch.optim.SGD(reference.parameters(), lr=0.1))
     # the search timed copies: the first chosen step starts from eager's weights
-    for _ in range(2):
-        torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
+    try:
+        for _ in range(2):
+            torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
+    finally:
+        step.close()  # a Trainer plan's device workers
     # the layout and threads are the planner's: its plan's variant stands unless another beat it
     plan = parse_plan(step.plan)
     choice = step.auto_choice

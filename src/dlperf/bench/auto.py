@@ -371,6 +371,9 @@ def make_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimi
     step.auto_reason = choice.reason  # type: ignore[attr-defined]
     step.auto_choice = choice  # type: ignore[attr-defined]
     step.plan = choice.plan  # type: ignore[attr-defined]
+    trainer = getattr(chosen, "trainer", None)
+    # a Trainer plan's device workers stop when the cell is done with the step
+    step.close = trainer.close if trainer is not None else (lambda: None)  # type: ignore[attr-defined]
     hybrid = getattr(chosen, "hybrid_module", None)
     if hybrid is not None:  # the report names the backend the hybridized model runs
         step.hybrid_module = hybrid  # type: ignore[attr-defined]
