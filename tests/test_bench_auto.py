@@ -15,7 +15,13 @@ from dlperf.bench import auto
 from dlperf.bench.modes import eager_step, mode_names
 from dlperf.cli import main
 from dlperf.models import get_spec
+from dlperf.parallel.plan import parse_plan
 from dlperf.timing import Timing
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the planner's decisions stay the test's
 
 
 def lenet_batch(batch: int = 8, seed: int = 0):
@@ -71,6 +77,7 @@ import copy, torch
 from dlperf.bench import auto
 from dlperf.bench.modes import eager_step
 from dlperf.models import get_spec
+from dlperf.parallel.plan import parse_plan
 auto.probe_compile_seconds = lambda *a: 0.0
 spec = get_spec("lenet")
 for name in ("compile", "channels-last + compile"):
@@ -99,7 +106,7 @@ def fake_costs(monkeypatch, costs: dict[str, float | list[float]]):
     current = {}
     calls: dict[str, int] = {}
 
-    def builders(model, loss_fn, x, y, threads, bound, notes):
+    def builders(model, loss_fn, x, y, threads, bound, notes, plan=None):
         out = {}
         for name in costs:
             def build(m, o, name=name):
@@ -168,11 +175,18 @@ def test_auto_step_keeps_eagers_math_and_reports_its_choice(monkeypatch):
     step = auto.make_step(model, spec.loss, torch.optim.SGD(model.parameters(), lr=0.1), x, y, rounds=1)
     ref_step = eager_step(reference, spec.loss, torch.optim.SGD(reference.parameters(), lr=0.1))
     # the search timed copies: the first chosen step starts from eager's weights
-    for _ in range(2):
-        torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
-    assert step.mode_chosen in auto.candidates(model, spec.loss, x, y, torch.get_num_threads(), 0.0, {})
-    assert step.gain_over_eager >= 1.0
-    assert (step.gain_over_eager == 1.0) == (step.mode_chosen == "eager")
+    try:
+        for _ in range(2):
+            torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
+    finally:
+        step.close()  # a Trainer plan's device workers
+    # the layout and threads are the planner's: its plan's variant stands unless another beat it
+    plan = parse_plan(step.plan)
+    choice = step.auto_choice
+    assert choice.plan_variant == auto.plan_variant(plan, torch.get_num_threads(), spec.loss)[0]
+    assert step.mode_chosen in auto.candidates(model, spec.loss, x, y, torch.get_num_threads(), 0.0, {}, plan=plan)
+    assert step.gain_over_eager == pytest.approx(choice.medians["eager"] / choice.medians[step.mode_chosen])
+    assert f"plan {plan.name}" in step.auto_reason
     assert "compile: skipped" in step.auto_reason
 
 
@@ -184,7 +198,8 @@ def test_cli_auto_reports_choice_gain_and_reason(monkeypatch, capsys):
     assert code == 0
     out = capsys.readouterr().out
     cell = json.loads(out.strip().splitlines()[-1])["cells"][0]
-    assert cell["mode"] == "auto" and cell["mode_chosen"] and cell["gain_over_eager"] >= 1.0
+    assert cell["mode"] == "auto" and cell["mode_chosen"] and cell["gain_over_eager"] > 0
+    assert parse_plan(cell["plan"]).name == cell["plan"] and f"plan {cell['plan']}" in cell["auto_reason"]
     assert cell["auto_reason"] and "auto choice" in out and "vs eager" in out
 
 

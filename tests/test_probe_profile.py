@@ -203,7 +203,8 @@ def user_module(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_cli_profiles_a_user_module_with_json(user_module, capsys):
+def test_cli_profiles_a_user_module_with_json(user_module, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(user_module / "cache"))  # the planner's decision stays the test's
     trace = user_module / "trace.json"
     out_json = user_module / "report.json"
     rc = main(["profile", "user_nets_for_profile:make_model", "--input", "4x1x6x6", "--steps", "2", "--threads",
@@ -216,6 +217,7 @@ def test_cli_profiles_a_user_module_with_json(user_module, capsys):
     assert {g["group"] for g in doc["groups"]} == set(GROUPS)
     assert all(g["verdict"] in VERDICTS for g in doc["groups"])
     assert any(s["speedup"] for s in doc["suggestions"])
+    assert doc["suggestions"][0]["name"] == f"plan {doc['plan']}"  # the planner's plan comes first
     assert "traceEvents" in json.loads(trace.read_text())
     assert not [p.name for p in user_module.iterdir() if p.name.startswith(".")]  # no temporaries left
 

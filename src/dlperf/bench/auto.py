@@ -18,6 +18,14 @@ variant qualifies only if it beat eager by more than the noise, :data:`MIN_GAIN`
 fastest that qualifies runs, and with none, eager does. The chosen variant is then applied to the
 caller's model and optimizer, which the timing left untouched, so the first timed step starts from the
 same weights as eager's would.
+
+On a CPU cell the layout and thread-count candidates are the planner's (:mod:`dlperf.bench.plans`): the
+plan ``dlperf train --plan auto`` and ``dlperf profile`` give for this model and batch (the same
+enumeration, pricing, measurement and cache) is timed as one candidate, and it stands unless another
+execution (hybrid, compile) beats it by more than the noise in every round; the cell records its name.
+A one-replica eager or compiled plan runs as the plain step at its threads and layout (``channels-last``,
+``eager 1 thr``, ``channels-last + compile``); any other runs as a :class:`~dlperf.parallel.Trainer`
+following it (``plan 2x1,contiguous,eager``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,7 +45,10 @@ from .._threads import intra_op_threads
 from ..timing import Timing, time_steps
 from .modes import StepFn, compiled_step, eager_step
 
-__all__ = ["make_step", "AutoChoice", "choose", "COMPILE_BOUND_S", "MIN_GAIN"]
+if TYPE_CHECKING:
+    from ..parallel.plan import Plan
+
+__all__ = ["make_step", "AutoChoice", "choose", "plan_variant", "COMPILE_BOUND_S", "MIN_GAIN", "USE_PLANNER"]
 
 ROUNDS = 3
 """Alternating rounds; each candidate takes :data:`STEPS_PER_ROUND` timed steps per round."""
@@ -50,6 +62,9 @@ COMPILE_BOUND_S = 60.0
 """torch.compile is skipped when its predicted compile time exceeds this (seconds)."""
 INDUCTOR_OVER_TRACE = 20.0
 """Inductor's compile time over dynamo's trace time (LeNet, this project's CPU machine: 10 s / 0.6 s)."""
+
+USE_PLANNER = True
+"""Whether a CPU cell's layout and threads come from the planner (read at each :func:`make_step`)."""
 
 Builder = Callable[[nn.Module, torch.optim.Optimizer], StepFn]
 
@@ -65,6 +80,11 @@ class AutoChoice:
     """Candidates that were skipped or failed, and why."""
     worst_round_gain: float = 1.0
     """The fastest candidate's gain in its worst round: it must exceed 1 + MIN_GAIN to replace eager."""
+    plan: str | None = None
+    """The planner's plan for the cell (short name), when it chose the layout and threads."""
+    plan_variant: str | None = None
+    """The candidate that runs :attr:`plan`; it stands unless another beats it in every round."""
+    plan_note: str = ""
 
     @property
     def reason(self) -> str:
@@ -77,10 +97,17 @@ class AutoChoice:
             verdict = " (slower)" if gain is not None and gain < 1 else ""
             parts.append(f"{name} {gain:.2f}x{verdict}" if gain is not None else f"{name} -")
         parts += [f"{name}: {why}" for name, why in self.notes.items()]
-        head = (f"{self.chosen}: {self.gain_over_eager:.2f}x over eager" if self.chosen != "eager" else
-                f"eager kept: nothing beat it by more than {MIN_GAIN:.0%} in every round (the fastest's "
-                f"worst round: {self.worst_round_gain:.2f}x)")
-        return "; ".join([head, *parts])
+        base = self.plan_variant or "eager"
+        if self.chosen != base:
+            head = f"{self.chosen}: {self.gain_over_eager:.2f}x over eager"
+        elif base == "eager":
+            head = (f"eager kept: nothing beat it by more than {MIN_GAIN:.0%} in every round (the fastest's "
+                    f"worst round: {self.worst_round_gain:.2f}x)")
+        else:
+            head = (f"{base}: {self.gain_over_eager:.2f}x over eager (the plan; nothing beat it by more than "
+                    f"{MIN_GAIN:.0%} in every round)")
+        plan = [" ".join(["plan", self.plan] + ([self.plan_note] if self.plan_note else []))] if self.plan else []
+        return "; ".join([head, *plan, *parts])
 
 
 def _optimizer_like(optimizer: torch.optim.Optimizer, params) -> torch.optim.Optimizer:
@@ -148,9 +175,44 @@ def probe_compile_seconds(model: nn.Module, loss_fn: Callable, x: torch.Tensor, 
     return trace_s * INDUCTOR_OVER_TRACE
 
 
+def plan_variant(plan: Plan, threads: int, loss_fn: Callable) -> tuple[str, Builder]:
+    """The candidate that runs ``plan`` (a :class:`~dlperf.parallel.plan.Plan`) in a cell of ``threads``."""
+    if plan.replicas == 1 and plan.execution in ("eager", "compile"):
+        inner = eager_step if plan.execution == "eager" else compiled_step
+        if plan.memory_format == "channels_last":
+            name = "channels-last" if plan.execution == "eager" else "channels-last + compile"
+            builder: Builder = lambda m, o: channels_last_step(m, loss_fn, o, inner)  # noqa: E731
+        else:
+            name = plan.execution
+            builder = lambda m, o: inner(m, loss_fn, o)  # noqa: E731
+        if plan.threads == threads:
+            return name, builder
+        return f"{name} {plan.threads} thr", _fewer_threads(plan.threads, builder)
+    return f"plan {plan.name}", lambda m, o: _trainer_step(plan, m, o, loss_fn)
+
+
+def _trainer_step(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable) -> StepFn:
+    """A Trainer following ``plan`` on ``model`` (its replicas share the cores), stepping as a bench step does."""
+    from ..devices import cpu
+    from ..parallel.trainer import Trainer
+    from ..parallel.trainer_config import TrainerConfig
+
+    config = TrainerConfig("sgd", {"lr": optimizer.defaults.get("lr", 0.01)}, loss=loss_fn, plan=plan,
+                           processes=None, check_finite=False)
+    trainer = Trainer(model, plan.devices_for([cpu(0)]), config=config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return trainer.train_step(x, y)
+
+    step.trainer = trainer  # type: ignore[attr-defined]  # its workers live as long as the step
+    return step
+
+
 def candidates(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, threads: int,
-               compile_bound_s: float, notes: dict[str, str]) -> dict[str, Builder]:
-    """The variants worth timing for this model; the ones left out get a line in ``notes``."""
+               compile_bound_s: float, notes: dict[str, str], plan: Plan | None = None) -> dict[str, Builder]:
+    """The variants worth timing for this model; the ones left out get a line in ``notes``.
+
+    With ``plan`` (the planner's), the plan's variant replaces the layout and thread-count variants."""
     from ..hybrid.bench_mode import make_step as hybrid_make_step
 
     out: dict[str, Builder] = {"eager": lambda m, o: eager_step(m, loss_fn, o)}
@@ -171,6 +233,10 @@ def candidates(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Te
                 out["compile"] = lambda m, o: compiled_step(m, loss_fn, o, x, y)
                 if "channels-last" in out:
                     out["channels-last + compile"] = lambda m, o: channels_last_step(m, loss_fn, o, compiled_step)
+    if plan is not None:
+        out.pop("channels-last", None)
+        name, builder = plan_variant(plan, threads, loss_fn)
+        return {"eager": out.pop("eager"), name: builder, **out}
     # a GPU step's host threads only launch kernels: fewer of them is no candidate
     fewer = [] if _on_gpu(x) else sorted({max(1, threads // 2), 1} - {threads}, reverse=True)
     for n in fewer:
@@ -203,17 +269,21 @@ def _build(name: str, builder: Builder, model: nn.Module, optimizer: torch.optim
 
 def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, x: torch.Tensor,
            y: torch.Tensor, *, compile_bound_s: float | None = None, rounds: int = ROUNDS,
-           steps_per_round: int = STEPS_PER_ROUND) -> tuple[AutoChoice, dict[str, Builder]]:
+           steps_per_round: int = STEPS_PER_ROUND, plan: Plan | None = None) -> tuple[AutoChoice, dict[str, Builder]]:
     """Time every candidate against eager, alternating, and pick; ``model`` and ``optimizer`` are untouched.
 
-    ``compile_bound_s`` defaults to :data:`COMPILE_BOUND_S`, read at the call.
+    ``compile_bound_s`` defaults to :data:`COMPILE_BOUND_S`, read at the call. With ``plan`` (the
+    planner's), its variant stands in eager's place: another must beat it in every round to replace it.
     """
     threads = torch.get_num_threads()
     notes: dict[str, str] = {}
     bound = COMPILE_BOUND_S if compile_bound_s is None else compile_bound_s
-    builders = candidates(model, loss_fn, x, y, threads, bound, notes)
+    builders = candidates(model, loss_fn, x, y, threads, bound, notes, plan=plan)
+    base = plan_variant(plan, threads, loss_fn)[0] if plan is not None else "eager"
     steps = {name: s for name, b in builders.items()
              if (s := _build(name, b, model, optimizer, x, y, notes)) is not None}
+    if base not in steps:  # the plan's variant could not run here: eager stands, and the notes say why
+        base = "eager"
     per_round: dict[str, list[float]] = {name: [] for name in steps}
     samples: dict[str, list[float]] = {name: [] for name in steps}
     sync = torch.cuda.synchronize if _on_gpu(x) else (lambda: None)
@@ -228,32 +298,53 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
             samples[name] += t.samples
             per_round[name].append(t.median_s)
     medians = {name: Timing.from_samples(s).median_s for name, s in samples.items()}
-    best, gain, worst = _pick(medians, per_round)
-    return AutoChoice(best, gain, medians, notes, worst), builders
+    for timed in steps.values():  # a Trainer candidate's device workers go with its copy of the model
+        trainer = getattr(timed, "trainer", None)
+        if trainer is not None:
+            trainer.close()
+    best, gain, worst = _pick(medians, per_round, base)
+    choice = AutoChoice(best, gain, medians, notes, worst)
+    if plan is not None:
+        choice.plan, choice.plan_variant = plan.name, base
+    return choice, builders
 
 
-def _pick(medians: dict[str, float], per_round: dict[str, list[float]]) -> tuple[str, float, float]:
-    """The candidate with the largest gain among those faster than eager by more than the noise in every round.
+def _pick(medians: dict[str, float], per_round: dict[str, list[float]],
+          base: str = "eager") -> tuple[str, float, float]:
+    """The candidate with the largest gain among those faster than ``base`` (eager, or the planner's plan)
+    by more than the noise in every round; ``base`` when none is.
 
     Alternating rounds see the same background load, so a real gain shows in each; one round that a
     burst of other work slowed is what the noise is. Requiring the worst round's gain to clear
     :data:`MIN_GAIN` keeps a variant that only looked fast in one lucky round from replacing eager.
     Returns (name, gain over eager overall, the worst round's gain of the fastest candidate).
     """
-    eager = per_round["eager"]
-    best, best_gain = "eager", 1.0
+    reference = per_round[base]
+    best, best_gain = base, 1.0
     worst_of_fastest = 1.0
-    fastest = min((n for n in medians if n != "eager"), key=medians.__getitem__, default=None)
+    fastest = min((n for n in medians if n not in ("eager", base)), key=medians.__getitem__, default=None)
     for name, rounds in per_round.items():
-        ratios = [e / c for e, c in zip(eager, rounds) if c > 0]
-        if name == "eager" or not ratios:
+        ratios = [e / c for e, c in zip(reference, rounds) if c > 0]
+        if name in ("eager", base) or not ratios:
             continue
         if name == fastest:
             worst_of_fastest = min(ratios)
-        gain = medians["eager"] / medians[name]
+        gain = medians[base] / medians[name]
         if min(ratios) > 1 + MIN_GAIN and gain > best_gain:
             best, best_gain = name, gain
-    return best, best_gain, worst_of_fastest
+    return best, medians["eager"] / medians[best], worst_of_fastest
+
+
+def _planned(model: nn.Module, loss_fn: Callable, x, y):
+    """The planner's decision for a CPU cell at this thread count, or (None, why not)."""
+    if not USE_PLANNER or _on_gpu(x):
+        return None, ""
+    from .plans import report_plan
+
+    try:
+        return report_plan(model, (x, y), threads=torch.get_num_threads(), loss=loss_fn), ""
+    except Exception as exc:  # noqa: BLE001 - a model the Trainer cannot train is timed without a plan
+        return None, f"not planned ({type(exc).__name__}: {str(exc).strip()[:80]})"
 
 
 def make_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
@@ -263,8 +354,13 @@ def make_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimi
 
     The returned step carries ``mode_chosen``, ``gain_over_eager``, ``auto_reason`` and ``auto_choice``.
     """
+    decision, why = _planned(model, loss_fn, example_x, example_y)
     choice, builders = choose(model, loss_fn, optimizer, example_x, example_y, compile_bound_s=compile_bound_s,
-                              rounds=rounds)
+                              rounds=rounds, plan=decision.plan if decision is not None else None)
+    if decision is not None:
+        choice.plan_note = "[cached]" if decision.cached else f"[planned in {decision.planning_s:.1f} s]"
+    elif why:
+        choice.notes["plan"] = why
     chosen = builders[choice.chosen](model, optimizer)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -274,6 +370,10 @@ def make_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimi
     step.gain_over_eager = choice.gain_over_eager  # type: ignore[attr-defined]
     step.auto_reason = choice.reason  # type: ignore[attr-defined]
     step.auto_choice = choice  # type: ignore[attr-defined]
+    step.plan = choice.plan  # type: ignore[attr-defined]
+    trainer = getattr(chosen, "trainer", None)
+    # a Trainer plan's device workers stop when the cell is done with the step
+    step.close = trainer.close if trainer is not None else (lambda: None)  # type: ignore[attr-defined]
     hybrid = getattr(chosen, "hybrid_module", None)
     if hybrid is not None:  # the report names the backend the hybridized model runs
         step.hybrid_module = hybrid  # type: ignore[attr-defined]

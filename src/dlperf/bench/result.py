@@ -46,6 +46,8 @@ class CellResult:
     """With ``--mode auto``: the variant that ran the timed steps, and by how much it beat eager."""
     gain_over_eager: float | None = None
     auto_reason: str | None = None
+    plan: str | None = None
+    """With ``--mode auto`` on a CPU cell: the planner's plan (``dlperf train --plan auto``'s) for the cell."""
 
     @property
     def contended(self) -> bool:
@@ -118,7 +120,7 @@ class CellResult:
                           "measured_over_floor": None, "pct_of_peak": None, "floor_source": self.floor_note})
         if self.mode == "auto":
             extra.update(mode_chosen=self.mode_chosen, gain_over_eager=self.gain_over_eager,
-                         auto_reason=self.auto_reason)
+                         auto_reason=self.auto_reason, plan=self.plan)
         return extra
 
 

@@ -213,9 +213,12 @@ def _time_cell(cell: CellResult, config: BenchConfig, on_step: Callable[[], None
     step = get_mode(config.mode)(model, spec.loss, optimizer, x, y)
     build_s = time.perf_counter() - built
     # a GPU cell keeps one host thread busy launching kernels
-    cell.timing = time_steps(lambda: step(x, y), warmup=config.warmup, steps=config.steps,
-                             synchronize=dev.synchronize, on_step=on_step,
-                             max_seconds=config.max_cell_seconds, threads=cell.threads or 1)
+    try:
+        cell.timing = time_steps(lambda: step(x, y), warmup=config.warmup, steps=config.steps,
+                                 synchronize=dev.synchronize, on_step=on_step,
+                                 max_seconds=config.max_cell_seconds, threads=cell.threads or 1)
+    finally:
+        getattr(step, "close", lambda: None)()  # an auto cell's Trainer plan has device workers to stop
     if config.mode != "eager":
         overhead = cell.timing.first_call_overhead_s
         cell.compile_s = build_s + (overhead or 0.0)
@@ -223,6 +226,7 @@ def _time_cell(cell: CellResult, config: BenchConfig, on_step: Callable[[], None
     cell.mode_chosen = getattr(step, "mode_chosen", None)
     cell.gain_over_eager = getattr(step, "gain_over_eager", None)
     cell.auto_reason = getattr(step, "auto_reason", None)
+    cell.plan = getattr(step, "plan", None)
 
 
 def run_cell(net: str, dev: Device, threads: int | None, config: BenchConfig,

@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .._cliargs import require_memory
     from .._io import atomic_write_text, check_writable
+    from ..bench.plans import plan_advice
     from ..probe.profile import profile
     from ..probe.user_inputs import batch_maker, input_bytes
 
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(args.target)
     batch = make(model, torch.Generator().manual_seed(args.seed))
     report = profile(model, batch, steps=args.steps, threads=args.threads, suggest=not args.no_suggest,
-                     trace=args.trace, name=args.target, hardware=hardware)
+                     trace=args.trace, name=args.target, hardware=hardware, plans=plan_advice)
     print(report, flush=True)
     if report.contended:
         print("dlperf profile: timed on a busy machine; the times marked ! are not the step's cost, rerun when the "

@@ -53,7 +53,8 @@ from .cost import (
     step_floor,
 )
 
-__all__ = ["profile", "ProfileReport", "GroupRow", "Suggestion", "estimate_hardware", "VERDICTS", "GROUPS"]
+__all__ = ["profile", "ProfileReport", "GroupRow", "Suggestion", "PlanAdvice", "PlanAdvisor", "estimate_hardware",
+           "VERDICTS", "GROUPS"]
 
 VERDICTS = ("compute-bound", "bandwidth-bound", "overhead-bound")
 # A step that spends more than this share of its time in overhead-bound groups is worth a larger batch.
@@ -87,6 +88,8 @@ class Suggestion:
     measured_s: float | None = None
     unit: str = "step"
     note: str = ""
+    rejected: bool = False
+    """Measured faster, yet the planner did not choose it (not faster in every round beyond the noise)."""
 
     @property
     def speedup(self) -> float | None:
@@ -96,19 +99,39 @@ class Suggestion:
 
     @property
     def recommended(self) -> bool:
-        return self.speedup is not None and self.speedup >= WORTHWHILE
+        return self.speedup is not None and self.speedup >= WORTHWHILE and not self.rejected
 
     def to_dict(self) -> dict:
         return {"name": self.name, "how": self.how, "baseline_s": self.baseline_s, "measured_s": self.measured_s,
                 "unit": self.unit, "speedup": self.speedup, "recommended": self.recommended, "note": self.note}
 
     def line(self) -> str:
+        if self.baseline_s is None and self.measured_s is not None:  # a cached decision: its time, no baseline
+            return f"{self.name:<14} {self.measured_s * 1e3:.3g} ms/{self.unit}: {self.how}; {self.note}"
         if self.speedup is None or self.baseline_s is None or self.measured_s is None:
             return f"{self.name:<14} not measured: {self.note}"
-        verdict = "recommended" if self.recommended else "no gain here"
+        verdict = "recommended" if self.recommended else "not chosen" if self.rejected else "no gain here"
         note = f"; {self.note}" if self.note else ""
         return (f"{self.name:<14} {self.baseline_s * 1e3:.3g} -> {self.measured_s * 1e3:.3g} ms/{self.unit}, "
                 f"{self.speedup:.2f}x ({verdict}): {self.how}{note}")
+
+
+@dataclass
+class PlanAdvice:
+    """The planner's answer for the profiled model, as suggestions (the chosen plan first).
+
+    The planner lives above this package, so its caller (``dlperf profile``, :mod:`dlperf.bench.plans`)
+    asks it and hands the answer in through :func:`profile`'s ``plans``."""
+
+    plan: str | None
+    """The chosen plan's short name (``1x2,channels-last,eager``), or None when the model could not be planned."""
+    suggestions: list[Suggestion]
+    cached: bool = False
+    planning_s: float = 0.0
+
+
+PlanAdvisor = Callable[[nn.Module, Batch], PlanAdvice]
+"""``plans(model, batch) -> PlanAdvice``: asked with torch's threads set as the profile runs them."""
 
 
 @dataclass
@@ -129,6 +152,8 @@ class ProfileReport:
     batch: int = 0
     suggestions_contention: Contention | None = None
     """The verdict on the window the suggestions were timed in."""
+    plan: str | None = None
+    """The planner's plan for this model and batch (when ``profile`` was given ``plans``)."""
 
     @property
     def contended(self) -> bool:
@@ -152,7 +177,7 @@ class ProfileReport:
                 "profiled_step_s": self.profiled_step_s,
                 "groups": [asdict(g) for g in self.groups], "floor": self.floor.to_dict(),
                 "hardware": self.hardware.to_dict() | {"notes": self.hardware.notes},
-                "suggestions": [s.to_dict() for s in self.suggestions]}
+                "suggestions": [s.to_dict() for s in self.suggestions], "plan": self.plan}
 
     def _contention_lines(self) -> list[str]:
         marked = [(what, c) for what, c in (("step", self.step.contention),
@@ -188,6 +213,9 @@ class ProfileReport:
             head = "suggestions (each timed against one baseline, in alternating rounds)"
             lines += ["", head + (f" {CONTENDED_MARK}:" if busy else ":")]
             lines += [f"  {s.line()}" for s in self.suggestions]
+            if self.plan:
+                lines.append(f"plan: {self.plan} (the planner's, as dlperf train --plan auto and dlperf bench "
+                             "--mode auto choose)")
         notes = self._contention_lines()
         return "\n".join(lines + ([""] + notes if notes else []))
 
@@ -498,12 +526,16 @@ def _hybridized(model: nn.Module, x: Batch) -> _Variant:
     return _Variant("hybridize", how, step)
 
 
-def _suggestions(model: nn.Module, x: Batch, report: ProfileReport,
-                 steps: int) -> tuple[list[Suggestion], Contention | None]:
+def _suggestions(model: nn.Module, x: Batch, report: ProfileReport, steps: int,
+                 plans: PlanAdvisor | None = None) -> tuple[list[Suggestion], Contention | None]:
     baseline = _trainer(model, x)
     current, cores = torch.get_num_threads(), _usable_cores()
-    variants = [v for v in (_channels_last(model, x),) if v is not None]
-    for n in _thread_counts(current, cores):
+    planned: list[Suggestion] = []
+    if plans is not None:  # layout and threads are the planner's: its candidates against its reference
+        advice = plans(model, x)
+        report.plan, planned = advice.plan, list(advice.suggestions)
+    variants = [] if plans is not None else [v for v in (_channels_last(model, x),) if v is not None]
+    for n in _thread_counts(current, cores) if plans is None else ():
         way = "more" if n > current else "fewer"
         variants.append(_Variant(f"threads {n}", f"--threads {n} (torch.set_num_threads({n})): {way} threads than "
                                                  f"the {current} now; this machine has {cores} usable cores",
@@ -522,21 +554,23 @@ def _suggestions(model: nn.Module, x: Batch, report: ProfileReport,
         measured = Timing.from_samples(v.samples).median_s
         examples = batch_size(x) if v.unit == "example" else 1
         out.append(Suggestion(v.name, v.how, base_s / examples, measured / (examples * v.scale), unit=v.unit))
-    return out, contention
+    return planned + out, contention
 
 
 # --- the entry point ----------------------------------------------------------------------------------------
 
 def profile(model: nn.Module, example_input: Batch, *, steps: int = 5, warmup: int = 1,
             threads: int | None = None, hardware: Hardware | None = None, suggest: bool = True,
-            trace: str | os.PathLike | None = None, name: str | None = None) -> ProfileReport:
+            trace: str | os.PathLike | None = None, name: str | None = None,
+            plans: PlanAdvisor | None = None) -> ProfileReport:
     """Profile training steps of ``model`` on batches like ``example_input``; ``model`` itself is not changed.
 
     ``example_input`` is a tensor, a tuple (the model's positional arguments) or a dict, of any dtypes
     (:mod:`dlperf.batch`). ``threads`` sets torch's intra-op threads for the run (restored after);
     ``hardware`` gives the figures for the floors (default: :func:`estimate_hardware`); ``trace`` writes the
-    profiled step's Chrome trace there. Raises :class:`~dlperf.errors.UsageError` when the model cannot
-    train on the input.
+    profiled step's Chrome trace there; ``plans`` (:func:`dlperf.bench.plans.plan_advice`) replaces the
+    layout and thread-count suggestions with the planner's candidates, its chosen plan first. Raises
+    :class:`~dlperf.errors.UsageError` when the model cannot train on the input.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"profile needs a torch.nn.Module, got {type(model).__name__}; build the model first")
@@ -551,11 +585,11 @@ def profile(model: nn.Module, example_input: Batch, *, steps: int = 5, warmup: i
         raise UsageError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     with intra_op_threads(threads):
         return _profile(copy.deepcopy(model).train(), example_input, steps, warmup, hardware, suggest, trace,
-                        name or type(model).__name__)
+                        name or type(model).__name__, plans)
 
 
 def _profile(model: nn.Module, x: Batch, steps: int, warmup: int, hardware: Hardware | None,
-             suggest: bool, trace, name: str) -> ProfileReport:
+             suggest: bool, trace, name: str, plans: PlanAdvisor | None = None) -> ProfileReport:
     step = _trainer(model, x)
     try:
         step()  # the first step also checks that the model trains on this input at all
@@ -576,5 +610,5 @@ def _profile(model: nn.Module, x: Batch, steps: int, warmup: int, hardware: Hard
                            _group_rows(seconds, counts, hw), floor, hw, counts, inputs=describe(x),
                            batch=batch_size(x))
     if suggest:
-        report.suggestions, report.suggestions_contention = _suggestions(model, x, report, steps)
+        report.suggestions, report.suggestions_contention = _suggestions(model, x, report, steps, plans)
     return report
