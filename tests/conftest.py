@@ -56,3 +56,10 @@ def no_leaked_threads_or_env():
     assert new_thread_default == before_torch_threads, (
         f"test changed the intra-op threads that new threads start with, from {before_torch_threads} "
         f"to {new_thread_default}")
+
+
+@pytest.fixture(autouse=True)
+def private_plan_cache(no_leaked_threads_or_env, tmp_path_factory, monkeypatch):
+    """Each test plans against its own empty plan cache: a decision cached by one test (or by the user's own
+    runs) must not answer another's question."""
+    monkeypatch.setenv("DLPERF_PLAN_CACHE", str(tmp_path_factory.mktemp("plans") / "plans.json"))

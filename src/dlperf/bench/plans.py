@@ -85,7 +85,9 @@ def plan_advice(model: nn.Module, x: Any) -> PlanAdvice:
         return _not_planned("the model returns several outputs, and a planned Trainer takes one loss")
     y, loss = made
     try:
-        decision = report_plan(model, (x, y), threads=torch.get_num_threads(), loss=loss)
+        # the whole machine, whatever threads the profile ran with: "use more (or fewer) cores" is one of the
+        # answers a profile owes its user, and it is the question `dlperf train --plan auto` asks
+        decision = report_plan(model, (x, y), loss=loss)
     except Exception as exc:  # noqa: BLE001 - the profile stands without a plan; the line says why
         return _not_planned(f"{type(exc).__name__}: {str(exc).strip()[:120]}")
     plan = decision.plan

@@ -37,7 +37,9 @@ _told: set[str] = set()
 
 
 def default_cache_path() -> str:
-    return os.path.join(cache_base(), "dlperf", "plans.json")
+    """``$DLPERF_PLAN_CACHE`` when set (a file in an existing directory: a separate cache for a job or a test
+    run, without moving the build caches that ``XDG_CACHE_HOME`` also moves), else beside the probe's."""
+    return os.environ.get("DLPERF_PLAN_CACHE") or os.path.join(cache_base(), "dlperf", "plans.json")
 
 
 def _tensor_sig(t: torch.Tensor) -> str:
@@ -132,7 +134,7 @@ def save_plan(key: str, plan: Plan, path: str | None = None) -> None:
             del entries[k]
     data = (json.dumps({"format": CACHE_FORMAT, "plans": entries}, allow_nan=False) + "\n").encode()
     try:
-        if path == default_cache_path():
+        if path == os.path.join(cache_base(), "dlperf", "plans.json"):
             private_dir(cache_base(), ["dlperf"])
         write_private(path, data)
     except (OSError, ValueError, CacheUnsafe) as exc:
