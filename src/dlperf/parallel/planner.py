@@ -4,7 +4,8 @@
    the cores (the replica count stays the reference's for a model with BatchNorm, whose statistics depend
    on the split), each layout where 2-D convolutions make it matter, then on the fastest of those every
    other registered execution (``torch.compile`` only when the run's length is known and its compile time
-   fits the budget); on GPUs precision (only when allowed), cuDNN benchmark mode and pinned memory.
+   fits the budget; the captured whole step on the fastest plan of one replica), each timed beside the
+   reference; on GPUs precision (only when allowed), cuDNN benchmark mode and pinned memory.
 2. **Price** each replicas x threads split with the cost model (:func:`~dlperf.probe.cost.step_floor`,
    with the saved probe's figures at that thread count, else d2l's quad-core) and drop those whose floor
    is far above the best; the allreduce algorithm of a split with several replicas is the cost model's pick.
@@ -420,15 +421,20 @@ def _executions_phase(session: _Session, found: list[Measurement], model: nn.Mod
     measured = [m for m in found if m.ms is not None]
     if not measured:
         return []
-    leader = min(measured, key=lambda m: m.ms or 0.0)
+    leaders = {False: min(measured, key=lambda m: m.ms or 0.0),
+               True: min((m for m in measured if m.plan.replicas == 1), key=lambda m: m.ms or 0.0, default=None)}
     names = [n for n in (options.executions or EXECUTIONS.names()) if n != "eager"]
     extra: list[Measurement] = []
     for name in names:
         execution = EXECUTIONS.get(name)
         why = execution.unavailable(model, devices)
+        leader = leaders[execution.whole_step]  # a whole step runs one replica: tried on the best such plan
+        if why is None and leader is None:
+            why = "it runs one replica, and no one-replica plan was measured"
         if why:
             session.skipped.append(f"{name}: {why}")
             continue
+        assert leader is not None
         if execution.setup_s > 0 and options.run_steps is None:
             session.skipped.append(f"{name}: the run's length is unknown, so its setup cannot be weighed")
             continue
@@ -437,7 +443,8 @@ def _executions_phase(session: _Session, found: list[Measurement], model: nn.Mod
                                    f"({session.budget:.1f} s)")
             continue
         m = Measurement(dataclasses.replace(leader.plan, execution=name), leader.floor_ms)
-        session.rounds([leader, m], max(1, options.rounds - 1))
+        # the reference is timed beside them: the choice is each candidate's ratio to it, round by round
+        session.rounds([found[0], *([leader] if leader is not found[0] else []), m], options.rounds)
         extra.append(m)
     return extra
 

@@ -115,6 +115,7 @@ class Trainer:
         except BaseException:
             self.close()
             raise
+        self._whole_step = self.planning.whole_step(self.replicas, self.optimizers, self.loss, self.world)
 
     @property
     def plan(self) -> Plan | None:
@@ -221,6 +222,8 @@ class Trainer:
         rep = self.replicas[i]
         if not rep.training:  # walking every submodule each step costs tens of microseconds
             rep.train()
+        if self._whole_step is not None:  # the plan's captured step updates too (one replica: share is 1)
+            return self._whole_step(self._layout(X), y).detach()
         self.strategy.zero_grad(i)
         with self.planning.precision(self.devices[i]):
             loss = self.loss(call_model(self._forwards[i], self._layout(X)), y) * share
@@ -323,6 +326,8 @@ class Trainer:
                     b.copy_(bufs[name])
         self.strategy.load_state_dict(state)
         self.steps = int(state["steps"])
+        # a captured step holds the optimizer's state tensors, which loading replaced
+        self._whole_step = self.planning.whole_step(self.replicas, self.optimizers, self.loss, self.world)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
