@@ -141,3 +141,16 @@ def test_auto_with_captured_reaches_the_plain_loops_weights(tmp_path):
             trainer.train_step(X, y)
         assert any(m.plan.execution == "captured" for m in trainer.planning.decision.measurements)
         assert_same(trainer.module, plain_run(model, optimizer, params, batches)[0])
+
+
+def test_a_traced_one_replica_step_still_runs_as_an_engine_operation(tmp_path):
+    """The calling thread's step skips the engine only while no timeline is recorded."""
+    X, y = fresh_batches(1, 4, 0)[0]
+    with Trainer(mlp(), [cpu(0)], "sgd", {"lr": 0.1}, plan="1x1,caller") as trainer:
+        trainer.train_step(X, y)
+        trainer.start_trace()
+        trainer.train_step(X, y)
+        names = [e.name for e in trainer.stop_trace().events]
+        trainer.train_step(X, y)
+        assert trainer.steps == 3
+    assert any(n.startswith("fwd+bwd") for n in names), names
