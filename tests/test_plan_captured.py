@@ -117,7 +117,9 @@ def test_the_planner_tries_captured_and_its_choice_follows_what_it_measured(rows
     decision = plan_for(d2l_mlp(), batch, options=options)
     by_name = {m.plan.name: m for m in decision.measurements}
     captured = [m for m in decision.measurements if m.plan.execution == "captured"]
-    assert len(captured) == 1 and captured[0].ms is not None, decision.table()
+    # measured, or dropped in the rare moment its own timing found the replay no faster than eager
+    assert len(captured) == 1 and (captured[0].ms is not None or captured[0].note.startswith("dropped")), \
+        decision.table()
     assert captured[0].plan.replicas == 1
     reference = decision.measurements[0]
     eligible = [m for m in decision.measurements if m.ms is not None and m.ratios(reference)]
@@ -127,7 +129,8 @@ def test_the_planner_tries_captured_and_its_choice_follows_what_it_measured(rows
     assert decision.plan == (best.plan if wins else reference.plan), decision.table()
     if decision.plan.execution == "captured":
         assert max(by_name[decision.plan.name].ratios(reference)) < 1, decision.table()
-    assert "captured" in decision.plan.line() or any("captured" in n for n, _ in decision.plan.alternatives)
+    if captured[0].ms is not None:
+        assert "captured" in decision.plan.line() or any("captured" in n for n, _ in decision.plan.alternatives)
 
 
 def test_auto_with_captured_reaches_the_plain_loops_weights(tmp_path):
@@ -154,3 +157,22 @@ def test_a_traced_one_replica_step_still_runs_as_an_engine_operation(tmp_path):
         trainer.train_step(X, y)
         assert trainer.steps == 3
     assert any(n.startswith("fwd+bwd") for n in names), names
+
+
+def test_a_captured_candidate_that_serves_the_eager_step_is_dropped(tmp_path):
+    """A plan is never chosen for another plan's speed: a step that cannot be captured runs eagerly, and the
+    planner says so instead of measuring it as captured."""
+    import warnings
+
+    from dlperf.hybrid.hybridize import HybridizeWarning
+
+    model = mlp()
+    model[0].register_forward_hook(lambda module, args, out: None)  # hooks: the captured step runs eagerly
+    batch = fresh_batches(1, 4, 0)[0]
+    options = PlannerOptions(rounds=2, steps=2, cache_path=str(tmp_path / "plans.json"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HybridizeWarning)
+        decision = plan_for(model, batch, options=options)
+    captured = [m for m in decision.measurements if m.plan.execution == "captured"]
+    assert len(captured) == 1 and captured[0].note.startswith("dropped: its step runs eagerly"), decision.table()
+    assert captured[0].ms is None and decision.plan.execution != "captured"

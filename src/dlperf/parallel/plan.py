@@ -67,6 +67,8 @@ class Execution:
     setup_s: float = 0.0
     description: str = ""
     make_step: Callable[[nn.Module, Callable[..., Any], torch.optim.Optimizer], Callable[..., Any]] | None = None
+    declined: Callable[[Any], str | None] = lambda step: None
+    """Given ``make_step``'s step after its first call: why it serves the plain eager step instead, or None."""
 
     @property
     def whole_step(self) -> bool:
@@ -99,20 +101,6 @@ register_execution(Execution("compile", lambda module: torch.compile(module), _c
                                          "its compile time fits the run"))
 
 
-def _captured_step(module: nn.Module, loss: Callable[..., Any], optimizer: torch.optim.Optimizer
-                   ) -> Callable[..., Any]:
-    from ..hybrid.train_step import make_train_step
-
-    # captured on its first call, where the batch's shapes are known; a model or optimizer it cannot
-    # capture runs the eager step instead, with the reason in the step's repr and one warning
-    return make_train_step(module, loss, optimizer)
-
-
-register_execution(Execution("captured", lambda module: module, setup_s=0.0, make_step=_captured_step,
-                             description="the whole training step (forward, loss, backward, update) captured once "
-                                         "and replayed (dlperf.hybrid.train_step); one replica only"))
-
-
 def has_batch_statistics(module: nn.Module) -> bool:
     """Whether a layer's output depends on the other examples of its batch (BatchNorm in training):
     splitting the batch over another number of replicas would change what such a model computes."""
@@ -122,6 +110,37 @@ def has_batch_statistics(module: nn.Module) -> bool:
 def uses_conv2d(module: nn.Module) -> bool:
     """Whether the activations' layout matters: 2-D convolutions (channels-last helps oneDNN)."""
     return any(isinstance(m, nn.Conv2d) for m in module.modules())
+
+
+def _captured_step(module: nn.Module, loss: Callable[..., Any], optimizer: torch.optim.Optimizer
+                   ) -> Callable[..., Any]:
+    from ..hybrid.train_step import make_train_step
+
+    # captured on its first call, where the batch's shapes are known; a model or optimizer it cannot
+    # capture runs the eager step instead, with the reason in the step's repr and one warning
+    return make_train_step(module, loss, optimizer)
+
+
+def _captured_declined(step: Any) -> str | None:
+    if step.fallback_reason:
+        return f"its step runs eagerly ({step.fallback_reason[:100]})"
+    if step.choices and set(step.choices.values()) == {"eager"}:
+        return "its replay was slower than the eager step, which it serves instead"
+    return None
+
+
+def _captured_unavailable(module: nn.Module, devices: Sequence[Device]) -> str | None:
+    if uses_conv2d(module) and not any(d.is_gpu for d in devices):
+        # measured (BENCHMARKS.md, hybridized training): on CPU the captured step of LeNet and ResNet-56 runs
+        # the convolutions' kernels as eager does and its choice among replays costs seconds per model
+        return "not tried on 2-D convolutions on CPU (their captured step measured no faster than eager)"
+    return None
+
+
+register_execution(Execution("captured", lambda module: module, _captured_unavailable, make_step=_captured_step,
+                             declined=_captured_declined,
+                             description="the whole training step (forward, loss, backward, update) captured once "
+                                         "and replayed (dlperf.hybrid.train_step); one replica only"))
 
 
 def _int_in(name: str, value: object, low: int, high: int) -> int:

@@ -104,6 +104,9 @@ class CandidateRun:
     threads: int = 1
     """Threads a step keeps busy (the contention check compares the machine's load against it)."""
     synchronize: Callable[[], None] = lambda: None
+    declined: Callable[[], str | None] = lambda: None
+    """After its first step: why the run does not do what its plan says (a captured step that serves the eager
+    one), or None. A declined candidate is dropped, so a plan is never chosen for another plan's speed."""
 
 
 @dataclass
@@ -336,6 +339,10 @@ class _Session:
             m.note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             m.by_round.clear()
             return
+        why = run.declined() if first else None
+        if why:
+            m.note = f"dropped: {why}"
+            return
         m.by_round[index] = timing.median_s * 1e3
         m.contended |= timing.contended
         if first:
@@ -348,7 +355,7 @@ class _Session:
                 break  # every candidate timed so far has a figure from the rounds it shared with the others
             order = group if i % 2 == 0 else group[::-1]
             for m in order:
-                if m.note.startswith("failed") or self.round_index + i in m.by_round:
+                if m.note.startswith(("failed", "dropped")) or self.round_index + i in m.by_round:
                     continue
                 if m is not group[0] and self.elapsed() > self.budget:
                     if not m.by_round:

@@ -177,6 +177,13 @@ class PlanState:
         assert len(replicas) == 1 and len(optimizers) == 1, "a whole-step plan has one replica (checked in Plan)"
         return execution.make_step(replicas[0], loss, optimizers[0])
 
+    def declined(self, trainer: Trainer) -> str | None:
+        """Why ``trainer`` does not run what its plan's execution says (see :attr:`CandidateRun.declined`)."""
+        step = trainer._whole_step
+        if self.plan is None or step is None:
+            return None
+        return EXECUTIONS.get(self.plan.execution).declined(step)
+
     def engine_kind(self) -> str:
         """The engine a build uses: threaded (device workers), or naive when one replica runs on the caller."""
         return "naive" if self.plan is not None and self.plan.step_thread == "caller" else "threaded"
@@ -208,7 +215,8 @@ class PlanState:
             candidate = type(trainer)(model, plan.devices_for(trainer.devices), config=cfg)
             candidate.planning.fallback = False
             return CandidateRun(step=lambda: candidate.train_step(X, y), close=candidate.close,
-                                threads=plan.replicas * plan.threads)
+                                threads=plan.replicas * plan.threads,
+                                declined=lambda: candidate.planning.declined(candidate))
 
         self.decision = search(source, (X, y), trainer.devices, build, self.reference, self.options)
         self.adopt(trainer, self.decision.plan)
