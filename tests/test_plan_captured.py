@@ -176,3 +176,13 @@ def test_a_captured_candidate_that_serves_the_eager_step_is_dropped(tmp_path):
     captured = [m for m in decision.measurements if m.plan.execution == "captured"]
     assert len(captured) == 1 and captured[0].note.startswith("dropped: its step runs eagerly"), decision.table()
     assert captured[0].ms is None and decision.plan.execution != "captured"
+
+
+def test_auto_with_check_finite_never_adopts_a_captured_plan(tmp_path):
+    options = PlannerOptions(rounds=2, steps=2, cache_path=str(tmp_path / "plans.json"))
+    X, y = fresh_batches(1, 2, 0)[0]
+    with Trainer(mlp(), [cpu(0)], "sgd", {"lr": 0.1}, plan="auto", planner=options, check_finite=True) as trainer:
+        trainer.train_step(X, y)
+        assert trainer.plan.execution != "captured"
+        captured = [m for m in trainer.planning.decision.measurements if m.plan.execution == "captured"]
+        assert captured and captured[0].note.startswith("failed: UsageError") and "check_finite" in captured[0].note

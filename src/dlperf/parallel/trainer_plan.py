@@ -101,8 +101,8 @@ def _check_whole_step(plan: Plan, cfg: TrainerConfig) -> None:
            f"kvstore={cfg.kvstore!r} (the store runs the update)" if cfg.kvstore is not None else
            f"mixed precision {plan.mixed_precision}" if plan.mixed_precision != "off" else None)
     if why is not None:
-        raise UsageError(f"plan {plan.name!r}: a {plan.execution} step runs forward to update in one piece, "
-                         f"which {why} does not allow; use {plan.name.replace(plan.execution, 'eager')}")
+        raise UsageError(f"plan {plan.name!r} with {why}: a {plan.execution} step runs forward to update in one "
+                         f"piece; use {plan.name.replace(plan.execution, 'eager')}")
 
 
 def resize_state(state: dict[str, Any], replicas: int) -> dict[str, Any]:
@@ -210,6 +210,8 @@ class PlanState:
         source, given = self.source, trainer.config
 
         def build(plan: Plan) -> CandidateRun:
+            if EXECUTIONS.get(plan.execution).whole_step:  # candidates skip the finiteness check; the run will not
+                _check_whole_step(plan, given)
             model = copy.deepcopy(source).to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
             cfg = dataclasses.replace(given, plan=plan, trace=None, processes=None, check_finite=False)
             candidate = type(trainer)(model, plan.devices_for(trainer.devices), config=cfg)
