@@ -17,7 +17,9 @@ the zoo's LSTM b128, a small Transformer-encoder classifier b64, d2l's MLP b64):
 The in-process configurations are timed in alternating rounds with the shared timer (warm-up, then the median
 of single steps; each timing carries a contention mark); the least disturbed round of each counts.
 ``plan_vs_best_peer`` is the planned step over the fastest peer's (<= 1.0: never slower than the best
-hand-tuned peer). The last stdout line is one JSON object.
+hand-tuned peer). On the small models (MLP, Transformer) a Trainer pinned to the plain loop's choices (one
+replica, one thread, on the calling thread, eager) runs beside them: ``trainer_overhead`` is its step over
+``plain_1t``'s, the Trainer's own bookkeeping. The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ MODELS: dict[str, tuple[str | None, int]] = {
     "lenet": ("lenet", 256), "resnet18": ("resnet18", 128), "fcn-s": ("fcn-s", 64), "resnet-56": ("resnet-56", 128),
     "lstm": ("lstm", 128), "transformer": (None, 64), "mlp": ("mlp", 64),
 }
+
+
+SMALL = ("mlp", "transformer")
+BOOKKEEPING_PLAN = "1x1,contiguous,eager,caller"
+"""The plain loop's choices inside the Trainer: ``trainer_1x1_eager`` over ``plain_1t`` is its bookkeeping."""
 
 
 def workload(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Callable]:
@@ -142,8 +149,9 @@ def measure_ddp(names: list[str], steps: int, warmup: int, rounds: int) -> dict[
 
 def measure_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict:
     model, (X, y), loss = workload(name)
-    os.environ["XDG_CACHE_HOME"] = cache_dir  # a fresh plan cache: planning_s is a first run's
-    options = PlannerOptions(steps=args.plan_steps, rounds=args.plan_rounds)
+    # a fresh plan cache: planning_s is a first run's (the compiled native interpreter stays cached)
+    options = PlannerOptions(steps=args.plan_steps, rounds=args.plan_rounds,
+                             cache_path=os.path.join(cache_dir, "plans.json"))
     t0 = time.perf_counter()
     decision = plan_for(model, (X, y), optimizer_params={"lr": LR}, loss=loss, options=options)
     planning_s = time.perf_counter() - t0
@@ -159,6 +167,11 @@ def measure_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict:
     for threads in (1, 2):
         for cl in layouts(model, X):
             configs[f"plain_{threads}t{'_channels_last' if cl else ''}"] = (plain_step(name, cl), threads)
+    bookkeeping = None
+    if name in SMALL:  # the Trainer's own cost per step, where a step is short enough to show it
+        bookkeeping = Trainer(workload(name)[0], [cpu(0)], "sgd", {"lr": LR}, loss=loss, plan=BOOKKEEPING_PLAN,
+                              processes=None)
+        configs["trainer_1x1_eager"] = (lambda: bookkeeping.train_step(X, y), 1)
     rounds: dict[str, list[float]] = {k: [] for k in configs}
     contended: dict[str, bool] = {k: False for k in configs}
     try:
@@ -166,7 +179,7 @@ def measure_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict:
             for key in (configs if i % 2 == 0 else dict(reversed(configs.items()))):
                 step, threads = configs[key]
                 before = torch.get_num_threads()
-                torch.set_num_threads(threads if key != "dlperf_planned" else before)
+                torch.set_num_threads(threads if not key.startswith(("dlperf", "trainer")) else before)
                 try:
                     t = time_steps(step, warmup=args.warmup if i == 0 else 0, steps=args.steps, threads=threads)
                 finally:
@@ -175,6 +188,8 @@ def measure_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict:
                 contended[key] |= t.contended
     finally:
         trainer.close()
+        if bookkeeping is not None:
+            bookkeeping.close()
     return {"plan": plan.name, "plan_line": plan.line(), "reasons": list(plan.reasons), "planning_s": planning_s,
             "cached_planning_s": cached_s, "skipped": decision.skipped, "candidates": decision.to_dict()["candidates"],
             "ms": {k: min(v) for k, v in rounds.items()}, "rounds_ms": rounds, "contended": contended}
@@ -212,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, dict] = {}
     for name in names:
         r = results[name]
-        peers = {k: v for k, v in r["ms"].items() if k != "dlperf_planned"}
+        peers = {k: v for k, v in r["ms"].items() if k not in ("dlperf_planned", "trainer_1x1_eager")}
         peers.update({k.split("/", 1)[1]: v for k, v in ddp.items() if k.startswith(name + "/")})
         best_peer = min(peers, key=peers.__getitem__)
         ratio = r["ms"]["dlperf_planned"] / peers[best_peer]
@@ -220,19 +235,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  planning {r['planning_s']:.1f} s, cached {r['cached_planning_s']:.2f} s"
               + (f"; skipped: {'; '.join(r['skipped'])}" if r["skipped"] else ""))
         rows = {"dlperf_planned": r["ms"]["dlperf_planned"], **peers}
+        overhead = None
+        if "trainer_1x1_eager" in r["ms"]:
+            rows["trainer_1x1_eager"] = r["ms"]["trainer_1x1_eager"]
+            overhead = r["ms"]["trainer_1x1_eager"] / r["ms"]["plain_1t"]
         for key, ms in rows.items():
             mark = " (contended)" if r["contended"].get(key) else ""
             print(f"  {key:<34} {ms:>9.2f}{mark}")
-        print(f"  plan_vs_best_peer {ratio:.3f} (best peer: {best_peer})")
+        print(f"  plan_vs_best_peer {ratio:.3f} (best peer: {best_peer})"
+              + (f"; trainer_overhead {overhead:.3f} (trainer_1x1_eager / plain_1t)" if overhead else ""))
         summary[name] = {"plan": r["plan"], "plan_vs_best_peer": ratio, "best_peer": best_peer,
                          "planned_ms": r["ms"]["dlperf_planned"], "peers_ms": peers, "planning_s": r["planning_s"],
                          "cached_planning_s": r["cached_planning_s"], "skipped": r["skipped"],
                          "contended": any(r["contended"].values()), "rounds_ms": r["rounds_ms"],
-                         "candidates": r["candidates"]}
+                         "candidates": r["candidates"], "trainer_overhead": overhead}
     ratios = [s["plan_vs_best_peer"] for s in summary.values()]
     doc = {"models": summary, "plan_vs_best_peer": {n: s["plan_vs_best_peer"] for n, s in summary.items()},
            "planning_s": {n: s["planning_s"] for n, s in summary.items()},
            "cached_planning_s": {n: s["cached_planning_s"] for n, s in summary.items()},
+           "trainer_overhead": {n: s["trainer_overhead"] for n, s in summary.items() if s["trainer_overhead"]},
            "at_most_1": sum(r <= 1.0 for r in ratios), "at_most_0_9": sum(r <= 0.9 for r in ratios),
            "contended": any(s["contended"] for s in summary.values()), "host_malloc": host_malloc_state(),
            "cores": usable_cores(), "torch": torch.__version__}

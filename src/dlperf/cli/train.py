@@ -237,7 +237,7 @@ def _choose_plan(config: TrainConfig, state: TrainState, plan: object) -> object
 
     import torch
 
-    from ..parallel.plan import Plan
+    from ..parallel.plan import EXECUTIONS, Plan
     from ..parallel.planner import PlannerOptions
     from ..parallel.planning import plan_for
 
@@ -259,10 +259,12 @@ def _choose_plan(config: TrainConfig, state: TrainState, plan: object) -> object
     with closing(state.train_loader.epoch_batches(0)) as batches:
         X, y = next(iter(batches))
     steps = max(1, (config.epochs - len(state.history)) * len(state.train_loader))
+    # a step captured from forward to update cannot hold the update back for --check-finite
+    executions = [n for n in EXECUTIONS.names() if not EXECUTIONS.get(n).whole_step] if config.check_finite else None
     rng = torch.get_rng_state()  # planning must not move the weights the run starts from
     try:
         decision = plan_for(state.spec.build(), (X, y), config.device_list(), optimizer_params={"lr": config.lr},
-                            loss=state.spec.loss, options=PlannerOptions(run_steps=steps))
+                            loss=state.spec.loss, options=PlannerOptions(run_steps=steps, executions=executions))
     finally:
         torch.set_rng_state(rng)
     print(decision.plan.line() + (" [cached]" if decision.cached else f" [planned in {decision.planning_s:.1f} s]"),

@@ -547,6 +547,11 @@ class Engine:
         """Make device work on ``var`` visible to the host (GPU engines wait for an event)."""
 
     # ----------------------------------------------------------------- tracing
+    @property
+    def tracing(self) -> bool:
+        """Whether a timeline is being recorded (work run outside an operation would be missing from it)."""
+        return self._trace is not None
+
     def start_trace(self) -> None:
         """Start recording a timeline of every operation (see :meth:`stop_trace`)."""
         self._trace = []

@@ -2,9 +2,10 @@
 
 A :class:`Plan` names how one step is laid out on this machine: how many replicas share the batch and
 how many intra-op threads each gets, whether replicas are threads of one process or processes, the
-activations' memory layout, how the step executes (eager, ``torch.compile``, or a captured step once one
-is registered in :data:`EXECUTIONS`), how gradients are synchronised (allreduce algorithm and bucket
-size, or a KVStore), and on GPUs the precision, cuDNN's benchmark mode and pinned host memory. Only
+activations' memory layout, how the step executes (eager, ``torch.compile``, or for one replica the
+whole training step captured and replayed by :func:`dlperf.hybrid.train_step`), how gradients are
+synchronised (allreduce algorithm and bucket size, or a KVStore), and on GPUs the precision, cuDNN's
+benchmark mode and pinned host memory. Only
 mixed precision changes the numerics beyond float rounding, so a plan uses it only when the user allows.
 
 A plan is written as a short name, ``1x2,channels-last,eager``; :func:`parse_plan` reads one back:
@@ -52,6 +53,12 @@ class Execution:
     so the optimizer and checkpoints see the same weights); ``unavailable(module, devices)`` says why
     it cannot run here, or None; ``setup_s`` is a first guess of its one-off cost (compilation), used to
     decide whether measuring it fits the planner's time budget.
+
+    An execution with ``make_step`` replaces the whole step of a single replica instead: ``make_step(module,
+    loss, optimizer)`` returns ``step(x, y) -> loss`` that runs forward, loss, backward and the update of
+    that optimizer, keeping weights and optimizer state in those same objects. A forward alone cannot say
+    that, and the replicas of a split exchange gradients between backward and update, so such an execution
+    only serves plans of one replica.
     """
 
     name: str
@@ -59,11 +66,19 @@ class Execution:
     unavailable: Callable[[nn.Module, Sequence[Device]], str | None] = lambda module, devices: None
     setup_s: float = 0.0
     description: str = ""
+    make_step: Callable[[nn.Module, Callable[..., Any], torch.optim.Optimizer], Callable[..., Any]] | None = None
+    declined: Callable[[Any], str | None] = lambda step: None
+    """Given ``make_step``'s step after its first call: why it serves the plain eager step instead, or None."""
+
+    @property
+    def whole_step(self) -> bool:
+        """Whether it runs the whole step (forward to update) of a one-replica plan."""
+        return self.make_step is not None
 
 
 EXECUTIONS: Registry[Execution] = Registry("execution")
-"""How a planned step may run. ``eager`` and ``compile`` are built in; a captured training step
-(``dlperf.hybrid.train_step``) joins by one :func:`register_execution` call where it is available."""
+"""How a planned step may run: ``eager``, ``compile`` and ``captured`` are built in; others join by
+:func:`register_execution`."""
 
 
 def register_execution(execution: Execution, *, replace: bool = False) -> Execution:
@@ -95,6 +110,37 @@ def has_batch_statistics(module: nn.Module) -> bool:
 def uses_conv2d(module: nn.Module) -> bool:
     """Whether the activations' layout matters: 2-D convolutions (channels-last helps oneDNN)."""
     return any(isinstance(m, nn.Conv2d) for m in module.modules())
+
+
+def _captured_step(module: nn.Module, loss: Callable[..., Any], optimizer: torch.optim.Optimizer
+                   ) -> Callable[..., Any]:
+    from ..hybrid.train_step import make_train_step
+
+    # captured on its first call, where the batch's shapes are known; a model or optimizer it cannot
+    # capture runs the eager step instead, with the reason in the step's repr and one warning
+    return make_train_step(module, loss, optimizer)
+
+
+def _captured_declined(step: Any) -> str | None:
+    if step.fallback_reason:
+        return f"its step runs eagerly ({step.fallback_reason[:100]})"
+    if step.choices and set(step.choices.values()) == {"eager"}:
+        return "its replay was slower than the eager step, which it serves instead"
+    return None
+
+
+def _captured_unavailable(module: nn.Module, devices: Sequence[Device]) -> str | None:
+    if uses_conv2d(module) and not any(d.is_gpu for d in devices):
+        # measured (BENCHMARKS.md, hybridized training): on CPU the captured step of LeNet and ResNet-56 runs
+        # the convolutions' kernels as eager does and its choice among replays costs seconds per model
+        return "not tried on 2-D convolutions on CPU (their captured step measured no faster than eager)"
+    return None
+
+
+register_execution(Execution("captured", lambda module: module, _captured_unavailable, make_step=_captured_step,
+                             declined=_captured_declined,
+                             description="the whole training step (forward, loss, backward, update) captured once "
+                                         "and replayed (dlperf.hybrid.train_step); one replica only"))
 
 
 def _int_in(name: str, value: object, low: int, high: int) -> int:
@@ -161,7 +207,9 @@ class Plan:
             raise unknown_choice("plan memory format", self.memory_format, LAYOUTS)
         if self.mixed_precision not in PRECISIONS:
             raise unknown_choice("plan mixed precision", self.mixed_precision, PRECISIONS)
-        EXECUTIONS.get(self.execution)  # a miss lists what exists
+        if EXECUTIONS.get(self.execution).whole_step and (self.replicas != 1 or self.launcher != "threads"):
+            raise UsageError(f"plan {self.replicas}x{self.threads},{self.execution}: a {self.execution} step runs "
+                             f"one replica in this process; give 1xT,{self.execution} or another execution")
         if self.algorithm not in algorithm_names():
             raise unknown_choice("plan allreduce algorithm", self.algorithm, algorithm_names())
         if self.bucket_bytes is not None:

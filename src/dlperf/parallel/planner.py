@@ -4,7 +4,8 @@
    the cores (the replica count stays the reference's for a model with BatchNorm, whose statistics depend
    on the split), each layout where 2-D convolutions make it matter, then on the fastest of those every
    other registered execution (``torch.compile`` only when the run's length is known and its compile time
-   fits the budget); on GPUs precision (only when allowed), cuDNN benchmark mode and pinned memory.
+   fits the budget; the captured whole step on the fastest plan of one replica), each timed beside the
+   reference; on GPUs precision (only when allowed), cuDNN benchmark mode and pinned memory.
 2. **Price** each replicas x threads split with the cost model (:func:`~dlperf.probe.cost.step_floor`,
    with the saved probe's figures at that thread count, else d2l's quad-core) and drop those whose floor
    is far above the best; the allreduce algorithm of a split with several replicas is the cost model's pick.
@@ -103,6 +104,9 @@ class CandidateRun:
     threads: int = 1
     """Threads a step keeps busy (the contention check compares the machine's load against it)."""
     synchronize: Callable[[], None] = lambda: None
+    declined: Callable[[], str | None] = lambda: None
+    """After its first step: why the run does not do what its plan says (a captured step that serves the eager
+    one), or None. A declined candidate is dropped, so a plan is never chosen for another plan's speed."""
 
 
 @dataclass
@@ -335,6 +339,10 @@ class _Session:
             m.note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             m.by_round.clear()
             return
+        why = run.declined() if first else None
+        if why:
+            m.note = f"dropped: {why}"
+            return
         m.by_round[index] = timing.median_s * 1e3
         m.contended |= timing.contended
         if first:
@@ -347,7 +355,7 @@ class _Session:
                 break  # every candidate timed so far has a figure from the rounds it shared with the others
             order = group if i % 2 == 0 else group[::-1]
             for m in order:
-                if m.note.startswith("failed") or self.round_index + i in m.by_round:
+                if m.note.startswith(("failed", "dropped")) or self.round_index + i in m.by_round:
                     continue
                 if m is not group[0] and self.elapsed() > self.budget:
                     if not m.by_round:
@@ -420,24 +428,30 @@ def _executions_phase(session: _Session, found: list[Measurement], model: nn.Mod
     measured = [m for m in found if m.ms is not None]
     if not measured:
         return []
-    leader = min(measured, key=lambda m: m.ms or 0.0)
+    leaders = {False: min(measured, key=lambda m: m.ms or 0.0),
+               True: min((m for m in measured if m.plan.replicas == 1), key=lambda m: m.ms or 0.0, default=None)}
     names = [n for n in (options.executions or EXECUTIONS.names()) if n != "eager"]
     extra: list[Measurement] = []
     for name in names:
         execution = EXECUTIONS.get(name)
         why = execution.unavailable(model, devices)
+        leader = leaders[execution.whole_step]  # a whole step runs one replica: tried on the best such plan
+        if why is None and leader is None:
+            why = "it runs one replica, and no one-replica plan was measured"
         if why:
             session.skipped.append(f"{name}: {why}")
             continue
+        assert leader is not None
         if execution.setup_s > 0 and options.run_steps is None:
             session.skipped.append(f"{name}: the run's length is unknown, so its setup cannot be weighed")
             continue
         if session.elapsed() + execution.setup_s > session.budget:
-            session.skipped.append(f"{name}: needs ~{execution.setup_s:.0f} s of setup, beyond the time budget "
-                                   f"({session.budget:.1f} s)")
+            need = f"needs ~{execution.setup_s:.0f} s of setup, beyond" if execution.setup_s else "not measured: spent"
+            session.skipped.append(f"{name}: {need} the time budget ({session.budget:.1f} s)")
             continue
         m = Measurement(dataclasses.replace(leader.plan, execution=name), leader.floor_ms)
-        session.rounds([leader, m], max(1, options.rounds - 1))
+        # the reference is timed beside them: the choice is each candidate's ratio to it, round by round
+        session.rounds([found[0], *([leader] if leader is not found[0] else []), m], options.rounds)
         extra.append(m)
     return extra
 

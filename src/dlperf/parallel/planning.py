@@ -46,7 +46,7 @@ def candidate_builder(model: nn.Module, batch: tuple[Any, Any], devices: Sequenc
         trainer = Trainer(copied, plan.devices_for(devices), config=cfg)
         trainer.planning.fallback = False  # a candidate that fails is dropped, not measured as another plan
         return CandidateRun(step=lambda: trainer.train_step(X, y), close=trainer.close,
-                            threads=plan.replicas * plan.threads)
+                            threads=plan.replicas * plan.threads, declined=lambda: trainer.planning.declined(trainer))
 
     return build
 

@@ -115,6 +115,8 @@ class Trainer:
         except BaseException:
             self.close()
             raise
+        self._whole_step = self.planning.whole_step(self.replicas, self.optimizers, self.loss, self.world)
+        self._direct = self.planning.engine_kind() == "naive" and self.k == 1 and self.processes is None
 
     @property
     def plan(self) -> Plan | None:
@@ -193,14 +195,17 @@ class Trainer:
         return self._train_step(X, y)
 
     def _train_step(self, X: Any, y: Any) -> torch.Tensor:
-        Xs, ys, total = self._split(X, y)
+        # one replica on the calling thread, whose engine would run the step inline: it is called directly
+        direct = self._direct and not self.engine.tracing and _one_host_batch(X, y)
+        Xs, ys, total = ([X], [y], 0) if direct else self._split(X, y)
         strategy, ctx = self.strategy, self._ctx
         strategy.begin_step()
-        ops = [self.engine.push(self._replica_step, args=(i, Xs[i], ys[i], batch_size(Xs[i]) / total),
-                                writes=(ctx.replica_vars[i], ctx.step_vars[i]), device=d, name=f"fwd+bwd {d}")
-               for i, d in enumerate(self.devices)]
+        ops = [] if direct else [
+            self.engine.push(self._replica_step, args=(i, Xs[i], ys[i], batch_size(Xs[i]) / total),
+                             writes=(ctx.replica_vars[i], ctx.step_vars[i]), device=d, name=f"fwd+bwd {d}")
+            for i, d in enumerate(self.devices)]
         try:
-            losses = strategy.wait_replicas(ops)
+            losses = [self._replica_step(0, X, y, 1.0)] if direct else strategy.wait_replicas(ops)
             if self.check_finite:
                 ctx.raise_if_nonfinite("loss", losses)
         except BaseException:
@@ -221,9 +226,13 @@ class Trainer:
         rep = self.replicas[i]
         if not rep.training:  # walking every submodule each step costs tens of microseconds
             rep.train()
+        if self._whole_step is not None:  # the plan's captured step updates too (one replica: share is 1)
+            return self._whole_step(self._layout(X), y).detach()
         self.strategy.zero_grad(i)
         with self.planning.precision(self.devices[i]):
-            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y) * share
+            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y)
+        if share != 1.0:  # one replica's loss is the batch's: no multiplication to run and differentiate
+            loss = loss * share
         loss.backward()
         self.strategy.after_backward(i)
         return loss.detach()
@@ -323,6 +332,8 @@ class Trainer:
                     b.copy_(bufs[name])
         self.strategy.load_state_dict(state)
         self.steps = int(state["steps"])
+        # a captured step holds the optimizer's state tensors, which loading replaced
+        self._whole_step = self.planning.whole_step(self.replicas, self.optimizers, self.loss, self.world)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -372,3 +383,9 @@ class Trainer:
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close(abort=exc_type is not None)
+
+
+def _one_host_batch(X: Any, y: Any) -> bool:
+    """Whether ``X`` and ``y`` are plain host tensors of one batch: the one replica takes them as they are."""
+    return (type(X) is torch.Tensor and type(y) is torch.Tensor and X.device.type == y.device.type == "cpu"
+            and X.dim() > 0 and y.dim() > 0 and X.shape[0] == y.shape[0] > 0)

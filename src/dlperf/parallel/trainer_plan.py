@@ -86,11 +86,23 @@ def apply_plan(plan: Plan, devices: Sequence[Device], cfg: TrainerConfig) -> tup
         raise UsageError(f"plan {plan.name!r}: the calling thread runs CPU steps; drop caller on GPU devices")
     if plan.mixed_precision == "bf16" and not gpus:
         raise UsageError(f"plan {plan.name!r}: bf16 mixed precision is planned for GPUs; drop bf16 on CPU devices")
+    if EXECUTIONS.get(plan.execution).whole_step:
+        _check_whole_step(plan, cfg)
     if plan.cudnn_benchmark and gpus:
         torch.backends.cudnn.benchmark = True  # process-wide: cuDNN keeps one algorithm cache
     return placed, dataclasses.replace(cfg, threads=None if gpus else [plan.threads] * len(placed),
                                        memory_format=plan.memory_format, algorithm=plan.algorithm,
                                        bucket_bytes=plan.bucket_bytes, kvstore=plan.kvstore, plan=plan)
+
+
+def _check_whole_step(plan: Plan, cfg: TrainerConfig) -> None:
+    """A step captured from forward to update replaces the strategy's update: only where there is none to keep."""
+    why = ("check_finite=True (its update would have to wait for the check)" if cfg.check_finite else
+           f"kvstore={cfg.kvstore!r} (the store runs the update)" if cfg.kvstore is not None else
+           f"mixed precision {plan.mixed_precision}" if plan.mixed_precision != "off" else None)
+    if why is not None:
+        raise UsageError(f"plan {plan.name!r} with {why}: a {plan.execution} step runs forward to update in one "
+                         f"piece; use {plan.name.replace(plan.execution, 'eager')}")
 
 
 def resize_state(state: dict[str, Any], replicas: int) -> dict[str, Any]:
@@ -146,9 +158,31 @@ class PlanState:
 
     def forwards(self, replicas: Sequence[nn.Module]) -> list[Any]:
         """What each replica's step calls: the module, or its execution's (compiled) form."""
-        if self.plan is None or self.plan.execution == "eager":
+        if self.plan is None or self.plan.execution == "eager" or EXECUTIONS.get(self.plan.execution).whole_step:
             return list(replicas)
         return [EXECUTIONS.get(self.plan.execution).prepare(r) for r in replicas]
+
+    def whole_step(self, replicas: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                   loss: Any, processes: int = 1) -> Any:
+        """The one replica's whole step (forward to update) when the plan's execution runs one, else None."""
+        if self.plan is None:
+            return None
+        execution = EXECUTIONS.get(self.plan.execution)
+        if execution.make_step is None:
+            return None
+        if processes > 1:
+            raise UsageError(f"plan {self.plan.name!r}: a {execution.name} step updates the weights in one piece, "
+                             f"but {processes} processes sum their gradients before the update; use "
+                             f"{self.plan.name.replace(execution.name, 'eager')}")
+        assert len(replicas) == 1 and len(optimizers) == 1, "a whole-step plan has one replica (checked in Plan)"
+        return execution.make_step(replicas[0], loss, optimizers[0])
+
+    def declined(self, trainer: Trainer) -> str | None:
+        """Why ``trainer`` does not run what its plan's execution says (see :attr:`CandidateRun.declined`)."""
+        step = trainer._whole_step
+        if self.plan is None or step is None:
+            return None
+        return EXECUTIONS.get(self.plan.execution).declined(step)
 
     def engine_kind(self) -> str:
         """The engine a build uses: threaded (device workers), or naive when one replica runs on the caller."""
@@ -176,12 +210,15 @@ class PlanState:
         source, given = self.source, trainer.config
 
         def build(plan: Plan) -> CandidateRun:
+            if EXECUTIONS.get(plan.execution).whole_step:  # candidates skip the finiteness check; the run will not
+                _check_whole_step(plan, given)
             model = copy.deepcopy(source).to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
             cfg = dataclasses.replace(given, plan=plan, trace=None, processes=None, check_finite=False)
             candidate = type(trainer)(model, plan.devices_for(trainer.devices), config=cfg)
             candidate.planning.fallback = False
             return CandidateRun(step=lambda: candidate.train_step(X, y), close=candidate.close,
-                                threads=plan.replicas * plan.threads)
+                                threads=plan.replicas * plan.threads,
+                                declined=lambda: candidate.planning.declined(candidate))
 
         self.decision = search(source, (X, y), trainer.devices, build, self.reference, self.options)
         self.adopt(trainer, self.decision.plan)
