@@ -37,9 +37,9 @@ from .engine import (
 from .external import wait_for
 from .inflight import InFlight, bounded
 from .trace import Trace, load_trace, summarize
-from .var import Op, Var
+from .var import Op, Var, wait_ops
 
-__all__ = [
+__all__ = ["wait_ops",
     "ENGINE_ENV",
     "Array",
     "Engine",

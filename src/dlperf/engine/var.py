@@ -27,9 +27,10 @@ Example:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Var", "Op", "PENDING", "QUEUED", "RUNNING", "DONE"]
+__all__ = ["Var", "Op", "wait_ops", "PENDING", "QUEUED", "RUNNING", "DONE"]
 
 # Operation states. Plain ints compared with `is`/`==` keep the scheduler's hot path cheap.
 PENDING = 0  # waiting for earlier operations on its variables
@@ -110,3 +111,18 @@ class Op:
         states = {PENDING: "pending", QUEUED: "queued", RUNNING: "running", DONE: "done"}
         label = self.name or getattr(self.fn, "__name__", "op")
         return f"Op({label}, {states[self.state]})"
+
+
+def wait_ops(ops: Iterable[Op]) -> list[Any]:
+    """Every operation's result, in order. After a failure the others are still waited for, so none is left
+    running and none of their errors is left for the engine to raise later; then the first error is raised."""
+    results: list[Any] = []
+    first: BaseException | None = None
+    for op in ops:
+        try:
+            results.append(op.wait())
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+    return results

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..batch import batch_size, call_model, gather_tree, map_tensors
 from ..devices import Device, DeviceLike, device_of, num_gpus, tag, try_all_gpus
-from ..engine import Engine, create_engine
+from ..engine import Engine, create_engine, wait_ops
 from ..errors import DeviceMismatchError, UsageError
 from .split import check_devices, place_parts, split_sizes
 
@@ -128,14 +128,7 @@ class DataParallel(nn.Module):
 
         ops = [self.engine.push(run(i), device=self.devices[i], name=f"forward {self.devices[i]}")
                for i in range(len(parts))]
-        outs, first_error = [], None
-        for op in ops:  # wait for all, even after a failure: none may still run when we return
-            try:
-                outs.append(op.wait())
-            except BaseException as exc:
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
+        outs = wait_ops(ops)  # all of them, even after a failure: none may still run when we return
         first = self.devices[0].torch_device
         if all(isinstance(o, torch.Tensor) and o.dim() > 0 for o in outs):
             return tag(torch.cat([o.to(first, non_blocking=True) for o in outs], dim=0), self.devices[0])

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..batch import Batch, batch_size, call_model, describe, map_tensors
 from ..devices import Device
-from ..engine import Engine
+from ..engine import Engine, wait_ops
 from ..errors import UsageError
 from .split import split_batch
 
@@ -30,20 +30,6 @@ def _correct(model: nn.Module, X: Batch, y: Batch) -> int:
                          f"{describe(out)} for labels {describe(y)}: evaluate a model that returns the class "
                          f"scores, or compute the metric from its outputs yourself")
     return int((out.argmax(dim=-1) == y).sum())
-
-
-def _wait_all(ops: Sequence[Any]) -> list[int]:
-    """Every operation's result; after a failure the others are still waited for (none is left running, and
-    none of their errors is left for the engine to raise later), then the first error is raised."""
-    results, first = [], None
-    for op in ops:
-        try:
-            results.append(op.wait())
-        except BaseException as exc:
-            first = first or exc
-    if first is not None:
-        raise first
-    return results
 
 
 def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[Any, Any]],
@@ -78,7 +64,7 @@ def evaluate_accuracy(replicas: Sequence[nn.Module], data: Iterable[tuple[Any, A
                 counts = [job() for job in jobs]
             else:
                 ops = [engine.push(job, device=devices[i], name=f"evaluate {devices[i]}") for i, job in enumerate(jobs)]
-                counts = _wait_all(ops)
+                counts = wait_ops(ops)
             right += sum(counts)
             seen += n
     finally:
