@@ -195,20 +195,7 @@ at::Tensor train_forward(int64_t id, at::Tensor input) {
   auto it = g_plans.find(id);
   TORCH_CHECK(it != g_plans.end() && g_train.count(id), "training plan ", id, " was freed");
   Plan& p = it->second;
-  at::NoGradGuard no_grad;
-  p.slots[0] = input;
-  const int64_t n = static_cast<int64_t>(p.code.size()) / 6;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t* ins = p.code.data() + 6 * i;
-    switch (ins[0]) {
-      case 0: run_linear(p, ins); break;
-      case 1: p.slots[ins[2]] = apply_act(p.slots[ins[1]], ins[5], false); break;
-      case 2: p.slots[ins[2]] = at::add(p.slots[ins[1]], p.slots[ins[3]]); break;
-      case 3: p.slots[ins[2]] = p.slots[ins[1]].flatten(ins[3], ins[4]); break;
-      case 4: p.slots[ins[2]] = at::mul(p.slots[ins[1]], p.slots[ins[3]]); break;
-      default: TORCH_CHECK(false, "unknown plan opcode ", ins[0]);
-    }
-  }
+  interpret(p, input);
   return p.slots[g_train[id].out_slot];
 }
 
