@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import textwrap
 import threading
 import time
 
@@ -82,3 +84,32 @@ def private_plan_cache(no_leaked_threads_or_env, tmp_path_factory, monkeypatch):
     """Each test plans against its own empty plan cache: a decision cached by one test (or by the user's own
     runs) must not answer another's question."""
     monkeypatch.setenv("DLPERF_PLAN_CACHE", str(tmp_path_factory.mktemp("plans") / "plans.json"))
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    """A module ``plan_factories`` in the test's working directory, for ``MODULE:FACTORY`` arguments: a small
+    model (16 features, 3 classes), its data as (train, test) batches of 32, and a factory that returns no
+    batches."""
+    (tmp_path / "plan_factories.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def make_model():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3))
+
+        def make_data():
+            g = torch.Generator().manual_seed(0)
+            X = torch.randn(192, 16, generator=g)
+            y = (X[:, 0] > 0).long() + (X[:, 1] > 0).long()
+            train = [(X[i:i + 32], y[i:i + 32]) for i in range(0, 192, 32)]
+            return train, train[:2]
+
+        def not_batches():
+            return [1, 2, 3]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    yield
+    sys.modules.pop("plan_factories", None)

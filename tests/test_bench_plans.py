@@ -4,8 +4,6 @@ plan, and the second and third start from the first one's cached decision."""
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -24,28 +22,6 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-@pytest.fixture
-def factories(tmp_path, monkeypatch):
-    (tmp_path / "agree_factories.py").write_text(textwrap.dedent("""
-        import torch
-        from torch import nn
-
-        def make_model():
-            torch.manual_seed(0)
-            return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3))
-
-        def make_data():
-            g = torch.Generator().manual_seed(0)
-            X = torch.randn(128, 16, generator=g)
-            y = (X[:, 0] > 0).long() + (X[:, 1] > 0).long()
-            return [(X[i:i + 32], y[i:i + 32]) for i in range(0, 128, 32)]
-    """))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    yield
-    sys.modules.pop("agree_factories", None)
-
-
 def _last_json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
@@ -54,7 +30,7 @@ def _last_json(out: str) -> dict:
 def test_profile_bench_and_train_name_the_same_plan_from_one_cache(factories, monkeypatch, capsys):
     monkeypatch.setattr(auto, "COMPILE_BOUND_S", 0.0)
     cores = str(usable_cores())
-    assert main(["profile", "agree_factories:make_model", "--input", "32x16", "--threads", cores, "--steps", "2",
+    assert main(["profile", "plan_factories:make_model", "--input", "32x16", "--threads", cores, "--steps", "2",
                  "--json", "-"]) == 0
     out = capsys.readouterr().out
     profiled = _last_json(out)
@@ -64,14 +40,14 @@ def test_profile_bench_and_train_name_the_same_plan_from_one_cache(factories, mo
     assert top["name"] == f"plan {plan}" and top["measured_s"] and "the planner" in top["note"]
     assert f"plan: {plan} (the planner's" in out
 
-    assert main(["bench", "--networks", "agree_factories:make_model", "--input", "32x16", "--threads", cores,
+    assert main(["bench", "--networks", "plan_factories:make_model", "--input", "32x16", "--threads", cores,
                  "--steps", "2", "--warmup", "1", "--mode", "auto", "--json", "-"]) == 0
     cell = _last_json(capsys.readouterr().out)["cells"][0]
     assert cell["plan"] == plan and f"plan {plan} [cached]" in cell["auto_reason"]
     variant = auto.plan_variant(parse_plan(plan), int(cores), nn.functional.cross_entropy)[0]
     assert cell["mode_chosen"] in (variant, "hybrid")  # the plan stands unless a captured forward beat it
 
-    assert main(["train", "--model", "agree_factories:make_model", "--data", "agree_factories:make_data",
+    assert main(["train", "--model", "plan_factories:make_model", "--data", "plan_factories:make_data",
                  "--epochs", "1", "--plan", "auto", "--no-progress", "--json"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert json.loads(lines[-1])["plan"] == plan

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -19,30 +18,6 @@ SMALL = ["--train-size", "600", "--test-size", "200", "--batch-size", "100", "--
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def factories(tmp_path, monkeypatch):
-    (tmp_path / "plan_factories.py").write_text(textwrap.dedent("""
-        import torch
-        from torch import nn
-
-        def make_model():
-            return nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3))
-
-        def make_data():
-            g = torch.Generator().manual_seed(0)
-            X = torch.randn(192, 16, generator=g)
-            y = (X[:, 0] > 0).long() + (X[:, 1] > 0).long()
-            train = [(X[i:i + 32], y[i:i + 32]) for i in range(0, 192, 32)]
-            return train, train[:2]
-
-        def not_batches():
-            return [1, 2, 3]
-    """))
-    monkeypatch.chdir(tmp_path)
-    yield
-    sys.modules.pop("plan_factories", None)
 
 
 def test_plan_auto_prints_the_plan_line_first(capsys):

@@ -7,7 +7,7 @@ into the others when one set is wanted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -38,21 +38,21 @@ def _pairs(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]):
 
 
 @torch.no_grad()
+def _broadcast(replicas: Sequence[nn.Module], tensors: Callable[[nn.Module], Iterable[torch.Tensor]]) -> None:
+    src = list(tensors(replicas[0]))
+    for r in replicas[1:]:
+        for s, d in _pairs(src, list(tensors(r))):
+            d.copy_(s, non_blocking=True)
+
+
 def broadcast_parameters(replicas: Sequence[nn.Module]) -> None:
     """Copy the first replica's parameters into every other replica."""
-    src = list(replicas[0].parameters())
-    for r in replicas[1:]:
-        for s, d in _pairs(src, list(r.parameters())):
-            d.copy_(s, non_blocking=True)
+    _broadcast(replicas, nn.Module.parameters)
 
 
-@torch.no_grad()
 def broadcast_buffers(replicas: Sequence[nn.Module]) -> None:
     """Copy the first replica's buffers (BatchNorm statistics) into every other replica."""
-    src = list(replicas[0].buffers())
-    for r in replicas[1:]:
-        for s, d in _pairs(src, list(r.buffers())):
-            d.copy_(s, non_blocking=True)
+    _broadcast(replicas, nn.Module.buffers)
 
 
 @torch.no_grad()

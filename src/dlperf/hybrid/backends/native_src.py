@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from . import native_train_src as train_src
 
-# Instruction opcodes; keep in sync with the switch in ``run_plan``.
+# Instruction opcodes; keep in sync with the switch in ``interpret``.
 OP_LINEAR = 0  # a=input slot, b=output slot, c=weight index, d=bias index (-1: none), e=activation
 OP_ACT = 1  # a=input, b=output, e=activation
 OP_ADD = 2  # a, c(as slot)=second input, b=output
@@ -133,6 +133,25 @@ void run_linear(Plan& p, const int64_t* ins) {
   p.slots[ins[2]] = apply_act(y, act, true);
 }
 
+// Runs the plan's instructions on `input`, leaving every result in its slot. Both entry points share
+// it: run_plan hands the output to its caller, train_forward keeps every slot for train_backward.
+void interpret(Plan& p, const at::Tensor& input) {
+  at::NoGradGuard no_grad;
+  p.slots[0] = input;
+  const int64_t n = static_cast<int64_t>(p.code.size()) / 6;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* ins = p.code.data() + 6 * i;
+    switch (ins[0]) {
+      case 0: run_linear(p, ins); break;
+      case 1: p.slots[ins[2]] = apply_act(p.slots[ins[1]], ins[5], false); break;
+      case 2: p.slots[ins[2]] = at::add(p.slots[ins[1]], p.slots[ins[3]]); break;
+      case 3: p.slots[ins[2]] = p.slots[ins[1]].flatten(ins[3], ins[4]); break;
+      case 4: p.slots[ins[2]] = at::mul(p.slots[ins[1]], p.slots[ins[3]]); break;
+      default: TORCH_CHECK(false, "unknown plan opcode ", ins[0]);
+    }
+  }
+}
+
 }  // namespace
 
 int64_t make_plan(std::vector<int64_t> code, std::vector<at::Tensor> params, int64_t num_slots,
@@ -160,20 +179,7 @@ at::Tensor run_plan(int64_t id, at::Tensor input) {
   auto it = g_plans.find(id);
   TORCH_CHECK(it != g_plans.end(), "plan ", id, " was freed");
   Plan& p = it->second;
-  at::NoGradGuard no_grad;
-  p.slots[0] = input;
-  const int64_t n = static_cast<int64_t>(p.code.size()) / 6;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t* ins = p.code.data() + 6 * i;
-    switch (ins[0]) {
-      case 0: run_linear(p, ins); break;
-      case 1: p.slots[ins[2]] = apply_act(p.slots[ins[1]], ins[5], false); break;
-      case 2: p.slots[ins[2]] = at::add(p.slots[ins[1]], p.slots[ins[3]]); break;
-      case 3: p.slots[ins[2]] = p.slots[ins[1]].flatten(ins[3], ins[4]); break;
-      case 4: p.slots[ins[2]] = at::mul(p.slots[ins[1]], p.slots[ins[3]]); break;
-      default: TORCH_CHECK(false, "unknown plan opcode ", ins[0]);
-    }
-  }
+  interpret(p, input);
   at::Tensor out = p.slots[p.output_slot];
   // The caller owns the output: forget every slot that shares its memory (a flatten view of a
   // buffer, the input itself) so a later call never writes into it. Also drop the input reference.

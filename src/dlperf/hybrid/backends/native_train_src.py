@@ -81,6 +81,23 @@ float* ptr_or_null(const std::vector<at::Tensor>& v, int64_t i) {
                                                                                     : nullptr;
 }
 
+// The SGD update of parameter `i` (a whole tensor) from its gradient `g`.
+void sgd_step(at::Tensor& param, const at::Tensor& g, const std::vector<at::Tensor>& bufs, int64_t i,
+              const std::vector<double>& hyper) {
+  sgd_apply(param.data_ptr<float>(), g.data_ptr<float>(), ptr_or_null(bufs, i), param.numel(),
+            hyper.data() + 7 * i);
+}
+
+// The gradient of bias `bi` from a (rows, out) output gradient, into the caller's buffer or scratch, then
+// its update; the same for the fused and the ATen paths.
+void bias_backward(Plan& p, TrainState& t, int64_t bi, const at::Tensor& dy2, std::vector<at::Tensor>& grads,
+                   std::vector<at::Tensor>& bufs, const std::vector<double>& hyper, int64_t mode) {
+  at::Tensor& b = p.params[bi];
+  at::Tensor gb = !grads.empty() ? grads[bi] : reuse(t.scratch, bi, b);
+  gb.copy_(dy2.sum(0));
+  if (mode == 1) sgd_step(b, gb, bufs, bi, hyper);
+}
+
 void linear_backward(Plan& p, TrainState& t, int64_t index, const int64_t* ins, const at::Tensor& dy_post,
                      std::vector<at::Tensor>& grads, std::vector<at::Tensor>& bufs,
                      const std::vector<double>& hyper, int64_t mode) {
@@ -128,13 +145,7 @@ void linear_backward(Plan& p, TrainState& t, int64_t index, const int64_t* ins, 
       }
       if (mode == 1) sgd_apply(wj, gj, bw ? bw + j * in : nullptr, in, hyper.data() + 7 * wi);
     }
-    if (bi >= 0) {
-      at::Tensor& b = p.params[bi];
-      at::Tensor gb = keep ? grads[bi] : reuse(t.scratch, bi, b);
-      gb.copy_(dy.sum(0));
-      if (mode == 1) sgd_apply(b.data_ptr<float>(), gb.data_ptr<float>(), ptr_or_null(bufs, bi), b.numel(),
-                               hyper.data() + 7 * bi);
-    }
+    if (bi >= 0) bias_backward(p, t, bi, dy, grads, bufs, hyper, mode);
     if (need_dx) accumulate(t, ins[1], t.dx_bufs[index]);
     return;
   }
@@ -144,15 +155,8 @@ void linear_backward(Plan& p, TrainState& t, int64_t index, const int64_t* ins, 
   if (need_dx) accumulate(t, ins[1], at::matmul(dy, w));
   at::Tensor gw = keep ? grads[wi] : reuse(t.scratch, wi, w);
   at::mm_out(gw, dy2.t(), x2);
-  if (mode == 1) sgd_apply(w.data_ptr<float>(), gw.data_ptr<float>(), ptr_or_null(bufs, wi), w.numel(),
-                           hyper.data() + 7 * wi);
-  if (bi >= 0) {
-    at::Tensor& b = p.params[bi];
-    at::Tensor gb = keep ? grads[bi] : reuse(t.scratch, bi, b);
-    gb.copy_(dy2.sum(0));
-    if (mode == 1) sgd_apply(b.data_ptr<float>(), gb.data_ptr<float>(), ptr_or_null(bufs, bi), b.numel(),
-                             hyper.data() + 7 * bi);
-  }
+  if (mode == 1) sgd_step(w, gw, bufs, wi, hyper);
+  if (bi >= 0) bias_backward(p, t, bi, dy2, grads, bufs, hyper, mode);
 }
 
 at::Tensor reduce_like(const at::Tensor& g, const at::Tensor& like) {
@@ -195,20 +199,7 @@ at::Tensor train_forward(int64_t id, at::Tensor input) {
   auto it = g_plans.find(id);
   TORCH_CHECK(it != g_plans.end() && g_train.count(id), "training plan ", id, " was freed");
   Plan& p = it->second;
-  at::NoGradGuard no_grad;
-  p.slots[0] = input;
-  const int64_t n = static_cast<int64_t>(p.code.size()) / 6;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t* ins = p.code.data() + 6 * i;
-    switch (ins[0]) {
-      case 0: run_linear(p, ins); break;
-      case 1: p.slots[ins[2]] = apply_act(p.slots[ins[1]], ins[5], false); break;
-      case 2: p.slots[ins[2]] = at::add(p.slots[ins[1]], p.slots[ins[3]]); break;
-      case 3: p.slots[ins[2]] = p.slots[ins[1]].flatten(ins[3], ins[4]); break;
-      case 4: p.slots[ins[2]] = at::mul(p.slots[ins[1]], p.slots[ins[3]]); break;
-      default: TORCH_CHECK(false, "unknown plan opcode ", ins[0]);
-    }
-  }
+  interpret(p, input);
   return p.slots[g_train[id].out_slot];
 }
 
