@@ -242,15 +242,18 @@ def test_the_straggler_is_the_host_whose_every_pair_is_slow(hosts):
 def test_the_latency_comes_from_the_small_messages_and_the_bandwidth_from_the_large():
     sizes = [4e3, 32e3, 256e3, 2e6, 16e6]
     true = Link(300e-6, 0.5e9)
-    # the largest size ran 20% slow (a neighbour on the cores): a line through every point puts that
-    # into the intercept, several times the real latency; the small messages still say what one costs
+    # the largest size ran 20% slow (a neighbour on the cores): a line through every point tilts and its
+    # intercept lands far from the real latency; the small messages still say about what one costs
     seconds = [true.time(n) * (1.2 if n == 16e6 else 1.0) for n in sizes]
     fit = alpha_beta_fit(sizes, seconds)
-    assert fit.alpha_s == pytest.approx(300e-6, rel=0.2)
+    assert fit.alpha_s == pytest.approx(300e-6, rel=0.25)
     assert fit.bandwidth == pytest.approx(0.5e9 / 1.2, rel=0.1)
     assert abs(Link.fit(sizes, seconds).alpha_s - 300e-6) > 3 * abs(fit.alpha_s - 300e-6)
     exact = alpha_beta_fit(sizes, [true.time(n) for n in sizes])
     assert exact.alpha_s == pytest.approx(300e-6) and exact.bandwidth == pytest.approx(0.5e9)
+    # a small message that waited on something else (a delayed acknowledgement) costs no more than a larger one
+    stalled = alpha_beta_fit(sizes, [40e-3 if n == 4e3 else true.time(n) for n in sizes])
+    assert stalled.alpha_s == pytest.approx(300e-6, rel=0.01) and stalled.bandwidth == pytest.approx(0.5e9)
 
 
 @pytest.mark.parametrize("strategy,layout", [

@@ -71,7 +71,7 @@ class HostCPU:
                 raise UsageError(f"{name}={value!r}: expected a finite number {'> 0' if name == 'cores' else '>= 0'}")
 
     def describe(self) -> str:
-        return f"{self.cores:g} cores, {self.reduce_s_per_byte * 1e12:.0f} ps per byte reduced"
+        return f"{self.cores:g} cores, {self.reduce_s_per_byte * 1e12:.0f} ps/B reduced"
 
 
 @dataclass(frozen=True)
