@@ -165,9 +165,11 @@ def gather_server_exchanges(kv: DistKVStore) -> ServerExchangeReport | None:
     """Hand this rank's times over (worker or server); on the job's first rank, collect every rank's into the
     report that names the straggler (:func:`~dlperf.parallel.procs.last_exchange_report` returns it after).
 
-    Through the launch's rendezvous store, after the store has closed (a collective, so every rank is past
-    its last push by then); the first rank waits at most ``_GATHER_TIMEOUT_S`` for a missing rank, then
-    reports nothing. ``None`` on the other ranks and outside a launcher's agent.
+    Through the launch's rendezvous store: a worker hands its times over once its store has closed, a
+    server (:func:`serve_kvstore`) once it has served, before it closes; a worker's close waits for every
+    rank's (RPC's graceful shutdown), so the servers' are there by then. The first rank waits at most
+    ``_GATHER_TIMEOUT_S`` for a missing worker, then reports nothing; a server that served otherwise (its
+    own ``serve()``) is left out of the report. ``None`` on the other ranks and outside a launcher's agent.
     """
     global _gathers
     import datetime
@@ -184,13 +186,15 @@ def gather_server_exchanges(kv: DistKVStore) -> ServerExchangeReport | None:
     store.set(str(mine["rank"]), json.dumps([rank_host(), mine]))
     if mine["rank"] != 0:
         return None
-    keys = [str(r) for r in range(mine["world"])]
+    workers_only = [str(r) for r in range(kv.num_workers)]
     try:
-        store.wait(keys, datetime.timedelta(seconds=_GATHER_TIMEOUT_S))
+        store.wait(workers_only, datetime.timedelta(seconds=_GATHER_TIMEOUT_S))
     except RuntimeError:  # a rank that stopped early never reports: no straggler can be named
         return None
+    keys = workers_only + [str(r) for r in range(kv.num_workers, mine["world"]) if store.check([str(r)])]
     workers, servers = [], []
-    for r, key in enumerate(keys):
+    for key in keys:
+        r = int(key)
         host, times = json.loads(store.get(key))
         if times.get("worker") is not None:
             seconds, count = times["worker"]
@@ -239,9 +243,9 @@ def serve_kvstore(kvstore: str, optimizer: Any = "sgd", optimizer_params: dict[s
             worker_group(kv)
             kv.set_optimizer(lambda params: make_optimizer(optimizer, params, dict(optimizer_params or {})))
             kv.serve()
+            gather_server_exchanges(kv)  # before closing: the workers' close waits for this rank's
         finally:
             kv.close()
-        gather_server_exchanges(kv)  # the servers' own times, for the first worker's report
     finally:
         if axis is not None:
             axis.close()
