@@ -10,11 +10,17 @@ with two worker processes of one thread (``--nnodes 2``, world 4, ranks 0-1 on o
 other; each node in a UTS namespace of its own, so that the processes of different hosts never take
 each other for neighbours and share memory). Inside that job:
 
-1. **The link is measured, not taken from the configuration**: one rank per host times a gloo
-   allreduce at 4 KB, 32 KB, 512 KB and 4 MB (dlperf's process-link probe takes the ends), and the
-   least-squares line ``t = alpha + n / B`` through them gives the network link
-   (:func:`dlperf.probe.projection.link_from_allreduce`); the two ranks of each host do the same through
-   shared memory for the link inside a host.
+1. **The links are measured, not taken from the configuration, each as the cells use it**, in the same
+   rounds as the cells (so the load is in both alike), at 4 KB, 32 KB, 256 KB, 2 MB and 16 MB (none a
+   cell's size): gloo allreduce between one rank per host (``pair``, for the two-host allreduce cells);
+   gloo's ring and the sharded exchange over all 4 ranks at once, two per host sharing the cores
+   (``network``, ``sharded``: a CPU-bound veth is in the fit, not assumed); shared memory inside each
+   host, both hosts at once (``intra``); one worker's push and pull to one parameter server, every worker
+   at once (``rpc``: the servers' own transport); and one rank's reduction of 16 MB while every rank
+   reduces (``reduce_s_per_byte``). Each is the median per size, fitted with
+   :func:`dlperf.probe.projection.alpha_beta_fit` (bandwidth from the large messages, latency from the
+   small ones) and turned into a per-message link through the formula of what it timed
+   (:func:`dlperf.probe.projection.link_from_strategy`).
 2. **Allreduce cells**: gloo allreduce between the hosts (one rank each) at several sizes.
 3. **Strategy cells** on LeNet- and ResNet-18-sized gradients (their parameter bytes): ``ring`` (gloo's
    allreduce over the 4 ranks), ``sharded`` (direct reduce-scatter + all-gather: torch.distributed's
@@ -26,8 +32,12 @@ Every cell is timed per repetition on its slowest rank (a barrier before each; t
 repetitions; the allreduce and allreduce-strategy cells alternate round by round, the parameter-server
 cells follow, as their servers serve until the workers close), with dlperf.timing's contention check
 on every rank. The prediction beside it is :mod:`dlperf.probe.projection`'s formula for the cell's
-layout, priced with the two measured links. ``auto`` is the strategy the same formulas rank fastest;
-it is compared with the strategy measured fastest for each rate and model.
+layout, priced with the links of its transport (ring and hierarchical: ``network`` and ``intra``;
+sharded: ``sharded``; parameter servers: ``rpc``) and, as the emulated hosts share this machine's cores
+(cores / hosts each), the turns ranks that outnumber them take for their reductions
+(:func:`dlperf.probe.projection.cpu_time`). ``auto`` is the strategy the same predictions rank fastest;
+it is compared with the strategy measured fastest for each rate and model. ``--no-faults`` measures the
+cells alone (for iterating on the model).
 
 The last stdout line is one JSON object: ``model_error_median`` and ``model_error_max``
 (|predicted - measured| / measured over every cell; targets 0.15 and 0.35), ``auto_within_10pct`` (the
@@ -48,29 +58,28 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from dlperf.parallel.launchers import LaunchError, ProcessLauncher
 from dlperf.probe.cost import Link
-from dlperf.probe.projection import STRATEGIES, Layout, layout_time, link_from_allreduce
+from dlperf.probe.projection import STRATEGIES, HostCPU, Layout, alpha_beta_fit, layout_time, link_from_strategy
 from dlperf.timing import ContentionMonitor
 
 # the namespaces helper is test support, kept out of the library: it lives beside the tests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.netns import Hosts, unavailable_reason  # noqa: E402
+from support.netns import Hosts, node_result, unavailable_reason  # noqa: E402
 
 PORT = 29500  # the namespaces are fresh: nothing else listens in them
 RATES_GBIT = (1, 10, 25)
 QUICK_RATES_GBIT = (1, 10)
 SIZES = (64 << 10, 1 << 20, 8 << 20, 32 << 20)
 QUICK_SIZES = (64 << 10, 1 << 20, 8 << 20)
-FIT_SIZES = (4 << 10, 32 << 10, 512 << 10, 4 << 20)  # none of them a cell's size
-ALLREDUCE_STRATEGIES = ("ring", "sharded", "hierarchical")
+FIT_SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 16 << 20)  # none of them a cell's size
 SERVER_STRATEGIES = ("ps-1", "ps-2")
 MODELS = ("lenet", "resnet18")
 TARGETS = {"model_error_median": 0.15, "model_error_max": 0.35, "auto_within_10pct": 0.9}
@@ -110,15 +119,6 @@ class _Timer:
         return both[:-1].tolist(), bool(both[-1].item())
 
 
-def _fit(timer: _Timer, run, reps: int) -> Link:
-    seconds = []
-    for nbytes in FIT_SIZES:
-        flat = torch.ones(nbytes // 4)
-        samples, _ = timer(lambda flat=flat: run(flat), reps, 1)
-        seconds.append(min(samples))  # the best repetition: on a shared host the others measure the neighbours
-    return link_from_allreduce(Link.fit(list(FIT_SIZES), seconds, min_alpha_s=1e-7), 2)
-
-
 def _sharded(flat: torch.Tensor, world: int) -> None:
     import torch.distributed as dist
 
@@ -128,7 +128,7 @@ def _sharded(flat: torch.Tensor, world: int) -> None:
     dist.all_gather_into_tensor(flat, received.sum(0))
 
 
-def _server_cells(servers: int, world: int, me: int, sizes: dict[str, int], reps: int, warmup: int,
+def _server_cells(servers: int, world: int, me: int, sizes: dict[str, int], reps: int, warmup: int, rounds: int,
                   groups: dict[int, object]) -> dict[str, tuple[list[float], bool]]:
     from dlperf.kvstore import create_kvstore
 
@@ -139,6 +139,13 @@ def _server_cells(servers: int, world: int, me: int, sizes: dict[str, int], reps
         return {}
     timer = _Timer(groups[servers], list(range(world - servers)))
     out = {}
+    if servers == 1:  # the servers' own transport (RPC), measured as the collectives' links are
+        for i, nbytes in enumerate(FIT_SIZES):
+            key, grads, result = 1000 + i, torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+            kv.init(key, torch.zeros(nbytes // 4))
+            for _ in range(rounds):
+                got = timer(lambda key=key, grads=grads, result=result: kv.pushpull(key, grads, out=result), reps, 1)
+                out[f"fit-rpc:{nbytes}"] = (out.get(f"fit-rpc:{nbytes}", ([], False))[0] + got[0], got[1])
     for key, (model, nbytes) in enumerate(sizes.items()):
         kv.init(key, torch.zeros(nbytes // 4))
         grads, result = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
@@ -168,17 +175,6 @@ def cluster_worker(sizes: list[int], models: dict[str, int], reps: int, warmup: 
     host_allreduce_(torch.zeros(1), host_name=rank_host())  # sets up the hierarchical path, collective
     kind = host_allreduce_kind()
 
-    fits = torch.zeros(2, 2, dtype=torch.float64)
-    if me in leaders:
-        net = _fit(_Timer(pair, leaders), lambda t: dist.all_reduce(t, group=pair), reps)
-        fits[0] = torch.tensor([net.alpha_s, net.bandwidth])
-    mine = local[hosts[me]]
-    intra = _fit(_Timer(mine, [r for r in range(world) if hosts[r] == hosts[me]]),
-                 lambda t: host_allreduce_(t, mine, host_name=rank_host()), reps)
-    if me == leaders[0]:
-        fits[1] = torch.tensor([intra.alpha_s, intra.bandwidth])
-    dist.all_reduce(fits, op=dist.ReduceOp.MAX)  # rank by rank, only the measuring ranks wrote their row
-
     samples: dict[tuple[str, str], list[float]] = {}
     crowded: dict[tuple[str, str], bool] = {}
 
@@ -186,32 +182,46 @@ def cluster_worker(sizes: list[int], models: dict[str, int], reps: int, warmup: 
         samples.setdefault(key, []).extend(got[0])
         crowded[key] = crowded.get(key, False) or got[1]
 
+    mine = local[hosts[me]]
+    between = _Timer(pair, leaders) if me in leaders else None  # the others wait at the barrier after each job
+    neighbours = _Timer(mine, [r for r in range(world) if hosts[r] == hosts[me]])
+    # what each transport costs as the cells use it, measured in the same rounds as the cells (the load is in
+    # both alike): gloo between one rank per host, gloo's ring and its sharded exchange with every rank at
+    # work, shared memory inside a host (both hosts at once), and one rank's reduction while all reduce
+    jobs: list[tuple[tuple[str, str], _Timer | None, Callable[[], object], int]] = []
+    for nbytes in FIT_SIZES:
+        flat = torch.ones(-(-nbytes // 4 // world) * world)
+        jobs += [(("fit-pair", str(nbytes)), between, lambda f=flat: dist.all_reduce(f, group=pair), 1),
+                 (("fit-world", str(nbytes)), everyone, lambda f=flat: dist.all_reduce(f), 1),
+                 (("fit-sharded", str(nbytes)), everyone, lambda f=flat: _sharded(f, world), 1),
+                 (("fit-intra", str(nbytes)), neighbours,
+                  lambda f=flat: host_allreduce_(f, mine, host_name=rank_host()), 1)]
+    a, b = torch.ones(FIT_SIZES[-1] // 4), torch.ones(FIT_SIZES[-1] // 4)
+    jobs.append((("reduce", str(FIT_SIZES[-1])), everyone, lambda: a.add_(b), 1))
+    for nbytes in sizes:
+        flat = torch.ones(nbytes // 4)
+        jobs.append((("allreduce", str(nbytes)), between, lambda f=flat: dist.all_reduce(f, group=pair), warmup))
+    for model, nbytes in models.items():
+        flat = torch.ones(-(-nbytes // 4 // world) * world)  # whole parts for the sharded exchange
+        jobs += [((strategy, model), everyone, run, warmup) for strategy, run in (
+            ("ring", lambda f=flat: dist.all_reduce(f)), ("sharded", lambda f=flat: _sharded(f, world)),
+            ("hierarchical", lambda f=flat: host_allreduce_(f, host_name=rank_host())))]
     for _ in range(rounds):
-        for nbytes in sizes:
-            flat = torch.ones(nbytes // 4)
-            if me in leaders:
-                record(("allreduce", str(nbytes)), _Timer(pair, leaders)(lambda f=flat: dist.all_reduce(f, group=pair),
-                                                                         reps, warmup))
+        for key, timer, run, warm in jobs:
+            if timer is not None:
+                record(key, timer(run, reps, warm))
             dist.barrier()
-        for model, nbytes in models.items():
-            numel = -(-nbytes // 4 // world) * world  # whole parts for the sharded exchange
-            flat = torch.ones(numel)
-            runs = {"ring": lambda f=flat: dist.all_reduce(f),
-                    "sharded": lambda f=flat: _sharded(f, world),
-                    "hierarchical": lambda f=flat: host_allreduce_(f, host_name=rank_host())}
-            for strategy in ALLREDUCE_STRATEGIES:
-                record((strategy, model), everyone(runs[strategy], reps, warmup))
     for servers in (1, 2):
-        for model, got in _server_cells(servers, world, me, models, reps, warmup, worker_groups).items():
-            record((f"ps-{servers}", model), got)
+        for model, got in _server_cells(servers, world, me, models, reps, warmup, rounds, worker_groups).items():
+            record((f"ps-{servers}", model) if not model.startswith("fit-") else tuple(model.split(":")), got)
     # the servers have no samples of their cells: the first worker's are everyone's
     shared: list = [None]
     if me == 0:
         shared = [({f"{a}|{b}": v for (a, b), v in samples.items()},
                    {f"{a}|{b}": v for (a, b), v in crowded.items()})]
     dist.broadcast_object_list(shared, src=0)
-    return {"hosts": hosts, "kind": kind, "network": fits[0].tolist(), "intra": fits[1].tolist(),
-            "samples": shared[0][0], "contended": shared[0][1]}
+    return {"hosts": hosts, "kind": kind, "fit_sizes": list(FIT_SIZES), "samples": shared[0][0],
+            "contended": shared[0][1]}
 
 
 def node_main(a: argparse.Namespace) -> int:
@@ -231,8 +241,8 @@ def node_main(a: argparse.Namespace) -> int:
 
 # --- the measurement --------------------------------------------------------------------------------
 
-# TensorPipe (the store's RPC) finds its address by the host name, which resolves to nothing here, so each node
-# names its interface (TP_SOCKET_IFNAME), as the launcher does for gloo. The store's shared-memory path is off:
+# TensorPipe (the store's RPC) finds its address by the host name, which resolves to nothing here: the launcher
+# names the interface that reaches the master (TP_SOCKET_IFNAME, beside gloo's). The store's shared-memory path is off:
 # the namespaces share one pid namespace, so a worker could map a server's arena on the other "host" and then
 # fail to reach its control socket, which lives in that host's network namespace; on real hosts the mapping
 # fails and the RPC path is taken, as it is here.
@@ -242,20 +252,9 @@ _NODE_ENV = {"DLPERF_KVSTORE_SHM": "off"}
 def measure_rate(rate_gbit: float, args: argparse.Namespace) -> dict:
     extra = ["--quick"] if args.quick else []
     with Hosts(2, rate=rate_gbit * 1e9 / 8) as hosts:
-        procs = [hosts.popen(i, ["unshare", "--uts", sys.executable, __file__, "--node-rank", str(i),
-                                 "--master-addr", hosts.addresses[0], "--master-port", str(PORT),
-                                 "--reps", str(args.reps), "--warmup", str(args.warmup), "--rounds",
-                                 str(args.rounds), *extra],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=dict(os.environ, **_NODE_ENV, TP_SOCKET_IFNAME=hosts.interfaces[i]))
-                 for i in range(2)]
-        outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=1800)
-            lines = out.strip().splitlines()
-            if not lines:
-                raise SystemExit(f"a host's launcher printed nothing (exit {p.returncode}):\n{err[-3000:]}")
-            outs.append(json.loads(lines[-1]))
+        procs = hosts.start_nodes(__file__, ["--reps", str(args.reps), "--warmup", str(args.warmup), "--rounds",
+                                             str(args.rounds), *extra], PORT, env=_NODE_ENV)
+        outs = [node_result(p, 1800) for p in procs]
     if not all(o["ok"] for o in outs):
         raise SystemExit(f"the launch at {rate_gbit} Gbit/s failed: {[o.get('error') for o in outs]}")
     return outs[0]["results"][0]
@@ -271,12 +270,9 @@ def measure_link_down(args: argparse.Namespace) -> dict:
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="dlperf-bench-cluster-") as tmp, Hosts(2, rate=1.25e8) as hosts:
-        procs = [hosts.popen(i, [sys.executable, str(NODE), "train", "--nnodes", "2", "--node-rank", str(i),
-                                 "--master-addr", hosts.addresses[0], "--master-port", str(PORT + 1),
-                                 "--fault-timeout", str(FAULT_TIMEOUT_S), "--checkpoint", f"{tmp}/ck.pt",
-                                 "--total-steps", "1000", "--pause", "0.2", "--pid-dir", tmp],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for i in range(2)]
+        procs = hosts.start_nodes(str(NODE), ["train", "--nnodes", "2", "--fault-timeout", str(FAULT_TIMEOUT_S),
+                                              "--checkpoint", f"{tmp}/ck.pt", "--total-steps", "1000", "--pause",
+                                              "0.2", "--pid-dir", tmp], PORT + 1, own_host_name=False)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not all(
                 Path(tmp, f"step.{r}").exists() and int(Path(tmp, f"step.{r}").read_text().split()[0]) >= 3
@@ -309,14 +305,10 @@ def measure_slow_link() -> dict:
             where = Path(tmp, name)
             where.mkdir()
             start = time.monotonic()
-            procs = [hosts.popen(i, [sys.executable, str(NODE), "train", "--nnodes", "3", "--node-rank", str(i),
-                                     "--master-addr", hosts.addresses[0], "--master-port", str(PORT + 2 + k),
-                                     "--checkpoint", str(where / "ck.pt"), "--total-steps", "12",
-                                     "--pid-dir", str(where)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                     for i in range(3)]
-            outs = [p.communicate(timeout=600)[0].strip().splitlines() for p in procs]
-            nodes = [json.loads(lines[-1]) if lines else {"ok": False} for lines in outs]
+            procs = hosts.start_nodes(str(NODE), ["train", "--nnodes", "3", "--checkpoint", str(where / "ck.pt"),
+                                                  "--total-steps", "12", "--pid-dir", str(where)], PORT + 2 + k,
+                                      own_host_name=False)
+            nodes = [node_result(p, 600) for p in procs]
             if not all(n["ok"] for n in nodes):
                 raise SystemExit(f"the three-host training ({name}) failed: {nodes}")
             results = [r for n in nodes for r in n["results"]]
@@ -340,17 +332,47 @@ def _layout(strategy: str, hosts: list[int]) -> Layout:
     return Layout(tuple(hosts[:len(hosts) - servers]), tuple(hosts[len(hosts) - servers:]))
 
 
+def measured_links(got: dict) -> dict[str, Link]:
+    """The per-message links each cell is priced on, fitted from the medians the ranks measured (the load is in
+    them, as it is in the cells), each through the formula of what it timed: ``pair`` between one rank per host,
+    ``network`` gloo's ring with every rank at work, ``sharded`` gloo's sharded exchange likewise, ``intra``
+    inside a host, ``rpc`` the parameter servers' pushes and pulls (one server)."""
+    sizes, hosts = got["fit_sizes"], got["hosts"]
+    per_host = max(hosts.count(h) for h in set(hosts))
+
+    def fit(name: str, strategy: str, layout: Layout) -> Link:
+        medians = [statistics.median(got["samples"][f"fit-{name}|{n}"]) for n in sizes]
+        return link_from_strategy(strategy, alpha_beta_fit(sizes, medians), layout)
+
+    return {"pair": fit("pair", "ring", Layout((0, 1))), "network": fit("world", "ring", Layout(tuple(hosts))),
+            "sharded": fit("sharded", "sharded", Layout(tuple(hosts))),
+            "intra": fit("intra", "ring", Layout((0,) * per_host)), "rpc": fit("rpc", "ps-1", _layout("ps-1", hosts))}
+
+
+def reduce_s_per_byte(got: dict) -> float:
+    return statistics.median(got["samples"][f"reduce|{FIT_SIZES[-1]}"]) / FIT_SIZES[-1]
+
+
 def analyse(rate_gbit: float, got: dict, models: dict[str, int]) -> tuple[list[dict], list[dict]]:
-    net, intra = Link(*got["network"]), Link(*got["intra"])
+    links = measured_links(got)
+    hosts = len(set(got["hosts"]))
+    # the emulated hosts share this machine's cores
+    cpu = HostCPU(max(1, (os.cpu_count() or 1)) / hosts, reduce_s_per_byte(got))
     cells, choices = [], []
     for key, samples in got["samples"].items():
         what, which = key.split("|")
+        if what.startswith("fit-") or what == "reduce":
+            continue
         if what == "allreduce":
             nbytes, strategy, model, layout = int(which), "ring", "-", Layout((0, 1))
+            predicted = layout_time(strategy, nbytes, layout, links["pair"], links["intra"])
         else:
             nbytes, strategy, model, layout = models[which], what, which, _layout(what, got["hosts"])
+            # the servers' pushes and pulls travel by RPC, inside a host too (its shared memory is off here)
+            network, intra = (links["rpc"], links["rpc"]) if what.startswith("ps-") else \
+                (links["sharded"], links["intra"]) if what == "sharded" else (links["network"], links["intra"])
+            predicted = layout_time(strategy, nbytes, layout, network, intra, cpu)
         measured = statistics.median(samples)
-        predicted = layout_time(strategy, nbytes, layout, net, intra)
         cells.append({"rate_gbit": rate_gbit, "cell": what, "model": model, "bytes": nbytes, "measured_s": measured,
                       "predicted_s": predicted, "error": abs(predicted - measured) / measured,
                       "contended": got["contended"][key], "repetitions": len(samples)})
@@ -376,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="repetitions per cell and round")
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--no-faults", action="store_true", help="the measured-against-predicted cells only")
     ap.add_argument("--node-rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--master-addr", help=argparse.SUPPRESS)
     ap.add_argument("--master-port", type=int, help=argparse.SUPPRESS)
@@ -395,24 +418,29 @@ def main(argv: list[str] | None = None) -> int:
     models = {m: gradient_bytes(m) for m in MODELS}
     load_before = os.getloadavg()
     started = time.monotonic()
-    cells, choices, links = [], [], {}
+    cells, choices, links, raw = [], [], {}, {}
     for rate in rates:
         got = measure_rate(rate, args)
         c, ch = analyse(rate, got, models)
         cells += c
         choices += ch
-        links[str(rate)] = {"network": got["network"], "intra": got["intra"], "hierarchical_kind": got["kind"]}
-    faults = measure_link_down(args)
-    faults.update(measure_slow_link())
+        fitted = measured_links(got)
+        links[str(rate)] = {**{k: [v.alpha_s, v.bandwidth] for k, v in fitted.items()},
+                            "reduce_s_per_byte": reduce_s_per_byte(got), "hierarchical_kind": got["kind"]}
+        raw[str(rate)] = got
+    faults = {} if args.no_faults else {**measure_link_down(args), **measure_slow_link()}
     load_after = os.getloadavg()
 
     print(f"2 hosts (network namespaces, veth shaped with tbf) x 2 processes x 1 thread; median of "
           f"{args.reps} x {args.rounds} repetitions, each on its slowest rank ({os.cpu_count()} cores, torch "
           f"{torch.__version__}; ! = contended)")
     for rate in rates:
-        net, intra = Link(*links[str(rate)]["network"]), Link(*links[str(rate)]["intra"])
-        print(f"\n{rate:g} Gbit/s ({rate / 8:.3f} GB/s configured): measured network {net.describe()}, "
-              f"inside a host {intra.describe()}")
+        got = {k: Link(*links[str(rate)][k]) for k in ("pair", "network", "sharded", "intra", "rpc")}
+        print(f"\n{rate:g} Gbit/s ({rate / 8:.3f} GB/s configured), measured per message: between one rank per "
+              f"host {got['pair'].describe()}, with every rank at work {got['network'].describe()} (the sharded "
+              f"exchange {got['sharded'].describe()}), inside a host {got['intra'].describe()}, the servers' RPC "
+              f"{got['rpc'].describe()}; a reduction "
+              f"{links[str(rate)]['reduce_s_per_byte'] * 1e12:.0f} ps/byte")
         print(f"{'cell':<14}{'model':<10}{'size':>10}{'measured ms':>13}{'predicted ms':>14}{'error':>8}")
         for c in (c for c in cells if c["rate_gbit"] == rate):
             print(f"{c['cell']:<14}{c['model']:<10}{_size(c['bytes']):>10}{c['measured_s'] * 1e3:>12.2f}"
@@ -430,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         "rates_gbit": rates,
         "links": links,
         "cells": cells,
+        "measurements": raw,
         "choices": choices,
         "contended": [f"{c['rate_gbit']:g}/{c['cell']}/{c['model']}/{c['bytes']}" for c in cells if c["contended"]],
         "elapsed_s": time.monotonic() - started,
@@ -442,13 +471,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['auto_within_10pct']:.2f} of the pairs (>= 0.9); "
           f"load average {' '.join(f'{x:.2f}' for x in load_before)} before, "
           f"{' '.join(f'{x:.2f}' for x in load_after)} after")
-    print(f"link of host 1 brought down mid-training: both launchers gone {faults['link_down_exit_s']:.1f} s later "
-          f"(fault_timeout_s {FAULT_TIMEOUT_S:g}, target <= {FAULT_TIMEOUT_S + 5:g} s)")
-    for error in faults["link_down_errors"]:
-        print(f"  named: {error}")
-    print(f"three hosts, host 2's link 10x slower: straggler named {faults['slow_link_straggler']} (want 2), "
-          f"weights equal to the unshaped run's: {faults['slow_link_weights_equal']}; pair exchanges (ms) "
-          f"{faults['slow_link_pair_ms']['slow']}")
+    if faults:
+        print(f"link of host 1 brought down mid-training: both launchers gone {faults['link_down_exit_s']:.1f} s "
+              f"later (fault_timeout_s {FAULT_TIMEOUT_S:g}, target <= {FAULT_TIMEOUT_S + 5:g} s)")
+        for error in faults["link_down_errors"]:
+            print(f"  named: {error}")
+        print(f"three hosts, host 2's link 10x slower: straggler named {faults['slow_link_straggler']} (want 2), "
+              f"weights equal to the unshaped run's: {faults['slow_link_weights_equal']}; pair exchanges (ms) "
+              f"{faults['slow_link_pair_ms']['slow']}")
     result.update(faults)
     if result["contended"]:
         print("WARNING: other work competed for the cores during some cells (see 'contended')")

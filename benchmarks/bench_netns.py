@@ -53,7 +53,7 @@ from dlperf.timing import time_steps
 
 # the namespaces helper is test support, kept out of the library: it lives beside the tests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.netns import Hosts, unavailable_reason  # noqa: E402
+from support.netns import Hosts, node_result, unavailable_reason  # noqa: E402
 
 SIZES = (64 * 1024, 1024 * 1024, 16 * 1024 * 1024, 64 * 1024 * 1024)
 PORT = 29500  # the namespaces are fresh: nothing else listens in them
@@ -124,26 +124,14 @@ def node_main(a: argparse.Namespace) -> int:
 # --- the measurement --------------------------------------------------------------------------------
 
 def _nodes(hosts: Hosts, mode: str, args: argparse.Namespace, pid_dir: str = "") -> list[subprocess.Popen]:
-    # unshare execs the node (same pid) in a UTS namespace of its own, where it may set its host name
-    return [hosts.popen(i, ["unshare", "--uts", sys.executable, __file__, "--node", mode, "--node-rank", str(i),
-                            "--master-addr", hosts.addresses[0], "--master-port", str(PORT),
-                            "--fault-timeout", str(args.fault_timeout), "--steps", str(args.steps),
-                            "--warmup", str(args.warmup), "--lenet-steps", str(args.lenet_steps),
-                            "--lenet-rounds", str(args.lenet_rounds), "--pid-dir", pid_dir],
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for i in range(2)]
-
-
-def _last_json(proc: subprocess.Popen, timeout: float) -> dict:
-    out, err = proc.communicate(timeout=timeout)
-    lines = out.strip().splitlines()
-    if not lines:
-        raise SystemExit(f"a host's launcher printed nothing (exit {proc.returncode}):\n{err[-3000:]}")
-    return json.loads(lines[-1])
+    return hosts.start_nodes(__file__, ["--node", mode, "--fault-timeout", str(args.fault_timeout), "--steps",
+                                        str(args.steps), "--warmup", str(args.warmup), "--lenet-steps",
+                                        str(args.lenet_steps), "--lenet-rounds", str(args.lenet_rounds),
+                                        "--pid-dir", pid_dir], PORT)
 
 
 def measure_bandwidth(hosts: Hosts, args: argparse.Namespace) -> dict[int, dict]:
-    nodes = [_last_json(p, 600) for p in _nodes(hosts, "allreduce", args)]
+    nodes = [node_result(p, 600) for p in _nodes(hosts, "allreduce", args)]
     if not all(n["ok"] for n in nodes):
         raise SystemExit(f"the allreduce launch failed: {nodes}")
     # an allreduce ends when the slower rank ends
@@ -158,7 +146,7 @@ def measure_loopback(args: argparse.Namespace) -> dict[int, dict]:
 
 def measure_lenet(hosts: Hosts, args: argparse.Namespace) -> dict[str, list[tuple[float, bool]]]:
     """LeNet steps of the Trainer and DDP alternating, one process per host: per configuration, each round."""
-    nodes = [_last_json(p, 600) for p in _nodes(hosts, "lenet", args)]
+    nodes = [node_result(p, 600) for p in _nodes(hosts, "lenet", args)]
     if not all(n["ok"] for n in nodes):
         raise SystemExit(f"the LeNet launch failed: {nodes}")
     names = [n["results"][0]["host"] for n in nodes]
@@ -177,7 +165,7 @@ def _alive(pid: int) -> bool:
 def measure_fault_exit(hosts: Hosts, mode: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="dlperf-bench-netns-") as pid_dir:
         procs = _nodes(hosts, mode, args, pid_dir)
-        outcomes = [_last_json(p, 600) for p in procs]
+        outcomes = [node_result(p, 600) for p in procs]
         pids = [int(p) for f in Path(pid_dir).glob("*.pids") for p in f.read_text().split()]
         deadline = time.monotonic() + 60
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:

@@ -133,3 +133,25 @@ def test_bad_rates_are_refused_before_anything_is_made():
         Hosts(3, rates=[1e6, 1e6])
     with pytest.raises(ValueError, match="qdisc"):
         Hosts(2, rate=1e6, qdisc="netem")
+
+
+_NODE = ("import argparse, json, socket\n"
+         "ap = argparse.ArgumentParser(); ap.add_argument('--say'); ap.add_argument('--node-rank', type=int)\n"
+         "ap.add_argument('--master-addr'); ap.add_argument('--master-port', type=int); a = ap.parse_args()\n"
+         "if a.node_rank == 1 and a.say == 'fail': raise SystemExit('node 1 gave up')\n"
+         "socket.sethostname(f'node{a.node_rank}')\n"
+         "print('noise'); print(json.dumps({**vars(a), 'host': socket.gethostname()}))\n")
+
+
+@pytest.mark.timeout(60)
+def test_nodes_start_in_every_host_with_their_rank_the_master_and_a_host_name_of_their_own(tmp_path):
+    script = tmp_path / "node.py"
+    script.write_text(_NODE)
+    with Hosts(2) as hosts:
+        got = [netns.node_result(p, 30) for p in hosts.start_nodes(str(script), ["--say", "hi"], 29511)]
+        assert got == [{"say": "hi", "node_rank": i, "master_addr": hosts.addresses[0], "master_port": 29511,
+                        "host": f"node{i}"} for i in range(2)]
+        quiet = hosts.start_nodes(str(script), ["--say", "fail"], 29511)
+        assert netns.node_result(quiet[0], 30)["node_rank"] == 0
+        with pytest.raises(NamespaceError, match="printed nothing .exit 1.:\n.*node 1 gave up"):
+            netns.node_result(quiet[1], 30)

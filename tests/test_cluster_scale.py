@@ -10,15 +10,20 @@ import pytest
 import torch
 
 from dlperf.cli import main
+from dlperf.errors import UsageError
 from dlperf.probe.cost import Hardware, Link, allreduce_time, parameter_server_time
 from dlperf.probe.links import save_links
 from dlperf.probe.projection import (
     STRATEGIES,
     Cluster,
+    HostCPU,
     Layout,
+    alpha_beta_fit,
     communication_time,
+    cpu_time,
     layout_time,
     link_from_allreduce,
+    link_from_strategy,
     project,
 )
 
@@ -162,6 +167,7 @@ def test_without_link_the_saved_measurement_between_hosts_is_used(capsys, tmp_pa
     (["--model", "pkg:make", "--hosts", "1", "--intra-link", "1GB/s"], "needs --input"),
     (["--gradients", "1MB", "--hosts", "1", "--strategies", "ring,tree"], "unknown gradient strategy 'tree'"),
     (["--gradients", "1MB", "--hosts", "1", "--step-ms", "nan"], "not a finite number"),
+    (["--gradients", "1MB", "--hosts", "1", "--cores-per-host", "0"], "--cores-per-host"),
 ])
 def test_bad_values_are_one_line_and_exit_2(capsys, argv, named, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no saved link between hosts
@@ -229,3 +235,82 @@ def test_the_straggler_is_the_host_whose_every_pair_is_slow(hosts):
     even = {(a, b): fast.time(1 << 20) * (1 + 0.1 * a) for a in range(hosts) for b in range(a + 1, hosts)}
     assert straggler(even) is None
     assert straggler({(0, 1): 1.0}) is None  # two hosts share one link: no side to blame
+
+
+# --- what the measurement is made of: latency from small messages, links per transport, cores -------------
+
+def test_the_latency_comes_from_the_small_messages_and_the_bandwidth_from_the_large():
+    sizes = [4e3, 32e3, 256e3, 2e6, 16e6]
+    true = Link(300e-6, 0.5e9)
+    # the largest size ran 20% slow (a neighbour on the cores): a line through every point tilts and its
+    # intercept lands far from the real latency; the small messages still say about what one costs
+    seconds = [true.time(n) * (1.2 if n == 16e6 else 1.0) for n in sizes]
+    fit = alpha_beta_fit(sizes, seconds)
+    assert fit.alpha_s == pytest.approx(300e-6, rel=0.25)
+    assert fit.bandwidth == pytest.approx(0.5e9 / 1.2, rel=0.1)
+    assert abs(Link.fit(sizes, seconds).alpha_s - 300e-6) > 3 * abs(fit.alpha_s - 300e-6)
+    exact = alpha_beta_fit(sizes, [true.time(n) for n in sizes])
+    assert exact.alpha_s == pytest.approx(300e-6) and exact.bandwidth == pytest.approx(0.5e9)
+    # a small message that waited on something else (a delayed acknowledgement) costs no more than a larger one
+    stalled = alpha_beta_fit(sizes, [40e-3 if n == 4e3 else true.time(n) for n in sizes])
+    assert stalled.alpha_s == pytest.approx(300e-6, rel=0.01) and stalled.bandwidth == pytest.approx(0.5e9)
+
+
+@pytest.mark.parametrize("strategy,layout", [
+    ("ring", Layout((0, 0, 1, 1))), ("sharded", Layout((0, 0, 1, 1))), ("hierarchical", Layout((0, 0, 1, 1))),
+    ("ps-1", Layout((0, 0, 1), (1,))), ("ps-2", Layout((0, 1), (0, 1))), ("naive", Layout((0, 1, 2))),
+])
+def test_a_strategy_timed_on_a_layout_gives_back_the_link_it_ran_on(strategy, layout):
+    link = Link(40e-6, 2e9)
+    n = [1e4, 1e6]
+    measured = Link.fit(n, [layout_time(strategy, x, layout, link, link) for x in n])
+    got = link_from_strategy(strategy, measured, layout)
+    assert got.alpha_s == pytest.approx(link.alpha_s) and got.bandwidth == pytest.approx(link.bandwidth)
+
+
+def test_the_ring_of_link_from_strategy_is_link_from_allreduce():
+    fit = Link(600e-6, 0.8e9)
+    for hosts in [(0, 1), (0, 0, 1, 1), (0, 1, 2, 3, 4)]:
+        assert link_from_strategy("ring", fit, Layout(hosts)) == link_from_allreduce(fit, len(hosts))
+    with pytest.raises(UsageError, match="sends no message"):
+        link_from_strategy("ring", fit, Layout((0,)))
+
+
+def test_ranks_that_outnumber_the_cores_take_turns_for_their_reductions():
+    n, per_byte = 40e6, 1e-10
+    two_per_host = Layout((0, 0, 1, 1))
+    # a core each: side by side, nothing to add
+    assert all(cpu_time(s, n, two_per_host, HostCPU(2, per_byte)) == 0.0 for s in ("ring", "sharded", "hierarchical"))
+    # one core for two ranks: each reduces 3/4 n in a ring of 4, one after the other on the host
+    assert cpu_time("ring", n, two_per_host, HostCPU(1, per_byte)) == pytest.approx(0.75 * n * per_byte)
+    # half a core each (emulated hosts sharing one machine's cores): three times one rank's share on top
+    assert cpu_time("ring", n, two_per_host, HostCPU(0.5, per_byte)) == pytest.approx(3 * 0.75 * n * per_byte)
+    # the servers sum every worker's push; the workers reduce nothing: one server alone takes no turns,
+    # two servers on a one-core host each sum half of every push, one after the other
+    assert cpu_time("ps-1", n, Layout((0, 0, 0), (0,)), HostCPU(1, per_byte)) == 0.0
+    assert cpu_time("ps-2", n, Layout((0, 0), (0, 0)), HostCPU(1, per_byte)) == pytest.approx(n * per_byte)
+    assert cpu_time("ps-2", n, Layout((0, 0), (0, 0)), HostCPU(4, per_byte)) == 0.0
+    link = Link(10e-6, 1e9)
+    plain = layout_time("ring", n, two_per_host, link, link)
+    assert layout_time("ring", n, two_per_host, link, link, HostCPU(1, per_byte)) == \
+        pytest.approx(plain + 0.75 * n * per_byte)
+    with pytest.raises(UsageError, match="cores=0"):
+        HostCPU(0, per_byte)
+
+
+def test_the_cpu_term_vanishes_where_every_device_has_a_core_and_the_worked_example_stays_exact(capsys, tmp_path,
+                                                                                                  monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no saved probe: the reduction's rate is assumed
+    argv = ["--gradients", "160MB", "--hosts", "1", "--devices-per-host", "4", "--intra-link", "16GB/s,0us",
+            "--strategies", "naive,ps-1,sharded"]
+    doc, out = _scale(capsys, *argv, "--cores-per-host", "4")
+    got = {s: round(v["communication_s"] * 1e3, 6) for s, v in doc["rows"][0]["strategies"].items()}
+    assert got == {"naive": 60.0, "ps-1": 80.0, "sharded": 15.0}
+    assert doc["figures"]["cpu"]["value"] == [4.0, pytest.approx(3 / 40e9)]
+    assert "reduction assumed" in doc["figures"]["cpu"]["source"] and "4 cores" in out
+    # two cores for four devices: where every device reduces a share, they take turns; where one device (or
+    # the server) reduces everything, no one waits for a core
+    doc, _ = _scale(capsys, *argv, "--cores-per-host", "2")
+    shared = {s: v["communication_s"] * 1e3 for s, v in doc["rows"][0]["strategies"].items()}
+    assert shared["naive"] == pytest.approx(60.0) and shared["ps-1"] == pytest.approx(80.0)
+    assert shared["sharded"] == pytest.approx(15.0 + (4 * 0.75 * 160e6 / 2 - 0.75 * 160e6) * 3 / 40e9 * 1e3)

@@ -7,6 +7,7 @@ as the trainer closes the first rank gathers them: the slept-in rank is the one 
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -14,9 +15,11 @@ import torch
 from torch import nn
 
 from dlperf.devices import cpu
+from dlperf.engine.trace import load_trace
 from dlperf.parallel import Trainer
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.procs import ExchangeReport, ExchangeRow, last_exchange_report
+from dlperf.parallel.timeline import EXCHANGES_PROCESS
 
 pytestmark = pytest.mark.distributed
 STEPS = 8
@@ -37,12 +40,13 @@ class Sleepy(nn.Module):
         return self.body(x)
 
 
-def _train(slow_rank: int | None) -> dict | None:
+def _train(slow_rank: int | None, trace: str | None = None) -> dict | None:
     rank = rank_info().rank
     torch.manual_seed(0)
     net = Sleepy(SLEEP_S if rank == slow_rank else 0.0)
     g = torch.Generator().manual_seed(1)
-    with Trainer(net, [cpu(0)], "sgd", {"lr": 0.1}) as trainer:
+    # one timeline per run, as dlperf train writes it: the first process's
+    with Trainer(net, [cpu(0)], "sgd", {"lr": 0.1}, trace=trace if rank == 0 else None) as trainer:
         for _ in range(STEPS + 1):
             trainer.train_step(torch.randn(12, 8, generator=g), torch.randint(0, 2, (12,), generator=g))
         weights = [p.detach().clone() for p in trainer.module.parameters()]
@@ -52,9 +56,10 @@ def _train(slow_rank: int | None) -> dict | None:
 
 
 @pytest.mark.timeout(240)
-def test_a_rank_slowed_in_its_step_is_named_the_straggler_with_its_peers_wait():
+def test_a_rank_slowed_in_its_step_is_named_the_straggler_with_its_peers_wait(tmp_path):
     launcher = ProcessLauncher(3, backend="gloo", join_timeout_s=120)
-    slowed = launcher.launch(_train, 1)
+    trace = tmp_path / "run.json"
+    slowed = launcher.launch(_train, 1, str(trace))
     line, figures = slowed[0]["report"]
     assert line.startswith("straggler: rank 1 on "), line
     assert figures["straggler"]["rank"] == 1
@@ -66,6 +71,17 @@ def test_a_rank_slowed_in_its_step_is_named_the_straggler_with_its_peers_wait():
     # the slowed rank trains to the same weights as its peers
     assert all(torch.equal(a, b) for r in slowed[1:] for a, b in zip(r["weights"], slowed[0]["weights"], strict=True))
     assert [r["report"] for r in slowed[1:]] == [None, None]  # only the first rank holds the report
+    # the trace file carries the same report: as the document's metadata and as events on a track of its own
+    doc = json.loads(trace.read_text())
+    assert doc["metadata"]["exchanges"] == json.loads(json.dumps(figures))
+    assert doc["metadata"]["straggler"] == line
+    marks = [e for e in doc["traceEvents"] if e.get("cat") == "exchanges"]
+    assert [e["name"] for e in marks if e["s"] == "g"] == [line]
+    assert sorted(e["args"]["rank"] for e in marks if e["s"] == "t") == [0, 1, 2]
+    assert {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"} >= {EXCHANGES_PROCESS}
+    # and it is still a timeline of the run: the report's events are not operations
+    ops = load_trace(trace).events
+    assert ops and all(e.worker != EXCHANGES_PROCESS and not e.name.startswith("straggler") for e in ops)
 
 
 def test_no_straggler_when_the_ranks_spend_about_the_same_in_the_sums():

@@ -34,13 +34,14 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from dlperf.errors import DlperfError
 from dlperf.parallel.launchers.faults import session_members
 
-__all__ = ["Hosts", "NamespaceError", "unavailable_reason"]
+__all__ = ["Hosts", "NamespaceError", "node_result", "unavailable_reason"]
 
 _PREFIX = "dlperf"  # namespace names: dlperf<pid>h<i>, dlperf<pid>sw for the switch
 _NAME = re.compile(rf"^{_PREFIX}(\d+)(h\d+|sw)$")
@@ -212,6 +213,22 @@ class Hosts:
         self._procs.append(proc)
         return proc
 
+    def start_nodes(self, script: str, args: Sequence[str], port: int, *, env: dict[str, str] | None = None,
+                    own_host_name: bool = True) -> list[subprocess.Popen]:
+        """``script`` in every host as one node of a launch across them: ``args`` then ``--node-rank i
+        --master-addr <host 0's address> --master-port port``, stdout and stderr captured as text.
+
+        ``own_host_name`` runs each node in a UTS namespace of its own (``unshare --uts``, which execs it:
+        same pid), where it may give itself a host name, as a real host has one (dlperf tells hosts apart
+        by it: ranks with one host name share memory).
+        """
+        prefix = ["unshare", "--uts"] if own_host_name else []
+        return [self.popen(i, [*prefix, sys.executable, script, *args, "--node-rank", str(i), "--master-addr",
+                               self.addresses[0], "--master-port", str(port)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, **env) if env else None)
+                for i in range(self.n)]
+
     def run(self, i: int, argv: Sequence[str], timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess:
         """Run ``argv`` inside host ``i`` to its end (killed after ``timeout`` seconds), capturing text output."""
         proc = self.popen(i, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
@@ -232,6 +249,20 @@ class Hosts:
         for name in reversed(self._made):
             _ip("netns", "del", name, check=False)
         self._made.clear()
+
+
+def node_result(proc: subprocess.Popen, timeout: float) -> dict:
+    """The JSON object a node started by :meth:`Hosts.start_nodes` printed as its last stdout line.
+
+    A node that printed nothing raises :class:`NamespaceError` with its exit status and its stderr's tail.
+    """
+    import json
+
+    out, err = proc.communicate(timeout=timeout)
+    lines = out.strip().splitlines()
+    if not lines:
+        raise NamespaceError(f"a host's node printed nothing (exit {proc.returncode}):\n{err[-3000:]}")
+    return json.loads(lines[-1])
 
 
 _QDISCS = ("tbf", "htb")

@@ -99,6 +99,9 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--intra-link", type=_link_arg("--intra-link"), metavar="RATE[,LATENCY]",
                    help="each device's link to its host's other devices and memory, e.g. 16GB/s (default: the "
                         "saved dlperf probe copy rate, else PCIe 3.0 x16; latency default 5us)")
+    p.add_argument("--cores-per-host", type=va.positive_float("--cores-per-host", max_value=1e5),
+                   help="cores of each host: where its devices (ranks) outnumber them, they take turns for their "
+                        "reductions, charged at the saved dlperf probe's memory rate (default: not charged)")
     p.add_argument("--step-ms", type=va.positive_float("--step-ms", max_value=1e7),
                    help="one device's compute per step, assumed, instead of measuring it")
     p.add_argument("--compute", choices=["measure", "probe"], default="measure",
@@ -214,6 +217,31 @@ def _intra(args: argparse.Namespace) -> Figure:
                                                            "(give --intra-link)")
 
 
+REDUCE_BYTES_MOVED = 3.0
+"""Memory traffic per byte reduced: ``a += b`` reads both and writes one (STREAM's add)."""
+ASSUMED_MEMORY_BYTES_PER_S = 40e9  # d2l 12.4.4's quad-core, the top of its 20-40 GB/s
+
+
+def _cpu(args: argparse.Namespace) -> Figure | None:
+    """Each host's cores and the cost of a byte reduced, when --cores-per-host asks for the CPU term."""
+    from ..probe.projection import HostCPU
+
+    if args.cores_per_host is None:
+        return None
+    from ..probe.cache import load_probe
+
+    result = load_probe(quiet=True)
+    triads = [v for k, v in (result.figures().items() if result is not None else ()) if
+              k.startswith("stream_triad_") and v]
+    if triads:
+        rate, source = max(triads) * 1e9, "cores given (--cores-per-host); reduction measured: the saved dlperf " \
+                                          "probe's STREAM triad, 3 bytes moved per byte reduced"
+    else:
+        rate, source = ASSUMED_MEMORY_BYTES_PER_S, "cores given (--cores-per-host); reduction assumed: 3 bytes " \
+                                                   "moved per byte at d2l 12.4.4's 40 GB/s (run dlperf probe)"
+    return Figure(HostCPU(args.cores_per_host, REDUCE_BYTES_MOVED / rate), source)
+
+
 def _describe_bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= scale:
@@ -264,15 +292,17 @@ def run(args: argparse.Namespace) -> int:
         gradient_bytes = args.gradients
         title = (f"dlperf scale: {_describe_bytes(gradient_bytes)} of gradients (given), 1..{args.hosts} hosts x "
                  f"{args.devices_per_host} devices")
-    compute = _compute(args, model, x)
-    cluster = Cluster(args.hosts, args.devices_per_host, network.value, intra.value)
+    compute, cpu = _compute(args, model, x), _cpu(args)
+    cluster = Cluster(args.hosts, args.devices_per_host, network.value, intra.value,
+                      cpu.value if cpu is not None else None)
     projection = project(gradient_bytes, float(compute.value), cluster,
                          args.strategies or list(STRATEGIES))
-    figures = {"compute": compute, "network": network, "intra": intra}
+    figures = {"compute": compute, "network": network, "intra": intra, **({"cpu": cpu} if cpu is not None else {})}
     print(render(projection, figures, title), flush=True)
     if args.json:
         doc = {**projection.to_dict(), "figures": {
             name: {"value": (fig.value.alpha_s, fig.value.bandwidth) if hasattr(fig.value, "alpha_s")
+                   else (fig.value.cores, fig.value.reduce_s_per_byte) if hasattr(fig.value, "cores")
                    else fig.value, "source": fig.source} for name, fig in figures.items()}}
         atomic_write_text(args.json, json.dumps(doc, indent=None if args.json == "-" else 1) + "\n")
     sys.stdout.flush()

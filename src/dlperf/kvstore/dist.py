@@ -56,6 +56,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -197,6 +198,8 @@ class DistKVStore(KVStore):
         self._broken = False  # a request failed for want of its server: close without waiting for the others
         self._traffic = {"shm": 0, "rpc": 0, "in-process": 0}
         self._requests = {"control": 0, "rpc": 0, "in-process": 0}
+        # this worker's seconds in pushes and pulls and how many (the first left out: it sets up the slots)
+        self._exchange_clock = [0.0, 0, 0]
         self._global_rank = rank
         workers = world - num_servers
         self._worker_ranks = list(range(workers))
@@ -233,6 +236,15 @@ class DistKVStore(KVStore):
     def placement(self) -> Placement:
         """Where each initialized key lives; ``print(store.placement())`` shows a table."""
         return self._placement
+
+    def exchange_times(self) -> dict[str, Any]:
+        """This rank's place in the job (``rank`` of ``world``, workers then servers), whether a request failed
+        for want of its server (``broken``), and what it spent: as a worker, seconds in pushes and pulls and how
+        many (the first, which sets up the slots, left out); as a server, seconds handling requests and how many."""
+        server = self._server
+        return {"rank": self._global_rank, "world": max(self.num_workers, max(self._placement.servers) + 1),
+                "broken": self._broken, "worker": self._exchange_clock[:2] if self.role == "worker" else None,
+                "server": [server.busy_s, server.requests] if server is not None else None}
 
     def traffic(self) -> dict[str, Any]:
         """Payload bytes this worker pushed and pulled, by path: ``shm`` (shared memory), ``rpc``, ``in-process``
@@ -496,6 +508,7 @@ class DistKVStore(KVStore):
         # Held from before the push counts are taken (a pull's wait then never needs a push stuck behind it)
         # to the last copy out of a slot; in a fixed order, so two calls cannot each hold what the other needs.
         locks = self._exchange_locks(pushes, pulls)
+        start = time.perf_counter()
         for lock in locks:
             lock.acquire()
         try:
@@ -503,6 +516,11 @@ class DistKVStore(KVStore):
         finally:
             for lock in reversed(locks):
                 lock.release()
+            clock = self._exchange_clock
+            if clock[2]:
+                clock[0] += time.perf_counter() - start
+                clock[1] += 1
+            clock[2] = 1
 
     def _exchange_locks(self, pushes: Sequence[tuple[Key, list[torch.Tensor]]],
                         pulls: Sequence[tuple[Key, list[torch.Tensor]]]) -> list[threading.Lock]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -107,10 +108,14 @@ class Server:
         self.arenas: list[Arena] = []
         self.arena_used = 0  # bytes of the last arena given out
         self.control: ControlServer | None = None  # started with the first shared-memory offer
+        self.busy_s = 0.0  # spent handling pushes and pulls (not waiting for the workers between them)
+        self.requests = 0
+        self.timed: set[int] = set()  # workers whose first exchange is over: it sets up slots, seconds at times
 
     def handle(self, src: int, op: int, meta: dict, wire: list[torch.Tensor], future: torch.futures.Future) -> None:
         handlers = {INIT: self.on_init, PUSH: self.on_push, PULL: self.on_pull, PUSHPULL: self.on_pushpull,
                     STATE: self.on_state, LOAD: self.on_load, BYE: self.on_bye}
+        start = time.perf_counter()
         try:
             handler = handlers.get(op)
             if handler is None:
@@ -120,6 +125,11 @@ class Server:
             if not future.done():
                 future.set_result((ERROR, {"error": f"{type(exc).__name__}: {exc}"}, []))
         self.pending = [p for p in self.pending if not p()]
+        if op in (PUSH, PULL, PUSHPULL):
+            if src in self.timed:
+                self.busy_s += time.perf_counter() - start
+                self.requests += 1
+            self.timed.add(src)
 
     @staticmethod
     def ok(future: torch.futures.Future, meta: dict | None = None, tensors: Sequence[torch.Tensor] = ()) -> bool:

@@ -43,8 +43,8 @@ _SHM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 __all__ = ["PROCESS_ALLREDUCE_ENV", "ExchangeClock", "ExchangeReport", "ExchangeRow", "ProcessAxis",
            "allreduce_across_processes", "broadcast_from_first", "check_process_settings",
-           "describe_process_allreduce", "gather_exchanges", "join_processes", "last_exchange_report",
-           "local_parts"]
+           "describe_process_allreduce", "gather_exchanges", "join_processes", "keep_exchange_report",
+           "last_exchange_report", "local_parts"]
 
 
 def allreduce_across_processes(flat: torch.Tensor, group: Any = None) -> None:
@@ -360,6 +360,12 @@ def gather_exchanges(clock: ExchangeClock, axis: ProcessAxis) -> ExchangeReport 
         rows.append(ExchangeRow(r, str(host), float(seconds), int(count), float(link_s)))
     _LAST_REPORT = ExchangeReport(tuple(rows))
     return _LAST_REPORT
+
+
+def keep_exchange_report(report: ExchangeReport) -> None:
+    """Make ``report`` the one :func:`last_exchange_report` returns (the parameter servers gather their own)."""
+    global _LAST_REPORT
+    _LAST_REPORT = report
 
 
 def last_exchange_report() -> ExchangeReport | None:

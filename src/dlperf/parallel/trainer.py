@@ -373,8 +373,10 @@ class Trainer:
                 if not abort:  # after an interrupt, errors of the abandoned step are not news
                     raise
             finally:
-                if self._trace_path is not None:
-                    self.stop_trace(self._trace_path)
+                if self._trace_path is not None:  # with the exchanges the strategy gathered as it closed
+                    from .timeline import save_trace
+
+                    save_trace(self.stop_trace(), self._trace_path, getattr(self.strategy, "exchange_report", None))
                 if self.processes is not None:
                     self.processes.close()
 

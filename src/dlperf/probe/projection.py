@@ -44,9 +44,34 @@ from ..errors import UsageError
 from ..registry import Registry
 from .cost import Link
 
-__all__ = ["Cluster", "Layout", "STRATEGIES", "communication_time", "layout_time", "ring_time", "sharded_time",
-           "naive_time", "push_pull_time", "hierarchical_time", "link_from_allreduce", "straggler", "ScaleRow",
-           "Projection", "project"]
+__all__ = ["Cluster", "Layout", "HostCPU", "STRATEGIES", "alpha_beta_fit", "cpu_time", "communication_time",
+           "layout_time", "ring_time", "sharded_time", "naive_time", "push_pull_time", "hierarchical_time",
+           "link_from_allreduce", "link_from_strategy", "straggler", "ScaleRow", "Projection", "project"]
+
+
+@dataclass(frozen=True)
+class HostCPU:
+    """A host's processors as an exchange meets them: ``cores`` for its ranks (a fraction where emulated hosts
+    share one machine) and the seconds one rank spends on each byte it reduces (measured while every rank
+    works, so the load is in it).
+
+    Ranks with a core each reduce side by side, and a link fit measured that way already holds their
+    arithmetic; ranks that outnumber the cores take turns, so a host's reductions then last its ranks' sum
+    over its cores: :func:`cpu_time` charges that excess.
+    """
+
+    cores: float
+    reduce_s_per_byte: float
+
+    def __post_init__(self) -> None:
+        for name in ("cores", "reduce_s_per_byte"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                    value < 0 or (name == "cores" and value <= 0):
+                raise UsageError(f"{name}={value!r}: expected a finite number {'> 0' if name == 'cores' else '>= 0'}")
+
+    def describe(self) -> str:
+        return f"{self.cores:g} cores, {self.reduce_s_per_byte * 1e12:.0f} ps/B reduced"
 
 
 @dataclass(frozen=True)
@@ -57,6 +82,8 @@ class Cluster:
     devices_per_host: int
     network: Link
     intra: Link
+    cpu: HostCPU | None = None
+    """Each host's processors (:func:`cpu_time`); None: the exchanges cost links only, as in d2l's example."""
 
     def __post_init__(self) -> None:
         for name in ("hosts", "devices_per_host"):
@@ -149,6 +176,42 @@ def hierarchical_time(n: float, layout: Layout, network: Link, intra: Link) -> f
     return inside + _ring(n, len(counts), network) + (intra.time(n) if g > 1 else 0.0)
 
 
+def _reduced_bytes(strategy: str, n: float, layout: Layout) -> list[float]:
+    """The bytes each rank (then each server, for the parameter servers) adds into a sum during ``strategy``."""
+    p = layout.world
+    if strategy in ("ring", "sharded"):
+        return [(p - 1) / p * n] * p
+    if strategy == "naive":
+        return [(p - 1) * n] + [0.0] * (p - 1)
+    if strategy == "hierarchical":
+        counts = layout.per_host()
+        leaders = {layout.hosts.index(h) for h in counts}
+        hosts = len(counts)
+        return [(counts[h] - 1) / counts[h] * n + ((hosts - 1) / hosts * n if r in leaders else 0.0)
+                for r, h in enumerate(layout.hosts)]
+    s = max(1, len(layout.servers))
+    return [0.0] * p + [p * n / s] * len(layout.servers)
+
+
+def cpu_time(strategy: str, n: float, layout: Layout, cpu: HostCPU) -> float:
+    """Seconds a host's reductions add when its ranks outnumber its cores (0 when every rank has a core).
+
+    Side by side, the busiest rank's reductions would last ``bytes x reduce_s_per_byte``; taking turns on
+    ``cores`` cores, a host's last as long as all of its ranks' together over the cores. The difference
+    for the busiest host is charged.
+    """
+    work = _reduced_bytes(strategy, n, layout)
+    where = list(layout.hosts) + list(layout.servers)
+    by_host: dict[int, list[float]] = {}
+    for host, nbytes in zip(where, work, strict=True):
+        by_host.setdefault(host, []).append(nbytes * cpu.reduce_s_per_byte)
+    extra = 0.0
+    for spent in by_host.values():
+        if len(spent) > cpu.cores:
+            extra = max(extra, sum(spent) / cpu.cores - max(spent))
+    return extra
+
+
 LayoutFormula = Callable[[float, Layout, Link, Link], float]
 STRATEGIES: Registry[tuple[LayoutFormula, int]] = Registry("gradient strategy")
 """Strategy name -> (its time formula over a layout, the number of parameter servers it places; 0: none)."""
@@ -158,12 +221,15 @@ for _name, _entry in (("ring", (ring_time, 0)), ("sharded", (sharded_time, 0)), 
     STRATEGIES.register(_name, _entry)
 
 
-def layout_time(strategy: str, n: float, layout: Layout, network: Link, intra: Link) -> float:
-    """Seconds for ``strategy`` to sum ``n`` bytes of gradients on ``layout`` (its servers already placed)."""
+def layout_time(strategy: str, n: float, layout: Layout, network: Link, intra: Link,
+                cpu: HostCPU | None = None) -> float:
+    """Seconds for ``strategy`` to sum ``n`` bytes of gradients on ``layout`` (its servers already placed); with
+    ``cpu``, plus what ranks that outnumber their host's cores add (:func:`cpu_time`)."""
     formula, _ = STRATEGIES.get(strategy)
     if layout.world < 2 and strategy not in ("ps-1", "ps-2"):
         return 0.0
-    return formula(n, layout, network, intra)
+    extra = cpu_time(strategy, n, layout, cpu) if cpu is not None else 0.0
+    return formula(n, layout, network, intra) + extra
 
 
 def communication_time(strategy: str, n: float, cluster: Cluster) -> float:
@@ -171,7 +237,7 @@ def communication_time(strategy: str, n: float, cluster: Cluster) -> float:
     _, servers = STRATEGIES.get(strategy)
     base = cluster.layout()
     layout = Layout(base.hosts, tuple(s % cluster.hosts for s in range(servers)))
-    return layout_time(strategy, n, layout, cluster.network, cluster.intra)
+    return layout_time(strategy, n, layout, cluster.network, cluster.intra, cluster.cpu)
 
 
 def link_from_allreduce(fit: Link, world: int) -> Link:
@@ -186,6 +252,55 @@ def link_from_allreduce(fit: Link, world: int) -> Link:
     if world < 2:
         raise UsageError(f"world={world}: an allreduce fit needs at least 2 ranks")
     return Link(fit.alpha_s / (2 * (world - 1)), fit.bandwidth * 2 * (world - 1) / world)
+
+
+def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
+    """``t = alpha + n / B`` with the bandwidth from the larger half of the sizes and the latency from the rest.
+
+    A least-squares line through every size lets the large messages (whose times are large) decide the
+    intercept too, and on a busy machine it lands far from what a small message costs. Here the slope
+    comes from the larger half, and alpha is the median of what the others took beyond their bytes. A
+    message cannot cost more than a larger one on the same link: one that did waited on something else
+    (a delayed acknowledgement, a neighbour on the cores), so each time is first capped at the larger
+    sizes' least.
+
+    >>> alpha_beta_fit([4e3, 32e3, 512e3, 4e6], [60e-6 + n / 1e9 for n in (4e3, 32e3, 512e3, 4e6)]).describe()
+    '60 us + 1.00 GB/s'
+    >>> alpha_beta_fit([4e3, 32e3, 512e3, 4e6], [40e-3, 60e-6 + 32e3 / 1e9, 60e-6 + 512e3 / 1e9,
+    ...                                          60e-6 + 4e6 / 1e9]).describe()  # 4 KB waited 40 ms on an ack
+    '60 us + 1.00 GB/s'
+    """
+    pairs = sorted(zip(sizes, seconds, strict=True))
+    if len({n for n, _ in pairs}) < 2:
+        raise ValueError(f"a link fit needs times at two sizes or more, got sizes {list(sizes)}")
+    capped = [(n, min(t for _, t in pairs[i:])) for i, (n, _) in enumerate(pairs)]
+    half = len(capped) // 2
+    large = capped[half - 1:] if len(capped) - half < 2 else capped[half:]
+    slope_link = Link.fit([n for n, _ in large], [t for _, t in large], min_alpha_s=1e-7)
+    if math.isinf(slope_link.bandwidth):
+        return Link.fit([n for n, _ in capped], [t for _, t in capped], min_alpha_s=1e-7)
+    rest = capped[:-1]
+    alpha = statistics.median(t - n / slope_link.bandwidth for n, t in rest)
+    return Link(max(alpha, 1e-7), slope_link.bandwidth)
+
+
+def link_from_strategy(strategy: str, fit: Link, layout: Layout) -> Link:
+    """The per-message link behind ``strategy`` measured on ``layout`` as ``t(n) = fit.time(n)``, every message on it.
+
+    Each formula is ``A alpha + B n beta`` in the link's two figures, so alpha is the fit's intercept over
+    A and beta its slope over B: :func:`link_from_allreduce` for any strategy (a parameter server's
+    pushes and pulls, for instance, whose transport is not the collectives').
+
+    >>> link_from_strategy("ring", Link(100e-6, 1e9), Layout((0, 1)))
+    Link(alpha_s=5e-05, bandwidth=1000000000.0)
+    """
+    latency = Link(1.0, math.inf)
+    per_byte = Link(0.0, 1.0)
+    a = layout_time(strategy, 0.0, layout, latency, latency)
+    b = layout_time(strategy, 1.0, layout, per_byte, per_byte)
+    if a <= 0 or b <= 0:
+        raise UsageError(f"{strategy} on {layout.world} rank(s) sends no message; measure it on more ranks")
+    return Link(fit.alpha_s / a, fit.bandwidth * b)
 
 
 def straggler(pair_seconds: dict[tuple[int, int], float], factor: float = 2.0) -> int | None:
@@ -279,7 +394,7 @@ def project(gradient_bytes: float, compute_s: float, cluster: Cluster,
         STRATEGIES.get(s)
     rows = []
     for hosts in range(1, cluster.hosts + 1):
-        sub = Cluster(hosts, cluster.devices_per_host, cluster.network, cluster.intra)
+        sub = Cluster(hosts, cluster.devices_per_host, cluster.network, cluster.intra, cluster.cpu)
         rows.append(ScaleRow(hosts, hosts * cluster.devices_per_host,
                              {s: communication_time(s, gradient_bytes, sub) for s in strategies}, compute_s))
     return Projection(rows, gradient_bytes, tuple(strategies))

@@ -14,7 +14,7 @@ import torch
 
 from ...errors import UsageError
 from ..procs import ProcessAxis
-from ..servers import open_dist_kvstore
+from ..servers import close_and_report, open_dist_kvstore
 from .kvstore_update import UpdateOnKVStore, gradients
 from .strategy import register_strategy
 
@@ -36,6 +36,17 @@ class ParameterServers(UpdateOnKVStore):
         kv, group = open_dist_kvstore(self.store.option)
         self.store.adopt(kv)
         return ProcessAxis(kv.rank, kv.num_workers, axis.local_world, group, axis.owns_default_group)
+
+    exchange_report = None
+    """Every worker's time in pushes and pulls, every server's, and the straggler: on the first rank, closed."""
+    _failed = False
+
+    def abort_step(self) -> None:
+        self._failed = True
+        super().abort_step()
+
+    def close(self) -> None:
+        self.exchange_report = close_and_report(self.store, gather=not self._failed)
 
     def _push_and_pull(self, scale: float) -> None:
         params = [list(r.parameters()) for r in self.ctx.replicas]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ...kvstore import KVStore
 from ..buckets import Across, GradientBuckets
-from ..procs import ExchangeClock, allreduce_across_processes, gather_exchanges
+from ..procs import ExchangeClock, ExchangeReport, allreduce_across_processes, gather_exchanges
 from .context import StepContext
 from .strategy import ReplicaOptimizers, register_strategy
 
@@ -32,6 +32,8 @@ class AcrossProcesses(ReplicaOptimizers):
         self._update_after_sum = False
         self.exchanges = ExchangeClock()
         """Time in sums across processes; every rank's is gathered as the trainer closes (the straggler)."""
+        self.exchange_report: ExchangeReport | None = None
+        """Every rank's time in those sums and the straggler, on the first rank once the trainer closed."""
         self._failed = False
 
     def attach(self, ctx: StepContext) -> None:
@@ -58,7 +60,7 @@ class AcrossProcesses(ReplicaOptimizers):
     def close(self) -> None:
         super().close()
         if not self._failed and self._ctx is not None and self._ctx.processes is not None:
-            gather_exchanges(self.exchanges, self._ctx.processes)
+            self.exchange_report = gather_exchanges(self.exchanges, self._ctx.processes)
 
     def finish(self, scale: float) -> None:
         if self._in_step and self._update_after_sum:

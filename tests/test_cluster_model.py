@@ -1,0 +1,66 @@
+"""bench_cluster's analysis on measurements made up from known links: the fits give the links back, every
+prediction equals its cell and auto picks the best (no root, no processes: the arithmetic alone)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlperf.probe.cost import Link
+from dlperf.probe.projection import STRATEGIES, HostCPU, Layout, layout_time
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_cluster_under_test", ROOT / "benchmarks" / "bench_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def _measurements(bench, links: dict[str, Link], reduce_s: float, models: dict[str, int]) -> dict:
+    hosts = [0, 0, 1, 1]
+    cpu = HostCPU(1, reduce_s)  # 2 cores shared by 2 emulated hosts
+    samples: dict[str, list[float]] = {}
+    fits = {"pair": ("ring", Layout((0, 1))), "world": ("ring", Layout(tuple(hosts))),
+            "sharded": ("sharded", Layout(tuple(hosts))), "intra": ("ring", Layout((0, 0))),
+            "rpc": ("ps-1", bench._layout("ps-1", hosts))}
+    for name, (strategy, layout) in fits.items():
+        link = links["network" if name == "world" else name]
+        for n in bench.FIT_SIZES:
+            samples[f"fit-{name}|{n}"] = [layout_time(strategy, n, layout, link, link)] * 3
+    samples[f"reduce|{bench.FIT_SIZES[-1]}"] = [reduce_s * bench.FIT_SIZES[-1]] * 3
+    for n in (64 << 10, 8 << 20):
+        samples[f"allreduce|{n}"] = [layout_time("ring", n, Layout((0, 1)), links["pair"], links["intra"])] * 3
+    for model, n in models.items():
+        for s in ("ring", "sharded", "hierarchical", "ps-1", "ps-2"):
+            net, intra = (links["rpc"], links["rpc"]) if s.startswith("ps-") else \
+                (links["sharded"], links["intra"]) if s == "sharded" else (links["network"], links["intra"])
+            samples[f"{s}|{model}"] = [layout_time(s, n, bench._layout(s, hosts), net, intra, cpu)] * 3
+    return {"hosts": hosts, "kind": "hierarchical", "fit_sizes": list(bench.FIT_SIZES), "samples": samples,
+            "contended": dict.fromkeys(samples, False)}
+
+
+def test_links_made_up_are_fitted_back_and_every_cell_is_predicted(bench, monkeypatch):
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    links = {"pair": Link(150e-6, 0.12e9), "network": Link(600e-6, 0.6e9), "sharded": Link(2e-3, 0.3e9),
+             "intra": Link(100e-6, 3e9), "rpc": Link(1e-3, 0.5e9)}
+    models = {"lenet": 516272, "resnet18": 44703272}
+    got = _measurements(bench, links, 80e-12, models)
+    fitted = bench.measured_links(got)
+    for name, link in links.items():
+        assert fitted[name].alpha_s == pytest.approx(link.alpha_s, rel=1e-6), name
+        assert fitted[name].bandwidth == pytest.approx(link.bandwidth, rel=1e-6), name
+    assert bench.reduce_s_per_byte(got) == pytest.approx(80e-12)
+    cells, choices = bench.analyse(10.0, got, models)
+    assert len(cells) == 2 + 2 * 5 and max(c["error"] for c in cells) < 1e-6
+    for choice in choices:
+        assert choice["auto"] == choice["best"] and choice["within_10pct"]
+    assert {c["cell"] for c in cells} == {"allreduce", *STRATEGIES} - {"naive"}
