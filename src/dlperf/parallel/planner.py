@@ -11,8 +11,10 @@
    is far above the best; the allreduce algorithm of a split with several replicas is the cost model's pick.
 3. **Measure** the survivors a few steps each, in alternating rounds through :func:`dlperf.timing.time_steps`
    (each timing carries its contention mark); the least disturbed round counts, as in the benchmarks.
-4. **Keep** the fastest only if it beats the reference (the run as it would be without a plan) by more
-   than the noise, else the reference; cache the decision (:mod:`~dlperf.parallel.plan_cache`).
+4. **Keep** the fastest only if it beats the reference (the run as it would be without a plan) in every
+   round by more than the noise, else the reference; a candidate that shared fewer rounds with the
+   reference (the budget ran out) needs a larger margin (:func:`_decide`). Cache the decision
+   (:mod:`~dlperf.parallel.plan_cache`).
 
 Everything stays inside a time budget (default: 10% of the planned run or 30 s, whichever is smaller);
 what did not fit is listed in :attr:`PlanDecision.skipped`. Candidates are measured through a builder the
@@ -47,6 +49,10 @@ RUN_SHARE = 0.1
 """The share of the planned run the planner may spend (when the run's length is known)."""
 MIN_GAIN = 0.03
 """A plan must beat the reference by at least this fraction, whatever the measured spread."""
+FEW_ROUNDS = 2
+"""Shared rounds with the reference below which a candidate's ratios have no spread to judge noise by."""
+FEW_ROUNDS_GAIN = 0.10
+"""The margin a candidate sharing fewer than :data:`FEW_ROUNDS` rounds with the reference must beat it by."""
 PRUNE_RATIO = 3.0
 """Splits whose cost-model floor exceeds the best floor this many times are not measured."""
 MAX_REPLICAS_TRIED = 8
@@ -395,30 +401,71 @@ def _gain(m: Measurement, against: Measurement) -> tuple[float, float]:
     return statistics.median(ratios), (ratios[-1] - ratios[0]) / 2
 
 
-def _decide(found: list[Measurement], session: _Session, reasons: list[str]) -> tuple[Measurement, float]:
-    """The fastest candidate by its ratio to the reference round by round, if that beats the noise."""
+def _margin(m: Measurement, reference: Measurement) -> float:
+    """How far below the reference ``m``'s median ratio must lie to count: its rounds' spread, at least
+    :data:`MIN_GAIN`; :data:`FEW_ROUNDS_GAIN` when it shared fewer than :data:`FEW_ROUNDS` rounds with the
+    reference (one ratio has no spread to judge its noise by)."""
+    shared = len(m.ratios(reference))
+    if shared < FEW_ROUNDS:
+        return FEW_ROUNDS_GAIN
+    return max(MIN_GAIN, _gain(m, reference)[1])
+
+
+def _bound(m: Measurement, reference: Measurement) -> float:
+    """The slowest ``m`` may plausibly be, as a ratio to the reference: its median ratio plus its margin."""
+    return _gain(m, reference)[0] + _margin(m, reference)
+
+
+def _pays(m: Measurement, reference: Measurement, run_steps: int | None) -> tuple[bool, str]:
+    """Whether an execution with a one-off setup (compile) gains back its setup over a run of known length."""
+    if m.plan.execution == "eager" or not run_steps or m.first_step_ms is None:
+        return True, ""
+    setup_ms = max(0.0, m.first_step_ms - (m.ms or 0.0))
+    if (m.ms or 0.0) * run_steps + setup_ms < (reference.ms or 0.0) * run_steps:
+        return True, ""
+    return False, (f"{m.plan.execution}: its setup ({setup_ms / 1e3:.1f} s) outweighs its gain over "
+                   f"{run_steps} steps")
+
+
+def _decide(found: list[Measurement], run_steps: int | None, reasons: list[str]) -> tuple[Measurement, float]:
+    """The candidate to run, and the margin it was judged by.
+
+    A candidate counts only if it was faster than the reference by :data:`MIN_GAIN` in every round both ran
+    (a round where another process slowed the reference proves nothing) and its median ratio to the
+    reference lies below 1 by more than its margin (:func:`_margin`: the spread of its ratios,
+    at least :data:`MIN_GAIN`; :data:`FEW_ROUNDS_GAIN` when it shared fewer than :data:`FEW_ROUNDS` rounds,
+    as when the budget ran out before its second round). Among those, the one whose median ratio plus margin
+    is lowest wins: a candidate timed in fewer rounds beats one timed in more only when it is faster by the
+    difference in their margins, never on one lucky ratio. An execution with a setup (compile) counts only
+    when a run of ``run_steps`` gains it back. No candidate counts: the reference.
+    """
     reference = found[0]
     if reference.ms is None:
         raise UsageError(f"the reference plan {reference.plan.name} could not run ({reference.note}); "
                          "check the model, batch and devices without a plan first")
-    measured = [m for m in found if m.ms is not None and m.ratios(reference)]
-    best = min(measured, key=lambda m: _gain(m, reference)[0])
-    run_steps = session.options.run_steps
-    if best.plan.execution != "eager" and run_steps and best.first_step_ms is not None:
-        setup_ms = max(0.0, best.first_step_ms - (best.ms or 0.0))
-        if (best.ms or 0.0) * run_steps + setup_ms >= (reference.ms or 0.0) * run_steps:
-            reasons.append(f"{best.plan.execution}: its setup ({setup_ms / 1e3:.1f} s) outweighs its gain over "
-                           f"{run_steps} steps")
-            best = min((m for m in measured if m.plan.execution == "eager"), key=lambda m: _gain(m, reference)[0])
-    ratio, moved = _gain(best, reference)
-    noise = max(MIN_GAIN, moved)
-    if best is not reference and ratio < 1 - noise and max(best.ratios(reference)) < 1:
-        reasons.append(f"measured: {ratio:.2f}x the reference's step time in every round ({best.ms:.2f} against "
-                       f"{reference.ms:.2f} ms at best), beyond the noise ({noise:.0%})")
-        return best, noise
+    measured = [m for m in found[1:] if m.ms is not None and m.ratios(reference)]
+    eligible = []
+    for m in measured:
+        if max(m.ratios(reference)) < 1 - MIN_GAIN and _bound(m, reference) < 1:
+            pays, why = _pays(m, reference, run_steps)
+            if pays:
+                eligible.append(m)
+            else:
+                reasons.append(why)
+    if eligible:
+        best = min(eligible, key=lambda m: _bound(m, reference))
+        ratio, margin = _gain(best, reference)[0], _margin(best, reference)
+        shared = len(best.ratios(reference))
+        reasons.append(f"measured: {ratio:.2f}x the reference's step time over {shared} shared round"
+                       f"{'s' * (shared > 1)}, faster by {MIN_GAIN:.0%} or more in each ({best.ms:.2f} against "
+                       f"{reference.ms:.2f} ms at best), beyond its margin ({margin:.0%})")
+        return best, margin
+    closest = min(measured, key=lambda m: _gain(m, reference)[0], default=None)
+    margin = _margin(closest, reference) if closest is not None else MIN_GAIN
     reasons.append(f"measured: no plan beat the reference ({reference.ms:.2f} ms/step) in every round by more "
-                   f"than the noise ({noise:.0%}); kept it")
-    return reference, noise
+                   f"than its margin ({MIN_GAIN:.0%} or the rounds' spread; {FEW_ROUNDS_GAIN:.0%} with fewer "
+                   f"than {FEW_ROUNDS} shared rounds); kept it")
+    return reference, margin
 
 
 def _executions_phase(session: _Session, found: list[Measurement], model: nn.Module,
@@ -485,7 +532,7 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
         found += _executions_phase(session, found, model, devices)
     finally:
         session.close()
-    best, noise = _decide(found, session, reasons)
+    best, noise = _decide(found, options.run_steps, reasons)
     alternatives = [(_difference(m.plan, best.plan), m.ms) for m in found if m is not best and m.ms is not None]
     plan = best.plan.with_figures(best.ms, [(n, ms) for n, ms in alternatives if ms is not None], reasons)
     late = [m.plan.name for m in found if m.note == "skipped for time"]

@@ -1,0 +1,85 @@
+"""The planner's search itself: how it decides from what it measured, and how it keeps to its time budget.
+The decisions are checked on made-up measurements whose right answer is known by construction."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlperf.parallel.plan import Plan
+from dlperf.parallel.planner import FEW_ROUNDS_GAIN, MIN_GAIN, Measurement, _decide
+
+REFERENCE = Plan(replicas=1, threads=2)
+
+
+def measured(plan: Plan, by_round: dict[int, float]) -> Measurement:
+    return Measurement(plan, by_round=dict(by_round))
+
+
+def decide(*candidates: tuple[Plan, dict[int, float]], reference: dict[int, float] | None = None,
+           run_steps: int | None = None) -> tuple[Plan, float, list[str]]:
+    found = [measured(REFERENCE, reference or {0: 100.0, 1: 100.0, 2: 100.0})]
+    found += [measured(p, r) for p, r in candidates]
+    reasons: list[str] = []
+    best, margin = _decide(found, run_steps, reasons)
+    return best.plan, margin, reasons
+
+
+TWO_ROUNDS = Plan(replicas=2, threads=1)
+ONE_ROUND = Plan(replicas=1, threads=1, step_thread="caller")
+
+
+def test_one_lucky_ratio_does_not_beat_a_candidate_timed_in_more_rounds():
+    # the shape seen on ResNet-18: the budget ran out before the faster-looking candidate's second round
+    plan, margin, reasons = decide((TWO_ROUNDS, {0: 88.0, 1: 89.0}), (ONE_ROUND, {0: 85.0}))
+    assert plan == TWO_ROUNDS and margin == MIN_GAIN
+    assert "over 2 shared rounds" in reasons[-1]
+
+
+def test_a_candidate_of_fewer_rounds_wins_when_clearly_faster():
+    plan, margin, reasons = decide((TWO_ROUNDS, {0: 88.0, 1: 89.0}), (ONE_ROUND, {0: 70.0}))
+    assert plan == ONE_ROUND and margin == FEW_ROUNDS_GAIN
+    assert "over 1 shared round," in reasons[-1]
+
+
+def test_one_round_alone_needs_the_larger_margin():
+    # 7% faster in its only round: beyond MIN_GAIN, within FEW_ROUNDS_GAIN -> the reference stays
+    assert 1 - 0.93 > MIN_GAIN and 1 - 0.93 < FEW_ROUNDS_GAIN
+    plan, _, reasons = decide((ONE_ROUND, {0: 93.0}))
+    assert plan == REFERENCE and "kept it" in reasons[-1]
+    # the same 7% held over three rounds counts
+    plan, _, _ = decide((ONE_ROUND, {0: 93.0, 1: 93.5, 2: 92.5}))
+    assert plan == ONE_ROUND
+    # and 15% in one round is clear enough
+    plan, _, _ = decide((ONE_ROUND, {0: 85.0}))
+    assert plan == ONE_ROUND
+
+
+def test_rounds_the_reference_did_not_share_do_not_count():
+    # timed in three rounds, but beside the reference in one only: judged on that one
+    plan, _, _ = decide((ONE_ROUND, {0: 93.0, 5: 50.0, 6: 50.0}), reference={0: 100.0, 1: 100.0})
+    assert plan == REFERENCE
+
+
+def test_a_spread_wider_than_the_gain_keeps_the_reference():
+    plan, margin, _ = decide((TWO_ROUNDS, {0: 80.0, 1: 99.0, 2: 97.0}))
+    assert plan == REFERENCE and margin == pytest.approx((0.99 - 0.80) / 2)
+    # slower in one round: never chosen, whatever its median
+    plan, _, _ = decide((TWO_ROUNDS, {0: 50.0, 1: 101.0, 2: 50.0}))
+    assert plan == REFERENCE
+
+
+def test_an_execution_whose_setup_the_run_does_not_repay_is_not_chosen():
+    compiled = Plan(replicas=1, threads=2, execution="compile")
+    fast = measured(compiled, {0: 50.0, 1: 50.0})
+    fast.first_step_ms = 20_000.0  # 20 s of compilation against 50 ms saved per step
+    found = [measured(REFERENCE, {0: 100.0, 1: 100.0}), fast]
+    reasons: list[str] = []
+    assert _decide(found, 100, reasons)[0].plan == REFERENCE
+    assert any("outweighs its gain over 100 steps" in r for r in reasons)
+    assert _decide(found, 10_000, [])[0].plan == compiled  # 500 s saved over a long run
+
+
+def test_a_round_where_the_reference_was_disturbed_proves_nothing():
+    # another process slowed the reference in round 0: one ratio of 0.63, the other level
+    plan, _, _ = decide((TWO_ROUNDS, {0: 65.0, 1: 99.5}), reference={0: 103.0, 1: 100.0})
+    assert plan == REFERENCE
