@@ -3,10 +3,21 @@ The decisions are checked on made-up measurements whose right answer is known by
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from dlperf.devices import cpu
 from dlperf.parallel.plan import Plan
-from dlperf.parallel.planner import FEW_ROUNDS_GAIN, MIN_GAIN, Measurement, _decide
+from dlperf.parallel.planner import (
+    FEW_ROUNDS_GAIN,
+    MIN_GAIN,
+    CandidateRun,
+    Measurement,
+    PlannerOptions,
+    _decide,
+    search,
+)
 
 REFERENCE = Plan(replicas=1, threads=2)
 
@@ -83,3 +94,61 @@ def test_a_round_where_the_reference_was_disturbed_proves_nothing():
     # another process slowed the reference in round 0: one ratio of 0.63, the other level
     plan, _, _ = decide((TWO_ROUNDS, {0: 65.0, 1: 99.5}), reference={0: 103.0, 1: 100.0})
     assert plan == REFERENCE
+
+
+# -- the time budget ---------------------------------------------------------------------------------
+
+def small_cnn():
+    from torch import nn
+
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 5))
+
+
+def one_batch():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(12, 3, 8, 8, generator=g), torch.randint(0, 5, (12,), generator=g)
+
+
+def sleepy(build_s: float, step_s: float, built: list[Plan]):
+    """A builder whose builds and steps sleep: every candidate's cost is known by construction."""
+    def build(plan: Plan) -> CandidateRun:
+        built.append(plan)
+        time.sleep(build_s)
+        return CandidateRun(step=lambda: time.sleep(step_s), close=lambda: None)
+    return build
+
+
+def test_planning_stays_inside_its_budget_when_builds_and_steps_are_slow():
+    import torch._dynamo  # noqa: F401  (pricing builds an optimizer, whose first import of dynamo takes seconds)
+
+    # every build 0.3 s, every step 0.05 s: a candidate started just before the budget ends would overrun it
+    # by a build and a warm-up; predicted, it is not started
+    budget = 1.2
+    built: list[Plan] = []
+    options = PlannerOptions(rounds=3, steps=3, warmup=1, cores=2, budget_s=budget, use_cache=False)
+    decision = search(small_cnn(), one_batch(), [cpu(0), cpu(1)], sleepy(0.3, 0.05, built),
+                      Plan(replicas=2, threads=1), options)
+    assert decision.planning_s <= budget + 0.1, decision.table()
+    assert 2 <= len(built) < len(decision.measurements)
+    assert any(s.startswith("for time") for s in decision.skipped), decision.table()
+    # each one built was timed beside the reference, in as many rounds as fitted
+    timed = [m for m in decision.measurements if m.by_round]
+    assert len(timed) == len(built) and all(m.ratios(decision.measurements[0]) for m in timed[1:])
+
+
+def test_a_slow_first_call_is_predicted_for_a_whole_step_execution():
+    from dlperf.parallel.plan import EXECUTIONS
+    from dlperf.parallel.planner import WHOLE_STEP_FIRST_CALL_STEPS, _Session
+
+    reference = Measurement(Plan(replicas=1, threads=2), by_round={0: 100.0})
+    captured = Measurement(Plan(replicas=1, threads=2, execution="captured"))
+    eager = Measurement(Plan(replicas=1, threads=1, step_thread="caller"))
+    assert EXECUTIONS.get("captured").whole_step
+    session = _Session(sleepy(0.0, 0.0, []), PlannerOptions(steps=3, warmup=1))
+    session.build_s = [0.5]
+    assert session.cost_s(eager, reference) == pytest.approx(0.5 + 0.1 * 4)
+    assert session.cost_s(captured, reference) == pytest.approx(0.5 + 0.1 * (WHOLE_STEP_FIRST_CALL_STEPS + 4))
+    eager.by_round[0] = 200.0  # once timed, its own steps
+    assert session.cost_s(eager, reference) == pytest.approx(0.2 * 3)

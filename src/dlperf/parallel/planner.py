@@ -56,6 +56,9 @@ FEW_ROUNDS_GAIN = 0.10
 PRUNE_RATIO = 3.0
 """Splits whose cost-model floor exceeds the best floor this many times are not measured."""
 MAX_REPLICAS_TRIED = 8
+WHOLE_STEP_FIRST_CALL_STEPS = 16
+"""A whole-step execution's first call, in steps: it captures the step, then times each replay it could use
+and the eager step a few steps each before it answers (:mod:`dlperf.hybrid.train_step`)."""
 
 
 @dataclass
@@ -318,29 +321,71 @@ def _with_algorithm(plan: Plan, model: nn.Module, devices: Sequence[Device]) -> 
 
 
 class _Session:
-    """One search's clock, open candidate runs and notes."""
+    """One search's clock, open candidate runs, what builds cost, and notes.
 
-    def __init__(self, build: Callable[[Plan], CandidateRun], options: PlannerOptions) -> None:
+    The budget is kept by prediction: before a candidate is built or timed in a round, its cost is
+    estimated (:meth:`cost_s`) and it is skipped for time when that would overrun; the timed steps
+    themselves stop one step short of the budget. What it cannot foresee (a build or first step slower
+    than every earlier one) is the slack a planning run may exceed its budget by.
+    """
+
+    def __init__(self, build: Callable[[Plan], CandidateRun], options: PlannerOptions,
+                 start: float | None = None) -> None:
         self.build, self.options = build, options
-        self.start = time.perf_counter()
+        self.start = start if start is not None else time.perf_counter()
         self.budget = options.budget_s if options.budget_s is not None else DEFAULT_BUDGET_S
         self.runs: dict[int, CandidateRun] = {}
         self.skipped: list[str] = []
         self.round_index = 0
+        self.build_s: list[float] = []
+        """Seconds each build took (a candidate not built yet is allowed the slowest so far)."""
+        self.first_extra_s: list[float] = []
+        """Seconds each eager candidate's first step took beyond its steady step (first allocations)."""
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def time_round(self, m: Measurement, index: int) -> None:
+    def step_s(self, m: Measurement, reference: Measurement) -> float:
+        """Seconds ``m``'s step is expected to take: its own figure, else the reference's scaled by the
+        cost model's floors where both have one (fewer threads, a slower floor)."""
+        if m.ms is not None:
+            return m.ms / 1e3
+        scale = 1.0
+        if m.floor_ms is not None and reference.floor_ms:
+            scale = max(1.0, m.floor_ms / reference.floor_ms)
+        return (reference.ms or 0.0) / 1e3 * scale
+
+    def cost_s(self, m: Measurement, reference: Measurement) -> float:
+        """Seconds ``m``'s next round is expected to take: its timed steps, and before its first round its
+        build (the slowest so far), its warm-up steps and what its first step costs beyond a steady one."""
+        step, options = self.step_s(m, reference), self.options
+        if m.by_round:
+            return step * options.steps
+        execution = EXECUTIONS.get(m.plan.execution)
+        if execution.whole_step:  # the first call captures, then times each way to replay it
+            extra = WHOLE_STEP_FIRST_CALL_STEPS * step
+        else:
+            extra = max(self.first_extra_s, default=0.0) + execution.setup_s
+        return max(self.build_s, default=0.0) + extra + step * (options.warmup + options.steps)
+
+    def time_round(self, m: Measurement, index: int, reference: Measurement | None = None) -> None:
         run = self.runs.get(id(m))
+        options = self.options
         try:
             if run is None:
+                built = time.perf_counter()
                 run = self.runs[id(m)] = self.build(m.plan)
+                self.build_s.append(time.perf_counter() - built)
             first = m.first_step_ms is None
-            # a slow step stops its timing once the budget is spent (one timed step is always taken)
-            timing = time_steps(run.step, warmup=self.options.warmup if first else 0, steps=self.options.steps,
-                                synchronize=run.synchronize, threads=run.threads, min_steps=1,
-                                max_seconds=max(0.0, self.budget - self.elapsed()))
+            warm = None
+            if first and options.warmup:
+                warm = time_steps(run.step, warmup=0, steps=options.warmup, synchronize=run.synchronize,
+                                  threads=run.threads)
+            # the steps stop one step short of the budget (one timed step is always taken)
+            step = self.step_s(m, reference) if reference is not None else (m.ms or 0.0) / 1e3
+            timing = time_steps(run.step, warmup=0, steps=options.steps, synchronize=run.synchronize,
+                                threads=run.threads, min_steps=1,
+                                max_seconds=max(0.0, self.budget - self.elapsed() - step))
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is dropped, with the reason
             m.note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             m.by_round.clear()
@@ -352,22 +397,47 @@ class _Session:
         m.by_round[index] = timing.median_s * 1e3
         m.contended |= timing.contended
         if first:
-            m.first_step_ms = timing.warmup_samples[0] * 1e3 if timing.warmup_samples else m.by_round[index]
+            m.first_step_ms = warm.samples[0] * 1e3 if warm is not None else m.by_round[index]
+            if m.plan.execution == "eager":
+                self.first_extra_s.append(max(0.0, (m.first_step_ms - m.by_round[index]) / 1e3))
+
+    def _fits(self, todo: list[Measurement], reference: Measurement) -> list[Measurement]:
+        """Those of ``todo`` whose predicted rounds fit in the budget left, the reference's included (a round
+        without it is worth nothing): new candidates first, then those with figures, most promising first."""
+        left = self.budget - self.elapsed()
+        if any(m is reference for m in todo):
+            left -= self.cost_s(reference, reference)
+        others = [m for m in todo if m is not reference]
+        others.sort(key=lambda m: (bool(m.by_round), _bound(m, reference) if m.ratios(reference) else 0.0))
+        chosen: list[Measurement] = []
+        for m in others:
+            cost = self.cost_s(m, reference)
+            if cost <= left:
+                chosen.append(m)
+                left -= cost
+        if not chosen:
+            return []
+        return [m for m in todo if m is reference or any(m is c for c in chosen)]
 
     def rounds(self, group: list[Measurement], rounds: int) -> None:
-        """Alternate over ``group``, the order reversed every other round so drift hits all alike."""
+        """Alternate over ``group`` (the reference first), the order reversed every other round so drift hits
+        all alike; in each round only what is predicted to fit in the budget is built and timed."""
+        reference = group[0]
         for i in range(rounds):
-            if i > 0 and self.elapsed() > self.budget:
-                break  # every candidate timed so far has a figure from the rounds it shared with the others
-            order = group if i % 2 == 0 else group[::-1]
-            for m in order:
-                if m.note.startswith(("failed", "dropped")) or self.round_index + i in m.by_round:
-                    continue
-                if m is not group[0] and self.elapsed() > self.budget:
-                    if not m.by_round:
-                        m.note = "skipped for time"
-                    continue  # one with a figure is only refined by more rounds
-                self.time_round(m, self.round_index + i)
+            index = self.round_index + i
+            todo = [m for m in group if not m.note.startswith(("failed", "dropped")) and index not in m.by_round]
+            fitted = self._fits(todo, reference)
+            if not fitted:
+                break
+            for m in (fitted if i % 2 == 0 else fitted[::-1]):
+                if m is reference:
+                    if i % 2 == 0 or any(index in c.by_round for c in fitted if c is not reference):
+                        self.time_round(m, index)
+                elif self.elapsed() + self.cost_s(m, reference) <= self.budget:  # an earlier one overran
+                    self.time_round(m, index, reference)
+        for m in group:
+            if not m.by_round and not m.note:
+                m.note = "skipped for time"
         self.round_index += rounds
 
     def close(self) -> None:
@@ -523,7 +593,7 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     reasons = list(notes)
     plans = [_chosen_algorithm(p, model, devices, reasons) for p in plans]
     found = _price(model, batch, plans, options, reasons)
-    session = _Session(build, options)
+    session = _Session(build, options, started)
     try:
         session.time_round(found[0], 0)  # round 0's reference; its step time sets the budget for a known run
         if options.budget_s is None and options.run_steps and found[0].ms is not None:
