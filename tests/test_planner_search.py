@@ -152,3 +152,32 @@ def test_a_slow_first_call_is_predicted_for_a_whole_step_execution():
     assert session.cost_s(captured, reference) == pytest.approx(0.5 + 0.1 * (WHOLE_STEP_FIRST_CALL_STEPS + 4))
     eager.by_round[0] = 200.0  # once timed, its own steps
     assert session.cost_s(eager, reference) == pytest.approx(0.2 * 3)
+
+
+def test_a_short_run_still_measures_one_round_of_each_candidate():
+    # 10% of a 5-step run of 30 ms steps is 15 ms: without a floor only the reference would be timed
+    built: list[Plan] = []
+    options = PlannerOptions(rounds=2, steps=3, warmup=1, cores=2, run_steps=5, use_cache=False)
+    decision = search(small_cnn(), one_batch(), [cpu(0), cpu(1)], sleepy(0.0, 0.03, built),
+                      Plan(replicas=2, threads=1), options)
+    eager = [m for m in decision.measurements if m.plan.execution == "eager"]
+    assert len(eager) > 2 and all(m.by_round for m in eager), decision.table()
+    floor = [r for r in decision.plan.reasons if r.startswith("budget:")]
+    assert len(floor) == 1 and "not 0.0 s (10% of a 5-step run)" in floor[0], decision.plan.reasons
+    assert decision.planning_s < 5
+
+
+def test_the_budgets_floor_is_capped_by_the_default():
+    from dlperf.parallel.planner import DEFAULT_BUDGET_S, _run_budget, _Session
+
+    reference = Measurement(Plan(replicas=1, threads=2), by_round={0: 1000.0})
+    found = [reference] + [Measurement(Plan(replicas=1, threads=1, step_thread="caller")) for _ in range(20)]
+    session = _Session(sleepy(0.0, 0.0, []), PlannerOptions(steps=3, warmup=1, run_steps=10))
+    reasons: list[str] = []
+    _run_budget(session, found, 10, reasons)  # 20 candidates x 4 s predicted, against 1 s (10% of the run)
+    assert session.budget == DEFAULT_BUDGET_S
+    assert reasons and reasons[0].endswith(f"(at most {DEFAULT_BUDGET_S:g} s)")
+    # a long run's own share stands, and says nothing
+    reasons.clear()
+    _run_budget(session, found[:2], 200, reasons)
+    assert session.budget == pytest.approx(20.0) and not reasons

@@ -16,8 +16,10 @@
    reference (the budget ran out) needs a larger margin (:func:`_decide`). Cache the decision
    (:mod:`~dlperf.parallel.plan_cache`).
 
-Everything stays inside a time budget (default: 10% of the planned run or 30 s, whichever is smaller);
-what did not fit is listed in :attr:`PlanDecision.skipped`. Candidates are measured through a builder the
+Everything stays inside a time budget (default: 10% of the planned run or 30 s, whichever is smaller; a
+short run gets at least one round of each candidate, still at most 30 s): each candidate's round is
+predicted before it is built or timed, and what would not fit is skipped and listed in
+:attr:`PlanDecision.skipped`. Candidates are measured through a builder the
 caller gives (``build(plan) -> CandidateRun``), so the planner knows nothing of who runs the step.
 """
 
@@ -56,6 +58,8 @@ FEW_ROUNDS_GAIN = 0.10
 PRUNE_RATIO = 3.0
 """Splits whose cost-model floor exceeds the best floor this many times are not measured."""
 MAX_REPLICAS_TRIED = 8
+FLOOR_ALLOWANCE = 1.5
+"""The budget of a short run covers one round of each candidate as predicted, times this."""
 WHOLE_STEP_FIRST_CALL_STEPS = 16
 """A whole-step execution's first call, in steps: it captures the step, then times each replay it could use
 and the eager step a few steps each before it answers (:mod:`dlperf.hybrid.train_step`)."""
@@ -597,7 +601,7 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     try:
         session.time_round(found[0], 0)  # round 0's reference; its step time sets the budget for a known run
         if options.budget_s is None and options.run_steps and found[0].ms is not None:
-            session.budget = min(DEFAULT_BUDGET_S, RUN_SHARE * options.run_steps * found[0].ms / 1e3)
+            _run_budget(session, found, options.run_steps, reasons)
         session.rounds(found, options.rounds)
         found += _executions_phase(session, found, model, devices)
     finally:
@@ -612,6 +616,21 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     if options.use_cache:
         save_plan(key, plan, options.cache_path)
     return decision
+
+
+def _run_budget(session: _Session, found: list[Measurement], run_steps: int, reasons: list[str]) -> None:
+    """The budget of a run of known length: :data:`RUN_SHARE` of it, at most :data:`DEFAULT_BUDGET_S`, and
+    at least what the reference (already timed) and one round of each candidate are predicted to take (times
+    :data:`FLOOR_ALLOWANCE`: the prediction rests on one round of the reference), so a short run still
+    measures what it chooses between (the decision is cached for the runs after it)."""
+    reference = found[0]
+    share = RUN_SHARE * run_steps * (reference.ms or 0.0) / 1e3
+    floor = session.elapsed() + FLOOR_ALLOWANCE * sum(session.cost_s(m, reference) for m in found[1:])
+    session.budget = min(DEFAULT_BUDGET_S, max(share, floor))
+    if share < session.budget:
+        reasons.append(f"budget: {session.budget:.1f} s, not {share:.1f} s ({RUN_SHARE:.0%} of a {run_steps}-step "
+                       f"run): enough for the reference and one round of each candidate"
+                       + (f" (at most {DEFAULT_BUDGET_S:g} s)" if floor > DEFAULT_BUDGET_S else ""))
 
 
 def _chosen_algorithm(plan: Plan, model: nn.Module, devices: Sequence[Device], reasons: list[str]) -> Plan:
