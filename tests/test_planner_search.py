@@ -65,6 +65,13 @@ def test_one_round_alone_needs_the_larger_margin():
     assert plan == ONE_ROUND
 
 
+def test_a_wide_spread_does_not_lose_to_a_candidate_it_beat_in_every_round():
+    # the spread gates whether a candidate counts; among those that count, the median ranks them
+    wide, tight = Plan(replicas=1, threads=1, step_thread="caller"), TWO_ROUNDS
+    plan, _, _ = decide((tight, {0: 79.0, 1: 80.0, 2: 79.0}), (wide, {0: 30.0, 1: 78.0, 2: 60.0}))
+    assert plan == wide
+
+
 def test_rounds_the_reference_did_not_share_do_not_count():
     # timed in three rounds, but beside the reference in one only: judged on that one
     plan, _, _ = decide((ONE_ROUND, {0: 93.0, 5: 50.0, 6: 50.0}), reference={0: 100.0, 1: 100.0})

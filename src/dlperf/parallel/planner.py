@@ -412,7 +412,7 @@ class _Session:
         if any(m is reference for m in todo):
             left -= self.cost_s(reference, reference)
         others = [m for m in todo if m is not reference]
-        others.sort(key=lambda m: (bool(m.by_round), _bound(m, reference) if m.ratios(reference) else 0.0))
+        others.sort(key=lambda m: (bool(m.by_round), _rank(m, reference) if m.ratios(reference) else 0.0))
         chosen: list[Measurement] = []
         for m in others:
             cost = self.cost_s(m, reference)
@@ -423,15 +423,16 @@ class _Session:
             return []
         return [m for m in todo if m is reference or any(m is c for c in chosen)]
 
-    def rounds(self, group: list[Measurement], rounds: int) -> None:
+    def rounds(self, group: list[Measurement], rounds: int, needed: Measurement | None = None) -> None:
         """Alternate over ``group`` (the reference first), the order reversed every other round so drift hits
-        all alike; in each round only what is predicted to fit in the budget is built and timed."""
+        all alike; in each round only what is predicted to fit in the budget is built and timed (and no round
+        is started without ``needed``, the member the rounds are for)."""
         reference = group[0]
         for i in range(rounds):
             index = self.round_index + i
             todo = [m for m in group if not m.note.startswith(("failed", "dropped")) and index not in m.by_round]
             fitted = self._fits(todo, reference)
-            if not fitted:
+            if not fitted or (needed is not None and not any(m is needed for m in fitted)):
                 break
             for m in (fitted if i % 2 == 0 else fitted[::-1]):
                 if m is reference:
@@ -485,9 +486,10 @@ def _margin(m: Measurement, reference: Measurement) -> float:
     return max(MIN_GAIN, _gain(m, reference)[1])
 
 
-def _bound(m: Measurement, reference: Measurement) -> float:
-    """The slowest ``m`` may plausibly be, as a ratio to the reference: its median ratio plus its margin."""
-    return _gain(m, reference)[0] + _margin(m, reference)
+def _rank(m: Measurement, reference: Measurement) -> float:
+    """``m``'s median ratio to the reference, plus :data:`FEW_ROUNDS_GAIN` when it shared fewer than
+    :data:`FEW_ROUNDS` rounds with it: what candidates are ranked by."""
+    return _gain(m, reference)[0] + (FEW_ROUNDS_GAIN if len(m.ratios(reference)) < FEW_ROUNDS else 0.0)
 
 
 def _pays(m: Measurement, reference: Measurement, run_steps: int | None) -> tuple[bool, str]:
@@ -508,10 +510,11 @@ def _decide(found: list[Measurement], run_steps: int | None, reasons: list[str])
     (a round where another process slowed the reference proves nothing) and its median ratio to the
     reference lies below 1 by more than its margin (:func:`_margin`: the spread of its ratios,
     at least :data:`MIN_GAIN`; :data:`FEW_ROUNDS_GAIN` when it shared fewer than :data:`FEW_ROUNDS` rounds,
-    as when the budget ran out before its second round). Among those, the one whose median ratio plus margin
-    is lowest wins: a candidate timed in fewer rounds beats one timed in more only when it is faster by the
-    difference in their margins, never on one lucky ratio. An execution with a setup (compile) counts only
-    when a run of ``run_steps`` gains it back. No candidate counts: the reference.
+    as when the budget ran out before its second round). Among those the lowest median ratio wins, a
+    candidate of fewer than :data:`FEW_ROUNDS` shared rounds counted :data:`FEW_ROUNDS_GAIN` slower
+    (:func:`_rank`): it displaces one timed in more rounds only when clearly faster, never on one lucky
+    ratio. An execution with a setup (compile) counts only when a run of ``run_steps`` gains it back. No
+    candidate counts: the reference.
     """
     reference = found[0]
     if reference.ms is None:
@@ -520,14 +523,14 @@ def _decide(found: list[Measurement], run_steps: int | None, reasons: list[str])
     measured = [m for m in found[1:] if m.ms is not None and m.ratios(reference)]
     eligible = []
     for m in measured:
-        if max(m.ratios(reference)) < 1 - MIN_GAIN and _bound(m, reference) < 1:
+        if max(m.ratios(reference)) < 1 - MIN_GAIN and _gain(m, reference)[0] + _margin(m, reference) < 1:
             pays, why = _pays(m, reference, run_steps)
             if pays:
                 eligible.append(m)
             else:
                 reasons.append(why)
     if eligible:
-        best = min(eligible, key=lambda m: _bound(m, reference))
+        best = min(eligible, key=lambda m: _rank(m, reference))
         ratio, margin = _gain(best, reference)[0], _margin(best, reference)
         shared = len(best.ratios(reference))
         reasons.append(f"measured: {ratio:.2f}x the reference's step time over {shared} shared round"
@@ -572,7 +575,7 @@ def _executions_phase(session: _Session, found: list[Measurement], model: nn.Mod
             continue
         m = Measurement(dataclasses.replace(leader.plan, execution=name), leader.floor_ms)
         # the reference is timed beside them: the choice is each candidate's ratio to it, round by round
-        session.rounds([found[0], *([leader] if leader is not found[0] else []), m], options.rounds)
+        session.rounds([found[0], *([leader] if leader is not found[0] else []), m], options.rounds, needed=m)
         extra.append(m)
     return extra
 
