@@ -359,20 +359,29 @@ class _Session:
             scale = max(1.0, m.floor_ms / reference.floor_ms)
         return (reference.ms or 0.0) / 1e3 * scale
 
-    def cost_s(self, m: Measurement, reference: Measurement) -> float:
-        """Seconds ``m``'s next round is expected to take: its timed steps, and before its first round its
-        build (the slowest so far), its warm-up steps and what its first step costs beyond a steady one."""
+    def cost_s(self, m: Measurement, reference: Measurement, steps: int | None = None) -> float:
+        """Seconds ``m``'s next round is expected to take with ``steps`` timed steps (None: the options'):
+        those steps, and before its first round its build (the slowest so far), its warm-up steps and what
+        its first step costs beyond a steady one."""
         step, options = self.step_s(m, reference), self.options
+        steps = options.steps if steps is None else steps
         if m.by_round:
-            return step * options.steps
+            return step * steps
         execution = EXECUTIONS.get(m.plan.execution)
         if execution.whole_step:  # the first call captures, then times each way to replay it
             extra = WHOLE_STEP_FIRST_CALL_STEPS * step
         else:
             extra = max(self.first_extra_s, default=0.0) + execution.setup_s
-        return max(self.build_s, default=0.0) + extra + step * (options.warmup + options.steps)
+        return max(self.build_s, default=0.0) + extra + step * (options.warmup + steps)
 
-    def time_round(self, m: Measurement, index: int, reference: Measurement | None = None) -> None:
+    def least_s(self, group: Sequence[Measurement], reference: Measurement) -> float:
+        """What one timed step of each of ``group`` is predicted to take, first-round costs included."""
+        return sum(self.cost_s(m, reference, steps=1) for m in group)
+
+    def time_round(self, m: Measurement, index: int, reference: Measurement | None = None,
+                   after: Sequence[Measurement] = ()) -> None:
+        """Time ``m`` in round ``index`` (``reference``: None when ``m`` is the reference), leaving enough of
+        the budget for one step of each of ``after``, the members still to come in this round."""
         run = self.runs.get(id(m))
         options = self.options
         try:
@@ -385,11 +394,21 @@ class _Session:
             if first and options.warmup:
                 warm = time_steps(run.step, warmup=0, steps=options.warmup, synchronize=run.synchronize,
                                   threads=run.threads)
-            # the steps stop one step short of the budget (one timed step is always taken)
+            if reference is None and m.ms is None and warm is not None:
+                # the reference's first round: its warm-up stands in for its step until it is timed, so the
+                # others' rounds can be predicted and their share of the budget kept
+                m.by_round[index] = warm.samples[-1] * 1e3
             step = self.step_s(m, reference) if reference is not None else (m.ms or 0.0) / 1e3
-            timing = time_steps(run.step, warmup=0, steps=options.steps, synchronize=run.synchronize,
-                                threads=run.threads, min_steps=1,
-                                max_seconds=max(0.0, self.budget - self.elapsed() - step))
+            reserve = self.least_s(after, reference or m)
+            if reference is None and warm is not None and self.elapsed() + step > self.budget:
+                # a step so slow that the reference's warm-up spent the budget: its figure is that step (its
+                # first allocations included) rather than another step past the budget
+                timing = warm
+            else:
+                # the steps stop one step short of what the budget leaves after that (one is always taken)
+                timing = time_steps(run.step, warmup=0, steps=options.steps, synchronize=run.synchronize,
+                                    threads=run.threads, min_steps=1,
+                                    max_seconds=max(0.0, self.budget - self.elapsed() - reserve - step))
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is dropped, with the reason
             m.note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             m.by_round.clear()
@@ -410,12 +429,12 @@ class _Session:
         without it is worth nothing): new candidates first, then those with figures, most promising first."""
         left = self.budget - self.elapsed()
         if any(m is reference for m in todo):
-            left -= self.cost_s(reference, reference)
+            left -= self.cost_s(reference, reference, steps=1)
         others = [m for m in todo if m is not reference]
         others.sort(key=lambda m: (bool(m.by_round), _rank(m, reference) if m.ratios(reference) else 0.0))
         chosen: list[Measurement] = []
         for m in others:
-            cost = self.cost_s(m, reference)
+            cost = self.cost_s(m, reference, steps=1)  # the steps beyond the first fill what is left
             if cost <= left:
                 chosen.append(m)
                 left -= cost
@@ -434,12 +453,14 @@ class _Session:
             fitted = self._fits(todo, reference)
             if not fitted or (needed is not None and not any(m is needed for m in fitted)):
                 break
-            for m in (fitted if i % 2 == 0 else fitted[::-1]):
+            order = fitted if i % 2 == 0 else fitted[::-1]
+            for j, m in enumerate(order):
+                after = order[j + 1:]
                 if m is reference:
                     if i % 2 == 0 or any(index in c.by_round for c in fitted if c is not reference):
-                        self.time_round(m, index)
-                elif self.elapsed() + self.cost_s(m, reference) <= self.budget:  # an earlier one overran
-                    self.time_round(m, index, reference)
+                        self.time_round(m, index, after=after)
+                elif self.elapsed() + self.least_s([m, *after], reference) <= self.budget:  # none overran
+                    self.time_round(m, index, reference, after)
         for m in group:
             if not m.by_round and not m.note:
                 m.note = "skipped for time"
@@ -602,7 +623,8 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     found = _price(model, batch, plans, options, reasons)
     session = _Session(build, options, started)
     try:
-        session.time_round(found[0], 0)  # round 0's reference; its step time sets the budget for a known run
+        # round 0's reference, leaving a step for each candidate; its step time sets the budget for a known run
+        session.time_round(found[0], 0, after=found[1:])
         if options.budget_s is None and options.run_steps and found[0].ms is not None:
             _run_budget(session, found, options.run_steps, reasons)
         session.rounds(found, options.rounds)
