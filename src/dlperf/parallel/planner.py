@@ -19,8 +19,17 @@
 Everything stays inside a time budget (default: 10% of the planned run or 30 s, whichever is smaller; a
 short run gets at least one round of each candidate, still at most 30 s): each candidate's round is
 predicted before it is built or timed, and what would not fit is skipped and listed in
-:attr:`PlanDecision.skipped`. Candidates are measured through a builder the
+:attr:`PlanDecision.skipped`. What can still overrun it: the reference's one warm-up step (it has to be
+timed once), and a build or first step far slower than predicted (a compile). Candidates are measured through a builder the
 caller gives (``build(plan) -> CandidateRun``), so the planner knows nothing of who runs the step.
+
+``torch.compile`` is tried on the fastest eager plan only when the run's length is known and its setup
+guess (20 s) fits what is left. Measured for a training step (forward compiled; backward, SGD) on the
+two shared cores of the development VM (2026-11-26, 00:56-01:30, load 8-19, run under ``nice``, every
+figure marked contended): LeNet b256 channels-last first step 156 s, then 0.53x eager; the Transformer
+encoder b64 77 s, 0.73x; ResNet-56 b128 not through its first compile and three rounds in 900 s; the LSTM
+b128 5 s, 0.67x and 0.88x in two runs. Only the LSTM's compile fits a 30 s budget, and there the eager
+rounds spend the budget first; a setup estimate per model is what it would need.
 """
 
 from __future__ import annotations
