@@ -20,8 +20,9 @@ Everything stays inside a time budget (default: 10% of the planned run or 30 s, 
 short run gets at least one round of each candidate, still at most 30 s): each candidate's round is
 predicted before it is built or timed, and what would not fit is skipped and listed in
 :attr:`PlanDecision.skipped`. What can still overrun it: the reference's one warm-up step (it has to be
-timed once), and a build or first step far slower than predicted (a compile). Candidates are measured through a builder the
-caller gives (``build(plan) -> CandidateRun``), so the planner knows nothing of who runs the step.
+timed once), and a build or first step far slower than predicted (a compile). Candidates are measured
+through a builder the caller gives (``build(plan) -> CandidateRun``), so the planner knows nothing of who
+runs the step.
 
 ``torch.compile`` is tried on the fastest eager plan only when the run's length is known and its setup
 guess (20 s) fits what is left. Measured for a training step (forward compiled; backward, SGD) on the
