@@ -214,3 +214,15 @@ def test_each_member_of_a_round_leaves_a_step_for_those_after_it():
     eager = [m for m in decision.measurements if m.plan.execution == "eager"]
     assert decision.planning_s <= 1.2 + 0.25, decision.table()
     assert sum(bool(m.by_round) for m in eager) >= len(eager) - 1, decision.table()
+
+
+def test_a_short_runs_budget_holds_a_round_of_the_captured_step_too():
+    import torch
+    from torch import nn
+
+    mlp = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+    batch = (torch.randn(12, 16), torch.randint(0, 3, (12,)))
+    options = PlannerOptions(rounds=2, steps=3, warmup=1, cores=2, run_steps=5, use_cache=False)
+    decision = search(mlp, batch, [cpu(0), cpu(1)], sleepy(0.0, 0.03, []), Plan(replicas=1, threads=2), options)
+    captured = [m for m in decision.measurements if m.plan.execution == "captured"]
+    assert len(captured) == 1 and captured[0].by_round, decision.table()

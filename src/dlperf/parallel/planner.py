@@ -636,7 +636,7 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
         # round 0's reference, leaving a step for each candidate; its step time sets the budget for a known run
         session.time_round(found[0], 0, after=found[1:])
         if options.budget_s is None and options.run_steps and found[0].ms is not None:
-            _run_budget(session, found, options.run_steps, reasons)
+            _run_budget(session, found, options.run_steps, reasons, _setup_free(options, model, devices))
         session.rounds(found, options.rounds)
         found += _executions_phase(session, found, model, devices)
     finally:
@@ -653,14 +653,29 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     return decision
 
 
-def _run_budget(session: _Session, found: list[Measurement], run_steps: int, reasons: list[str]) -> None:
+def _setup_free(options: PlannerOptions, model: nn.Module, devices: Sequence[Device]) -> list[str]:
+    """The executions other than eager, without a one-off setup, that can run here (``captured``)."""
+    names = [n for n in (options.executions or EXECUTIONS.names()) if n != "eager"]
+    return [n for n in names if not EXECUTIONS.get(n).setup_s and EXECUTIONS.get(n).unavailable(model, devices) is None]
+
+
+def _run_budget(session: _Session, found: list[Measurement], run_steps: int, reasons: list[str],
+                executions: Sequence[str] = ()) -> None:
     """The budget of a run of known length: :data:`RUN_SHARE` of it, at most :data:`DEFAULT_BUDGET_S`, and
     at least what the reference (already timed) and one round of each candidate are predicted to take (times
-    :data:`FLOOR_ALLOWANCE`: the prediction rests on one round of the reference), so a short run still
-    measures what it chooses between (the decision is cached for the runs after it)."""
+    :data:`FLOOR_ALLOWANCE`: the prediction rests on one round of the reference), each of ``executions``
+    beside the reference and a leader included, so a short run still measures what it chooses between (the
+    decision is cached for the runs after it)."""
     reference = found[0]
     share = RUN_SHARE * run_steps * (reference.ms or 0.0) / 1e3
-    floor = session.elapsed() + FLOOR_ALLOWANCE * sum(session.cost_s(m, reference) for m in found[1:])
+    rounds = [session.cost_s(m, reference) for m in found[1:]]
+    for name in executions:  # its first round, and the reference's and the leader's steps beside it
+        proxy = Measurement(dataclasses.replace(reference.plan, execution="eager"), reference.floor_ms)
+        first = session.cost_s(proxy, reference)
+        if EXECUTIONS.get(name).whole_step:
+            first += WHOLE_STEP_FIRST_CALL_STEPS * session.step_s(reference, reference)
+        rounds.append(first + 2 * session.cost_s(reference, reference))
+    floor = session.elapsed() + FLOOR_ALLOWANCE * sum(rounds)
     session.budget = min(DEFAULT_BUDGET_S, max(share, floor))
     if share < session.budget:
         reasons.append(f"budget: {session.budget:.1f} s, not {share:.1f} s ({RUN_SHARE:.0%} of a {run_steps}-step "
