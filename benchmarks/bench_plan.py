@@ -7,7 +7,9 @@ For each model and batch (LeNet b256, ResNet-18 on 28x28 b128, Shi et al.'s fcn-
 the zoo's LSTM b128, a small Transformer-encoder classifier b64, d2l's MLP b64):
 
 * **planning**: :func:`dlperf.parallel.planning.plan_for` on the machine's cores with a fresh plan cache
-  (``planning_s``), then again with the decision cached (``cached_planning_s``);
+  (``planning_s``), then again with the decision cached (``cached_planning_s``); ``--run-steps N`` plans for
+  a run of N steps, as ``dlperf train`` does (budget 10% of it, at most 30 s; ``torch.compile`` weighed
+  against it), else the run's length is unknown (budget 30 s, compile not tried);
 * **dlperf planned**: a Trainer following the chosen plan, one training step on the whole batch;
 * **peers**: a plain PyTorch loop (zero_grad, forward, loss, backward, SGD step) with 1 and with 2 intra-op
   threads, each contiguous and, for models with 2-D convolutions, channels-last; and PyTorch DDP with 2 gloo
@@ -150,7 +152,7 @@ def measure_ddp(names: list[str], steps: int, warmup: int, rounds: int) -> dict[
 def measure_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict:
     model, (X, y), loss = workload(name)
     # a fresh plan cache: planning_s is a first run's (the compiled native interpreter stays cached)
-    options = PlannerOptions(steps=args.plan_steps, rounds=args.plan_rounds,
+    options = PlannerOptions(steps=args.plan_steps, rounds=args.plan_rounds, run_steps=args.run_steps,
                              cache_path=os.path.join(cache_dir, "plans.json"))
     t0 = time.perf_counter()
     decision = plan_for(model, (X, y), optimizer_params={"lr": LR}, loss=loss, options=options)
@@ -203,13 +205,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the least disturbed counts")
     ap.add_argument("--plan-steps", type=int, default=3, help="the planner's timed steps per candidate and round")
     ap.add_argument("--plan-rounds", type=int, default=3)
+    ap.add_argument("--run-steps", type=int, default=None,
+                    help="the length of the run the planner plans for (its budget is 10%% of it, at most 30 s, and "
+                         "torch.compile is weighed against it); default: unknown (30 s, compile not tried)")
     ap.add_argument("--quick", action="store_true", help="fewer steps and rounds (a few minutes for every model)")
     ap.add_argument("--no-ddp", action="store_true", help="skip the DDP peers (no process launch)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.rounds, args.plan_steps, args.plan_rounds = 3, 1, 2, 2, 2
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    spelled = {k.replace("-", ""): k for k in MODELS}  # resnet-18 or resnet18, as the zoo or this table spells it
+    names = [spelled.get(n.strip().lower().replace("-", ""), n.strip()) for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
+    if args.run_steps is not None and args.run_steps < 1:
+        ap.error(f"--run-steps {args.run_steps}: expected a number of steps >= 1")
     if unknown:
         ap.error(f"unknown models {unknown}; valid: {', '.join(MODELS)}")
     keep_freed_host_memory()  # as dlperf's commands (and bench_data_parallel.py) allocate
@@ -256,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
            "trainer_overhead": {n: s["trainer_overhead"] for n, s in summary.items() if s["trainer_overhead"]},
            "at_most_1": sum(r <= 1.0 for r in ratios), "at_most_0_9": sum(r <= 0.9 for r in ratios),
            "contended": any(s["contended"] for s in summary.values()), "host_malloc": host_malloc_state(),
-           "cores": usable_cores(), "torch": torch.__version__}
+           "cores": usable_cores(), "torch": torch.__version__, "run_steps": args.run_steps}
     print(json.dumps(doc))
     return 0
 

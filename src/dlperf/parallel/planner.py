@@ -11,12 +11,26 @@
    is far above the best; the allreduce algorithm of a split with several replicas is the cost model's pick.
 3. **Measure** the survivors a few steps each, in alternating rounds through :func:`dlperf.timing.time_steps`
    (each timing carries its contention mark); the least disturbed round counts, as in the benchmarks.
-4. **Keep** the fastest only if it beats the reference (the run as it would be without a plan) by more
-   than the noise, else the reference; cache the decision (:mod:`~dlperf.parallel.plan_cache`).
+4. **Keep** the fastest only if it beats the reference (the run as it would be without a plan) in every
+   round by more than the noise, else the reference; a candidate that shared fewer rounds with the
+   reference (the budget ran out) needs a larger margin (:func:`_decide`). Cache the decision
+   (:mod:`~dlperf.parallel.plan_cache`).
 
-Everything stays inside a time budget (default: 10% of the planned run or 30 s, whichever is smaller);
-what did not fit is listed in :attr:`PlanDecision.skipped`. Candidates are measured through a builder the
-caller gives (``build(plan) -> CandidateRun``), so the planner knows nothing of who runs the step.
+Everything stays inside a time budget (default: 10% of the planned run or 30 s, whichever is smaller; a
+short run gets at least one round of each candidate, still at most 30 s): each candidate's round is
+predicted before it is built or timed, and what would not fit is skipped and listed in
+:attr:`PlanDecision.skipped`. What can still overrun it: the reference's one warm-up step (it has to be
+timed once), and a build or first step far slower than predicted (a compile). Candidates are measured
+through a builder the caller gives (``build(plan) -> CandidateRun``), so the planner knows nothing of who
+runs the step.
+
+``torch.compile`` is tried on the fastest eager plan only when the run's length is known and its setup
+guess (20 s) fits what is left. Measured for a training step (forward compiled; backward, SGD) on the
+two shared cores of the development VM (2026-11-26, 00:56-01:30, load 8-19, run under ``nice``, every
+figure marked contended): LeNet b256 channels-last first step 156 s, then 0.53x eager; the Transformer
+encoder b64 77 s, 0.73x; ResNet-56 b128 not through its first compile and three rounds in 900 s; the LSTM
+b128 5 s, 0.67x and 0.88x in two runs. Only the LSTM's compile fits a 30 s budget, and there the eager
+rounds spend the budget first; a setup estimate per model is what it would need.
 """
 
 from __future__ import annotations
@@ -47,9 +61,18 @@ RUN_SHARE = 0.1
 """The share of the planned run the planner may spend (when the run's length is known)."""
 MIN_GAIN = 0.03
 """A plan must beat the reference by at least this fraction, whatever the measured spread."""
+FEW_ROUNDS = 2
+"""Shared rounds with the reference below which a candidate's ratios have no spread to judge noise by."""
+FEW_ROUNDS_GAIN = 0.10
+"""The margin a candidate sharing fewer than :data:`FEW_ROUNDS` rounds with the reference must beat it by."""
 PRUNE_RATIO = 3.0
 """Splits whose cost-model floor exceeds the best floor this many times are not measured."""
 MAX_REPLICAS_TRIED = 8
+FLOOR_ALLOWANCE = 1.5
+"""The budget of a short run covers one round of each candidate as predicted, times this."""
+WHOLE_STEP_FIRST_CALL_STEPS = 16
+"""A whole-step execution's first call, in steps: it captures the step, then times each replay it could use
+and the eager step a few steps each before it answers (:mod:`dlperf.hybrid.train_step`)."""
 
 
 @dataclass
@@ -312,29 +335,90 @@ def _with_algorithm(plan: Plan, model: nn.Module, devices: Sequence[Device]) -> 
 
 
 class _Session:
-    """One search's clock, open candidate runs and notes."""
+    """One search's clock, open candidate runs, what builds cost, and notes.
 
-    def __init__(self, build: Callable[[Plan], CandidateRun], options: PlannerOptions) -> None:
+    The budget is kept by prediction: before a candidate is built or timed in a round, its cost is
+    estimated (:meth:`cost_s`) and it is skipped for time when that would overrun; the timed steps
+    themselves stop one step short of the budget. What it cannot foresee (a build or first step slower
+    than every earlier one) is the slack a planning run may exceed its budget by.
+    """
+
+    def __init__(self, build: Callable[[Plan], CandidateRun], options: PlannerOptions,
+                 start: float | None = None) -> None:
         self.build, self.options = build, options
-        self.start = time.perf_counter()
+        self.start = start if start is not None else time.perf_counter()
         self.budget = options.budget_s if options.budget_s is not None else DEFAULT_BUDGET_S
         self.runs: dict[int, CandidateRun] = {}
         self.skipped: list[str] = []
         self.round_index = 0
+        self.build_s: list[float] = []
+        """Seconds each build took (a candidate not built yet is allowed the slowest so far)."""
+        self.first_extra_s: list[float] = []
+        """Seconds each eager candidate's first step took beyond its steady step (first allocations)."""
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def time_round(self, m: Measurement, index: int) -> None:
+    def step_s(self, m: Measurement, reference: Measurement) -> float:
+        """Seconds ``m``'s step is expected to take: its own figure, else the reference's scaled by the
+        cost model's floors where both have one (fewer threads, a slower floor)."""
+        if m.ms is not None:
+            return m.ms / 1e3
+        scale = 1.0
+        if m.floor_ms is not None and reference.floor_ms:
+            scale = max(1.0, m.floor_ms / reference.floor_ms)
+        return (reference.ms or 0.0) / 1e3 * scale
+
+    def cost_s(self, m: Measurement, reference: Measurement, steps: int | None = None) -> float:
+        """Seconds ``m``'s next round is expected to take with ``steps`` timed steps (None: the options'):
+        those steps, and before its first round its build (the slowest so far), its warm-up steps and what
+        its first step costs beyond a steady one."""
+        step, options = self.step_s(m, reference), self.options
+        steps = options.steps if steps is None else steps
+        if m.by_round:
+            return step * steps
+        execution = EXECUTIONS.get(m.plan.execution)
+        if execution.whole_step:  # the first call captures, then times each way to replay it
+            extra = WHOLE_STEP_FIRST_CALL_STEPS * step
+        else:
+            extra = max(self.first_extra_s, default=0.0) + execution.setup_s
+        return max(self.build_s, default=0.0) + extra + step * (options.warmup + steps)
+
+    def least_s(self, group: Sequence[Measurement], reference: Measurement) -> float:
+        """What one timed step of each of ``group`` is predicted to take, first-round costs included."""
+        return sum(self.cost_s(m, reference, steps=1) for m in group)
+
+    def time_round(self, m: Measurement, index: int, reference: Measurement | None = None,
+                   after: Sequence[Measurement] = ()) -> None:
+        """Time ``m`` in round ``index`` (``reference``: None when ``m`` is the reference), leaving enough of
+        the budget for one step of each of ``after``, the members still to come in this round."""
         run = self.runs.get(id(m))
+        options = self.options
         try:
             if run is None:
+                built = time.perf_counter()
                 run = self.runs[id(m)] = self.build(m.plan)
+                self.build_s.append(time.perf_counter() - built)
             first = m.first_step_ms is None
-            # a slow step stops its timing once the budget is spent (one timed step is always taken)
-            timing = time_steps(run.step, warmup=self.options.warmup if first else 0, steps=self.options.steps,
-                                synchronize=run.synchronize, threads=run.threads, min_steps=1,
-                                max_seconds=max(0.0, self.budget - self.elapsed()))
+            warm = None
+            if first and options.warmup:
+                warm = time_steps(run.step, warmup=0, steps=options.warmup, synchronize=run.synchronize,
+                                  threads=run.threads)
+            if reference is None and m.ms is None and warm is not None:
+                # the reference's first round: its warm-up stands in for its step until it is timed, so the
+                # others' rounds can be predicted and their share of the budget kept
+                m.by_round[index] = warm.samples[-1] * 1e3
+            step = self.step_s(m, reference) if reference is not None else (m.ms or 0.0) / 1e3
+            reserve = self.least_s(after, reference or m)
+            if reference is None and warm is not None and self.elapsed() + step > self.budget:
+                # a step so slow that the reference's warm-up spent the budget: its figure is that step (its
+                # first allocations included) rather than another step past the budget
+                timing = warm
+            else:
+                # the steps stop one step short of what the budget leaves after that (one is always taken)
+                timing = time_steps(run.step, warmup=0, steps=options.steps, synchronize=run.synchronize,
+                                    threads=run.threads, min_steps=1,
+                                    max_seconds=max(0.0, self.budget - self.elapsed() - reserve - step))
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is dropped, with the reason
             m.note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             m.by_round.clear()
@@ -346,22 +430,50 @@ class _Session:
         m.by_round[index] = timing.median_s * 1e3
         m.contended |= timing.contended
         if first:
-            m.first_step_ms = timing.warmup_samples[0] * 1e3 if timing.warmup_samples else m.by_round[index]
+            m.first_step_ms = warm.samples[0] * 1e3 if warm is not None else m.by_round[index]
+            if m.plan.execution == "eager":
+                self.first_extra_s.append(max(0.0, (m.first_step_ms - m.by_round[index]) / 1e3))
 
-    def rounds(self, group: list[Measurement], rounds: int) -> None:
-        """Alternate over ``group``, the order reversed every other round so drift hits all alike."""
+    def _fits(self, todo: list[Measurement], reference: Measurement) -> list[Measurement]:
+        """Those of ``todo`` whose predicted rounds fit in the budget left, the reference's included (a round
+        without it is worth nothing): new candidates first, then those with figures, most promising first."""
+        left = self.budget - self.elapsed()
+        if any(m is reference for m in todo):
+            left -= self.cost_s(reference, reference, steps=1)
+        others = [m for m in todo if m is not reference]
+        others.sort(key=lambda m: (bool(m.by_round), _rank(m, reference) if m.ratios(reference) else 0.0))
+        chosen: list[Measurement] = []
+        for m in others:
+            cost = self.cost_s(m, reference, steps=1)  # the steps beyond the first fill what is left
+            if cost <= left:
+                chosen.append(m)
+                left -= cost
+        if not chosen:
+            return []
+        return [m for m in todo if m is reference or any(m is c for c in chosen)]
+
+    def rounds(self, group: list[Measurement], rounds: int, needed: Measurement | None = None) -> None:
+        """Alternate over ``group`` (the reference first), the order reversed every other round so drift hits
+        all alike; in each round only what is predicted to fit in the budget is built and timed (and no round
+        is started without ``needed``, the member the rounds are for)."""
+        reference = group[0]
         for i in range(rounds):
-            if i > 0 and self.elapsed() > self.budget:
-                break  # every candidate timed so far has a figure from the rounds it shared with the others
-            order = group if i % 2 == 0 else group[::-1]
-            for m in order:
-                if m.note.startswith(("failed", "dropped")) or self.round_index + i in m.by_round:
-                    continue
-                if m is not group[0] and self.elapsed() > self.budget:
-                    if not m.by_round:
-                        m.note = "skipped for time"
-                    continue  # one with a figure is only refined by more rounds
-                self.time_round(m, self.round_index + i)
+            index = self.round_index + i
+            todo = [m for m in group if not m.note.startswith(("failed", "dropped")) and index not in m.by_round]
+            fitted = self._fits(todo, reference)
+            if not fitted or (needed is not None and not any(m is needed for m in fitted)):
+                break
+            order = fitted if i % 2 == 0 else fitted[::-1]
+            for j, m in enumerate(order):
+                after = order[j + 1:]
+                if m is reference:
+                    if i % 2 == 0 or any(index in c.by_round for c in fitted if c is not reference):
+                        self.time_round(m, index, after=after)
+                elif self.elapsed() + self.least_s([m, *after], reference) <= self.budget:  # none overran
+                    self.time_round(m, index, reference, after)
+        for m in group:
+            if not m.by_round and not m.note:
+                m.note = "skipped for time"
         self.round_index += rounds
 
     def close(self) -> None:
@@ -395,30 +507,73 @@ def _gain(m: Measurement, against: Measurement) -> tuple[float, float]:
     return statistics.median(ratios), (ratios[-1] - ratios[0]) / 2
 
 
-def _decide(found: list[Measurement], session: _Session, reasons: list[str]) -> tuple[Measurement, float]:
-    """The fastest candidate by its ratio to the reference round by round, if that beats the noise."""
+def _margin(m: Measurement, reference: Measurement) -> float:
+    """How far below the reference ``m``'s median ratio must lie to count: its rounds' spread, at least
+    :data:`MIN_GAIN`; :data:`FEW_ROUNDS_GAIN` when it shared fewer than :data:`FEW_ROUNDS` rounds with the
+    reference (one ratio has no spread to judge its noise by)."""
+    shared = len(m.ratios(reference))
+    if shared < FEW_ROUNDS:
+        return FEW_ROUNDS_GAIN
+    return max(MIN_GAIN, _gain(m, reference)[1])
+
+
+def _rank(m: Measurement, reference: Measurement) -> float:
+    """``m``'s median ratio to the reference, plus :data:`FEW_ROUNDS_GAIN` when it shared fewer than
+    :data:`FEW_ROUNDS` rounds with it: what candidates are ranked by."""
+    return _gain(m, reference)[0] + (FEW_ROUNDS_GAIN if len(m.ratios(reference)) < FEW_ROUNDS else 0.0)
+
+
+def _pays(m: Measurement, reference: Measurement, run_steps: int | None) -> tuple[bool, str]:
+    """Whether an execution with a one-off setup (compile) gains back its setup over a run of known length."""
+    if m.plan.execution == "eager" or not run_steps or m.first_step_ms is None:
+        return True, ""
+    setup_ms = max(0.0, m.first_step_ms - (m.ms or 0.0))
+    if (m.ms or 0.0) * run_steps + setup_ms < (reference.ms or 0.0) * run_steps:
+        return True, ""
+    return False, (f"{m.plan.execution}: its setup ({setup_ms / 1e3:.1f} s) outweighs its gain over "
+                   f"{run_steps} steps")
+
+
+def _decide(found: list[Measurement], run_steps: int | None, reasons: list[str]) -> tuple[Measurement, float]:
+    """The candidate to run, and the margin it was judged by.
+
+    A candidate counts only if it was faster than the reference by :data:`MIN_GAIN` in every round both ran
+    (a round where another process slowed the reference proves nothing) and its median ratio to the
+    reference lies below 1 by more than its margin (:func:`_margin`: the spread of its ratios,
+    at least :data:`MIN_GAIN`; :data:`FEW_ROUNDS_GAIN` when it shared fewer than :data:`FEW_ROUNDS` rounds,
+    as when the budget ran out before its second round). Among those the lowest median ratio wins, a
+    candidate of fewer than :data:`FEW_ROUNDS` shared rounds counted :data:`FEW_ROUNDS_GAIN` slower
+    (:func:`_rank`): it displaces one timed in more rounds only when clearly faster, never on one lucky
+    ratio. An execution with a setup (compile) counts only when a run of ``run_steps`` gains it back. No
+    candidate counts: the reference.
+    """
     reference = found[0]
     if reference.ms is None:
         raise UsageError(f"the reference plan {reference.plan.name} could not run ({reference.note}); "
                          "check the model, batch and devices without a plan first")
-    measured = [m for m in found if m.ms is not None and m.ratios(reference)]
-    best = min(measured, key=lambda m: _gain(m, reference)[0])
-    run_steps = session.options.run_steps
-    if best.plan.execution != "eager" and run_steps and best.first_step_ms is not None:
-        setup_ms = max(0.0, best.first_step_ms - (best.ms or 0.0))
-        if (best.ms or 0.0) * run_steps + setup_ms >= (reference.ms or 0.0) * run_steps:
-            reasons.append(f"{best.plan.execution}: its setup ({setup_ms / 1e3:.1f} s) outweighs its gain over "
-                           f"{run_steps} steps")
-            best = min((m for m in measured if m.plan.execution == "eager"), key=lambda m: _gain(m, reference)[0])
-    ratio, moved = _gain(best, reference)
-    noise = max(MIN_GAIN, moved)
-    if best is not reference and ratio < 1 - noise and max(best.ratios(reference)) < 1:
-        reasons.append(f"measured: {ratio:.2f}x the reference's step time in every round ({best.ms:.2f} against "
-                       f"{reference.ms:.2f} ms at best), beyond the noise ({noise:.0%})")
-        return best, noise
+    measured = [m for m in found[1:] if m.ms is not None and m.ratios(reference)]
+    eligible = []
+    for m in measured:
+        if max(m.ratios(reference)) < 1 - MIN_GAIN and _gain(m, reference)[0] + _margin(m, reference) < 1:
+            pays, why = _pays(m, reference, run_steps)
+            if pays:
+                eligible.append(m)
+            else:
+                reasons.append(why)
+    if eligible:
+        best = min(eligible, key=lambda m: _rank(m, reference))
+        ratio, margin = _gain(best, reference)[0], _margin(best, reference)
+        shared = len(best.ratios(reference))
+        reasons.append(f"measured: {ratio:.2f}x the reference's step time over {shared} shared round"
+                       f"{'s' * (shared > 1)}, faster by {MIN_GAIN:.0%} or more in each ({best.ms:.2f} against "
+                       f"{reference.ms:.2f} ms at best), beyond its margin ({margin:.0%})")
+        return best, margin
+    closest = min(measured, key=lambda m: _gain(m, reference)[0], default=None)
+    margin = _margin(closest, reference) if closest is not None else MIN_GAIN
     reasons.append(f"measured: no plan beat the reference ({reference.ms:.2f} ms/step) in every round by more "
-                   f"than the noise ({noise:.0%}); kept it")
-    return reference, noise
+                   f"than its margin ({MIN_GAIN:.0%} or the rounds' spread; {FEW_ROUNDS_GAIN:.0%} with fewer "
+                   f"than {FEW_ROUNDS} shared rounds); kept it")
+    return reference, margin
 
 
 def _executions_phase(session: _Session, found: list[Measurement], model: nn.Module,
@@ -451,7 +606,7 @@ def _executions_phase(session: _Session, found: list[Measurement], model: nn.Mod
             continue
         m = Measurement(dataclasses.replace(leader.plan, execution=name), leader.floor_ms)
         # the reference is timed beside them: the choice is each candidate's ratio to it, round by round
-        session.rounds([found[0], *([leader] if leader is not found[0] else []), m], options.rounds)
+        session.rounds([found[0], *([leader] if leader is not found[0] else []), m], options.rounds, needed=m)
         extra.append(m)
     return extra
 
@@ -476,16 +631,17 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     reasons = list(notes)
     plans = [_chosen_algorithm(p, model, devices, reasons) for p in plans]
     found = _price(model, batch, plans, options, reasons)
-    session = _Session(build, options)
+    session = _Session(build, options, started)
     try:
-        session.time_round(found[0], 0)  # round 0's reference; its step time sets the budget for a known run
+        # round 0's reference, leaving a step for each candidate; its step time sets the budget for a known run
+        session.time_round(found[0], 0, after=found[1:])
         if options.budget_s is None and options.run_steps and found[0].ms is not None:
-            session.budget = min(DEFAULT_BUDGET_S, RUN_SHARE * options.run_steps * found[0].ms / 1e3)
+            _run_budget(session, found, options.run_steps, reasons, _setup_free(options, model, devices))
         session.rounds(found, options.rounds)
         found += _executions_phase(session, found, model, devices)
     finally:
         session.close()
-    best, noise = _decide(found, session, reasons)
+    best, noise = _decide(found, options.run_steps, reasons)
     alternatives = [(_difference(m.plan, best.plan), m.ms) for m in found if m is not best and m.ms is not None]
     plan = best.plan.with_figures(best.ms, [(n, ms) for n, ms in alternatives if ms is not None], reasons)
     late = [m.plan.name for m in found if m.note == "skipped for time"]
@@ -495,6 +651,36 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     if options.use_cache:
         save_plan(key, plan, options.cache_path)
     return decision
+
+
+def _setup_free(options: PlannerOptions, model: nn.Module, devices: Sequence[Device]) -> list[str]:
+    """The executions other than eager, without a one-off setup, that can run here (``captured``)."""
+    names = [n for n in (options.executions or EXECUTIONS.names()) if n != "eager"]
+    return [n for n in names if not EXECUTIONS.get(n).setup_s and EXECUTIONS.get(n).unavailable(model, devices) is None]
+
+
+def _run_budget(session: _Session, found: list[Measurement], run_steps: int, reasons: list[str],
+                executions: Sequence[str] = ()) -> None:
+    """The budget of a run of known length: :data:`RUN_SHARE` of it, at most :data:`DEFAULT_BUDGET_S`, and
+    at least what the reference (already timed) and one round of each candidate are predicted to take (times
+    :data:`FLOOR_ALLOWANCE`: the prediction rests on one round of the reference), each of ``executions``
+    beside the reference and a leader included, so a short run still measures what it chooses between (the
+    decision is cached for the runs after it)."""
+    reference = found[0]
+    share = RUN_SHARE * run_steps * (reference.ms or 0.0) / 1e3
+    rounds = [session.cost_s(m, reference) for m in found[1:]]
+    for name in executions:  # its first round, and the reference's and the leader's steps beside it
+        proxy = Measurement(dataclasses.replace(reference.plan, execution="eager"), reference.floor_ms)
+        first = session.cost_s(proxy, reference)
+        if EXECUTIONS.get(name).whole_step:
+            first += WHOLE_STEP_FIRST_CALL_STEPS * session.step_s(reference, reference)
+        rounds.append(first + 2 * session.cost_s(reference, reference))
+    floor = session.elapsed() + FLOOR_ALLOWANCE * sum(rounds)
+    session.budget = min(DEFAULT_BUDGET_S, max(share, floor))
+    if share < session.budget:
+        reasons.append(f"budget: {session.budget:.1f} s, not {share:.1f} s ({RUN_SHARE:.0%} of a {run_steps}-step "
+                       f"run): enough for the reference and one round of each candidate"
+                       + (f" (at most {DEFAULT_BUDGET_S:g} s)" if floor > DEFAULT_BUDGET_S else ""))
 
 
 def _chosen_algorithm(plan: Plan, model: nn.Module, devices: Sequence[Device], reasons: list[str]) -> Plan:
