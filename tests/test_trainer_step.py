@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from dlperf._threads import intra_op_threads
 from dlperf.devices import cpu
 from dlperf.parallel import Trainer
 from dlperf.parallel.plan import parse_plan
@@ -84,7 +85,8 @@ def test_a_one_replica_plan_runs_the_plain_loops_operators_and_reaches_its_weigh
         before = torch.get_num_threads()
         ours = operator_counts(trainer.train_step, timed)
         assert torch.get_num_threads() == before  # the plan's threads were given back after each step
-        theirs = operator_counts(plain.step, timed)
+        with intra_op_threads(plan.threads):  # the plain loop with the plan's threads too
+            theirs = operator_counts(plain.step, timed)
         assert ours == theirs, f"extra: {ours - theirs}; missing: {theirs - ours}"
         assert trainer.steps == len(warm) + len(timed)
         for name_, value in trainer.module.state_dict().items():
