@@ -117,6 +117,7 @@ class Trainer:
             raise
         self._whole_step = self.planning.whole_step(self.replicas, self.optimizers, self.loss, self.world)
         self._direct = self.planning.engine_kind() == "naive" and self.k == 1 and self.processes is None
+        self._autocast = self.plan is not None and self.plan.mixed_precision != "off"  # else no context per step
 
     @property
     def plan(self) -> Plan | None:
@@ -229,7 +230,10 @@ class Trainer:
         if self._whole_step is not None:  # the plan's captured step updates too (one replica: share is 1)
             return self._whole_step(self._layout(X), y).detach()
         self.strategy.zero_grad(i)
-        with self.planning.precision(self.devices[i]):
+        if self._autocast:
+            with self.planning.precision(self.devices[i]):
+                loss = self.loss(call_model(self._forwards[i], self._layout(X)), y)
+        else:
             loss = self.loss(call_model(self._forwards[i], self._layout(X)), y)
         if share != 1.0:  # one replica's loss is the batch's: no multiplication to run and differentiate
             loss = loss * share
@@ -257,7 +261,7 @@ class Trainer:
         self._after_update()
 
     def _after_update(self) -> None:
-        self.steps += 1
+        self._ctx.steps += 1
         if self.buffers == "broadcast" and self.k > 1:
             broadcast_buffers(self.replicas)
 
@@ -389,5 +393,6 @@ class Trainer:
 
 def _one_host_batch(X: Any, y: Any) -> bool:
     """Whether ``X`` and ``y`` are plain host tensors of one batch: the one replica takes them as they are."""
-    return (type(X) is torch.Tensor and type(y) is torch.Tensor and X.device.type == y.device.type == "cpu"
-            and X.dim() > 0 and y.dim() > 0 and X.shape[0] == y.shape[0] > 0)
+    # is_cpu and ndim: X.device would build a torch.device object per tensor and step
+    return (type(X) is torch.Tensor and type(y) is torch.Tensor and X.is_cpu and y.is_cpu
+            and X.ndim > 0 and y.ndim > 0 and X.shape[0] == y.shape[0] > 0)
