@@ -38,6 +38,7 @@ from ..timing import time_steps
 from .allreduce import DEFAULT_ALGORITHM
 from .plan import EXECUTIONS, Plan, has_batch_statistics, uses_conv2d
 from .plan_cache import cached_plan, plan_key, save_plan
+from .plan_processes import process_plans, setup_s
 
 __all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "enumerate_plans",
            "usable_cores", "DEFAULT_BUDGET_S"]
@@ -212,6 +213,8 @@ def enumerate_plans(model: nn.Module, batch: Any, devices: Sequence[Device], ref
         splits += [(r, cores // r) for r in range(2, min(cores, n, MAX_REPLICAS_TRIED) + 1)
                    if r * (cores // r) == cores]
     plans = [reference]
+    # replicas as processes, measured by launching them where the caller can (see plan_processes)
+    processes = process_plans(model, devices, reference, cores, _examples(batch), layouts, notes)
     for r, t in splits:
         # a split of its own gets the cost model's allreduce (resolved in search); the reference keeps the user's
         algorithm = reference.algorithm if r == reference.replicas else ("auto" if r > 1 else DEFAULT_ALGORITHM)
@@ -222,7 +225,7 @@ def enumerate_plans(model: nn.Module, batch: Any, devices: Sequence[Device], ref
                                        step_thread=where)
             if plan not in plans:
                 plans.append(plan)
-    return plans, notes
+    return plans + [p for p in processes if p not in plans], notes
 
 
 def _gpu_plans(base: Plan, layouts: list[str], model: nn.Module, options: PlannerOptions,
@@ -327,6 +330,9 @@ class _Session:
 
     def time_round(self, m: Measurement, index: int) -> None:
         run = self.runs.get(id(m))
+        if run is None and self.elapsed() + setup_s(m.plan) > self.budget:  # starting processes costs seconds
+            m.note = "skipped for time"
+            return
         try:
             if run is None:
                 run = self.runs[id(m)] = self.build(m.plan)
@@ -375,6 +381,8 @@ def _difference(plan: Plan, chosen: Plan) -> str:
     parts = []
     if (plan.replicas, plan.threads) != (chosen.replicas, chosen.threads):
         parts.append(f"{plan.replicas} x {plan.threads}")
+    if plan.launcher != chosen.launcher:
+        parts.append(plan.launcher)
     if plan.step_thread != chosen.step_thread:
         parts.append("calling thread" if plan.step_thread == "caller" else "worker")
     if plan.memory_format != chosen.memory_format:
