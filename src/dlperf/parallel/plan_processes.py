@@ -42,6 +42,8 @@ START_S = 6.0
 measured 4-10 s on 2 shared cores), counted against the planner's budget before a processes plan is built;
 once a start has been timed in this process, the slower of the two counts."""
 _last_start_s = 0.0
+START_TIMEOUT_S = 60.0
+"""The longest a planner's candidate may take to start its processes before it is dropped."""
 STEP_TIMEOUT_S = 120.0
 """The longest one candidate step may take before the candidate is dropped."""
 IDLE_TIMEOUT_S = 300.0
@@ -228,7 +230,7 @@ def candidate(plan: Plan, model: nn.Module, batch: tuple[Any, Any], config: Any)
     """A :class:`~dlperf.parallel.planner.CandidateRun` for a processes plan (imported late: no cycle)."""
     from .planner import CandidateRun
 
-    run = ProcessCandidate(plan, model, batch, config)
+    run = ProcessCandidate(plan, model, batch, config, start_timeout_s=START_TIMEOUT_S)
     return CandidateRun(step=run.step, close=run.close, threads=plan.replicas * plan.threads)
 
 
