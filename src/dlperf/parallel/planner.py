@@ -225,6 +225,8 @@ def enumerate_plans(model: nn.Module, batch: Any, devices: Sequence[Device], ref
                                        step_thread=where)
             if plan not in plans:
                 plans.append(plan)
+        # a split's processes right after its threads: measured before the budget is spent (DDP's shape)
+        plans += [p for p in processes if (p.replicas, p.threads) == (r, t) and p not in plans]
     return plans + [p for p in processes if p not in plans], notes
 
 
