@@ -164,3 +164,11 @@ def test_a_process_plan_that_does_not_fit_the_budget_is_skipped_for_time(tmp_pat
     found = {m.plan.name: m for m in decision.measurements}
     assert found["2x1,contiguous,eager,processes"].note == "skipped for time"
     assert decision.plan.launcher == "threads"
+
+
+def test_decisions_that_weighed_processes_are_cached_apart(tmp_path):
+    X, y = batches(1)[0]
+    options = PlannerOptions(rounds=1, steps=1, budget_s=0.5, cache_path=str(tmp_path / "plans.json"))
+    assert not plan_for(mlp(), (X, y), options=options, processes=True).cached
+    assert not plan_for(mlp(), (X, y), options=options).cached  # another question: not answered by the first
+    assert plan_for(mlp(), (X, y), options=options, processes=True).cached

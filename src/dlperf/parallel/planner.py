@@ -38,7 +38,7 @@ from ..timing import time_steps
 from .allreduce import DEFAULT_ALGORITHM
 from .plan import EXECUTIONS, Plan, has_batch_statistics, uses_conv2d
 from .plan_cache import cached_plan, plan_key, save_plan
-from .plan_processes import process_plans, setup_s
+from .plan_processes import process_plans, processes_measurable, setup_s
 
 __all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "enumerate_plans",
            "usable_cores", "DEFAULT_BUDGET_S"]
@@ -475,7 +475,7 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     """
     options = options or PlannerOptions()
     extra = repr((reference.to_dict(), options.allow_mixed_precision, tuple(options.executions or ()),
-                  options.cores or usable_cores(), options.run_steps is not None))
+                  options.cores or usable_cores(), options.run_steps is not None, processes_measurable()))
     key = plan_key(model, batch, devices, extra)
     started = time.perf_counter()
     if options.use_cache:

@@ -230,14 +230,6 @@ class PlanState:
                                 declined=lambda: candidate.planning.declined(candidate))
 
         self.decision = search(source, (X, y), trainer.devices, build, self.reference, self.options)
-        if self.decision.plan.launcher == "processes":
-            # a decision cached by dlperf train or plan_for, which can start processes; this Trainer cannot become
-            # several, so it names that plan and plans again among those it can realise
-            chosen = self.decision.plan
-            ms = f" ({chosen.measured_ms:.1f} ms/step)" if chosen.measured_ms is not None else ""
-            say(f"plan: {chosen.summary()}{ms} was measured fastest here; {launch_hint(chosen)}")
-            self.decision = search(source, (X, y), trainer.devices, build, self.reference,
-                                   dataclasses.replace(self.options, use_cache=False))
         self.adopt(trainer, self.decision.plan)
         self.source = None
 
