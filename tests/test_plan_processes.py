@@ -172,3 +172,37 @@ def test_decisions_that_weighed_processes_are_cached_apart(tmp_path):
     assert not plan_for(mlp(), (X, y), options=options, processes=True).cached
     assert not plan_for(mlp(), (X, y), options=options).cached  # another question: not answered by the first
     assert plan_for(mlp(), (X, y), options=options, processes=True).cached
+
+
+@pytest.mark.distributed
+def test_dlperf_train_starts_a_process_plan_records_it_and_resume_follows_it(tmp_path, monkeypatch):
+    from dlperf.parallel.checkpoint import load_checkpoint
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ck = tmp_path / "ck.pt"
+    small = ["--model", "lenet", "--train-size", "256", "--test-size", "64", "--batch-size", "128", "--no-progress",
+             "--checkpoint", str(ck)]
+    assert main(["train", *small, "--epochs", "1", "--plan", "2x1,processes"]) == 0
+    recorded = load_checkpoint(ck)["trainer"]["plan"]
+    assert (recorded["replicas"], recorded["launcher"]) == (2, "processes")
+    assert main(["train", *small, "--epochs", "2", "--resume", str(ck)]) == 0  # starts 2 processes again
+    done = load_checkpoint(ck)
+    assert len(done["history"]) == 2 and done["trainer"]["plan"]["launcher"] == "processes"
+
+
+@pytest.mark.distributed
+def test_plan_auto_that_picks_processes_trains_as_them(tmp_path, monkeypatch, capsys):
+    """The measuring is the planner's (tested above); here its pick, a processes plan, is what the run becomes."""
+    from dlperf.parallel import planning
+    from dlperf.parallel.checkpoint import load_checkpoint
+    from dlperf.parallel.planner import PlanDecision
+
+    picked = parse_plan("2x1,processes").with_figures(12.5, [("1 x 2, threads", 20.0)])
+    monkeypatch.setattr(planning, "plan_for",
+                        lambda *a, processes=False, **k: PlanDecision(picked if processes else Plan(), Plan()))
+    ck = tmp_path / "ck.pt"
+    assert main(["train", "--model", "lenet", "--train-size", "256", "--test-size", "64", "--batch-size", "128",
+                 "--no-progress", "--epochs", "1", "--plan", "auto", "--checkpoint", str(ck)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("plan: 2 replicas x 1 thread (processes), contiguous, eager: 12.5 ms/step"), out
+    assert load_checkpoint(ck)["trainer"]["plan"]["launcher"] == "processes"
