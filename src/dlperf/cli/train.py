@@ -13,7 +13,9 @@ batch, the first process prints and writes the checkpoint.
 
 ``--plan auto`` measures the plans valid for the model, batch and devices on the first batch (replicas x
 threads, layout, ...: :mod:`dlperf.parallel.planner`) and trains on the fastest, printing it first; ``--plan
-1x2,channels-last`` pins one. ``--model pkg.module:factory`` and ``--data pkg.module:factory`` train your own
+1x2,channels-last`` pins one. A plan whose replicas are processes (``2x1,processes``, pinned or chosen by
+``auto``) trains as that many processes, as ``--nproc-per-node`` would, and a checkpoint of one resumes so.
+``--model pkg.module:factory`` and ``--data pkg.module:factory`` train your own
 model and data: each factory is imported and called with no arguments (that runs your code), the data
 factory returning ``train`` or ``(train, test)``, each an iterable of ``(inputs, targets)`` batches that can
 be iterated once per epoch (a ``DataLoader`` is one).
