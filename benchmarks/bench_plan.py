@@ -44,9 +44,9 @@ from dlperf.models import get_spec
 from dlperf.parallel import Trainer
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.plan import uses_conv2d
-from dlperf.parallel.plan_processes import ProcessCandidate
 from dlperf.parallel.planner import PlannerOptions, usable_cores
 from dlperf.parallel.planning import plan_for
+from dlperf.parallel.process_candidates import start_candidate
 from dlperf.parallel.trainer_config import TrainerConfig
 from dlperf.timing import time_steps
 
@@ -166,8 +166,8 @@ def measure_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict:
     assert cached.cached and cached.plan == decision.plan
     plan = decision.plan
     if plan.launcher == "processes":  # as dlperf train runs it: the plan's processes, each a Trainer on its slice
-        trainer: Any = ProcessCandidate(plan, workload(name)[0], (X, y),
-                                        TrainerConfig("sgd", {"lr": LR}, loss=loss, processes=None))
+        trainer: Any = start_candidate(plan, workload(name)[0], (X, y),
+                                       TrainerConfig("sgd", {"lr": LR}, loss=loss, processes=None))
         planned: Callable[[], object] = trainer.step
     else:
         trainer = Trainer(workload(name)[0], plan.devices_for([cpu(0)]), "sgd", {"lr": LR}, loss=loss, plan=plan,

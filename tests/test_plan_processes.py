@@ -15,9 +15,10 @@ from dlperf.errors import UsageError
 from dlperf.parallel import Trainer
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.plan import Plan, parse_plan
-from dlperf.parallel.plan_processes import ProcessCandidate, measuring_processes, setup_s
+from dlperf.parallel.plan_processes import measuring_processes, setup_s
 from dlperf.parallel.planner import PlannerOptions, enumerate_plans
 from dlperf.parallel.planning import plan_for
+from dlperf.parallel.process_candidates import start_candidate
 from dlperf.parallel.trainer_config import TrainerConfig
 
 STEPS = 3
@@ -130,7 +131,7 @@ def test_a_process_plan_reaches_the_plain_runs_weights():
 def test_a_candidate_steps_in_its_processes_and_a_failing_one_leaves_none_behind():
     X, y = batches(1)[0]
     config = TrainerConfig("sgd", {"lr": LR}, processes=None)
-    run = ProcessCandidate(parse_plan("2x1,processes"), mlp(), (X, y), config, start_timeout_s=90)
+    run = start_candidate(parse_plan("2x1,processes"), mlp(), (X, y), config, start_timeout_s=90)
     try:
         for _ in range(3):
             run.step()
@@ -138,7 +139,7 @@ def test_a_candidate_steps_in_its_processes_and_a_failing_one_leaves_none_behind
         run.close()
     assert not run._thread.is_alive()
 
-    bad = ProcessCandidate(parse_plan("2x1,processes"), FailsInRankOne(), (X, y), config, start_timeout_s=90)
+    bad = start_candidate(parse_plan("2x1,processes"), FailsInRankOne(), (X, y), config, start_timeout_s=90)
     pids = [int(bad.store.get(f"pid/{r}")) for r in range(2)]
     with pytest.raises(RuntimeError, match="2x1,contiguous,eager,processes: a process failed to step"):
         bad.step()

@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -34,8 +34,8 @@ from ..devices import Device
 from ..errors import UsageError
 from .plan import Plan, has_batch_statistics
 
-__all__ = ["START_S", "ProcessCandidate", "process_plans", "measuring_processes", "processes_measurable",
-           "in_process_part", "launch_hint"]
+__all__ = ["START_S", "START_TIMEOUT_S", "ProcessCandidate", "process_plans", "measuring_processes",
+           "processes_measurable", "in_process_part", "launch_hint", "setup_s"]
 
 START_S = 6.0
 """Seconds to start a candidate's processes and build their Trainers (spawned interpreters import torch;
@@ -106,49 +106,19 @@ def launch_hint(plan: Plan) -> str:
             f"{plan.replicas} --plan {plan.name})")
 
 
-# -- the candidate processes ---------------------------------------------------------------------------------
-def _candidate_worker(plan: Plan, model: nn.Module, batch: tuple[Any, Any], config: Any, port: int,
-                      idle_timeout_s: float) -> None:
-    """One process of a candidate: a Trainer across the processes, one step per command from the planner."""
-    import torch.distributed as dist
-
-    from ..devices import cpu
-    from .launchers import rank_info
-    from .trainer import Trainer
-
-    rank = rank_info().rank
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=idle_timeout_s))
-    store.set(f"pid/{rank}", str(os.getpid()))
-    trainer = None
-    try:  # a failure here fails the launch, which answers the planner (ProcessCandidate._launch)
-        cfg = dataclasses.replace(config, plan=plan, processes="auto")  # as dlperf train realises it
-        trainer = Trainer(model, [cpu(0)], config=cfg)
-        trainer.planning.fallback = False  # a candidate that fails is dropped, not measured as another plan
-        X, y = batch
-        store.set(f"ready/{rank}", "ok")
-        n = 0
-        while True:
-            n += 1
-            store.wait([f"cmd/{n}"])
-            if store.get(f"cmd/{n}") != b"step":
-                return
-            trainer.train_step(X, y)
-            store.set(f"done/{n}/{rank}", "ok")
-    finally:
-        if trainer is not None:
-            trainer.close()
-
-
+# -- the candidate processes (their worker is process_candidates._candidate_worker: it needs the Trainer) ------
 class ProcessCandidate:
     """A processes plan's processes, started once and stepping when asked (see the module's notes).
 
     ``step()`` runs one training step on the whole batch in every process; ``close()`` stops them and waits
-    for them to go. Any failure (a process that dies, a step past ``STEP_TIMEOUT_S``) raises one
-    RuntimeError naming it, after which ``close()`` leaves nothing running.
+    for them to go. ``worker(plan, model, batch, config, port, idle_timeout_s)`` is what each process runs
+    (:func:`~dlperf.parallel.process_candidates.start_candidate` gives the Trainer's). Any failure (a process
+    that dies, a step past ``STEP_TIMEOUT_S``) raises one RuntimeError naming it, after which ``close()``
+    leaves nothing running.
     """
 
     def __init__(self, plan: Plan, model: nn.Module, batch: tuple[Any, Any], config: Any, *,
-                 start_timeout_s: float = 120.0) -> None:
+                 worker: Callable[..., None], start_timeout_s: float = 120.0) -> None:
         import torch.distributed as dist
 
         from .launchers import ProcessLauncher, free_port
@@ -165,6 +135,7 @@ class ProcessCandidate:
         self._launcher = ProcessLauncher(self.world, backend="gloo", join_timeout_s=IDLE_TIMEOUT_S * 4,
                                          collective_timeout_s=STEP_TIMEOUT_S)
         cfg = dataclasses.replace(config, plan=None, trace=None, check_finite=False)
+        self._worker = worker
         self._thread = threading.Thread(target=self._launch, args=(model, batch, cfg, port),
                                         name="dlperf-plan-processes", daemon=True)
         self._thread.start()
@@ -179,7 +150,7 @@ class ProcessCandidate:
 
     def _launch(self, model: nn.Module, batch: tuple[Any, Any], cfg: Any, port: int) -> None:
         try:
-            self._launcher.launch(_candidate_worker, self.plan, model, batch, cfg, port, IDLE_TIMEOUT_S)
+            self._launcher.launch(self._worker, self.plan, model, batch, cfg, port, IDLE_TIMEOUT_S)
             failure: BaseException = RuntimeError("its processes ended")
         except BaseException as exc:  # noqa: BLE001 - handed to the planner's thread by the keys below
             failure = exc
@@ -224,14 +195,6 @@ class ProcessCandidate:
                     if self.store.check([f"pid/{r}"]):  # each worker leads its own process group
                         os.killpg(int(self.store.get(f"pid/{r}")), signal.SIGKILL)
             self._thread.join(timeout=10.0)
-
-
-def candidate(plan: Plan, model: nn.Module, batch: tuple[Any, Any], config: Any) -> Any:
-    """A :class:`~dlperf.parallel.planner.CandidateRun` for a processes plan (imported late: no cycle)."""
-    from .planner import CandidateRun
-
-    run = ProcessCandidate(plan, model, batch, config, start_timeout_s=START_TIMEOUT_S)
-    return CandidateRun(step=run.step, close=run.close, threads=plan.replicas * plan.threads)
 
 
 def setup_s(plan: Plan) -> float:

@@ -27,7 +27,6 @@ from ..devices import Device, DeviceLike, cpu
 from ..errors import UsageError
 from .optimizers import OptimizerLike
 from .plan import Plan
-from .plan_processes import candidate as process_candidate
 from .plan_processes import measuring_processes
 from .planner import CandidateRun, PlanDecision, PlannerOptions, search, usable_cores
 from .split import check_devices
@@ -44,7 +43,9 @@ def candidate_builder(model: nn.Module, batch: tuple[Any, Any], devices: Sequenc
 
     def build(plan: Plan) -> CandidateRun:
         if plan.launcher == "processes":
-            return process_candidate(plan, model, (X, y), config)
+            from .process_candidates import candidate_run
+
+            return candidate_run(plan, model, (X, y), config)
         copied = copy.deepcopy(model).to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
         cfg = dataclasses.replace(config, plan=plan, trace=None, processes=None, check_finite=False)
         trainer = Trainer(copied, plan.devices_for(devices), config=cfg)
