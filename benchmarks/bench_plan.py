@@ -10,7 +10,9 @@ the zoo's LSTM b128, a small Transformer-encoder classifier b64, d2l's MLP b64):
   (``planning_s``), then again with the decision cached (``cached_planning_s``); ``--run-steps N`` plans for
   a run of N steps, as ``dlperf train`` does (budget 10% of it, at most 30 s; ``torch.compile`` weighed
   against it), else the run's length is unknown (budget 30 s, compile not tried);
-* **dlperf planned**: a Trainer following the chosen plan, one training step on the whole batch;
+* **dlperf planned**: a Trainer following the chosen plan, one training step on the whole batch; a plan whose
+  replicas are processes runs as those processes (a Trainer in each, on its slice, as ``dlperf train`` starts
+  them), started once and stepped from here in the same alternating rounds (one local store round trip a step);
 * **peers**: a plain PyTorch loop (zero_grad, forward, loss, backward, SGD step) with 1 and with 2 intra-op
   threads, each contiguous and, for models with 2-D convolutions, channels-last; and PyTorch DDP with 2 gloo
   processes of 1 thread each on 127.0.0.1, each layout, started once for every model. These are
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +48,8 @@ from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.plan import uses_conv2d
 from dlperf.parallel.planner import PlannerOptions, usable_cores
 from dlperf.parallel.planning import plan_for
+from dlperf.parallel.process_candidates import start_candidate
+from dlperf.parallel.trainer_config import TrainerConfig
 from dlperf.timing import time_steps
 
 DDP_TIMEOUT_S = 600
@@ -155,17 +160,22 @@ def measure_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict:
     options = PlannerOptions(steps=args.plan_steps, rounds=args.plan_rounds, run_steps=args.run_steps,
                              cache_path=os.path.join(cache_dir, "plans.json"))
     t0 = time.perf_counter()
-    decision = plan_for(model, (X, y), optimizer_params={"lr": LR}, loss=loss, options=options)
+    decision = plan_for(model, (X, y), optimizer_params={"lr": LR}, loss=loss, options=options, processes=True)
     planning_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    cached = plan_for(model, (X, y), optimizer_params={"lr": LR}, loss=loss, options=options)
+    cached = plan_for(model, (X, y), optimizer_params={"lr": LR}, loss=loss, options=options, processes=True)
     cached_s = time.perf_counter() - t0
     assert cached.cached and cached.plan == decision.plan
     plan = decision.plan
-    trainer = Trainer(workload(name)[0], plan.devices_for([cpu(0)]), "sgd", {"lr": LR}, loss=loss, plan=plan,
-                      processes=None)
-    configs: dict[str, tuple[Callable[[], object], int]] = {"dlperf_planned": (lambda: trainer.train_step(X, y),
-                                                                                plan.replicas * plan.threads)}
+    if plan.launcher == "processes":  # as dlperf train runs it: the plan's processes, each a Trainer on its slice
+        trainer: Any = start_candidate(plan, workload(name)[0], (X, y),
+                                       TrainerConfig("sgd", {"lr": LR}, loss=loss, processes=None))
+        planned: Callable[[], object] = trainer.step
+    else:
+        trainer = Trainer(workload(name)[0], plan.devices_for([cpu(0)]), "sgd", {"lr": LR}, loss=loss, plan=plan,
+                          processes=None)
+        planned = lambda: trainer.train_step(X, y)  # noqa: E731
+    configs: dict[str, tuple[Callable[[], object], int]] = {"dlperf_planned": (planned, plan.replicas * plan.threads)}
     for threads in (1, 2):
         for cl in layouts(model, X):
             configs[f"plain_{threads}t{'_channels_last' if cl else ''}"] = (plain_step(name, cl), threads)

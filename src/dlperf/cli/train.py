@@ -13,7 +13,9 @@ batch, the first process prints and writes the checkpoint.
 
 ``--plan auto`` measures the plans valid for the model, batch and devices on the first batch (replicas x
 threads, layout, ...: :mod:`dlperf.parallel.planner`) and trains on the fastest, printing it first; ``--plan
-1x2,channels-last`` pins one. ``--model pkg.module:factory`` and ``--data pkg.module:factory`` train your own
+1x2,channels-last`` pins one. A plan whose replicas are processes (``2x1,processes``, pinned or chosen by
+``auto``) trains as that many processes, as ``--nproc-per-node`` would, and a checkpoint of one resumes so.
+``--model pkg.module:factory`` and ``--data pkg.module:factory`` train your own
 model and data: each factory is imported and called with no arguments (that runs your code), the data
 factory returning ``train`` or ``(train, test)``, each an iterable of ``(inputs, targets)`` batches that can
 be iterated once per epoch (a ``DataLoader`` is one).
@@ -153,9 +155,13 @@ def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int =
     from ..parallel.strategies import choose_strategy
     from .train_factory import uses_factories
 
-    if getattr(args, "plan", None) is not None or uses_factories(args):
-        raise UsageError("--plan and MODULE:FACTORY models or data train in one process; drop them, or drop the "
-                         "process count")
+    plan = getattr(args, "plan", None)
+    if uses_factories(args):
+        raise UsageError("MODULE:FACTORY models or data train in one process; drop them, or drop the process count")
+    if plan is not None and not _runs_as(plan, processes):
+        raise UsageError(f"--plan {getattr(plan, 'name', plan)} with {processes} processes: a plan with processes "
+                         f"is measured and started by dlperf train; give --plan auto or --plan {processes}xT,processes "
+                         "without --nproc-per-node, or drop --plan")
     choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, cli=True)
     config = train_config(args, processes)
     check_resume(config)
@@ -167,13 +173,44 @@ def run(args: argparse.Namespace) -> int:
     from .train_factory import run_factories, uses_factories
 
     if uses_factories(args):
+        if _process_plan(args.plan) is not None:
+            raise UsageError(f"--plan {args.plan.name} with MODULE:FACTORY models or data: those train in one "
+                             "process; give a plan without processes")
         return run_factories(args)
+    if args.plan is None or args.plan == "auto":
+        recorded = _recorded_process_plan(args.resume)
+        args.plan = recorded if recorded is not None and args.nproc_per_node is None else args.plan
+    plan = _process_plan(args.plan)
+    if plan is not None and args.nproc_per_node is None:
+        args.nproc_per_node = plan.replicas  # the plan's processes, started here as --nproc-per-node would
     if args.nproc_per_node is not None:
-        if args.plan is not None:
-            raise UsageError("--plan with --nproc-per-node: plans are measured in one process; drop one of them "
-                             "(--plan auto shows whether processes would pay)")
         return _launch(args)
     return _run(train_config(args), args.json, args.no_progress, args.plan)
+
+
+def _process_plan(plan: object):
+    """``plan`` when it runs its replicas as processes, else None."""
+    from ..parallel.plan import Plan
+
+    return plan if isinstance(plan, Plan) and plan.launcher == "processes" else None
+
+
+def _runs_as(plan: object, processes: int) -> bool:
+    found = _process_plan(plan)
+    return found is not None and found.replicas == processes
+
+
+def _recorded_process_plan(resume: str | None):
+    """The checkpoint's plan when it ran as processes (resuming starts as many), else None."""
+    from ..parallel.checkpoint import load_checkpoint
+    from ..parallel.plan import Plan
+
+    if resume is None:
+        return None
+    recorded = load_checkpoint(resume)["trainer"].get("plan")
+    if recorded is None:
+        return None
+    return _process_plan(Plan.from_dict(recorded, "the checkpoint's plan"))
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -186,7 +223,7 @@ def _launch(args: argparse.Namespace) -> int:
     config = check_in_parent(args, args.nproc_per_node)
     layout = argparse.Namespace(nproc_per_node=args.nproc_per_node, nnodes=1, node_rank=0, master=None,
                                 num_servers=0, max_restarts=0, timeout=DEFAULT_TIMEOUT_S)
-    return start(layout, _run, config, args.json, args.no_progress)
+    return start(layout, _run, config, args.json, args.no_progress, args.plan)
 
 
 def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = None) -> int:
@@ -201,9 +238,12 @@ def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = N
         serve(config)
         return 0
     if rank_info().rank != 0:  # one process reports: the others train silently
-        return _quiet(config)
+        return _quiet(config, plan)
     state = prepare(config)
     config.plan = _choose_plan(config, state, plan)
+    chosen = _process_plan(config.plan)
+    if chosen is not None and rank_info().world_size == 1:  # planned here: train as the plan's processes
+        return _launch_plan(config, as_json, no_progress, chosen)
     try:
         _train(config, state, show_progress=not (no_progress or as_json) and sys.stderr.isatty())
     except KeyboardInterrupt:
@@ -248,7 +288,8 @@ def _choose_plan(config: TrainConfig, state: TrainState, plan: object) -> object
         chosen = Plan.from_dict(recorded, "the checkpoint's plan")
         if plan is None or plan == "auto" or plan == chosen:
             print(f"plan: {chosen.summary()} (from the checkpoint)", flush=True)
-            return None  # the Trainer takes the checkpoint's plan over when it loads the state
+            # the Trainer takes the checkpoint's plan over when it loads the state, except across processes
+            return chosen if chosen.launcher == "processes" else None
     if plan == "auto" and state.resume is not None:
         print("plan: as the checkpoint was trained (it records no plan)", flush=True)
         return None
@@ -264,7 +305,8 @@ def _choose_plan(config: TrainConfig, state: TrainState, plan: object) -> object
     rng = torch.get_rng_state()  # planning must not move the weights the run starts from
     try:
         decision = plan_for(state.spec.build(), (X, y), config.device_list(), optimizer_params={"lr": config.lr},
-                            loss=state.spec.loss, options=PlannerOptions(run_steps=steps, executions=executions))
+                            loss=state.spec.loss, options=PlannerOptions(run_steps=steps, executions=executions),
+                            processes=config.kvstore is None)
     finally:
         torch.set_rng_state(rng)
     print(decision.plan.line() + (" [cached]" if decision.cached else f" [planned in {decision.planning_s:.1f} s]"),
@@ -274,7 +316,28 @@ def _choose_plan(config: TrainConfig, state: TrainState, plan: object) -> object
     return decision.plan
 
 
-def _quiet(config: TrainConfig) -> int:
+def _launch_plan(config: TrainConfig, as_json: bool, no_progress: bool, plan) -> int:
+    """Train ``config`` as the ``plan``'s processes (the plan ``--plan auto`` chose in this process)."""
+    import dataclasses
+
+    from ..parallel.procs import check_process_settings
+    from .launch import DEFAULT_TIMEOUT_S, start
+
+    n = plan.replicas
+    print(f"plan: starting {n} processes", flush=True)
+    check_process_settings()
+    config = dataclasses.replace(config, processes=n, plan=None)
+    layout = argparse.Namespace(nproc_per_node=n, nnodes=1, node_rank=0, master=None, num_servers=0,
+                                max_restarts=0, timeout=DEFAULT_TIMEOUT_S)
+    return start(layout, _run, config, as_json, no_progress, plan)
+
+
+def _quiet(config: TrainConfig, plan: object = None) -> int:
+    from ..parallel.plan import Plan
+
+    if isinstance(plan, Plan):  # the plan rank 0 names (printed there), for this rank's Trainer too
+        config.plan = plan.filled(algorithm=config.algorithm, bucket_bytes=config.bucket_bytes,
+                                  kvstore=config.kvstore)
     state = prepare(config)
     try:
         train(config, state)

@@ -52,6 +52,7 @@ from ..timing import time_steps
 from .allreduce import DEFAULT_ALGORITHM
 from .plan import EXECUTIONS, Plan, has_batch_statistics, uses_conv2d
 from .plan_cache import cached_plan, plan_key, save_plan
+from .plan_processes import process_plans, processes_measurable, setup_s
 
 __all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "enumerate_plans",
            "usable_cores", "DEFAULT_BUDGET_S"]
@@ -235,6 +236,8 @@ def enumerate_plans(model: nn.Module, batch: Any, devices: Sequence[Device], ref
         splits += [(r, cores // r) for r in range(2, min(cores, n, MAX_REPLICAS_TRIED) + 1)
                    if r * (cores // r) == cores]
     plans = [reference]
+    # replicas as processes, measured by launching them where the caller can (see plan_processes)
+    processes = process_plans(model, devices, reference, cores, _examples(batch), layouts, notes)
     for r, t in splits:
         # a split of its own gets the cost model's allreduce (resolved in search); the reference keeps the user's
         algorithm = reference.algorithm if r == reference.replicas else ("auto" if r > 1 else DEFAULT_ALGORITHM)
@@ -245,7 +248,9 @@ def enumerate_plans(model: nn.Module, batch: Any, devices: Sequence[Device], ref
                                        step_thread=where)
             if plan not in plans:
                 plans.append(plan)
-    return plans, notes
+        # a split's processes right after its threads: measured before the budget is spent (DDP's shape)
+        plans += [p for p in processes if (p.replicas, p.threads) == (r, t) and p not in plans]
+    return plans + [p for p in processes if p not in plans], notes
 
 
 def _gpu_plans(base: Plan, layouts: list[str], model: nn.Module, options: PlannerOptions,
@@ -382,7 +387,9 @@ class _Session:
             extra = WHOLE_STEP_FIRST_CALL_STEPS * step
         else:
             extra = max(self.first_extra_s, default=0.0) + execution.setup_s
-        return max(self.build_s, default=0.0) + extra + step * (options.warmup + steps)
+        # starting processes is counted by its own estimate, and kept out of the in-process builds' figure
+        build = setup_s(m.plan) if m.plan.launcher == "processes" else max(self.build_s, default=0.0)
+        return build + extra + step * (options.warmup + steps)
 
     def least_s(self, group: Sequence[Measurement], reference: Measurement) -> float:
         """What one timed step of each of ``group`` is predicted to take, first-round costs included."""
@@ -394,11 +401,15 @@ class _Session:
         the budget for one step of each of ``after``, the members still to come in this round."""
         run = self.runs.get(id(m))
         options = self.options
+        if run is None and self.elapsed() + setup_s(m.plan) > self.budget:  # starting processes costs seconds
+            m.note = "skipped for time"
+            return
         try:
             if run is None:
                 built = time.perf_counter()
                 run = self.runs[id(m)] = self.build(m.plan)
-                self.build_s.append(time.perf_counter() - built)
+                if m.plan.launcher != "processes":
+                    self.build_s.append(time.perf_counter() - built)
             first = m.first_step_ms is None
             warm = None
             if first and options.warmup:
@@ -487,6 +498,8 @@ def _difference(plan: Plan, chosen: Plan) -> str:
     parts = []
     if (plan.replicas, plan.threads) != (chosen.replicas, chosen.threads):
         parts.append(f"{plan.replicas} x {plan.threads}")
+    if plan.launcher != chosen.launcher:
+        parts.append(plan.launcher)
     if plan.step_thread != chosen.step_thread:
         parts.append("calling thread" if plan.step_thread == "caller" else "worker")
     if plan.memory_format != chosen.memory_format:
@@ -620,7 +633,7 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     """
     options = options or PlannerOptions()
     extra = repr((reference.to_dict(), options.allow_mixed_precision, tuple(options.executions or ()),
-                  options.cores or usable_cores(), options.run_steps is not None))
+                  options.cores or usable_cores(), options.run_steps is not None, processes_measurable()))
     key = plan_key(model, batch, devices, extra)
     started = time.perf_counter()
     if options.use_cache:

@@ -27,6 +27,7 @@ from ..devices import Device, DeviceLike, cpu
 from ..errors import UsageError
 from .optimizers import OptimizerLike
 from .plan import Plan
+from .plan_processes import measuring_processes
 from .planner import CandidateRun, PlanDecision, PlannerOptions, search, usable_cores
 from .split import check_devices
 from .trainer import Trainer
@@ -41,6 +42,10 @@ def candidate_builder(model: nn.Module, batch: tuple[Any, Any], devices: Sequenc
     X, y = batch
 
     def build(plan: Plan) -> CandidateRun:
+        if plan.launcher == "processes":
+            from .process_candidates import candidate_run
+
+            return candidate_run(plan, model, (X, y), config)
         copied = copy.deepcopy(model).to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
         cfg = dataclasses.replace(config, plan=plan, trace=None, processes=None, check_finite=False)
         trainer = Trainer(copied, plan.devices_for(devices), config=cfg)
@@ -53,13 +58,15 @@ def candidate_builder(model: nn.Module, batch: tuple[Any, Any], devices: Sequenc
 
 def plan_for(model: nn.Module, example_batch: tuple[Any, Any], devices: Sequence[DeviceLike] | None = None, *,
              optimizer: OptimizerLike = "sgd", optimizer_params: dict[str, Any] | None = None,
-             loss: Loss | None = None, options: PlannerOptions | None = None) -> PlanDecision:
+             loss: Loss | None = None, options: PlannerOptions | None = None, processes: bool = False
+             ) -> PlanDecision:
     """The plan to train ``model`` on batches like ``example_batch`` (``(inputs, targets)``), with what it measured.
 
     ``devices``: the devices the run was going to use (its reference is then the Trainer on them as it
     would train without a plan); None: this machine's CPU cores, the reference being one replica using
     them all, contiguous and eager (a plain PyTorch loop). The model's weights are never stepped: every
-    candidate trains a copy.
+    candidate trains a copy. ``processes=True``: also plans whose replicas are processes (the caller can
+    start them, as ``dlperf train`` does), each measured by launching them (:mod:`.plan_processes`).
     """
     if not isinstance(example_batch, (tuple, list)) or len(example_batch) != 2:
         raise UsageError(f"example_batch is a {type(example_batch).__name__}; give (inputs, targets) as one "
@@ -74,4 +81,7 @@ def plan_for(model: nn.Module, example_batch: tuple[Any, Any], devices: Sequence
         placed = check_devices(devices)
         reference = reference_plan(model, placed, config)
     build = candidate_builder(model, (example_batch[0], example_batch[1]), placed, config)
-    return search(model, tuple(example_batch), placed, build, reference, options)
+    from .launchers import rank_info
+
+    with measuring_processes(processes and rank_info().world_size == 1):  # no launch from inside a launched job
+        return search(model, tuple(example_batch), placed, build, reference, options)

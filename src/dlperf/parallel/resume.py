@@ -175,7 +175,8 @@ def trainer_state_problem(state: Mapping[str, Any], *, model: torch.nn.Module, d
         from .plan import Plan
 
         try:
-            devices = Plan.from_dict(state["plan"], "trainer['plan']").replicas
+            plan = Plan.from_dict(state["plan"], "trainer['plan']")
+            devices = 1 if plan.launcher == "processes" else plan.replicas  # processes: one replica each
         except (UsageError, TypeError) as exc:
             return f"{exc}; resume from a checkpoint dlperf wrote"
     buffers = state.get("buffers")

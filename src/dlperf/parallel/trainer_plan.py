@@ -25,6 +25,7 @@ from ..devices import Device
 from ..errors import DlperfError, UsageError
 from .lanes import thread_budget
 from .plan import EXECUTIONS, Plan, parse_plan
+from .plan_processes import in_process_part, launch_hint
 from .planner import CandidateRun, PlanDecision, PlannerOptions, search
 from .trainer_config import TrainerConfig
 
@@ -76,8 +77,16 @@ def reference_plan(module: nn.Module, devices: Sequence[Device], cfg: TrainerCon
 def apply_plan(plan: Plan, devices: Sequence[Device], cfg: TrainerConfig) -> tuple[list[Device], TrainerConfig]:
     """The devices and config a Trainer builds itself from under ``plan`` (one error line when it cannot)."""
     if plan.launcher == "processes":
-        raise UsageError(f"plan {plan.name!r} runs its replicas as processes; start them with dlperf train "
-                         f"--nproc-per-node {plan.replicas} (a Trainer in one process realises thread plans)")
+        from .launchers import rank_info
+
+        world = rank_info().world_size
+        if world != plan.replicas:
+            where = f"this process is one of {world}" if world > 1 else "this Trainer runs in one process"
+            raise UsageError(f"plan {plan.name!r} runs its replicas as {plan.replicas} processes but {where}; "
+                             f"{launch_hint(plan)}")
+        # each process of the launched job is one replica of the plan: it builds that one replica's part
+        placed, part = apply_plan(in_process_part(plan), devices, cfg)
+        return placed, dataclasses.replace(part, plan=plan)
     if plan.mixed_precision == "fp16":
         raise UsageError(f"plan {plan.name!r}: fp16 needs loss scaling, which the Trainer does not do; use bf16")
     placed = plan.devices_for(devices)
@@ -255,6 +264,7 @@ class PlanState:
         """After a step failed under a plan: rebuild on the reference and say so (True), or let it raise."""
         if (self.fell_back or not self.fallback or self.plan is None or self.reference is None
                 or self.plan == self.reference
+                or self.plan.launcher == "processes"  # one process alone cannot leave the others' plan
                 or isinstance(exc, DlperfError) or not isinstance(exc, (RuntimeError, MemoryError))):
             return False
         self.fell_back = True
