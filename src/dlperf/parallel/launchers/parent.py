@@ -23,6 +23,12 @@ __all__ = ["ParentState"]
 
 # torch's process context installs its own handlers for these in the main thread and leaves them there
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# launches may overlap (the planner keeps a process candidate's launch open on a thread while it starts the
+# next): the environment is saved by the first to start and given back by the last to end, since restoring
+# each one's own copy out of order would put back what an earlier one's agent had set
+_env_lock = threading.Lock()
+_env_users = 0
+_env_saved: dict[str, str] = {}
 _FILTER_POLL_S = 0.05
 _FILTER_DRAIN_READS = 64
 
@@ -172,7 +178,11 @@ class ParentState:
             found.propagate = False
         self.stderr = _StderrFilter(self.log_path)
         self.stderr.start()
-        self.env = dict(os.environ)
+        global _env_users, _env_saved
+        with _env_lock:
+            if _env_users == 0:
+                _env_saved = dict(os.environ)
+            _env_users += 1
         self.handlers = {}
         if threading.current_thread() is threading.main_thread():
             for name in _AGENT_SIGNALS:
@@ -198,10 +208,14 @@ class ParentState:
         self.log_handler.close()
         for name in _AGENT_LOGGERS:
             logging.getLogger(name).removeFilter(self._filter)
-        for k in set(os.environ) - set(self.env):
-            del os.environ[k]
-        for k, v in self.env.items():
-            if os.environ.get(k) != v:
-                os.environ[k] = v
+        global _env_users
+        with _env_lock:
+            _env_users -= 1
+            if _env_users == 0:
+                for k in set(os.environ) - set(_env_saved):
+                    del os.environ[k]
+                for k, v in _env_saved.items():
+                    if os.environ.get(k) != v:
+                        os.environ[k] = v
         for sig, handler in self.handlers.items():
             signal.signal(sig, handler)
