@@ -23,12 +23,6 @@ __all__ = ["ParentState"]
 
 # torch's process context installs its own handlers for these in the main thread and leaves them there
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-# launches may overlap (the planner keeps a process candidate's launch open on a thread while it starts the
-# next): the environment is saved by the first to start and given back by the last to end, since restoring
-# each one's own copy out of order would put back what an earlier one's agent had set
-_env_lock = threading.Lock()
-_env_users = 0
-_env_saved: dict[str, str] = {}
 _FILTER_POLL_S = 0.05
 _FILTER_DRAIN_READS = 64
 
@@ -146,27 +140,45 @@ def _raise_signal(signum: int, frame: Any) -> None:
     raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
 
 
-class ParentState:
-    """The environment, signal handlers and log filters the launch changes in this process, put back after.
+class _ProcessWide:
+    """What a launch changes for the whole process (loggers, descriptor 2, the environment), held once.
 
-    torch's own log output (the agent's traceback blocks, the rendezvous' retries) goes to ``log_path``,
-    never to the terminal; SIGTERM and SIGHUP raise torch's ``SignalException`` from the start, so a launch
-    stopped before the agent installs its handlers (in rendezvous) still unwinds and removes what it made.
+    Launches may overlap (the planner keeps a process candidate's launch open on a thread while it starts
+    the next): the first to start makes the changes and the last to end undoes them, since undoing each
+    launch's own changes out of order would put back a pipe already closed or a variable an earlier agent
+    set. Their torch lines share the first launch's log file, removed at the end unless a launch kept it.
     """
 
     _filter = _PlainTracebacks()
 
-    def __init__(self, log_path: Path) -> None:
-        self.log_path = log_path
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.keep = False
 
-    def __enter__(self) -> ParentState:
+    def enter(self, log_path: Path) -> Path:
+        with self.lock:
+            if self.users == 0:
+                self._install(log_path)
+            self.users += 1
+            return self.log_path
+
+    def exit(self, keep: bool) -> None:
+        with self.lock:
+            self.keep |= keep
+            self.users -= 1
+            if self.users == 0:
+                self._remove()
+
+    def _install(self, log_path: Path) -> None:
+        self.log_path, self.keep = log_path, False
         for name in _AGENT_LOGGERS:
             logging.getLogger(name).addFilter(self._filter)
-        self.log_handler = logging.FileHandler(self.log_path, delay=True, encoding="utf-8")
+        self.log_handler = logging.FileHandler(log_path, delay=True, encoding="utf-8")
         self.log_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         # torch gives some of its loggers a handler of their own (to stderr): each of those writes to the file
         # instead while the launch runs; the others reach it through torch.distributed
-        self.loggers = {}
+        self.loggers: dict[str, tuple[list[logging.Handler], bool]] = {}
         for name, found in list(logging.Logger.manager.loggerDict.items()):
             if isinstance(found, logging.Logger) and found.handlers and name.startswith(_TORCH_LOGGER + "."):
                 self.loggers[name] = (list(found.handlers), found.propagate)
@@ -176,14 +188,47 @@ class ParentState:
             found = logging.getLogger(name)
             found.handlers = [self.log_handler]
             found.propagate = False
-        self.stderr = _StderrFilter(self.log_path)
+        self.stderr = _StderrFilter(log_path)
         self.stderr.start()
-        global _env_users, _env_saved
-        with _env_lock:
-            if _env_users == 0:
-                _env_saved = dict(os.environ)
-            _env_users += 1
-        self.handlers = {}
+        self.env = dict(os.environ)
+
+    def _remove(self) -> None:
+        self.stderr.stop()
+        for name, (handlers, propagate) in self.loggers.items():
+            found = logging.getLogger(name)
+            found.handlers, found.propagate = handlers, propagate
+        self.log_handler.close()
+        for name in _AGENT_LOGGERS:
+            logging.getLogger(name).removeFilter(self._filter)
+        for k in set(os.environ) - set(self.env):
+            del os.environ[k]
+        for k, v in self.env.items():
+            if os.environ.get(k) != v:
+                os.environ[k] = v
+        if not self.keep:
+            self.log_path.unlink(missing_ok=True)
+
+
+_PROCESS_WIDE = _ProcessWide()
+
+
+class ParentState:
+    """The environment, signal handlers and log filters the launch changes in this process, put back after.
+
+    torch's own log output (the agent's traceback blocks, the rendezvous' retries) goes to ``log_path``,
+    never to the terminal (with overlapping launches, to the first one's file: :attr:`log_path` says which);
+    SIGTERM and SIGHUP raise torch's ``SignalException`` from the start, so a launch stopped before the agent
+    installs its handlers (in rendezvous) still unwinds and removes what it made. Set :attr:`keep` to keep the
+    log file once every launch has ended (it is removed otherwise).
+    """
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self.keep = False
+
+    def __enter__(self) -> ParentState:
+        self.log_path = _PROCESS_WIDE.enter(self.log_path)
+        self.handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for name in _AGENT_SIGNALS:
                 sig = getattr(signal, name, None)
@@ -201,21 +246,6 @@ class ParentState:
             return False
 
     def __exit__(self, *exc: object) -> None:
-        self.stderr.stop()
-        for name, (handlers, propagate) in self.loggers.items():
-            found = logging.getLogger(name)
-            found.handlers, found.propagate = handlers, propagate
-        self.log_handler.close()
-        for name in _AGENT_LOGGERS:
-            logging.getLogger(name).removeFilter(self._filter)
-        global _env_users
-        with _env_lock:
-            _env_users -= 1
-            if _env_users == 0:
-                for k in set(os.environ) - set(_env_saved):
-                    del os.environ[k]
-                for k, v in _env_saved.items():
-                    if os.environ.get(k) != v:
-                        os.environ[k] = v
+        _PROCESS_WIDE.exit(self.keep)
         for sig, handler in self.handlers.items():
             signal.signal(sig, handler)

@@ -497,19 +497,14 @@ class ProcessLauncher(Launcher):
         if self.checkpoint is not None:
             check_writable(self.checkpoint)
         log_path = _log_dir() / f"dlperf-agent-{os.getpid()}-{uuid.uuid4().hex[:8]}.log"
-        keep_log = False
-        try:
-            with ParentState(log_path) as parent:
-                try:
-                    return self._launch_with_retries(fn, args, kwargs)
-                except LaunchError as exc:
-                    keep_log = parent.logged()
-                    if keep_log:  # where the rest went, for the one line that reports the error
-                        exc.log_path = str(log_path)
-                    raise
-        finally:
-            if not keep_log:
-                log_path.unlink(missing_ok=True)
+        with ParentState(log_path) as parent:  # removes the log file at the end unless kept
+            try:
+                return self._launch_with_retries(fn, args, kwargs)
+            except LaunchError as exc:
+                parent.keep = parent.logged()
+                if parent.keep:  # where the rest went, for the one line that reports the error
+                    exc.log_path = str(parent.log_path)
+                raise
 
     def _launch_with_retries(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
         # A port picked here is only free until the agent binds it: another program may take it between the

@@ -1,0 +1,41 @@
+"""The process-wide state a launch changes (descriptor 2, the environment, torch's loggers) comes back whole,
+also when launches overlap and end in another order than they started (the planner's process candidates)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from dlperf.parallel.launchers.parent import ParentState
+
+
+def _stderr_target() -> tuple[int, int]:
+    st = os.fstat(2)
+    return st.st_dev, st.st_ino
+
+
+def test_overlapping_launches_ending_out_of_order_give_everything_back(tmp_path):
+    before_fd2, before_env = _stderr_target(), dict(os.environ)
+    before_handlers = list(logging.getLogger("torch.distributed").handlers)
+    first = ParentState(tmp_path / "first.log")
+    second = ParentState(tmp_path / "second.log")
+    first.__enter__()
+    os.environ["DLPERF_TEST_AGENT_VAR"] = "set by the first launch's agent"
+    second.__enter__()
+    assert second.log_path == first.log_path  # torch's lines of both go to one file
+    first.__exit__(None, None, None)  # the first ends first: nothing may be undone under the second
+    assert _stderr_target() != before_fd2
+    os.write(2, b"")  # descriptor 2 still writes while the second runs (a closed pipe would raise)
+    second.__exit__(None, None, None)
+    assert _stderr_target() == before_fd2
+    assert dict(os.environ) == before_env
+    assert logging.getLogger("torch.distributed").handlers == before_handlers
+    assert not (tmp_path / "first.log").exists() and not (tmp_path / "second.log").exists()
+
+
+def test_a_kept_log_outlives_the_launches(tmp_path):
+    state = ParentState(tmp_path / "agent.log")
+    with state:
+        logging.getLogger("torch.distributed").warning("a line torch logged")
+        state.keep = state.logged()
+    assert state.keep and "a line torch logged" in (tmp_path / "agent.log").read_text()
