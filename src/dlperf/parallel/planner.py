@@ -615,7 +615,8 @@ def _executions_phase(session: _Session, found: list[Measurement], model: nn.Mod
             session.skipped.append(f"{name}: the run's length is unknown, so its setup cannot be weighed")
             continue
         if session.elapsed() + execution.setup_s > session.budget:
-            need = f"needs ~{execution.setup_s:.0f} s of setup, beyond" if execution.setup_s else "not measured: spent"
+            need = (f"needs ~{execution.setup_s:.0f} s of setup, more than is left of" if execution.setup_s
+                    else "not measured: spent")
             session.skipped.append(f"{name}: {need} the time budget ({session.budget:.1f} s)")
             continue
         m = Measurement(dataclasses.replace(leader.plan, execution=name), leader.floor_ms)
