@@ -154,6 +154,31 @@ def measure_ddp(names: list[str], steps: int, warmup: int, rounds: int) -> dict[
     return {k: max(r[k] for r in results) for k in results[0]}  # a step ends when the slower rank ends
 
 
+def alternate(configs: dict[str, tuple[Callable[[], object], int]], rounds: int, steps: int, warmup: int,
+              later_warmup: int = 0, sets_own_threads: Callable[[str], bool] = lambda key: False
+              ) -> tuple[dict[str, list[float]], dict[str, bool]]:
+    """Each config's median ms per step in every round, and whether any of its timings was contended.
+
+    ``configs`` maps a name to (step, threads); the order is reversed every other round so drift hits all
+    alike. A plain loop runs at its thread count; a config that ``sets_own_threads`` (a Trainer under a plan)
+    is left at what it sets. ``warmup`` steps precede the first round, ``later_warmup`` each later one.
+    """
+    by_round: dict[str, list[float]] = {k: [] for k in configs}
+    contended = dict.fromkeys(configs, False)
+    for i in range(rounds):
+        for key in (configs if i % 2 == 0 else dict(reversed(configs.items()))):
+            step, threads = configs[key]
+            before = torch.get_num_threads()
+            torch.set_num_threads(before if sets_own_threads(key) else threads)
+            try:
+                t = time_steps(step, warmup=warmup if i == 0 else later_warmup, steps=steps, threads=threads)
+            finally:
+                torch.set_num_threads(before)
+            by_round[key].append(t.median_s * 1e3)
+            contended[key] |= t.contended
+    return by_round, contended
+
+
 def measure_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict:
     model, (X, y), loss = workload(name)
     # a fresh plan cache: planning_s is a first run's (the compiled native interpreter stays cached)
@@ -184,20 +209,9 @@ def measure_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict:
         bookkeeping = Trainer(workload(name)[0], [cpu(0)], "sgd", {"lr": LR}, loss=loss, plan=BOOKKEEPING_PLAN,
                               processes=None)
         configs["trainer_1x1_eager"] = (lambda: bookkeeping.train_step(X, y), 1)
-    rounds: dict[str, list[float]] = {k: [] for k in configs}
-    contended: dict[str, bool] = {k: False for k in configs}
     try:
-        for i in range(args.rounds):
-            for key in (configs if i % 2 == 0 else dict(reversed(configs.items()))):
-                step, threads = configs[key]
-                before = torch.get_num_threads()
-                torch.set_num_threads(threads if not key.startswith(("dlperf", "trainer")) else before)
-                try:
-                    t = time_steps(step, warmup=args.warmup if i == 0 else 0, steps=args.steps, threads=threads)
-                finally:
-                    torch.set_num_threads(before)
-                rounds[key].append(t.median_s * 1e3)
-                contended[key] |= t.contended
+        rounds, contended = alternate(configs, args.rounds, args.steps, args.warmup,
+                                      sets_own_threads=lambda key: key.startswith(("dlperf", "trainer")))
     finally:
         trainer.close()
         if bookkeeping is not None:

@@ -36,10 +36,9 @@ from dlperf._hostmem import host_malloc_state, keep_freed_host_memory
 from dlperf.parallel import Trainer
 from dlperf.parallel.plan import parse_plan
 from dlperf.parallel.planner import usable_cores
-from dlperf.timing import time_steps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_plan import LR, plain_step, workload  # noqa: E402  (the peers bench_plan times, written once)
+from bench_plan import LR, alternate, plain_step, workload  # noqa: E402  (the peers bench_plan times, written once)
 
 
 @dataclass(frozen=True)
@@ -69,22 +68,11 @@ def measure_row(row: Row, args: argparse.Namespace) -> dict:
         "trainer": (lambda: trainer.train_step(X, y), threads),
         "plain": (plain_step(row.model, plan.memory_format == "channels_last"), threads),
     }
-    rounds: dict[str, list[float]] = {k: [] for k in configs}
-    contended = dict.fromkeys(configs, False)
-    steps = args.steps * row.steps_scale
     try:
-        for i in range(args.rounds):
-            for key in (configs if i % 2 == 0 else dict(reversed(configs.items()))):
-                step, n = configs[key]
-                before = torch.get_num_threads()
-                torch.set_num_threads(n if key == "plain" else before)  # the plan sets its own
-                try:
-                    t = time_steps(step, warmup=args.warmup * row.steps_scale if i == 0 else 1, steps=steps,
-                                   threads=n)
-                finally:
-                    torch.set_num_threads(before)
-                rounds[key].append(t.median_s * 1e3)
-                contended[key] |= t.contended
+        # the Trainer's plan sets its own threads
+        rounds, contended = alternate(configs, args.rounds, args.steps * row.steps_scale,
+                                      args.warmup * row.steps_scale, later_warmup=1,
+                                      sets_own_threads=lambda key: key != "plain")
     finally:
         trainer.close()
     best = {k: min(v) for k, v in rounds.items()}

@@ -322,6 +322,32 @@ class ExchangeReport:
                            "wait_s": w, "link_s": r.link_s} for r, w in zip(self.rows, self.waits(), strict=True)]}
 
 
+def gather_store(kind: str) -> Any | None:
+    """The launch's rendezvous store under a prefix of its own for this gather (every rank numbers its gathers
+    alike), or None outside a launcher's agent."""
+    global _gathers
+    from .._attempt import attempt_store
+
+    _gathers += 1
+    return attempt_store(f"{kind}/{_gathers}/")
+
+
+def hand_over(store: Any, rank: int, value: object, wait_for: Sequence[str]) -> bool:
+    """Put this rank's ``value`` (JSON) under its rank; on rank 0, wait at most ``_GATHER_TIMEOUT_S`` for the
+    keys ``wait_for``. True on rank 0 once they are all there; False elsewhere, or when a rank that stopped
+    early never reported (no straggler can then be named)."""
+    import datetime
+
+    store.set(str(rank), json.dumps(value))
+    if rank != 0:
+        return False
+    try:
+        store.wait(list(wait_for), datetime.timedelta(seconds=_GATHER_TIMEOUT_S))
+    except RuntimeError:
+        return False
+    return True
+
+
 def gather_exchanges(clock: ExchangeClock, axis: ProcessAxis) -> ExchangeReport | None:
     """Hand this rank's totals over; on the first rank of ``axis``, collect every rank's and keep the report
     (:func:`last_exchange_report`).
@@ -330,12 +356,10 @@ def gather_exchanges(clock: ExchangeClock, axis: ProcessAxis) -> ExchangeReport 
     leaves the others waiting on no sum, and the first rank waits at most ``_GATHER_TIMEOUT_S`` for a
     missing one, then reports nothing. ``None`` on the other ranks and outside a launcher's agent.
     """
-    global _LAST_REPORT, _gathers
-    from .._attempt import attempt_store
+    global _LAST_REPORT
     from .launchers import rank_host
 
-    _gathers += 1
-    store = attempt_store(f"exchanges/{_gathers}/")
+    store = gather_store("exchanges")
     if store is None:
         return None
     payload, link_s = b"\0" * _LINK_PROBE_BYTES, float("inf")
@@ -344,15 +368,8 @@ def gather_exchanges(clock: ExchangeClock, axis: ProcessAxis) -> ExchangeReport 
         store.set(f"link/{axis.rank}", payload)
         store.add(f"link/{axis.rank}/acks", 1)  # set does not wait for the store; this reply comes after it
         link_s = min(link_s, time.perf_counter() - start)
-    store.set(str(axis.rank), json.dumps([rank_host(), clock.seconds, clock.count, link_s]))
-    if axis.rank != 0:
-        return None
-    import datetime
-
     keys = [str(r) for r in range(axis.world)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=_GATHER_TIMEOUT_S))
-    except RuntimeError:  # a rank that stopped early never reports: no straggler can be named
+    if not hand_over(store, axis.rank, [rank_host(), clock.seconds, clock.count, link_s], keys):
         return None
     rows = []
     for r, key in enumerate(keys):

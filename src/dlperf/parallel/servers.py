@@ -101,8 +101,6 @@ def open_dist_kvstore(kvstore: str | KVStore) -> tuple[DistKVStore, Any]:
 _SLOW_SERVER_FACTOR = 2.0
 _SLOW_SERVER_MIN_S = 1e-3
 """... and more than this per request above the others (below it the difference is noise)."""
-_GATHER_TIMEOUT_S = 10.0
-_gathers = 0
 
 
 @dataclass(frozen=True)
@@ -168,28 +166,18 @@ def gather_server_exchanges(kv: DistKVStore) -> ServerExchangeReport | None:
     Through the launch's rendezvous store: a worker hands its times over once its store has closed, a
     server (:func:`serve_kvstore`) once it has served, before it closes; a worker's close waits for every
     rank's (RPC's graceful shutdown), so the servers' are there by then. The first rank waits at most
-    ``_GATHER_TIMEOUT_S`` for a missing worker, then reports nothing; a server that served otherwise (its
+    ``procs._GATHER_TIMEOUT_S`` for a missing worker, then reports nothing; a server that served otherwise (its
     own ``serve()``) is left out of the report. ``None`` on the other ranks and outside a launcher's agent.
     """
-    global _gathers
-    import datetime
-
-    from .._attempt import attempt_store
     from .launchers import rank_host
-    from .procs import keep_exchange_report
+    from .procs import gather_store, hand_over, keep_exchange_report
 
-    _gathers += 1
-    store = attempt_store(f"server-exchanges/{_gathers}/")
+    store = gather_store("server-exchanges")
     mine = kv.exchange_times()
     if store is None:
         return None
-    store.set(str(mine["rank"]), json.dumps([rank_host(), mine]))
-    if mine["rank"] != 0:
-        return None
     workers_only = [str(r) for r in range(kv.num_workers)]
-    try:
-        store.wait(workers_only, datetime.timedelta(seconds=_GATHER_TIMEOUT_S))
-    except RuntimeError:  # a rank that stopped early never reports: no straggler can be named
+    if not hand_over(store, mine["rank"], [rank_host(), mine], workers_only):
         return None
     keys = workers_only + [str(r) for r in range(kv.num_workers, mine["world"]) if store.check([str(r)])]
     workers, servers = [], []
