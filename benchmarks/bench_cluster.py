@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import statistics
 import sys
@@ -72,7 +71,7 @@ from dlperf.timing import ContentionMonitor
 
 # the namespaces helper is test support, kept out of the library: it lives beside the tests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.netns import Hosts, node_result, unavailable_reason  # noqa: E402
+from support.netns import Hosts, node_result, nodes_unavailable_reason  # noqa: E402
 
 PORT = 29500  # the namespaces are fresh: nothing else listens in them
 RATES_GBIT = (1, 10, 25)
@@ -407,9 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (2 if args.quick else 3)
     if args.node_rank is not None:
         return node_main(args)
-    reason = unavailable_reason()
-    if reason is None and shutil.which("unshare") is None:
-        reason = "the 'unshare' command is missing (each host needs a host name of its own); install util-linux"
+    reason = nodes_unavailable_reason()
     if reason is not None:
         print(f"bench_cluster: {reason}", file=sys.stderr)
         return 2

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -53,7 +52,7 @@ from dlperf.timing import time_steps
 
 # the namespaces helper is test support, kept out of the library: it lives beside the tests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.netns import Hosts, node_result, unavailable_reason  # noqa: E402
+from support.netns import Hosts, node_result, nodes_unavailable_reason  # noqa: E402
 
 SIZES = (64 * 1024, 1024 * 1024, 16 * 1024 * 1024, 64 * 1024 * 1024)
 PORT = 29500  # the namespaces are fresh: nothing else listens in them
@@ -192,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.node:
         return node_main(args)
-    reason = unavailable_reason()
-    if reason is None and shutil.which("unshare") is None:
-        reason = "the 'unshare' command is missing (each host needs a host name of its own); install util-linux"
+    reason = nodes_unavailable_reason()
     if reason is not None:
         print(f"bench_netns: {reason}", file=sys.stderr)
         return 2

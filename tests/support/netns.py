@@ -61,6 +61,17 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 _reason_cache: list[str | None] = []
 
 
+def nodes_unavailable_reason() -> str | None:
+    """Why :meth:`Hosts.start_nodes` cannot run here (namespaces, or the ``unshare`` command that gives each
+    node a host name of its own), one line with the fix, or None."""
+    import shutil
+
+    reason = unavailable_reason()
+    if reason is None and shutil.which("unshare") is None:
+        reason = "the 'unshare' command is missing (each host needs a host name of its own); install util-linux"
+    return reason
+
+
 def unavailable_reason() -> str | None:
     """Why namespaces cannot be made here (one line, with the fix), or None when they can."""
     if _reason_cache:
