@@ -73,7 +73,8 @@ def test_a_trainer_in_one_process_names_the_faster_processes_plan_and_how_to_get
     lines = [line for line in said.splitlines() if offered.name in line]
     assert len(lines) == 1, said
     assert lines[0].startswith(f"plan: {offered.name} was measured faster (") and f"{plan.measured_ms:.2f})" in lines[0]
-    assert "dlperf train --plan auto" in lines[0] and "--nproc-per-node 2" in lines[0]
+    assert f"give it plan={offered.name!r} and run under dlperf launch --nproc-per-node 2" in lines[0]
+    assert f"dlperf train --nproc-per-node 2 --plan {offered.name}" in lines[0]
     # the decision cached, the next Trainer says it again
     _, again = trainer_plans(capsys)
     assert lines[0] in again

@@ -735,8 +735,8 @@ def _processes_hint(model: nn.Module, batch: Any, devices: Sequence[Device], pla
     if offer.measured_ms >= plan.measured_ms * (1 - MIN_GAIN):
         return None
     return (f"plan: {offer.name} was measured faster ({offer.measured_ms:.2f} ms/step against "
-            f"{plan.measured_ms:.2f}) where processes could be started; one process cannot start them: "
-            f"train with dlperf train --plan auto, or {launch_hint(offer)}")
+            f"{plan.measured_ms:.2f}) where processes could be started, which a Trainer in one process cannot: "
+            f"give it plan={offer.name!r} and {launch_hint(offer)}")
 
 
 def _setup_free(options: PlannerOptions, model: nn.Module, devices: Sequence[Device]) -> list[str]:
