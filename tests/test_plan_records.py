@@ -5,6 +5,7 @@ it is faster). Entries are data, checked field by field; a bad one is ignored wi
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
@@ -114,8 +115,6 @@ def test_an_older_file_without_the_new_sections_still_reads(capsys):
 
 
 def write(doc: object) -> None:
-    import os
-
     path = default_cache_path()
     with open(path, "w") as f:
         json.dump(doc, f)
@@ -144,3 +143,22 @@ def test_a_bad_offer_is_ignored_with_one_line(capsys):
     assert processes_offer("m1") is None
     err = capsys.readouterr().err
     assert "ignoring plan cache" in err and err.count("\n") <= 1
+
+
+def test_full_sections_stay_inside_the_files_size_limit(monkeypatch):
+    from dlperf.parallel import plan_cache
+
+    # every section at its most, each plan with its most alternatives: the file still reads back
+    plan = Plan(replicas=2, threads=1, launcher="processes").with_figures(
+        3.0, [(f"{i} x 1, processes, worker, contiguous, compile", 4.0 + i) for i in range(16)])
+    sections = {"plans": {f"p{i:030d}": {**plan_cache._plan_entry(plan), "saved": 1.0}
+                          for i in range(plan_cache.MAX_ENTRIES)},
+                "setups": {f"s{i:030d}": {"seconds": 12345.678, "saved": 1.0} for i in range(plan_cache.MAX_ENTRIES)},
+                "with_processes": {f"m{i:030d}": {**plan_cache._plan_entry(plan), "saved": 1.0}
+                                   for i in range(plan_cache.MAX_ENTRIES // 4)}}
+    with monkeypatch.context() as patched:  # one write of full sections, not 600 writes of a growing file
+        patched.setattr(plan_cache, "_read_sections", lambda path: sections)
+        save_processes_offer("m-new", plan)  # one beyond the quarter: the oldest goes
+    assert len(sections["with_processes"]) == plan_cache.MAX_ENTRIES // 4
+    assert os.path.getsize(default_cache_path()) < plan_cache.MAX_BYTES
+    assert processes_offer("m-new") == plan and recorded_setup_s(f"s{0:030d}") == 12345.678

@@ -144,15 +144,17 @@ def _saved(entry: object) -> float:
 
 
 def _record(section: str, key: str, entry: dict[str, Any], path: str | None) -> None:
-    """Put ``entry`` under ``key`` in ``section`` (the oldest go beyond :data:`MAX_ENTRIES`) and write the file
-    again. A cache that cannot be written costs the next run its planning time, not this run: said in one line."""
+    """Put ``entry`` under ``key`` in ``section`` (the oldest go beyond :data:`MAX_ENTRIES`, a quarter of that for
+    ``with_processes``, so that full sections stay well inside :data:`MAX_BYTES`) and write the file again. A
+    cache that cannot be written costs the next run its planning time, not this run: said in one line."""
     path = path or default_cache_path()
     sections = _read_sections(path)
     entries = sections[section]
     entries[key] = {**entry, "saved": time.time()}
-    if len(entries) > MAX_ENTRIES:
+    limit = MAX_ENTRIES // 4 if section == "with_processes" else MAX_ENTRIES
+    if len(entries) > limit:
         oldest = sorted(entries, key=lambda k: _saved(entries[k]))
-        for k in oldest[: len(entries) - MAX_ENTRIES]:
+        for k in oldest[: len(entries) - limit]:
             del entries[k]
     doc = {"format": CACHE_FORMAT, **{name: sections[name] for name in _SECTIONS if sections[name] or name == "plans"}}
     data = (json.dumps(doc, allow_nan=False) + "\n").encode()
