@@ -102,17 +102,26 @@ def layouts(model: nn.Module, X: torch.Tensor) -> list[bool]:
     return [False, True] if uses_conv2d(model) and X.dim() == 4 else [False]
 
 
-def plain_step(name: str, channels_last: bool) -> Callable[[], None]:
-    """The hand-written loop: one model, the whole batch, SGD."""
+def plain_step(name: str, channels_last: bool, ddp: bool = False) -> Callable[[], None]:
+    """The hand-written loop: one model, SGD, the whole batch; with ``ddp`` the model wrapped in PyTorch's
+    DistributedDataParallel on this rank's slice of the batch (inside a launched process group)."""
     model, (X, y), loss = workload(name)
+    if ddp:
+        rank, world, _ = rank_info()
+        mine = slice(rank * X.shape[0] // world, (rank + 1) * X.shape[0] // world)
+        X, y = X[mine], y[mine]
     if channels_last:
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         X = X.contiguous(memory_format=torch.channels_last)
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss(model(X), y).backward()
+        loss(model(X), y).backward()  # under DDP the gradients are averaged over ranks during backward
         opt.step()
     return step
 
@@ -120,27 +129,13 @@ def plain_step(name: str, channels_last: bool) -> Callable[[], None]:
 def _ddp_worker(names: list[str], steps: int, warmup: int, rounds: int) -> dict[str, float]:
     """One DDP rank: each model's steps on its half of the batch, both layouts where they apply."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    rank, world, _ = rank_info()
     torch.set_num_threads(1)
     out: dict[str, float] = {}
     for name in names:
-        model0, (X, y), loss = workload(name)
-        mine = slice(rank * X.shape[0] // world, (rank + 1) * X.shape[0] // world)
+        model0, (X, _), _ = workload(name)
         for cl in layouts(model0, X):
-            model, (X, y), loss = workload(name)
-            Xr, yr = X[mine], y[mine]
-            if cl:
-                model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-                Xr = Xr.contiguous(memory_format=torch.channels_last)
-            ddp = DDP(model)
-            opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-
-            def step(ddp=ddp, opt=opt, Xr=Xr, yr=yr, loss=loss) -> None:
-                opt.zero_grad(set_to_none=True)
-                loss(ddp(Xr), yr).backward()  # DDP averages the gradients over ranks during backward
-                opt.step()
+            step = plain_step(name, cl, ddp=True)
             # a barrier around each step: both ranks start together, a step ends with the slower
             best = min(time_steps(step, warmup=warmup, steps=steps, synchronize=dist.barrier, threads=1).median_s
                        for _ in range(rounds))

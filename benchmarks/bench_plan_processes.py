@@ -19,37 +19,23 @@ import sys
 
 import torch
 
-from bench_plan import LR, MODELS, layouts, workload
-from dlperf.parallel.launchers import ProcessLauncher, rank_info
+from bench_plan import LR, MODELS, layouts, plain_step, workload
+from dlperf.parallel.launchers import ProcessLauncher
 from dlperf.timing import time_steps
 
 
 def _time_model(name: str, steps: int, warmup: int, rounds: int) -> dict[str, list]:
     """This rank's alternating rounds of dlperf's Trainer and DDP on ``name``."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dlperf.devices import cpu
     from dlperf.parallel import Trainer
 
-    rank, world, _ = rank_info()
     model, (X, y), loss = workload(name)
     cl = layouts(model, X)[-1]
     trainer = Trainer(model, [cpu(0)], "sgd", {"lr": LR}, loss=loss, threads=[1],
                       memory_format="channels_last" if cl else "contiguous")
-    peer, _, _ = workload(name)
-    mine = slice(rank * X.shape[0] // world, (rank + 1) * X.shape[0] // world)
-    Xr, yr = X[mine], y[mine]
-    if cl:
-        peer = peer.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        Xr = Xr.contiguous(memory_format=torch.channels_last)
-    ddp = DDP(peer)
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-
-    def ddp_step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss(ddp(Xr), yr).backward()
-        opt.step()
+    ddp_step = plain_step(name, cl, ddp=True)
 
     steps_of = {"dlperf": lambda: trainer.train_step(X, y), "ddp": ddp_step}
     res: dict[str, list] = {"dlperf": [], "ddp": [], "contended": []}

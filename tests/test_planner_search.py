@@ -3,6 +3,7 @@ The decisions are checked on made-up measurements whose right answer is known by
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -226,3 +227,79 @@ def test_a_short_runs_budget_holds_a_round_of_the_captured_step_too():
     decision = search(mlp, batch, [cpu(0), cpu(1)], sleepy(0.0, 0.03, []), Plan(replicas=1, threads=2), options)
     captured = [m for m in decision.measurements if m.plan.execution == "captured"]
     assert len(captured) == 1 and captured[0].by_round, decision.table()
+
+
+COMPILE_ONLY = ("eager", "compile")
+"""Executions of the compile tests below (the captured step would be measured too, and is not their subject)."""
+
+
+def first_step_slow(setup_s: float, step_s: float, built: list[Plan]):
+    """A builder whose compiled candidates' first step sleeps ``setup_s`` more: their setup, known by construction."""
+    def build(plan: Plan) -> CandidateRun:
+        built.append(plan)
+        pending = [setup_s if plan.execution == "compile" else 0.0]
+
+        def step() -> None:
+            time.sleep(step_s + pending.pop() if pending else step_s)
+        return CandidateRun(step=step, close=lambda: None)
+    return build
+
+
+def test_a_compile_whose_recorded_setup_exceeds_the_budget_left_is_not_started():
+    from dlperf.parallel.plan_cache import save_setup
+    from dlperf.parallel.planner import _setup_key
+
+    model, batch, devices = small_cnn(), one_batch(), [cpu(0), cpu(1)]
+    # 50 s measured here before: more than the 40 s budget, though the guess for 4 layers (20 s) would fit
+    save_setup(_setup_key(model, batch, devices, "compile"), 50.0)
+    built: list[Plan] = []
+    options = PlannerOptions(rounds=1, steps=2, warmup=1, cores=2, run_steps=100_000, budget_s=40,
+                             executions=COMPILE_ONLY)
+    decision = search(model, batch, devices, first_step_slow(0.0, 0.005, built), Plan(replicas=2, threads=1), options)
+    assert not any(p.execution == "compile" for p in built), decision.table()
+    line = [s for s in decision.skipped if s.startswith("compile:")]
+    assert len(line) == 1 and line[0].startswith("compile: needs ~50 s of setup (as measured here before), more "
+                                                 "than the "), line
+    assert line[0].endswith("s left of the time budget (40.0 s)"), line
+    assert decision.planning_s < 5
+
+
+def test_a_measured_compile_setup_is_recorded_and_predicts_the_next_search():
+    from dlperf.parallel.plan_cache import recorded_setup_s
+    from dlperf.parallel.planner import _setup_key
+
+    model, batch, devices = small_cnn(), one_batch(), [cpu(0), cpu(1)]
+    built: list[Plan] = []
+    options = PlannerOptions(rounds=1, steps=2, warmup=1, cores=2, run_steps=100_000, budget_s=30,
+                             executions=COMPILE_ONLY)
+    first = search(model, batch, devices, first_step_slow(0.4, 0.005, built), Plan(replicas=2, threads=1), options)
+    compiled = [m for m in first.measurements if m.plan.execution == "compile"]
+    assert len(compiled) == 1 and compiled[0].setup_s == pytest.approx(0.4, abs=0.25), first.table()
+    assert recorded_setup_s(_setup_key(model, batch, devices, "compile")) == compiled[0].setup_s
+    # another search of the model (another reference: the first decision does not answer it) with 5 s of budget:
+    # the guess for its 4 layers (20 s) would not fit, what was measured does
+    built.clear()
+    second = search(model, batch, devices, first_step_slow(0.4, 0.005, built), Plan(replicas=1, threads=2),
+                    dataclasses.replace(options, budget_s=5))
+    assert not second.cached and any(p.execution == "compile" for p in built), second.table()
+    assert not any(s.startswith("compile:") for s in second.skipped), second.skipped
+    # without the record (the cache not used) the guess decides, and says so
+    built.clear()
+    third = search(model, batch, devices, first_step_slow(0.4, 0.005, built), Plan(replicas=1, threads=2),
+                   dataclasses.replace(options, budget_s=5, use_cache=False))
+    assert not any(p.execution == "compile" for p in built)
+    guessed = "compile: needs ~20 s of setup (guessed for 4 layers)"
+    assert any(s.startswith(guessed) for s in third.skipped), third.skipped
+
+
+def test_the_setup_guess_scales_with_the_layers():
+    from torch import nn
+
+    from dlperf.parallel.plan import EXECUTIONS, layer_count
+
+    compile_ = EXECUTIONS.get("compile")
+    assert layer_count(small_cnn()) == 4 and compile_.setup_guess_s(small_cnn()) == pytest.approx(20.0)
+    deep = nn.Sequential(*[nn.Linear(8, 8) for _ in range(12)])
+    assert compile_.setup_guess_s(deep) == pytest.approx(60.0)
+    assert compile_.setup_guess_s(nn.Linear(2, 2)) == pytest.approx(compile_.setup_s)  # never below the least
+    assert not EXECUTIONS.get("eager").has_setup and compile_.has_setup

@@ -34,7 +34,7 @@ from ..registry import Registry
 from .allreduce import DEFAULT_ALGORITHM, algorithm_names
 
 __all__ = ["Plan", "Execution", "EXECUTIONS", "register_execution", "parse_plan", "LAYOUTS", "PRECISIONS",
-           "LAUNCHERS", "STEP_THREADS", "has_batch_statistics", "uses_conv2d"]
+           "LAUNCHERS", "STEP_THREADS", "has_batch_statistics", "uses_conv2d", "layer_count"]
 
 LAYOUTS = ("contiguous", "channels_last")
 PRECISIONS = ("off", "bf16", "fp16")
@@ -51,8 +51,9 @@ class Execution:
 
     ``prepare(module)`` returns the callable a step calls instead of the module (sharing its parameters,
     so the optimizer and checkpoints see the same weights); ``unavailable(module, devices)`` says why
-    it cannot run here, or None; ``setup_s`` is a first guess of its one-off cost (compilation), used to
-    decide whether measuring it fits the planner's time budget.
+    it cannot run here, or None; ``setup_s`` and ``setup_per_layer_s`` make the first guess of its one-off
+    cost (compilation) for a module (:meth:`setup_guess_s`), used to decide whether measuring it fits the
+    planner's time budget until a first setup has been measured for that model (the planner records it).
 
     An execution with ``make_step`` replaces the whole step of a single replica instead: ``make_step(module,
     loss, optimizer)`` returns ``step(x, y) -> loss`` that runs forward, loss, backward and the update of
@@ -65,10 +66,22 @@ class Execution:
     prepare: Callable[[nn.Module], Callable[..., Any]]
     unavailable: Callable[[nn.Module, Sequence[Device]], str | None] = lambda module, devices: None
     setup_s: float = 0.0
+    """The least one-off setup guessed for any module (0: none)."""
+    setup_per_layer_s: float = 0.0
+    """The one-off setup guessed per layer of the module (:func:`layer_count`), when that is more."""
     description: str = ""
     make_step: Callable[[nn.Module, Callable[..., Any], torch.optim.Optimizer], Callable[..., Any]] | None = None
     declined: Callable[[Any], str | None] = lambda step: None
     """Given ``make_step``'s step after its first call: why it serves the plain eager step instead, or None."""
+
+    @property
+    def has_setup(self) -> bool:
+        """Whether it costs a one-off setup (which only a run of known length can be weighed against)."""
+        return self.setup_s > 0 or self.setup_per_layer_s > 0
+
+    def setup_guess_s(self, module: nn.Module) -> float:
+        """The one-off setup guessed for ``module`` before any has been measured."""
+        return max(self.setup_s, self.setup_per_layer_s * layer_count(module))
 
     @property
     def whole_step(self) -> bool:
@@ -96,7 +109,19 @@ def _compile_unavailable(module: nn.Module, devices: Sequence[Device]) -> str | 
 
 
 register_execution(Execution("eager", lambda module: module, description="the module as written"))
-register_execution(Execution("compile", lambda module: torch.compile(module), _compile_unavailable, setup_s=20.0,
+def layer_count(module: nn.Module) -> int:
+    """The layers of ``module``: its modules without children (what a compiler traces one by one)."""
+    return sum(1 for m in module.modules() if next(m.children(), None) is None)
+
+
+# The first compile of a training step's forward (inductor, backward included), guessed per layer. Calibrated
+# on the three first compiles measured on the development VM's 2 shared vCPUs (2026-11-26, loaded, under nice):
+# LeNet b256 (10 layers) 156 s, the Transformer encoder b64 (18) 77 s, the LSTM b128 (3) 5 s, i.e. 15.6, 4.3
+# and 1.7 s a layer; 5 s a layer is their geometric mean, which puts each within about 3x of its guess (LeNet
+# 50 s, Transformer 90 s, LSTM 15 s). Operator and parameter counts fit them worse (the LSTM has the most of
+# both and compiled fastest). A rough first guess: the planner uses a measured setup once it has one.
+register_execution(Execution("compile", lambda module: torch.compile(module), _compile_unavailable, setup_s=5.0,
+                             setup_per_layer_s=5.0,
                              description="torch.compile of each replica's forward (inductor); chosen only when "
                                          "its compile time fits the run"))
 

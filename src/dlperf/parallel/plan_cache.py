@@ -4,6 +4,14 @@ The cache is one small JSON file beside the probe's, ``$XDG_CACHE_HOME/dlperf/pl
 the probe cache is (:func:`~dlperf.probe.cache.read_cache_file`: a regular file of this user that nobody
 else can write, bounded in size) and parsed field by field. A file that fails any check is ignored with
 one line on stderr and the plan is measured again; writes replace it atomically.
+
+Beside the decisions (``plans``) the file keeps two sections a decision does not answer by itself:
+``setups``, the one-off setup an execution was measured to cost for a model here (a first compile, which the
+next search weighs instead of a guess: :func:`recorded_setup_s`), and ``with_processes``, the last decision
+made for a model when plans whose replicas are processes could be measured (a Trainer that plans in one
+process names it when it is faster: :func:`processes_offer`). Both are keyed by the model's signature, the
+batch's, the machine and torch, not by the devices or options a decision depends on. A reader without them
+(an older dlperf) ignores them.
 """
 
 from __future__ import annotations
@@ -26,13 +34,16 @@ from ..errors import UsageError
 from ..probe.cache import ProbeCacheError, decode_json, machine_key, read_cache_file
 from .plan import Plan
 
-__all__ = ["plan_key", "cached_plan", "save_plan", "default_cache_path", "MAX_ENTRIES", "MAX_BYTES"]
+__all__ = ["plan_key", "model_key", "cached_plan", "save_plan", "recorded_setup_s", "save_setup", "processes_offer",
+           "save_processes_offer", "default_cache_path", "MAX_ENTRIES", "MAX_BYTES"]
 
 CACHE_FORMAT = 1
 MAX_ENTRIES = 256
 MAX_BYTES = 512 * 1024
 _KEY_HEX = 32
 _MAX_ALTERNATIVES = 16
+_MAX_SETUP_S = 1e5
+_SECTIONS = ("plans", "setups", "with_processes")
 _told: set[str] = set()
 
 
@@ -57,6 +68,12 @@ def plan_key(model: nn.Module, batch: Any, devices: Sequence[Device], extra: str
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:_KEY_HEX]
 
 
+def model_key(model: nn.Module, batch: Any, what: str) -> str:
+    """A digest of the model's and batch's signatures, the machine and torch, for ``what`` is recorded of them
+    whatever the devices and options (a setup, a decision with processes allowed)."""
+    return plan_key(model, batch, (), f"model:{what}")
+
+
 def _fail(path: str, problem: str) -> ProbeCacheError:
     return ProbeCacheError(f"plan cache {path}: {problem}")
 
@@ -68,21 +85,26 @@ def _ignore(exc: Exception) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _read_entries(path: str) -> dict[str, Any]:
-    """The file's entries, or {} when it is missing or unusable (said in one line)."""
+def _read_sections(path: str) -> dict[str, dict[str, Any]]:
+    """The file's sections (``plans`` and the optional others, each {key: entry}), or empty ones when it is
+    missing or unusable (said in one line)."""
+    empty: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     try:
         doc = decode_json(read_cache_file(path, _fail, max_bytes=MAX_BYTES), path, _fail)
         if not isinstance(doc, dict) or doc.get("format") != CACHE_FORMAT or not isinstance(doc.get("plans"), dict):
             raise _fail(path, f"not a format-{CACHE_FORMAT} plan cache")
-        entries = doc["plans"]
-        if len(entries) > MAX_ENTRIES:
-            raise _fail(path, f"more than {MAX_ENTRIES} entries")
-        return entries
+        sections = {name: doc.get(name, {}) for name in _SECTIONS}
+        for name, entries in sections.items():
+            if not isinstance(entries, dict):
+                raise _fail(path, f"{name!r} is not an object")
+            if len(entries) > MAX_ENTRIES:
+                raise _fail(path, f"more than {MAX_ENTRIES} entries in {name!r}")
+        return sections
     except FileNotFoundError:
-        return {}
+        return empty
     except (ProbeCacheError, OSError) as exc:
         _ignore(exc)
-        return {}
+        return empty
 
 
 def _entry_plan(entry: object, path: str) -> Plan:
@@ -106,7 +128,7 @@ def _entry_plan(entry: object, path: str) -> Plan:
 def cached_plan(key: str, path: str | None = None) -> Plan | None:
     """The plan decided for ``key`` before, or None (also when the file cannot be trusted: said once)."""
     path = path or default_cache_path()
-    entry = _read_entries(path).get(key)
+    entry = _read_sections(path)["plans"].get(key)
     if entry is None:
         return None
     try:
@@ -121,18 +143,21 @@ def _saved(entry: object) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
-def save_plan(key: str, plan: Plan, path: str | None = None) -> None:
-    """Record ``plan`` for ``key``; the oldest entries go beyond :data:`MAX_ENTRIES`. A cache that cannot
-    be written costs the next run its planning time, not this run: said in one line."""
+def _record(section: str, key: str, entry: dict[str, Any], path: str | None) -> None:
+    """Put ``entry`` under ``key`` in ``section`` (the oldest go beyond :data:`MAX_ENTRIES`, a quarter of that for
+    ``with_processes``, so that full sections stay well inside :data:`MAX_BYTES`) and write the file again. A
+    cache that cannot be written costs the next run its planning time, not this run: said in one line."""
     path = path or default_cache_path()
-    entries = _read_entries(path)
-    entries[key] = {"plan": plan.to_dict(), "measured_ms": plan.measured_ms,
-                    "alternatives": [list(a) for a in plan.alternatives[:_MAX_ALTERNATIVES]], "saved": time.time()}
-    if len(entries) > MAX_ENTRIES:
+    sections = _read_sections(path)
+    entries = sections[section]
+    entries[key] = {**entry, "saved": time.time()}
+    limit = MAX_ENTRIES // 4 if section == "with_processes" else MAX_ENTRIES
+    if len(entries) > limit:
         oldest = sorted(entries, key=lambda k: _saved(entries[k]))
-        for k in oldest[: len(entries) - MAX_ENTRIES]:
+        for k in oldest[: len(entries) - limit]:
             del entries[k]
-    data = (json.dumps({"format": CACHE_FORMAT, "plans": entries}, allow_nan=False) + "\n").encode()
+    doc = {"format": CACHE_FORMAT, **{name: sections[name] for name in _SECTIONS if sections[name] or name == "plans"}}
+    data = (json.dumps(doc, allow_nan=False) + "\n").encode()
     try:
         if path == os.path.join(cache_base(), "dlperf", "plans.json"):
             private_dir(cache_base(), ["dlperf"])
@@ -140,3 +165,51 @@ def save_plan(key: str, plan: Plan, path: str | None = None) -> None:
     except (OSError, ValueError, CacheUnsafe) as exc:
         print(f"dlperf plan: the plan cache {path} cannot be written ({exc}); the next run plans again",
               file=sys.stderr, flush=True)
+
+
+def save_plan(key: str, plan: Plan, path: str | None = None) -> None:
+    """Record ``plan`` for ``key`` (see :func:`_record`)."""
+    _record("plans", key, _plan_entry(plan), path)
+
+
+def _plan_entry(plan: Plan) -> dict[str, Any]:
+    return {"plan": plan.to_dict(), "measured_ms": plan.measured_ms,
+            "alternatives": [list(a) for a in plan.alternatives[:_MAX_ALTERNATIVES]]}
+
+
+def recorded_setup_s(key: str, path: str | None = None) -> float | None:
+    """The seconds of one-off setup measured for ``key`` (:func:`model_key` of a model and an execution), or
+    None (also when the entry cannot be trusted: said once)."""
+    path = path or default_cache_path()
+    entry = _read_sections(path)["setups"].get(key)
+    if entry is None:
+        return None
+    seconds = entry.get("seconds") if isinstance(entry, dict) and set(entry) == {"seconds", "saved"} else None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < _MAX_SETUP_S:
+        _ignore(_fail(path, f"setup {key[:16]}: {str(entry)[:60]!r} is not {{seconds, saved}} with seconds in "
+                            f"[0, {_MAX_SETUP_S:g})"))
+        return None
+    return float(seconds)
+
+
+def save_setup(key: str, seconds: float, path: str | None = None) -> None:
+    """Record that an execution's one-off setup took ``seconds`` for ``key`` (see :func:`recorded_setup_s`)."""
+    _record("setups", key, {"seconds": min(max(0.0, float(seconds)), _MAX_SETUP_S - 1)}, path)
+
+
+def processes_offer(key: str, path: str | None = None) -> Plan | None:
+    """The plan decided for ``key`` (:func:`model_key`) when process plans could be measured, or None."""
+    path = path or default_cache_path()
+    entry = _read_sections(path)["with_processes"].get(key)
+    if entry is None:
+        return None
+    try:
+        return _entry_plan(entry, path)
+    except ProbeCacheError as exc:
+        _ignore(exc)
+        return None
+
+
+def save_processes_offer(key: str, plan: Plan, path: str | None = None) -> None:
+    """Record ``plan``, decided with process plans measured, for ``key`` (see :func:`processes_offer`)."""
+    _record("with_processes", key, _plan_entry(plan), path)

@@ -24,13 +24,14 @@ timed once), and a build or first step far slower than predicted (a compile). Ca
 through a builder the caller gives (``build(plan) -> CandidateRun``), so the planner knows nothing of who
 runs the step.
 
-``torch.compile`` is tried on the fastest eager plan only when the run's length is known and its setup
-guess (20 s) fits what is left. Measured for a training step (forward compiled; backward, SGD) on the
-two shared cores of the development VM (2026-11-26, 00:56-01:30, load 8-19, run under ``nice``, every
-figure marked contended): LeNet b256 channels-last first step 156 s, then 0.53x eager; the Transformer
-encoder b64 77 s, 0.73x; ResNet-56 b128 not through its first compile and three rounds in 900 s; the LSTM
-b128 5 s, 0.67x and 0.88x in two runs. Only the LSTM's compile fits a 30 s budget, and there the eager
-rounds spend the budget first; a setup estimate per model is what it would need.
+``torch.compile`` is tried on the fastest eager plan only when the run's length is known and its predicted
+setup fits what is left of the budget: the setup measured for this model on this machine and torch before
+(recorded in the plan cache after each first compile), else a guess from the model's layer count
+(:meth:`~dlperf.parallel.plan.Execution.setup_guess_s`). Measured for a training step (forward compiled;
+backward, SGD) on the two shared cores of the development VM (2026-11-26, 00:56-01:30, load 8-19, run under
+``nice``, every figure marked contended): LeNet b256 channels-last first step 156 s, then 0.53x eager; the
+Transformer encoder b64 77 s, 0.73x; ResNet-56 b128 not through its first compile and three rounds in 900 s;
+the LSTM b128 5 s, 0.67x and 0.88x in two runs. Only the LSTM's compile fits a 30 s budget.
 """
 
 from __future__ import annotations
@@ -50,9 +51,18 @@ from ..devices import Device
 from ..errors import UsageError
 from ..timing import time_steps
 from .allreduce import DEFAULT_ALGORITHM
-from .plan import EXECUTIONS, Plan, has_batch_statistics, uses_conv2d
-from .plan_cache import cached_plan, plan_key, save_plan
-from .plan_processes import process_plans, processes_measurable, setup_s
+from .plan import EXECUTIONS, Plan, has_batch_statistics, layer_count, uses_conv2d
+from .plan_cache import (
+    cached_plan,
+    model_key,
+    plan_key,
+    processes_offer,
+    recorded_setup_s,
+    save_plan,
+    save_processes_offer,
+    save_setup,
+)
+from .plan_processes import launch_hint, process_plans, processes_measurable, setup_s
 
 __all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "enumerate_plans",
            "usable_cores", "DEFAULT_BUDGET_S"]
@@ -142,6 +152,8 @@ class Measurement:
     by_round: dict[int, float] = field(default_factory=dict)
     """Median ms per step in each round it was timed in (rounds count from 0)."""
     first_step_ms: float | None = None
+    setup_s: float | None = None
+    """For an execution with a one-off setup: seconds its build and first step took beyond a steady step."""
     contended: bool = False
     note: str = ""
 
@@ -172,6 +184,9 @@ class PlanDecision:
     skipped: list[str] = field(default_factory=list)
     noise: float = MIN_GAIN
     contended: bool = False
+    faster_with_processes: str | None = None
+    """Where plans whose replicas are processes could not be measured: a line naming the faster such plan
+    decided for this model before (by a caller that could start processes) and how to get it, else None."""
 
     def table(self) -> str:
         """Every candidate, its floor and rounds, for people (``plan.describe()`` has the choice)."""
@@ -360,6 +375,8 @@ class _Session:
         """Seconds each build took (a candidate not built yet is allowed the slowest so far)."""
         self.first_extra_s: list[float] = []
         """Seconds each eager candidate's first step took beyond its steady step (first allocations)."""
+        self.setups: dict[str, float] = {}
+        """Each execution's predicted one-off setup in seconds (measured before for this model, else guessed)."""
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -386,7 +403,7 @@ class _Session:
         if execution.whole_step:  # the first call captures, then times each way to replay it
             extra = WHOLE_STEP_FIRST_CALL_STEPS * step
         else:
-            extra = max(self.first_extra_s, default=0.0) + execution.setup_s
+            extra = max(self.first_extra_s, default=0.0) + self.setups.get(execution.name, execution.setup_s)
         # starting processes is counted by its own estimate, and kept out of the in-process builds' figure
         build = setup_s(m.plan) if m.plan.launcher == "processes" else max(self.build_s, default=0.0)
         return build + extra + step * (options.warmup + steps)
@@ -405,12 +422,14 @@ class _Session:
             # starting processes costs seconds; the reference (reference None) is always timed
             m.note = "skipped for time"
             return
+        build_s = 0.0
         try:
             if run is None:
                 built = time.perf_counter()
                 run = self.runs[id(m)] = self.build(m.plan)
+                build_s = time.perf_counter() - built
                 if m.plan.launcher != "processes":
-                    self.build_s.append(time.perf_counter() - built)
+                    self.build_s.append(build_s)
             first = m.first_step_ms is None
             warm = None
             if first and options.warmup:
@@ -445,6 +464,9 @@ class _Session:
             m.first_step_ms = warm.samples[0] * 1e3 if warm is not None else m.by_round[index]
             if m.plan.execution == "eager":
                 self.first_extra_s.append(max(0.0, (m.first_step_ms - m.by_round[index]) / 1e3))
+            elif EXECUTIONS.get(m.plan.execution).has_setup:  # its first step, warm-up or timed, holds the setup
+                first_s = warm.samples[0] if warm is not None else timing.samples[0]
+                m.setup_s = build_s + max(0.0, first_s - timing.median_s)
 
     def _fits(self, todo: list[Measurement], reference: Measurement) -> list[Measurement]:
         """Those of ``todo`` whose predicted rounds fit in the budget left, the reference's included (a round
@@ -590,7 +612,25 @@ def _decide(found: list[Measurement], run_steps: int | None, reasons: list[str])
     return reference, margin
 
 
-def _executions_phase(session: _Session, found: list[Measurement], model: nn.Module,
+def _setup_key(model: nn.Module, batch: Any, devices: Sequence[Device], execution: str) -> str:
+    """What an execution's setup is recorded under: the model's and batch's signatures, the machine, torch (in
+    :func:`~dlperf.parallel.plan_cache.model_key`), the execution and the kind of device it compiles for."""
+    return model_key(model, batch, f"setup:{execution}:{sorted({d.kind for d in devices})}")
+
+
+def _predicted_setup(name: str, model: nn.Module, batch: Any, devices: Sequence[Device],
+                     options: PlannerOptions) -> tuple[float, str]:
+    """Seconds of one-off setup ``name`` is predicted to take for ``model`` here, and where that comes from:
+    the setup measured last time (when the cache is used), else the execution's guess from the model's size."""
+    execution = EXECUTIONS.get(name)
+    if options.use_cache:
+        recorded = recorded_setup_s(_setup_key(model, batch, devices, name), options.cache_path)
+        if recorded is not None:
+            return recorded, "as measured here before"
+    return execution.setup_guess_s(model), f"guessed for {layer_count(model)} layers"
+
+
+def _executions_phase(session: _Session, found: list[Measurement], model: nn.Module, batch: Any,
                       devices: Sequence[Device]) -> list[Measurement]:
     """Every other execution on the fastest eager plan, when the run's length lets it pay and time allows."""
     options = session.options
@@ -611,17 +651,24 @@ def _executions_phase(session: _Session, found: list[Measurement], model: nn.Mod
             session.skipped.append(f"{name}: {why}")
             continue
         assert leader is not None
-        if execution.setup_s > 0 and options.run_steps is None:
+        if execution.has_setup and options.run_steps is None:
             session.skipped.append(f"{name}: the run's length is unknown, so its setup cannot be weighed")
             continue
-        if session.elapsed() + execution.setup_s > session.budget:
-            need = (f"needs ~{execution.setup_s:.0f} s of setup, more than is left of" if execution.setup_s
-                    else "not measured: spent")
-            session.skipped.append(f"{name}: {need} the time budget ({session.budget:.1f} s)")
+        left = session.budget - session.elapsed()
+        if execution.has_setup:
+            session.setups[name], source = _predicted_setup(name, model, batch, devices, options)
+            if session.setups[name] > left:  # started, it could not end inside the budget
+                session.skipped.append(f"{name}: needs ~{session.setups[name]:.0f} s of setup ({source}), more than "
+                                       f"the {max(0.0, left):.1f} s left of the time budget ({session.budget:.1f} s)")
+                continue
+        elif left < 0:
+            session.skipped.append(f"{name}: not measured: spent the time budget ({session.budget:.1f} s)")
             continue
         m = Measurement(dataclasses.replace(leader.plan, execution=name), leader.floor_ms)
         # the reference is timed beside them: the choice is each candidate's ratio to it, round by round
         session.rounds([found[0], *([leader] if leader is not found[0] else []), m], options.rounds, needed=m)
+        if m.setup_s is not None and options.use_cache:  # the next search of this model predicts from it
+            save_setup(_setup_key(model, batch, devices, name), m.setup_s, options.cache_path)
         extra.append(m)
     return extra
 
@@ -641,7 +688,8 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     if options.use_cache:
         hit = cached_plan(key, options.cache_path)
         if hit is not None:
-            return PlanDecision(hit, reference, planning_s=time.perf_counter() - started, cached=True)
+            return PlanDecision(hit, reference, planning_s=time.perf_counter() - started, cached=True,
+                                faster_with_processes=_processes_hint(model, batch, devices, hit, options))
     plans, notes = enumerate_plans(model, batch, devices, reference, options)
     reasons = list(notes)
     plans = [_chosen_algorithm(p, model, devices, reasons) for p in plans]
@@ -653,7 +701,7 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
         if options.budget_s is None and options.run_steps and found[0].ms is not None:
             _run_budget(session, found, options.run_steps, reasons, _setup_free(options, model, devices))
         session.rounds(found, options.rounds)
-        found += _executions_phase(session, found, model, devices)
+        found += _executions_phase(session, found, model, batch, devices)
     finally:
         session.close()
     best, noise = _decide(found, options.run_steps, reasons)
@@ -665,13 +713,37 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
                             any(m.contended for m in found))
     if options.use_cache:
         save_plan(key, plan, options.cache_path)
+        if processes_measurable():  # what a search in one process will compare its own decision with
+            save_processes_offer(model_key(model, batch, _WITH_PROCESSES), plan, options.cache_path)
+    decision.faster_with_processes = _processes_hint(model, batch, devices, plan, options)
     return decision
+
+
+_WITH_PROCESSES = "decided with processes"
+
+
+def _processes_hint(model: nn.Module, batch: Any, devices: Sequence[Device], plan: Plan,
+                    options: PlannerOptions) -> str | None:
+    """For a decision made without process plans: a line naming the plan decided for this model when they were
+    measured, when that is a processes plan faster than ``plan`` by more than :data:`MIN_GAIN` (both figures
+    from their own searches), with how to get it; else None."""
+    if processes_measurable() or not options.use_cache or plan.measured_ms is None or any(d.is_gpu for d in devices):
+        return None
+    offer = processes_offer(model_key(model, batch, _WITH_PROCESSES), options.cache_path)
+    if offer is None or offer.launcher != "processes" or offer.measured_ms is None:
+        return None
+    if offer.measured_ms >= plan.measured_ms * (1 - MIN_GAIN):
+        return None
+    return (f"plan: {offer.name} was measured faster ({offer.measured_ms:.2f} ms/step against "
+            f"{plan.measured_ms:.2f}) where processes could be started, which a Trainer in one process cannot: "
+            f"give it plan={offer.name!r} and {launch_hint(offer)}")
 
 
 def _setup_free(options: PlannerOptions, model: nn.Module, devices: Sequence[Device]) -> list[str]:
     """The executions other than eager, without a one-off setup, that can run here (``captured``)."""
     names = [n for n in (options.executions or EXECUTIONS.names()) if n != "eager"]
-    return [n for n in names if not EXECUTIONS.get(n).setup_s and EXECUTIONS.get(n).unavailable(model, devices) is None]
+    return [n for n in names
+            if not EXECUTIONS.get(n).has_setup and EXECUTIONS.get(n).unavailable(model, devices) is None]
 
 
 def _run_budget(session: _Session, found: list[Measurement], run_steps: int, reasons: list[str],

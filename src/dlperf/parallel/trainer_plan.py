@@ -230,6 +230,8 @@ class PlanState:
                                 declined=lambda: candidate.planning.declined(candidate))
 
         self.decision = search(source, (X, y), trainer.devices, build, self.reference, self.options)
+        if self.decision.faster_with_processes:
+            say(self.decision.faster_with_processes)
         self.adopt(trainer, self.decision.plan)
         self.source = None
 
