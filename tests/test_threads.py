@@ -8,6 +8,7 @@ inside a function or through ``from threading import Thread`` counts as much as 
 from __future__ import annotations
 
 import ast
+import gc
 import os
 import signal
 import threading
@@ -133,6 +134,26 @@ def test_the_result_and_the_thread_it_ran_on():
     assert on_fresh_thread(lambda: threading.current_thread().name, name="dlperf-test-name") == "dlperf-test-name"
     with pytest.raises(ZeroDivisionError):
         on_fresh_thread(lambda: 1 / 0, name="dlperf-test-zero")
+
+
+def test_an_error_nobody_joined_is_reported_when_the_thread_is_collected(monkeypatch):
+    reported = []
+    monkeypatch.setattr(threading, "excepthook", reported.append)
+    t = ServiceThread(lambda: 1 / 0, name="dlperf-test-unjoined")
+    t.start()
+    while t.is_alive():
+        time.sleep(0.01)
+    del t
+    gc.collect()
+    assert [(r.exc_type, r.thread.name) for r in reported] == [(ZeroDivisionError, "dlperf-test-unjoined")]
+    reported.clear()
+    t = ServiceThread(lambda: 1 / 0, name="dlperf-test-joined")
+    t.start()
+    with pytest.raises(ZeroDivisionError):
+        t.join(10)
+    del t
+    gc.collect()
+    assert not reported  # raised once, by join: not reported again
 
 
 def test_a_name_without_the_prefix_is_refused():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 import torch
@@ -36,7 +36,8 @@ class ServiceThread(threading.Thread):
     """A daemon thread running ``target(*args)``; what it raises is raised again by :meth:`join`.
 
     Daemon, because a thread of dlperf's must never keep the interpreter alive after the program
-    ends: its owner stops and joins it on close. The target's result is kept in :attr:`result`.
+    ends: its owner stops and joins it on close. The target's result is kept in :attr:`result`. An
+    error no join raised is reported through :func:`threading.excepthook` once the thread is collected.
 
     Args:
         target: what the thread runs.
@@ -83,6 +84,15 @@ class ServiceThread(threading.Thread):
         if self.error is not None and not self._raised and not self.is_alive():
             self._raised = True
             raise self.error
+
+    def __del__(self) -> None:
+        # A failed thread that nobody joined (an engine dropped unclosed stops its workers without waiting):
+        # its error is reported as Python reports any thread's, rather than never at all.
+        error = self.__dict__.get("error")
+        if error is not None and not self._raised:
+            self._raised = True
+            with suppress(Exception):  # at interpreter exit threading may already be torn down
+                threading.excepthook(threading.ExceptHookArgs((type(error), error, error.__traceback__, self)))
 
 
 def join_all(threads: Iterable[threading.Thread], timeout: float | None = None) -> None:
