@@ -31,17 +31,17 @@ _MAKERS = {("threading", "Thread"), ("threading", "Timer"), ("_thread", "start_n
            ("concurrent.futures.thread", "ThreadPoolExecutor"), ("multiprocessing.pool", "ThreadPool")}
 
 
-def _makers_named(tree: ast.AST) -> tuple[set[str], set[str]]:
-    """The bare names (``from threading import Thread as T``) and module aliases (``import threading as t``)
-    through which ``tree`` can reach a thread maker."""
-    names: set[str] = set()
-    modules: set[str] = {module for module, _ in _MAKERS}
+def _maker_spellings(tree: ast.AST) -> set[str]:
+    """How ``tree`` can spell a thread maker: ``threading.Thread``, through an alias (``import threading as
+    th``: ``th.Thread``) or a name imported bare (``from threading import Thread as T``: ``T``)."""
+    spellings = {f"{module}.{name}" for module, name in _MAKERS}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
-            names |= {a.asname or a.name for a in node.names if (node.module, a.name) in _MAKERS}
+            spellings |= {a.asname or a.name for a in node.names if (node.module, a.name) in _MAKERS}
         elif isinstance(node, ast.Import):
-            modules |= {a.asname for a in node.names if a.asname and any(a.name == m for m, _ in _MAKERS)}
-    return names, modules
+            spellings |= {f"{a.asname}.{name}" for a in node.names if a.asname
+                          for module, name in _MAKERS if module == a.name}
+    return spellings
 
 
 def _dotted(node: ast.expr) -> str:
@@ -55,9 +55,7 @@ def _dotted(node: ast.expr) -> str:
 def thread_makers(source: str, rel: str) -> list[str]:
     """``rel:line: what`` for every call or subclass of a thread maker in ``source``."""
     tree = ast.parse(source, filename=rel)
-    names, modules = _makers_named(tree)
-    makers = {f"{m}.{n}" for m, n in _MAKERS} | names
-    makers |= {f"{alias}.{n}" for alias in modules for m, n in _MAKERS}
+    makers = _maker_spellings(tree)
 
     def is_maker(node: ast.expr) -> bool:
         return _dotted(node) in makers
