@@ -1,4 +1,12 @@
-"""Per-thread intra-op thread budgets that do not leak into threads started later.
+"""Threads: the one place dlperf makes them, and per-thread intra-op budgets that do not leak.
+
+:class:`ServiceThread` is how every dlperf thread is made (the engine's device workers, the launcher's
+watchdog and stderr filter, the loader's producer, a kvstore server's control threads, the planner's
+process candidates): a daemon thread named ``dlperf-...``, whose target's exception is kept and raised
+by :meth:`ServiceThread.join` in the thread that waits for it, rather than printed and lost. It lives
+here, below every package, because the data loader and the budgets below need it too; the engine,
+whose workers run on it, offers it as :class:`dlperf.engine.ServiceThread`. ``tests/test_threads.py``
+fails if any other module constructs a thread.
 
 ``torch.set_num_threads`` sets the calling thread's OpenMP budget, but it also stores the value as
 the process-wide default that every thread which has not used torch yet picks up on first use (a
@@ -9,17 +17,112 @@ default back; the only setter also sets its caller's count, so a throw-away thre
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any, TypeVar
 
 import torch
+
+__all__ = ["PREFIX", "ServiceThread", "fresh_thread_default", "intra_op_threads", "join_all",
+           "on_fresh_thread", "restore_process_default", "set_thread_budget"]
+
+PREFIX = "dlperf-"
+"""Every thread dlperf makes is named with this, so a leak or a stack dump names its owner."""
+
+T = TypeVar("T")
+
+
+class ServiceThread(threading.Thread):
+    """A daemon thread running ``target(*args)``; what it raises is raised again by :meth:`join`.
+
+    Daemon, because a thread of dlperf's must never keep the interpreter alive after the program
+    ends: its owner stops and joins it on close. The target's result is kept in :attr:`result`. An
+    error no join raised is reported through :func:`threading.excepthook` once the thread is collected.
+
+    Args:
+        target: what the thread runs.
+        *args: passed to ``target``.
+        name: the thread's name, starting with ``dlperf-`` (a ValueError otherwise).
+
+    >>> t = ServiceThread(lambda x: 1 / x, 0, name="dlperf-example")
+    >>> t.start()
+    >>> t.join(10)
+    Traceback (most recent call last):
+    ...
+    ZeroDivisionError: division by zero
+    """
+
+    def __init__(self, target: Callable[..., Any], *args: Any, name: str) -> None:
+        if not name.startswith(PREFIX):
+            raise ValueError(f"thread name {name!r} does not start with {PREFIX!r}; name it after its owner, "
+                             f"e.g. {PREFIX + name!r}")
+        super().__init__(name=name, daemon=True)
+        self._call: tuple[Callable[..., Any], tuple[Any, ...]] | None = (target, args)
+        self.result: Any = None
+        self.error: BaseException | None = None  # what the target raised, kept until a join raises it
+        self._raised = False
+
+    def run(self) -> None:
+        assert self._call is not None
+        target, args = self._call
+        # dropped before the thread ends, as threading.Thread drops its target: a bound method would
+        # keep its object (an engine, a server) alive for as long as this thread object is referenced
+        self._call = None
+        try:
+            self.result = target(*args)
+        except BaseException as exc:  # noqa: BLE001 - kept for join, which raises it in the owner's thread
+            self.error = exc
+        finally:
+            del target, args
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the thread ends, or ``timeout`` seconds; then raise what its target raised (once).
+
+        A thread still running after ``timeout`` raises nothing: check :meth:`is_alive`.
+        """
+        super().join(timeout)
+        if self.error is not None and not self._raised and not self.is_alive():
+            self._raised = True
+            raise self.error
+
+    def __del__(self) -> None:
+        # A failed thread that nobody joined (an engine dropped unclosed stops its workers without waiting):
+        # its error is reported as Python reports any thread's, rather than never at all.
+        error = self.__dict__.get("error")
+        if error is not None and not self._raised:
+            self._raised = True
+            with suppress(Exception):  # at interpreter exit threading may already be torn down
+                threading.excepthook(threading.ExceptHookArgs((type(error), error, error.__traceback__, self)))
+
+
+def join_all(threads: Iterable[threading.Thread], timeout: float | None = None) -> None:
+    """Join every thread (each up to ``timeout`` seconds), then raise the first error one of them raised.
+
+    Every thread is waited for even when an earlier one failed, so a failure never leaves the rest running.
+    """
+    first: BaseException | None = None
+    for thread in threads:
+        if thread is threading.current_thread():
+            continue
+        try:
+            thread.join(timeout)
+        except BaseException as exc:  # noqa: BLE001 - the first is raised once all are joined
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+def on_fresh_thread(fn: Callable[..., T], *args: Any, name: str) -> T:
+    """``fn(*args)`` on a new thread, waited for: its result, or what it raised."""
+    thread = ServiceThread(fn, *args, name=name)
+    thread.start()
+    thread.join()
+    return thread.result
 
 
 def restore_process_default(n: int) -> None:
     """Make threads that have not used torch yet start with ``n`` intra-op threads again."""
-    helper = threading.Thread(target=torch.set_num_threads, args=(n,), name="dlperf-threads-reset")
-    helper.start()
-    helper.join()
+    on_fresh_thread(torch.set_num_threads, n, name="dlperf-threads-reset")
 
 
 def set_thread_budget(n: int, process_default: int) -> None:
@@ -35,11 +138,7 @@ def set_thread_budget(n: int, process_default: int) -> None:
 
 def fresh_thread_default() -> int:
     """The intra-op thread count a newly started thread gets (for tests and diagnostics)."""
-    out: list[int] = []
-    t = threading.Thread(target=lambda: out.append(torch.get_num_threads()), name="dlperf-threads-probe")
-    t.start()
-    t.join()
-    return out[0]
+    return on_fresh_thread(torch.get_num_threads, name="dlperf-threads-probe")
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .._threads import set_thread_budget
+from .._threads import ServiceThread, set_thread_budget
 from ..errors import UsageError
 
 __all__ = ["ArrayLoader"]
@@ -79,8 +79,8 @@ class ArrayLoader:
             return False
 
         def produce() -> None:
-            set_thread_budget(1, process_default)  # gathers are memory-bound; leave the cores to the devices
             try:
+                set_thread_budget(1, process_default)  # gathers are memory-bound; leave the cores to the devices
                 for idx in chunks:
                     if not put(self._batch(idx)):
                         return
@@ -89,7 +89,7 @@ class ArrayLoader:
                 return
             put(_END)
 
-        worker = threading.Thread(target=produce, name="dlperf-loader", daemon=True)
+        worker = ServiceThread(produce, name="dlperf-loader")
         worker.start()
         try:
             while True:

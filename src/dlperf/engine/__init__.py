@@ -6,7 +6,9 @@ threads that run whatever is ready, so independent work on ``cpu(0)``, ``cpu(1)`
 :mod:`dlperf.engine.array` for the array frontend, :mod:`dlperf.engine.trace` for timelines, and
 :mod:`dlperf.engine.external` for how torch code outside the engine (optimizers, ``state_dict``,
 eager module calls) waits for engine work on parameters. :func:`waitall` waits for every open
-engine, the default one and those made with :func:`create_engine`.
+engine, the default one and those made with :func:`create_engine`. A long-lived loop beside the
+engine's work (a watchdog, a reader) runs on a :class:`ServiceThread`, the thread the engine's own
+workers run on: daemon, named ``dlperf-...``, its target's exception raised by ``join``.
 
 Example:
     >>> from dlperf.engine import create_engine, array as dnp
@@ -18,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+from .._threads import ServiceThread
 from . import array
 from .arguments import EngineArgumentError
 from .array import Array
@@ -50,6 +53,7 @@ __all__ = ["wait_ops",
     "EngineUsageError",
     "InFlight",
     "Op",
+    "ServiceThread",
     "Trace",
     "Var",
     "array",

@@ -46,6 +46,7 @@ from time import monotonic
 
 import torch
 
+from .._threads import join_all
 from ..devices import Device, require_available
 from .batches import AutoBatch, run_auto, run_rec
 from .engine import (
@@ -622,8 +623,7 @@ class ThreadedEngine(Engine):
             workers = list(self._workers.values())
             for w in workers:
                 w.stop()
-        for w in workers:
-            w.thread.join()
+        join_all(w.thread for w in workers)
 
     def _abandon(self) -> None:
         # Garbage-collected unclosed, possibly in a thread that holds the lock: never block here.

@@ -44,7 +44,7 @@ from typing import Protocol
 
 import torch
 
-from .._threads import restore_process_default, set_thread_budget
+from .._threads import ServiceThread, restore_process_default, set_thread_budget
 from ..devices import Device, cpu_count
 from .batches import members as _members
 from .batches import run_auto
@@ -155,7 +155,7 @@ class Worker:
         self.setup_error: BaseException | None = None
         self._wake = threading.Lock()
         self._wake.acquire()     # held = "no news"; enqueue() releases it once per sleep
-        self.thread = threading.Thread(target=self._loop, name=f"dlperf-engine-{self.label}", daemon=True)
+        self.thread = ServiceThread(self._loop, name=f"dlperf-engine-{self.label}")
 
     @property
     def host(self) -> WorkerHost:

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._io import decode_json
+from .._threads import ServiceThread, join_all
 from ..errors import DlperfError
 
 __all__ = ["MAX_CONNECTIONS_PER_WORKER", "MAX_FRAME_BYTES", "MAX_PENDING", "MAX_PENDING_PER_PROCESS", "ControlClient",
@@ -157,7 +158,7 @@ class _Connection:
             if sent == len(data):
                 return
             self.unsent += data[sent:]
-        self._spawn(self._drain, "kvstore control writer")
+        self._spawn(self._drain, "dlperf-kvstore control writer")
 
     def _drain(self) -> None:
         while True:
@@ -227,9 +228,9 @@ class ControlServer:
         self._lock = threading.Lock()
         self._conns: list[_Connection] = []
         self._per_worker: dict[int, int] = {}
-        self._threads: list[threading.Thread] = []
+        self._threads: list[ServiceThread] = []
         self._closed = False
-        self._spawn(self._accept, f"{what} control accept")
+        self._spawn(self._accept, f"dlperf-{what} control accept")
 
     def thread_count(self) -> int:
         """Threads of this server still running (the accepting one, one per worker connection, writers)."""
@@ -237,10 +238,11 @@ class ControlServer:
             return sum(t.is_alive() for t in self._threads)
 
     def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread = ServiceThread(target, *args, name=name)
         with self._lock:
-            # finished threads go, or every connection ever made would stay listed
-            self._threads = [t for t in self._threads if t.is_alive()]
+            # finished threads go, or every connection ever made would stay listed; one that failed stays
+            # until close() raises its error
+            self._threads = [t for t in self._threads if t.is_alive() or t.error is not None]
             self._threads.append(thread)
         thread.start()
 
@@ -333,7 +335,7 @@ class ControlServer:
             return
         assert rank is not None
         p.sock.setblocking(True)
-        self._spawn(self._serve, f"{self._what} control connection", conn, rank)
+        self._spawn(self._serve, f"dlperf-{self._what} control connection", conn, rank)
 
     def _check_hello(self, data: bytes) -> int | None:
         """The worker rank a hello proves, or None."""
@@ -384,12 +386,12 @@ class ControlServer:
                 conn.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join(_JOIN_S)
-        self._listener.close()
-        self._wake_read.close()
-        self._wake_write.close()
+        try:
+            join_all(threads, _JOIN_S)  # raises the first error a thread of this server raised
+        finally:
+            self._listener.close()
+            self._wake_read.close()
+            self._wake_write.close()
 
 
 class ControlClient:

@@ -22,7 +22,6 @@ import dataclasses
 import datetime
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
@@ -30,6 +29,7 @@ from typing import Any
 
 from torch import nn
 
+from .._threads import ServiceThread
 from ..devices import Device
 from ..errors import UsageError
 from .plan import Plan, has_batch_statistics
@@ -136,8 +136,7 @@ class ProcessCandidate:
                                          collective_timeout_s=STEP_TIMEOUT_S)
         cfg = dataclasses.replace(config, plan=None, trace=None, check_finite=False)
         self._worker = worker
-        self._thread = threading.Thread(target=self._launch, args=(model, batch, cfg, port),
-                                        name="dlperf-plan-processes", daemon=True)
+        self._thread = ServiceThread(self._launch, model, batch, cfg, port, name="dlperf-plan-processes")
         self._thread.start()
         started = time.perf_counter()
         try:

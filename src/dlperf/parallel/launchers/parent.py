@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..._threads import ServiceThread
+
 __all__ = ["ParentState"]
 
 # torch's process context installs its own handlers for these in the main thread and leaves them there
@@ -65,7 +67,7 @@ class _StderrFilter:
     def __init__(self, log_path: Path) -> None:
         self.log_path = log_path
         self.saved = -1
-        self._thread: threading.Thread | None = None
+        self._thread: ServiceThread | None = None
         self._stopping = threading.Event()
 
     def start(self) -> None:
@@ -81,8 +83,7 @@ class _StderrFilter:
         sys.stderr.flush()
         os.dup2(write_end, 2)
         os.close(write_end)
-        self._thread = threading.Thread(target=self._run, args=(read_end,), name="dlperf-launch-stderr",
-                                        daemon=True)
+        self._thread = ServiceThread(self._run, read_end, name="dlperf-launch-stderr")
         self._thread.start()
 
     def _lines(self, read_end: int) -> Iterator[bytes]:
@@ -106,6 +107,12 @@ class _StderrFilter:
             yield pending
 
     def _run(self, read_end: int) -> None:
+        try:
+            self._filter(read_end)
+        finally:
+            os.close(read_end)
+
+    def _filter(self, read_end: int) -> None:
         in_block = False
         with open(self.log_path, "ab") as log:
             for line in self._lines(read_end):
@@ -120,7 +127,6 @@ class _StderrFilter:
                         in_block = False
                 else:
                     os.write(self.saved, line)
-        os.close(read_end)
 
     def stop(self) -> None:
         if self._thread is None:
@@ -129,9 +135,11 @@ class _StderrFilter:
         os.dup2(self.saved, 2)
         # a process the launch started may still hold the pipe: the thread reads what is there and ends
         self._stopping.set()
-        self._thread.join()
-        os.close(self.saved)
-        self._thread = None
+        thread, self._thread = self._thread, None
+        try:
+            thread.join()  # raises what the filter raised: the lines it lost went nowhere
+        finally:
+            os.close(self.saved)
 
 
 def _raise_signal(signum: int, frame: Any) -> None:
@@ -193,7 +201,12 @@ class _ProcessWide:
         self.env = dict(os.environ)
 
     def _remove(self) -> None:
-        self.stderr.stop()
+        try:
+            self.stderr.stop()
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
         for name, (handlers, propagate) in self.loggers.items():
             found = logging.getLogger(name)
             found.handlers, found.propagate = handlers, propagate

@@ -34,6 +34,7 @@ from ..._attempt import attempt_number, attempt_store
 from ..._cliargs import one_line
 from ..._hostmem import keep_freed_host_memory
 from ..._io import check_writable
+from ..._threads import ServiceThread
 from ...errors import UsageError
 from .faults import (
     FailureRecord,
@@ -261,7 +262,7 @@ class _Watchdog:
             end.setblocking(False)
         self._previous_wakeup: int | None = None
         # one plain thread: it only waits, polls the store and sends signals; tensor work runs elsewhere
-        self._thread = threading.Thread(target=self._run, name="dlperf-launch-watchdog", daemon=True)
+        self._thread = ServiceThread(self._run, name="dlperf-launch-watchdog")
 
     @property
     def fired(self) -> bool:
@@ -273,18 +274,23 @@ class _Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and the watch on signals; may be called more than once."""
+        """Stop the thread and the watch on signals; may be called more than once.
+
+        Raises what the thread raised (once), after the watch on signals is given back.
+        """
         self._done.set()
         try:
             self._wake_write.send(b"\0")  # not a signal number: it only ends the thread's wait
         except OSError:
             pass
-        self._thread.join()
-        if self._previous_wakeup is not None:
-            signal.set_wakeup_fd(self._previous_wakeup)
-            self._previous_wakeup = None
-        self._wake_read.close()
-        self._wake_write.close()
+        try:
+            self._thread.join()
+        finally:
+            if self._previous_wakeup is not None:
+                signal.set_wakeup_fd(self._previous_wakeup)
+                self._previous_wakeup = None
+            self._wake_read.close()
+            self._wake_write.close()
 
     def _wait(self) -> bool:
         """Sleep one poll interval or until a signal arrives; return whether the watchdog must stop."""
