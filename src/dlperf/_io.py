@@ -15,7 +15,9 @@ Block devices and sockets are refused. A full disk is one error naming the path 
 did not fit; the previous file stays and no temporary is left.
 
 Reads of torch files go through :func:`safe_torch_load`, which unpickles tensors and plain containers
-only and turns every failure into one line naming the file.
+only and turns every failure into one line naming the file. Small files of data (JSON documents, cache
+entries, manifests) are read with :func:`read_bounded`: a regular file of bounded size, checked through
+the descriptor that is read, never blocking on a FIFO.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import IO, Any
 from .errors import DlperfError, UsageError
 
 __all__ = ["FileAccessError", "decode_json", "atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable",
-           "output_stream", "process_alive", "safe_torch_load", "save_torch"]
+           "output_stream", "process_alive", "read_bounded", "safe_torch_load", "save_torch"]
 
 _TMP_SUFFIX = ".tmp"
 FIFO_READER_WAIT_S = 10.0
@@ -487,6 +489,53 @@ def safe_torch_load(path: str | os.PathLike, what: str = "checkpoint", expected:
             raise UsageError(f"{what} {str(p)!r} is not {expected} (not a torch.save file)") from None
         except Exception as exc:  # noqa: BLE001 - zip errors, EOFError, RuntimeError: all mean "not that file"
             raise UsageError(f"{what} {str(p)!r} is not {expected} ({_short_reason(exc)})") from None
+
+
+def read_bounded(path: str | os.PathLike, max_bytes: int | None, fail: Callable[[str, str], Exception], *,
+                 follow_links: bool = True, check: Callable[[os.stat_result], None] | None = None) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``max_bytes`` (None: no limit).
+
+    The one reader of the small files a user or another process may have put in place (JSON documents,
+    cache entries). It never blocks: the file is opened without waiting (a FIFO is refused, not waited
+    on) and judged by the descriptor that is then read, so nothing can be swapped in between; and it
+    reads at most ``max_bytes + 1`` bytes, so a file that grows meanwhile is refused too.
+
+    ``fail(path, problem)`` makes the caller's one-line error, ``problem`` reading like "a FIFO, not a
+    regular file" or "larger than 1048576 bytes (2000000 bytes)"; it is raised for anything but a
+    regular file, a file over ``max_bytes``, and a symbolic link when ``follow_links=False``.
+    ``check(status)`` may refuse the opened file for reasons of the caller's own (its owner, its mode).
+    Any other OSError (no such file, no permission) is the caller's to name.
+
+    >>> read_bounded("/dev/null", 10, lambda path, problem: ValueError(f"{path}: {problem}"))
+    Traceback (most recent call last):
+    ...
+    ValueError: /dev/null: a character device, not a regular file
+    """
+    text = os.fspath(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(text, flags if follow_links else flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links and os.path.islink(text):
+            raise fail(text, "a symbolic link, which is not followed here") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise fail(text, f"a {_kind(st.st_mode)}, not a regular file")
+        if check is not None:
+            check(st)
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise fail(text, f"larger than {max_bytes} bytes ({st.st_size} bytes)")
+        reader = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with reader:
+        data = reader.read() if max_bytes is None else reader.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise fail(text, f"larger than {max_bytes} bytes")
+    return data
 
 
 def _json_options(allow_nan: bool, unique_keys: bool) -> dict[str, Any]:
