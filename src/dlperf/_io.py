@@ -39,7 +39,8 @@ from typing import IO, Any
 from .errors import DlperfError, UsageError
 
 __all__ = ["FileAccessError", "decode_json", "atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable",
-           "output_stream", "process_alive", "read_bounded", "safe_torch_load", "save_torch"]
+           "no_space_error", "output_stream", "process_alive", "read_bounded", "safe_torch_load",
+           "save_torch", "tensor_bytes"]
 
 _TMP_SUFFIX = ".tmp"
 FIFO_READER_WAIT_S = 10.0
@@ -83,11 +84,7 @@ def _wrap(path: Path, exc: OSError, action: str = "write", size: int | None = No
     if isinstance(exc, FileAccessError):
         return exc
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        need = f"{size} bytes" if size is not None else "the data"
-        where = "device" if exc.errno == errno.ENOSPC else "quota"
-        kept = " (any previous file is kept)" if replacing else ""
-        return FileAccessError(path, f"no space left on the {where} for {need}{kept}; free some space or write "
-                                     "elsewhere", exc.errno, action)
+        return no_space_error(path, size, exc.errno, kept="any previous file" if replacing else None, action=action)
     if exc.errno == errno.ENXIO:
         return FileAccessError(path, f"no process opened this FIFO for reading within {FIFO_READER_WAIT_S:g} s; "
                                      "start its reader first", exc.errno, action)
@@ -95,6 +92,19 @@ def _wrap(path: Path, exc: OSError, action: str = "write", size: int | None = No
     if exc.filename is not None and os.fspath(exc.filename) != os.fspath(path):
         reason = f"{reason}: {exc.filename}"  # e.g. the parent directory could not be created
     return FileAccessError(path, reason, exc.errno, action)
+
+
+def no_space_error(path: str | os.PathLike, size: int | None, err: int = errno.ENOSPC, *,
+                   kept: str | None = "any previous file", free: int | None = None, estimated: bool = False,
+                   action: str = "write") -> FileAccessError:
+    """The one message for a write that did not fit: the path, the bytes it needed (``estimated``: about
+    that many), what is still there (``kept``), the room left (``free``) when known, and the fix."""
+    need = "the data" if size is None else f"{'about ' if estimated else ''}{size} bytes"
+    where = "quota" if err == errno.EDQUOT else "device"
+    notes = ([f"{free} bytes free there"] if free is not None else []) + ([f"{kept} is kept"] if kept else [])
+    shown = f" ({', '.join(notes)})" if notes else ""
+    return FileAccessError(path, f"no space left on the {where} for {need}{shown}; free some space or write "
+                                 "elsewhere", err, action)
 
 
 def _inspect(path: Path) -> tuple[Path, os.stat_result | None]:
@@ -385,7 +395,7 @@ def save_torch(path: str | os.PathLike, obj: Any) -> None:
     """
     import torch
 
-    size = _tensor_bytes(obj)
+    size = tensor_bytes(obj)
     recorder: _WriteErrors | None = None
     try:
         with atomic_open(path, "wb", size=size) as f:
@@ -422,7 +432,7 @@ class _WriteErrors:
             raise
 
 
-def _tensor_bytes(obj: Any) -> int | None:
+def tensor_bytes(obj: Any) -> int | None:
     """The bytes of the tensors in ``obj`` (plain containers walked), about what torch.save writes."""
     import torch
 
