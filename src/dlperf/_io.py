@@ -39,7 +39,7 @@ from typing import IO, Any
 from .errors import DlperfError, UsageError
 
 __all__ = ["FileAccessError", "decode_json", "atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable",
-           "no_space_error", "output_stream", "process_alive", "read_bounded", "safe_torch_load",
+           "no_space_error", "output_stream", "process_alive", "proc_stat", "read_bounded", "safe_torch_load",
            "save_torch", "tensor_bytes"]
 
 _TMP_SUFFIX = ".tmp"
@@ -228,12 +228,20 @@ def process_alive(pid: int) -> bool:
         return False
     except OSError:
         return True  # exists, owned by someone else
+    fields = proc_stat(pid)
+    if not fields:
+        return True  # no /proc to ask: kill(0) said it exists
+    return fields[0] not in ("Z", "X")  # exited, not yet reaped by its parent: it writes nothing more
+
+
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name: state, parent, process group, session...;
+    None when there is no such process or no /proc (the name, in parentheses, may hold spaces or ")")."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")  # exited, not yet reaped by its parent: it writes nothing more
-    except (OSError, IndexError):
-        return True  # no /proc to ask: kill(0) said it exists
+            return f.read().rsplit(b")", 1)[1].decode("ascii").split()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
 
 
 def _fsync_dir(directory: Path) -> None:
