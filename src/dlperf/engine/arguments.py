@@ -71,12 +71,14 @@ def as_vars(call: str, arg: str, value: Any, engine: Any = None) -> tuple[Var, .
     return items
 
 
-def check_count(call: str, arg: str, value: Any, low: int = 1) -> int:
-    """``value`` if it is an integer (not a bool) of at least ``low``."""
+def check_count(call: str, arg: str, value: Any, low: int = 1, *, also: str = "") -> int:
+    """``value`` if it is an integer (not a bool) of at least ``low``; ``also`` ends the expectation
+    in the message (``" or None"``, ``" (0: off)"``)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise EngineArgumentError(f"{call}: {arg}={_given(value)} is not an integer; expected an integer >= {low}")
+        raise EngineArgumentError(f"{call}: {arg}={_given(value)} is not an integer; expected an integer >= "
+                                  f"{low}{also}")
     if value < low:
-        raise EngineArgumentError(f"{call}: {arg}={value} is too small; expected an integer >= {low}")
+        raise EngineArgumentError(f"{call}: {arg}={value} is too small; expected an integer >= {low}{also}")
     return value
 
 
