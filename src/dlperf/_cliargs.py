@@ -12,12 +12,22 @@ import os
 
 from .errors import UsageError
 
-__all__ = ["one_line", "available_memory_bytes", "require_memory", "batch_bytes"]
+__all__ = ["one_line", "short_repr", "available_memory_bytes", "require_memory", "batch_bytes"]
 
 
 def one_line(text: str) -> str:
     """``text`` with line breaks and other control characters escaped: an error stays one line."""
     return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)`` on one line, cut to ``limit`` characters: a value shown in an error message.
+
+    >>> short_repr("x" * 100, 10)
+    "'xxxxxx..."
+    """
+    text = one_line(repr(value))
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def available_memory_bytes() -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+from .._cliargs import short_repr
 from ..errors import UsageError
 from .var import Op, Var
 
@@ -30,10 +31,8 @@ class EngineArgumentError(UsageError, TypeError):
 
 
 def _given(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    kind = type(value).__name__
+    """The value with its type's name in front, unless its repr starts with it: ``str 'x'``, ``Device(...)``."""
+    text, kind = short_repr(value), type(value).__name__
     return text if text.startswith(kind) else f"{kind} {text}"
 
 
