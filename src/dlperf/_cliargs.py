@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from .errors import UsageError
+from .machine import read_meminfo
 
 __all__ = ["one_line", "short_repr", "available_memory_bytes", "require_memory", "batch_bytes"]
 
@@ -32,13 +33,9 @@ def short_repr(value: object, limit: int = 60) -> str:
 
 def available_memory_bytes() -> int | None:
     """Memory a new allocation can get without swapping: MemAvailable, else free pages; None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    available = read_meminfo().get("MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
