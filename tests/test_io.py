@@ -620,3 +620,33 @@ def test_process_alive():
     assert process_alive(os.getpid())
     assert not process_alive(_dead_pid())
     assert not process_alive(0) and not process_alive(-1) and not process_alive(2**80)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+def test_proc_stat_reads_a_name_with_spaces_and_parentheses_and_sees_a_zombie():
+    """One parser of /proc/<pid>/stat: the launcher's fault handling and process_alive read it alike."""
+    from dlperf._io import proc_stat, process_alive
+    from dlperf.parallel.launchers.faults import _group_and_session
+
+    fields = proc_stat(os.getpid())
+    assert fields is not None and fields[0] in "RS"
+    assert (int(fields[2]), int(fields[3])) == (os.getpgrp(), os.getsid(0)) == _group_and_session(str(os.getpid()))
+    # the command name, in parentheses, may hold both and spaces: "(a) 1 (b)"
+    renamed = "import sys; open('/proc/self/comm', 'w').write('a) 1 (b'); print(flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", renamed], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()
+        with open(f"/proc/{child.pid}/stat") as f:
+            assert "(a) 1 (b)" in f.read()
+        fields = proc_stat(child.pid)
+        assert fields is not None and fields[0] in "RS" and process_alive(child.pid)
+        assert _group_and_session(str(child.pid)) == (os.getpgrp(), os.getsid(0))
+        child.stdin.close()
+        deadline = time.monotonic() + 10
+        while proc_stat(child.pid)[0] != "Z" and time.monotonic() < deadline:  # exited, not yet reaped
+            time.sleep(0.01)
+        assert proc_stat(child.pid)[0] == "Z" and not process_alive(child.pid)
+        assert _group_and_session(str(child.pid)) is None
+    finally:
+        child.wait(timeout=10)
+    assert proc_stat(child.pid) is None and proc_stat(_dead_pid()) is None

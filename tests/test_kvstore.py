@@ -241,6 +241,24 @@ def test_dtypes_are_checked_on_push_and_pull_naming_key_and_both_dtypes(kind):
         assert got.tolist() == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("where", ["a directory", "a missing parent's file"])
+def test_save_fails_with_the_error_of_the_one_torch_writer(tmp_path, where):
+    """KVStore.save and a checkpoint write through _io.save_torch alike: its one-line error, unwrapped."""
+    from dlperf._io import FileAccessError, save_torch
+
+    path = tmp_path if where == "a directory" else tmp_path / "file" / "kv.pt"
+    if where != "a directory":
+        (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(FileAccessError) as expected:
+        save_torch(path, {"w": torch.zeros(2)})
+    with KVStore("local") as kv:
+        kv.init("w", torch.zeros(2))
+        with pytest.raises(FileAccessError) as got:
+            kv.save(path)
+    assert str(got.value) == str(expected.value) and "\n" not in str(got.value)
+    assert got.value.errno == expected.value.errno
+
+
 def test_save_onto_a_full_disk_is_one_error_and_keeps_the_previous_file(tmp_path):
     """Fault injection: the file system fills up while the state is written (RLIMIT_FSIZE in a child process
     turns the write past 64 KiB into EFBIG, as a full disk turns it into ENOSPC)."""

@@ -27,6 +27,18 @@ def test_host_memory_is_total_and_total_less_available(tmp_path):
     assert host_memory(str(tmp_path / "missing")) == (None, None)
 
 
+def test_meminfo_is_read_in_one_place(tmp_path, monkeypatch):
+    import dlperf._cliargs as cliargs
+    from dlperf.machine import read_meminfo
+
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       16000 kB\nMemAvailable:    6000 kB\nHugePages_Total:       4\nbroken line\n")
+    assert read_meminfo(str(info)) == {"MemTotal": 16000 * 1024, "MemAvailable": 6000 * 1024, "HugePages_Total": 4}
+    assert read_meminfo(str(tmp_path / "missing")) == {}
+    monkeypatch.setattr(cliargs, "read_meminfo", lambda: read_meminfo(str(info)))
+    assert cliargs.available_memory_bytes() == 6000 * 1024  # what a request is checked against
+
+
 def test_bench_probe_and_inventory_describe_the_host_alike():
     from dlperf.bench.runner import machine_info
 

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ._cliargs import one_line
-from ._io import atomic_write_bytes, decode_json
+from ._io import atomic_write_bytes, decode_json, read_bounded
 from .errors import UsageError
 
 log = logging.getLogger("dlperf.hybrid")
@@ -162,12 +162,14 @@ def _check_ours(path: str) -> None:
 
 
 def _check_file(path: str, st: os.stat_result) -> None:
-    euid = os.geteuid()
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != euid or st.st_mode & 0o022:
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
         kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a regular file"
-        raise CacheUnsafe(f"{path} is {kind} owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; "
-                          f"expected a regular file owned by uid {euid} that group and others cannot write "
-                          f"(fix: remove it)")
+        raise _unsafe(path, f"{kind} owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}")
+
+
+def _unsafe(path: str, problem: str) -> CacheUnsafe:
+    return CacheUnsafe(f"{path} is {problem}; expected a regular file owned by uid {os.geteuid()} that group and "
+                       f"others cannot write (fix: remove it)")
 
 
 def _describe(st: os.stat_result) -> str:
@@ -325,16 +327,9 @@ def _read_regular(path: str, limit: int | None, *, shared: bool = True) -> bytes
     ``shared=False``: a file in a directory only this process has used (a fresh build's output), whose
     mode is the compiler's and the umask's; it must still be a regular file.
     """
-    # O_NONBLOCK: a FIFO put in place of the file must not block the open; O_NOFOLLOW: nor a link redirect it.
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if shared or not stat.S_ISREG(st.st_mode):
-            _check_file(path, st)
-        data = f.read() if limit is None else f.read(limit + 1)
-    if limit is not None and len(data) > limit:
-        raise OSError(f"{path} is larger than {limit} bytes")
-    return data
+    # no link followed: one could point the cache at any file
+    return read_bounded(path, limit, _unsafe, follow_links=False,
+                        check=(lambda st: _check_file(path, st)) if shared else None)
 
 
 def write_private(path: str, data: bytes) -> None:

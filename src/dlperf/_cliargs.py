@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 
 from .errors import UsageError
+from .machine import read_meminfo
 
-__all__ = ["one_line", "available_memory_bytes", "require_memory", "batch_bytes"]
+__all__ = ["one_line", "short_repr", "available_memory_bytes", "require_memory", "batch_bytes"]
 
 
 def one_line(text: str) -> str:
@@ -20,15 +21,21 @@ def one_line(text: str) -> str:
     return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
 
 
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)`` on one line, cut to ``limit`` characters: a value shown in an error message.
+
+    >>> short_repr("x" * 100, 10)
+    "'xxxxxx..."
+    """
+    text = one_line(repr(value))
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def available_memory_bytes() -> int | None:
     """Memory a new allocation can get without swapping: MemAvailable, else free pages; None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    available = read_meminfo().get("MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -15,7 +15,9 @@ Block devices and sockets are refused. A full disk is one error naming the path 
 did not fit; the previous file stays and no temporary is left.
 
 Reads of torch files go through :func:`safe_torch_load`, which unpickles tensors and plain containers
-only and turns every failure into one line naming the file.
+only and turns every failure into one line naming the file. Small files of data (JSON documents, cache
+entries, manifests) are read with :func:`read_bounded`: a regular file of bounded size, checked through
+the descriptor that is read, never blocking on a FIFO.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from typing import IO, Any
 from .errors import DlperfError, UsageError
 
 __all__ = ["FileAccessError", "decode_json", "atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable",
-           "output_stream", "process_alive", "safe_torch_load", "save_torch"]
+           "no_space_error", "output_stream", "process_alive", "proc_stat", "read_bounded", "safe_torch_load",
+           "save_torch", "tensor_bytes"]
 
 _TMP_SUFFIX = ".tmp"
 FIFO_READER_WAIT_S = 10.0
@@ -81,11 +84,7 @@ def _wrap(path: Path, exc: OSError, action: str = "write", size: int | None = No
     if isinstance(exc, FileAccessError):
         return exc
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        need = f"{size} bytes" if size is not None else "the data"
-        where = "device" if exc.errno == errno.ENOSPC else "quota"
-        kept = " (any previous file is kept)" if replacing else ""
-        return FileAccessError(path, f"no space left on the {where} for {need}{kept}; free some space or write "
-                                     "elsewhere", exc.errno, action)
+        return no_space_error(path, size, exc.errno, kept="any previous file" if replacing else None, action=action)
     if exc.errno == errno.ENXIO:
         return FileAccessError(path, f"no process opened this FIFO for reading within {FIFO_READER_WAIT_S:g} s; "
                                      "start its reader first", exc.errno, action)
@@ -93,6 +92,19 @@ def _wrap(path: Path, exc: OSError, action: str = "write", size: int | None = No
     if exc.filename is not None and os.fspath(exc.filename) != os.fspath(path):
         reason = f"{reason}: {exc.filename}"  # e.g. the parent directory could not be created
     return FileAccessError(path, reason, exc.errno, action)
+
+
+def no_space_error(path: str | os.PathLike, size: int | None, err: int = errno.ENOSPC, *,
+                   kept: str | None = "any previous file", free: int | None = None, estimated: bool = False,
+                   action: str = "write") -> FileAccessError:
+    """The one message for a write that did not fit: the path, the bytes it needed (``estimated``: about
+    that many), what is still there (``kept``), the room left (``free``) when known, and the fix."""
+    need = "the data" if size is None else f"{'about ' if estimated else ''}{size} bytes"
+    where = "quota" if err == errno.EDQUOT else "device"
+    notes = ([f"{free} bytes free there"] if free is not None else []) + ([f"{kept} is kept"] if kept else [])
+    shown = f" ({', '.join(notes)})" if notes else ""
+    return FileAccessError(path, f"no space left on the {where} for {need}{shown}; free some space or write "
+                                 "elsewhere", err, action)
 
 
 def _inspect(path: Path) -> tuple[Path, os.stat_result | None]:
@@ -216,12 +228,20 @@ def process_alive(pid: int) -> bool:
         return False
     except OSError:
         return True  # exists, owned by someone else
+    fields = proc_stat(pid)
+    if not fields:
+        return True  # no /proc to ask: kill(0) said it exists
+    return fields[0] not in ("Z", "X")  # exited, not yet reaped by its parent: it writes nothing more
+
+
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name: state, parent, process group, session...;
+    None when there is no such process or no /proc (the name, in parentheses, may hold spaces or ")")."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")  # exited, not yet reaped by its parent: it writes nothing more
-    except (OSError, IndexError):
-        return True  # no /proc to ask: kill(0) said it exists
+            return f.read().rsplit(b")", 1)[1].decode("ascii").split()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -383,7 +403,7 @@ def save_torch(path: str | os.PathLike, obj: Any) -> None:
     """
     import torch
 
-    size = _tensor_bytes(obj)
+    size = tensor_bytes(obj)
     recorder: _WriteErrors | None = None
     try:
         with atomic_open(path, "wb", size=size) as f:
@@ -420,7 +440,7 @@ class _WriteErrors:
             raise
 
 
-def _tensor_bytes(obj: Any) -> int | None:
+def tensor_bytes(obj: Any) -> int | None:
     """The bytes of the tensors in ``obj`` (plain containers walked), about what torch.save writes."""
     import torch
 
@@ -487,6 +507,53 @@ def safe_torch_load(path: str | os.PathLike, what: str = "checkpoint", expected:
             raise UsageError(f"{what} {str(p)!r} is not {expected} (not a torch.save file)") from None
         except Exception as exc:  # noqa: BLE001 - zip errors, EOFError, RuntimeError: all mean "not that file"
             raise UsageError(f"{what} {str(p)!r} is not {expected} ({_short_reason(exc)})") from None
+
+
+def read_bounded(path: str | os.PathLike, max_bytes: int | None, fail: Callable[[str, str], Exception], *,
+                 follow_links: bool = True, check: Callable[[os.stat_result], None] | None = None) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``max_bytes`` (None: no limit).
+
+    The one reader of the small files a user or another process may have put in place (JSON documents,
+    cache entries). It never blocks: the file is opened without waiting (a FIFO is refused, not waited
+    on) and judged by the descriptor that is then read, so nothing can be swapped in between; and it
+    reads at most ``max_bytes + 1`` bytes, so a file that grows meanwhile is refused too.
+
+    ``fail(path, problem)`` makes the caller's one-line error, ``problem`` reading like "a FIFO, not a
+    regular file" or "larger than 1048576 bytes (2000000 bytes)"; it is raised for anything but a
+    regular file, a file over ``max_bytes``, and a symbolic link when ``follow_links=False``.
+    ``check(status)`` may refuse the opened file for reasons of the caller's own (its owner, its mode).
+    Any other OSError (no such file, no permission) is the caller's to name.
+
+    >>> read_bounded("/dev/null", 10, lambda path, problem: ValueError(f"{path}: {problem}"))
+    Traceback (most recent call last):
+    ...
+    ValueError: /dev/null: a character device, not a regular file
+    """
+    text = os.fspath(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(text, flags if follow_links else flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links and os.path.islink(text):
+            raise fail(text, "a symbolic link, which is not followed here") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise fail(text, f"a {_kind(st.st_mode)}, not a regular file")
+        if check is not None:
+            check(st)
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise fail(text, f"larger than {max_bytes} bytes ({st.st_size} bytes)")
+        reader = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with reader:
+        data = reader.read() if max_bytes is None else reader.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise fail(text, f"larger than {max_bytes} bytes")
+    return data
 
 
 def _json_options(allow_nan: bool, unique_keys: bool) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import platform
 
-__all__ = ["cpu_model", "host_memory"]
+__all__ = ["cpu_model", "host_memory", "read_meminfo"]
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -23,14 +23,24 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     return platform.processor() or platform.machine()
 
 
+def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """The figures of /proc/meminfo in bytes (``MemTotal``, ``MemAvailable``...); empty where there is none."""
+    fields = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                words = value.split()
+                if words and words[0].isdigit():
+                    fields[key] = int(words[0]) * (1024 if words[1:] == ["kB"] else 1)
+    except OSError:
+        return {}
+    return fields
+
+
 def host_memory(meminfo: str = "/proc/meminfo") -> tuple[int | None, int | None]:
     """Host memory (total, used) in bytes from /proc/meminfo; (None, None) elsewhere."""
-    try:
-        fields = {}
-        with open(meminfo) as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                fields[key] = int(value.split()[0]) * 1024
-        return fields["MemTotal"], fields["MemTotal"] - fields["MemAvailable"]
-    except (OSError, KeyError, ValueError):
+    fields = read_meminfo(meminfo)
+    if "MemTotal" not in fields or "MemAvailable" not in fields:
         return None, None
+    return fields["MemTotal"], fields["MemTotal"] - fields["MemAvailable"]

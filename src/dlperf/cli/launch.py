@@ -37,7 +37,10 @@ __all__ = ["register", "run", "start", "parse_master", "NUM_SERVERS_ENV", "DEFAU
 
 DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0
 """The longest a launched job may run (and one collective may wait): a week, unless ``--timeout`` says."""
-MIN_TIMEOUT_S = 1.0
+MIN_LAUNCH_TIMEOUT_S = 1.0
+"""The shortest ``--timeout``: a whole launch, and processes take about that long to start. The library's
+:data:`~dlperf.parallel.launchers.launch_config.MIN_TIMEOUT_S` is lower: it bounds single waits too (a fault
+timeout of half a second is a real setting)."""
 MAX_PROCESSES = 1024
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 _PYTHON = re.compile(r"^python(3(\.[0-9]{1,2})?)?$")
@@ -60,14 +63,14 @@ def parse_master(text: str) -> tuple[str, int]:
 
 
 def _timeout(text: str) -> float:
-    from ..parallel.launchers.processes import MAX_TIMEOUT_S
+    from ..parallel.launchers.launch_config import MAX_TIMEOUT_S
     from . import options as va
 
     value = va.positive_float("--timeout", max_value=MAX_TIMEOUT_S)(text)
-    if value < MIN_TIMEOUT_S:
+    if value < MIN_LAUNCH_TIMEOUT_S:
         raise argparse.ArgumentTypeError(one_line(
-            f"{text[:40]!r} is too short; give --timeout at least {MIN_TIMEOUT_S:g} seconds (processes take that "
-            "long to start)"))
+            f"{text[:40]!r} is too short; give --timeout at least {MIN_LAUNCH_TIMEOUT_S:g} seconds (processes take "
+            "that long to start)"))
     return value
 
 
@@ -89,7 +92,7 @@ def register(sub) -> None:
     p.add_argument("--max-restarts", default=0, type=va.int_in(0, 1000, "--max-restarts"),
                    help="restart every process this often after a failure before giving up")
     p.add_argument("--timeout", default=DEFAULT_TIMEOUT_S, type=_timeout, metavar="SECONDS",
-                   help=f"stop the launch after this long, rendezvous included ({MIN_TIMEOUT_S:g} s to a year; "
+                   help=f"stop the launch after this long, rendezvous included ({MIN_LAUNCH_TIMEOUT_S:g} s to a year; "
                         "default: a week)")
     p.add_argument("--verbose", action="store_true",
                    help="on a failure, also print the failed rank's full traceback and torch's log on stderr "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+from .._cliargs import short_repr
 from ..errors import UsageError
 from .var import Op, Var
 
@@ -30,10 +31,8 @@ class EngineArgumentError(UsageError, TypeError):
 
 
 def _given(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    kind = type(value).__name__
+    """The value with its type's name in front, unless its repr starts with it: ``str 'x'``, ``Device(...)``."""
+    text, kind = short_repr(value), type(value).__name__
     return text if text.startswith(kind) else f"{kind} {text}"
 
 
@@ -71,12 +70,14 @@ def as_vars(call: str, arg: str, value: Any, engine: Any = None) -> tuple[Var, .
     return items
 
 
-def check_count(call: str, arg: str, value: Any, low: int = 1) -> int:
-    """``value`` if it is an integer (not a bool) of at least ``low``."""
+def check_count(call: str, arg: str, value: Any, low: int = 1, *, also: str = "") -> int:
+    """``value`` if it is an integer (not a bool) of at least ``low``; ``also`` ends the expectation
+    in the message (``" or None"``, ``" (0: off)"``)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise EngineArgumentError(f"{call}: {arg}={_given(value)} is not an integer; expected an integer >= {low}")
+        raise EngineArgumentError(f"{call}: {arg}={_given(value)} is not an integer; expected an integer >= "
+                                  f"{low}{also}")
     if value < low:
-        raise EngineArgumentError(f"{call}: {arg}={value} is too small; expected an integer >= {low}")
+        raise EngineArgumentError(f"{call}: {arg}={value} is too small; expected an integer >= {low}{also}")
     return value
 
 

@@ -125,16 +125,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for key in ("cpu_threads", "max_queued"):
-            value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise UsageError(f"{key}={value!r} is not valid; expected an integer >= 1 or None")
+            if getattr(self, key) is not None:
+                check_count("EngineConfig", key, getattr(self, key), also=" or None")
         latency = self.batch_latency_us
         if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < math.inf:
             raise UsageError(f"batch_latency_us={latency!r} is not valid; expected a finite number >= 0")
         if not isinstance(self.trace, bool):
             raise UsageError(f"trace={self.trace!r} is not valid; expected True or False")
-        if not isinstance(self.auto_bulk, int) or isinstance(self.auto_bulk, bool) or self.auto_bulk < 0:
-            raise UsageError(f"auto_bulk={self.auto_bulk!r} is not valid; expected an integer >= 0 (0: off)")
+        check_count("EngineConfig", "auto_bulk", self.auto_bulk, 0, also=" (0: off)")
 
 
 class _Bulk:

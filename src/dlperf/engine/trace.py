@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._io import atomic_write_text, decode_json
+from .._io import atomic_write_text, decode_json, read_bounded
 from ..errors import UsageError
 
 __all__ = ["TraceEvent", "Trace", "WorkerSummary", "TraceSummary", "summarize", "load_trace", "format_summary",
@@ -131,22 +131,19 @@ def load_trace(path: str | Path) -> Trace:
 
 
 def _read_json(path: Path, where: str) -> Any:
-    if path.is_dir():
-        raise UsageError(f"{where} is a directory; give the trace's JSON file")
-    if not path.exists():
-        raise UsageError(f"{where} does not exist")
-    if not path.is_file():  # a FIFO or device could block or never end
-        raise UsageError(f"{where} is not a regular file; give the trace's JSON file")
+    def refuse(_path: str, problem: str) -> UsageError:
+        return UsageError(f"{where} is {problem}; give the trace's JSON file (at most {MAX_TRACE_BYTES} bytes: "
+                          "trace a shorter run if it is larger)")
+
     try:
-        size = path.stat().st_size
-        if size > MAX_TRACE_BYTES:
-            raise UsageError(f"{where} is {size} bytes, more than the {MAX_TRACE_BYTES} bytes a trace may "
-                             "have; trace a shorter run")
-        data = path.read_bytes()
+        data = read_bounded(path, MAX_TRACE_BYTES, refuse)
+    except FileNotFoundError:
+        raise UsageError(f"{where} does not exist; check the path") from None
     except OSError as exc:
-        raise UsageError(f"{where} is not Chrome trace JSON: {exc}") from None
+        raise UsageError(f"{where} cannot be read ({exc.strerror or exc}); check the path and its permissions") \
+            from None
     return decode_json(data, where, lambda w, why: UsageError(f"{w} is not Chrome trace JSON: {why}"),
-                       allow_nan=False, max_bytes=MAX_TRACE_BYTES)
+                       allow_nan=False)
 
 
 class _BadEvent(ValueError):

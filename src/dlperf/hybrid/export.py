@@ -92,7 +92,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_map
 
-from .._io import FileAccessError, _umask, atomic_directory
+from .._io import FileAccessError, _umask, atomic_directory, no_space_error, tensor_bytes
 from ..batch import map_tensors
 from ..errors import DlperfError
 from .export_format import (
@@ -204,7 +204,7 @@ def _full_disk(exc: BaseException, target: str, doc: dict, tensors: dict[str, to
     ``RuntimeError: ... unexpected pos``), so a failure is also taken as a full disk when the file
     system now has less room than the export needs.
     """
-    needed = sum(t.numel() * t.element_size() for t in tensors.values()) * (2 if pt2 else 1)
+    needed = (tensor_bytes(tensors) or 0) * (2 if pt2 else 1)
     needed += len(json.dumps(doc)) + (64 << 10)  # graph.json, the safetensors header and file-system slack
     try:
         st = os.statvfs(os.path.dirname(target))
@@ -217,13 +217,8 @@ def _full_disk(exc: BaseException, target: str, doc: dict, tensors: dict[str, to
         or (free is not None and free < needed)
     if not spaceless:
         return None
-    room = "" if free is None else f", {_megabytes(free)} free there"
-    return FileAccessError(shown, f"no space left on device: the export needs about {_megabytes(needed)}{room}; "
-                                  f"the previous export is kept (free some space and export again)", errno.ENOSPC)
-
-
-def _megabytes(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
+    err = exc.errno if isinstance(exc, OSError) and exc.errno == errno.EDQUOT else errno.ENOSPC
+    return no_space_error(shown, needed, err, kept="the previous export", free=free, estimated=True)
 
 
 def _export_target(path: str | os.PathLike) -> str:

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .._io import decode_json, directory_to_read
+from .._io import decode_json, directory_to_read, read_bounded
 from ..errors import DlperfError
 from .export_aliasing import check_no_writes
 from .export_format import (
@@ -259,7 +259,7 @@ def _load(path: str | os.PathLike, device: torch.device | str) -> ExportedModule
     graph_path = os.path.join(root, GRAPH_FILE)
     params_path = os.path.join(root, PARAMS_FILE)
     for p in (graph_path, params_path):
-        if not os.path.isfile(p):
+        if not os.path.exists(p):  # a directory or FIFO there is refused by the reader, which says so
             raise ExportFormatError(f"{path}: missing {os.path.basename(p)}; is this a dlperf export?")
     doc = _read_graph(graph_path)
     _check_file(params_path, doc["files"][PARAMS_FILE])
@@ -304,20 +304,15 @@ def _export_root(path: str | os.PathLike) -> str:
 
 def _read_graph(graph_path: str) -> dict:
     try:
-        info = os.stat(graph_path)
-    except OSError as exc:
+        data = read_bounded(graph_path, MAX_GRAPH_BYTES, _not_a_graph)
+    except FileNotFoundError as exc:
         raise ExportFormatError(f"{graph_path}: missing ({exc.strerror}); is this a dlperf export?") from exc
-    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_GRAPH_BYTES:
-        raise ExportFormatError(f"{graph_path}: not a regular file of at most {MAX_GRAPH_BYTES} bytes")
-    try:
-        with open(graph_path, "rb") as f:
-            data = f.read(MAX_GRAPH_BYTES + 1)
     except OSError as exc:
         raise ExportFormatError(f"{graph_path}: not a readable JSON graph ({type(exc).__name__}: "
                                 f"{_first_line(exc)})") from exc
     doc = decode_json(data, graph_path, lambda where, why: ExportFormatError(f"{where}: not a readable JSON graph "
                                                                              f"({why})"),
-                      allow_nan=False, unique_keys=True, max_bytes=MAX_GRAPH_BYTES)
+                      allow_nan=False, unique_keys=True)
     try:
         digest = _content_hash(doc) if isinstance(doc, dict) else None
     except (ValueError, RecursionError) as exc:
@@ -333,6 +328,11 @@ def _read_graph(graph_path: str) -> dict:
         raise ExportFormatError(f"{graph_path}: content checksum does not match (file was modified)")
     _GraphSchema(graph_path).check(doc)
     return doc
+
+
+def _not_a_graph(path: str, problem: str) -> ExportFormatError:
+    return ExportFormatError(f"{path}: {problem}; expected the {GRAPH_FILE} of a dlperf export, a regular file of at "
+                             f"most {MAX_GRAPH_BYTES} bytes (export the model again)")
 
 
 def _check_file(path: str, expected: dict) -> None:

@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from .._cliargs import one_line
-from .._io import FileAccessError, safe_torch_load, save_torch
+from .._io import safe_torch_load, save_torch
 from ..devices import Device, DeviceLike, cpu, to_device
 from ..engine import Engine, Op, Var, create_engine
-from ..errors import DlperfError, UsageError
+from ..errors import UsageError
 from ..registry import Registry
 
 __all__ = ["KVStore", "register_kvstore", "create_kvstore", "kvstore_types", "Key"]
@@ -409,15 +409,7 @@ class KVStore(ABC):
         A write that fails (a full disk, a read-only directory) is one :class:`~dlperf._io.FileAccessError`
         naming ``path``; the previous file stays as it was and no temporary file is left.
         """
-        state = self.state_dict()
-        try:
-            save_torch(path, state)
-        except DlperfError:
-            raise
-        except (OSError, RuntimeError) as exc:  # torch's zip writer reports a failed write as a RuntimeError
-            err = exc.errno if isinstance(exc, OSError) else None
-            raise FileAccessError(path, f"the kvstore state was not written ({one_line(str(exc))[:160]}); the "
-                                  "previous file is kept. Free space there or save elsewhere", err) from None
+        save_torch(path, self.state_dict())  # its errors name the path, the cause and the fix
 
     def load(self, path: str | os.PathLike) -> None:
         """Read a file written by :meth:`save` as data only (no pickled code runs) and load it."""

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .._cliargs import short_repr
+
 __all__ = ["trainer_state_problem", "history_problem", "HPARAMS_FLAG", "HPARAM_RANGES"]
 
 HPARAMS_FLAG = "--resume-hparams-from-checkpoint"
@@ -39,8 +41,7 @@ _STATE_KEYS: dict[str, tuple[str, ...]] = {
 def _show(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return short_repr(value, 40)
 
 
 def _is_number(v: object) -> bool:

@@ -26,12 +26,18 @@ from .optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
 from .plan import Plan, parse_plan
 from .planner import PlannerOptions
 
-__all__ = ["TrainerConfig", "BUFFER_MODES", "MEMORY_FORMATS", "Loss"]
+__all__ = ["TrainerConfig", "BUFFER_MODES", "MEMORY_FORMATS", "Loss", "check_update_on_kvstore"]
 
 BUFFER_MODES = ("per-device", "broadcast")
 MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_update_on_kvstore(kvstore: str | KVStore | None, update_on_kvstore: bool) -> None:
+    """Refuse ``update_on_kvstore`` without a store: the rule a config and the strategy factory both apply."""
+    if update_on_kvstore and kvstore is None:
+        raise UsageError("update_on_kvstore=True needs a kvstore, e.g. kvstore='local'")
 
 
 def default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -99,8 +105,7 @@ class TrainerConfig:
         if self.buffers not in BUFFER_MODES:
             raise unknown_choice("buffer mode", self.buffers, BUFFER_MODES)
         self.algorithm = get_algorithm(self.algorithm)
-        if self.update_on_kvstore and self.kvstore is None:
-            raise UsageError("update_on_kvstore=True needs a kvstore, e.g. kvstore='local'")
+        check_update_on_kvstore(self.kvstore, self.update_on_kvstore)
         if self.bucket_bytes is not None and (isinstance(self.bucket_bytes, bool) or
                                               not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1):
             raise UsageError(f"bucket_bytes={self.bucket_bytes!r}: expected an integer >= 1 (or None)")

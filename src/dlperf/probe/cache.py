@@ -64,25 +64,18 @@ def _fail(path: str, problem: str) -> ProbeCacheError:
 
 def read_cache_file(path: str, fail: Callable[[str, str], Exception] = _fail, *, cache: bool = True,
                     max_bytes: int = _MAX_BYTES) -> bytes:
-    """The bytes of a small regular file (never blocking on a FIFO); of the cache unless ``cache=False``.
+    """The bytes of a small regular file (:func:`dlperf._io.read_bounded`); of the cache unless ``cache=False``.
 
     A cache file must also be no link, owned by the user and not writable by group or others (anyone
     who could write it could choose the figures); a file the user names (``cache=False``) may be a link.
     ``fail(path, problem)`` makes the error, so each kind of file names itself and its own fix.
     """
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_NOFOLLOW if cache else 0)
-    fd = os.open(path, flags)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise fail(path, "not a regular file")
-        if cache and (st.st_uid != os.geteuid() or st.st_mode & 0o022):
+    def owned(st: os.stat_result) -> None:
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
             raise fail(path, f"owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}, not a file of "
                              f"uid {os.geteuid()} that only it can write")
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise fail(path, f"larger than {max_bytes} bytes")
-    return data
+
+    return _io.read_bounded(path, max_bytes, fail, follow_links=not cache, check=owned if cache else None)
 
 
 def decode_json(data: bytes, path: str, fail: Callable[[str, str], Exception] = _fail) -> Any:

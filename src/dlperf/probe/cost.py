@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .._cliargs import short_repr as _short
 from ..batch import Batch, call_model, describe, map_tensors, tensors_of
 from ..errors import UsageError
 from ..registry import Registry
@@ -228,11 +229,6 @@ class Hardware:
         return {"name": self.name, "flops": dict(self.flops), "memory_bandwidth": self.memory_bandwidth,
                 "dispatch_s": self.dispatch_s,
                 "links": {k: {"alpha_s": v.alpha_s, "bandwidth": v.bandwidth} for k, v in self.links.items()}}
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _positive(value: object, key: str, *, zero_ok: bool = False) -> float:

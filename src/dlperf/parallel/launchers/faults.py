@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..._io import decode_json
+from ..._io import decode_json, proc_stat
 
 __all__ = ["FailureRecord", "FaultBoard", "first_cause", "host_label", "interface_with_address",
            "kill_process_groups", "local_address", "session_members", "set_parent_death_signal", "shut_connections_to"]
@@ -109,13 +109,12 @@ def interface_with_address(address: str) -> str | None:
     return None
 
 
-def _proc_stat(pid: str) -> tuple[int, int] | None:
+def _group_and_session(pid: str) -> tuple[int, int] | None:
     """(process group, session) of ``pid`` from /proc, or None when it is gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = proc_stat(pid)
+    if fields is None or len(fields) < 4 or fields[0] in ("Z", "X"):
         return None
-    return None if fields[0] in ("Z", "X") else (int(fields[2]), int(fields[3]))
+    return int(fields[2]), int(fields[3])
 
 
 def _connections_to(addr: str, port: int) -> dict[int, str]:
@@ -176,7 +175,7 @@ def session_members(sid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
-            stat = _proc_stat(entry)
+            stat = _group_and_session(entry)
             if stat is not None and stat[1] == sid:
                 out.append(int(entry))
     return out
@@ -202,7 +201,7 @@ def kill_process_groups(leaders: set[int]) -> int:
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
-        stat = _proc_stat(entry)
+        stat = _group_and_session(entry)
         if stat is not None and stat[0] in leaders and stat[1] == session:
             try:
                 os.kill(int(entry), signal.SIGKILL)

@@ -138,11 +138,16 @@ class StepContext:
             if v.exc is not None:
                 self.step_vars[i] = self.engine.new_var(f"step {self.devices[i]}")
 
+    def push_optimizer_steps(self, optimizers: Sequence[torch.optim.Optimizer],
+                             reads: tuple[Var, ...] = ()) -> list[Op]:
+        """Push each replica's optimizer step on its device after ``reads``; the operations, not waited for."""
+        return [self.engine.push(opt.step, reads=reads, writes=(self.replica_vars[i],), device=d,
+                                 name=f"{optimizer_name(opt)} {d}")
+                for i, (d, opt) in enumerate(zip(self.devices, optimizers))]
+
     def step_optimizers(self, optimizers: Sequence[torch.optim.Optimizer], reads: tuple[Var, ...] = ()) -> None:
         """Push each replica's optimizer step on its device after ``reads``, and wait for them all."""
-        ops = [self.engine.push(opt.step, reads=reads, writes=(self.replica_vars[i],), device=d,
-                                name=f"{optimizer_name(opt)} {d}")
-               for i, (d, opt) in enumerate(zip(self.devices, optimizers))]
+        ops = self.push_optimizer_steps(optimizers, reads)
         try:
             self.wait_ops(ops)
         except BaseException:

@@ -23,6 +23,7 @@ from ...devices import Device
 from ...errors import UsageError
 from ...kvstore import KVStore
 from ..servers import is_dist_kvstore
+from ..trainer_config import check_update_on_kvstore
 from .strategy import STRATEGIES, Strategy
 
 __all__ = ["choose_strategy", "create_strategy"]
@@ -53,8 +54,7 @@ def choose_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: 
     if num_servers and not distributed:
         raise UsageError(f"--num-servers {num_servers} with train --kvstore {kvstore}: parameter servers serve a "
                          "distributed store; add --kvstore dist_sync to train, or drop --num-servers")
-    if update_on_kvstore and kvstore is None:
-        raise UsageError("update_on_kvstore=True needs a kvstore, e.g. kvstore='local'")
+    check_update_on_kvstore(kvstore, update_on_kvstore)
     count = devices if isinstance(devices, int) else len(devices)
     if processes > 1:
         if kvstore is not None and not distributed:

@@ -73,17 +73,15 @@ class LocalAllreduce(ReplicaOptimizers):
         """
         ctx = self.ctx
         reads = (*self._buckets().done_vars(), *ctx.step_vars)
-        push, name = ctx.engine.push, optimizer_name(self.optimizers[0])
         if any(d.is_gpu for d in ctx.devices):
-            self._update_ops = [push(opt.step, reads=reads, writes=(ctx.replica_vars[i],), device=d,
-                                     name=f"{optimizer_name(opt)} {d}")
-                                for i, (d, opt) in enumerate(zip(ctx.devices, self.optimizers))]
+            self._update_ops = ctx.push_optimizer_steps(self.optimizers, reads)
         else:
             # on the worker of the replica that ended last (this thread): it runs right after, unwoken
             place = ctx.engine.running_on()
             device = place[0] if place is not None and place[0] in ctx.devices else ctx.devices[0]
-            self._update_ops = [push(self._step_every_optimizer, reads=reads, writes=tuple(ctx.replica_vars),
-                                     device=device, name=f"{name} {','.join(map(str, ctx.devices))}")]
+            name = f"{optimizer_name(self.optimizers[0])} {','.join(map(str, ctx.devices))}"
+            self._update_ops = [ctx.engine.push(self._step_every_optimizer, reads=reads,
+                                                writes=tuple(ctx.replica_vars), device=device, name=name)]
 
     def _step_every_optimizer(self) -> None:
         for opt in self.optimizers:
