@@ -8,15 +8,19 @@ For each link rate (default 1, 10 and 25 Gbit/s; ``--quick``: 1 and 10) two netw
 by a veth pair shaped with ``tbf`` to that rate (tests/support/netns.py), and each runs a ProcessLauncher
 with two worker processes of one thread (``--nnodes 2``, world 4, ranks 0-1 on one host and 2-3 on the
 other; each node in a UTS namespace of its own, so that the processes of different hosts never take
-each other for neighbours and share memory). Inside that job:
+each other for neighbours and share memory, and on cores of its own, half of this machine's each, as real hosts
+have: ``Hosts(own_cores=True)``; sharing every core, one host's ranks ran while the other's waited on the
+link, and the parameter servers' cells spread 10x from one repetition to the next). Inside that job:
 
 1. **The links are measured, not taken from the configuration, each as the cells use it**, in the same
-   rounds as the cells (so the load is in both alike), at 4 KB, 32 KB, 256 KB, 2 MB and 16 MB (none a
-   cell's size): gloo allreduce between one rank per host (``pair``, for the two-host allreduce cells);
+   rounds as the cells (so the load is in both alike), at 4 KB, 32 KB, 256 KB, 2 MB, 16 MB and 64 MB (none
+   a cell's size; together they span the cells', the last-level cache's size included): gloo allreduce
+   between one rank per host (``pair``, for the two-host allreduce cells and hierarchical's leaders);
    gloo's ring and the sharded exchange over all 4 ranks at once, two per host sharing the cores
    (``network``, ``sharded``: a CPU-bound veth is in the fit, not assumed); shared memory inside each
-   host, both hosts at once (``intra``); one worker's push and pull to one parameter server, every worker
-   at once (``rpc``: the servers' own transport); and one rank's reduction of 16 MB while every rank
+   host, both hosts at once (``intra``); one worker's push and pull to the parameter servers, every worker
+   at once, with one server and with two (``rpc``, ``rpc2``: the servers' own transport); and one rank's
+   reduction of 16 MB while every rank
    reduces (``reduce_s_per_byte``). Each is the median per size, fitted with
    :func:`dlperf.probe.projection.alpha_beta_fit` (bandwidth from the large messages, latency from the
    small ones) and turned into a per-message link through the formula of what it timed
@@ -29,12 +33,14 @@ each other for neighbours and share memory). Inside that job:
    or 2 ranks as servers, every key split over the servers; one pushpull per step).
 
 Every cell is timed per repetition on its slowest rank (a barrier before each; the median of the
-repetitions; the allreduce and allreduce-strategy cells alternate round by round, the parameter-server
-cells follow, as their servers serve until the workers close), with dlperf.timing's contention check
-on every rank. The prediction beside it is :mod:`dlperf.probe.projection`'s formula for the cell's
-layout, priced with the links of its transport (ring and hierarchical: ``network`` and ``intra``;
-sharded: ``sharded``; parameter servers: ``rpc``) and, as the emulated hosts share this machine's cores
-(cores / hosts each), the turns ranks that outnumber them take for their reductions
+repetitions, three times as many for sizes up to 1 MB; the allreduce and allreduce-strategy cells alternate
+round by round, the parameter-server cells and their fits follow, round by round too, as their servers
+serve until the workers close), with dlperf.timing's contention check on every rank. The prediction
+beside it is :mod:`dlperf.probe.projection`'s formula for the cell's layout, priced with the links of its
+transport (ring: ``network`` and ``intra``; hierarchical: ``pair`` between the leaders, who exchange while
+the others wait, and ``intra``; sharded: ``sharded``; parameter servers: ``rpc`` or ``rpc2``) and, as each
+emulated host has a share of this machine's cores, the turns ranks that outnumber them take for their
+reductions
 (:func:`dlperf.probe.projection.cpu_time`). ``auto`` is the strategy the same predictions rank fastest;
 it is compared with the strategy measured fastest for each rate and model. ``--no-faults`` measures the
 cells alone (for iterating on the model).
@@ -78,7 +84,11 @@ RATES_GBIT = (1, 10, 25)
 QUICK_RATES_GBIT = (1, 10)
 SIZES = (64 << 10, 1 << 20, 8 << 20, 32 << 20)
 QUICK_SIZES = (64 << 10, 1 << 20, 8 << 20)
-FIT_SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 16 << 20)  # none of them a cell's size
+# none of them a cell's size, and they span the cells' (a transport's rate at 16 MB overstated the sharded
+# exchange's at 43 MB by 1.5-2x: a line through the small sizes alone extrapolates)
+FIT_SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 16 << 20, 64 << 20)
+SMALL = 1 << 20  # cells and fits up to this size take SMALL_REPS times the repetitions: a few ms each, and noisy
+SMALL_REPS = 3
 SERVER_STRATEGIES = ("ps-1", "ps-2")
 MODELS = ("lenet", "resnet18")
 TARGETS = {"model_error_median": 0.15, "model_error_max": 0.35, "auto_within_10pct": 0.9}
@@ -118,6 +128,10 @@ class _Timer:
         return both[:-1].tolist(), bool(both[-1].item())
 
 
+def repetitions(reps: int, nbytes: int) -> int:
+    return reps * SMALL_REPS if nbytes <= SMALL else reps
+
+
 def _sharded(flat: torch.Tensor, world: int) -> None:
     import torch.distributed as dist
 
@@ -138,18 +152,23 @@ def _server_cells(servers: int, world: int, me: int, sizes: dict[str, int], reps
         return {}
     timer = _Timer(groups[servers], list(range(world - servers)))
     out = {}
-    if servers == 1:  # the servers' own transport (RPC), measured as the collectives' links are
-        for i, nbytes in enumerate(FIT_SIZES):
-            key, grads, result = 1000 + i, torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-            kv.init(key, torch.zeros(nbytes // 4))
-            for _ in range(rounds):
-                got = timer(lambda key=key, grads=grads, result=result: kv.pushpull(key, grads, out=result), reps, 1)
-                out[f"fit-rpc:{nbytes}"] = (out.get(f"fit-rpc:{nbytes}", ([], False))[0] + got[0], got[1])
-    for key, (model, nbytes) in enumerate(sizes.items()):
+    # the servers' own transport (RPC), measured as the collectives' links are, for each count of servers (with
+    # two, both on the second host, every message crosses the link and the two share that host's cores), in the
+    # same rounds as the cells: the fit's sizes, then the models, round after round
+    fit = "fit-rpc" if servers == 1 else f"fit-rpc{servers}"
+    jobs = [(f"{fit}:{nbytes}", 1000 + i, nbytes, 1) for i, nbytes in enumerate(FIT_SIZES)]
+    jobs += [(model, key, nbytes, warmup) for key, (model, nbytes) in enumerate(sizes.items())]
+    buffers = {}
+    for _, key, nbytes, _ in jobs:
         kv.init(key, torch.zeros(nbytes // 4))
-        grads, result = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-        out[model] = timer(lambda key=key, grads=grads, result=result: kv.pushpull(key, grads, out=result),
-                           reps, warmup)
+        buffers[key] = (torch.ones(nbytes // 4), torch.empty(nbytes // 4))
+    for r in range(rounds):
+        for name, key, nbytes, warm in jobs:
+            grads, result = buffers[key]
+            got = timer(lambda key=key, grads=grads, result=result: kv.pushpull(key, grads, out=result),
+                        repetitions(reps, nbytes), warm if r == 0 or name.startswith("fit-") else 0)
+            was = out.get(name, ([], False))
+            out[name] = (was[0] + got[0], was[1] or got[1])
     kv.close()
     return out
 
@@ -187,28 +206,30 @@ def cluster_worker(sizes: list[int], models: dict[str, int], reps: int, warmup: 
     # what each transport costs as the cells use it, measured in the same rounds as the cells (the load is in
     # both alike): gloo between one rank per host, gloo's ring and its sharded exchange with every rank at
     # work, shared memory inside a host (both hosts at once), and one rank's reduction while all reduce
-    jobs: list[tuple[tuple[str, str], _Timer | None, Callable[[], object], int]] = []
+    jobs: list[tuple[tuple[str, str], _Timer | None, Callable[[], object], int, int]] = []
     for nbytes in FIT_SIZES:
         flat = torch.ones(-(-nbytes // 4 // world) * world)
-        jobs += [(("fit-pair", str(nbytes)), between, lambda f=flat: dist.all_reduce(f, group=pair), 1),
-                 (("fit-world", str(nbytes)), everyone, lambda f=flat: dist.all_reduce(f), 1),
-                 (("fit-sharded", str(nbytes)), everyone, lambda f=flat: _sharded(f, world), 1),
+        jobs += [(("fit-pair", str(nbytes)), between, lambda f=flat: dist.all_reduce(f, group=pair), 1, nbytes),
+                 (("fit-world", str(nbytes)), everyone, lambda f=flat: dist.all_reduce(f), 1, nbytes),
+                 (("fit-sharded", str(nbytes)), everyone, lambda f=flat: _sharded(f, world), 1, nbytes),
                  (("fit-intra", str(nbytes)), neighbours,
-                  lambda f=flat: host_allreduce_(f, mine, host_name=rank_host()), 1)]
-    a, b = torch.ones(FIT_SIZES[-1] // 4), torch.ones(FIT_SIZES[-1] // 4)
-    jobs.append((("reduce", str(FIT_SIZES[-1])), everyone, lambda: a.add_(b), 1))
+                  lambda f=flat: host_allreduce_(f, mine, host_name=rank_host()), 1, nbytes)]
+    reduced = 16 << 20
+    a, b = torch.ones(reduced // 4), torch.ones(reduced // 4)
+    jobs.append((("reduce", str(reduced)), everyone, lambda: a.add_(b), 1, reduced))
     for nbytes in sizes:
         flat = torch.ones(nbytes // 4)
-        jobs.append((("allreduce", str(nbytes)), between, lambda f=flat: dist.all_reduce(f, group=pair), warmup))
+        jobs.append((("allreduce", str(nbytes)), between, lambda f=flat: dist.all_reduce(f, group=pair), warmup,
+                     nbytes))
     for model, nbytes in models.items():
         flat = torch.ones(-(-nbytes // 4 // world) * world)  # whole parts for the sharded exchange
-        jobs += [((strategy, model), everyone, run, warmup) for strategy, run in (
+        jobs += [((strategy, model), everyone, run, warmup, nbytes) for strategy, run in (
             ("ring", lambda f=flat: dist.all_reduce(f)), ("sharded", lambda f=flat: _sharded(f, world)),
             ("hierarchical", lambda f=flat: host_allreduce_(f, host_name=rank_host())))]
     for _ in range(rounds):
-        for key, timer, run, warm in jobs:
+        for key, timer, run, warm, nbytes in jobs:
             if timer is not None:
-                record(key, timer(run, reps, warm))
+                record(key, timer(run, repetitions(reps, nbytes), warm))
             dist.barrier()
     for servers in (1, 2):
         for model, got in _server_cells(servers, world, me, models, reps, warmup, rounds, worker_groups).items():
@@ -250,13 +271,14 @@ _NODE_ENV = {"DLPERF_KVSTORE_SHM": "off"}
 
 def measure_rate(rate_gbit: float, args: argparse.Namespace) -> dict:
     extra = ["--quick"] if args.quick else []
-    with Hosts(2, rate=rate_gbit * 1e9 / 8) as hosts:
+    with Hosts(2, rate=rate_gbit * 1e9 / 8, own_cores=True) as hosts:
         procs = hosts.start_nodes(__file__, ["--reps", str(args.reps), "--warmup", str(args.warmup), "--rounds",
                                              str(args.rounds), *extra], PORT, env=_NODE_ENV)
         outs = [node_result(p, 1800) for p in procs]
+        cores = len(hosts.cores[0]) if hosts.cores else None
     if not all(o["ok"] for o in outs):
         raise SystemExit(f"the launch at {rate_gbit} Gbit/s failed: {[o.get('error') for o in outs]}")
-    return outs[0]["results"][0]
+    return {**outs[0]["results"][0], "cores_per_host": cores}
 
 
 NODE = Path(__file__).resolve().parent.parent / "tests" / "netns_node.py"
@@ -335,7 +357,7 @@ def measured_links(got: dict) -> dict[str, Link]:
     """The per-message links each cell is priced on, fitted from the medians the ranks measured (the load is in
     them, as it is in the cells), each through the formula of what it timed: ``pair`` between one rank per host,
     ``network`` gloo's ring with every rank at work, ``sharded`` gloo's sharded exchange likewise, ``intra``
-    inside a host, ``rpc`` the parameter servers' pushes and pulls (one server)."""
+    inside a host, ``rpc`` and ``rpc2`` the parameter servers' pushes and pulls (one server, two)."""
     sizes, hosts = got["fit_sizes"], got["hosts"]
     per_host = max(hosts.count(h) for h in set(hosts))
 
@@ -345,18 +367,21 @@ def measured_links(got: dict) -> dict[str, Link]:
 
     return {"pair": fit("pair", "ring", Layout((0, 1))), "network": fit("world", "ring", Layout(tuple(hosts))),
             "sharded": fit("sharded", "sharded", Layout(tuple(hosts))),
-            "intra": fit("intra", "ring", Layout((0,) * per_host)), "rpc": fit("rpc", "ps-1", _layout("ps-1", hosts))}
+            "intra": fit("intra", "ring", Layout((0,) * per_host)), "rpc": fit("rpc", "ps-1", _layout("ps-1", hosts)),
+            "rpc2": fit("rpc2", "ps-2", _layout("ps-2", hosts))}
 
 
 def reduce_s_per_byte(got: dict) -> float:
-    return statistics.median(got["samples"][f"reduce|{FIT_SIZES[-1]}"]) / FIT_SIZES[-1]
+    (key,) = (k for k in got["samples"] if k.startswith("reduce|"))
+    return statistics.median(got["samples"][key]) / int(key.split("|")[1])
 
 
 def analyse(rate_gbit: float, got: dict, models: dict[str, int]) -> tuple[list[dict], list[dict]]:
     links = measured_links(got)
     hosts = len(set(got["hosts"]))
-    # the emulated hosts share this machine's cores
-    cpu = HostCPU(max(1, (os.cpu_count() or 1)) / hosts, reduce_s_per_byte(got))
+    # each emulated host has a share of this machine's cores (all of them have every core without own_cores)
+    cores = got.get("cores_per_host") or max(1, (os.cpu_count() or 1)) / hosts
+    cpu = HostCPU(cores, reduce_s_per_byte(got))
     cells, choices = [], []
     for key, samples in got["samples"].items():
         what, which = key.split("|")
@@ -367,9 +392,12 @@ def analyse(rate_gbit: float, got: dict, models: dict[str, int]) -> tuple[list[d
             predicted = layout_time(strategy, nbytes, layout, links["pair"], links["intra"])
         else:
             nbytes, strategy, model, layout = models[which], what, which, _layout(what, got["hosts"])
-            # the servers' pushes and pulls travel by RPC, inside a host too (its shared memory is off here)
-            network, intra = (links["rpc"], links["rpc"]) if what.startswith("ps-") else \
-                (links["sharded"], links["intra"]) if what == "sharded" else (links["network"], links["intra"])
+            # the servers' pushes and pulls travel by RPC, inside a host too (its shared memory is off here);
+            # between the hosts, hierarchical's leaders exchange while the others wait, as in the pair's fit
+            rpc = links["rpc2"] if what == "ps-2" else links["rpc"]
+            network, intra = (rpc, rpc) if what.startswith("ps-") else \
+                (links["sharded"], links["intra"]) if what == "sharded" else \
+                (links["pair"], links["intra"]) if what == "hierarchical" else (links["network"], links["intra"])
             predicted = layout_time(strategy, nbytes, layout, network, intra, cpu)
         measured = statistics.median(samples)
         cells.append({"rate_gbit": rate_gbit, "cell": what, "model": model, "bytes": nbytes, "measured_s": measured,
@@ -432,11 +460,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.reps} x {args.rounds} repetitions, each on its slowest rank ({os.cpu_count()} cores, torch "
           f"{torch.__version__}; ! = contended)")
     for rate in rates:
-        got = {k: Link(*links[str(rate)][k]) for k in ("pair", "network", "sharded", "intra", "rpc")}
+        got = {k: Link(*links[str(rate)][k]) for k in ("pair", "network", "sharded", "intra", "rpc", "rpc2")}
         print(f"\n{rate:g} Gbit/s ({rate / 8:.3f} GB/s configured), measured per message: between one rank per "
               f"host {got['pair'].describe()}, with every rank at work {got['network'].describe()} (the sharded "
               f"exchange {got['sharded'].describe()}), inside a host {got['intra'].describe()}, the servers' RPC "
-              f"{got['rpc'].describe()}; a reduction "
+              f"{got['rpc'].describe()} (two servers {got['rpc2'].describe()}); a reduction "
               f"{links[str(rate)]['reduce_s_per_byte'] * 1e12:.0f} ps/byte")
         print(f"{'cell':<14}{'model':<10}{'size':>10}{'measured ms':>13}{'predicted ms':>14}{'error':>8}")
         for c in (c for c in cells if c["rate_gbit"] == rate):

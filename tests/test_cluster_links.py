@@ -155,3 +155,21 @@ def test_nodes_start_in_every_host_with_their_rank_the_master_and_a_host_name_of
         assert netns.node_result(quiet[0], 30)["node_rank"] == 0
         with pytest.raises(NamespaceError, match="printed nothing .exit 1.:\n.*node 1 gave up"):
             netns.node_result(quiet[1], 30)
+
+
+@pytest.mark.timeout(60)
+def test_hosts_with_cores_of_their_own_run_everything_on_their_share():
+    import os
+
+    mine = sorted(os.sched_getaffinity(0))
+    affinity = "import os; print(sorted(os.sched_getaffinity(0)))"
+    with Hosts(2, own_cores=True) as hosts:
+        assert sorted(c for share in hosts.cores for c in share) == mine or len(mine) < 2
+        for i in range(2):
+            got = hosts.run(i, [sys.executable, "-c", affinity], timeout=30).stdout.strip()
+            assert got == str(hosts.cores[i])
+        if len(mine) >= 2:  # disjoint shares: one host's ranks never run on another's cores
+            assert not set(hosts.cores[0]) & set(hosts.cores[1])
+    with Hosts(2) as shared:  # without it, every host may use every core
+        assert shared.cores is None
+        assert shared.run(0, [sys.executable, "-c", affinity], timeout=30).stdout.strip() == str(mine)

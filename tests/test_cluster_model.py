@@ -31,18 +31,20 @@ def _measurements(bench, links: dict[str, Link], reduce_s: float, models: dict[s
     samples: dict[str, list[float]] = {}
     fits = {"pair": ("ring", Layout((0, 1))), "world": ("ring", Layout(tuple(hosts))),
             "sharded": ("sharded", Layout(tuple(hosts))), "intra": ("ring", Layout((0, 0))),
-            "rpc": ("ps-1", bench._layout("ps-1", hosts))}
+            "rpc": ("ps-1", bench._layout("ps-1", hosts)), "rpc2": ("ps-2", bench._layout("ps-2", hosts))}
     for name, (strategy, layout) in fits.items():
         link = links["network" if name == "world" else name]
         for n in bench.FIT_SIZES:
             samples[f"fit-{name}|{n}"] = [layout_time(strategy, n, layout, link, link)] * 3
-    samples[f"reduce|{bench.FIT_SIZES[-1]}"] = [reduce_s * bench.FIT_SIZES[-1]] * 3
+    samples[f"reduce|{16 << 20}"] = [reduce_s * (16 << 20)] * 3
     for n in (64 << 10, 8 << 20):
         samples[f"allreduce|{n}"] = [layout_time("ring", n, Layout((0, 1)), links["pair"], links["intra"])] * 3
     for model, n in models.items():
         for s in ("ring", "sharded", "hierarchical", "ps-1", "ps-2"):
-            net, intra = (links["rpc"], links["rpc"]) if s.startswith("ps-") else \
-                (links["sharded"], links["intra"]) if s == "sharded" else (links["network"], links["intra"])
+            rpc = links["rpc2"] if s == "ps-2" else links["rpc"]
+            net, intra = (rpc, rpc) if s.startswith("ps-") else \
+                (links["sharded"], links["intra"]) if s == "sharded" else \
+                (links["pair"], links["intra"]) if s == "hierarchical" else (links["network"], links["intra"])
             samples[f"{s}|{model}"] = [layout_time(s, n, bench._layout(s, hosts), net, intra, cpu)] * 3
     return {"hosts": hosts, "kind": "hierarchical", "fit_sizes": list(bench.FIT_SIZES), "samples": samples,
             "contended": dict.fromkeys(samples, False)}
@@ -51,7 +53,7 @@ def _measurements(bench, links: dict[str, Link], reduce_s: float, models: dict[s
 def test_links_made_up_are_fitted_back_and_every_cell_is_predicted(bench, monkeypatch):
     monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
     links = {"pair": Link(150e-6, 0.12e9), "network": Link(600e-6, 0.6e9), "sharded": Link(2e-3, 0.3e9),
-             "intra": Link(100e-6, 3e9), "rpc": Link(1e-3, 0.5e9)}
+             "intra": Link(100e-6, 3e9), "rpc": Link(1e-3, 0.5e9), "rpc2": Link(1.5e-3, 0.4e9)}
     models = {"lenet": 516272, "resnet18": 44703272}
     got = _measurements(bench, links, 80e-12, models)
     fitted = bench.measured_links(got)

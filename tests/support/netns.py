@@ -19,6 +19,12 @@ kernel here has no ``netem``, and a tbf queue delays a packet only while the buc
 is queueing, not propagation; a link's latency is whatever the veth and the stack give (tens of us).
 Two hosts share their one veth pair, so a rate given for either shapes it both ways.
 
+Cores: real hosts do not share processors, but these share the machine's. ``own_cores=True`` gives each
+host a share of the cores this process may use (:attr:`Hosts.cores`: contiguous, as even as the count
+allows; with fewer cores than hosts, hosts take turns) and runs everything started in it on that share
+only (``taskset``), so one host's busy ranks never run on another's cores, and a cost model can take
+each host's core count as :attr:`Hosts.cores` says.
+
 Needs Linux, root (CAP_NET_ADMIN) and the ``ip`` command (Debian/Ubuntu: ``apt-get install iproute2``);
 :func:`unavailable_reason` says what is missing.
 
@@ -120,7 +126,7 @@ class Hosts:
     """
 
     def __init__(self, n: int = 2, subnet: str = "10.77.0", *, rate: float | None = None,
-                 rates: Sequence[float | None] | None = None, qdisc: str = "tbf") -> None:
+                 rates: Sequence[float | None] | None = None, qdisc: str = "tbf", own_cores: bool = False) -> None:
         if not isinstance(n, int) or n < 2:
             raise ValueError(f"n={n!r}: expected at least 2 hosts")
         if rates is not None and (rate is not None or len(rates) != n):
@@ -140,11 +146,14 @@ class Hosts:
         self.addresses = [f"{subnet}.{i + 1}" for i in range(n)]
         self.interfaces = [f"eth{i}" for i in range(n)]  # inside host i; names are per namespace
         self._switch = f"{tag}sw"
+        self.cores = _share_cores(sorted(os.sched_getaffinity(0)), n) if own_cores else None
         self._made: list[str] = []
         self._procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> Hosts:
         reason = unavailable_reason()
+        if reason is None and self.cores is not None and shutil.which("taskset") is None:
+            reason = "the 'taskset' command is missing (hosts with cores of their own); install util-linux"
         if reason is not None:
             raise NamespaceError(reason)
         _remove_stale()
@@ -215,8 +224,9 @@ class Hosts:
         _ip("-n", self.names[i], "link", "set", self.interfaces[i], "up" if up else "down")
 
     def command(self, i: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` as it runs inside host ``i``."""
-        return ["ip", "netns", "exec", self.names[i], *argv]
+        """``argv`` as it runs inside host ``i`` (on its cores only, with ``own_cores``)."""
+        pin = ["taskset", "-c", ",".join(map(str, self.cores[i]))] if self.cores is not None else []
+        return ["ip", "netns", "exec", self.names[i], *pin, *argv]
 
     def popen(self, i: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` inside host ``i`` in a session of its own; it is killed at teardown if still running."""
@@ -280,6 +290,24 @@ _QDISCS = ("tbf", "htb")
 _MIN_RATE = 1e5  # bytes/s: below this tbf's burst arithmetic gets coarse, and no test needs it
 _MAX_RATE = 1e11
 _TIMER_HZ = 1000  # a token bucket must hold a timer tick's worth of bytes (hrtimers: 1 ms is ample)
+
+
+def _share_cores(cores: list[int], n: int) -> list[list[int]]:
+    """``cores`` dealt to ``n`` hosts in contiguous runs, the first hosts taking one more where they do not
+    divide; with fewer cores than hosts, host i gets core i modulo their count.
+
+    >>> _share_cores([0, 1, 2, 3, 4], 2), _share_cores([0, 1], 3)
+    ([[0, 1, 2], [3, 4]], [[0], [1], [0]])
+    """
+    if len(cores) < n:
+        return [[cores[i % len(cores)]] for i in range(n)]
+    base, extra = divmod(len(cores), n)
+    out, start = [], 0
+    for i in range(n):
+        size = base + (i < extra)
+        out.append(cores[start:start + size])
+        start += size
+    return out
 
 
 def _check_rate(rate: float | None) -> None:
