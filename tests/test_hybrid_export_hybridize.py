@@ -154,3 +154,30 @@ def test_keyword_names_must_be_the_operators_own(tmp_path):
     loaded._program[1] = loaded._program[1]._replace(kwargs={"evil": 1})
     with pytest.raises(ExportFormatError, match="'evil' is not an argument"):
         loaded.graph_of_call((torch.randn(2, 512),))
+
+
+def test_python_operators_and_created_tensors_replay_as_interpreted(tmp_path, interpreted):
+    """LSTM's export: operator.getitem on the LSTM's results, zero states made on the input's device."""
+    spec, model, loaded = _exported(tmp_path, "lstm", 2)
+    net = hybridize(loaded, backend="graph")
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        net(spec.input.make_batch(3, generator=g)[0])
+        x = spec.input.make_batch(3, generator=g)[0]
+        before = interpreted[0]
+        got = net(x)
+        assert interpreted[0] == before
+        torch.testing.assert_close(got, loaded(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-5)
+    code = next(iter(net.choices.values())).run.__self__.code
+    assert "_checked_operator" in code and "_device_of" in code
+
+
+@pytest.mark.parametrize("args, match", [(("ab", 10 ** 9), "applied to str, int"), ((1, 0), "ZeroDivisionError"),
+                                         ((1 << 62, 4), "beyond 64-bit")])
+def test_replayed_python_operators_keep_the_interpreters_checks(args, match):
+    from dlperf.hybrid.export_load import _checked_operator
+
+    op = "operator.floordiv" if args == (1, 0) else "operator.mul"
+    with pytest.raises(ExportFormatError, match=f"node 'n' \\({op}\\).*{match}"):
+        _checked_operator("n", op, *args)
