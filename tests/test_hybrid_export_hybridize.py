@@ -181,3 +181,17 @@ def test_replayed_python_operators_keep_the_interpreters_checks(args, match):
     op = "operator.floordiv" if args == (1, 0) else "operator.mul"
     with pytest.raises(ExportFormatError, match=f"node 'n' \\({op}\\).*{match}"):
         _checked_operator("n", op, *args)
+
+
+def test_a_wrong_input_is_the_loaded_modules_own_error_and_replay_goes_on(tmp_path):
+    from dlperf.errors import DlperfError
+
+    spec, model, loaded = _exported(tmp_path, "mlp", 2)
+    net = hybridize(loaded, backend="graph")
+    for bad in (torch.randn(3, 511), torch.randn(3, 512, dtype=torch.float64)):
+        with pytest.raises(DlperfError, match="expected float32\\['N', 512\\]"), torch.no_grad():
+            net(bad)
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), model(x), rtol=1e-4, atol=1e-5)
+    assert net.state == "replay" and {c.backend for c in net.choices.values()} == {"graph"}
