@@ -34,7 +34,8 @@ def compiled_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Op
 _MODES: Registry[MakeStep] = Registry("mode")
 _MODES.register("eager", eager_step)
 _MODES.register("compile", compiled_step)
-_MODES.register("hybrid", "dlperf.hybrid.bench_mode:make_step")
+# the whole step captured and replayed (dlperf.hybrid.train_step), eager where it cannot be captured
+_MODES.register("hybrid", "dlperf.hybrid.bench_mode:make_captured_step")
 _MODES.register("auto", "dlperf.bench.auto:make_step")
 
 

@@ -111,6 +111,8 @@ def footnotes(result: BenchResult) -> list[str]:
         notes.append("compile (s): building the step and its first call, beyond a steady step; "
                      "backend: what ran it." + (" In auto mode it includes timing the candidates." if
                                                 c.mode == "auto" else ""))
+        notes += [f"  {cell.network}, {column_label(cell.device, cell.threads)}: eager, {cell.eager_reason}"
+                  for cell in result.cells if cell.eager_reason]
     if c.explain:
         notes += explain_footnotes([cell.floor.source if cell.floor else cell.floor_note for cell in result.cells])
     if c.mode == "auto":

@@ -37,6 +37,8 @@ class CellResult:
     """Building the step plus its first call, beyond a steady step (compile and hybrid modes)."""
     backend: str | None = None
     """What ran the step: torch.compile's backend, or the hybrid backend(s) chosen."""
+    eager_reason: str | None = None
+    """With ``--mode hybrid``: why the step ran eagerly, in one line (None when a captured graph ran it)."""
     explained: bool = False
     """The sweep asked for floors (``--explain``): the cell's dict carries the floor fields."""
     floor: CellFloor | None = None
@@ -118,6 +120,8 @@ class CellResult:
             extra.update(self.floor.to_dict(self.timing.median_s if self.timing else None) if self.floor else
                          {"floor_s": None, "floor_components": None, "floor_bottleneck": None,
                           "measured_over_floor": None, "pct_of_peak": None, "floor_source": self.floor_note})
+        if self.mode == "hybrid":
+            extra.update(eager_reason=self.eager_reason)
         if self.mode == "auto":
             extra.update(mode_chosen=self.mode_chosen, gain_over_eager=self.gain_over_eager,
                          auto_reason=self.auto_reason, plan=self.plan)

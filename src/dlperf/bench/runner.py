@@ -67,7 +67,7 @@ class BenchConfig:
     max_cell_seconds: float | None = None
     """Stop timing a cell early after this many seconds (at least 3 steps are always taken)."""
     mode: str = "eager"
-    """How the step runs: eager, compile (torch.compile) or hybrid (dlperf.hybrid)."""
+    """How the step runs: eager, compile (torch.compile), hybrid (the step captured by dlperf.hybrid) or auto."""
     seed: int = 0
     """Seed for weights and synthetic batches."""
     explain: bool = False
@@ -192,7 +192,11 @@ _MODE_BACKENDS = {"compile": "inductor"}
 
 
 def step_backend(step: Callable, mode: str) -> str | None:
-    """What runs a built step: a hybridized model's chosen backend(s), or the mode's compiler backend."""
+    """What runs a built step: the backend(s) replaying a captured training step or a hybridized model,
+    or the mode's compiler backend."""
+    runs_on = getattr(step, "runs_on", None)  # a captured training step (dlperf.hybrid.TrainStep)
+    if runs_on is not None:
+        return runs_on
     hybrid = getattr(step, "hybrid_module", None)
     if hybrid is not None:
         chosen = sorted({choice.backend for choice in hybrid.choices.values()})
@@ -223,6 +227,7 @@ def _time_cell(cell: CellResult, config: BenchConfig, on_step: Callable[[], None
         overhead = cell.timing.first_call_overhead_s
         cell.compile_s = build_s + (overhead or 0.0)
         cell.backend = step_backend(step, config.mode)
+        cell.eager_reason = getattr(step, "eager_reason", None)
     cell.mode_chosen = getattr(step, "mode_chosen", None)
     cell.gain_over_eager = getattr(step, "gain_over_eager", None)
     cell.auto_reason = getattr(step, "auto_reason", None)

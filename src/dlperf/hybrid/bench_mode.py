@@ -1,4 +1,10 @@
-"""The training step behind ``dlperf bench --mode hybrid``.
+"""The training steps behind ``dlperf bench``'s hybrid variants.
+
+``make_captured_step`` is what ``--mode hybrid`` times: the whole training step (forward, loss, backward,
+update) captured once by :func:`~dlperf.hybrid.train_step` and replayed, or the eager step where the model
+cannot be captured, with the reason in ``eager_reason``. ``make_step`` replays only the forward, with
+autograd recording through it: ``--mode auto`` times it as its ``hybrid`` candidate and the hybridize
+benchmark sets it beside the captured step.
 
 >>> import torch
 >>> from dlperf.models import get_spec
@@ -6,8 +12,10 @@
 >>> net = spec.build()
 >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
 >>> x, y = spec.input.make_batch(8)
->>> step = make_step(net, spec.loss, opt, x, y)
+>>> step = make_captured_step(net, spec.loss, opt, x, y, backend="graph")
 >>> loss = step(x, y)
+>>> step.runs_on
+'graph'
 """
 
 from __future__ import annotations
@@ -19,6 +27,20 @@ from torch import nn
 
 from ..steps import StepFn, eager_step
 from .hybridize import HybridModule, hybridize
+from .train_step import TrainStep, make_train_step
+
+
+def make_captured_step(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                       optimizer: torch.optim.Optimizer, example_x, example_y, *,
+                       backend: str = "auto") -> TrainStep:
+    """One training step captured whole on the example batch, before the first timed step.
+
+    Numerically the eager step (weights, buffers and optimizer state; see :mod:`.train_step`). ``runs_on``
+    names what steps the model; a model that cannot be captured runs eagerly, with a
+    :class:`~dlperf.hybrid.HybridizeWarning` here and the reason in ``eager_reason``. Capturing on the
+    example changes nothing: its step is undone on the model and the optimizer.
+    """
+    return make_train_step(model, loss_fn, optimizer, example_x, example_y, backend=backend)
 
 
 def make_step(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

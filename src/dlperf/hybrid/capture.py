@@ -17,6 +17,9 @@ Control flow on Python values (``if self.stride != 1:``, ``for block in self.blo
 it is decided at capture and unrolled. Side effects such as ``print`` run during capture (they
 see the stand-ins, not numbers) and never again on replay.
 
+A module that already is a graph (a loaded export, :class:`GraphSource`) is not traced: its graph is
+copied in, wherever it is called (the module itself, or a layer of the user's model).
+
 Leaf layers whose behaviour does not depend on ``module.training`` are lowered to functional
 calls on the module's own parameters, which skips ``nn.Module.__call__`` on replay; BatchNorm,
 Dropout, LSTM and unknown layers stay module calls and keep reading their mode at run time.
@@ -36,7 +39,7 @@ import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import fx, nn
@@ -71,18 +74,65 @@ class Captured:
         return [n for n in self.graph_module.graph.nodes if n.op == op]
 
 
+@runtime_checkable
+class GraphSource(Protocol):
+    """A module that already is a graph (:class:`~dlperf.hybrid.ExportedModule`): capture copies it in."""
+
+    def graph_of_call(self, args: tuple) -> tuple[fx.Graph, list, Callable[[list], Any]]:
+        """The graph of ``self(*args)``, the values its placeholders take in order, and the function
+        building the call's result from the graph's flat outputs; ``get_attr`` targets are this module's."""
+        ...
+
+
+class _Tracer(fx.Tracer):
+    """torch.fx's tracer, except that a :class:`GraphSource` layer's own graph is copied in, not its forward."""
+
+    def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        if isinstance(m, GraphSource) and not kwargs:
+            return _copy_graph_in(self, m, self.path_of_module(m), args)
+        return super().call_module(m, forward, args, kwargs)
+
+
+class _Calls(nn.Module):
+    """``module(*args)``: a root to trace a :class:`GraphSource` through, so that its call is a layer call."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module(*args)
+
+
+def _copy_graph_in(tracer: fx.Tracer, source: GraphSource, path: str, args: tuple) -> Any:
+    graph, flat, result = source.graph_of_call(args)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(flat) or not all(isinstance(v, fx.Proxy) for v in flat):
+        raise CaptureError(f"{type(source).__name__} at {path or 'the root'} is called on values computed outside "
+                           "the graph; pass it the model's inputs or the results of traced layers")
+    val_map: dict[fx.Node, fx.Node] = {ph: v.node for ph, v in zip(placeholders, flat)}
+    outputs = cast(tuple, tracer.graph.graph_copy(graph, val_map))  # the source's output is a flat tuple
+    for old, new in val_map.items():
+        if old.op == "get_attr":  # the source's attribute, seen from the root being traced
+            new.target = f"{path}.{old.target}"
+    return result([fx.Proxy(o, tracer) if isinstance(o, fx.Node) else o for o in outputs])
+
+
 def capture(module: nn.Module, example_args: tuple) -> Captured:
     """Trace ``module.forward`` into a lowered fx graph, or raise :class:`CaptureError`.
 
     ``example_args`` fixes how many positional inputs the graph takes.
     """
-    tracer = fx.Tracer()
+    tracer = _Tracer()
     tracer.record_stack_traces = True
+    root = _Calls(module) if isinstance(module, GraphSource) else module
     # Parameters are symbolic while tracing; buffers and plain attributes are real objects, so an
     # update of them runs once, for real, and is not in the graph: undo it and refuse the graph.
     state = ModuleState(module, parameters=False)
     try:
-        graph = tracer.trace(module, concrete_args=_varargs_placeholders(module, example_args))  # type: ignore[arg-type]
+        graph = tracer.trace(root, concrete_args=_varargs_placeholders(root, example_args))  # type: ignore[arg-type]
+    except CaptureError:
+        raise
     except Exception as exc:  # fx raises TraceError, TypeError, AttributeError... all mean "not a graph"
         raise CaptureError(_describe_trace_failure(exc), _user_line(exc.__traceback__)) from exc
     finally:
@@ -92,7 +142,7 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
         raise CaptureError(f"forward updates module state ({', '.join(f'self.{n}' for n in changed)}) "
                            "outside the graph, so a replay would skip the update; move the update out of "
                            "forward or keep the module eager")
-    gm = fx.GraphModule(module, graph, class_name=f"Captured{type(module).__name__}")
+    gm = fx.GraphModule(root, graph, class_name=f"Captured{type(module).__name__}")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_args):
         raise CaptureError(f"forward takes {len(placeholders)} inputs but was called with "

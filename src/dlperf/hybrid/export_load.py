@@ -6,10 +6,11 @@ import math
 import os
 import stat
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from .._io import decode_json, directory_to_read, read_bounded
 from ..errors import DlperfError
@@ -54,6 +55,8 @@ class ExportedModule(nn.Module):
 
     The constructor validates ``doc`` and ``tensors`` and trial-runs the graph (see :func:`load`);
     ``forward`` checks the number, dtype and fixed dimensions of its inputs against the export.
+    Hybridized (``hybridize(load(path))``, or as a layer of a hybridized model), the same program is
+    replayed as a torch.fx graph (:meth:`graph_of_call`) instead of interpreted node by node.
     """
 
     def __init__(self, doc: dict, tensors: dict[str, torch.Tensor], *, where: str = GRAPH_FILE):
@@ -88,9 +91,47 @@ class ExportedModule(nn.Module):
         # Tensors the graph creates (LSTM's zero state) go where the inputs are, whatever device
         # the export was traced on.
         outs = self._interpret(env, flat[0].device if flat else torch.device("cpu"))
+        return self._result(outs)
+
+    def _result(self, outs: list) -> Any:
+        """The call's result from the flat outputs, in the structure the model returned."""
         if self._output_tree is None:
             return outs[0] if len(outs) == 1 else tuple(outs)
         return build(self._output_tree, outs)
+
+    def graph_of_call(self, args: tuple) -> tuple[fx.Graph, list, Callable[[list], Any]]:
+        """This call as a torch.fx graph, for :func:`dlperf.hybrid.hybridize` to replay instead of interpreting.
+
+        Returns the graph, the flat inputs its placeholders take in order, and the function that builds the
+        call's result from the graph's flat outputs. The graph holds the validated program as it is
+        interpreted: ``get_attr`` of this module's parameters and buffers, the recorded ATen operators
+        with the same arguments, the Python operators through the same checks, and tensors the graph
+        creates placed where the first input is. Building it runs nothing from the file.
+        """
+        flat = flatten_call(self._input_tree, args, self._describe_input)
+        graph = fx.Graph()
+        # torch.fx writes placeholder targets and keyword names into the Python it generates: the names
+        # there are ours and the operators' own, never strings from the file.
+        env: dict[str, Any] = {spec["name"]: graph.placeholder(f"input_{i}") for i, spec in enumerate(self._inputs)}
+        env.update((node_name, graph.get_attr(attr)) for node_name, attr in self._names.items())
+        first = env[self._inputs[0]["name"]] if self._inputs else None
+        device = graph.call_function(_device_of, (first,)) if first is not None else torch.device("cpu")
+        env["@device"] = device
+        for step in self._program:
+            args_ = tuple(_decode(a, env) for a in step.inputs)
+            if step.op in _OPERATORS:
+                env[step.name] = graph.call_function(_checked_operator, (step.name, step.op, *args_))
+            else:
+                kwargs = {k: _decode(v, env) for k, v in step.kwargs.items()}
+                unknown = set(kwargs) - {a.name for a in step.fn._schema.arguments}
+                if unknown:
+                    raise ExportFormatError(f"node {step.name!r} ({step.op}): {sorted(unknown)[0]!r} is not an "
+                                            "argument of the operator")
+                env[step.name] = graph.call_function(step.fn, args_, kwargs)
+        graph.output(tuple(_decode(o, env) for o in self._outputs))
+        if isinstance(device, fx.Node) and not device.users:
+            graph.erase_node(device)
+        return graph, flat, self._result
 
     def _describe_input(self, i: int) -> str:
         spec = self._inputs[i]
@@ -187,17 +228,36 @@ def _call(step: _Step, env: dict):
     args = [_decode(a, env) for a in step.inputs]
     if step.op not in _OPERATORS:
         return step.fn(*args, **{k: _decode(v, env) for k, v in step.kwargs.items()})
+    return _python_operator(step.name, step.op, *args)
+
+
+def _python_operator(node_name: str, op: str, *args):
     # Python operators only ever see tensors and numbers (and getitem a node's tuple): a graph
     # cannot make them repeat a sequence a billion times or build an unbounded integer.
-    operands = args[1:] if step.op == "operator.getitem" else args
-    container_ok = step.op != "operator.getitem" or isinstance(args[0], (torch.Tensor, tuple, list))
+    operands = args[1:] if op == "operator.getitem" else args
+    container_ok = op != "operator.getitem" or isinstance(args[0], (torch.Tensor, tuple, list))
     if not container_ok or not all(isinstance(a, (torch.Tensor, int, float)) for a in operands):
-        raise ExportFormatError(f"node {step.name!r} ({step.op}) applied to "
+        raise ExportFormatError(f"node {node_name!r} ({op}) applied to "
                                 f"{', '.join(type(a).__name__ for a in args)}; expected tensors or numbers")
-    value = step.fn(*args)
+    value = _OPERATORS[op](*args)
     if isinstance(value, int) and not -_INT64 <= value < _INT64:
-        raise ExportFormatError(f"node {step.name!r} ({step.op}) gives {value}, beyond 64-bit integers")
+        raise ExportFormatError(f"node {node_name!r} ({op}) gives {value}, beyond 64-bit integers")
     return value
+
+
+def _checked_operator(node_name: str, op: str, *args):
+    """A Python operator of a loaded graph replayed by torch.fx: the interpreter's checks, and its errors."""
+    try:
+        return _python_operator(node_name, op, *args)
+    except ExportFormatError:
+        raise
+    except Exception as exc:  # as the interpreter says it: Python arithmetic on the graph's values is the file's
+        raise ExportFormatError(f"node {node_name!r} ({op}) fails: {type(exc).__name__}: {_first_line(exc)}") from exc
+
+
+def _device_of(tensor: torch.Tensor) -> torch.device:
+    """Where a replayed loaded graph creates its tensors: on its first input's device, as interpreted."""
+    return tensor.device
 
 
 def _check_result(step: _Step, value) -> int:

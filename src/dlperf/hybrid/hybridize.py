@@ -29,7 +29,8 @@ attribute; in-place updates inside the graph (BatchNorm statistics, ``self.total
 are replayed. Outputs may be tensors or any nesting of tuples, lists, dicts and namedtuples of
 them. With autograd recording, every backend keeps gradients (the ``native`` plan as one autograd
 node whose backward is the plan's backward instructions), each checked against eager's gradients,
-so training through a hybridized module is eager's mathematics.
+so training through a hybridized module is eager's mathematics. A loaded export
+(:func:`dlperf.hybrid.load`) is captured from its own graph, not traced, and replays like any module.
 
 >>> import torch
 >>> from dlperf.models import get_model

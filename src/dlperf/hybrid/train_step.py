@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import batch as batches
-from ..steps import StepFn, eager_step
+from ..steps import eager_step
 from ..timing import time_steps
 from ._warn import warn_at_caller
 from .capture import ModuleState
@@ -193,6 +193,28 @@ class TrainStep:
         """Signature -> backend stepping it."""
         return {k: r.backend for k, r in self._runners.items()}
 
+    @property
+    def runs_on(self) -> str:
+        """What steps the model: the backend(s) replaying its signatures, else the state (``eager``, ``capture``)."""
+        chosen = sorted(set(self.choices.values()))
+        return ",".join(chosen) if chosen else self.state
+
+    @property
+    def eager_reason(self) -> str | None:
+        """Why the model is stepped eagerly, in one line; None while a captured graph steps it.
+
+        Either the step could not be captured (``fallback_reason``) or ``auto`` timed the eager step
+        fastest for every signature it prepared (the runner's reason gives the figures).
+        """
+        runners = list(self._runners.values())
+        if self.fallback_reason is not None:
+            why = self.fallback_reason
+        elif runners and all(r.backend == "eager" for r in runners):
+            why = runners[0].reason
+        else:
+            return None
+        return " ".join(why.split())
+
     def __repr__(self) -> str:
         lines = [f"TrainStep({type(self.module).__name__}, {type(self.optimizer).__name__}, "
                  f"backend={self.backend!r}, state={self.state!r})"]
@@ -225,7 +247,7 @@ def train_step(module: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opti
 
 
 def make_train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, example_x=None,
-                    example_y=None, *, backend: str = "auto") -> StepFn:
+                    example_y=None, *, backend: str = "auto") -> TrainStep:
     """:data:`dlperf.steps.MakeStep` for the captured step: captured now when an example batch is given."""
     step = TrainStep(model, loss_fn, optimizer, backend=backend)
     if example_x is not None and example_y is not None:

@@ -13,7 +13,8 @@ time (:mod:`dlperf._buildcache`). When no compiler works the backend still serve
 in Python under ``no_grad``; the runner's ``detail`` says which path is live.
 
 Supported graphs: one tensor input, one tensor output, and linear layers, ReLU/sigmoid/tanh,
-flatten, add and mul in between; anything else raises :class:`BackendUnsupported`, and ``auto``
+flatten, add and mul in between (as torch functions, or as the ATen operators a loaded export
+names); anything else raises :class:`BackendUnsupported`, and ``auto``
 moves on to the next backend.
 """
 
@@ -47,6 +48,12 @@ log = logging.getLogger("dlperf.hybrid")
 _ACTS = {torch.relu: src.ACT_RELU, torch.relu_: src.ACT_RELU, F.relu: src.ACT_RELU,
          torch.sigmoid: src.ACT_SIGMOID, torch.tanh: src.ACT_TANH}
 _BINARY = {operator.add: src.OP_ADD, torch.add: src.OP_ADD, operator.mul: src.OP_MUL, torch.mul: src.OP_MUL}
+# A loaded export's graph names ATen operators; each of these is the very kernel its torch function calls.
+_aten = torch.ops.aten
+_ATEN_ALIASES: dict[object, object] = {
+    _aten.linear.default: F.linear, _aten.relu.default: torch.relu, _aten.sigmoid.default: torch.sigmoid,
+    _aten.tanh.default: torch.tanh, _aten.flatten.using_ints: torch.flatten, _aten.add.Tensor: torch.add,
+    _aten.mul.Tensor: torch.mul}
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
           # Reassociation lets the dot products vectorize; results differ from BLAS in the last bits.
           "-fassociative-math", "-fno-signed-zeros"]
@@ -185,7 +192,7 @@ def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
 
 
 def _instruction(node: fx.Node, slots, param_index, fused: set) -> list[int]:
-    fn, args = node.target, node.args
+    fn, args = _ATEN_ALIASES.get(node.target, node.target), node.args
     out = slots[node]
     if node.kwargs:
         raise BackendUnsupported(f"{getattr(fn, '__name__', fn)} with keyword arguments")
@@ -196,8 +203,9 @@ def _instruction(node: fx.Node, slots, param_index, fused: set) -> list[int]:
         act = src.ACT_NONE
         users = list(node.users)
         # Fuse an activation that is this linear's only consumer into the kernel's epilogue.
-        if len(users) == 1 and users[0].op == "call_function" and users[0].target in _ACTS:
-            act = _ACTS[users[0].target]
+        user_fn = _ATEN_ALIASES.get(users[0].target, users[0].target) if len(users) == 1 else None
+        if user_fn in _ACTS and users[0].op == "call_function":
+            act = _ACTS[user_fn]
             fused.add(users[0])
             slots[users[0]] = out
         return [src.OP_LINEAR, slots[x], out, param_index[w], param_index[b] if b is not None else -1, act]

@@ -1,0 +1,108 @@
+"""``dlperf bench --mode hybrid`` times the captured training step: eager's weights, and says when it runs eagerly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dlperf.bench import report
+from dlperf.bench.modes import get_mode
+from dlperf.bench.runner import BenchConfig, run_bench
+from dlperf.devices import cpu
+from dlperf.hybrid import HybridizeWarning, TrainStep
+from dlperf.models import get_spec
+from dlperf.models.spec import unregister, user_network
+
+STEPS = 12
+
+
+def _eager_step(model, loss_fn, optimizer, x, y):
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _train_side_by_side(model, loss_fn, make_batch, seed, **mode_kwargs):
+    """The hybrid mode's step and the eager step, each on its own copy, over the same fresh batches."""
+    torch.manual_seed(seed)
+    eager = copy.deepcopy(model)
+    opt_h = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    g = torch.Generator().manual_seed(seed + 1)
+    ex, ey = make_batch(g)
+    step = get_mode("hybrid")(model, loss_fn, opt_h, ex, ey, **mode_kwargs)
+    for _ in range(STEPS):
+        x, y = make_batch(g)
+        torch.testing.assert_close(step(x, y), _eager_step(eager, loss_fn, opt_e, x, y), rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+    for b, c in zip(model.buffers(), eager.buffers()):
+        torch.testing.assert_close(b, c)
+    return step
+
+
+@pytest.mark.parametrize("name,backend", [("mlp", "native"), ("mlp", "graph"), ("mlp", "auto"),
+                                          ("lenet", "graph"), ("lenet", "auto")])
+def test_the_hybrid_mode_step_trains_to_eagers_weights(name, backend):
+    spec = get_spec(name)
+    torch.manual_seed(3)
+    step = _train_side_by_side(spec.build(), spec.loss, lambda g: spec.input.make_batch(4, generator=g), 7,
+                               backend=backend)
+    assert isinstance(step, TrainStep) and step.state == "replay"
+    if backend != "auto":  # auto may time the eager step fastest; then it says so, see below
+        assert step.runs_on == backend and step.eager_reason is None
+    elif step.runs_on == "eager":
+        assert step.eager_reason and "fastest step" in step.eager_reason
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: no graph can replay it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc(x) if x.mean() > 0 else -self.fc(x)
+
+
+def _branchy_batch(g):
+    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def test_a_model_that_cannot_be_captured_trains_eagerly_and_says_why():
+    torch.manual_seed(0)
+    with pytest.warns(HybridizeWarning, match="control flow"):
+        step = _train_side_by_side(Branchy(), nn.functional.cross_entropy, _branchy_batch, 11)
+    assert step.state == "eager" and step.runs_on == "eager"
+    assert "control flow" in step.eager_reason and "\n" not in step.eager_reason
+
+
+def test_a_bench_cell_names_what_stepped_it_and_why_eager():
+    name = "test_bench_hybrid_mode:branchy"
+    user_network(name, Branchy, lambda model, g: torch.randn(4, 6, generator=g))
+    try:
+        config = BenchConfig(networks=[name, "mlp"], devices=[cpu()], threads=[1], warmup=1, steps=2, mode="hybrid")
+        with pytest.warns(HybridizeWarning, match="control flow"):
+            result = run_bench(config)
+    finally:
+        unregister(name)
+    branchy, mlp = result.cells
+    assert branchy.error is None and mlp.error is None
+    assert branchy.backend == "eager" and "control flow" in branchy.eager_reason
+    assert branchy.to_dict()["eager_reason"] == branchy.eager_reason
+    assert mlp.backend in ("native", "graph", "eager") and mlp.to_dict()["mode"] == "hybrid"
+    assert (mlp.eager_reason is None) == (mlp.backend != "eager")
+    notes = report.footnotes(result)
+    assert any(line.startswith(f"  {name}, cpu(0) 1 thread: eager, ") and "control flow" in line for line in notes)
+
+
+def test_the_mode_is_registered_as_the_captured_step():
+    from dlperf.hybrid.bench_mode import make_captured_step
+
+    assert get_mode("hybrid") is make_captured_step
