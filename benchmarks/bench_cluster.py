@@ -13,8 +13,9 @@ have: ``Hosts(own_cores=True)``; sharing every core, one host's ranks ran while 
 link, and the parameter servers' cells spread 10x from one repetition to the next). Inside that job:
 
 1. **The links are measured, not taken from the configuration, each as the cells use it**, in the same
-   rounds as the cells (so the load is in both alike), at 4 KB, 32 KB, 256 KB, 2 MB, 16 MB and 64 MB (none
-   a cell's size; together they span the cells', the last-level cache's size included): gloo allreduce
+   rounds as the cells (so the load is in both alike), at 4 KB, 32 KB, 256 KB, 768 KB, 2 MB, 16 MB, 24 MB
+   and 64 MB (none a cell's size, one on either side of each; together they span the cells', the
+   last-level cache's size included): gloo allreduce
    between one rank per host (``pair``, for the two-host allreduce cells and hierarchical's leaders);
    gloo's ring and the sharded exchange over all 4 ranks at once, two per host sharing the cores
    (``network``, ``sharded``: a CPU-bound veth is in the fit, not assumed); shared memory inside each
@@ -22,8 +23,9 @@ link, and the parameter servers' cells spread 10x from one repetition to the nex
    at once, with one server and with two (``rpc``, ``rpc2``: the servers' own transport); and one rank's
    reduction of 16 MB while every rank
    reduces (``reduce_s_per_byte``). Each is the median per size, fitted with
-   :func:`dlperf.probe.projection.alpha_beta_fit` (bandwidth from the large messages, latency from the
-   small ones) and turned into a per-message link through the formula of what it timed
+   :func:`dlperf.probe.projection.alpha_beta_fit` (latency from the small messages, bandwidth from the
+   sizes on either side of the cell's own: a copy through the CPU moves what stays in the caches faster per
+   byte) and turned into a per-message link through the formula of what it timed
    (:func:`dlperf.probe.projection.link_from_strategy`).
 2. **Allreduce cells**: gloo allreduce between the hosts (one rank each) at several sizes.
 3. **Strategy cells** on LeNet- and ResNet-18-sized gradients (their parameter bytes): ``ring`` (gloo's
@@ -85,8 +87,10 @@ QUICK_RATES_GBIT = (1, 10)
 SIZES = (64 << 10, 1 << 20, 8 << 20, 32 << 20)
 QUICK_SIZES = (64 << 10, 1 << 20, 8 << 20)
 # none of them a cell's size, and they span the cells' (a transport's rate at 16 MB overstated the sharded
-# exchange's at 43 MB by 1.5-2x: a line through the small sizes alone extrapolates)
-FIT_SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 16 << 20, 64 << 20)
+# exchange's at 43 MB by 1.5-2x), with a size on either side of each cell's: a cell is priced on the link
+# measured around its own size (alpha_beta_fit's ``around``), as a copy through the CPU moves what stays in
+# the caches faster per byte
+FIT_SIZES = (4 << 10, 32 << 10, 256 << 10, 768 << 10, 2 << 20, 16 << 20, 24 << 20, 64 << 20)
 SMALL = 1 << 20  # cells and fits up to this size take SMALL_REPS times the repetitions: a few ms each, and noisy
 SMALL_REPS = 3
 SERVER_STRATEGIES = ("ps-1", "ps-2")
@@ -353,17 +357,18 @@ def _layout(strategy: str, hosts: list[int]) -> Layout:
     return Layout(tuple(hosts[:len(hosts) - servers]), tuple(hosts[len(hosts) - servers:]))
 
 
-def measured_links(got: dict) -> dict[str, Link]:
+def measured_links(got: dict, around: float | None = None) -> dict[str, Link]:
     """The per-message links each cell is priced on, fitted from the medians the ranks measured (the load is in
     them, as it is in the cells), each through the formula of what it timed: ``pair`` between one rank per host,
     ``network`` gloo's ring with every rank at work, ``sharded`` gloo's sharded exchange likewise, ``intra``
-    inside a host, ``rpc`` and ``rpc2`` the parameter servers' pushes and pulls (one server, two)."""
+    inside a host, ``rpc`` and ``rpc2`` the parameter servers' pushes and pulls (one server, two). ``around``:
+    each as messages of about that many bytes see it (the bandwidth between the fit's sizes on either side)."""
     sizes, hosts = got["fit_sizes"], got["hosts"]
     per_host = max(hosts.count(h) for h in set(hosts))
 
     def fit(name: str, strategy: str, layout: Layout) -> Link:
         medians = [statistics.median(got["samples"][f"fit-{name}|{n}"]) for n in sizes]
-        return link_from_strategy(strategy, alpha_beta_fit(sizes, medians), layout)
+        return link_from_strategy(strategy, alpha_beta_fit(sizes, medians, around), layout)
 
     return {"pair": fit("pair", "ring", Layout((0, 1))), "network": fit("world", "ring", Layout(tuple(hosts))),
             "sharded": fit("sharded", "sharded", Layout(tuple(hosts))),
@@ -377,7 +382,6 @@ def reduce_s_per_byte(got: dict) -> float:
 
 
 def analyse(rate_gbit: float, got: dict, models: dict[str, int]) -> tuple[list[dict], list[dict]]:
-    links = measured_links(got)
     hosts = len(set(got["hosts"]))
     # each emulated host has a share of this machine's cores (all of them have every core without own_cores)
     cores = got.get("cores_per_host") or max(1, (os.cpu_count() or 1)) / hosts
@@ -387,11 +391,13 @@ def analyse(rate_gbit: float, got: dict, models: dict[str, int]) -> tuple[list[d
         what, which = key.split("|")
         if what.startswith("fit-") or what == "reduce":
             continue
+        nbytes = int(which) if what == "allreduce" else models[which]
+        links = measured_links(got, around=nbytes)
         if what == "allreduce":
-            nbytes, strategy, model, layout = int(which), "ring", "-", Layout((0, 1))
+            strategy, model, layout = "ring", "-", Layout((0, 1))
             predicted = layout_time(strategy, nbytes, layout, links["pair"], links["intra"])
         else:
-            nbytes, strategy, model, layout = models[which], what, which, _layout(what, got["hosts"])
+            strategy, model, layout = what, which, _layout(what, got["hosts"])
             # the servers' pushes and pulls travel by RPC, inside a host too (its shared memory is off here);
             # between the hosts, hierarchical's leaders exchange while the others wait, as in the pair's fit
             rpc = links["rpc2"] if what == "ps-2" else links["rpc"]

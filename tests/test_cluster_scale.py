@@ -256,6 +256,29 @@ def test_the_latency_comes_from_the_small_messages_and_the_bandwidth_from_the_la
     assert stalled.alpha_s == pytest.approx(300e-6, rel=0.01) and stalled.bandwidth == pytest.approx(0.5e9)
 
 
+def test_a_link_around_a_size_reads_the_measured_curve_between_its_neighbours():
+    # a copy through the CPU: 3 GB/s while a message stays in the caches (up to 1 MB), 0.5 GB/s beyond
+    sizes = [4e3, 32e3, 256e3, 768e3, 2e6, 16e6, 64e6]
+
+    def took(n: float) -> float:
+        return 200e-6 + min(n, 1e6) / 3e9 + max(n - 1e6, 0.0) / 0.5e9
+
+    seconds = [took(n) for n in sizes]
+    whole = alpha_beta_fit(sizes, seconds)
+    for n in (64e3, 516e3, 1.5e6, 42e6, 100e6):  # inside, between, and past the largest (the last two sizes' line)
+        near = alpha_beta_fit(sizes, seconds, around=n)
+        assert near.alpha_s == pytest.approx(200e-6, rel=1e-6)
+        # 1.5 MB's neighbours straddle the cache's edge: a line between them is within 15%
+        assert near.time(n) == pytest.approx(took(n), rel=0.15 if n == 1.5e6 else 1e-6), n
+    # one line through every size prices the LeNet-sized message about twice what it takes
+    assert whole.time(516e3) > 1.8 * took(516e3)
+    # below the smallest size: the two smallest sizes' line
+    assert alpha_beta_fit(sizes, seconds, around=1e3).time(1e3) == pytest.approx(took(1e3), rel=1e-6)
+    # a flat start (the two smallest took as long) puts the latency at the smallest's time
+    flat = alpha_beta_fit([4e3, 32e3, 2e6], [1e-3, 1e-3, 3e-3], around=1e6)
+    assert flat.alpha_s == pytest.approx(1e-3) and flat.time(1e6) == pytest.approx(1e-3 + 2e-3 * 968e3 / 1968e3)
+
+
 @pytest.mark.parametrize("strategy,layout", [
     ("ring", Layout((0, 0, 1, 1))), ("sharded", Layout((0, 0, 1, 1))), ("hierarchical", Layout((0, 0, 1, 1))),
     ("ps-1", Layout((0, 0, 1), (1,))), ("ps-2", Layout((0, 1), (0, 1))), ("naive", Layout((0, 1, 2))),

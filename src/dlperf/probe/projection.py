@@ -254,7 +254,7 @@ def link_from_allreduce(fit: Link, world: int) -> Link:
     return Link(fit.alpha_s / (2 * (world - 1)), fit.bandwidth * 2 * (world - 1) / world)
 
 
-def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
+def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float], around: float | None = None) -> Link:
     """``t = alpha + n / B`` with the bandwidth from the larger half of the sizes and the latency from the rest.
 
     A least-squares line through every size lets the large messages (whose times are large) decide the
@@ -269,6 +269,17 @@ def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
     >>> alpha_beta_fit([4e3, 32e3, 512e3, 4e6], [40e-3, 60e-6 + 32e3 / 1e9, 60e-6 + 512e3 / 1e9,
     ...                                          60e-6 + 4e6 / 1e9]).describe()  # 4 KB waited 40 ms on an ack
     '60 us + 1.00 GB/s'
+
+    ``around``: the link as messages of about that many bytes see it: the latency of the smallest messages,
+    and the bandwidth that gives the time read off the measured curve between the two sizes on either side
+    of ``around`` (the nearest two at an end). A transport that copies through the CPU moves a
+    message that stays in the caches faster per byte than one that does not, so one line through every
+    size overstates what a small message costs and understates a large one; NCCL prices each message-size
+    band with a link of its own for the same reason.
+
+    >>> cached = [60e-6 + n / (4e9 if n <= 1e6 else 1e9) for n in (4e3, 32e3, 512e3, 4e6, 16e6)]
+    >>> alpha_beta_fit([4e3, 32e3, 512e3, 4e6, 16e6], cached, around=256e3).describe()
+    '60 us + 4.00 GB/s'
     """
     pairs = sorted(zip(sizes, seconds, strict=True))
     if len({n for n, _ in pairs}) < 2:
@@ -280,8 +291,20 @@ def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
     if math.isinf(slope_link.bandwidth):
         return Link.fit([n for n, _ in capped], [t for _, t in capped], min_alpha_s=1e-7)
     rest = capped[:-1]
-    alpha = statistics.median(t - n / slope_link.bandwidth for n, t in rest)
-    return Link(max(alpha, 1e-7), slope_link.bandwidth)
+    alpha = max(statistics.median(t - n / slope_link.bandwidth for n, t in rest), 1e-7)
+    if around is not None:
+        curve = [min((p for p in capped if p[0] == n), key=lambda p: p[1]) for n in sorted({n for n, _ in capped})]
+
+        def between(i: int, n: float) -> float:  # the time at n on the line through curve[i - 1] and curve[i]
+            (n0, t0), (n1, t1) = curve[i - 1], curve[i]
+            return t0 + (n - n0) * (t1 - t0) / (n1 - n0)
+
+        # the latency: the smallest message's time less its bytes at the rate the next size adds
+        latency = max(min(between(1, 0.0), curve[0][1]), 1e-7)
+        took = between(max(next((i for i, (n, _) in enumerate(curve) if n >= around), len(curve) - 1), 1), around)
+        if took > latency:
+            return Link(latency, around / (took - latency))
+    return Link(alpha, slope_link.bandwidth)
 
 
 def link_from_strategy(strategy: str, fit: Link, layout: Layout) -> Link:
