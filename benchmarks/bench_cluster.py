@@ -279,10 +279,21 @@ def measure_rate(rate_gbit: float, args: argparse.Namespace) -> dict:
         procs = hosts.start_nodes(__file__, ["--reps", str(args.reps), "--warmup", str(args.warmup), "--rounds",
                                              str(args.rounds), *extra], PORT, env=_NODE_ENV)
         outs = [node_result(p, 1800) for p in procs]
-        cores = len(hosts.cores[0]) if hosts.cores else None
+        cores = _cores_per_host(hosts.cores)
     if not all(o["ok"] for o in outs):
         raise SystemExit(f"the launch at {rate_gbit} Gbit/s failed: {[o.get('error') for o in outs]}")
     return {**outs[0]["results"][0], "cores_per_host": cores}
+
+
+def _cores_per_host(shares: list[list[int]] | None) -> float | None:
+    """The cores each emulated host may count on: the smallest share, or the cores over the hosts where hosts
+    take turns on the same ones (fewer cores than hosts); None where every host may use every core."""
+    if not shares:
+        return None
+    every = {c for share in shares for c in share}
+    if sum(len(share) for share in shares) > len(every):
+        return len(every) / len(shares)
+    return float(min(len(share) for share in shares))
 
 
 NODE = Path(__file__).resolve().parent.parent / "tests" / "netns_node.py"
@@ -395,7 +406,8 @@ def analyse(rate_gbit: float, got: dict, models: dict[str, int]) -> tuple[list[d
         links = measured_links(got, around=nbytes)
         if what == "allreduce":
             strategy, model, layout = "ring", "-", Layout((0, 1))
-            predicted = layout_time(strategy, nbytes, layout, links["pair"], links["intra"])
+            network, intra = links["pair"], links["intra"]
+            predicted = layout_time(strategy, nbytes, layout, network, intra)
         else:
             strategy, model, layout = what, which, _layout(what, got["hosts"])
             # the servers' pushes and pulls travel by RPC, inside a host too (its shared memory is off here);
@@ -408,7 +420,10 @@ def analyse(rate_gbit: float, got: dict, models: dict[str, int]) -> tuple[list[d
         measured = statistics.median(samples)
         cells.append({"rate_gbit": rate_gbit, "cell": what, "model": model, "bytes": nbytes, "measured_s": measured,
                       "predicted_s": predicted, "error": abs(predicted - measured) / measured,
-                      "contended": got["contended"][key], "repetitions": len(samples)})
+                      "contended": got["contended"][key], "repetitions": len(samples),
+                      # the links around this cell's size that priced it: (latency s, bytes/s) each
+                      "network_link": [network.alpha_s, network.bandwidth],
+                      "intra_link": [intra.alpha_s, intra.bandwidth]})
     for model, nbytes in models.items():
         row = {c["cell"]: c for c in cells if c["model"] == model}
         names = [s for s in STRATEGIES if s in row]
@@ -463,11 +478,14 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
 
     print(f"2 hosts (network namespaces, veth shaped with tbf) x 2 processes x 1 thread; median of "
-          f"{args.reps} x {args.rounds} repetitions, each on its slowest rank ({os.cpu_count()} cores, torch "
+          f"{args.reps} x {args.rounds} repetitions ({args.reps * SMALL_REPS} x {args.rounds} up to "
+          f"{SMALL >> 20} MB), each on its slowest rank ({os.cpu_count()} cores, torch "
           f"{torch.__version__}; ! = contended)")
     for rate in rates:
         got = {k: Link(*links[str(rate)][k]) for k in ("pair", "network", "sharded", "intra", "rpc", "rpc2")}
-        print(f"\n{rate:g} Gbit/s ({rate / 8:.3f} GB/s configured), measured per message: between one rank per "
+        print(f"\n{rate:g} Gbit/s ({rate / 8:.3f} GB/s configured), measured per message, one line through every "
+              f"size (each cell is priced on the links around its own size: 'network_link' and 'intra_link' in "
+              f"its JSON): between one rank per "
               f"host {got['pair'].describe()}, with every rank at work {got['network'].describe()} (the sharded "
               f"exchange {got['sharded'].describe()}), inside a host {got['intra'].describe()}, the servers' RPC "
               f"{got['rpc'].describe()} (two servers {got['rpc2'].describe()}); a reduction "

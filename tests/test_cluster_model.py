@@ -66,3 +66,23 @@ def test_links_made_up_are_fitted_back_and_every_cell_is_predicted(bench, monkey
     for choice in choices:
         assert choice["auto"] == choice["best"] and choice["within_10pct"]
     assert {c["cell"] for c in cells} == {"allreduce", *STRATEGIES} - {"naive"}
+
+
+def test_each_host_counts_the_cores_of_its_smallest_share_or_a_turn_on_shared_ones(bench):
+    assert bench._cores_per_host(None) is None
+    assert bench._cores_per_host([[0], [1]]) == 1
+    assert bench._cores_per_host([[0, 1], [2]]) == 1  # 3 cores over 2 hosts: the smaller share prices both
+    assert bench._cores_per_host([[0], [1], [0]]) == pytest.approx(2 / 3)  # 3 hosts taking turns on 2 cores
+
+
+def test_every_cell_records_the_links_around_its_size_that_priced_it(bench, monkeypatch):
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    links = {"pair": Link(150e-6, 0.12e9), "network": Link(600e-6, 0.6e9), "sharded": Link(2e-3, 0.3e9),
+             "intra": Link(100e-6, 3e9), "rpc": Link(1e-3, 0.5e9), "rpc2": Link(1.5e-3, 0.4e9)}
+    got = _measurements(bench, links, 80e-12, {"lenet": 516272})
+    cells, _ = bench.analyse(10.0, got, {"lenet": 516272})
+    transport = {"allreduce": "pair", "hierarchical": "pair", "ps-1": "rpc", "ps-2": "rpc2", "sharded": "sharded",
+                 "ring": "network"}
+    for c in cells:
+        want = links[transport[c["cell"]]]
+        assert Link(*c["network_link"]).time(c["bytes"]) == pytest.approx(want.time(c["bytes"]), rel=1e-6), c

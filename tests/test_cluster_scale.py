@@ -337,3 +337,11 @@ def test_the_cpu_term_vanishes_where_every_device_has_a_core_and_the_worked_exam
     shared = {s: v["communication_s"] * 1e3 for s, v in doc["rows"][0]["strategies"].items()}
     assert shared["naive"] == pytest.approx(60.0) and shared["ps-1"] == pytest.approx(80.0)
     assert shared["sharded"] == pytest.approx(15.0 + (4 * 0.75 * 160e6 / 2 - 0.75 * 160e6) * 3 / 40e9 * 1e3)
+
+
+def test_a_link_around_a_size_is_read_off_the_curve_when_the_large_sizes_took_no_longer():
+    # the large sizes took as long as each other (a slope of zero): the whole-range fit is a flat line, but the
+    # curve still rises from the small sizes to the middle, and the link around the middle reads it
+    sizes, seconds = [4e3, 32e3, 256e3, 2e6, 16e6], [1e-4, 1e-4, 1e-3, 1e-3, 1e-3]
+    near = alpha_beta_fit(sizes, seconds, around=144e3)
+    assert near.time(144e3) == pytest.approx(1e-4 + 0.5 * 0.9e-3, rel=1e-6)

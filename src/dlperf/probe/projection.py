@@ -289,9 +289,11 @@ def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float], around: flo
     large = capped[half - 1:] if len(capped) - half < 2 else capped[half:]
     slope_link = Link.fit([n for n, _ in large], [t for _, t in large], min_alpha_s=1e-7)
     if math.isinf(slope_link.bandwidth):
-        return Link.fit([n for n, _ in capped], [t for _, t in capped], min_alpha_s=1e-7)
-    rest = capped[:-1]
-    alpha = max(statistics.median(t - n / slope_link.bandwidth for n, t in rest), 1e-7)
+        whole = Link.fit([n for n, _ in capped], [t for _, t in capped], min_alpha_s=1e-7)
+    else:
+        rest = capped[:-1]
+        whole = Link(max(statistics.median(t - n / slope_link.bandwidth for n, t in rest), 1e-7),
+                     slope_link.bandwidth)
     if around is not None:
         curve = [min((p for p in capped if p[0] == n), key=lambda p: p[1]) for n in sorted({n for n, _ in capped})]
 
@@ -304,7 +306,7 @@ def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float], around: flo
         took = between(max(next((i for i, (n, _) in enumerate(curve) if n >= around), len(curve) - 1), 1), around)
         if took > latency:
             return Link(latency, around / (took - latency))
-    return Link(alpha, slope_link.bandwidth)
+    return whole
 
 
 def link_from_strategy(strategy: str, fit: Link, layout: Layout) -> Link:
