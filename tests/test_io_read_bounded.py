@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -215,3 +216,118 @@ def test_read_bounded_leaves_other_errors_to_the_caller_and_closes_what_it_opene
     path.write_bytes(b"x")
     with pytest.raises(PermissionError):
         read_bounded(path, 10, fail, check=refuse_all)
+
+
+# --- an export's weights: one descriptor is judged, hashed and loaded -------------------------------
+
+@pytest.fixture(scope="module")
+def weights_export(tmp_path_factory) -> tuple[Path, nn.Module]:
+    root = tmp_path_factory.mktemp("weights")
+    model = nn.Linear(3, 2)
+    export(model, root / "export", (torch.randn(1, 3),))
+    return root / "export", model
+
+
+def _export_copy(weights_export, tmp_path) -> tuple[Path, Path]:
+    """A fresh copy of the export and the (real) path of its weights file."""
+    directory = Path(os.path.realpath(tmp_path)) / "export"
+    shutil.copytree(weights_export[0], directory)
+    return directory, directory / "params.safetensors"
+
+
+def _load_refused(directory: Path, weights: Path, *needles: str, fifo: Path | None = None) -> str:
+    result, exc = _within_time(lambda: export_load.load(directory), fifo)
+    assert exc is not None, f"loaded {directory} ({result!r:.80}) instead of refusing its weights"
+    assert isinstance(exc, ExportFormatError), repr(exc)
+    message = str(exc)
+    assert "\n" not in message and str(weights) in message, message
+    assert all(n in message for n in (*needles, "export the model again")), message
+    return message
+
+
+def test_weights_that_are_a_fifo_are_refused_at_once(weights_export, tmp_path):
+    directory, weights = _export_copy(weights_export, tmp_path)
+    weights.unlink()
+    os.mkfifo(weights, 0o600)
+    _load_refused(directory, weights, "a FIFO, not a regular file", fifo=weights)
+
+
+def test_weights_swapped_for_a_fifo_after_a_look_at_them_never_block(weights_export, tmp_path, monkeypatch):
+    """Every look at the weights by name sees the regular file that was there; the path holds a FIFO."""
+    directory, weights = _export_copy(weights_export, tmp_path)
+    before = os.stat(weights)
+    weights.unlink()
+    os.mkfifo(weights, 0o600)
+    real_stat = os.stat
+
+    def looks_regular(target, *args, **kwargs):
+        return before if os.fspath(target) == str(weights) else real_stat(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", looks_regular)
+    _load_refused(directory, weights, "a FIFO, not a regular file", fifo=weights)
+
+
+def test_weights_that_are_a_directory_are_refused(weights_export, tmp_path):
+    directory, weights = _export_copy(weights_export, tmp_path)
+    weights.unlink()
+    weights.mkdir()
+    _load_refused(directory, weights, "a directory, not a regular file")
+
+
+def test_weights_behind_a_link_are_judged_by_what_it_reaches(weights_export, tmp_path):
+    """Links are followed as for graph.json; a link to a FIFO or a device is refused like the file itself."""
+    directory, weights = _export_copy(weights_export, tmp_path)
+    x = torch.randn(4, 3)
+    kept = tmp_path / "kept.safetensors"
+    weights.rename(kept)
+    weights.symlink_to(kept)
+    torch.testing.assert_close(export_load.load(directory)(x), weights_export[1](x))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    for target, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a character device")):
+        weights.unlink()
+        weights.symlink_to(target)
+        _load_refused(directory, weights, f"{kind}, not a regular file", fifo=fifo)
+
+
+def test_weights_changed_after_their_checksum_are_never_loaded(weights_export, tmp_path, monkeypatch):
+    """The file is rewritten in place (same size, other values) the moment its checksum has been found
+    to match: what is loaded must still be what was checked."""
+    import hashlib
+
+    directory, weights = _export_copy(weights_export, tmp_path)
+    data = weights.read_bytes()
+    recorded = hashlib.sha256(data).hexdigest()
+    start = 8 + int.from_bytes(data[:8], "little")  # the header's length, then the header, then float32s
+    other = bytearray(data)
+    other[start + 3::4] = bytes(b ^ 0x80 for b in data[start + 3::4])  # every value's sign flipped
+    real_sha256 = hashlib.sha256
+    rewritten: list[bool] = []
+
+    class RewriteOnceChecked:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._hash = real_sha256(*args, **kwargs)
+
+        def update(self, data: Any) -> None:
+            self._hash.update(data)
+
+        def hexdigest(self) -> str:
+            digest = self._hash.hexdigest()
+            if digest == recorded and not rewritten:
+                with open(weights, "r+b") as f:
+                    f.write(other)
+                rewritten.append(True)
+            return digest
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._hash, name)
+
+    monkeypatch.setattr(hashlib, "sha256", RewriteOnceChecked)
+    result, exc = _within_time(lambda: export_load.load(directory))
+    monkeypatch.undo()
+    assert rewritten, "the weights' checksum was never computed"
+    if exc is not None:
+        assert isinstance(exc, ExportFormatError), repr(exc)
+        return
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(result(x), weights_export[1](x))  # the checked bytes, not the rewritten ones

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import math
 import os
-import stat
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -35,7 +36,6 @@ from .export_format import (
     _dtype_name,
     _first_line,
     _resolve_op,
-    _sha256_file,
 )
 from .export_schema import _GraphSchema
 from .export_tree import build, flat_tree, flatten_call, tree_text
@@ -317,18 +317,19 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> Exporte
 def _load(path: str | os.PathLike, device: torch.device | str) -> ExportedModule:
     root = _export_root(path)
     graph_path = os.path.join(root, GRAPH_FILE)
-    params_path = os.path.join(root, PARAMS_FILE)
-    for p in (graph_path, params_path):
-        if not os.path.exists(p):  # a directory or FIFO there is refused by the reader, which says so
-            raise ExportFormatError(f"{path}: missing {os.path.basename(p)}; is this a dlperf export?")
     doc = _read_graph(graph_path)
-    _check_file(params_path, doc["files"][PARAMS_FILE])
+    params_path = os.path.join(root, PARAMS_FILE)
+    # The tensors come from the very bytes whose checksum was checked: a file changed, replaced or
+    # swapped for a FIFO after the check cannot be what is loaded.
+    data = _read_listed(params_path, doc["files"][PARAMS_FILE])
     try:
-        from safetensors.torch import load_file
+        from safetensors.torch import load as load_safetensors
 
-        tensors = load_file(params_path, device=str(device))
+        tensors = load_safetensors(data)  # each tensor in a writable buffer of its own
     except Exception as exc:
         raise ExportFormatError(f"{params_path}: unreadable safetensors file: {_first_line(exc)}") from exc
+    del data  # twice the file's size at most, and only until here
+    tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
     return ExportedModule(doc, tensors, where=graph_path)
 
 
@@ -347,14 +348,14 @@ def load_pt2(path: str | os.PathLike, *, trusted: bool = False):
     doc = _read_graph(os.path.join(root, GRAPH_FILE))
     pt2_path = os.path.join(root, PT2_FILE)
     expected = doc["files"].get(PT2_FILE)
-    if expected is None or not os.path.isfile(pt2_path):
+    if expected is None:
         raise ExportFormatError(f"{path}: no {PT2_FILE} in this export (export with pt2=True)")
-    _check_file(pt2_path, expected)
+    data = _read_listed(pt2_path, expected)
     if trusted is not True:
         raise ExportFormatError(f"{pt2_path}: torch.export.load can run code embedded in a .pt2 file (it unpickles "
                                 f"parts of it); pass trusted=True only for files you made or trust, or use "
                                 f"dlperf.hybrid.load({os.fspath(path)!r}), which is safe on untrusted files")
-    return torch.export.load(pt2_path)
+    return torch.export.load(io.BytesIO(data))
 
 
 def _export_root(path: str | os.PathLike) -> str:
@@ -366,7 +367,8 @@ def _read_graph(graph_path: str) -> dict:
     try:
         data = read_bounded(graph_path, MAX_GRAPH_BYTES, _not_a_graph)
     except FileNotFoundError as exc:
-        raise ExportFormatError(f"{graph_path}: missing ({exc.strerror}); is this a dlperf export?") from exc
+        raise ExportFormatError(f"{os.path.dirname(graph_path)}: missing {os.path.basename(graph_path)} "
+                                f"({exc.strerror}); is this a dlperf export?") from exc
     except OSError as exc:
         raise ExportFormatError(f"{graph_path}: not a readable JSON graph ({type(exc).__name__}: "
                                 f"{_first_line(exc)})") from exc
@@ -395,17 +397,27 @@ def _not_a_graph(path: str, problem: str) -> ExportFormatError:
                              f"most {MAX_GRAPH_BYTES} bytes (export the model again)")
 
 
-def _check_file(path: str, expected: dict) -> None:
-    """A file listed in graph.json: a regular file of the recorded size and SHA-256."""
+def _read_listed(path: str, expected: dict) -> bytes:
+    """The bytes of a file graph.json lists, read once through one descriptor (a FIFO or device is
+    refused without waiting, never read), checked against the recorded size and SHA-256."""
+    size, name = expected["bytes"], os.path.basename(path)
+
+    def refuse(where: str, problem: str) -> ExportFormatError:
+        return ExportFormatError(f"{where}: {problem}; expected the {name} that graph.json lists, a regular file "
+                                 f"of {size} bytes (export the model again)")
+
     try:
-        info = os.stat(path)
+        # The recorded size bounds the read: the tensors take that much memory once loaded anyway.
+        data = read_bounded(path, size, refuse)
+    except FileNotFoundError as exc:
+        raise ExportFormatError(f"{os.path.dirname(path)}: missing {name} ({exc.strerror}), which graph.json "
+                                f"lists; is this a whole dlperf export? (export the model again)") from exc
     except OSError as exc:
-        raise ExportFormatError(f"{path}: missing ({exc.strerror}); graph.json lists it") from exc
-    if not stat.S_ISREG(info.st_mode):
-        raise ExportFormatError(f"{path}: not a regular file")
-    if info.st_size != expected["bytes"] or _sha256_file(path) != expected["sha256"]:
-        raise ExportFormatError(f"{path}: checksum does not match graph.json ({info.st_size} bytes, "
-                                f"{expected['bytes']} recorded; truncated or modified)")
+        raise refuse(path, f"unreadable ({type(exc).__name__}: {_first_line(exc)})") from exc
+    if len(data) != size or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise ExportFormatError(f"{path}: checksum does not match graph.json ({len(data)} bytes, {size} recorded; "
+                                f"truncated or modified); export the model again")
+    return data
 
 
 def _check_params(doc: dict, tensors: dict, where: str) -> None:
