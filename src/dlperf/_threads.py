@@ -3,7 +3,7 @@
 :class:`ServiceThread` is how every dlperf thread is made (the engine's device workers, the launcher's
 watchdog and stderr filter, the loader's producer, a kvstore server's control threads, the planner's
 process candidates): a daemon thread named ``dlperf-...``, whose target's exception is kept and raised
-by :meth:`ServiceThread.join` in the thread that waits for it, rather than printed and lost. It lives
+by :meth:`ServiceThread.join` in the thread that waits for it, as well as reported when it dies. It lives
 here, below every package, because the data loader and the budgets below need it too; the engine,
 whose workers run on it, offers it as :class:`dlperf.engine.ServiceThread`. ``tests/test_threads.py``
 fails if any other module constructs a thread.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -37,19 +37,19 @@ class ServiceThread(threading.Thread):
 
     Daemon, because a thread of dlperf's must never keep the interpreter alive after the program
     ends: its owner stops and joins it on close. The target's result is kept in :attr:`result`. An
-    error no join raised is reported through :func:`threading.excepthook` once the thread is collected.
+    error is reported through :func:`threading.excepthook` as the thread dies (once: a thread that dies
+    unnoticed leaves its owner waiting for it, or running without it), and raised again by the join.
 
     Args:
         target: what the thread runs.
         *args: passed to ``target``.
         name: the thread's name, starting with ``dlperf-`` (a ValueError otherwise).
 
-    >>> t = ServiceThread(lambda x: 1 / x, 0, name="dlperf-example")
+    >>> t = ServiceThread(lambda x: 1 / x, 4, name="dlperf-example")
     >>> t.start()
     >>> t.join(10)
-    Traceback (most recent call last):
-    ...
-    ZeroDivisionError: division by zero
+    >>> t.result
+    0.25
     """
 
     def __init__(self, target: Callable[..., Any], *args: Any, name: str) -> None:
@@ -72,6 +72,9 @@ class ServiceThread(threading.Thread):
             self.result = target(*args)
         except BaseException as exc:  # noqa: BLE001 - kept for join, which raises it in the owner's thread
             self.error = exc
+            # and reported now, as threading reports any thread's death: an owner that joins only when it
+            # closes (a worker's loop, a watchdog) would otherwise go on without this thread and say nothing
+            threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, self)))
         finally:
             del target, args
 
@@ -84,15 +87,6 @@ class ServiceThread(threading.Thread):
         if self.error is not None and not self._raised and not self.is_alive():
             self._raised = True
             raise self.error
-
-    def __del__(self) -> None:
-        # A failed thread that nobody joined (an engine dropped unclosed stops its workers without waiting):
-        # its error is reported as Python reports any thread's, rather than never at all.
-        error = self.__dict__.get("error")
-        if error is not None and not self._raised:
-            self._raised = True
-            with suppress(Exception):  # at interpreter exit threading may already be torn down
-                threading.excepthook(threading.ExceptHookArgs((type(error), error, error.__traceback__, self)))
 
 
 def join_all(threads: Iterable[threading.Thread], timeout: float | None = None) -> None:
