@@ -16,6 +16,7 @@ default back; the only setter also sets its caller's count, so a throw-away thre
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["PREFIX", "ServiceThread", "fresh_thread_default", "intra_op_threads", "join_all",
+__all__ = ["PREFIX", "ServiceThread", "cleanup_step", "fresh_thread_default", "intra_op_threads", "join_all",
            "on_fresh_thread", "restore_process_default", "set_thread_budget"]
 
 PREFIX = "dlperf-"
@@ -104,6 +105,36 @@ def join_all(threads: Iterable[threading.Thread], timeout: float | None = None) 
             first = first or exc
     if first is not None:
         raise first
+
+
+class cleanup_step:  # noqa: N801 - used as a statement, like contextlib.suppress
+    """Run a step of clean-up (a thread's stop and join) without letting its error hide an earlier one.
+
+    An ``Exception`` the block raises is raised as usual when nothing else is, but when an error is already
+    on its way out (the block runs in an ``except`` or ``finally`` clause) or ``pending`` is given (an error
+    caught to be raised after the clean-up), that error wins: the step's is reported on stderr in one line
+    (a thread's traceback was printed when it died) and the code after the block runs.
+
+    Args:
+        what: what the step stops, for the report (e.g. ``"the launch watchdog"``).
+        pending: an error that will be raised once the clean-up is done, if any.
+    """
+
+    def __init__(self, what: str, pending: BaseException | None = None) -> None:
+        self.what = what
+        self.pending = pending
+
+    def __enter__(self) -> None:
+        if self.pending is None:
+            self.pending = sys.exc_info()[1]
+
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> bool:
+        if error is None or self.pending is None or not isinstance(error, Exception):
+            return False
+        first = (str(error).strip().splitlines() or [""])[0]
+        print(f"dlperf: {self.what} failed too ({type(error).__name__}: {first}) while "
+              f"{type(self.pending).__name__} was raised; that is raised", file=sys.stderr)
+        return True
 
 
 def on_fresh_thread(fn: Callable[..., T], *args: Any, name: str) -> T:
