@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from dlperf.devices import cpu
@@ -131,3 +132,27 @@ def test_an_engine_dropped_unclosed_still_ends_its_workers():
     while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.timeout(60)
+def test_close_reports_both_an_operations_error_and_a_worker_that_failed_to_end(monkeypatch, capsys):
+    from dlperf.engine import worker as worker_module
+
+    def fails_to_end(self):
+        raise RuntimeError("the worker failed to end")
+
+    reports: list = []
+    monkeypatch.setattr(worker_module.Worker, "teardown", fails_to_end)
+    monkeypatch.setattr(threading, "excepthook", reports.append)
+    eng = create_engine("threaded")
+    eng.push(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError) as info:  # the operation's error is not dropped for the worker's
+        eng.close()
+    assert isinstance(info.value.__context__, RuntimeError) and "failed to end" in str(info.value.__context__)
+    assert [str(r.exc_value) for r in reports] == ["the worker failed to end"]  # reported as the thread died
+    eng.close()  # closed: nothing more
+
+    with pytest.raises(KeyError, match="mine"), create_engine("threaded") as eng:
+        eng.push(lambda: None).wait()
+        raise KeyError("mine")  # what leaves the block wins over the worker's error
+    assert "an engine worker failed too (RuntimeError: the worker failed to end)" in capsys.readouterr().err

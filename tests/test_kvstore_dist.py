@@ -823,6 +823,32 @@ def test_a_hostile_shared_memory_offer_or_answer_gives_one_clear_error():
     assert mapped_segments() == before
 
 
+def test_shared_memory_is_released_when_the_control_server_fails_to_close(capsys):
+    from types import SimpleNamespace
+
+    def fails():
+        raise OSError("a control thread failed")
+
+    before = mapped_segments()
+    kv = _bare_worker()
+    kv._server = server = SimpleNamespace(control=SimpleNamespace(close=fails), arenas=[Arena.create(1 << 16)],
+                                          entries={"w": None})
+    kv._arenas = {1: Arena.create(1 << 16)}
+    assert mapped_segments() != before
+    with pytest.raises(OSError, match="a control thread failed"):
+        kv._release_shared_memory()
+    assert mapped_segments() == before  # released all the same
+    assert server.control is None and server.arenas == [] and server.entries == {} and kv._arenas == {}
+    server.control, server.arenas = SimpleNamespace(close=fails), [Arena.create(1 << 16)]
+    with pytest.raises(UsageError, match="not every worker closed"):
+        try:
+            raise UsageError("not every worker closed the store")
+        finally:  # as in close(): the error on its way out wins
+            kv._release_shared_memory()
+    assert mapped_segments() == before and server.control is None
+    assert "the kvstore's control server failed too (OSError: a control thread failed)" in capsys.readouterr().err
+
+
 ABUSE_ROUNDS = 30
 
 

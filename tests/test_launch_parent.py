@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+
+import pytest
 
 from dlperf.parallel.launchers.parent import ParentState
 
@@ -39,3 +43,33 @@ def test_a_kept_log_outlives_the_launches(tmp_path):
         logging.getLogger("torch.distributed").warning("a line torch logged")
         state.keep = state.logged()
     assert state.keep and "a line torch logged" in (tmp_path / "agent.log").read_text()
+
+
+def _handlers() -> dict:
+    return {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def test_a_failed_stderr_filter_gives_the_signal_handlers_back_and_never_hides_an_error(tmp_path, monkeypatch,
+                                                                                       capsys):
+    from dlperf.parallel.launchers import parent
+
+    def broken(self, read_end):
+        raise OSError("the log's disk is full")
+
+    monkeypatch.setattr(parent._StderrFilter, "_filter", broken)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # (its death is reported as it happens)
+    saved = _handlers()
+    for sig in saved:
+        signal.signal(sig, signal.SIG_DFL)
+    before = _handlers()
+    try:
+        with pytest.raises(OSError, match="disk is full"), ParentState(tmp_path / "agent.log"):
+            assert _handlers() != before
+        assert _handlers() == before
+        with pytest.raises(ValueError, match="the launch failed"), ParentState(tmp_path / "agent.log"):
+            raise ValueError("the launch failed")  # what leaves the block wins over the filter's error
+        assert _handlers() == before
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert "the launch's stderr filter failed too (OSError: the log's disk is full)" in capsys.readouterr().err

@@ -56,6 +56,24 @@ def _fail_on_rank_1() -> None:
     dist.barrier()  # rank 0 waits for a peer that never comes: the launcher must still stop it
 
 
+def _fail_on_rank_1_leaving_a_child(pid_file: str) -> None:
+    import subprocess
+    import sys
+
+    if rank_info().rank == 1:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # in the worker's group
+        Path(pid_file).write_text(str(child.pid))
+        raise ValueError("rank one cannot go on")
+    time.sleep(120)  # stopped by the agent once rank 1 failed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _exit_on_rank_1() -> None:
     import torch.distributed as dist
 
@@ -163,6 +181,49 @@ def test_an_exception_in_rank_1_is_one_error_naming_rank_1():
         ProcessLauncher(2, join_timeout_s=50).launch(_fail_on_rank_1)
     assert time.monotonic() - t0 < 25  # the agent stops rank 0 at once; no waiting for the join timeout
     assert _children() <= before
+
+
+@needs_proc
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_failed_watchdog_neither_hides_the_ranks_failure_nor_leaves_their_processes(tmp_path, monkeypatch,
+                                                                                       capsys):
+    from dlperf.parallel.launchers import processes
+
+    def broken(self):
+        raise OSError("the markers went away")
+
+    monkeypatch.setattr(processes._Watchdog, "_run", broken)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # (its death is reported as it happens)
+    before, pid_file = _children(), tmp_path / "child.pid"
+    with pytest.raises(LaunchError, match=r"rank 1 failed: ValueError: rank one cannot go on"):
+        ProcessLauncher(2, join_timeout_s=50).launch(_fail_on_rank_1_leaving_a_child, str(pid_file))
+    assert not _alive(int(pid_file.read_text()))  # the workers' leftovers are killed all the same
+    assert _children() <= before
+    assert "the launch watchdog failed too (OSError: the markers went away)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_is_published_and_raised_even_when_the_watchdog_failed(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from dlperf.parallel.launchers import processes
+
+    def broken(self):
+        raise OSError("the markers went away")
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    published: list = []
+    monkeypatch.setattr(processes._Watchdog, "_run", broken)
+    monkeypatch.setattr(processes._Watchdog, "publish_interrupt", lambda self: published.append(self.interrupted))
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    watchdog = processes._Watchdog(str(tmp_path), 1, 60.0, SimpleNamespace(node_rank=1))
+    with pytest.raises(KeyboardInterrupt):
+        ProcessLauncher(1)._run(interrupted, (), watchdog, tmp_path, "host")
+    assert published == [signal.SIGINT]  # the other nodes still hear of it
+    assert "the launch watchdog failed too (OSError: the markers went away)" in capsys.readouterr().err
 
 
 @pytest.mark.distributed

@@ -93,7 +93,7 @@ def test_the_engine_offers_the_one_mechanism():
 
 
 # -- the mechanism -------------------------------------------------------------------------------------------
-def test_a_targets_exception_is_raised_by_join_once_with_its_traceback():
+def test_a_targets_exception_is_raised_by_join_once_with_its_traceback(reports):
     def fails(x):
         raise ValueError(f"bad {x}")
 
@@ -107,7 +107,7 @@ def test_a_targets_exception_is_raised_by_join_once_with_its_traceback():
     t.join(10)  # raised once: a second join (a close called twice) returns
 
 
-def test_a_thread_still_running_after_the_timeout_raises_nothing_yet():
+def test_a_thread_still_running_after_the_timeout_raises_nothing_yet(reports):
     release = threading.Event()
 
     def waits_then_fails():
@@ -123,7 +123,7 @@ def test_a_thread_still_running_after_the_timeout_raises_nothing_yet():
         t.join(10)
 
 
-def test_the_result_and_the_thread_it_ran_on():
+def test_the_result_and_the_thread_it_ran_on(reports):
     seen = []
     t = ServiceThread(lambda a, b: seen.append(threading.current_thread()) or a + b, 2, 3, name="dlperf-test-add")
     t.start()
@@ -134,24 +134,42 @@ def test_the_result_and_the_thread_it_ran_on():
         on_fresh_thread(lambda: 1 / 0, name="dlperf-test-zero")
 
 
-def test_an_error_nobody_joined_is_reported_when_the_thread_is_collected(monkeypatch):
-    reported = []
-    monkeypatch.setattr(threading, "excepthook", reported.append)
+@pytest.fixture
+def reports(monkeypatch):
+    """What reaches threading.excepthook (a thread's death), instead of printed."""
+    seen: list = []
+    monkeypatch.setattr(threading, "excepthook", seen.append)
+    return seen
+
+
+def test_an_error_is_reported_once_as_the_thread_dies_and_still_raised_by_join(reports):
+    release = threading.Event()
+
+    def fails_later():
+        release.wait(10)
+        raise ValueError("the loop died")
+
+    t = ServiceThread(fails_later, name="dlperf-test-dies")
+    t.start()
+    assert not reports
+    release.set()
+    deadline = time.monotonic() + 10
+    while t.is_alive() and time.monotonic() < deadline:  # nobody joins yet: the owner would run on unaware
+        time.sleep(0.01)
+    assert [(r.exc_type, str(r.exc_value), r.thread) for r in reports] == [(ValueError, "the loop died", t)]
+    with pytest.raises(ValueError, match="the loop died"):
+        t.join(10)
+    del t
+    gc.collect()
+    assert len(reports) == 1  # one report: neither the join nor the collection repeats it
+
     t = ServiceThread(lambda: 1 / 0, name="dlperf-test-unjoined")
     t.start()
     while t.is_alive():
         time.sleep(0.01)
     del t
     gc.collect()
-    assert [(r.exc_type, r.thread.name) for r in reported] == [(ZeroDivisionError, "dlperf-test-unjoined")]
-    reported.clear()
-    t = ServiceThread(lambda: 1 / 0, name="dlperf-test-joined")
-    t.start()
-    with pytest.raises(ZeroDivisionError):
-        t.join(10)
-    del t
-    gc.collect()
-    assert not reported  # raised once, by join: not reported again
+    assert [(r.exc_type, r.thread.name) for r in reports[1:]] == [(ZeroDivisionError, "dlperf-test-unjoined")]
 
 
 def test_a_name_without_the_prefix_is_refused():
@@ -159,7 +177,7 @@ def test_a_name_without_the_prefix_is_refused():
         ServiceThread(print, name="reader")
 
 
-def test_join_all_waits_for_every_thread_then_raises_the_first_error():
+def test_join_all_waits_for_every_thread_then_raises_the_first_error(reports):
     def slow() -> str:
         time.sleep(0.2)
         return "done"
@@ -237,7 +255,7 @@ def test_kvstore_control_threads_are_gone_after_close():
 
 
 @pytest.mark.timeout(60)
-def test_a_kvstore_control_thread_that_failed_is_raised_by_close():
+def test_a_kvstore_control_thread_that_failed_is_raised_by_close(reports):
     from dlperf.kvstore.control import ControlServer
 
     server = ControlServer(lambda *a: None, {0}, "kvstore test")
@@ -256,7 +274,7 @@ def test_a_kvstore_control_thread_that_failed_is_raised_by_close():
 
 
 @pytest.mark.timeout(60)
-def test_the_launch_watchdog_is_gone_after_stop_and_its_failure_is_raised(tmp_path, monkeypatch):
+def test_the_launch_watchdog_is_gone_after_stop_and_its_failure_is_raised(tmp_path, monkeypatch, reports):
     from dlperf.parallel.launchers import processes
 
     before = set(threading.enumerate())
@@ -286,7 +304,7 @@ def _stderr_target() -> tuple[int, int]:
 
 
 @pytest.mark.timeout(60)
-def test_the_stderr_filter_is_gone_after_stop_and_its_failure_is_raised(tmp_path, monkeypatch):
+def test_the_stderr_filter_is_gone_after_stop_and_its_failure_is_raised(tmp_path, monkeypatch, reports):
     from dlperf.parallel.launchers import parent
 
     before, fd2 = set(threading.enumerate()), _stderr_target()

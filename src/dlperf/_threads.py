@@ -3,7 +3,7 @@
 :class:`ServiceThread` is how every dlperf thread is made (the engine's device workers, the launcher's
 watchdog and stderr filter, the loader's producer, a kvstore server's control threads, the planner's
 process candidates): a daemon thread named ``dlperf-...``, whose target's exception is kept and raised
-by :meth:`ServiceThread.join` in the thread that waits for it, rather than printed and lost. It lives
+by :meth:`ServiceThread.join` in the thread that waits for it, as well as reported when it dies. It lives
 here, below every package, because the data loader and the budgets below need it too; the engine,
 whose workers run on it, offers it as :class:`dlperf.engine.ServiceThread`. ``tests/test_threads.py``
 fails if any other module constructs a thread.
@@ -16,14 +16,15 @@ default back; the only setter also sets its caller's count, so a throw-away thre
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["PREFIX", "ServiceThread", "fresh_thread_default", "intra_op_threads", "join_all",
+__all__ = ["PREFIX", "ServiceThread", "cleanup_step", "fresh_thread_default", "intra_op_threads", "join_all",
            "on_fresh_thread", "restore_process_default", "set_thread_budget"]
 
 PREFIX = "dlperf-"
@@ -37,19 +38,19 @@ class ServiceThread(threading.Thread):
 
     Daemon, because a thread of dlperf's must never keep the interpreter alive after the program
     ends: its owner stops and joins it on close. The target's result is kept in :attr:`result`. An
-    error no join raised is reported through :func:`threading.excepthook` once the thread is collected.
+    error is reported through :func:`threading.excepthook` as the thread dies (once: a thread that dies
+    unnoticed leaves its owner waiting for it, or running without it), and raised again by the join.
 
     Args:
         target: what the thread runs.
         *args: passed to ``target``.
         name: the thread's name, starting with ``dlperf-`` (a ValueError otherwise).
 
-    >>> t = ServiceThread(lambda x: 1 / x, 0, name="dlperf-example")
+    >>> t = ServiceThread(lambda x: 1 / x, 4, name="dlperf-example")
     >>> t.start()
     >>> t.join(10)
-    Traceback (most recent call last):
-    ...
-    ZeroDivisionError: division by zero
+    >>> t.result
+    0.25
     """
 
     def __init__(self, target: Callable[..., Any], *args: Any, name: str) -> None:
@@ -72,6 +73,9 @@ class ServiceThread(threading.Thread):
             self.result = target(*args)
         except BaseException as exc:  # noqa: BLE001 - kept for join, which raises it in the owner's thread
             self.error = exc
+            # and reported now, as threading reports any thread's death: an owner that joins only when it
+            # closes (a worker's loop, a watchdog) would otherwise go on without this thread and say nothing
+            threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, self)))
         finally:
             del target, args
 
@@ -84,15 +88,6 @@ class ServiceThread(threading.Thread):
         if self.error is not None and not self._raised and not self.is_alive():
             self._raised = True
             raise self.error
-
-    def __del__(self) -> None:
-        # A failed thread that nobody joined (an engine dropped unclosed stops its workers without waiting):
-        # its error is reported as Python reports any thread's, rather than never at all.
-        error = self.__dict__.get("error")
-        if error is not None and not self._raised:
-            self._raised = True
-            with suppress(Exception):  # at interpreter exit threading may already be torn down
-                threading.excepthook(threading.ExceptHookArgs((type(error), error, error.__traceback__, self)))
 
 
 def join_all(threads: Iterable[threading.Thread], timeout: float | None = None) -> None:
@@ -110,6 +105,36 @@ def join_all(threads: Iterable[threading.Thread], timeout: float | None = None) 
             first = first or exc
     if first is not None:
         raise first
+
+
+class cleanup_step:  # noqa: N801 - used as a statement, like contextlib.suppress
+    """Run a step of clean-up (a thread's stop and join) without letting its error hide an earlier one.
+
+    An ``Exception`` the block raises is raised as usual when nothing else is, but when an error is already
+    on its way out (the block runs in an ``except`` or ``finally`` clause) or ``pending`` is given (an error
+    caught to be raised after the clean-up), that error wins: the step's is reported on stderr in one line
+    (a thread's traceback was printed when it died) and the code after the block runs.
+
+    Args:
+        what: what the step stops, for the report (e.g. ``"the launch watchdog"``).
+        pending: an error that will be raised once the clean-up is done, if any.
+    """
+
+    def __init__(self, what: str, pending: BaseException | None = None) -> None:
+        self.what = what
+        self.pending = pending
+
+    def __enter__(self) -> None:
+        if self.pending is None:
+            self.pending = sys.exc_info()[1]
+
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> bool:
+        if error is None or self.pending is None or not isinstance(error, Exception):
+            return False
+        first = (str(error).strip().splitlines() or [""])[0]
+        print(f"dlperf: {self.what} failed too ({type(error).__name__}: {first}) while "
+              f"{type(self.pending).__name__} was raised; that is raised", file=sys.stderr)
+        return True
 
 
 def on_fresh_thread(fn: Callable[..., T], *args: Any, name: str) -> T:

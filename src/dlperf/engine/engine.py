@@ -49,6 +49,7 @@ from dataclasses import dataclass, fields
 from time import perf_counter_ns
 from typing import Any
 
+from .._threads import cleanup_step
 from ..devices import Device, DeviceLike, cpu, require_available
 from ..errors import DlperfError, UsageError, unknown_choice
 from ..registry import Registry
@@ -567,7 +568,8 @@ class Engine:
         """Finish pending work, stop and join every worker thread; raise the first unreported error.
 
         An error that no wait point raised (no ``wait_to_read``, ``Op.wait`` or ``waitall`` touched
-        it) is raised here, so a failed operation is never silently dropped. Leaving a ``with``
+        it) is raised here, so a failed operation is never silently dropped; a worker thread that failed
+        is raised too (as that error's context, when there is one). Leaving a ``with``
         block closes the engine the same way, except that an exception already leaving the block
         wins. Idempotent: a second ``close()`` does nothing.
 
@@ -592,11 +594,15 @@ class Engine:
         except EngineClosedError:
             pass
         self._closed = True
-        self._shutdown()
-        with self._errors_lock:
-            errors, self._errors = self._errors, []
-        if errors and raise_errors:
-            raise errors[0]
+        try:
+            self._shutdown()
+        finally:
+            # a worker thread that failed to end never drops the operations' errors: the first of those is
+            # raised (the worker's error as its context), as it would be without it
+            with self._errors_lock:
+                errors, self._errors = self._errors, []
+            if errors and raise_errors:
+                raise errors[0]
 
     def _shutdown(self) -> None:
         pass
@@ -609,7 +615,9 @@ class Engine:
         return self
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
-        self._close(raise_errors=exc_type is None)
+        leaving = exc_info[0] if isinstance(exc_info[0], BaseException) else None
+        with cleanup_step("an engine worker", leaving):  # the exception leaving the block wins
+            self._close(raise_errors=exc_type is None)
 
     def _abandon(self) -> None:
         """Called when the engine is garbage-collected unclosed: let its threads end (must not block)."""

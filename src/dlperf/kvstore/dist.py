@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from .._shm import ShmUnavailableError
+from .._threads import cleanup_step
 from ..errors import UsageError
 from .base import Key, KVStore, _as_list, _key_pairs, register_kvstore
 from .control import ControlClient, KVStoreLinkError
@@ -734,9 +735,8 @@ class DistKVStore(KVStore):
                     if not self._broken:  # after a lost server, goodbyes would wait for timeout_s in vain
                         for wait in [self._send(server, BYE, {}) for server in self._placement.servers]:
                             wait()
-                    # a co-located server stays until every worker has said goodbye: with another store
-                    # still open, leaving the RPC agent is no barrier, and a slower peer's goodbye would
-                    # find no store here
+                    # a co-located server stays until every worker has said goodbye: with another store still
+                    # open, leaving the RPC agent is no barrier, and a slower peer's goodbye would find no store
                     if not self._broken and self._server is not None \
                             and not self._server.all_closed.wait(self._timeout_s):
                         raise UsageError(f"kvstore {self._id}: not every worker closed the store within "
@@ -760,18 +760,19 @@ class DistKVStore(KVStore):
     def _release_shared_memory(self) -> None:
         for client in self._control.values():
             client.close()
-        self._control = {}
-        if self._server is not None and self._server.control is not None:
-            self._server.control.close()
-            self._server.control = None
-        self._slots = {}
-        arenas = [a for a in self._arenas.values() if a is not None]
-        self._arenas = {}
-        if self._server is not None:
-            arenas += self._server.arenas
-            self._server.entries, self._server.arenas = {}, []
-        for arena in arenas:
-            arena.close()
+        self._control, server = {}, self._server
+        try:  # the control threads' error is raised once the memory is released, never instead of another
+            with cleanup_step("the kvstore's control server"):
+                if server is not None and server.control is not None:
+                    control, server.control = server.control, None
+                    control.close()
+        finally:
+            arenas = [a for a in self._arenas.values() if a is not None] + (server.arenas if server else [])
+            self._slots, self._arenas = {}, {}
+            if server is not None:
+                server.entries, server.arenas = {}, []
+            for arena in arenas:
+                arena.close()
 
 
 class DistSyncKVStore(DistKVStore):

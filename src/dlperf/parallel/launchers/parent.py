@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..._threads import ServiceThread
+from ..._threads import ServiceThread, cleanup_step
 
 __all__ = ["ParentState"]
 
@@ -259,6 +259,10 @@ class ParentState:
             return False
 
     def __exit__(self, *exc: object) -> None:
-        _PROCESS_WIDE.exit(self.keep)
-        for sig, handler in self.handlers.items():
-            signal.signal(sig, handler)
+        leaving = exc[1] if len(exc) > 1 and isinstance(exc[1], BaseException) else None
+        try:  # the stderr filter's error is raised after the handlers are back, and never instead of `leaving`
+            with cleanup_step("the launch's stderr filter", leaving):
+                _PROCESS_WIDE.exit(self.keep)
+        finally:
+            for sig, handler in self.handlers.items():
+                signal.signal(sig, handler)

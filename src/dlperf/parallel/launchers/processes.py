@@ -34,7 +34,7 @@ from ..._attempt import attempt_number, attempt_store
 from ..._cliargs import one_line
 from ..._hostmem import keep_freed_host_memory
 from ..._io import check_writable
-from ..._threads import ServiceThread
+from ..._threads import ServiceThread, cleanup_step
 from ...errors import UsageError
 from .faults import (
     FailureRecord,
@@ -574,7 +574,7 @@ class ProcessLauncher(Launcher):
         from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 
         failed: Any = None
-        store_lost = False
+        lost: BaseException | None = None
         watchdog.start()
         try:
             results = agent(*agent_args)
@@ -584,7 +584,7 @@ class ProcessLauncher(Launcher):
             if watchdog.global_ranks():
                 # workers ran, so the store was there: its host (node 0's launcher) is gone. The agent stopped
                 # this node's workers on its way out, and the board, on that store, is gone with it
-                store_lost = True
+                lost = exc
             else:
                 cause = exc.__cause__ or exc
                 raise _StoreUnavailable(one_line(str(cause)).split(" Exception raised from")[0][:300]) from None
@@ -601,9 +601,12 @@ class ProcessLauncher(Launcher):
                 raise KeyboardInterrupt from None
             raise
         finally:
-            watchdog.stop()
-            watchdog.kill_leftovers()  # what the workers started outlives them otherwise
-        if store_lost:
+            try:  # a watchdog that failed is raised, but never instead of the failure or interrupt it follows
+                with cleanup_step("the launch watchdog", failed or lost):
+                    watchdog.stop()
+            finally:
+                watchdog.kill_leftovers()  # what the workers started outlives them otherwise
+        if lost is not None:
             raise self._store_lost(watchdog)
         if failed is not None:
             raise self._failure(failed, watchdog, markers, host)
@@ -615,7 +618,8 @@ class ProcessLauncher(Launcher):
     def _interrupted(self, watchdog: _Watchdog, signum: int) -> None:
         """This launcher was stopped on purpose: make sure the other nodes know, and on node 0 keep the
         store up until they have read it."""
-        watchdog.stop()
+        with cleanup_step("the launch watchdog"):  # the interrupt being handled is raised, and published first
+            watchdog.stop()
         board = watchdog.board
         if board is None:
             return
