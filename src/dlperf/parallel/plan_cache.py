@@ -70,7 +70,7 @@ def plan_key(model: nn.Module, batch: Any, devices: Sequence[Device], extra: str
 
 def model_key(model: nn.Module, batch: Any, what: str) -> str:
     """A digest of the model's and batch's signatures, the machine and torch, for ``what`` is recorded of them
-    whatever the devices and options (a setup, a decision with processes allowed)."""
+    (a setup, a decision with processes allowed), which names any devices or options that record depends on."""
     return plan_key(model, batch, (), f"model:{what}")
 
 

@@ -714,12 +714,15 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     if options.use_cache:
         save_plan(key, plan, options.cache_path)
         if processes_measurable():  # what a search in one process will compare its own decision with
-            save_processes_offer(model_key(model, batch, _WITH_PROCESSES), plan, options.cache_path)
+            save_processes_offer(_offer_key(model, batch, devices, options), plan, options.cache_path)
     decision.faster_with_processes = _processes_hint(model, batch, devices, plan, options)
     return decision
 
 
-_WITH_PROCESSES = "decided with processes"
+def _offer_key(model: nn.Module, batch: Any, devices: Sequence[Device], options: PlannerOptions) -> str:
+    """What a decision made with process plans is recorded under: the model, the batch and what decides the
+    candidates (the device count, the cores filled), so a search compares only with one that had its choices."""
+    return model_key(model, batch, f"decided with processes:{len(devices)} devices:{options.cores or usable_cores()}")
 
 
 def _processes_hint(model: nn.Module, batch: Any, devices: Sequence[Device], plan: Plan,
@@ -729,7 +732,7 @@ def _processes_hint(model: nn.Module, batch: Any, devices: Sequence[Device], pla
     from their own searches), with how to get it; else None."""
     if processes_measurable() or not options.use_cache or plan.measured_ms is None or any(d.is_gpu for d in devices):
         return None
-    offer = processes_offer(model_key(model, batch, _WITH_PROCESSES), options.cache_path)
+    offer = processes_offer(_offer_key(model, batch, devices, options), options.cache_path)
     if offer is None or offer.launcher != "processes" or offer.measured_ms is None:
         return None
     if offer.measured_ms >= plan.measured_ms * (1 - MIN_GAIN):
