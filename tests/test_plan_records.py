@@ -105,6 +105,25 @@ def test_a_processes_plan_measured_with_other_cores_or_devices_is_not_named(caps
     assert offered.name in said, said
 
 
+def test_a_warm_setup_measured_after_a_cold_one_keeps_the_cold_figure():
+    save_setup("s1", 150.0)  # a first compile
+    save_setup("s1", 2.0)  # the same compile served from inductor's disk cache
+    assert recorded_setup_s("s1") == 150.0
+    save_setup("s1", 160.0)  # a slower one is what the next search must fit
+    assert recorded_setup_s("s1") == 160.0
+
+
+def test_a_setup_record_past_its_age_is_replaced_by_the_next_one_measured():
+    from dlperf.parallel.plan_cache import SETUP_RECORD_MAX_AGE_S, setup_record
+
+    long_ago = time.time() - SETUP_RECORD_MAX_AGE_S - 60
+    write({"format": 1, "plans": {}, "setups": {"s1": {"seconds": 150.0, "saved": long_ago}}})
+    assert setup_record("s1") == (150.0, long_ago)
+    save_setup("s1", 2.0)
+    seconds, saved = setup_record("s1") or (None, 0.0)
+    assert seconds == 2.0 and saved > long_ago
+
+
 def test_setups_and_offers_sit_beside_the_decisions_in_one_file():
     plan = Plan(replicas=2, threads=1, launcher="processes").with_figures(3.0, [("1 x 2", 4.0)])
     save_plan("k1", Plan(replicas=1, threads=2).with_figures(5.0, []))
