@@ -4,6 +4,7 @@ it is faster). Entries are data, checked field by field; a bad one is ignored wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -56,10 +57,10 @@ def decide_with_processes(processes_s: float, threads_s: float) -> Plan:
     return decision.plan
 
 
-def trainer_plans(capsys) -> tuple[Plan, str]:
+def trainer_plans(capsys, planner: PlannerOptions = ONE_ROUND, devices=None) -> tuple[Plan, str]:
     """A Trainer planning in one process on the same model and batch: its plan and what it said."""
     capsys.readouterr()
-    with Trainer(mlp(), [cpu(0)], "sgd", {"lr": 0.01}, plan="auto", planner=ONE_ROUND) as trainer:
+    with Trainer(mlp(), devices or [cpu(0)], "sgd", {"lr": 0.01}, plan="auto", planner=planner) as trainer:
         trainer.train_step(*batch())
         plan = trainer.plan
     assert plan is not None and plan.launcher == "threads"
@@ -89,6 +90,38 @@ def test_a_trainer_says_nothing_without_a_faster_processes_plan(capsys):
     assert kept.launcher == "threads"
     _, again = trainer_plans(capsys)  # its own decision cached now: the same question asked again
     assert "processes" not in again, again
+
+
+def test_a_processes_plan_measured_with_other_cores_or_devices_is_not_named(capsys):
+    offered = decide_with_processes(0.0, 0.02)  # 2 cores, one device
+    assert offered.launcher == "processes"
+    # the same model and batch, but other candidates: a 2 x 1 processes plan is no option on one core, and
+    # two devices change the reference the times were taken beside
+    _, said = trainer_plans(capsys, dataclasses.replace(ONE_ROUND, cores=1))
+    assert "processes" not in said, said
+    _, said = trainer_plans(capsys, devices=[cpu(0), cpu(1)])
+    assert "processes" not in said, said
+    _, said = trainer_plans(capsys)  # what it was decided for: named
+    assert offered.name in said, said
+
+
+def test_a_warm_setup_measured_after_a_cold_one_keeps_the_cold_figure():
+    save_setup("s1", 150.0)  # a first compile
+    save_setup("s1", 2.0)  # the same compile served from inductor's disk cache
+    assert recorded_setup_s("s1") == 150.0
+    save_setup("s1", 160.0)  # a slower one is what the next search must fit
+    assert recorded_setup_s("s1") == 160.0
+
+
+def test_a_setup_record_past_its_age_is_replaced_by_the_next_one_measured():
+    from dlperf.parallel.plan_cache import SETUP_RECORD_MAX_AGE_S, setup_record
+
+    long_ago = time.time() - SETUP_RECORD_MAX_AGE_S - 60
+    write({"format": 1, "plans": {}, "setups": {"s1": {"seconds": 150.0, "saved": long_ago}}})
+    assert setup_record("s1") == (150.0, long_ago)
+    save_setup("s1", 2.0)
+    seconds, saved = setup_record("s1") or (None, 0.0)
+    assert seconds == 2.0 and saved > long_ago
 
 
 def test_setups_and_offers_sit_beside_the_decisions_in_one_file():

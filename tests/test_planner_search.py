@@ -303,3 +303,78 @@ def test_the_setup_guess_scales_with_the_layers():
     assert compile_.setup_guess_s(deep) == pytest.approx(60.0)
     assert compile_.setup_guess_s(nn.Linear(2, 2)) == pytest.approx(compile_.setup_s)  # never below the least
     assert not EXECUTIONS.get("eager").has_setup and compile_.has_setup
+
+
+def test_a_warm_compile_after_a_cold_one_keeps_the_cold_setup_for_the_next_search():
+    from dlperf.parallel.plan_cache import recorded_setup_s
+    from dlperf.parallel.planner import _setup_key
+
+    model, batch, devices = small_cnn(), one_batch(), [cpu(0), cpu(1)]
+    key = _setup_key(model, batch, devices, "compile")
+    options = PlannerOptions(rounds=1, steps=2, warmup=1, cores=2, run_steps=100_000, budget_s=30,
+                             executions=COMPILE_ONLY)
+    search(model, batch, devices, first_step_slow(0.6, 0.005, []), Plan(replicas=2, threads=1), options)
+    cold = recorded_setup_s(key)
+    assert cold is not None and cold == pytest.approx(0.6, abs=0.3)
+    # the same compile again, served from inductor's disk cache: no setup to speak of (another reference, so
+    # that the first decision does not answer it)
+    built: list[Plan] = []
+    warm = search(model, batch, devices, first_step_slow(0.0, 0.005, built), Plan(replicas=1, threads=2), options)
+    compiled = [m for m in warm.measurements if m.plan.execution == "compile"]
+    assert len(compiled) == 1 and compiled[0].setup_s is not None and compiled[0].setup_s < cold, warm.table()
+    assert recorded_setup_s(key) == cold  # the next search still fits the cold compile in its budget
+
+
+def age_setup_record(key: str, days: float) -> None:
+    """Make the setup recorded under ``key`` look measured ``days`` ago."""
+    import json
+    import os
+
+    from dlperf.parallel.plan_cache import default_cache_path
+
+    path = default_cache_path()
+    with open(path) as f:
+        doc = json.load(f)
+    doc["setups"][key]["saved"] = time.time() - days * 86400
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    os.chmod(path, 0o600)
+
+
+def test_a_recorded_setup_past_its_age_no_longer_keeps_compile_out():
+    from dlperf.parallel.plan_cache import SETUP_RECORD_MAX_AGE_S, recorded_setup_s, save_setup
+    from dlperf.parallel.planner import _setup_key
+
+    model, batch, devices = small_cnn(), one_batch(), [cpu(0), cpu(1)]
+    key = _setup_key(model, batch, devices, "compile")
+    save_setup(key, 50.0)  # one loaded first compile, more than the 40 s budget
+    age_setup_record(key, SETUP_RECORD_MAX_AGE_S / 86400 + 1)
+    built: list[Plan] = []
+    options = PlannerOptions(rounds=1, steps=2, warmup=1, cores=2, run_steps=100_000, budget_s=40,
+                             executions=COMPILE_ONLY)
+    decision = search(model, batch, devices, first_step_slow(0.0, 0.005, built), Plan(replicas=2, threads=1), options)
+    # the guess for its 4 layers (20 s) fits: compile is measured again, and what it took replaces the record
+    assert any(p.execution == "compile" for p in built), decision.table()
+    assert not any(s.startswith("compile:") for s in decision.skipped), decision.skipped
+    compiled = [m for m in decision.measurements if m.plan.execution == "compile"]
+    assert len(compiled) == 1 and recorded_setup_s(key) == compiled[0].setup_s < 50
+
+
+def test_an_expired_record_gives_way_to_the_guess_and_the_skip_line_says_so():
+    from dlperf.parallel.plan_cache import SETUP_RECORD_MAX_AGE_S, save_setup
+    from dlperf.parallel.planner import _setup_key
+
+    model, batch, devices = small_cnn(), one_batch(), [cpu(0), cpu(1)]
+    key = _setup_key(model, batch, devices, "compile")
+    save_setup(key, 50.0)
+    days = SETUP_RECORD_MAX_AGE_S / 86400
+    age_setup_record(key, days + 1)
+    built: list[Plan] = []
+    options = PlannerOptions(rounds=1, steps=2, warmup=1, cores=2, run_steps=100_000, budget_s=10,
+                             executions=COMPILE_ONLY)
+    decision = search(model, batch, devices, first_step_slow(0.0, 0.005, built), Plan(replicas=2, threads=1), options)
+    assert not any(p.execution == "compile" for p in built), decision.table()
+    line = [s for s in decision.skipped if s.startswith("compile:")]
+    assert len(line) == 1 and line[0].startswith(
+        f"compile: needs ~20 s of setup (guessed for 4 layers; the 50 s measured here {days + 1:.0f} days ago is "
+        f"older than {days:g} days), more than the "), line

@@ -6,12 +6,13 @@ else can write, bounded in size) and parsed field by field. A file that fails an
 one line on stderr and the plan is measured again; writes replace it atomically.
 
 Beside the decisions (``plans``) the file keeps two sections a decision does not answer by itself:
-``setups``, the one-off setup an execution was measured to cost for a model here (a first compile, which the
-next search weighs instead of a guess: :func:`recorded_setup_s`), and ``with_processes``, the last decision
-made for a model when plans whose replicas are processes could be measured (a Trainer that plans in one
-process names it when it is faster: :func:`processes_offer`). Both are keyed by the model's signature, the
-batch's, the machine and torch, not by the devices or options a decision depends on. A reader without them
-(an older dlperf) ignores them.
+``setups``, the slowest one-off setup an execution was measured to cost for a model here within
+:data:`SETUP_RECORD_MAX_AGE_S` (a cold first compile, which the next search weighs instead of a guess; a compile
+served warm from inductor's disk cache does not lower it: :func:`save_setup`), and ``with_processes``, the last
+decision made for a model when plans whose replicas are processes could be measured (a Trainer that plans in
+one process names it when it is faster: :func:`processes_offer`). Both are keyed by the model's signature, the
+batch's, the machine and torch (and what the caller adds to :func:`model_key`). A reader without them (an
+older dlperf) ignores them.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from ..errors import UsageError
 from ..probe.cache import ProbeCacheError, decode_json, machine_key, read_cache_file
 from .plan import Plan
 
-__all__ = ["plan_key", "model_key", "cached_plan", "save_plan", "recorded_setup_s", "save_setup", "processes_offer",
-           "save_processes_offer", "default_cache_path", "MAX_ENTRIES", "MAX_BYTES"]
+__all__ = ["plan_key", "model_key", "cached_plan", "save_plan", "recorded_setup_s", "setup_record", "save_setup",
+           "processes_offer", "save_processes_offer", "default_cache_path", "MAX_ENTRIES", "MAX_BYTES",
+           "SETUP_RECORD_MAX_AGE_S"]
 
 CACHE_FORMAT = 1
 MAX_ENTRIES = 256
@@ -43,6 +45,10 @@ MAX_BYTES = 512 * 1024
 _KEY_HEX = 32
 _MAX_ALTERNATIVES = 16
 _MAX_SETUP_S = 1e5
+SETUP_RECORD_MAX_AGE_S = 7 * 24 * 3600.0
+"""A recorded setup older than this is replaced by the next one measured, however small, and is not trusted to
+keep an execution out of a search (the guess decides instead): one loaded or stale compile must not switch
+compile off for a model for good."""
 _SECTIONS = ("plans", "setups", "with_processes")
 _told: set[str] = set()
 
@@ -70,7 +76,7 @@ def plan_key(model: nn.Module, batch: Any, devices: Sequence[Device], extra: str
 
 def model_key(model: nn.Module, batch: Any, what: str) -> str:
     """A digest of the model's and batch's signatures, the machine and torch, for ``what`` is recorded of them
-    whatever the devices and options (a setup, a decision with processes allowed)."""
+    (a setup, a decision with processes allowed), which names any devices or options that record depends on."""
     return plan_key(model, batch, (), f"model:{what}")
 
 
@@ -177,9 +183,9 @@ def _plan_entry(plan: Plan) -> dict[str, Any]:
             "alternatives": [list(a) for a in plan.alternatives[:_MAX_ALTERNATIVES]]}
 
 
-def recorded_setup_s(key: str, path: str | None = None) -> float | None:
-    """The seconds of one-off setup measured for ``key`` (:func:`model_key` of a model and an execution), or
-    None (also when the entry cannot be trusted: said once)."""
+def setup_record(key: str, path: str | None = None) -> tuple[float, float] | None:
+    """(seconds, saved): the one-off setup recorded for ``key`` (:func:`model_key` of a model and an execution)
+    and when it was measured (``time.time()``), or None (also when the entry cannot be trusted: said once)."""
     path = path or default_cache_path()
     entry = _read_sections(path)["setups"].get(key)
     if entry is None:
@@ -189,12 +195,25 @@ def recorded_setup_s(key: str, path: str | None = None) -> float | None:
         _ignore(_fail(path, f"setup {key[:16]}: {str(entry)[:60]!r} is not {{seconds, saved}} with seconds in "
                             f"[0, {_MAX_SETUP_S:g})"))
         return None
-    return float(seconds)
+    return float(seconds), _saved(entry)
+
+
+def recorded_setup_s(key: str, path: str | None = None) -> float | None:
+    """The seconds of one-off setup recorded for ``key`` (see :func:`setup_record`), or None."""
+    record = setup_record(key, path)
+    return record[0] if record is not None else None
 
 
 def save_setup(key: str, seconds: float, path: str | None = None) -> None:
-    """Record that an execution's one-off setup took ``seconds`` for ``key`` (see :func:`recorded_setup_s`)."""
-    _record("setups", key, {"seconds": min(max(0.0, float(seconds)), _MAX_SETUP_S - 1)}, path)
+    """Record that an execution's one-off setup took ``seconds`` for ``key``, unless a larger setup measured
+    within :data:`SETUP_RECORD_MAX_AGE_S` is recorded: the cold compile is what a search must fit in its budget,
+    and a compile served warm from inductor's disk cache (seconds instead of minutes) is no prediction of the
+    next one once that cache is gone."""
+    seconds = min(max(0.0, float(seconds)), _MAX_SETUP_S - 1)
+    kept = setup_record(key, path)
+    if kept is not None and kept[0] >= seconds and time.time() - kept[1] < SETUP_RECORD_MAX_AGE_S:
+        return
+    _record("setups", key, {"seconds": seconds}, path)
 
 
 def processes_offer(key: str, path: str | None = None) -> Plan | None:

@@ -25,8 +25,9 @@ through a builder the caller gives (``build(plan) -> CandidateRun``), so the pla
 runs the step.
 
 ``torch.compile`` is tried on the fastest eager plan only when the run's length is known and its predicted
-setup fits what is left of the budget: the setup measured for this model on this machine and torch before
-(recorded in the plan cache after each first compile), else a guess from the model's layer count
+setup fits what is left of the budget: the slowest setup measured for this model on this machine and torch
+(recorded in the plan cache: :func:`~dlperf.parallel.plan_cache.save_setup`; one older than a week that would
+keep compile out gives way), else a guess from the model's layer count
 (:meth:`~dlperf.parallel.plan.Execution.setup_guess_s`). Measured for a training step (forward compiled;
 backward, SGD) on the two shared cores of the development VM (2026-11-26, 00:56-01:30, load 8-19, run under
 ``nice``, every figure marked contended): LeNet b256 channels-last first step 156 s, then 0.53x eager; the
@@ -53,14 +54,15 @@ from ..timing import time_steps
 from .allreduce import DEFAULT_ALGORITHM
 from .plan import EXECUTIONS, Plan, has_batch_statistics, layer_count, uses_conv2d
 from .plan_cache import (
+    SETUP_RECORD_MAX_AGE_S,
     cached_plan,
     model_key,
     plan_key,
     processes_offer,
-    recorded_setup_s,
     save_plan,
     save_processes_offer,
     save_setup,
+    setup_record,
 )
 from .plan_processes import launch_hint, process_plans, processes_measurable, setup_s
 
@@ -619,15 +621,20 @@ def _setup_key(model: nn.Module, batch: Any, devices: Sequence[Device], executio
 
 
 def _predicted_setup(name: str, model: nn.Module, batch: Any, devices: Sequence[Device],
-                     options: PlannerOptions) -> tuple[float, str]:
+                     options: PlannerOptions, left: float) -> tuple[float, str]:
     """Seconds of one-off setup ``name`` is predicted to take for ``model`` here, and where that comes from:
-    the setup measured last time (when the cache is used), else the execution's guess from the model's size."""
-    execution = EXECUTIONS.get(name)
-    if options.use_cache:
-        recorded = recorded_setup_s(_setup_key(model, batch, devices, name), options.cache_path)
-        if recorded is not None:
-            return recorded, "as measured here before"
-    return execution.setup_guess_s(model), f"guessed for {layer_count(model)} layers"
+    the slowest setup recorded (when the cache is used), else the execution's guess from the model's size. A
+    record older than :data:`SETUP_RECORD_MAX_AGE_S` that would exceed the ``left`` seconds gives way to the
+    guess: were it trusted, the execution would never be measured again, and the record never renewed."""
+    guess, source = EXECUTIONS.get(name).setup_guess_s(model), f"guessed for {layer_count(model)} layers"
+    record = setup_record(_setup_key(model, batch, devices, name), options.cache_path) if options.use_cache else None
+    if record is None:
+        return guess, source
+    seconds, age = record[0], time.time() - record[1]
+    if seconds <= left or age < SETUP_RECORD_MAX_AGE_S:
+        return seconds, "as measured here before"
+    return guess, (f"{source}; the {seconds:.0f} s measured here {age / 86400:.0f} days ago is older than "
+                   f"{SETUP_RECORD_MAX_AGE_S / 86400:g} days")
 
 
 def _executions_phase(session: _Session, found: list[Measurement], model: nn.Module, batch: Any,
@@ -656,7 +663,7 @@ def _executions_phase(session: _Session, found: list[Measurement], model: nn.Mod
             continue
         left = session.budget - session.elapsed()
         if execution.has_setup:
-            session.setups[name], source = _predicted_setup(name, model, batch, devices, options)
+            session.setups[name], source = _predicted_setup(name, model, batch, devices, options, left)
             if session.setups[name] > left:  # started, it could not end inside the budget
                 session.skipped.append(f"{name}: needs ~{session.setups[name]:.0f} s of setup ({source}), more than "
                                        f"the {max(0.0, left):.1f} s left of the time budget ({session.budget:.1f} s)")
@@ -714,12 +721,15 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     if options.use_cache:
         save_plan(key, plan, options.cache_path)
         if processes_measurable():  # what a search in one process will compare its own decision with
-            save_processes_offer(model_key(model, batch, _WITH_PROCESSES), plan, options.cache_path)
+            save_processes_offer(_offer_key(model, batch, devices, options), plan, options.cache_path)
     decision.faster_with_processes = _processes_hint(model, batch, devices, plan, options)
     return decision
 
 
-_WITH_PROCESSES = "decided with processes"
+def _offer_key(model: nn.Module, batch: Any, devices: Sequence[Device], options: PlannerOptions) -> str:
+    """What a decision made with process plans is recorded under: the model, the batch and what decides the
+    candidates (the device count, the cores filled), so a search compares only with one that had its choices."""
+    return model_key(model, batch, f"decided with processes:{len(devices)} devices:{options.cores or usable_cores()}")
 
 
 def _processes_hint(model: nn.Module, batch: Any, devices: Sequence[Device], plan: Plan,
@@ -729,7 +739,7 @@ def _processes_hint(model: nn.Module, batch: Any, devices: Sequence[Device], pla
     from their own searches), with how to get it; else None."""
     if processes_measurable() or not options.use_cache or plan.measured_ms is None or any(d.is_gpu for d in devices):
         return None
-    offer = processes_offer(model_key(model, batch, _WITH_PROCESSES), options.cache_path)
+    offer = processes_offer(_offer_key(model, batch, devices, options), options.cache_path)
     if offer is None or offer.launcher != "processes" or offer.measured_ms is None:
         return None
     if offer.measured_ms >= plan.measured_ms * (1 - MIN_GAIN):
