@@ -523,7 +523,7 @@ def _outcome(call, started=None, timeout: float = 10.0):
 
 
 def _is_the_death(exc) -> None:
-    from dlperf.engine.engine import EngineWorkerError
+    from dlperf.engine import EngineWorkerError
 
     assert isinstance(exc, EngineWorkerError), repr(exc)
     assert "engine worker cpu(0)/compute died (RuntimeError: worker loop broke (injected))" in str(exc)
