@@ -459,3 +459,155 @@ def test_random_programs_with_waits_inside_ops_finish_or_report_a_deadlock(seed)
             assert "deadlock" in str(exc)
         assert time.monotonic() - t0 < 30
         _still_works(eng)
+
+
+# ------------------------------------------------------------------------------------------ a worker's loop dies
+class _Death:
+    """cpu(0)'s worker loop fails at its batch after ``after`` good ones (once ``hold`` is set, if given)."""
+
+    def __init__(self) -> None:
+        self.after = 0
+        self.seen = 0
+        self.hold: threading.Event | None = None
+        self.reports: list = []
+
+
+@pytest.fixture
+def death(monkeypatch):
+    from dlperf.engine import worker as worker_module
+
+    state = _Death()
+    original = worker_module.Worker._process
+
+    def process(self, batch):
+        if self.device == cpu(0):
+            if state.seen >= state.after:
+                if state.hold is not None:
+                    state.hold.wait(10)
+                raise RuntimeError("worker loop broke (injected)")  # the loop's own failure, not an op's
+            state.seen += 1
+        original(self, batch)
+
+    monkeypatch.setattr(worker_module.Worker, "_process", process)
+    monkeypatch.setattr(threading, "excepthook", state.reports.append)
+    return state
+
+
+def _until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _outcome(call, started=None, timeout: float = 10.0):
+    """What ``call()`` raised, run in a thread that must end within ``timeout`` (a hang fails, not blocks)."""
+    box: list = []
+
+    def run():
+        try:
+            call()
+            box.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the outcome under test
+            box.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    if started is not None:
+        time.sleep(0.1)  # the call blocks in its wait by now
+        assert t.is_alive()
+        started()
+    t.join(timeout)
+    assert not t.is_alive(), f"{call} still blocked after {timeout} s: the worker's death went unnoticed"
+    return box[0]
+
+
+def _is_the_death(exc) -> None:
+    from dlperf.engine import EngineWorkerError
+
+    assert isinstance(exc, EngineWorkerError), repr(exc)
+    assert "engine worker cpu(0)/compute died (RuntimeError: worker loop broke (injected))" in str(exc)
+    assert isinstance(exc.__cause__, RuntimeError) and "injected" in str(exc.__cause__)
+
+
+def _closes_raising_the_death(eng) -> None:
+    _is_the_death(_outcome(eng.close))
+    assert _workers_stopped(eng) and eng.closed
+    assert not [t for t in threading.enumerate() if t.name.startswith("dlperf-engine-") and t.is_alive()
+                and any(t is w.thread for w in eng._workers.values())]
+    eng.close()  # raised once: closed, nothing more
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_worker_fails_waits_on_its_ops_and_later_pushes(death):
+    from dlperf.engine.var import DONE, RUNNING
+
+    death.after, death.hold = 3, threading.Event()
+    eng = create_engine("threaded")
+    done = []
+    for i in range(3):  # run by the worker itself: nobody waits for them
+        done.append(eng.push(lambda i=i: i * 10, device=cpu(0)))
+        _until(lambda: done[-1].state == DONE)
+    doomed = eng.push(lambda: "never", device=cpu(0))
+    _until(lambda: doomed.state == RUNNING)  # taken by the worker, which breaks once `hold` is set
+    _is_the_death(_outcome(doomed.wait, started=death.hold.set))
+    assert [str(r.exc_value) for r in death.reports] == ["worker loop broke (injected)"]  # reported as it died
+    assert [op.wait() for op in done] == [0, 10, 20]  # what finished keeps its results
+    for device in (cpu(0), cpu(1)):
+        with pytest.raises(Exception) as info:
+            eng.push(lambda: None, device=device)
+        _is_the_death(info.value)
+    assert not eng.closed
+    _closes_raising_the_death(eng)
+
+
+@pytest.mark.timeout(60)
+def test_waitall_on_an_engine_whose_worker_died_raises_and_the_other_workers_finish(death):
+    death.hold = threading.Event()
+    eng = create_engine("threaded")
+    other = eng.push(lambda: time.sleep(0.05) or "other", device=cpu(1))
+    eng.push(lambda: "never", device=cpu(0))
+    _is_the_death(_outcome(eng.waitall, started=death.hold.set))
+    _is_the_death(_outcome(eng.waitall))  # each wait raises it, not only the first
+    _closes_raising_the_death(eng)
+    assert other.wait() == "other"
+
+
+@pytest.mark.timeout(60)
+def test_close_alone_stops_the_other_workers_and_raises_a_dead_workers_error(death):
+    eng = create_engine("threaded")
+    box: list = []
+    eng.push(lambda: time.sleep(0.2) or box.append(1), device=cpu(1))
+    eng.push(lambda: "never", device=cpu(0))
+    _closes_raising_the_death(eng)  # no wait before: close is the first to see it
+    assert box == [1]
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_inside_an_op_for_a_dead_workers_op_raises_in_that_op(death):
+    from dlperf.engine.var import RUNNING
+
+    death.after = 1
+    gate = threading.Event()
+    eng = create_engine("threaded")
+    first = eng.push(lambda: gate.wait(10), device=cpu(0))
+    _until(lambda: first.state == RUNNING)
+    doomed = eng.push(lambda: "never", device=cpu(0))  # queued behind `first` on a busy worker
+    waiter = eng.push(lambda: doomed.wait(), device=cpu(1))
+    _until(lambda: waiter.state == RUNNING)
+    error = _outcome(waiter.wait, started=gate.set)  # the pushed function's own wait raised
+    _is_the_death(error)
+    _closes_raising_the_death(eng)
+
+
+@pytest.mark.timeout(60)
+def test_a_push_waiting_for_room_on_a_dead_worker_raises(death):
+    from dlperf.engine import EngineConfig
+    from dlperf.engine.var import RUNNING
+
+    death.hold = threading.Event()
+    eng = create_engine("threaded", EngineConfig(max_queued=1))
+    held = eng.push(lambda: "never", device=cpu(0))
+    _until(lambda: held.state == RUNNING)
+    _is_the_death(_outcome(lambda: eng.push(lambda: None, device=cpu(0)), started=death.hold.set))
+    _closes_raising_the_death(eng)

@@ -57,6 +57,9 @@ class RecordingHost:
     def worker_started(self, worker: object) -> None:
         self.started_in = threading.current_thread()
 
+    def worker_died(self, worker: object, exc: BaseException) -> None:
+        self.died = exc
+
 
 def _imports(path: Path) -> set[str]:
     """Every module ``path`` imports, at its top or inside functions (relative ones as ``.name``)."""
@@ -80,7 +83,8 @@ def test_the_threaded_engine_is_a_worker_host():
     host: WorkerHost = ThreadedEngine()  # checked by mypy too
     try:
         for name in ("lock", "open_auto", "batch_latency_s", "cpu_threads", "cpu_workers", "blind_waiters",
-                     "has_gpu", "host_threads", "execute", "complete", "fail", "send_auto_for", "worker_started"):
+                     "has_gpu", "host_threads", "execute", "complete", "fail", "send_auto_for", "worker_started",
+                     "worker_died"):
             assert hasattr(host, name), name
     finally:
         host.close()  # type: ignore[attr-defined]
@@ -156,3 +160,32 @@ def test_close_reports_both_an_operations_error_and_a_worker_that_failed_to_end(
         eng.push(lambda: None).wait()
         raise KeyError("mine")  # what leaves the block wins over the worker's error
     assert "an engine worker failed too (RuntimeError: the worker failed to end)" in capsys.readouterr().err
+
+
+def test_a_worker_whose_loop_fails_tells_its_host_and_its_join_raises(monkeypatch):
+    reports: list = []
+    monkeypatch.setattr(threading, "excepthook", reports.append)
+    host = RecordingHost(expected=1)
+    worker = CpuWorker(host, cpu(0), "compute")
+
+    def broken_loop():
+        raise RuntimeError("loop broke")
+
+    monkeypatch.setattr(worker, "_loop", broken_loop)
+    worker.start()
+    with pytest.raises(RuntimeError, match="loop broke"):
+        worker.thread.join(10)
+    assert str(host.died) == "loop broke" and [str(r.exc_value) for r in reports] == ["loop broke"]
+
+
+def test_a_worker_failing_after_its_stop_leaves_its_host_alone(monkeypatch):
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    host = RecordingHost(expected=1)
+    worker = CpuWorker(host, cpu(0), "compute")
+    monkeypatch.setattr(worker, "teardown", lambda: 1 / 0)  # it ran dry and was stopped: nothing is lost
+    worker.start()
+    with host.lock:
+        worker.stop()
+    with pytest.raises(ZeroDivisionError):
+        worker.thread.join(10)
+    assert not hasattr(host, "died")

@@ -62,6 +62,7 @@ __all__ = [
     "EngineConfig",
     "Engine",
     "EngineClosedError",
+    "EngineWorkerError",
     "EngineUsageError",
     "EngineDeadlockError",
     "EngineArgumentError",
@@ -79,6 +80,15 @@ AUTO_BULK_DEFAULT = 64  # EngineConfig.auto_bulk's default
 
 class EngineClosedError(DlperfError, RuntimeError):
     """Work was pushed to an engine after :meth:`Engine.close`."""
+
+
+class EngineWorkerError(DlperfError, RuntimeError):
+    """A worker thread of the engine died (its loop failed, not an operation): what it held never finishes.
+
+    Every wait that would block on such an engine, and every later push, raises this instead of hanging;
+    :meth:`Engine.close` still stops and joins the other workers, then raises it. The worker's own error is
+    the ``__cause__``.
+    """
 
 
 class EngineUsageError(UsageError, RuntimeError):
@@ -178,7 +188,10 @@ class Engine:
         self._trace: list[tuple] | None = [] if self.config.trace else None
         self._trace_t0 = perf_counter_ns()
         self._ids = iter(range(1, 1 << 62))
-        self._closed = False
+        self._closed = False    # refuses pushes: close() ran, or a worker died (see _broken)
+        self._finished = False  # close() ran, or the engine was dropped unclosed
+        # (worker label, its error) once a worker thread died; pushes and blocking waits then raise
+        self._broken: tuple[str, BaseException] | None = None
         _LIVE.add(self)  # for the module-level waitall()
 
     # ----------------------------------------------------------------- variables and pushes
@@ -254,7 +267,7 @@ class Engine:
             reads = tuple(v for v in reads if v not in writes)
         dev = _CPU0 if device is None else device if type(device) is Device else require_available(device)
         if self._closed:
-            raise EngineClosedError(f"this {self.kind} engine is closed; create a new one to push more work")
+            raise self._refusal()
         op = Op(self, fn, args, reads, writes, None, priority, name)
         loc = self._local
         if loc.auto is not None:
@@ -505,6 +518,23 @@ class Engine:
         with self._errors_lock:
             self._errors = [e for e in self._errors if e is not exc]
 
+    def _refusal(self) -> Exception:
+        """The error a push to this engine raises once it refuses work (closed, or a worker died)."""
+        if self._broken is not None:
+            return self._worker_error()
+        return EngineClosedError(f"this {self.kind} engine is closed; create a new one to push more work")
+
+    def _worker_error(self) -> EngineWorkerError:
+        """A fresh error naming the worker that died and why (each raise gets its own traceback)."""
+        assert self._broken is not None
+        label, exc = self._broken
+        error = EngineWorkerError(
+            f"engine worker {label} died ({type(exc).__name__}: {exc}); the operations it held will never "
+            f"finish, so this {self.kind} engine can run nothing more: close() it (that stops the other "
+            "workers) and create a new one")
+        error.__cause__ = exc
+        return error
+
     def _wait_done(self, op: Op, var: Var | None = None) -> None:
         """Block until ``op`` (or, for a bulk member, its batch) is done; ``var``: what the caller reads."""
         raise NotImplementedError
@@ -569,7 +599,8 @@ class Engine:
 
         An error that no wait point raised (no ``wait_to_read``, ``Op.wait`` or ``waitall`` touched
         it) is raised here, so a failed operation is never silently dropped; a worker thread that failed
-        is raised too (as that error's context, when there is one). Leaving a ``with``
+        is raised too (as that error's context, when there is one): the other workers are stopped and
+        joined first, and :class:`EngineWorkerError` names it. Leaving a ``with``
         block closes the engine the same way, except that an exception already leaving the block
         wins. Idempotent: a second ``close()`` does nothing.
 
@@ -587,13 +618,13 @@ class Engine:
         # Refused even when closed already, so the outcome does not depend on a race with the owner.
         self._refuse_inside_op("close()", "closing waits for every operation, including that one, and stops "
                                "the worker running it")
-        if self._closed:
+        if self._finished:
             return
         try:
             self._flush_bulk()
-        except EngineClosedError:
+        except (EngineClosedError, EngineWorkerError):
             pass
-        self._closed = True
+        self._closed = self._finished = True
         try:
             self._shutdown()
         finally:
@@ -609,7 +640,8 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        """Whether :meth:`close` ran (an engine whose worker died refuses work too, but is not closed yet)."""
+        return self._finished
 
     def __enter__(self) -> Engine:
         return self
@@ -626,8 +658,8 @@ class Engine:
         # Nothing can be pending here (queued operations keep their engine alive), and this may
         # run in any thread, even one holding the engine's lock: signal, never wait or join.
         try:
-            if not self._closed:
-                self._closed = True
+            if not self._finished:
+                self._closed = self._finished = True
                 self._abandon()
         except Exception:
             pass

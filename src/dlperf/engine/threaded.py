@@ -55,6 +55,7 @@ from .engine import (
     EngineClosedError,
     EngineConfig,
     EngineDeadlockError,
+    EngineWorkerError,
     register_engine,
 )
 from .var import DONE, QUEUED, RUNNING, Op, Var
@@ -136,6 +137,16 @@ class ThreadedEngine(Engine):
     def worker_started(self, worker: Worker) -> None:
         self._local.worker = worker
 
+    def worker_died(self, worker: Worker, exc: BaseException) -> None:
+        # Its queued and running operations never finish: refuse pushes, and wake every wait so that it
+        # raises instead of waiting for them (waits check _broken only when they would block).
+        with self._lock:
+            if self._broken is None:
+                self._broken = (worker.label, exc)
+            self._closed = True
+            worker.can_steal = False  # a waiting thread must not run part of its queue: it raises
+            self._cond.notify_all()
+
     # ----------------------------------------------------------------- workers
     def _worker(self, device: Device, kind: str) -> Worker:
         last_dev, last_w = self._last
@@ -156,7 +167,7 @@ class ThreadedEngine(Engine):
             if w is not None:
                 return w
             if self._closed:
-                raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
+                raise self._refusal()
             if device.is_gpu:
                 from .cuda import GpuWorker
 
@@ -182,7 +193,7 @@ class ThreadedEngine(Engine):
             worker = self._worker(device, kind)
         with self._lock:
             if self._closed:
-                raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
+                raise self._refusal()
             limit = self.config.max_queued
             # A thread inside an operation may not wait for room: the room may be its own operation.
             if limit is not None and worker.unfinished >= limit and not self._running_ops():
@@ -230,9 +241,13 @@ class ThreadedEngine(Engine):
         try:
             self._wake_deferred()
             while worker.unfinished >= limit:  # bound memory held by queued work
+                if self._broken is not None:
+                    raise self._worker_error()
                 self._cond.wait()
         finally:
             self.blind_waiters -= 1
+        if self._broken is not None:
+            raise self._worker_error()
         if self._closed:  # closed while we waited: its workers may be stopped already
             raise EngineClosedError("this threaded engine was closed while a push waited for room "
                                     "(max_queued); create a new one to push more work")
@@ -309,7 +324,7 @@ class ThreadedEngine(Engine):
         worker = self._worker(device, "compute")
         with self._lock:  # every sender holds it: nothing seals the batch meanwhile
             if self._closed:
-                raise EngineClosedError("this threaded engine is closed; create a new one to push more work")
+                raise self._refusal()
             for v in reads:  # written in another thread's unsent batch: send it, then order after it
                 last = v._last_write
                 if last is not None and last.worker is None and last.fn is run_auto and (
@@ -509,6 +524,8 @@ class ThreadedEngine(Engine):
             self._wake_deferred()
             try:
                 while op.state != DONE:
+                    if self._broken is not None:
+                        raise self._worker_error()
                     self._cond.wait()
             finally:
                 self.blind_waiters -= blind
@@ -571,6 +588,8 @@ class ThreadedEngine(Engine):
                 pause = RECHECK_S
                 next_check = monotonic() + pause
                 while op.state != DONE:
+                    if self._broken is not None:
+                        raise self._worker_error()
                     # A cycle can also close without a new wait (an operation it waits for becomes
                     # queued on a stuck worker, a bulk batch is sent): look again now and then.
                     self._cond.wait(pause)
@@ -608,6 +627,8 @@ class ThreadedEngine(Engine):
             self._wake_deferred()
             try:
                 while self._pending:
+                    if self._broken is not None:
+                        raise self._worker_error()
                     self._cond.wait()
             finally:
                 self._all_waiters -= 1
@@ -618,12 +639,22 @@ class ThreadedEngine(Engine):
 
     # ----------------------------------------------------------------- lifetime
     def _shutdown(self) -> None:
-        self._wait_all()
+        try:
+            self._wait_all()
+        except EngineWorkerError:
+            pass  # raised below, once the other workers are stopped: what they hold may still run
         with self._lock:
             workers = list(self._workers.values())
             for w in workers:
                 w.stop()
-        join_all(w.thread for w in workers)
+        try:
+            join_all(w.thread for w in workers)
+        except BaseException:
+            if self._broken is None:
+                raise
+            # the dead worker's error, the cause of the one raised here (any other was reported as it died)
+        if self._broken is not None:
+            raise self._worker_error()
 
     def _abandon(self) -> None:
         # Garbage-collected unclosed, possibly in a thread that holds the lock: never block here.

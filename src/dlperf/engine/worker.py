@@ -119,6 +119,9 @@ class WorkerHost(Protocol):
     def worker_started(self, worker: Worker) -> None:
         """Called in the worker's thread before it runs anything (the engine marks the thread)."""
 
+    def worker_died(self, worker: Worker, exc: BaseException) -> None:
+        """Called in the worker's thread when its loop failed: nothing will run its operations any more."""
+
 
 class Worker:
     """A thread that runs the ready operations of one device lane (``compute`` or ``copy``)."""
@@ -155,7 +158,7 @@ class Worker:
         self.setup_error: BaseException | None = None
         self._wake = threading.Lock()
         self._wake.acquire()     # held = "no news"; enqueue() releases it once per sleep
-        self.thread = ServiceThread(self._loop, name=f"dlperf-engine-{self.label}")
+        self.thread = ServiceThread(self._run, name=f"dlperf-engine-{self.label}")
 
     @property
     def host(self) -> WorkerHost:
@@ -263,6 +266,18 @@ class Worker:
     def run_stolen(self, op: Op, where: str) -> None:
         """Run ``op`` in a thread that waits for it (only where ``can_steal``)."""
         self.run_op(op, where)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            # An operation's error is kept on the operation; this is the loop itself failing. The engine
+            # must know, or its waits would wait for this thread forever; the thread then reports it.
+            host = self._host_ref()
+            if host is not None and not self._stop:  # (stopped: its queue ran dry, nothing is left to wait for)
+                host.worker_died(self, exc)
+            del host  # the traceback keeps this frame: it must not keep the engine alive
+            raise
 
     def _loop(self) -> None:
         # No local here may hold the engine (or an operation, which holds its engine) while the
