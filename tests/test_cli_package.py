@@ -95,8 +95,17 @@ def test_library_training_records_every_epoch_without_the_cli(tmp_path):
                          checkpoint=str(tmp_path / "ck.pt"))
     state = prepare(config)
     seen: list[dict] = []
-    train(config, state, on_epoch=seen.append)
+    kept_when_reported: list[list[int]] = []
+
+    def reported(rec: dict) -> None:
+        # an epoch is reported once it is kept: a Ctrl-C right after its line keeps it
+        kept_when_reported.append(list(state.saved))
+        assert load_checkpoint(tmp_path / "ck.pt")["history"][-1]["epoch"] == rec["epoch"]
+        seen.append(rec)
+
+    train(config, state, on_epoch=reported)
     assert [r["epoch"] for r in seen] == [1, 2] and seen == state.history and state.saved == [1, 2]
+    assert kept_when_reported == [[1], [1, 2]]
     assert load_checkpoint(tmp_path / "ck.pt")["history"] == state.history
 
 

@@ -317,12 +317,13 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
 
         def record(rec: dict[str, Any]) -> None:
             state.history.append(rec)
-            if on_epoch:
-                on_epoch(rec)
+            # kept before it is reported: an epoch on the screen is an epoch a Ctrl-C right after it keeps
             if config.checkpoint and trainer.rank == 0:
                 save_checkpoint(config.checkpoint, {"format": CHECKPOINT_FORMAT, "config": settings,
                                                     "history": state.history, "trainer": trainer.state_dict()})
                 state.saved.append(rec["epoch"])
+            if on_epoch:
+                on_epoch(rec)
 
         train_epochs(trainer, state.train_loader, state.test_loader, first, config.epochs, show_progress, record)
     return state
