@@ -216,7 +216,10 @@ def test_a_worker_that_reads_no_answers_never_holds_up_the_others():
 def test_refused_and_finished_connections_leave_nothing_listed(server):
     for i in range(40):
         sock = _raw(server.name)
-        sock.sendall(_frame({"token": "wrong", "rank": 0}) if i % 2 else b"")
+        try:
+            sock.sendall(_frame({"token": "wrong", "rank": 0}) if i % 2 else b"")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a loaded server still holds this process's earlier ones and closed this one unread: a refusal too
         sock.close()
     client = ControlClient(server.name, server.token, 0, 1, timeout_s=5, server_pid=os.getpid())
     assert client.request(1, {}, "a push")()[0] == 0
