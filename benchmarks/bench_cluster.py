@@ -19,7 +19,9 @@ link, and the parameter servers' cells spread 10x from one repetition to the nex
    between one rank per host (``pair``, for the two-host allreduce cells and hierarchical's leaders);
    gloo's ring and the sharded exchange over all 4 ranks at once, two per host sharing the cores
    (``network``, ``sharded``: a CPU-bound veth is in the fit, not assumed); shared memory inside each
-   host, both hosts at once (``intra``); one worker's push and pull to the parameter servers, every worker
+   host, both hosts at once (``intra``); dlperf's hierarchical allreduce over all 4 ranks (``hier``: its three
+   phases, on shared memory and between the leaders, as the cells run them); one worker's push and pull to the
+   parameter servers, every worker
    at once, with one server and with two (``rpc``, ``rpc2``: the servers' own transport); and one rank's
    reduction of 16 MB while every rank
    reduces (``reduce_s_per_byte``). Each is the median per size, fitted with
@@ -35,15 +37,18 @@ link, and the parameter servers' cells spread 10x from one repetition to the nex
    or 2 ranks as servers, every key split over the servers; one pushpull per step).
 
 Every cell is timed per repetition on its slowest rank (a barrier before each; the median of the
-repetitions, three times as many for sizes up to 1 MB; the allreduce and allreduce-strategy cells alternate
-round by round, the parameter-server cells and their fits follow, round by round too, as their servers
-serve until the workers close), with dlperf.timing's contention check on every rank. The prediction
-beside it is :mod:`dlperf.probe.projection`'s formula for the cell's layout, priced with the links of its
-transport (ring: ``network`` and ``intra``; hierarchical: ``pair`` between the leaders, who exchange while
-the others wait, and ``intra``; sharded: ``sharded``; parameter servers: ``rpc`` or ``rpc2``) and, as each
-emulated host has a share of this machine's cores, the turns ranks that outnumber them take for their
-reductions
-(:func:`dlperf.probe.projection.cpu_time`). ``auto`` is the strategy the same predictions rank fastest;
+repetitions, eight times as many for sizes up to 1 MB, after five warm-up repetitions for those: a job runs
+in the wake of the one before it; the allreduce and allreduce-strategy cells run among the fits, in the order
+of their sizes, so each runs between the fits on either side of its size, round after round; the
+parameter-server cells and their fits follow, round by round too, as their servers serve until the workers
+close), with dlperf.timing's contention check on every rank. The prediction beside it is
+:mod:`dlperf.probe.projection`'s formula for the cell's layout, priced with the links of its transport (ring:
+``network`` and ``intra``; hierarchical: ``hier``; sharded: ``sharded``; parameter servers: ``rpc`` or
+``rpc2``) and, as each emulated host has a share of this machine's cores, the turns ranks that outnumber them
+take for their reductions (:func:`dlperf.probe.projection.cpu_time`). Hierarchical's cells also carry
+``composed_s``: what ``dlperf plan`` composes for it where it has not been measured (the leaders on ``pair``,
+the phases inside a host on ``intra``); with two ranks on each host's one core, its phases hand the core
+over between them, which neither link's fit holds. ``auto`` is the strategy the same predictions rank fastest;
 it is compared with the strategy measured fastest for each rate and model. ``--no-faults`` measures the
 cells alone (for iterating on the model).
 
@@ -92,7 +97,10 @@ QUICK_SIZES = (64 << 10, 1 << 20, 8 << 20)
 # the caches faster per byte
 FIT_SIZES = (4 << 10, 32 << 10, 256 << 10, 768 << 10, 2 << 20, 16 << 20, 24 << 20, 64 << 20)
 SMALL = 1 << 20  # cells and fits up to this size take SMALL_REPS times the repetitions: a few ms each, and noisy
-SMALL_REPS = 3
+SMALL_REPS = 8
+# a job's first repetitions after another's run slower (TCP's window regrows after the barriers' small messages, the
+# scheduler evens out the ranks that waited): small jobs, a few ms each, warm up on as many repetitions as large ones
+SMALL_WARMUP = 5
 SERVER_STRATEGIES = ("ps-1", "ps-2")
 MODELS = ("lenet", "resnet18")
 TARGETS = {"model_error_median": 0.15, "model_error_max": 0.35, "auto_within_10pct": 0.9}
@@ -136,6 +144,10 @@ def repetitions(reps: int, nbytes: int) -> int:
     return reps * SMALL_REPS if nbytes <= SMALL else reps
 
 
+def warmups(warmup: int, nbytes: int) -> int:
+    return max(warmup, SMALL_WARMUP) if nbytes <= SMALL else warmup
+
+
 def _sharded(flat: torch.Tensor, world: int) -> None:
     import torch.distributed as dist
 
@@ -170,7 +182,7 @@ def _server_cells(servers: int, world: int, me: int, sizes: dict[str, int], reps
         for name, key, nbytes, warm in jobs:
             grads, result = buffers[key]
             got = timer(lambda key=key, grads=grads, result=result: kv.pushpull(key, grads, out=result),
-                        repetitions(reps, nbytes), warm if r == 0 or name.startswith("fit-") else 0)
+                        repetitions(reps, nbytes), warmups(warm if r == 0 or name.startswith("fit-") else 0, nbytes))
             was = out.get(name, ([], False))
             out[name] = (was[0] + got[0], was[1] or got[1])
     kv.close()
@@ -217,7 +229,9 @@ def cluster_worker(sizes: list[int], models: dict[str, int], reps: int, warmup: 
                  (("fit-world", str(nbytes)), everyone, lambda f=flat: dist.all_reduce(f), 1, nbytes),
                  (("fit-sharded", str(nbytes)), everyone, lambda f=flat: _sharded(f, world), 1, nbytes),
                  (("fit-intra", str(nbytes)), neighbours,
-                  lambda f=flat: host_allreduce_(f, mine, host_name=rank_host()), 1, nbytes)]
+                  lambda f=flat: host_allreduce_(f, mine, host_name=rank_host()), 1, nbytes),
+                 (("fit-hier", str(nbytes)), everyone, lambda f=flat: host_allreduce_(f, host_name=rank_host()), 1,
+                  nbytes)]
     reduced = 16 << 20
     a, b = torch.ones(reduced // 4), torch.ones(reduced // 4)
     jobs.append((("reduce", str(reduced)), everyone, lambda: a.add_(b), 1, reduced))
@@ -230,10 +244,14 @@ def cluster_worker(sizes: list[int], models: dict[str, int], reps: int, warmup: 
         jobs += [((strategy, model), everyone, run, warmup, nbytes) for strategy, run in (
             ("ring", lambda f=flat: dist.all_reduce(f)), ("sharded", lambda f=flat: _sharded(f, world)),
             ("hierarchical", lambda f=flat: host_allreduce_(f, host_name=rank_host())))]
+    # each cell between the fits of the sizes on either side of its own, so that both run in the same conditions
+    # (a job runs in the wake of the one before: measured after the largest fits, the cells took 10-30% less than
+    # fits of the same operation on smaller sizes)
+    jobs.sort(key=lambda job: job[4])
     for _ in range(rounds):
         for key, timer, run, warm, nbytes in jobs:
             if timer is not None:
-                record(key, timer(run, repetitions(reps, nbytes), warm))
+                record(key, timer(run, repetitions(reps, nbytes), warmups(warm, nbytes)))
             dist.barrier()
     for servers in (1, 2):
         for model, got in _server_cells(servers, world, me, models, reps, warmup, rounds, worker_groups).items():
@@ -384,7 +402,8 @@ def measured_links(got: dict, around: float | None = None) -> dict[str, Link]:
     return {"pair": fit("pair", "ring", Layout((0, 1))), "network": fit("world", "ring", Layout(tuple(hosts))),
             "sharded": fit("sharded", "sharded", Layout(tuple(hosts))),
             "intra": fit("intra", "ring", Layout((0,) * per_host)), "rpc": fit("rpc", "ps-1", _layout("ps-1", hosts)),
-            "rpc2": fit("rpc2", "ps-2", _layout("ps-2", hosts))}
+            "rpc2": fit("rpc2", "ps-2", _layout("ps-2", hosts)),
+            "hier": fit("hier", "hierarchical", Layout(tuple(hosts)))}
 
 
 def reduce_s_per_byte(got: dict) -> float:
@@ -410,15 +429,23 @@ def analyse(rate_gbit: float, got: dict, models: dict[str, int]) -> tuple[list[d
             predicted = layout_time(strategy, nbytes, layout, network, intra)
         else:
             strategy, model, layout = what, which, _layout(what, got["hosts"])
-            # the servers' pushes and pulls travel by RPC, inside a host too (its shared memory is off here);
-            # between the hosts, hierarchical's leaders exchange while the others wait, as in the pair's fit
+            # every strategy is priced on its own transport's fit: the servers' pushes and pulls travel by RPC,
+            # inside a host too (its shared memory is off here), and hierarchical's three phases on the fit of the
+            # three together
             rpc = links["rpc2"] if what == "ps-2" else links["rpc"]
             network, intra = (rpc, rpc) if what.startswith("ps-") else \
                 (links["sharded"], links["intra"]) if what == "sharded" else \
-                (links["pair"], links["intra"]) if what == "hierarchical" else (links["network"], links["intra"])
+                (links["hier"], links["hier"]) if what == "hierarchical" else (links["network"], links["intra"])
             predicted = layout_time(strategy, nbytes, layout, network, intra, cpu)
+            if what == "hierarchical":
+                # what dlperf plan composes for hosts it has not measured: the leaders on the link between one
+                # rank per host, the phases inside a host on shared memory's
+                composed = layout_time(strategy, nbytes, layout, links["pair"], links["intra"], cpu)
         measured = statistics.median(samples)
-        cells.append({"rate_gbit": rate_gbit, "cell": what, "model": model, "bytes": nbytes, "measured_s": measured,
+        extra = {"composed_s": composed, "composed_error": abs(composed - measured) / measured} \
+            if what == "hierarchical" else {}
+        cells.append({**extra, "rate_gbit": rate_gbit, "cell": what, "model": model, "bytes": nbytes,
+                      "measured_s": measured,
                       "predicted_s": predicted, "error": abs(predicted - measured) / measured,
                       "contended": got["contended"][key], "repetitions": len(samples),
                       # the links around this cell's size that priced it: (latency s, bytes/s) each
@@ -482,18 +509,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{SMALL >> 20} MB), each on its slowest rank ({os.cpu_count()} cores, torch "
           f"{torch.__version__}; ! = contended)")
     for rate in rates:
-        got = {k: Link(*links[str(rate)][k]) for k in ("pair", "network", "sharded", "intra", "rpc", "rpc2")}
+        got = {k: Link(*links[str(rate)][k]) for k in ("pair", "network", "sharded", "intra", "rpc", "rpc2", "hier")}
         print(f"\n{rate:g} Gbit/s ({rate / 8:.3f} GB/s configured), measured per message, one line through every "
               f"size (each cell is priced on the links around its own size: 'network_link' and 'intra_link' in "
               f"its JSON): between one rank per "
               f"host {got['pair'].describe()}, with every rank at work {got['network'].describe()} (the sharded "
-              f"exchange {got['sharded'].describe()}), inside a host {got['intra'].describe()}, the servers' RPC "
+              f"exchange {got['sharded'].describe()}, hierarchical's {got['hier'].describe()}), inside a host "
+              f"{got['intra'].describe()}, the servers' RPC "
               f"{got['rpc'].describe()} (two servers {got['rpc2'].describe()}); a reduction "
               f"{links[str(rate)]['reduce_s_per_byte'] * 1e12:.0f} ps/byte")
         print(f"{'cell':<14}{'model':<10}{'size':>10}{'measured ms':>13}{'predicted ms':>14}{'error':>8}")
         for c in (c for c in cells if c["rate_gbit"] == rate):
+            composed = f"  (composed {c['composed_s'] * 1e3:.2f}, {c['composed_error'] * 100:.0f}%)" \
+                if "composed_s" in c else ""
             print(f"{c['cell']:<14}{c['model']:<10}{_size(c['bytes']):>10}{c['measured_s'] * 1e3:>12.2f}"
-                  f"{'!' if c['contended'] else ' '}{c['predicted_s'] * 1e3:>14.2f}{c['error'] * 100:>7.0f}%")
+                  f"{'!' if c['contended'] else ' '}{c['predicted_s'] * 1e3:>14.2f}{c['error'] * 100:>7.0f}%{composed}")
         for ch in (ch for ch in choices if ch["rate_gbit"] == rate):
             verdict = "within 10%" if ch["within_10pct"] else "MISSED"
             print(f"  {ch['model']}: auto chose {ch['auto']} ({ch['auto_measured_s'] * 1e3:.1f} ms), measured best "

@@ -31,7 +31,8 @@ def _measurements(bench, links: dict[str, Link], reduce_s: float, models: dict[s
     samples: dict[str, list[float]] = {}
     fits = {"pair": ("ring", Layout((0, 1))), "world": ("ring", Layout(tuple(hosts))),
             "sharded": ("sharded", Layout(tuple(hosts))), "intra": ("ring", Layout((0, 0))),
-            "rpc": ("ps-1", bench._layout("ps-1", hosts)), "rpc2": ("ps-2", bench._layout("ps-2", hosts))}
+            "rpc": ("ps-1", bench._layout("ps-1", hosts)), "rpc2": ("ps-2", bench._layout("ps-2", hosts)),
+            "hier": ("hierarchical", Layout(tuple(hosts)))}
     for name, (strategy, layout) in fits.items():
         link = links["network" if name == "world" else name]
         for n in bench.FIT_SIZES:
@@ -44,7 +45,7 @@ def _measurements(bench, links: dict[str, Link], reduce_s: float, models: dict[s
             rpc = links["rpc2"] if s == "ps-2" else links["rpc"]
             net, intra = (rpc, rpc) if s.startswith("ps-") else \
                 (links["sharded"], links["intra"]) if s == "sharded" else \
-                (links["pair"], links["intra"]) if s == "hierarchical" else (links["network"], links["intra"])
+                (links["hier"], links["hier"]) if s == "hierarchical" else (links["network"], links["intra"])
             samples[f"{s}|{model}"] = [layout_time(s, n, bench._layout(s, hosts), net, intra, cpu)] * 3
     return {"hosts": hosts, "kind": "hierarchical", "fit_sizes": list(bench.FIT_SIZES), "samples": samples,
             "contended": dict.fromkeys(samples, False)}
@@ -53,7 +54,8 @@ def _measurements(bench, links: dict[str, Link], reduce_s: float, models: dict[s
 def test_links_made_up_are_fitted_back_and_every_cell_is_predicted(bench, monkeypatch):
     monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
     links = {"pair": Link(150e-6, 0.12e9), "network": Link(600e-6, 0.6e9), "sharded": Link(2e-3, 0.3e9),
-             "intra": Link(100e-6, 3e9), "rpc": Link(1e-3, 0.5e9), "rpc2": Link(1.5e-3, 0.4e9)}
+             "intra": Link(100e-6, 3e9), "rpc": Link(1e-3, 0.5e9), "rpc2": Link(1.5e-3, 0.4e9),
+             "hier": Link(300e-6, 0.2e9)}
     models = {"lenet": 516272, "resnet18": 44703272}
     got = _measurements(bench, links, 80e-12, models)
     fitted = bench.measured_links(got)
@@ -66,6 +68,12 @@ def test_links_made_up_are_fitted_back_and_every_cell_is_predicted(bench, monkey
     for choice in choices:
         assert choice["auto"] == choice["best"] and choice["within_10pct"]
     assert {c["cell"] for c in cells} == {"allreduce", *STRATEGIES} - {"naive"}
+    # beside hierarchical's own prediction, what dlperf plan composes from the leaders' and shared memory's links
+    for c in (c for c in cells if c["cell"] == "hierarchical"):
+        composed = layout_time("hierarchical", c["bytes"], Layout((0, 0, 1, 1)), links["pair"], links["intra"],
+                               HostCPU(1, 80e-12))
+        assert c["composed_s"] == pytest.approx(composed, rel=1e-6)
+        assert c["composed_error"] == pytest.approx(abs(composed - c["measured_s"]) / c["measured_s"], rel=1e-6)
 
 
 def test_each_host_counts_the_cores_of_its_smallest_share_or_a_turn_on_shared_ones(bench):
@@ -78,10 +86,11 @@ def test_each_host_counts_the_cores_of_its_smallest_share_or_a_turn_on_shared_on
 def test_every_cell_records_the_links_around_its_size_that_priced_it(bench, monkeypatch):
     monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
     links = {"pair": Link(150e-6, 0.12e9), "network": Link(600e-6, 0.6e9), "sharded": Link(2e-3, 0.3e9),
-             "intra": Link(100e-6, 3e9), "rpc": Link(1e-3, 0.5e9), "rpc2": Link(1.5e-3, 0.4e9)}
+             "intra": Link(100e-6, 3e9), "rpc": Link(1e-3, 0.5e9), "rpc2": Link(1.5e-3, 0.4e9),
+             "hier": Link(300e-6, 0.2e9)}
     got = _measurements(bench, links, 80e-12, {"lenet": 516272})
     cells, _ = bench.analyse(10.0, got, {"lenet": 516272})
-    transport = {"allreduce": "pair", "hierarchical": "pair", "ps-1": "rpc", "ps-2": "rpc2", "sharded": "sharded",
+    transport = {"allreduce": "pair", "hierarchical": "hier", "ps-1": "rpc", "ps-2": "rpc2", "sharded": "sharded",
                  "ring": "network"}
     for c in cells:
         want = links[transport[c["cell"]]]
