@@ -158,15 +158,9 @@ def test_a_symbolic_link_is_followed_only_where_the_reader_says(reader, tmp_path
         _refused(reader, link, 1 << 20, "a symbolic link")
 
 
-@pytest.mark.parametrize("reader", READERS, ids=lambda r: r.name)
-def test_a_file_swapped_for_a_fifo_after_a_look_at_it_never_blocks(reader, tmp_path, good_files, monkeypatch):
-    """A reader that looks (stat) and then opens would open a FIFO put there in between and wait for a
-    writer forever; one that opens without waiting and judges what it opened refuses the FIFO at once.
-
-    The swap is made certain: the path holds a FIFO, and every look at it by name sees the regular file
-    that was there before.
-    """
-    path = _put(tmp_path / "file.json", good_files[reader.name])
+def _swap_for_a_fifo_that_looks_regular(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put a FIFO at ``path`` in place of its regular file, while every look at it by name (``os.stat``) still
+    sees the regular file: the swap between a reader's look and its open, made certain."""
     before = os.stat(path)
     path.unlink()
     os.mkfifo(path, 0o600)
@@ -176,6 +170,18 @@ def test_a_file_swapped_for_a_fifo_after_a_look_at_it_never_blocks(reader, tmp_p
         return before if os.fspath(target) == str(path) else real_stat(target, *args, **kwargs)
 
     monkeypatch.setattr(os, "stat", looks_regular)
+
+
+@pytest.mark.parametrize("reader", READERS, ids=lambda r: r.name)
+def test_a_file_swapped_for_a_fifo_after_a_look_at_it_never_blocks(reader, tmp_path, good_files, monkeypatch):
+    """A reader that looks (stat) and then opens would open a FIFO put there in between and wait for a
+    writer forever; one that opens without waiting and judges what it opened refuses the FIFO at once.
+
+    The swap is made certain: the path holds a FIFO, and every look at it by name sees the regular file
+    that was there before.
+    """
+    path = _put(tmp_path / "file.json", good_files[reader.name])
+    _swap_for_a_fifo_that_looks_regular(path, monkeypatch)
     _refused(reader, path, 1 << 20, "a FIFO, not a regular file", fifo=path)
 
 
@@ -255,15 +261,7 @@ def test_weights_that_are_a_fifo_are_refused_at_once(weights_export, tmp_path):
 def test_weights_swapped_for_a_fifo_after_a_look_at_them_never_block(weights_export, tmp_path, monkeypatch):
     """Every look at the weights by name sees the regular file that was there; the path holds a FIFO."""
     directory, weights = _export_copy(weights_export, tmp_path)
-    before = os.stat(weights)
-    weights.unlink()
-    os.mkfifo(weights, 0o600)
-    real_stat = os.stat
-
-    def looks_regular(target, *args, **kwargs):
-        return before if os.fspath(target) == str(weights) else real_stat(target, *args, **kwargs)
-
-    monkeypatch.setattr(os, "stat", looks_regular)
+    _swap_for_a_fifo_that_looks_regular(weights, monkeypatch)
     _load_refused(directory, weights, "a FIFO, not a regular file", fifo=weights)
 
 

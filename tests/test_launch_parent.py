@@ -73,3 +73,84 @@ def test_a_failed_stderr_filter_gives_the_signal_handlers_back_and_never_hides_a
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     assert "the launch's stderr filter failed too (OSError: the log's disk is full)" in capsys.readouterr().err
+
+
+
+def _all_handlers() -> dict:
+    return {s: signal.getsignal(s) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+            if (s := getattr(signal, name, None)) is not None}
+
+
+def _agent_handler(signum, frame):  # what torch's process context installs in the main thread and leaves there
+    raise AssertionError("never called")
+
+
+@pytest.fixture
+def own_handlers():
+    """The handlers from before the test, put back after it; during it, handlers of its own in their place."""
+    saved = _all_handlers()
+
+    def original(signum, frame):
+        raise AssertionError("never called")
+
+    for sig in saved:
+        signal.signal(sig, original)
+    try:
+        yield _all_handlers()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+@pytest.fixture
+def launches(tmp_path, own_handlers):
+    """``begin(name, agent=False)`` and ``end(name)`` a ParentState on the main thread (``agent``: then replace
+    every handler as torch's agent does); any that a failed test left running ends after it, before the handlers
+    of the test go."""
+    running: dict[str, ParentState] = {}
+
+    def begin(name: str, agent: bool = False) -> None:
+        running[name] = ParentState(tmp_path / f"{name}.log").__enter__()
+        if agent:
+            for sig in _all_handlers():
+                signal.signal(sig, _agent_handler)
+
+    def end(name: str) -> None:
+        running.pop(name).__exit__(None, None, None)
+
+    try:
+        yield begin, end
+    finally:
+        for name in reversed(list(running)):
+            end(name)
+
+
+@pytest.mark.parametrize("order", ["first ends first", "second ends first"])
+def test_overlapping_launches_on_the_main_thread_put_the_original_signal_handlers_back(launches, own_handlers,
+                                                                                        order):
+    begin, end = launches
+    begin("first", agent=True)
+    begin("second", agent=True)
+    if order == "first ends first":
+        end("first")
+        # the second still runs: its handlers (its agent's) stay until it ends
+        assert set(_all_handlers().values()) == {_agent_handler}
+        end("second")
+    else:
+        end("second")
+        # the first still runs: what it had when the second began is back (its agent's handlers)
+        assert set(_all_handlers().values()) == {_agent_handler}
+        end("first")
+    assert _all_handlers() == own_handlers
+
+
+def test_three_overlapping_launches_ending_in_any_order_put_the_original_signal_handlers_back(launches,
+                                                                                             own_handlers):
+    begin, end = launches
+    for name in ("a", "b", "c"):
+        begin(name)
+    end("b")  # the middle one, then the first, then the last
+    end("a")
+    assert set(_all_handlers().values()) != set(own_handlers.values())  # the last still runs
+    end("c")
+    assert _all_handlers() == own_handlers

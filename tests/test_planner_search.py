@@ -15,6 +15,7 @@ from dlperf.parallel.planner import (
     MIN_GAIN,
     CandidateRun,
     Measurement,
+    PlanDecision,
     PlannerOptions,
     _decide,
     search,
@@ -245,22 +246,38 @@ def first_step_slow(setup_s: float, step_s: float, built: list[Plan]):
     return build
 
 
-def test_a_compile_whose_recorded_setup_exceeds_the_budget_left_is_not_started():
+def search_after_a_50s_compile(budget_s: float, age_days: float | None = None) -> tuple[PlanDecision, list[Plan], str]:
+    """A search of :func:`small_cnn`'s executions within ``budget_s`` after a 50 s compile setup was recorded for
+    it (made to look ``age_days`` old when given): the decision, the plans built and the record's key."""
     from dlperf.parallel.plan_cache import save_setup
     from dlperf.parallel.planner import _setup_key
 
     model, batch, devices = small_cnn(), one_batch(), [cpu(0), cpu(1)]
-    # 50 s measured here before: more than the 40 s budget, though the guess for 4 layers (20 s) would fit
-    save_setup(_setup_key(model, batch, devices, "compile"), 50.0)
+    key = _setup_key(model, batch, devices, "compile")
+    save_setup(key, 50.0)
+    if age_days is not None:
+        age_setup_record(key, age_days)
     built: list[Plan] = []
-    options = PlannerOptions(rounds=1, steps=2, warmup=1, cores=2, run_steps=100_000, budget_s=40,
+    options = PlannerOptions(rounds=1, steps=2, warmup=1, cores=2, run_steps=100_000, budget_s=budget_s,
                              executions=COMPILE_ONLY)
     decision = search(model, batch, devices, first_step_slow(0.0, 0.005, built), Plan(replicas=2, threads=1), options)
+    return decision, built, key
+
+
+def compile_skip_line(decision: PlanDecision, built: list[Plan]) -> str:
+    """The one line saying why compile was not started (and it was not)."""
     assert not any(p.execution == "compile" for p in built), decision.table()
     line = [s for s in decision.skipped if s.startswith("compile:")]
-    assert len(line) == 1 and line[0].startswith("compile: needs ~50 s of setup (as measured here before), more "
-                                                 "than the "), line
-    assert line[0].endswith("s left of the time budget (40.0 s)"), line
+    assert len(line) == 1, line
+    return line[0]
+
+
+def test_a_compile_whose_recorded_setup_exceeds_the_budget_left_is_not_started():
+    # 50 s measured here before: more than the 40 s budget, though the guess for 4 layers (20 s) would fit
+    decision, built, _ = search_after_a_50s_compile(40)
+    line = compile_skip_line(decision, built)
+    assert line.startswith("compile: needs ~50 s of setup (as measured here before), more than the "), line
+    assert line.endswith("s left of the time budget (40.0 s)"), line
     assert decision.planning_s < 5
 
 
@@ -342,17 +359,10 @@ def age_setup_record(key: str, days: float) -> None:
 
 
 def test_a_recorded_setup_past_its_age_no_longer_keeps_compile_out():
-    from dlperf.parallel.plan_cache import SETUP_RECORD_MAX_AGE_S, recorded_setup_s, save_setup
-    from dlperf.parallel.planner import _setup_key
+    from dlperf.parallel.plan_cache import SETUP_RECORD_MAX_AGE_S, recorded_setup_s
 
-    model, batch, devices = small_cnn(), one_batch(), [cpu(0), cpu(1)]
-    key = _setup_key(model, batch, devices, "compile")
-    save_setup(key, 50.0)  # one loaded first compile, more than the 40 s budget
-    age_setup_record(key, SETUP_RECORD_MAX_AGE_S / 86400 + 1)
-    built: list[Plan] = []
-    options = PlannerOptions(rounds=1, steps=2, warmup=1, cores=2, run_steps=100_000, budget_s=40,
-                             executions=COMPILE_ONLY)
-    decision = search(model, batch, devices, first_step_slow(0.0, 0.005, built), Plan(replicas=2, threads=1), options)
+    # one loaded first compile (50 s), more than the 40 s budget, recorded a day longer ago than trusted
+    decision, built, key = search_after_a_50s_compile(40, age_days=SETUP_RECORD_MAX_AGE_S / 86400 + 1)
     # the guess for its 4 layers (20 s) fits: compile is measured again, and what it took replaces the record
     assert any(p.execution == "compile" for p in built), decision.table()
     assert not any(s.startswith("compile:") for s in decision.skipped), decision.skipped
@@ -361,20 +371,11 @@ def test_a_recorded_setup_past_its_age_no_longer_keeps_compile_out():
 
 
 def test_an_expired_record_gives_way_to_the_guess_and_the_skip_line_says_so():
-    from dlperf.parallel.plan_cache import SETUP_RECORD_MAX_AGE_S, save_setup
-    from dlperf.parallel.planner import _setup_key
+    from dlperf.parallel.plan_cache import SETUP_RECORD_MAX_AGE_S
 
-    model, batch, devices = small_cnn(), one_batch(), [cpu(0), cpu(1)]
-    key = _setup_key(model, batch, devices, "compile")
-    save_setup(key, 50.0)
     days = SETUP_RECORD_MAX_AGE_S / 86400
-    age_setup_record(key, days + 1)
-    built: list[Plan] = []
-    options = PlannerOptions(rounds=1, steps=2, warmup=1, cores=2, run_steps=100_000, budget_s=10,
-                             executions=COMPILE_ONLY)
-    decision = search(model, batch, devices, first_step_slow(0.0, 0.005, built), Plan(replicas=2, threads=1), options)
-    assert not any(p.execution == "compile" for p in built), decision.table()
-    line = [s for s in decision.skipped if s.startswith("compile:")]
-    assert len(line) == 1 and line[0].startswith(
+    decision, built, _ = search_after_a_50s_compile(10, age_days=days + 1)
+    line = compile_skip_line(decision, built)
+    assert line.startswith(
         f"compile: needs ~20 s of setup (guessed for 4 layers; the 50 s measured here {days + 1:.0f} days ago is "
         f"older than {days:g} days), more than the "), line

@@ -107,15 +107,21 @@ def test_a_targets_exception_is_raised_by_join_once_with_its_traceback(reports):
     t.join(10)  # raised once: a second join (a close called twice) returns
 
 
-def test_a_thread_still_running_after_the_timeout_raises_nothing_yet(reports):
+def _failing_once_released(error: BaseException, name: str) -> tuple[threading.Event, ServiceThread]:
+    """A started thread that raises ``error`` once the event returned with it is set (or after 10 s)."""
     release = threading.Event()
 
     def waits_then_fails():
         release.wait(10)
-        raise RuntimeError("late")
+        raise error
 
-    t = ServiceThread(waits_then_fails, name="dlperf-test-late")
+    t = ServiceThread(waits_then_fails, name=name)
     t.start()
+    return release, t
+
+
+def test_a_thread_still_running_after_the_timeout_raises_nothing_yet(reports):
+    release, t = _failing_once_released(RuntimeError("late"), "dlperf-test-late")
     t.join(0.01)
     assert t.is_alive()
     release.set()
@@ -143,14 +149,7 @@ def reports(monkeypatch):
 
 
 def test_an_error_is_reported_once_as_the_thread_dies_and_still_raised_by_join(reports):
-    release = threading.Event()
-
-    def fails_later():
-        release.wait(10)
-        raise ValueError("the loop died")
-
-    t = ServiceThread(fails_later, name="dlperf-test-dies")
-    t.start()
+    release, t = _failing_once_released(ValueError("the loop died"), "dlperf-test-dies")
     assert not reports
     release.set()
     deadline = time.monotonic() + 10

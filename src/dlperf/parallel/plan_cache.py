@@ -131,10 +131,11 @@ def _entry_plan(entry: object, path: str) -> Plan:
                              ("measured earlier on this machine; cached",))
 
 
-def cached_plan(key: str, path: str | None = None) -> Plan | None:
-    """The plan decided for ``key`` before, or None (also when the file cannot be trusted: said once)."""
+def _section_plan(section: str, key: str, path: str | None) -> Plan | None:
+    """The plan kept under ``key`` in ``section`` (``plans`` or ``with_processes``), or None (also when the file
+    or the entry cannot be trusted: said once)."""
     path = path or default_cache_path()
-    entry = _read_sections(path)["plans"].get(key)
+    entry = _read_sections(path)[section].get(key)
     if entry is None:
         return None
     try:
@@ -142,6 +143,11 @@ def cached_plan(key: str, path: str | None = None) -> Plan | None:
     except ProbeCacheError as exc:
         _ignore(exc)
         return None
+
+
+def cached_plan(key: str, path: str | None = None) -> Plan | None:
+    """The plan decided for ``key`` before, or None (also when the file cannot be trusted: said once)."""
+    return _section_plan("plans", key, path)
 
 
 def _saved(entry: object) -> float:
@@ -218,15 +224,7 @@ def save_setup(key: str, seconds: float, path: str | None = None) -> None:
 
 def processes_offer(key: str, path: str | None = None) -> Plan | None:
     """The plan decided for ``key`` (:func:`model_key`) when process plans could be measured, or None."""
-    path = path or default_cache_path()
-    entry = _read_sections(path)["with_processes"].get(key)
-    if entry is None:
-        return None
-    try:
-        return _entry_plan(entry, path)
-    except ProbeCacheError as exc:
-        _ignore(exc)
-        return None
+    return _section_plan("with_processes", key, path)
 
 
 def save_processes_offer(key: str, plan: Plan, path: str | None = None) -> None:

@@ -225,14 +225,52 @@ class _ProcessWide:
 _PROCESS_WIDE = _ProcessWide()
 
 
+class _SignalHandlers:
+    """The launches that replaced this process's signal handlers (on the main thread), in the order they began.
+
+    Each keeps the handlers it replaced. The latest to begin puts its own back when it ends; one that ends while
+    a later one runs leaves the handlers to that one (they are its own, or its agent's) and hands it what it
+    kept, so that the last to end puts back what was there before the first began, in any order of ending.
+    Only the main thread changes handlers, so no lock is needed.
+    """
+
+    def __init__(self) -> None:
+        self.launches: list[ParentState] = []
+
+    def replace(self, launch: ParentState) -> None:
+        launch.handlers = {}
+        for name in _AGENT_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                launch.handlers[sig] = signal.getsignal(sig)
+        self.launches.append(launch)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _raise_signal)
+
+    def restore(self, launch: ParentState) -> None:
+        at = next((i for i, found in enumerate(self.launches) if found is launch), None)
+        if at is None:  # begun on another thread: it replaced nothing
+            return
+        del self.launches[at]
+        if at < len(self.launches):
+            self.launches[at].handlers = launch.handlers
+        else:
+            for sig, handler in launch.handlers.items():
+                signal.signal(sig, handler)
+
+
+_SIGNAL_HANDLERS = _SignalHandlers()
+
+
 class ParentState:
     """The environment, signal handlers and log filters the launch changes in this process, put back after.
 
     torch's own log output (the agent's traceback blocks, the rendezvous' retries) goes to ``log_path``,
     never to the terminal (with overlapping launches, to the first one's file: :attr:`log_path` says which);
     SIGTERM and SIGHUP raise torch's ``SignalException`` from the start, so a launch stopped before the agent
-    installs its handlers (in rendezvous) still unwinds and removes what it made. Set :attr:`keep` to keep the
-    log file once every launch has ended (it is removed otherwise).
+    installs its handlers (in rendezvous) still unwinds and removes what it made; once the last launch begun on
+    the main thread has ended, in whatever order, the handlers from before the first are back. Set :attr:`keep`
+    to keep the log file once every launch has ended (it is removed otherwise).
     """
 
     def __init__(self, log_path: Path) -> None:
@@ -243,12 +281,7 @@ class ParentState:
         self.log_path = _PROCESS_WIDE.enter(self.log_path)
         self.handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            for name in _AGENT_SIGNALS:
-                sig = getattr(signal, name, None)
-                if sig is not None:
-                    self.handlers[sig] = signal.getsignal(sig)
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, _raise_signal)
+            _SIGNAL_HANDLERS.replace(self)
         return self
 
     def logged(self) -> bool:
@@ -264,5 +297,4 @@ class ParentState:
             with cleanup_step("the launch's stderr filter", leaving):
                 _PROCESS_WIDE.exit(self.keep)
         finally:
-            for sig, handler in self.handlers.items():
-                signal.signal(sig, handler)
+            _SIGNAL_HANDLERS.restore(self)
