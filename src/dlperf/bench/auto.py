@@ -4,7 +4,11 @@ The candidates are what dlperf knows how to apply to a model without changing it
 
 * ``eager``: plain PyTorch, the reference;
 * ``channels-last``: the conv net's weights and each input batch in NHWC (conv nets with a 4-D input);
-* ``hybrid``: the forward replayed from a captured graph (:func:`dlperf.hybrid.hybridize`, ``graph`` backend);
+* ``hybrid``: the whole training step (forward, loss, backward, update) captured once and replayed, as
+  ``--mode hybrid`` times it (:func:`dlperf.hybrid.bench_mode.make_captured_step`, backend
+  :data:`HYBRID_BACKEND`); a model it cannot capture, or whose captured step times the eager step fastest,
+  leaves it out with the reason in the notes. When it is chosen, the caller's model is captured for the
+  backend that was timed, and the cell's ``backend`` names that backend;
 * ``compile``: ``torch.compile`` of forward and loss (alone, and with channels-last), only when a quick
   probe predicts its compile time under a bound: the probe traces the step with dynamo alone (no code
   generation) and scales that by :data:`INDUCTOR_OVER_TRACE`, measured here on LeNet (0.6 s to trace,
@@ -48,7 +52,8 @@ from .modes import StepFn, compiled_step, eager_step
 if TYPE_CHECKING:
     from ..parallel.plan import Plan
 
-__all__ = ["make_step", "AutoChoice", "choose", "plan_variant", "COMPILE_BOUND_S", "MIN_GAIN", "USE_PLANNER"]
+__all__ = ["make_step", "AutoChoice", "choose", "plan_variant", "COMPILE_BOUND_S", "HYBRID_BACKEND", "MIN_GAIN",
+           "USE_PLANNER"]
 
 ROUNDS = 3
 """Alternating rounds; each candidate takes :data:`STEPS_PER_ROUND` timed steps per round."""
@@ -65,8 +70,13 @@ INDUCTOR_OVER_TRACE = 20.0
 
 USE_PLANNER = True
 """Whether a CPU cell's layout and threads come from the planner (read at each :func:`make_step`)."""
+HYBRID_BACKEND = "auto"
+"""How the ``hybrid`` candidate's captured step replays, ``--mode hybrid``'s default: ``auto`` times native,
+graph (and CUDA graphs) against the eager step on the first call and keeps the fastest."""
 
 Builder = Callable[[nn.Module, torch.optim.Optimizer], StepFn]
+REPLAY_BACKENDS = ("native", "graph", "cuda_graphs")
+"""The captured step's backends that replay a graph (``runs_on`` of a step that is not eager)."""
 
 
 @dataclass
@@ -85,6 +95,12 @@ class AutoChoice:
     plan_variant: str | None = None
     """The candidate that runs :attr:`plan`; it stands unless another beats it in every round."""
     plan_note: str = ""
+    runs_on: dict[str, str] = field(default_factory=dict)
+    """What replayed each timed candidate that is a captured training step (``hybrid``: native, graph)."""
+
+    def label(self, name: str) -> str:
+        """``name`` as the reason prints it: a captured step says so, with the backend that replayed it."""
+        return f"{name} (captured step, {self.runs_on[name]})" if name in self.runs_on else name
 
     @property
     def reason(self) -> str:
@@ -95,11 +111,11 @@ class AutoChoice:
                 continue
             gain = eager / median if eager and median else None
             verdict = " (slower)" if gain is not None and gain < 1 else ""
-            parts.append(f"{name} {gain:.2f}x{verdict}" if gain is not None else f"{name} -")
+            parts.append(f"{self.label(name)} {gain:.2f}x{verdict}" if gain is not None else f"{self.label(name)} -")
         parts += [f"{name}: {why}" for name, why in self.notes.items()]
         base = self.plan_variant or "eager"
         if self.chosen != base:
-            head = f"{self.chosen}: {self.gain_over_eager:.2f}x over eager"
+            head = f"{self.label(self.chosen)}: {self.gain_over_eager:.2f}x over eager"
         elif base == "eager":
             head = (f"eager kept: nothing beat it by more than {MIN_GAIN:.0%} in every round (the fastest's "
                     f"worst round: {self.worst_round_gain:.2f}x)")
@@ -208,17 +224,23 @@ def _trainer_step(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer
     return step
 
 
+def captured_step_builder(loss_fn: Callable, x, y, backend: str) -> Builder:
+    """The ``hybrid`` candidate: ``--mode hybrid``'s step, the whole training step captured on the example
+    batch (its capture step undone) and replayed by ``backend``."""
+    from ..hybrid.bench_mode import make_captured_step
+
+    return lambda m, o: make_captured_step(m, loss_fn, o, x, y, backend=backend)
+
+
 def candidates(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, threads: int,
                compile_bound_s: float, notes: dict[str, str], plan: Plan | None = None) -> dict[str, Builder]:
     """The variants worth timing for this model; the ones left out get a line in ``notes``.
 
     With ``plan`` (the planner's), the plan's variant replaces the layout and thread-count variants."""
-    from ..hybrid.bench_mode import make_step as hybrid_make_step
-
     out: dict[str, Builder] = {"eager": lambda m, o: eager_step(m, loss_fn, o)}
     if _is_conv_net(model, x):
         out["channels-last"] = lambda m, o: channels_last_step(m, loss_fn, o)
-    out["hybrid"] = lambda m, o: hybrid_make_step(m, loss_fn, o, x, y, backend="graph")
+    out["hybrid"] = captured_step_builder(loss_fn, x, y, HYBRID_BACKEND)
     if compile_bound_s <= 0:
         notes["compile"] = "skipped (compile bound is 0 s)"
     else:
@@ -264,6 +286,11 @@ def _build(name: str, builder: Builder, model: nn.Module, optimizer: torch.optim
     if fell_back:
         notes[name] = "not applicable (runs eagerly: " + str(fell_back[0].message).splitlines()[0][:80] + ")"
         return None
+    # a captured step whose own timing kept the eager step is eager: timing it again would tell nothing
+    eager_reason = getattr(step, "eager_reason", None)
+    if eager_reason:
+        notes[name] = f"not applicable (the captured step runs eagerly: {eager_reason[:120]})"
+        return None
     return step
 
 
@@ -304,6 +331,12 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
             trainer.close()
     best, gain, worst = _pick(medians, per_round, base)
     choice = AutoChoice(best, gain, medians, notes, worst)
+    choice.runs_on = {name: ran for name, timed in steps.items()
+                      if isinstance(ran := getattr(timed, "runs_on", None), str)}
+    if choice.runs_on.get("hybrid") in REPLAY_BACKENDS:
+        # The caller's model is captured for the backend that was timed here: its own choosing would time
+        # the backends again, and might keep another than the one that won.
+        builders["hybrid"] = captured_step_builder(loss_fn, x, y, choice.runs_on["hybrid"])
     if plan is not None:
         choice.plan, choice.plan_variant = plan.name, base
     return choice, builders
@@ -374,8 +407,6 @@ def make_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimi
     trainer = getattr(chosen, "trainer", None)
     # a Trainer plan's device workers stop when the cell is done with the step
     step.close = trainer.close if trainer is not None else (lambda: None)  # type: ignore[attr-defined]
-    hybrid = getattr(chosen, "hybrid_module", None)
-    if hybrid is not None:  # the report names the backend the hybridized model runs
-        step.hybrid_module = hybrid  # type: ignore[attr-defined]
-    step.backend = "inductor" if "compile" in choice.chosen else choice.chosen  # type: ignore[attr-defined]
+    runs_on = getattr(chosen, "runs_on", None)  # the report names the backend replaying a captured step
+    step.backend = runs_on or ("inductor" if "compile" in choice.chosen else choice.chosen)  # type: ignore[attr-defined]
     return step

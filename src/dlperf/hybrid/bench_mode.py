@@ -1,10 +1,10 @@
 """The training steps behind ``dlperf bench``'s hybrid variants.
 
-``make_captured_step`` is what ``--mode hybrid`` times: the whole training step (forward, loss, backward,
-update) captured once by :func:`~dlperf.hybrid.train_step` and replayed, or the eager step where the model
-cannot be captured, with the reason in ``eager_reason``. ``make_step`` replays only the forward, with
-autograd recording through it: ``--mode auto`` times it as its ``hybrid`` candidate and the hybridize
-benchmark sets it beside the captured step.
+``make_captured_step`` is what ``--mode hybrid`` times, and ``--mode auto`` as its ``hybrid`` candidate: the
+whole training step (forward, loss, backward, update) captured once by :func:`~dlperf.hybrid.train_step` and
+replayed, or the eager step where the model cannot be captured, with the reason in ``eager_reason``.
+``make_step`` replays only the forward, with autograd recording through it: the hybridize benchmark
+(``benchmarks/bench_hybridize.py``) sets it beside the captured step.
 
 >>> import torch
 >>> from dlperf.models import get_spec
