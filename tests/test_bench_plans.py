@@ -45,7 +45,7 @@ def test_profile_bench_and_train_name_the_same_plan_from_one_cache(factories, mo
     cell = _last_json(capsys.readouterr().out)["cells"][0]
     assert cell["plan"] == plan and f"plan {plan} [cached]" in cell["auto_reason"]
     variant = auto.plan_variant(parse_plan(plan), int(cores), nn.functional.cross_entropy)[0]
-    assert cell["mode_chosen"] in (variant, "hybrid")  # the plan stands unless a captured forward beat it
+    assert cell["mode_chosen"] in (variant, "hybrid")  # the plan stands unless the captured training step beat it
 
     assert main(["train", "--model", "plan_factories:make_model", "--data", "plan_factories:make_data",
                  "--epochs", "1", "--plan", "auto", "--no-progress", "--json"]) == 0

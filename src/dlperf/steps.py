@@ -1,8 +1,10 @@
 """The plain training step: zero the gradients, forward, loss, backward, update.
 
 It lives here, below both :mod:`dlperf.bench` and :mod:`dlperf.hybrid`, because both build on it:
-the benchmark's ``eager`` mode is this step, and the ``hybrid`` mode is this step around a
-hybridized model. Neither package has to import the other for it.
+the benchmark's ``eager`` mode is this step, the forward-only hybrid step
+(:func:`dlperf.hybrid.bench_mode.make_step`) is this step around a hybridized model, and the captured
+training step falls back to it where a model cannot be captured. Neither package has to import the other
+for it.
 
 >>> import torch
 >>> from torch import nn
