@@ -29,6 +29,16 @@ def _busy(eng, device=None):
     return op
 
 
+def _ran_dry(eng, device=None) -> None:
+    """Wait until the device's worker has finished its batch and found nothing queued: idle, as a push sees it
+    (a fixed pause is not enough where a loaded machine has not given the worker a core again yet)."""
+    w = eng._worker(device or cpu(0), "compute")
+    deadline = time.monotonic() + 10
+    while (w.busy or w._q) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not w.busy
+
+
 def _unsent(a) -> bool:
     last = a._var._last_write
     return last is not None and last.fn is run_auto and last.worker is None
@@ -226,7 +236,7 @@ def test_a_matrix_product_is_never_collected(eng):
 def test_a_push_to_an_idle_worker_is_not_held_back(eng):
     big = dnp.random.uniform(size=(160, 160), engine=eng)
     eng.waitall()
-    time.sleep(0.05)  # the worker ran dry
+    _ran_dry(eng)
     y = big @ big
     assert not _unsent(y)  # sent at once: nothing else was running
     op = y._var._last_write
@@ -462,7 +472,7 @@ def test_a_thread_pushing_tiny_records_to_a_worker_that_looked_long_gets_them_ba
 def test_the_engine_counts_records_batched_and_sent_alone(eng):
     x = dnp.ones(2, engine=eng)
     eng.waitall()
-    time.sleep(0.05)  # the worker ran dry
+    _ran_dry(eng)
     alone, batched = eng.records_alone, eng.records_batched
     y = x + 1  # to an idle worker: alone
     y.wait_to_read()

@@ -34,10 +34,16 @@ SERVER_DIES = textwrap.dedent('''
     out = sys.argv[1]
     axis = join_processes()
     kv = create_kvstore("dist_sync")
-    with open(f"{out}/pid.{rank_info().rank}", "w") as f:
+    with open(f"{out}/pid.{rank_info().rank}.tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(f"{out}/pid.{rank_info().rank}.tmp", f"{out}/pid.{rank_info().rank}")
     if rank_role() == "server":
-        time.sleep(1.0)  # the workers are waiting in init for serve() by now
+        # every worker has noted its pid before the server dies (a worker a loaded machine held back would be
+        # stopped unnoted), and is then waiting in init for serve()
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"{out}/pid.{r}") for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.0)
         with open(f"{out}/killed", "w") as f:
             f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)

@@ -18,6 +18,11 @@ from dlperf.probe.cost import Link
 from dlperf.probe.reference import SEED, mm_seed
 
 MIB = 1024 * 1024
+# What a kernel given 0.2 s and 10**12 rounds may take in all before it counts as not stopping at its budget: it
+# looks at the clock every 64 or 256 rounds, and on a loaded machine each hand-off between its two threads can
+# wait for a time slice (3.2 s was seen for the two hand-offs with four busy processes on 2 cores); without the
+# budget the rounds would take hours.
+BUDGET_BOUND_S = 30
 
 # Table 12.4.1 / 12.4.2 as printed in the book, in ns: the plain reference for reference.py.
 BOOK_NS = {"fadd": 1.5, "l1": 1.5, "l2": 5, "l3": 16, "dram64": 46, "dram256": 75, "mutex": 25,
@@ -80,13 +85,13 @@ def test_locks_threads_sockets_and_reads(lib, tmp_path):
     start = time.perf_counter()
     assert lib.dlp_spin_handoff(10**12, 0.2) > 0  # stops at its time budget with the rounds done so far
     assert lib.dlp_handoff(10**12, 0.2) > 0
-    assert time.perf_counter() - start < 3
+    assert time.perf_counter() - start < BUDGET_BOUND_S
     assert lib.dlp_tcp(0, 200, 4096, 5.0) > 0
     assert lib.dlp_tcp(1, 100, 64, 5.0) > 0
     start = time.perf_counter()
     assert lib.dlp_tcp(0, 10**12, 4096, 0.2) > 0
     assert lib.dlp_tcp(1, 10**12, 64, 0.2) > 0
-    assert time.perf_counter() - start < 3
+    assert time.perf_counter() - start < BUDGET_BOUND_S
     path = tmp_path / "data.bin"
     path.write_bytes(os.urandom(MIB))
     fd = os.open(path, os.O_RDONLY)
