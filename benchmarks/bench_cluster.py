@@ -43,14 +43,16 @@ of their sizes, so each runs between the fits on either side of its size, round 
 parameter-server cells and their fits follow, round by round too, as their servers serve until the workers
 close), with dlperf.timing's contention check on every rank. The prediction beside it is
 :mod:`dlperf.probe.projection`'s formula for the cell's layout, priced with the links of its transport (ring:
-``network`` and ``intra``; hierarchical: ``hier``; sharded: ``sharded``; parameter servers: ``rpc`` or
-``rpc2``) and, as each emulated host has a share of this machine's cores, the turns ranks that outnumber them
-take for their reductions (:func:`dlperf.probe.projection.cpu_time`). Hierarchical's cells also carry
-``composed_s``: what ``dlperf plan`` composes for it where it has not been measured (the leaders on ``pair``,
-the phases inside a host on ``intra``); with two ranks on each host's one core, its phases hand the core
-over between them, which neither link's fit holds. ``auto`` is the strategy the same predictions rank fastest;
-it is compared with the strategy measured fastest for each rate and model. ``--no-faults`` measures the
-cells alone (for iterating on the model).
+``network`` and ``intra``; hierarchical, composed as ``dlperf plan`` composes it: ``pair`` between the
+leaders, who exchange while the others wait, and ``intra``; sharded: ``sharded``; parameter servers:
+``rpc`` or ``rpc2``) and, as each emulated host has a share of this machine's cores, the turns ranks that
+outnumber them take for their reductions (:func:`dlperf.probe.projection.cpu_time`). Hierarchical's cells
+also carry ``own_fit_s``: the same formula priced on the fit of the whole hierarchical allreduce (``hier``),
+as ring is priced on gloo's ring. ``auto`` is the strategy the predictions rank fastest; it is compared
+with the strategy measured fastest for each rate and model. ``--no-faults`` measures the cells alone (for
+iterating on the model); ``--from-json FILE`` prices the measurements a run wrote (its last stdout line)
+again, without measuring, and prints what that run would have printed with this analysis (its fault
+figures copied).
 
 The last stdout line is one JSON object: ``model_error_median`` and ``model_error_max``
 (|predicted - measured| / measured over every cell; targets 0.15 and 0.35), ``auto_within_10pct`` (the
@@ -67,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -429,21 +432,20 @@ def analyse(rate_gbit: float, got: dict, models: dict[str, int]) -> tuple[list[d
             predicted = layout_time(strategy, nbytes, layout, network, intra)
         else:
             strategy, model, layout = what, which, _layout(what, got["hosts"])
-            # every strategy is priced on its own transport's fit: the servers' pushes and pulls travel by RPC,
-            # inside a host too (its shared memory is off here), and hierarchical's three phases on the fit of the
-            # three together
+            # the servers' pushes and pulls travel by RPC, inside a host too (its shared memory is off here);
+            # hierarchical is composed as dlperf plan composes it: its leaders exchange while the others wait, as
+            # in the pair's fit, and its phases inside a host run on shared memory's link
             rpc = links["rpc2"] if what == "ps-2" else links["rpc"]
             network, intra = (rpc, rpc) if what.startswith("ps-") else \
                 (links["sharded"], links["intra"]) if what == "sharded" else \
-                (links["hier"], links["hier"]) if what == "hierarchical" else (links["network"], links["intra"])
+                (links["pair"], links["intra"]) if what == "hierarchical" else (links["network"], links["intra"])
             predicted = layout_time(strategy, nbytes, layout, network, intra, cpu)
-            if what == "hierarchical":
-                # what dlperf plan composes for hosts it has not measured: the leaders on the link between one
-                # rank per host, the phases inside a host on shared memory's
-                composed = layout_time(strategy, nbytes, layout, links["pair"], links["intra"], cpu)
         measured = statistics.median(samples)
-        extra = {"composed_s": composed, "composed_error": abs(composed - measured) / measured} \
-            if what == "hierarchical" else {}
+        extra = {}
+        if what == "hierarchical":
+            # beside it, the three phases priced on the fit of the three together, as ring is on gloo's ring
+            own = layout_time(strategy, nbytes, layout, links["hier"], links["hier"], cpu)
+            extra = {"own_fit_s": own, "own_fit_error": abs(own - measured) / measured}
         cells.append({**extra, "rate_gbit": rate_gbit, "cell": what, "model": model, "bytes": nbytes,
                       "measured_s": measured,
                       "predicted_s": predicted, "error": abs(predicted - measured) / measured,
@@ -474,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-faults", action="store_true", help="the measured-against-predicted cells only")
+    ap.add_argument("--from-json", metavar="FILE", help="price a run's recorded measurements again (its JSON line)")
     ap.add_argument("--node-rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--master-addr", help=argparse.SUPPRESS)
     ap.add_argument("--master-port", type=int, help=argparse.SUPPRESS)
@@ -482,27 +485,75 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (2 if args.quick else 3)
     if args.node_rank is not None:
         return node_main(args)
+    if args.from_json:
+        try:
+            recorded = _recorded_run(args.from_json)
+        except ValueError as exc:
+            print(f"bench_cluster: {exc}", file=sys.stderr)
+            return 2
+        return report(recorded["measurements"], args, recorded.get("loadavg_before", [0.0] * 3),
+                      recorded.get("loadavg_after", [0.0] * 3), recorded.get("elapsed_s", 0.0),
+                      {k: v for k, v in recorded.items() if k in _FAULT_KEYS})
     reason = nodes_unavailable_reason()
     if reason is not None:
         print(f"bench_cluster: {reason}", file=sys.stderr)
         return 2
     rates = [float(r) for r in args.rates.split(",")] if args.rates else list(QUICK_RATES_GBIT if args.quick
                                                                              else RATES_GBIT)
-    models = {m: gradient_bytes(m) for m in MODELS}
     load_before = os.getloadavg()
     started = time.monotonic()
-    cells, choices, links, raw = [], [], {}, {}
-    for rate in rates:
-        got = measure_rate(rate, args)
-        c, ch = analyse(rate, got, models)
+    raw = {str(rate): measure_rate(rate, args) for rate in rates}
+    faults = {} if args.no_faults else {**measure_link_down(args), **measure_slow_link()}
+    return report(raw, args, list(load_before), list(os.getloadavg()), time.monotonic() - started, faults)
+
+
+_FAULT_KEYS = ("link_down_exit_s", "fault_timeout_s", "link_down_within_target", "link_down_errors",
+               "straggler_named", "slow_link_weights_equal", "slow_link_straggler", "slow_link_pair_ms",
+               "slow_link_run_s")
+
+
+def _recorded_run(path: str) -> dict:
+    """The JSON object a run printed last, with its measurements; ValueError naming what is wrong."""
+    from dlperf._io import decode_json, read_bounded
+
+    def fail(where: str, why: str) -> ValueError:
+        return ValueError(f"{where}: {why}; expected the last stdout line of a bench_cluster run")
+
+    data = read_bounded(path, 256 << 20, fail)
+    lines = data.rstrip().splitlines()
+    doc = decode_json(lines[-1] if lines else b"", path, fail)
+    got = doc.get("measurements") if isinstance(doc, dict) else None
+    if not isinstance(got, dict) or not got or not all(
+            isinstance(m, dict) and {"hosts", "kind", "fit_sizes", "samples", "contended"} <= m.keys()
+            for m in got.values()):
+        raise fail(path, "no 'measurements' per rate (hosts, kind, fit_sizes, samples, contended)")
+    try:
+        rates = [float(r) for r in got]
+    except ValueError:
+        raise fail(path, f"rates {list(got)!r} are not numbers") from None
+    if not all(math.isfinite(r) and r > 0 for r in rates):
+        raise fail(path, f"rates {list(got)!r} are not positive")
+    return doc
+
+
+def report(raw: dict[str, dict], args: argparse.Namespace, load_before: list[float], load_after: list[float],
+           elapsed_s: float, faults: dict) -> int:
+    """Price every rate's measurements, print the tables and, last, the JSON line."""
+    models = {m: gradient_bytes(m) for m in MODELS}
+    rates = [float(r) for r in raw]
+    cells, choices, links = [], [], {}
+    for rate, got in zip(rates, raw.values(), strict=True):
+        try:
+            c, ch = analyse(rate, got, models)
+        except (KeyError, ValueError, TypeError, statistics.StatisticsError) as exc:
+            print(f"bench_cluster: the measurements at {rate:g} Gbit/s cannot be priced ({type(exc).__name__}: "
+                  f"{exc}); expected every fit and cell a run records", file=sys.stderr)
+            return 2
         cells += c
         choices += ch
         fitted = measured_links(got)
         links[str(rate)] = {**{k: [v.alpha_s, v.bandwidth] for k, v in fitted.items()},
                             "reduce_s_per_byte": reduce_s_per_byte(got), "hierarchical_kind": got["kind"]}
-        raw[str(rate)] = got
-    faults = {} if args.no_faults else {**measure_link_down(args), **measure_slow_link()}
-    load_after = os.getloadavg()
 
     print(f"2 hosts (network namespaces, veth shaped with tbf) x 2 processes x 1 thread; median of "
           f"{args.reps} x {args.rounds} repetitions ({args.reps * SMALL_REPS} x {args.rounds} up to "
@@ -520,8 +571,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{links[str(rate)]['reduce_s_per_byte'] * 1e12:.0f} ps/byte")
         print(f"{'cell':<14}{'model':<10}{'size':>10}{'measured ms':>13}{'predicted ms':>14}{'error':>8}")
         for c in (c for c in cells if c["rate_gbit"] == rate):
-            composed = f"  (composed {c['composed_s'] * 1e3:.2f}, {c['composed_error'] * 100:.0f}%)" \
-                if "composed_s" in c else ""
+            composed = f"  (own fit {c['own_fit_s'] * 1e3:.2f}, {c['own_fit_error'] * 100:.0f}%)" \
+                if "own_fit_s" in c else ""
             print(f"{c['cell']:<14}{c['model']:<10}{_size(c['bytes']):>10}{c['measured_s'] * 1e3:>12.2f}"
                   f"{'!' if c['contended'] else ' '}{c['predicted_s'] * 1e3:>14.2f}{c['error'] * 100:>7.0f}%{composed}")
         for ch in (ch for ch in choices if ch["rate_gbit"] == rate):
@@ -540,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         "measurements": raw,
         "choices": choices,
         "contended": [f"{c['rate_gbit']:g}/{c['cell']}/{c['model']}/{c['bytes']}" for c in cells if c["contended"]],
-        "elapsed_s": time.monotonic() - started,
+        "elapsed_s": elapsed_s,
         "loadavg_before": list(load_before),
         "loadavg_after": list(load_after),
     }
@@ -550,14 +601,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['auto_within_10pct']:.2f} of the pairs (>= 0.9); "
           f"load average {' '.join(f'{x:.2f}' for x in load_before)} before, "
           f"{' '.join(f'{x:.2f}' for x in load_after)} after")
-    if faults:
+    # a recorded run's fault figures are copied as they are: each line only where its figures are there
+    if {"link_down_exit_s", "link_down_errors"} <= faults.keys():
         print(f"link of host 1 brought down mid-training: both launchers gone {faults['link_down_exit_s']:.1f} s "
               f"later (fault_timeout_s {FAULT_TIMEOUT_S:g}, target <= {FAULT_TIMEOUT_S + 5:g} s)")
         for error in faults["link_down_errors"]:
             print(f"  named: {error}")
+    if {"slow_link_straggler", "slow_link_weights_equal", "slow_link_pair_ms"} <= faults.keys():
         print(f"three hosts, host 2's link 10x slower: straggler named {faults['slow_link_straggler']} (want 2), "
               f"weights equal to the unshaped run's: {faults['slow_link_weights_equal']}; pair exchanges (ms) "
-              f"{faults['slow_link_pair_ms']['slow']}")
+              f"{faults['slow_link_pair_ms'].get('slow')}")
     result.update(faults)
     if result["contended"]:
         print("WARNING: other work competed for the cores during some cells (see 'contended')")

@@ -4,6 +4,8 @@ prediction equals its cell and auto picks the best (no root, no processes: the a
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -45,7 +47,7 @@ def _measurements(bench, links: dict[str, Link], reduce_s: float, models: dict[s
             rpc = links["rpc2"] if s == "ps-2" else links["rpc"]
             net, intra = (rpc, rpc) if s.startswith("ps-") else \
                 (links["sharded"], links["intra"]) if s == "sharded" else \
-                (links["hier"], links["hier"]) if s == "hierarchical" else (links["network"], links["intra"])
+                (links["pair"], links["intra"]) if s == "hierarchical" else (links["network"], links["intra"])
             samples[f"{s}|{model}"] = [layout_time(s, n, bench._layout(s, hosts), net, intra, cpu)] * 3
     return {"hosts": hosts, "kind": "hierarchical", "fit_sizes": list(bench.FIT_SIZES), "samples": samples,
             "contended": dict.fromkeys(samples, False)}
@@ -68,12 +70,12 @@ def test_links_made_up_are_fitted_back_and_every_cell_is_predicted(bench, monkey
     for choice in choices:
         assert choice["auto"] == choice["best"] and choice["within_10pct"]
     assert {c["cell"] for c in cells} == {"allreduce", *STRATEGIES} - {"naive"}
-    # beside hierarchical's own prediction, what dlperf plan composes from the leaders' and shared memory's links
+    # beside hierarchical's composed prediction, the same formula priced on the fit of the whole exchange
     for c in (c for c in cells if c["cell"] == "hierarchical"):
-        composed = layout_time("hierarchical", c["bytes"], Layout((0, 0, 1, 1)), links["pair"], links["intra"],
-                               HostCPU(1, 80e-12))
-        assert c["composed_s"] == pytest.approx(composed, rel=1e-6)
-        assert c["composed_error"] == pytest.approx(abs(composed - c["measured_s"]) / c["measured_s"], rel=1e-6)
+        own = layout_time("hierarchical", c["bytes"], Layout((0, 0, 1, 1)), links["hier"], links["hier"],
+                          HostCPU(1, 80e-12))
+        assert c["own_fit_s"] == pytest.approx(own, rel=1e-6)
+        assert c["own_fit_error"] == pytest.approx(abs(own - c["measured_s"]) / c["measured_s"], rel=1e-6)
 
 
 def test_each_host_counts_the_cores_of_its_smallest_share_or_a_turn_on_shared_ones(bench):
@@ -90,8 +92,41 @@ def test_every_cell_records_the_links_around_its_size_that_priced_it(bench, monk
              "hier": Link(300e-6, 0.2e9)}
     got = _measurements(bench, links, 80e-12, {"lenet": 516272})
     cells, _ = bench.analyse(10.0, got, {"lenet": 516272})
-    transport = {"allreduce": "pair", "hierarchical": "hier", "ps-1": "rpc", "ps-2": "rpc2", "sharded": "sharded",
+    transport = {"allreduce": "pair", "hierarchical": "pair", "ps-1": "rpc", "ps-2": "rpc2", "sharded": "sharded",
                  "ring": "network"}
     for c in cells:
         want = links[transport[c["cell"]]]
         assert Link(*c["network_link"]).time(c["bytes"]) == pytest.approx(want.time(c["bytes"]), rel=1e-6), c
+
+
+def test_a_recorded_run_is_priced_again_as_it_was_printed(bench, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(bench, "gradient_bytes", {"lenet": 516272, "resnet18": 44703272}.__getitem__)
+    links = {"pair": Link(150e-6, 0.12e9), "network": Link(600e-6, 0.6e9), "sharded": Link(2e-3, 0.3e9),
+             "intra": Link(100e-6, 3e9), "rpc": Link(1e-3, 0.5e9), "rpc2": Link(1.5e-3, 0.4e9),
+             "hier": Link(300e-6, 0.2e9)}
+    got = _measurements(bench, links, 80e-12, {"lenet": 516272, "resnet18": 44703272})
+    run = tmp_path / "run.out"
+    run.write_text("a table for people\n" + json.dumps({"measurements": {"10.0": got}, "link_down_exit_s": 12.5,
+                                                          "elapsed_s": 3.0}) + "\n")
+    assert bench.main(["--from-json", str(run)]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    cells, choices = bench.analyse(10.0, got, {"lenet": 516272, "resnet18": 44703272})
+    assert out["cells"] == cells and out["choices"] == choices and out["link_down_exit_s"] == 12.5
+    assert out["model_error_max"] < 1e-6 and out["auto_within_10pct"] == 1.0
+
+
+@pytest.mark.parametrize("text", ["", "not json\n", '{"measurements": {}}\n', '{"measurements": {"x": {}}}\n'])
+def test_a_file_that_is_not_a_recorded_run_gets_one_line_and_exit_2(bench, tmp_path, capsys, text):
+    run = tmp_path / "run.out"
+    run.write_text(text)
+    assert bench.main(["--from-json", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(run) in err[0] and "bench_cluster run" in err[0], err
+
+
+def test_a_fifo_given_as_a_recorded_run_is_refused_not_waited_on(bench, tmp_path, capsys):
+    fifo = tmp_path / "run.out"
+    os.mkfifo(fifo)
+    assert bench.main(["--from-json", str(fifo)]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
