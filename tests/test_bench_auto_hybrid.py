@@ -107,6 +107,45 @@ def test_when_hybrid_is_chosen_the_callers_model_and_optimizer_train(monkeypatch
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), initial.parameters()))
 
 
+def test_under_the_auto_backend_the_callers_model_gets_the_backend_that_was_timed(monkeypatch):
+    """The caller's capture is told the backend the candidate's timing chose: left to choose again, it would
+    time the backends a second time, on the caller's model, and might keep another one."""
+    from dlperf.hybrid import bench_mode
+
+    monkeypatch.setattr(auto, "HYBRID_BACKEND", "auto")
+    _time_hybrid_faster(monkeypatch)
+    asked = []
+    real = bench_mode.make_captured_step
+
+    def make_captured_step(*args, backend, **kwargs):
+        asked.append(backend)
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(bench_mode, "make_captured_step", make_captured_step)
+    spec = get_spec("mlp")
+    torch.manual_seed(3)
+    model = spec.build()
+    ex, ey = spec.input.make_batch(4, generator=torch.Generator().manual_seed(4))
+    step = auto.make_step(model, spec.loss, _sgd(model), ex, ey, rounds=2)
+    timed = step.auto_choice.runs_on["hybrid"]
+    assert step.mode_chosen == "hybrid" and timed in auto.REPLAY_BACKENDS
+    assert asked == ["auto", timed] and step.runs_on == timed and step.backend == timed
+
+
+def test_a_chosen_step_that_falls_back_to_eager_says_why_in_the_cell(monkeypatch):
+    monkeypatch.setattr(auto, "HYBRID_BACKEND", "graph")
+    _time_hybrid_faster(monkeypatch)
+    spec = get_spec("mlp")
+    model = spec.build()
+    ex, ey = spec.input.make_batch(4, generator=torch.Generator().manual_seed(5))
+    step = auto.make_step(model, spec.loss, _sgd(model), ex, ey, rounds=2)
+    assert step.eager_reason is None and step.runs_on == "graph"
+    monkeypatch.setattr(TrainStep, "eager_reason", property(lambda self: "a new input signature cannot be captured"))
+    monkeypatch.setattr(TrainStep, "runs_on", property(lambda self: "eager"))
+    # what runs the step is read when asked: the report follows a fallback after the choice
+    assert step.eager_reason == "a new input signature cannot be captured" and step.backend == "eager"
+
+
 class Branchy(nn.Module):
     """Data-dependent control flow: no graph can replay it."""
 

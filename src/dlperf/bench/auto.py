@@ -394,19 +394,38 @@ def make_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimi
         choice.plan_note = "[cached]" if decision.cached else f"[planned in {decision.planning_s:.1f} s]"
     elif why:
         choice.notes["plan"] = why
-    chosen = builders[choice.chosen](model, optimizer)
+    return _AutoStep(builders[choice.chosen](model, optimizer), choice)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return chosen(x, y)
 
-    step.mode_chosen = choice.chosen  # type: ignore[attr-defined]
-    step.gain_over_eager = choice.gain_over_eager  # type: ignore[attr-defined]
-    step.auto_reason = choice.reason  # type: ignore[attr-defined]
-    step.auto_choice = choice  # type: ignore[attr-defined]
-    step.plan = choice.plan  # type: ignore[attr-defined]
-    trainer = getattr(chosen, "trainer", None)
-    # a Trainer plan's device workers stop when the cell is done with the step
-    step.close = trainer.close if trainer is not None else (lambda: None)  # type: ignore[attr-defined]
-    runs_on = getattr(chosen, "runs_on", None)  # the report names the backend replaying a captured step
-    step.backend = runs_on or ("inductor" if "compile" in choice.chosen else choice.chosen)  # type: ignore[attr-defined]
-    return step
+class _AutoStep:
+    """The chosen variant's step, with what the report says of the choice. What runs it is read from the
+    step when asked, not when built: a captured step falls back to eager, or captures a new batch shape,
+    as it goes."""
+
+    def __init__(self, chosen: StepFn, choice: AutoChoice) -> None:
+        self._chosen = chosen
+        self.mode_chosen = choice.chosen
+        self.gain_over_eager = choice.gain_over_eager
+        self.auto_reason = choice.reason
+        self.auto_choice = choice
+        self.plan = choice.plan
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self._chosen(x, y)
+
+    def close(self) -> None:
+        trainer = getattr(self._chosen, "trainer", None)
+        if trainer is not None:  # a Trainer plan's device workers stop when the cell is done with the step
+            trainer.close()
+
+    @property
+    def runs_on(self) -> str | None:
+        return getattr(self._chosen, "runs_on", None)
+
+    @property
+    def eager_reason(self) -> str | None:
+        return getattr(self._chosen, "eager_reason", None)
+
+    @property
+    def backend(self) -> str:
+        return self.runs_on or ("inductor" if "compile" in self.mode_chosen else self.mode_chosen)
