@@ -80,17 +80,6 @@ def no_leaked_threads_or_env():
 
 
 @pytest.fixture(autouse=True)
-def engine_hooks_removed_once_unused():
-    """Engine arrays install process-wide module hooks that go lazily, when a module call up to 1024 calls later
-    finds nothing tracked (dlperf.engine.external). Left to the next test they make a captured training step
-    run eagerly ("hooks are registered"): whether it replays would depend on which tests ran before it."""
-    yield
-    from dlperf.engine import external
-
-    external._uninstall_if_unused()
-
-
-@pytest.fixture(autouse=True)
 def private_plan_cache(no_leaked_threads_or_env, tmp_path_factory, monkeypatch):
     """Each test plans against its own empty plan cache: a decision cached by one test (or by the user's own
     runs) must not answer another's question."""

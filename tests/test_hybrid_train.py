@@ -334,3 +334,26 @@ def test_native_cross_entropy_honours_ignore_index_and_other_losses_trace():
             torch.testing.assert_close(captured(x, y), eager(x, y).detach(), rtol=RTOL, atol=ATOL)
         assert set(captured.choices.values()) == {"native"}, repr(captured)
         assert_same_state(ref, net, oe, oc)
+
+
+def test_a_step_is_captured_once_engine_arrays_are_done_with():
+    """Engine arrays leave the engine's global module hooks behind until a later module call finds nothing
+    tracked; a training step captured right after must not run eagerly because of them."""
+    import gc
+
+    from dlperf.engine import array as dnp
+    from dlperf.engine import create_engine, external
+
+    with create_engine("threaded") as eng:
+        a, plain = dnp.array(torch.randn(3, 4), engine=eng), torch.randn(3, 4)
+        torch.testing.assert_close((a + plain).tensor(), a.tensor() + plain)  # the engine tracks ``plain``
+        del a, plain
+    gc.collect()
+    assert external.hooks_installed()  # what the step meets: hooks left behind, nothing tracked
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    step = make_train_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), x, y,
+                           backend="graph")
+    assert step.runs_on == "graph" and step.eager_reason is None
+    assert not external.hooks_installed()

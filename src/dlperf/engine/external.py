@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .arguments import EngineArgumentError
 from .var import Var
 
-__all__ = ["External", "external", "wait_for", "watch", "hooks_installed"]
+__all__ = ["External", "external", "wait_for", "watch", "hooks_installed", "release_unused_hooks"]
 
 
 class External:
@@ -88,6 +88,14 @@ def external(engine: Any, tensor: torch.Tensor) -> External:
 def hooks_installed() -> bool:
     """Whether the global torch hooks are in place (some open engine tracks a tensor)."""
     return bool(_handles)
+
+
+def release_unused_hooks() -> bool:
+    """Remove the global torch hooks now if no engine tracks a tensor any more; whether none are left.
+
+    They otherwise go lazily, at a module call or optimizer step that finds nothing tracked: a caller
+    that refuses to run under global hooks (a captured training step) asks first."""
+    return _uninstall_if_unused()
 
 
 def _idle(var: Var) -> bool:

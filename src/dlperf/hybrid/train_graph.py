@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import batch as batches
+from ..engine.external import release_unused_hooks
 from .capture import CaptureError, ModuleState, _user_line
 from .optim_update import trainable_parameters
 
@@ -123,6 +124,8 @@ def _hooks(module: nn.Module) -> str:
              for table in _HOOK_TABLES if getattr(sub, table, None)]
     found += [f"{name}.register_hook" for name, p in module.named_parameters()
               if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)]
+    # engine arrays no longer tracked leave the engine's global hooks until a later module call: gone now
+    release_unused_hooks()
     if base._global_forward_hooks or base._global_forward_pre_hooks or base._global_backward_hooks:
         found.append("global module hooks")
     return ", ".join(found)
