@@ -51,8 +51,8 @@ also carry ``own_fit_s``: the same formula priced on the fit of the whole hierar
 as ring is priced on gloo's ring. ``auto`` is the strategy the predictions rank fastest; it is compared
 with the strategy measured fastest for each rate and model. ``--no-faults`` measures the cells alone (for
 iterating on the model); ``--from-json FILE`` prices the measurements a run wrote (its last stdout line)
-again, without measuring, and prints what that run would have printed with this analysis (its fault
-figures copied).
+again, without measuring, and prints the tables and the JSON line with this analysis (the run's fault
+figures copied; a run recorded without a fit this analysis reads gets one line naming it).
 
 The last stdout line is one JSON object: ``model_error_median`` and ``model_error_max``
 (|predicted - measured| / measured over every cell; targets 0.15 and 0.35), ``auto_within_10pct`` (the
@@ -101,8 +101,8 @@ QUICK_SIZES = (64 << 10, 1 << 20, 8 << 20)
 FIT_SIZES = (4 << 10, 32 << 10, 256 << 10, 768 << 10, 2 << 20, 16 << 20, 24 << 20, 64 << 20)
 SMALL = 1 << 20  # cells and fits up to this size take SMALL_REPS times the repetitions: a few ms each, and noisy
 SMALL_REPS = 8
-# a job's first repetitions after another's run slower (TCP's window regrows after the barriers' small messages, the
-# scheduler evens out the ranks that waited): small jobs, a few ms each, warm up on as many repetitions as large ones
+# a job runs in the wake of the one before it (what that one left in the caches, the sockets and the scheduler):
+# small jobs, a few ms each, take this many warm-up repetitions in every round, large ones --warmup
 SMALL_WARMUP = 5
 SERVER_STRATEGIES = ("ps-1", "ps-2")
 MODELS = ("lenet", "resnet18")
@@ -507,33 +507,91 @@ def main(argv: list[str] | None = None) -> int:
     return report(raw, args, list(load_before), list(os.getloadavg()), time.monotonic() - started, faults)
 
 
-_FAULT_KEYS = ("link_down_exit_s", "fault_timeout_s", "link_down_within_target", "link_down_errors",
-               "straggler_named", "slow_link_weights_equal", "slow_link_straggler", "slow_link_pair_ms",
-               "slow_link_run_s")
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _flag(v: object) -> bool:
+    return isinstance(v, bool)
+
+
+def _strings(v: object) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _numbers_by_name(v: object) -> bool:
+    return isinstance(v, dict) and all(isinstance(x, dict) and all(_number(y) for y in x.values()) or _number(x)
+                                       for x in v.values())
+
+
+# a recorded run's fault figures, each with what it must be to be copied
+_FAULT_CHECKS = {"link_down_exit_s": _number, "fault_timeout_s": _number,
+                 "link_down_within_target": _flag, "link_down_errors": _strings, "straggler_named": _flag,
+                 "slow_link_weights_equal": _flag,
+                 "slow_link_straggler": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
+                 "slow_link_pair_ms": _numbers_by_name, "slow_link_run_s": _numbers_by_name}
+_FAULT_KEYS = tuple(_FAULT_CHECKS)
+_RECORD_BYTES = 16 << 20  # a run's last line is a few hundred KB
 
 
 def _recorded_run(path: str) -> dict:
-    """The JSON object a run printed last, with its measurements; ValueError naming what is wrong."""
+    """The JSON object a run printed last, its measurements and figures checked; ValueError naming what is
+    wrong."""
     from dlperf._io import decode_json, read_bounded
 
     def fail(where: str, why: str) -> ValueError:
         return ValueError(f"{where}: {why}; expected the last stdout line of a bench_cluster run")
 
-    data = read_bounded(path, 256 << 20, fail)
-    lines = data.rstrip().splitlines()
-    doc = decode_json(lines[-1] if lines else b"", path, fail)
-    got = doc.get("measurements") if isinstance(doc, dict) else None
-    if not isinstance(got, dict) or not got or not all(
-            isinstance(m, dict) and {"hosts", "kind", "fit_sizes", "samples", "contended"} <= m.keys()
-            for m in got.values()):
-        raise fail(path, "no 'measurements' per rate (hosts, kind, fit_sizes, samples, contended)")
     try:
-        rates = [float(r) for r in got]
-    except ValueError:
-        raise fail(path, f"rates {list(got)!r} are not numbers") from None
-    if not all(math.isfinite(r) and r > 0 for r in rates):
-        raise fail(path, f"rates {list(got)!r} are not positive")
+        data = read_bounded(path, _RECORD_BYTES, fail)
+    except OSError as exc:
+        raise fail(path, exc.strerror or type(exc).__name__) from None
+    lines = data.rstrip().splitlines()
+    doc = decode_json(lines[-1] if lines else b"", path, fail, allow_nan=False, unique_keys=True)
+    got = doc.get("measurements") if isinstance(doc, dict) else None
+    if not isinstance(got, dict) or not got:
+        raise fail(path, "no 'measurements' per rate")
+    rates = [_checked_rate(path, rate, m, fail) for rate, m in got.items()]
+    if len(set(rates)) < len(rates):
+        raise fail(path, f"rates {list(got)!r} name one rate twice")
+    for key in ("loadavg_before", "loadavg_after"):
+        v = doc.get(key, [0.0] * 3)
+        if not (isinstance(v, list) and len(v) == 3 and all(_number(x) for x in v)):
+            raise fail(path, f"{key} {v!r} is not three load averages")
+    if not _number(doc.get("elapsed_s", 0.0)):
+        raise fail(path, f"elapsed_s {doc.get('elapsed_s')!r} is not a number of seconds")
+    for key, ok in _FAULT_CHECKS.items():
+        if key in doc and not ok(doc[key]):
+            raise fail(path, f"{key} {doc[key]!r} is not what a run records there")
     return doc
+
+
+def _checked_rate(path: str, rate: str, m: object, fail: Callable[[str, str], ValueError]) -> float:
+    """One rate's recorded measurements checked for what the analysis reads; the rate."""
+    try:
+        value = float(rate)
+    except ValueError:
+        raise fail(path, f"rate {rate!r} is not a number") from None
+    where = f"{path}, rate {rate}"
+    if not math.isfinite(value) or value <= 0:
+        raise fail(where, "the rate is not a positive number")
+    if not isinstance(m, dict) or not {"hosts", "kind", "fit_sizes", "samples", "contended"} <= m.keys():
+        raise fail(where, "no hosts, kind, fit_sizes, samples and contended")
+    hosts, sizes, samples = m["hosts"], m["fit_sizes"], m["samples"]
+    if not (isinstance(hosts, list) and all(isinstance(h, int) and not isinstance(h, bool) for h in hosts)
+            and len(set(hosts)) >= 2):
+        raise fail(where, f"hosts {hosts!r} are not a host number per rank, two hosts or more")
+    if not (isinstance(sizes, list) and len(set(sizes)) >= 2 and all(_number(n) and n > 0 for n in sizes)):
+        raise fail(where, f"fit_sizes {sizes!r} are not two or more sizes in bytes")
+    if not isinstance(samples, dict) or not all(
+            isinstance(v, list) and v and all(_number(t) and t > 0 for t in v) for v in samples.values()):
+        raise fail(where, "samples are not lists of seconds, each > 0")
+    cores = m.get("cores_per_host")
+    if cores is not None and not (_number(cores) and cores > 0):
+        raise fail(where, f"cores_per_host {cores!r} is not a positive number")
+    if not isinstance(m["contended"], dict) or not isinstance(m["kind"], str):
+        raise fail(where, "contended is not a mapping or kind not a name")
+    return value
 
 
 def report(raw: dict[str, dict], args: argparse.Namespace, load_before: list[float], load_after: list[float],
@@ -545,7 +603,7 @@ def report(raw: dict[str, dict], args: argparse.Namespace, load_before: list[flo
     for rate, got in zip(rates, raw.values(), strict=True):
         try:
             c, ch = analyse(rate, got, models)
-        except (KeyError, ValueError, TypeError, statistics.StatisticsError) as exc:
+        except (KeyError, ValueError, TypeError, ZeroDivisionError, statistics.StatisticsError) as exc:
             print(f"bench_cluster: the measurements at {rate:g} Gbit/s cannot be priced ({type(exc).__name__}: "
                   f"{exc}); expected every fit and cell a run records", file=sys.stderr)
             return 2
@@ -555,10 +613,14 @@ def report(raw: dict[str, dict], args: argparse.Namespace, load_before: list[flo
         links[str(rate)] = {**{k: [v.alpha_s, v.bandwidth] for k, v in fitted.items()},
                             "reduce_s_per_byte": reduce_s_per_byte(got), "hierarchical_kind": got["kind"]}
 
-    print(f"2 hosts (network namespaces, veth shaped with tbf) x 2 processes x 1 thread; median of "
-          f"{args.reps} x {args.rounds} repetitions ({args.reps * SMALL_REPS} x {args.rounds} up to "
-          f"{SMALL >> 20} MB), each on its slowest rank ({os.cpu_count()} cores, torch "
-          f"{torch.__version__}; ! = contended)")
+    if args.from_json:  # what was measured, and how, is the recorded run's
+        print(f"{args.from_json}: a recorded run's measurements priced again (each the median of that run's "
+              f"repetitions on its slowest rank; ! = contended)")
+    else:
+        print(f"2 hosts (network namespaces, veth shaped with tbf) x 2 processes x 1 thread; median of "
+              f"{args.reps} x {args.rounds} repetitions ({args.reps * SMALL_REPS} x {args.rounds} up to "
+              f"{SMALL >> 20} MB), each on its slowest rank ({os.cpu_count()} cores, torch "
+              f"{torch.__version__}; ! = contended)")
     for rate in rates:
         got = {k: Link(*links[str(rate)][k]) for k in ("pair", "network", "sharded", "intra", "rpc", "rpc2", "hier")}
         print(f"\n{rate:g} Gbit/s ({rate / 8:.3f} GB/s configured), measured per message, one line through every "

@@ -125,6 +125,56 @@ def test_a_file_that_is_not_a_recorded_run_gets_one_line_and_exit_2(bench, tmp_p
     assert len(err) == 1 and str(run) in err[0] and "bench_cluster run" in err[0], err
 
 
+def _spoil(doc: dict, what: str) -> str:
+    """A recorded run with one figure made wrong as a hostile or damaged file could make it."""
+    got = doc["measurements"]["10.0"]
+    if what == "loadavg text":
+        doc["loadavg_before"] = "abc"
+    elif what == "loadavg null":
+        doc["loadavg_after"] = None
+    elif what == "exit text":
+        doc["link_down_exit_s"] = "x"
+    elif what == "errors number":
+        doc["link_down_errors"] = 5
+    elif what == "pairs list":
+        doc["slow_link_pair_ms"] = [1]
+    elif what == "zero sample":
+        got["samples"]["ring|lenet"] = [0.0]
+    elif what == "no hosts":
+        got["hosts"] = []
+    elif what == "rate twice":
+        doc["measurements"]["10"] = got
+    elif what == "empty samples":
+        got["samples"]["fit-pair|4096"] = []
+    text = json.dumps(doc)
+    if what == "nan sample":
+        text = text.replace(str(got["samples"]["ring|lenet"][0]), "NaN", 1)
+    return text + "\n"
+
+
+@pytest.mark.parametrize("what", ["loadavg text", "loadavg null", "exit text", "errors number", "pairs list",
+                                  "zero sample", "no hosts", "rate twice", "empty samples", "nan sample"])
+def test_a_damaged_recorded_run_gets_one_line_and_exit_2(bench, monkeypatch, tmp_path, capsys, what):
+    monkeypatch.setattr(bench, "gradient_bytes", {"lenet": 516272, "resnet18": 44703272}.__getitem__)
+    links = {"pair": Link(150e-6, 0.12e9), "network": Link(600e-6, 0.6e9), "sharded": Link(2e-3, 0.3e9),
+             "intra": Link(100e-6, 3e9), "rpc": Link(1e-3, 0.5e9), "rpc2": Link(1.5e-3, 0.4e9),
+             "hier": Link(300e-6, 0.2e9)}
+    got = _measurements(bench, links, 80e-12, {"lenet": 516272, "resnet18": 44703272})
+    doc = {"measurements": {"10.0": got}, "loadavg_before": [1.0, 1.0, 1.0], "loadavg_after": [1.0, 1.0, 1.0],
+           "link_down_exit_s": 12.0, "link_down_errors": ["a", "b"], "slow_link_pair_ms": {"slow": {"0-1": 1.0}}}
+    run = tmp_path / "run.out"
+    run.write_text(_spoil(doc, what))
+    assert bench.main(["--from-json", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(run) in err[0], err
+
+
+def test_a_missing_recorded_run_gets_one_line_and_exit_2(bench, tmp_path, capsys):
+    assert bench.main(["--from-json", str(tmp_path / "nothing.out")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "nothing.out" in line and "No such file" in line
+
+
 def test_a_fifo_given_as_a_recorded_run_is_refused_not_waited_on(bench, tmp_path, capsys):
     fifo = tmp_path / "run.out"
     os.mkfifo(fifo)
