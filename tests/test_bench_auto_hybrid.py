@@ -15,6 +15,7 @@ from dlperf.devices import cpu
 from dlperf.hybrid import HybridizeWarning, TrainStep
 from dlperf.models import get_spec
 from dlperf.timing import Timing
+from support.training import Branchy, branchy_batch, reference_step
 
 STEPS = 6
 
@@ -27,14 +28,6 @@ def no_planner_no_compile(monkeypatch):
     monkeypatch.setattr(auto, "COMPILE_BOUND_S", 0.0)
 
 
-def _eager_step(model, loss_fn, optimizer, x, y):
-    optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
 def _sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
 
@@ -44,7 +37,7 @@ def _train_beside_eager(step, model, reference, loss_fn, make_batch, g):
     opt_e = _sgd(reference)
     for _ in range(STEPS):
         x, y = make_batch(g)
-        torch.testing.assert_close(step(x, y), _eager_step(reference, loss_fn, opt_e, x, y), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(step(x, y), reference_step(reference, loss_fn, opt_e, x, y), rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
     for b, c in zip(model.buffers(), reference.buffers()):
@@ -146,34 +139,19 @@ def test_a_chosen_step_that_falls_back_to_eager_says_why_in_the_cell(monkeypatch
     assert step.eager_reason == "a new input signature cannot be captured" and step.backend == "eager"
 
 
-class Branchy(nn.Module):
-    """Data-dependent control flow: no graph can replay it."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.fc(x) if x.mean() > 0 else -self.fc(x)
-
-
-def _branchy_batch(g):
-    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
-
-
 def test_a_model_that_cannot_be_captured_runs_eagerly_with_the_reason_in_a_note(recwarn):
     torch.manual_seed(1)
     model = Branchy()
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(2)
     loss_fn = nn.functional.cross_entropy
-    step = auto.make_step(model, loss_fn, _sgd(model), *_branchy_batch(g), rounds=1)
+    step = auto.make_step(model, loss_fn, _sgd(model), *branchy_batch(g), rounds=1)
     choice = step.auto_choice
     assert "hybrid" not in choice.medians and step.mode_chosen != "hybrid"
     assert choice.notes["hybrid"].startswith("not applicable (runs eagerly: cannot capture the training step")
     assert "control flow" in choice.notes["hybrid"] and "hybrid: not applicable" in step.auto_reason
     assert not [w for w in recwarn if issubclass(w.category, HybridizeWarning)]  # a note, not a warning
-    _train_beside_eager(step, model, reference, loss_fn, _branchy_batch, g)
+    _train_beside_eager(step, model, reference, loss_fn, branchy_batch, g)
 
 
 def test_a_captured_step_that_keeps_the_eager_step_is_left_out_with_its_reason(monkeypatch):

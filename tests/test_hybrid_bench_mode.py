@@ -18,17 +18,10 @@ from dlperf.hybrid import HybridizeWarning, TrainStep
 from dlperf.hybrid.bench_mode import make_step
 from dlperf.models import get_spec, model_names
 from dlperf.models.spec import unregister, user_network
+from support.training import Branchy, branchy_batch, reference_step
 
 STEPS = 12
 HEAVY = {"fcn-s", "alexnet-s", "resnet-50"}
-
-
-def _eager_step(model, loss_fn, optimizer, x, y):
-    optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
 
 
 def _train_side_by_side(make, model, loss_fn, make_batch, seed, *, steps=STEPS, tol=(1e-4, 1e-5), **make_kwargs):
@@ -44,27 +37,12 @@ def _train_side_by_side(make, model, loss_fn, make_batch, seed, *, steps=STEPS, 
     step = make(model, loss_fn, opt_h, ex, ey, **make_kwargs)
     for _ in range(steps):
         x, y = make_batch(g)
-        torch.testing.assert_close(step(x, y), _eager_step(eager, loss_fn, opt_e, x, y), rtol=rtol, atol=atol)
+        torch.testing.assert_close(step(x, y), reference_step(eager, loss_fn, opt_e, x, y), rtol=rtol, atol=atol)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)
     for b, c in zip(model.buffers(), eager.buffers()):
         torch.testing.assert_close(b, c)
     return step
-
-
-class Branchy(nn.Module):
-    """Data-dependent control flow: no graph can replay it."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.fc(x) if x.mean() > 0 else -self.fc(x)
-
-
-def _branchy_batch(g):
-    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
 
 
 # -- make_captured_step: what ``dlperf bench --mode hybrid`` times ---------------------------------------------
@@ -85,7 +63,7 @@ def test_the_hybrid_mode_step_trains_to_eagers_weights(name, backend):
 def test_a_model_that_cannot_be_captured_trains_eagerly_and_says_why():
     torch.manual_seed(0)
     with pytest.warns(HybridizeWarning, match="control flow"):
-        step = _train_side_by_side(get_mode("hybrid"), Branchy(), nn.functional.cross_entropy, _branchy_batch, 11)
+        step = _train_side_by_side(get_mode("hybrid"), Branchy(), nn.functional.cross_entropy, branchy_batch, 11)
     assert step.state == "eager" and step.runs_on == "eager"
     assert "control flow" in step.eager_reason and "\n" not in step.eager_reason
 
@@ -128,7 +106,7 @@ def test_hybrid_step_equals_eager_step(name):
 def test_uncapturable_model_falls_back_to_eager_with_warning():
     torch.manual_seed(0)
     with pytest.warns(HybridizeWarning, match="control flow"):
-        step = _train_side_by_side(make_step, Branchy(), nn.functional.cross_entropy, _branchy_batch, 0,
+        step = _train_side_by_side(make_step, Branchy(), nn.functional.cross_entropy, branchy_batch, 0,
                                    tol=(1.3e-6, 1e-5))
     assert step.hybrid_module.state == "eager"
 
