@@ -90,14 +90,6 @@ def hooks_installed() -> bool:
     return bool(_handles)
 
 
-def release_unused_hooks() -> bool:
-    """Remove the global torch hooks now if no engine tracks a tensor any more; whether none are left.
-
-    They otherwise go lazily, at a module call or optimizer step that finds nothing tracked: a caller
-    that refuses to run under global hooks (a captured training step) asks first."""
-    return _uninstall_if_unused()
-
-
 def _idle(var: Var) -> bool:
     # Read without the engine's lock, as a hint: only the pushing thread makes a variable busy, so
     # "idle" seen here stays true until it pushes again; a stale "busy" costs one needless wait.
@@ -187,7 +179,11 @@ def _install() -> None:
         ])
 
 
-def _uninstall_if_unused() -> bool:
+def release_unused_hooks() -> bool:
+    """Remove the global torch hooks now if no engine tracks a tensor any more; whether they went.
+
+    They go lazily otherwise, at a module call or optimizer step that finds nothing tracked: a caller
+    that refuses to run under global hooks (a captured training step) asks first."""
     if _any_tracked():
         return False
     with _LOCK:
@@ -198,7 +194,7 @@ def _uninstall_if_unused() -> bool:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if _uninstall_if_unused():
+    if release_unused_hooks():
         return
     _wait_for([p for group in optimizer.param_groups for p in group["params"]], True)
 
@@ -251,7 +247,7 @@ def _before_forward(module: nn.Module, args: tuple) -> None:
         _calls_until_check -= 1
         if _calls_until_check <= 0:
             _calls_until_check = _UNUSED_CHECK_EVERY
-            _uninstall_if_unused()
+            release_unused_hooks()
         return
     live = False
     for engine_ref, ext in tracked:
@@ -265,7 +261,7 @@ def _before_forward(module: nn.Module, args: tuple) -> None:
             _settle(engine, ext, True)
     if not live:  # its engines are closed: forget them here, and drop the hooks if nothing else needs them
         _by_module[module] = (_generation, [])
-        _uninstall_if_unused()
+        release_unused_hooks()
 
 
 def _after_forward(module: nn.Module, args: tuple, output: Any) -> None:
