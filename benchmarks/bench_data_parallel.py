@@ -57,8 +57,8 @@ from dlperf.devices import copy_to, cpu
 from dlperf.engine import create_engine
 from dlperf.models import get_spec
 from dlperf.parallel import DEFAULT_ALGORITHM, Trainer, algorithm_names, allreduce
-from dlperf.parallel.buckets import GradientBuckets
-from dlperf.parallel.lanes import EngineLanes, comm_lanes
+from dlperf.parallel.allreduce.lanes import EngineLanes, comm_lanes
+from dlperf.parallel.communication.buckets import GradientBuckets
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.replicas import replicate
 from dlperf.timing import time_steps

@@ -42,8 +42,8 @@ import torch
 from dlperf.devices import cpu
 from dlperf.models import get_spec
 from dlperf.parallel import Trainer
+from dlperf.parallel.communication.process_group import PROCESS_ALLREDUCE_ENV
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
-from dlperf.parallel.procs import PROCESS_ALLREDUCE_ENV
 from dlperf.timing import ContentionMonitor, Timing
 
 BATCH = 256

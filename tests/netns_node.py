@@ -78,9 +78,9 @@ def links_job() -> dict:
     import torch.distributed as dist
 
     from dlperf.parallel.allreduce.shm import host_allreduce_kind
+    from dlperf.parallel.communication.process_group import allreduce_across_processes, describe_process_allreduce
+    from dlperf.parallel.communication.process_links import choose_process_allreduce
     from dlperf.parallel.launchers import rank_host, rank_info
-    from dlperf.parallel.process_links import choose_process_allreduce
-    from dlperf.parallel.procs import allreduce_across_processes, describe_process_allreduce
 
     rank, world, _ = rank_info()
     torch.set_num_threads(1)
@@ -197,7 +197,7 @@ def fit_job(total: int) -> dict:
 
     from dlperf.devices import cpu
     from dlperf.parallel import Trainer
-    from dlperf.parallel.procs import last_exchange_report
+    from dlperf.parallel.communication.process_group import last_exchange_report
 
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)

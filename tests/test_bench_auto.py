@@ -15,7 +15,7 @@ from dlperf.bench import auto
 from dlperf.bench.modes import eager_step, mode_names
 from dlperf.cli import main
 from dlperf.models import get_spec
-from dlperf.parallel.plan import parse_plan
+from dlperf.parallel.planning.plan import parse_plan
 from dlperf.timing import Timing
 
 
@@ -77,7 +77,7 @@ import copy, torch
 from dlperf.bench import auto
 from dlperf.bench.modes import eager_step
 from dlperf.models import get_spec
-from dlperf.parallel.plan import parse_plan
+from dlperf.parallel.planning.plan import parse_plan
 auto.probe_compile_seconds = lambda *a: 0.0
 spec = get_spec("lenet")
 for name in ("compile", "channels-last + compile"):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dlperf.cli import main
-from dlperf.parallel.checkpoint import load_checkpoint
+from dlperf.parallel.training.checkpoint import load_checkpoint
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 SMALL = ["--train-size", "512", "--test-size", "128", "--batch-size", "64", "--lr", "0.1", "--no-progress"]

@@ -36,7 +36,7 @@ def _imported_modules(path: Path) -> set[str]:
 
 def test_the_import_scan_resolves_relative_imports():
     # the scan below must be able to fail: an import written relatively is named absolutely
-    assert {"dlperf._io.check_writable", "dlperf.parallel.checkpoint"} <= _imported_modules(
+    assert {"dlperf._io.check_writable", "dlperf.parallel.training.checkpoint"} <= _imported_modules(
         SRC / "parallel" / "training.py")
     assert "dlperf.cli.options" in _imported_modules(SRC / "cli" / "bench.py")
     assert "dlperf.cli.options.one_line" in _imported_modules(SRC / "cli" / "__init__.py")
@@ -67,7 +67,7 @@ def test_the_old_verb_modules_are_gone():
     ({"algorithm": "tree"}, "unknown allreduce algorithm 'tree'"),
 ])
 def test_train_config_refuses_what_the_cli_refuses_with_the_same_words(kwargs, message):
-    from dlperf.parallel.training import TrainConfig
+    from dlperf.parallel.training.run import TrainConfig
 
     with pytest.raises(UsageError) as info:
         TrainConfig(**kwargs)
@@ -88,8 +88,8 @@ def test_train_verb_passes_every_option_to_the_config():
 
 @pytest.mark.timeout(120)
 def test_library_training_records_every_epoch_without_the_cli(tmp_path):
-    from dlperf.parallel.checkpoint import load_checkpoint
-    from dlperf.parallel.training import TrainConfig, prepare, train
+    from dlperf.parallel.training.checkpoint import load_checkpoint
+    from dlperf.parallel.training.run import TrainConfig, prepare, train
 
     config = TrainConfig(devices="cpu:0,cpu:1", batch_size=50, epochs=2, train_size=200, test_size=50,
                          checkpoint=str(tmp_path / "ck.pt"))

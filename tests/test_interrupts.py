@@ -120,7 +120,7 @@ def _interrupt_training(tmp_path: Path, rng: random.Random) -> None:
     assert rc == 130, err
     assert took < 5.0, f"took {took:.1f} s to stop"
     assert "dlperf train: interrupted; " in err and "Traceback" not in err
-    from dlperf.parallel.checkpoint import load_checkpoint
+    from dlperf.parallel.training.checkpoint import load_checkpoint
 
     state = load_checkpoint(ck)
     assert len(state["history"]) >= 1
@@ -144,7 +144,7 @@ def test_ctrl_c_in_two_device_training_repeatedly(tmp_path):
 
 _SAVER = """
 import sys, torch
-from dlperf.parallel.checkpoint import save_checkpoint
+from dlperf.parallel.training.checkpoint import save_checkpoint
 path, n = sys.argv[1], 0
 big = torch.randn(4_000_000)  # 16 MB: a write takes long enough to be hit
 print("ready", flush=True)
@@ -158,7 +158,7 @@ while True:
 @pytest.mark.timeout(300)
 def test_sigkill_during_checkpoint_writes_keeps_the_previous_one_and_the_next_write_cleans_up(tmp_path):
     from dlperf._io import safe_torch_load
-    from dlperf.parallel.checkpoint import save_checkpoint
+    from dlperf.parallel.training.checkpoint import save_checkpoint
 
     ck = tmp_path / "run.pt"
     rng = random.Random(2)

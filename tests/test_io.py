@@ -324,8 +324,8 @@ def test_safe_torch_load_gives_one_line_naming_the_file(tmp_path, kind, match):
 
 def _checkpoint(tmp_path):
     from dlperf.devices import cpu
-    from dlperf.parallel.checkpoint import _CHECKPOINT_FORMAT
-    from dlperf.parallel.trainer import Trainer
+    from dlperf.parallel.training.checkpoint import _CHECKPOINT_FORMAT
+    from dlperf.parallel.training.trainer import Trainer
 
     with Trainer(torch.nn.Linear(3, 2), [cpu(0)], "sgd", {"lr": 0.1}) as trainer:
         trainer.train_step(torch.randn(4, 3), torch.randint(0, 2, (4,)))
@@ -337,7 +337,7 @@ def _checkpoint(tmp_path):
 
 
 def test_checkpoint_round_trip_and_mode(tmp_path):
-    from dlperf.parallel.checkpoint import load_checkpoint, save_checkpoint
+    from dlperf.parallel.training.checkpoint import load_checkpoint, save_checkpoint
 
     path = tmp_path / "ck.pt"
     state = _checkpoint(tmp_path)
@@ -361,7 +361,7 @@ def test_checkpoint_round_trip_and_mode(tmp_path):
     (lambda s: s["trainer"]["model"].update(w=[1, 2]), "not dicts of tensors"),
 ])
 def test_damaged_checkpoint_is_one_line(tmp_path, damage, match):
-    from dlperf.parallel.checkpoint import load_checkpoint
+    from dlperf.parallel.training.checkpoint import load_checkpoint
 
     state = _checkpoint(tmp_path)
     damage(state)

@@ -30,6 +30,14 @@ LAYERS: dict[str, int] = {
     "cli": 6,
 }
 
+# Inside dlperf.parallel, its sub-packages in the same one-way order, lowest first: the primitives at its root
+# (split, replicas, optimizers), allreduce among one process's devices, how processes start, what carries gradients
+# further (buckets, the process group, parameter servers), the strategies built from those, plans, and training,
+# which uses them all.
+PARALLEL_LAYERS: dict[str, int] = {
+    "": 0, "allreduce": 1, "launchers": 2, "communication": 3, "strategies": 4, "planning": 5, "training": 6,
+}
+
 # Cycles inside one package, by their modules, each with why it stays or what it waits for. A cycle that is
 # not (a subset of) an entry fails; so does an entry that no cycle matches any more.
 PACKAGE_CYCLES: dict[frozenset[str], str] = {
@@ -151,6 +159,28 @@ def upward(edge: Edge) -> bool:
     return layer_of(edge.importer) < layer_of(edge.imported)
 
 
+def parallel_part(module: str) -> str | None:
+    """The sub-package of dlperf.parallel a module lies in ('' for its root modules), None outside it."""
+    parts = module.split(".")
+    if parts[:2] != ["dlperf", "parallel"] or len(parts) == 2:
+        return None
+    return parts[2] if len(parts) > 3 or (PACKAGE / "parallel" / parts[2]).is_dir() else ""
+
+
+def test_every_parallel_part_has_a_layer():
+    parts = {parallel_part(m) for m in all_modules()} - {None}
+    assert parts <= set(PARALLEL_LAYERS), f"sub-packages of dlperf.parallel with no layer: {parts - set(PARALLEL_LAYERS)}"
+
+
+def test_no_import_runs_up_inside_parallel(graph):
+    def up(e: Edge) -> bool:
+        a, b = parallel_part(e.importer), parallel_part(e.imported)
+        return a is not None and b is not None and PARALLEL_LAYERS[a] < PARALLEL_LAYERS[b]
+
+    bad = sorted({e.where() for e in graph if up(e)})
+    assert not bad, "imports inside dlperf.parallel from a lower sub-package to a higher one:\n" + "\n".join(bad)
+
+
 def test_every_package_has_a_layer():
     for name in all_modules():
         layer_of(name)
@@ -260,7 +290,7 @@ def test_modules_and_constructors_stay_small():
     too_long = [f"{p.relative_to(SRC)}: {n} lines" for p in sorted(PACKAGE.rglob("*.py"))
                 if (n := len(p.read_text().splitlines())) > 800]
     assert not too_long, too_long
-    assert len((PACKAGE / "parallel" / "trainer.py").read_text().splitlines()) < 400
+    assert len((PACKAGE / "parallel" / "training" / "trainer.py").read_text().splitlines()) < 400
     crowded = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

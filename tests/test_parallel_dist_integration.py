@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dlperf.cli import main
-from dlperf.parallel.checkpoint import load_checkpoint
+from dlperf.parallel.training.checkpoint import load_checkpoint
 
 SMALL = ["--train-size", "512", "--test-size", "64", "--batch-size", "64", "--lr", "0.1", "--no-progress"]
 
@@ -29,7 +29,7 @@ SERVER_DIES = textwrap.dedent('''
     import torch
     from dlperf.kvstore import create_kvstore
     from dlperf.parallel.launchers import rank_info, rank_role
-    from dlperf.parallel.procs import join_processes
+    from dlperf.parallel.communication.process_group import join_processes
 
     out = sys.argv[1]
     axis = join_processes()
@@ -59,7 +59,7 @@ DIES_ONCE = textwrap.dedent('''
     import sys
     from dlperf.cli import main
     from dlperf.parallel.launchers import restart_count
-    from dlperf.parallel.trainer import Trainer
+    from dlperf.parallel.training.trainer import Trainer
 
     kill_at, marker = int(sys.argv[1]), sys.argv[2]
     original = Trainer.train_step
@@ -208,8 +208,8 @@ def _trainer_with_a_server(steps: int) -> list[torch.Tensor] | None:
     from dlperf.devices import cpu
     from dlperf.models import get_spec
     from dlperf.parallel import Trainer
+    from dlperf.parallel.communication.servers import serve_kvstore
     from dlperf.parallel.launchers import rank_role
-    from dlperf.parallel.servers import serve_kvstore
 
     if rank_role() == "server":
         serve_kvstore("dist_device_sync", "sgd", {"lr": 0.1})

@@ -16,7 +16,7 @@ from dlperf.engine import load_trace
 from dlperf.kvstore import create_kvstore
 from dlperf.models import get_spec
 from dlperf.parallel import DataParallel, Trainer
-from dlperf.parallel.timeline import comm_overlap
+from dlperf.parallel.training.timeline import comm_overlap
 
 
 def _lenet_batch(n: int, seed: int = 0):

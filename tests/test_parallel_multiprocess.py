@@ -16,8 +16,8 @@ from dlperf.devices import cpu
 from dlperf.errors import UsageError
 from dlperf.models import get_spec
 from dlperf.parallel import Trainer
+from dlperf.parallel.communication.process_group import local_parts
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
-from dlperf.parallel.procs import local_parts
 
 BATCH = 16
 STEPS = 3

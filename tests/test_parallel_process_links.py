@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dlperf.errors import UsageError
+from dlperf.parallel.communication.process_group import PROCESS_ALLREDUCE_ENV, describe_process_allreduce
+from dlperf.parallel.communication.process_links import LINK_PROBE_ENV, ProcessChoice, probe_again_requested
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
-from dlperf.parallel.process_links import LINK_PROBE_ENV, ProcessChoice, probe_again_requested
-from dlperf.parallel.procs import PROCESS_ALLREDUCE_ENV, describe_process_allreduce
 from dlperf.probe.cache import ProbeCacheError
 from dlperf.probe.cost import Link
 from dlperf.probe.links import load_links, parse_links, save_links
@@ -142,8 +142,8 @@ def test_bad_settings_give_one_clear_error(monkeypatch):
 def _choice_worker() -> dict:
     import torch.distributed as dist
 
-    from dlperf.parallel.process_links import choose_process_allreduce
-    from dlperf.parallel.procs import allreduce_across_processes
+    from dlperf.parallel.communication.process_group import allreduce_across_processes
+    from dlperf.parallel.communication.process_links import choose_process_allreduce
 
     rank = rank_info().rank
     torch.set_num_threads(1)

@@ -12,7 +12,7 @@ from dlperf.cli import main
 from dlperf.devices import cpu
 from dlperf.parallel import Trainer
 from dlperf.parallel.optimizers import make_optimizer
-from dlperf.parallel.resume import trainer_state_problem
+from dlperf.parallel.training.resume import trainer_state_problem
 
 SMALL = ["--train-size", "300", "--test-size", "100", "--batch-size", "100", "--no-progress", "--devices",
          "cpu:0,cpu:1", "--lr", "0.2"]

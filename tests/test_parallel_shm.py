@@ -336,7 +336,7 @@ def _across_worker() -> dict:
     import torch.distributed as dist
 
     from dlperf.parallel.allreduce import shm
-    from dlperf.parallel.procs import PROCESS_ALLREDUCE_ENV, allreduce_across_processes
+    from dlperf.parallel.communication.process_group import PROCESS_ALLREDUCE_ENV, allreduce_across_processes
 
     rank = rank_info().rank
     x = _input(7, rank, 1003, torch.float32)

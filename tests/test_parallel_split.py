@@ -174,7 +174,7 @@ def test_a_tuple_batch_elsewhere_than_the_devices_is_one_batch():
 
 @pytest.mark.parametrize("n,world,rank,k", [(10, 2, 1, 2), (10, 2, 0, 2), (7, 3, 2, 1), (9, 2, 1, 3)])
 def test_split_step_across_processes_takes_the_local_parts_of_a_structure(n, world, rank, k):
-    from dlperf.parallel.procs import local_parts
+    from dlperf.parallel.communication.process_group import local_parts
     from dlperf.parallel.split import split_step
 
     X = {"ids": torch.arange(n * 2).reshape(n, 2), "tag": "t"}

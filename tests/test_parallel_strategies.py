@@ -13,7 +13,7 @@ from dlperf.devices import cpu, gpu
 from dlperf.errors import UsageError
 from dlperf.parallel import Trainer
 from dlperf.parallel.strategies import STRATEGIES, Strategy, choose_strategy, create_strategy
-from dlperf.parallel.trainer import TrainerConfig
+from dlperf.parallel.training.trainer import TrainerConfig
 
 
 @pytest.mark.parametrize("options,name", [

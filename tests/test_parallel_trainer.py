@@ -12,7 +12,7 @@ from dlperf.devices import copy_to, cpu, gpu
 from dlperf.errors import DeviceMismatchError, DeviceUnavailableError, UsageError
 from dlperf.models import get_spec
 from dlperf.parallel import Trainer, split_and_load
-from dlperf.parallel.trainer import make_optimizer
+from dlperf.parallel.training.trainer import make_optimizer
 
 ALGORITHMS = ["naive", "cpu", "sharded", "ring"]
 
@@ -398,7 +398,7 @@ def test_check_finite_stops_before_a_nan_loss_reaches_the_weights(kind):
         with pytest.raises(Exception, match=expected) as info:
             trainer.train_step(bad, y)
         from dlperf.errors import DlperfError
-        from dlperf.parallel.trainer import NonFiniteError
+        from dlperf.parallel.training.trainer import NonFiniteError
 
         assert isinstance(info.value, NonFiniteError) and isinstance(info.value, DlperfError)
         assert trainer.steps == 1
@@ -438,8 +438,8 @@ def test_check_finite_catches_a_nan_gradient_with_a_finite_loss(k):
 
 def test_epoch_record_says_since_which_step_the_loss_was_not_finite():
     from dlperf.data.loader import ArrayLoader
-    from dlperf.parallel.training import epoch_line as _epoch_line
-    from dlperf.parallel.training import train_epochs
+    from dlperf.parallel.training.run import epoch_line as _epoch_line
+    from dlperf.parallel.training.run import train_epochs
 
     torch.manual_seed(0)
     images = torch.rand(40, 28, 28)

@@ -15,10 +15,10 @@ from torch import nn
 from dlperf.devices import cpu
 from dlperf.errors import UsageError
 from dlperf.parallel import Trainer
-from dlperf.parallel.plan import EXECUTIONS, Execution, Plan, parse_plan, register_execution
-from dlperf.parallel.plan_cache import MAX_BYTES, default_cache_path
-from dlperf.parallel.planner import CandidateRun, PlannerOptions, search
-from dlperf.parallel.planning import plan_for
+from dlperf.parallel.planning.plan import EXECUTIONS, Execution, Plan, parse_plan, register_execution
+from dlperf.parallel.planning.plan_cache import MAX_BYTES, default_cache_path
+from dlperf.parallel.planning.planner import CandidateRun, PlannerOptions, search
+from dlperf.parallel.training.planned import plan_for
 
 LR = 0.05
 QUICK = PlannerOptions(rounds=2, steps=2, warmup=1, use_cache=False)
@@ -291,7 +291,7 @@ def test_a_cache_others_can_write_is_not_trusted(capsys):
 
 def test_gpu_plans_write_the_gpu_choices_and_mixed_precision_only_when_allowed():
     from dlperf.devices import Device
-    from dlperf.parallel.planner import enumerate_plans
+    from dlperf.parallel.planning.planner import enumerate_plans
 
     gpus = [Device("gpu", 0), Device("gpu", 1)]
     X, y = fresh_batches(1, 0)[0]
@@ -326,7 +326,7 @@ def test_a_candidate_that_fails_is_dropped_not_measured_as_another_plan(capsys):
 
 
 def test_the_cache_keeps_the_newest_entries_only(monkeypatch):
-    from dlperf.parallel import plan_cache
+    from dlperf.parallel.planning import plan_cache
 
     monkeypatch.setattr(plan_cache, "MAX_ENTRIES", 2)
     for i, key in enumerate(("a", "b", "c")):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from dlperf.parallel.plan import Plan
-from dlperf.parallel.plan_cache import (
+from dlperf.parallel.planning.plan import Plan
+from dlperf.parallel.planning.plan_cache import (
     cached_plan,
     default_cache_path,
     processes_offer,

@@ -13,9 +13,9 @@ from torch import nn
 from dlperf.devices import cpu
 from dlperf.errors import UsageError
 from dlperf.parallel import Trainer
-from dlperf.parallel.plan import parse_plan
-from dlperf.parallel.planner import PlannerOptions, _decide
-from dlperf.parallel.planning import plan_for
+from dlperf.parallel.planning.plan import parse_plan
+from dlperf.parallel.planning.planner import PlannerOptions, _decide
+from dlperf.parallel.training.planned import plan_for
 
 OPTIMIZERS = {"sgd-momentum": ("sgd", {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}),
               "adam": ("adam", {"lr": 1e-3})}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dlperf.cli import main
-from dlperf.parallel.checkpoint import load_checkpoint
+from dlperf.parallel.training.checkpoint import load_checkpoint
 
 SMALL = ["--train-size", "600", "--test-size", "200", "--batch-size", "100", "--no-progress"]
 

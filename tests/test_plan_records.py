@@ -14,8 +14,8 @@ from torch import nn
 
 from dlperf.devices import cpu
 from dlperf.parallel import Trainer
-from dlperf.parallel.plan import Plan
-from dlperf.parallel.plan_cache import (
+from dlperf.parallel.planning.plan import Plan
+from dlperf.parallel.planning.plan_cache import (
     cached_plan,
     default_cache_path,
     processes_offer,
@@ -24,8 +24,8 @@ from dlperf.parallel.plan_cache import (
     save_processes_offer,
     save_setup,
 )
-from dlperf.parallel.plan_processes import measuring_processes
-from dlperf.parallel.planner import CandidateRun, PlannerOptions, search
+from dlperf.parallel.planning.planner import CandidateRun, PlannerOptions, search
+from dlperf.parallel.planning.process_plans import measuring_processes
 
 ONE_ROUND = PlannerOptions(rounds=1, steps=2, warmup=1, cores=2, executions=("eager",))
 
@@ -114,7 +114,7 @@ def test_a_warm_setup_measured_after_a_cold_one_keeps_the_cold_figure():
 
 
 def test_a_setup_record_past_its_age_is_replaced_by_the_next_one_measured():
-    from dlperf.parallel.plan_cache import SETUP_RECORD_MAX_AGE_S, setup_record
+    from dlperf.parallel.planning.plan_cache import SETUP_RECORD_MAX_AGE_S, setup_record
 
     long_ago = time.time() - SETUP_RECORD_MAX_AGE_S - 60
     write({"format": 1, "plans": {}, "setups": {"s1": {"seconds": 150.0, "saved": long_ago}}})
@@ -179,7 +179,7 @@ def test_a_bad_offer_is_ignored_with_one_line(capsys):
 
 
 def test_full_sections_stay_inside_the_files_size_limit(monkeypatch):
-    from dlperf.parallel import plan_cache
+    from dlperf.parallel.planning import plan_cache
 
     # every section at its most, each plan with its most alternatives: the file still reads back
     plan = Plan(replicas=2, threads=1, launcher="processes").with_figures(

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from dlperf.devices import cpu
-from dlperf.parallel.plan import Plan
-from dlperf.parallel.planner import (
+from dlperf.parallel.planning.plan import Plan
+from dlperf.parallel.planning.planner import (
     FEW_ROUNDS_GAIN,
     MIN_GAIN,
     CandidateRun,
@@ -148,8 +148,8 @@ def test_planning_stays_inside_its_budget_when_builds_and_steps_are_slow():
 
 
 def test_a_slow_first_call_is_predicted_for_a_whole_step_execution():
-    from dlperf.parallel.plan import EXECUTIONS
-    from dlperf.parallel.planner import WHOLE_STEP_FIRST_CALL_STEPS, _Session
+    from dlperf.parallel.planning.plan import EXECUTIONS
+    from dlperf.parallel.planning.planner import WHOLE_STEP_FIRST_CALL_STEPS, _Session
 
     reference = Measurement(Plan(replicas=1, threads=2), by_round={0: 100.0})
     captured = Measurement(Plan(replicas=1, threads=2, execution="captured"))
@@ -177,7 +177,7 @@ def test_a_short_run_still_measures_one_round_of_each_candidate():
 
 
 def test_the_budgets_floor_is_capped_by_the_default():
-    from dlperf.parallel.planner import DEFAULT_BUDGET_S, _run_budget, _Session
+    from dlperf.parallel.planning.planner import DEFAULT_BUDGET_S, _run_budget, _Session
 
     reference = Measurement(Plan(replicas=1, threads=2), by_round={0: 1000.0})
     found = [reference] + [Measurement(Plan(replicas=1, threads=1, step_thread="caller")) for _ in range(20)]
@@ -249,8 +249,8 @@ def first_step_slow(setup_s: float, step_s: float, built: list[Plan]):
 def search_after_a_50s_compile(budget_s: float, age_days: float | None = None) -> tuple[PlanDecision, list[Plan], str]:
     """A search of :func:`small_cnn`'s executions within ``budget_s`` after a 50 s compile setup was recorded for
     it (made to look ``age_days`` old when given): the decision, the plans built and the record's key."""
-    from dlperf.parallel.plan_cache import save_setup
-    from dlperf.parallel.planner import _setup_key
+    from dlperf.parallel.planning.plan_cache import save_setup
+    from dlperf.parallel.planning.planner import _setup_key
 
     model, batch, devices = small_cnn(), one_batch(), [cpu(0), cpu(1)]
     key = _setup_key(model, batch, devices, "compile")
@@ -282,8 +282,8 @@ def test_a_compile_whose_recorded_setup_exceeds_the_budget_left_is_not_started()
 
 
 def test_a_measured_compile_setup_is_recorded_and_predicts_the_next_search():
-    from dlperf.parallel.plan_cache import recorded_setup_s
-    from dlperf.parallel.planner import _setup_key
+    from dlperf.parallel.planning.plan_cache import recorded_setup_s
+    from dlperf.parallel.planning.planner import _setup_key
 
     model, batch, devices = small_cnn(), one_batch(), [cpu(0), cpu(1)]
     built: list[Plan] = []
@@ -312,7 +312,7 @@ def test_a_measured_compile_setup_is_recorded_and_predicts_the_next_search():
 def test_the_setup_guess_scales_with_the_layers():
     from torch import nn
 
-    from dlperf.parallel.plan import EXECUTIONS, layer_count
+    from dlperf.parallel.planning.plan import EXECUTIONS, layer_count
 
     compile_ = EXECUTIONS.get("compile")
     assert layer_count(small_cnn()) == 4 and compile_.setup_guess_s(small_cnn()) == pytest.approx(20.0)
@@ -323,8 +323,8 @@ def test_the_setup_guess_scales_with_the_layers():
 
 
 def test_a_warm_compile_after_a_cold_one_keeps_the_cold_setup_for_the_next_search():
-    from dlperf.parallel.plan_cache import recorded_setup_s
-    from dlperf.parallel.planner import _setup_key
+    from dlperf.parallel.planning.plan_cache import recorded_setup_s
+    from dlperf.parallel.planning.planner import _setup_key
 
     model, batch, devices = small_cnn(), one_batch(), [cpu(0), cpu(1)]
     key = _setup_key(model, batch, devices, "compile")
@@ -347,7 +347,7 @@ def age_setup_record(key: str, days: float) -> None:
     import json
     import os
 
-    from dlperf.parallel.plan_cache import default_cache_path
+    from dlperf.parallel.planning.plan_cache import default_cache_path
 
     path = default_cache_path()
     with open(path) as f:
@@ -359,7 +359,7 @@ def age_setup_record(key: str, days: float) -> None:
 
 
 def test_a_recorded_setup_past_its_age_no_longer_keeps_compile_out():
-    from dlperf.parallel.plan_cache import SETUP_RECORD_MAX_AGE_S, recorded_setup_s
+    from dlperf.parallel.planning.plan_cache import SETUP_RECORD_MAX_AGE_S, recorded_setup_s
 
     # one loaded first compile (50 s), more than the 40 s budget, recorded a day longer ago than trusted
     decision, built, key = search_after_a_50s_compile(40, age_days=SETUP_RECORD_MAX_AGE_S / 86400 + 1)
@@ -371,7 +371,7 @@ def test_a_recorded_setup_past_its_age_no_longer_keeps_compile_out():
 
 
 def test_an_expired_record_gives_way_to_the_guess_and_the_skip_line_says_so():
-    from dlperf.parallel.plan_cache import SETUP_RECORD_MAX_AGE_S
+    from dlperf.parallel.planning.plan_cache import SETUP_RECORD_MAX_AGE_S
 
     days = SETUP_RECORD_MAX_AGE_S / 86400
     decision, built, _ = search_after_a_50s_compile(10, age_days=days + 1)

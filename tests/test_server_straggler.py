@@ -17,9 +17,9 @@ from torch import nn
 
 from dlperf.devices import cpu
 from dlperf.parallel import Trainer
+from dlperf.parallel.communication.process_group import ExchangeRow, last_exchange_report
+from dlperf.parallel.communication.servers import ServerExchangeReport, ServerRow, serve_kvstore
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
-from dlperf.parallel.procs import ExchangeRow, last_exchange_report
-from dlperf.parallel.servers import ServerExchangeReport, ServerRow, serve_kvstore
 
 pytestmark = pytest.mark.distributed
 STEPS = 8

@@ -17,9 +17,9 @@ from torch import nn
 from dlperf.devices import cpu
 from dlperf.engine.trace import load_trace
 from dlperf.parallel import Trainer
+from dlperf.parallel.communication.process_group import ExchangeReport, ExchangeRow, last_exchange_report
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
-from dlperf.parallel.procs import ExchangeReport, ExchangeRow, last_exchange_report
-from dlperf.parallel.timeline import EXCHANGES_PROCESS
+from dlperf.parallel.training.timeline import EXCHANGES_PROCESS
 
 pytestmark = pytest.mark.distributed
 STEPS = 8

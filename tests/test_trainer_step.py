@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from dlperf._threads import intra_op_threads
 from dlperf.devices import cpu
 from dlperf.parallel import Trainer
-from dlperf.parallel.plan import parse_plan
+from dlperf.parallel.planning.plan import parse_plan
 
 LR = 0.05
 

@@ -6,9 +6,13 @@ Below every capability: the benchmark (``machine_info``), the hardware probe (it
 
 from __future__ import annotations
 
+import os
 import platform
 
-__all__ = ["cpu_model", "host_memory", "read_meminfo"]
+__all__ = ["cpu_model", "host_memory", "read_meminfo", "rank_host", "HOST_ENV"]
+
+HOST_ENV = "DLPERF_HOST"
+"""Set by :class:`~dlperf.parallel.launchers.ProcessLauncher` in every worker: see :func:`rank_host`."""
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -44,3 +48,16 @@ def host_memory(meminfo: str = "/proc/meminfo") -> tuple[int | None, int | None]
     if "MemTotal" not in fields or "MemAvailable" not in fields:
         return None, None
     return fields["MemTotal"], fields["MemTotal"] - fields["MemAvailable"]
+
+
+def rank_host() -> str:
+    """The host of the calling worker as the launch knows it, the same string on every rank of that host.
+
+    Under a :class:`~dlperf.parallel.launchers.ProcessLauncher` over several nodes it is the host name
+    and the address the node reaches the others from (``"name (10.0.0.2)"``): hosts that share a name,
+    as network namespaces or cloned machines do, are still told apart, and only ranks of one host are
+    taken to share memory. Elsewhere it is the host name.
+    """
+    import socket
+
+    return os.environ.get(HOST_ENV) or socket.gethostname()

@@ -50,7 +50,7 @@ from ..timing import Timing, time_steps
 from .modes import StepFn, compiled_step, eager_step
 
 if TYPE_CHECKING:
-    from ..parallel.plan import Plan
+    from ..parallel.planning.plan import Plan
 
 __all__ = ["make_step", "AutoChoice", "choose", "plan_variant", "COMPILE_BOUND_S", "HYBRID_BACKEND", "MIN_GAIN",
            "USE_PLANNER"]
@@ -192,7 +192,7 @@ def probe_compile_seconds(model: nn.Module, loss_fn: Callable, x: torch.Tensor, 
 
 
 def plan_variant(plan: Plan, threads: int, loss_fn: Callable) -> tuple[str, Builder]:
-    """The candidate that runs ``plan`` (a :class:`~dlperf.parallel.plan.Plan`) in a cell of ``threads``."""
+    """The candidate that runs ``plan`` (a :class:`~dlperf.parallel.planning.plan.Plan`) in a cell of ``threads``."""
     if plan.replicas == 1 and plan.execution in ("eager", "compile"):
         inner = eager_step if plan.execution == "eager" else compiled_step
         if plan.memory_format == "channels_last":
@@ -210,8 +210,8 @@ def plan_variant(plan: Plan, threads: int, loss_fn: Callable) -> tuple[str, Buil
 def _trainer_step(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable) -> StepFn:
     """A Trainer following ``plan`` on ``model`` (its replicas share the cores), stepping as a bench step does."""
     from ..devices import cpu
-    from ..parallel.trainer import Trainer
-    from ..parallel.trainer_config import TrainerConfig
+    from ..parallel.training.trainer import Trainer
+    from ..parallel.training.trainer_config import TrainerConfig
 
     config = TrainerConfig("sgd", {"lr": optimizer.defaults.get("lr", 0.01)}, loss=loss_fn, plan=plan,
                            processes=None, check_finite=False)

@@ -1,7 +1,7 @@
 """The planner's decision for a report: what ``dlperf bench --mode auto`` and ``dlperf profile`` suggest.
 
 ``dlperf train --plan auto``, ``bench --mode auto`` and ``profile`` ask one planner
-(:func:`dlperf.parallel.planning.plan_for`) the same question, for one model and batch on this machine's
+(:func:`dlperf.parallel.training.planned.plan_for`) the same question, for one model and batch on this machine's
 CPU cores: the same enumeration, pricing and measurement, and the same plan cache, so whichever runs
 first measures and the others start at once with the same plan. The call here is the one ``dlperf train
 --model ... --plan auto`` makes on its default device (``cpu:0``, every usable core): a report does not
@@ -19,9 +19,9 @@ from torch import nn
 
 from ..batch import call_model, tensors_of
 from ..devices import cpu
-from ..parallel.plan import Plan
-from ..parallel.planner import PlanDecision, PlannerOptions, usable_cores
-from ..parallel.planning import plan_for
+from ..parallel.planning.plan import Plan
+from ..parallel.planning.planner import PlanDecision, PlannerOptions, usable_cores
+from ..parallel.training.planned import plan_for
 from ..probe.profile import PlanAdvice, Suggestion
 
 __all__ = ["report_plan", "plan_advice", "REPORT_RUN_STEPS", "REPORT_BUDGET_S"]

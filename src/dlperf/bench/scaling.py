@@ -85,7 +85,7 @@ def measure_scaling(network: str, devices: Sequence[Device], *, steps: int, warm
     """
     from ..models import get_spec
     from ..parallel import Trainer
-    from ..parallel.lanes import thread_budget
+    from ..parallel.allreduce.lanes import thread_budget
 
     spec = get_spec(network)
     batch = global_batch or GLOBAL_BATCH[network]
@@ -124,7 +124,7 @@ def row_floor(floors: Any, network: str, batch: int, devs: Sequence[Device], mea
     """A row's floor fields: each device does 1/k of the step, then the gradients are allreduced
     with the Trainer's algorithm; each logical CPU device is priced at its share of the cores."""
     from ..parallel.allreduce import DEFAULT_ALGORITHM
-    from ..parallel.lanes import thread_budget
+    from ..parallel.allreduce.lanes import thread_budget
     from .runner import describe_failure
 
     empty = {"floor_s": None, "floor_components": None, "floor_bottleneck": None, "measured_over_floor": None,

@@ -14,7 +14,7 @@ import json
 
 from .._cliargs import one_line
 from ..engine.trace import format_summary, load_trace
-from ..parallel.timeline import comm_overlap
+from ..parallel.training.timeline import comm_overlap
 
 __all__ = ["register", "run"]
 

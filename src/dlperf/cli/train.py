@@ -12,7 +12,7 @@ test accuracy and the training seconds, and the last line reads like d2l's
 batch, the first process prints and writes the checkpoint.
 
 ``--plan auto`` measures the plans valid for the model, batch and devices on the first batch (replicas x
-threads, layout, ...: :mod:`dlperf.parallel.planner`) and trains on the fastest, printing it first; ``--plan
+threads, layout, ...: :mod:`dlperf.parallel.planning.planner`) and trains on the fastest, printing it first; ``--plan
 1x2,channels-last`` pins one. A plan whose replicas are processes (``2x1,processes``, pinned or chosen by
 ``auto``) trains as that many processes, as ``--nproc-per-node`` would, and a checkpoint of one resumes so.
 ``--model pkg.module:factory`` and ``--data pkg.module:factory`` train your own
@@ -30,7 +30,7 @@ from dataclasses import fields
 
 from ..errors import UsageError
 from ..parallel.allreduce import DEFAULT_ALGORITHM, algorithm_names
-from ..parallel.training import (
+from ..parallel.training.run import (
     MAX_BATCH,
     MAX_BUCKET_BYTES,
     MAX_EPOCHS,
@@ -128,7 +128,7 @@ def data_source(text: str) -> str:
 
 def plan_option(text: str) -> object:
     """``auto`` or a plan's name, checked now (one line, exit 2)."""
-    from ..parallel.plan import parse_plan
+    from ..parallel.planning.plan import parse_plan
 
     if text == "auto":
         return text
@@ -139,7 +139,7 @@ def plan_option(text: str) -> object:
 
 
 def train_config(args: argparse.Namespace, processes: int | None = None) -> TrainConfig:
-    """The parsed options as a :class:`~dlperf.parallel.training.TrainConfig` (which checks them).
+    """The parsed options as a :class:`~dlperf.parallel.training.run.TrainConfig` (which checks them).
 
     Every option named like a config field is passed on, so a new option needs only its field and its
     ``add_argument``. ``processes``: how many will train (default: as this process was started).
@@ -151,7 +151,7 @@ def train_config(args: argparse.Namespace, processes: int | None = None) -> Trai
 def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int = 0) -> TrainConfig:
     """Check the options for ``processes`` processes (``num_servers`` of them parameter servers) before they
     start: a mistake is one line, not one a process."""
-    from ..parallel.procs import check_process_settings
+    from ..parallel.communication.process_group import check_process_settings
     from ..parallel.strategies import choose_strategy
     from .train_factory import uses_factories
 
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _process_plan(plan: object):
     """``plan`` when it runs its replicas as processes, else None."""
-    from ..parallel.plan import Plan
+    from ..parallel.planning.plan import Plan
 
     return plan if isinstance(plan, Plan) and plan.launcher == "processes" else None
 
@@ -202,8 +202,8 @@ def _runs_as(plan: object, processes: int) -> bool:
 
 def _recorded_process_plan(resume: str | None):
     """The checkpoint's plan when it ran as processes (resuming starts as many), else None."""
-    from ..parallel.checkpoint import load_checkpoint
-    from ..parallel.plan import Plan
+    from ..parallel.planning.plan import Plan
+    from ..parallel.training.checkpoint import load_checkpoint
 
     if resume is None:
         return None
@@ -227,10 +227,10 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = None) -> int:
+    from ..parallel.communication.process_group import last_exchange_report
+    from ..parallel.communication.servers import is_server_rank, server_ranks
     from ..parallel.launchers import rank_info
-    from ..parallel.procs import last_exchange_report
-    from ..parallel.servers import is_server_rank, server_ranks
-    from ..parallel.training import serve
+    from ..parallel.training.run import serve
 
     if config.processes is None:
         config.processes = rank_info().world_size
@@ -277,9 +277,9 @@ def _choose_plan(config: TrainConfig, state: TrainState, plan: object) -> object
 
     import torch
 
-    from ..parallel.plan import EXECUTIONS, Plan
-    from ..parallel.planner import PlannerOptions
-    from ..parallel.planning import plan_for
+    from ..parallel.planning.plan import EXECUTIONS, Plan
+    from ..parallel.planning.planner import PlannerOptions
+    from ..parallel.training.planned import plan_for
 
     if isinstance(plan, Plan):  # a plan by name leaves the store and algorithm to the run's options
         plan = plan.filled(algorithm=config.algorithm, bucket_bytes=config.bucket_bytes, kvstore=config.kvstore)
@@ -320,7 +320,7 @@ def _launch_plan(config: TrainConfig, as_json: bool, no_progress: bool, plan) ->
     """Train ``config`` as the ``plan``'s processes (the plan ``--plan auto`` chose in this process)."""
     import dataclasses
 
-    from ..parallel.procs import check_process_settings
+    from ..parallel.communication.process_group import check_process_settings
     from .launch import DEFAULT_TIMEOUT_S, start
 
     n = plan.replicas
@@ -333,7 +333,7 @@ def _launch_plan(config: TrainConfig, as_json: bool, no_progress: bool, plan) ->
 
 
 def _quiet(config: TrainConfig, plan: object = None) -> int:
-    from ..parallel.plan import Plan
+    from ..parallel.planning.plan import Plan
 
     if isinstance(plan, Plan):  # the plan rank 0 names (printed there), for this rank's Trainer too
         config.plan = plan.filled(algorithm=config.algorithm, bucket_bytes=config.bucket_bytes,

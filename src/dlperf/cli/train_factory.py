@@ -75,9 +75,9 @@ def run_factories(args: argparse.Namespace) -> int:
 
     from ..models import get_spec
     from ..parallel import Trainer
-    from ..parallel.planner import PlannerOptions
-    from ..parallel.planning import plan_for
-    from ..parallel.training import epoch_line, train_epochs
+    from ..parallel.planning.planner import PlannerOptions
+    from ..parallel.training.planned import plan_for
+    from ..parallel.training.run import epoch_line, train_epochs
     from ..probe.targets import build_model
 
     for flag, given in (("--checkpoint", args.checkpoint), ("--resume", args.resume),

@@ -11,12 +11,12 @@ process, or processes on one or several hosts through torch's elastic agent:
 from __future__ import annotations
 
 from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, algorithm_names, allreduce, get_algorithm
-from .data_parallel import DataParallel
-from .evaluate import evaluate_accuracy
-from .lanes import EngineLanes, engine_lanes, thread_budget
+from .allreduce.lanes import EngineLanes, engine_lanes, thread_budget
 from .replicas import broadcast_buffers, broadcast_parameters, max_replica_difference, replicate
 from .split import check_devices, split_and_load, split_batch, split_sizes
-from .trainer import Trainer
+from .training.data_parallel import DataParallel
+from .training.evaluate import evaluate_accuracy
+from .training.trainer import Trainer
 
 __all__ = [
     "split_and_load", "split_batch", "split_sizes", "check_devices",

@@ -171,7 +171,8 @@ def split_step(X: Batch, y: Batch, devices: Sequence[Device], world: int = 1,
 
     In one process ``X`` and ``y`` are one batch (split near-evenly) or lists of one part per device,
     placed already (:func:`check_placed`). Across ``world`` processes they are the global batch, the
-    same in every process, and process ``rank`` takes its slice (:func:`~dlperf.parallel.procs.local_parts`).
+    same in every process, and process ``rank`` takes its slice
+    (:func:`~dlperf.parallel.communication.process_group.local_parts`).
     """
     k = len(devices)
     if world == 1 and isinstance(X, torch.Tensor) and isinstance(y, torch.Tensor) and X.dim() > 0 and \

@@ -198,7 +198,7 @@ def parse_link(text: str) -> tuple[Link, bool]:
 def saved_between_hosts(directory: str | None = None) -> tuple[Link, int, str] | None:
     """The newest saved gloo fit of a layout spanning several hosts: (fit of one allreduce, world, path), or None.
 
-    The fit is of a whole allreduce among ``world`` ranks (what :mod:`dlperf.parallel.process_links`
+    The fit is of a whole allreduce among ``world`` ranks (what :mod:`dlperf.parallel.communication.process_links`
     measures), not of one message; :func:`dlperf.probe.projection.link_from_allreduce` converts it.
     """
     import glob

@@ -31,7 +31,7 @@ def read_hardware(source: str):
     """
     import dataclasses
 
-    from ..probe.cost import Hardware
+    from .cost import Hardware
 
     if source.startswith("seed:"):
         return Hardware.from_seed(source[5:])

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ..lanes import EngineLanes
 from . import host, naive, ring, sharded  # noqa: F401  (registers the algorithms)
 from .auto import AutoAllreduce, choose_algorithm  # registers "auto" after the algorithms it chooses among
 from .base import (
@@ -33,6 +32,7 @@ from .base import (
     register_algorithm,
     run_sequential,
 )
+from .lanes import EngineLanes
 from .shm import ShmAllreduce, ShmAllreduceError, ShmUnavailableError, host_allreduce_
 
 __all__ = ["allreduce", "AllreduceAlgorithm", "DEFAULT_ALGORITHM", "algorithm_names", "get_algorithm",

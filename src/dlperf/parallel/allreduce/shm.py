@@ -603,7 +603,7 @@ _plans_lock = threading.Lock()
 def _host_label() -> str:
     # The launch's label for this host (name and address across nodes), not the bare host name:
     # network namespaces and cloned machines share names but not memory.
-    from ..launchers.launcher import rank_host
+    from ...machine import rank_host
 
     return rank_host()
 

@@ -15,12 +15,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ...errors import DlperfError
+from ...machine import HOST_ENV, rank_host
 
 __all__ = ["DEFAULT_ROLE", "HOST_ENV", "Launcher", "LaunchError", "RankInfo", "checkpoint_path", "rank_host",
            "rank_info", "rank_role", "restart_count"]
 
-HOST_ENV = "DLPERF_HOST"
-"""Set by :class:`~dlperf.parallel.launchers.ProcessLauncher` in every worker: see :func:`rank_host`."""
 
 DEFAULT_ROLE = "worker"
 """The role of a rank nobody gave another one (a KVStore's server processes are ``"server"``)."""
@@ -80,17 +79,6 @@ def rank_role() -> str:
     return os.environ.get("DLPERF_ROLE") or DEFAULT_ROLE
 
 
-def rank_host() -> str:
-    """The host of the calling worker as the launch knows it, the same string on every rank of that host.
-
-    Under a :class:`~dlperf.parallel.launchers.ProcessLauncher` over several nodes it is the host name
-    and the address the node reaches the others from (``"name (10.0.0.2)"``): hosts that share a name,
-    as network namespaces or cloned machines do, are still told apart, and only ranks of one host are
-    taken to share memory. Elsewhere it is the host name.
-    """
-    import socket
-
-    return os.environ.get(HOST_ENV) or socket.gethostname()
 
 
 def restart_count() -> int:

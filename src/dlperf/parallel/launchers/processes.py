@@ -36,6 +36,7 @@ from ..._hostmem import keep_freed_host_memory
 from ..._io import check_writable
 from ..._threads import ServiceThread, cleanup_step
 from ...errors import UsageError
+from ...machine import HOST_ENV
 from .faults import (
     FailureRecord,
     FaultBoard,
@@ -47,7 +48,7 @@ from .faults import (
     set_parent_death_signal,
 )
 from .launch_config import MAX_TIMEOUT_S, MIN_TIMEOUT_S, LaunchConfig
-from .launcher import DEFAULT_ROLE, HOST_ENV, Launcher, LaunchError, rank_info
+from .launcher import DEFAULT_ROLE, Launcher, LaunchError, rank_info
 from .parent import ParentState
 
 __all__ = ["MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "LaunchConfig", "ProcessLauncher", "attempt_store", "free_port"]

@@ -16,7 +16,14 @@ them by name and a miss lists what exists.
 
 from __future__ import annotations
 
-from . import kvstore_aggregate, kvstore_update, local, one_device, parameter_servers, processes  # noqa: F401 (register)
+from . import (  # noqa: F401 (register)
+    across_processes,
+    kvstore_aggregate,
+    kvstore_update,
+    local_allreduce,
+    one_device,
+    parameter_servers,
+)
 from .context import NonFiniteError, StepContext
 from .factory import choose_strategy, create_strategy
 from .strategy import STRATEGIES, ReplicaOptimizers, Strategy, register_strategy

@@ -20,9 +20,9 @@ from ...devices import Device, cpu
 from ...engine import Engine, Op, Var
 from ...errors import DlperfError
 from ..allreduce import AllreduceAlgorithm
-from ..lanes import EngineLanes
+from ..allreduce.lanes import EngineLanes
+from ..communication.process_group import ProcessAxis
 from ..optimizers import optimizer_name
-from ..procs import ProcessAxis
 
 __all__ = ["StepContext", "NonFiniteError", "wait_each"]
 

@@ -1,8 +1,8 @@
 """The one factory: which gradient synchronization strategy a set of options means, or why none does.
 
-The Trainer, :class:`~dlperf.parallel.training.TrainConfig` and ``dlperf launch`` all ask
+The Trainer, :class:`~dlperf.parallel.training.run.TrainConfig` and ``dlperf launch`` all ask
 :func:`choose_strategy`, so the rule is written once: a distributed store (its class says so, see
-:func:`~dlperf.parallel.servers.is_dist_kvstore`) needs several processes and means parameter servers;
+:func:`~dlperf.parallel.communication.servers.is_dist_kvstore`) needs several processes and means parameter servers;
 a local store aggregates one process's devices only; across processes without a store the buckets are
 summed by allreduce, on host memory.
 
@@ -22,11 +22,16 @@ from collections.abc import Sequence
 from ...devices import Device
 from ...errors import UsageError
 from ...kvstore import KVStore
-from ..servers import is_dist_kvstore
-from ..trainer_config import check_update_on_kvstore
+from ..communication.servers import is_dist_kvstore
 from .strategy import STRATEGIES, Strategy
 
-__all__ = ["choose_strategy", "create_strategy"]
+__all__ = ["choose_strategy", "create_strategy", "check_update_on_kvstore"]
+
+
+def check_update_on_kvstore(kvstore: str | KVStore | None, update_on_kvstore: bool) -> None:
+    """Refuse ``update_on_kvstore`` without a store: the rule a config and this factory both apply."""
+    if update_on_kvstore and kvstore is None:
+        raise UsageError("update_on_kvstore=True needs a kvstore, e.g. kvstore='local'")
 
 
 def _spell(cli: bool, kvstore: str | KVStore | None) -> str:

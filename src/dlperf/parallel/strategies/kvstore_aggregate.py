@@ -6,7 +6,7 @@ import torch
 
 from ...engine import Var
 from ...kvstore import KVStore
-from ..buckets import GradientBuckets
+from ..communication.buckets import GradientBuckets
 from .context import StepContext
 from .store import BoundStore
 from .strategy import ReplicaOptimizers, register_strategy

@@ -1,7 +1,7 @@
 """Parameter servers across processes (d2l 12.7): a distributed store sums, updates and serves the weights.
 
 The servers are the job's last ``num_servers`` ranks, or with none every worker hosts one for its share
-of the keys (see :mod:`dlperf.parallel.servers`). The store is opened as the trainer joins the processes,
+of the keys (see :mod:`dlperf.parallel.communication.servers`). The store is opened as the trainer joins the processes,
 before any replica exists, and the trainer then spans the worker ranks only.
 """
 
@@ -13,8 +13,8 @@ from typing import cast
 import torch
 
 from ...errors import UsageError
-from ..procs import ProcessAxis
-from ..servers import close_and_report, open_dist_kvstore
+from ..communication.process_group import ProcessAxis
+from ..communication.servers import close_and_report, open_dist_kvstore
 from .kvstore_update import UpdateOnKVStore, gradients
 from .strategy import register_strategy
 

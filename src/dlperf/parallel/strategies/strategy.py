@@ -30,8 +30,8 @@ from ...engine import Op, Var
 from ...errors import UsageError
 from ...kvstore import KVStore
 from ...registry import Registry
-from ..buckets import GradientBuckets
-from ..procs import ProcessAxis
+from ..communication.buckets import GradientBuckets
+from ..communication.process_group import ProcessAxis
 from .context import StepContext
 
 __all__ = ["Strategy", "ReplicaOptimizers", "STRATEGIES", "register_strategy"]

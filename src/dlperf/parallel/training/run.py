@@ -12,7 +12,7 @@ process runs these same three with the same config: each loads the same data and
 every global batch, the first process alone writes the checkpoint, and every process can resume from it.
 A process group the launcher restarts after a failure resumes from ``checkpoint`` by itself. With a
 ``dist_*`` kvstore the job's last ``DLPERF_NUM_SERVERS`` ranks are parameter servers: they call
-:func:`serve` instead (see :mod:`~dlperf.parallel.servers`).
+:func:`serve` instead (see :mod:`~dlperf.parallel.communication.servers`).
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ from typing import Any
 
 import torch
 
-from .._io import check_writable
-from ..batch import batch_size
-from ..devices import Device, to_device
-from ..errors import UsageError
-from .allreduce import DEFAULT_ALGORITHM, get_algorithm
+from ..._io import check_writable
+from ...batch import batch_size
+from ...devices import Device, to_device
+from ...errors import UsageError
+from ..allreduce import DEFAULT_ALGORITHM, get_algorithm
+from ..launchers import rank_info, restart_count
+from ..optimizers import make_optimizer
+from ..split import check_devices
+from ..strategies import STRATEGIES, choose_strategy
 from .checkpoint import CHECKPOINT_FORMAT, load_checkpoint, save_checkpoint
-from .launchers import rank_info, restart_count
-from .optimizers import make_optimizer
 from .resume import HPARAMS_FLAG, history_problem, trainer_state_problem
-from .split import check_devices
-from .strategies import STRATEGIES, choose_strategy
 from .trainer import Trainer
 from .trainer_config import TrainerConfig
 
@@ -105,13 +105,14 @@ class TrainConfig:
     processes: int | None = None
     """Processes training together (``devices`` are each one's own); None: as the launcher started this one."""
     plan: Any = None
-    """The :class:`~dlperf.parallel.plan.Plan` the Trainer follows (None: as the options say; see TrainerConfig)."""
+    """The :class:`~dlperf.parallel.planning.plan.Plan` the Trainer follows (None: as the options say; see
+    TrainerConfig)."""
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_data()
-        from .._cliargs import batch_bytes, require_memory
-        from ..models import get_spec
+        from ..._cliargs import batch_bytes, require_memory
+        from ...models import get_spec
 
         require_memory(batch_bytes(get_spec(self.model), self.batch_size, training=True),
                        f"--batch-size {self.batch_size} on {self.model}", "give a smaller --batch-size")
@@ -146,7 +147,7 @@ class TrainConfig:
             raise UsageError(f"--bucket-bytes must be between 1 and {MAX_BUCKET_BYTES}, got {self.bucket_bytes}")
 
     def _check_data(self) -> None:
-        from .._cliargs import require_memory
+        from ..._cliargs import require_memory
 
         if self.download and not self.data:
             raise UsageError("--download needs --data DIR to download into; add --data DIR or drop --download")
@@ -215,7 +216,7 @@ def check_resume(config: TrainConfig) -> dict[str, Any] | None:
         was = resume["config"]
         diff = {k: (was.get(k), settings.get(k)) for k in sorted({*was, *settings}) if was.get(k) != settings.get(k)}
         raise UsageError(f"--resume {config.resume}: settings differ from the checkpoint's (was, now): {diff}")
-    from ..models import get_spec
+    from ...models import get_spec
 
     devices = config.device_list()
     strategy = STRATEGIES.get(choose_strategy(config.kvstore, devices=devices, processes=config.processes or 1))
@@ -233,8 +234,8 @@ def check_resume(config: TrainConfig) -> dict[str, Any] | None:
 
 def prepare(config: TrainConfig) -> TrainState:
     """Check ``config.resume`` against ``config``, seed torch and load the data: everything before training."""
-    from ..data import load_data
-    from ..models import get_spec
+    from ...data import load_data
+    from ...models import get_spec
 
     if config.resume is None and config.checkpoint and restart_count() > 0 and os.path.exists(config.checkpoint):
         # restarted by the launcher after a failure: continue from the last epoch the checkpoint holds
@@ -255,7 +256,7 @@ def prepare(config: TrainConfig) -> TrainState:
 
 def serve(config: TrainConfig) -> None:
     """On a parameter-server rank of a ``dist_*`` store: serve the workers' training of ``config`` to its end."""
-    from .servers import serve_kvstore
+    from ..communication.servers import serve_kvstore
 
     if config.kvstore is None:
         raise UsageError("serving needs a distributed --kvstore, e.g. --kvstore dist_sync")
@@ -264,9 +265,9 @@ def serve(config: TrainConfig) -> None:
 
 def describe_auto_choice(model: torch.nn.Module, devices: list, bucket_bytes: int | None = None) -> str:
     """Which algorithm ``algorithm="auto"`` takes for this model's gradient buckets, and why (one line)."""
-    from .allreduce import choose_algorithm
-    from .allreduce.auto import describe_bytes
-    from .buckets import auto_bucket_bytes
+    from ..allreduce import choose_algorithm
+    from ..allreduce.auto import describe_bytes
+    from ..communication.buckets import auto_bucket_bytes
 
     params = [p for p in model.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in params]
@@ -305,7 +306,7 @@ def train(config: TrainConfig, state: TrainState, *, on_epoch: Callable[[dict[st
                                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
                                  ) from None
         if config.algorithm == "auto" and config.kvstore is None and trainer.processes is not None:
-            from .procs import describe_process_allreduce
+            from ..communication.process_group import describe_process_allreduce
 
             # collective: every process measures the links now, before the first step's sums wait on them
             lines = describe_process_allreduce(trainer.processes.group, choose=True)

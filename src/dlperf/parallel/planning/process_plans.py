@@ -29,9 +29,9 @@ from typing import Any
 
 from torch import nn
 
-from .._threads import ServiceThread
-from ..devices import Device
-from ..errors import UsageError
+from ..._threads import ServiceThread
+from ...devices import Device
+from ...errors import UsageError
 from .plan import Plan, has_batch_statistics
 
 __all__ = ["START_S", "START_TIMEOUT_S", "ProcessCandidate", "process_plans", "measuring_processes",
@@ -56,7 +56,7 @@ _MEASURABLE: ContextVar[bool] = ContextVar("dlperf_measure_processes", default=F
 @contextlib.contextmanager
 def measuring_processes(on: bool = True) -> Iterator[None]:
     """Within it the planner also enumerates plans whose replicas are processes (the caller can launch them:
-    ``dlperf train`` and :func:`~dlperf.parallel.planning.plan_for`, not a Trainer already in one process)."""
+    ``dlperf train`` and :func:`~dlperf.parallel.training.planned.plan_for`, not a Trainer already in one process)."""
     token = _MEASURABLE.set(on)
     try:
         yield
@@ -112,7 +112,7 @@ class ProcessCandidate:
 
     ``step()`` runs one training step on the whole batch in every process; ``close()`` stops them and waits
     for them to go. ``worker(plan, model, batch, config, port, idle_timeout_s)`` is what each process runs
-    (:func:`~dlperf.parallel.process_candidates.start_candidate` gives the Trainer's). Any failure (a process
+    (:func:`~dlperf.parallel.training.process_candidates.start_candidate` gives the Trainer's). Any failure (a process
     that dies, a step past ``STEP_TIMEOUT_S``) raises one RuntimeError naming it, after which ``close()``
     leaves nothing running.
     """
@@ -121,7 +121,7 @@ class ProcessCandidate:
                  worker: Callable[..., None], start_timeout_s: float = 120.0) -> None:
         import torch.distributed as dist
 
-        from .launchers import ProcessLauncher, free_port
+        from ..launchers import ProcessLauncher, free_port
 
         if plan.launcher != "processes":
             raise UsageError(f"plan {plan.name!r} does not run as processes")

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch import batch_size, call_model, gather_tree, map_tensors
-from ..devices import Device, DeviceLike, device_of, num_gpus, tag, try_all_gpus
-from ..engine import Engine, create_engine, wait_ops
-from ..errors import DeviceMismatchError, UsageError
-from .split import check_devices, place_parts, split_sizes
+from ...batch import batch_size, call_model, gather_tree, map_tensors
+from ...devices import Device, DeviceLike, device_of, num_gpus, tag, try_all_gpus
+from ...engine import Engine, create_engine, wait_ops
+from ...errors import DeviceMismatchError, UsageError
+from ..split import check_devices, place_parts, split_sizes
 
 __all__ = ["DataParallel"]
 

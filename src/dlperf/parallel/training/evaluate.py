@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch import Batch, batch_size, call_model, describe, map_tensors
-from ..devices import Device
-from ..engine import Engine, wait_ops
-from ..errors import UsageError
-from .split import split_batch
+from ...batch import Batch, batch_size, call_model, describe, map_tensors
+from ...devices import Device
+from ...engine import Engine, wait_ops
+from ...errors import UsageError
+from ..split import split_batch
 
 __all__ = ["evaluate_accuracy"]
 

@@ -1,6 +1,6 @@
 """Checking a checkpoint's trainer state against the run that resumes it, field by field.
 
-:func:`~dlperf.parallel.checkpoint.load_checkpoint` checks a file's layout; this module checks what the
+:func:`~dlperf.parallel.training.checkpoint.load_checkpoint` checks a file's layout; this module checks what the
 layout holds against the model and the configuration of the run that continues it: every weight and
 buffer (names, shapes, dtypes), the optimizer's hyperparameters (types, finite, in range, and equal
 to the run's unless the user takes them from the checkpoint), its per-parameter state (known keys,
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._cliargs import short_repr
+from ..._cliargs import short_repr
 
 __all__ = ["trainer_state_problem", "history_problem", "HPARAMS_FLAG", "HPARAM_RANGES"]
 
@@ -172,8 +172,8 @@ def trainer_state_problem(state: Mapping[str, Any], *, model: torch.nn.Module, d
     if problem:
         return problem
     if "plan" in state:  # a planned run kept one replica per planned device: the resumed run follows the plan
-        from ..errors import UsageError
-        from .plan import Plan
+        from ...errors import UsageError
+        from ..planning.plan import Plan
 
         try:
             plan = Plan.from_dict(state["plan"], "trainer['plan']")

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .._io import safe_torch_load, save_torch
-from ..errors import UsageError
+from ..._io import safe_torch_load, save_torch
+from ...errors import UsageError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CHECKPOINT_FORMAT"]
 

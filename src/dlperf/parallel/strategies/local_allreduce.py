@@ -14,7 +14,7 @@ from typing import Any
 from ...engine import Op
 from ...engine.var import DONE
 from ...kvstore import KVStore
-from ..buckets import GradientBuckets
+from ..communication.buckets import GradientBuckets
 from ..optimizers import optimizer_name
 from .context import StepContext, wait_each
 from .strategy import ReplicaOptimizers, register_strategy

@@ -18,26 +18,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch import describe
-from ..errors import UsageError, unknown_choice
-from ..kvstore import KVStore
-from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
-from .optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
-from .plan import Plan, parse_plan
-from .planner import PlannerOptions
+from ...batch import describe
+from ...errors import UsageError, unknown_choice
+from ...kvstore import KVStore
+from ..allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
+from ..optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
+from ..planning.plan import Plan, parse_plan
+from ..planning.planner import PlannerOptions
+from ..strategies.factory import check_update_on_kvstore
 
-__all__ = ["TrainerConfig", "BUFFER_MODES", "MEMORY_FORMATS", "Loss", "check_update_on_kvstore"]
+__all__ = ["TrainerConfig", "BUFFER_MODES", "MEMORY_FORMATS", "Loss"]
 
 BUFFER_MODES = ("per-device", "broadcast")
 MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def check_update_on_kvstore(kvstore: str | KVStore | None, update_on_kvstore: bool) -> None:
-    """Refuse ``update_on_kvstore`` without a store: the rule a config and the strategy factory both apply."""
-    if update_on_kvstore and kvstore is None:
-        raise UsageError("update_on_kvstore=True needs a kvstore, e.g. kvstore='local'")
 
 
 def default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -59,7 +54,7 @@ class TrainerConfig:
     CPU devices (gloo on host memory). With a distributed store (d2l 12.7) the processes push their
     gradients to the parameter servers, which sum them, run the optimizer and answer the pulls with
     the new weights: the job's last ``num_servers`` ranks (``dlperf launch --num-servers``; they run
-    :func:`~dlperf.parallel.servers.serve_kvstore`, not a Trainer), or with none every process hosts
+    :func:`~dlperf.parallel.communication.servers.serve_kvstore`, not a Trainer), or with none every process hosts
     one for its share of the weights. The Trainer then spans the worker ranks only.
     """
 
@@ -94,7 +89,8 @@ class TrainerConfig:
     ``None``: this process alone; or a ``torch.distributed`` process group to span."""
     plan: Any = None
     """``None``: train as the options say; ``"auto"``: measure the plans valid here on the first batch and
-    train on the fastest (:mod:`dlperf.parallel.planner`); a :class:`~dlperf.parallel.plan.Plan` or its
+    train on the fastest (:mod:`dlperf.parallel.planning.planner`); a
+    :class:`~dlperf.parallel.planning.plan.Plan` or its
     name (``"1x2,channels-last"``) to pin one. A plan overrides threads, layout, algorithm, buckets, store."""
     planner: PlannerOptions | None = None
     """How ``plan="auto"`` plans (budget, rounds, mixed precision allowed, cache); None: the defaults."""

@@ -15,10 +15,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UsageError
-from ..kvstore import DistKVStore, KVStore, create_kvstore
-from .launchers import rank_info
-from .procs import ExchangeReport, ExchangeRow
+from ...errors import UsageError
+from ...kvstore import DistKVStore, KVStore, create_kvstore
+from ..launchers import rank_info
+from .process_group import ExchangeReport, ExchangeRow
 
 __all__ = ["ServerExchangeReport", "ServerRow", "close_and_report", "gather_server_exchanges", "is_dist_kvstore",
            "is_server_rank", "open_dist_kvstore", "serve_kvstore", "server_ranks", "worker_group"]
@@ -32,7 +32,7 @@ def is_dist_kvstore(kvstore: Any) -> bool:
     >>> is_dist_kvstore("dist_sync"), is_dist_kvstore("local"), is_dist_kvstore(None)
     (True, False, False)
     """
-    from ..kvstore.base import kvstore_class
+    from ...kvstore.base import kvstore_class
 
     if isinstance(kvstore, str):
         return issubclass(kvstore_class(kvstore), DistKVStore)
@@ -47,7 +47,7 @@ def server_ranks(kvstore: Any) -> int:
     """
     if not is_dist_kvstore(kvstore):
         return 0
-    from ..kvstore.dist import server_count
+    from ...kvstore.dist import server_count
 
     return server_count(None, max(rank_info().world_size, 2))
 
@@ -85,7 +85,7 @@ def open_dist_kvstore(kvstore: str | KVStore) -> tuple[DistKVStore, Any]:
         group = worker_group(kv)
         if kv.role != "worker":
             raise UsageError(f"rank {rank_info().rank} is a server of the {kv.type!r} store, not a worker: "
-                             "call dlperf.parallel.servers.serve_kvstore there instead of training")
+                             "call dlperf.parallel.communication.servers.serve_kvstore there instead of training")
     except BaseException:
         if isinstance(kvstore, str):
             kv.close()
@@ -161,7 +161,8 @@ class ServerExchangeReport(ExchangeReport):
 
 def gather_server_exchanges(kv: DistKVStore) -> ServerExchangeReport | None:
     """Hand this rank's times over (worker or server); on the job's first rank, collect every rank's into the
-    report that names the straggler (:func:`~dlperf.parallel.procs.last_exchange_report` returns it after).
+    report that names the straggler
+    (:func:`~dlperf.parallel.communication.process_group.last_exchange_report` returns it after).
 
     Through the launch's rendezvous store: a worker hands its times over once its store has closed, a
     server (:func:`serve_kvstore`) once it has served, before it closes; a worker's close waits for every
@@ -169,8 +170,8 @@ def gather_server_exchanges(kv: DistKVStore) -> ServerExchangeReport | None:
     ``procs._GATHER_TIMEOUT_S`` for a missing worker, then reports nothing; a server that served otherwise (its
     own ``serve()``) is left out of the report. ``None`` on the other ranks and outside a launcher's agent.
     """
-    from .launchers import rank_host
-    from .procs import gather_store, hand_over, keep_exchange_report
+    from ..launchers import rank_host
+    from .process_group import gather_store, hand_over, keep_exchange_report
 
     store = gather_store("server-exchanges")
     mine = kv.exchange_times()
@@ -220,8 +221,8 @@ def serve_kvstore(kvstore: str, optimizer: Any = "sgd", optimizer_params: dict[s
     """
     import torch.distributed as dist
 
-    from .optimizers import make_optimizer
-    from .procs import join_processes
+    from ..optimizers import make_optimizer
+    from .process_group import join_processes
 
     # a script under dlperf launch or torchrun has no process group yet: the workers' Trainers start one
     axis = None if dist.is_initialized() else join_processes()

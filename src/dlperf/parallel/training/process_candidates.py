@@ -1,6 +1,6 @@
 """The processes of a planner's process-plan candidate: what each runs, and the candidate the planner times.
 
-:mod:`~dlperf.parallel.plan_processes` starts and steps them; each process here builds the Trainer the plan
+:mod:`~dlperf.parallel.planning.process_plans` starts and steps them; each process here builds the Trainer the plan
 says (as ``dlperf train`` realises a processes plan) and takes one step per command. Kept apart because it
 needs the Trainer, which itself follows plans.
 """
@@ -14,11 +14,11 @@ from typing import Any
 
 from torch import nn
 
-from ..devices import cpu
-from .launchers import rank_info
-from .plan import Plan
-from .plan_processes import START_TIMEOUT_S, ProcessCandidate
-from .planner import CandidateRun
+from ...devices import cpu
+from ..launchers import rank_info
+from ..planning.plan import Plan
+from ..planning.planner import CandidateRun
+from ..planning.process_plans import START_TIMEOUT_S, ProcessCandidate
 from .trainer import Trainer
 
 __all__ = ["start_candidate", "candidate_run"]
@@ -59,6 +59,6 @@ def start_candidate(plan: Plan, model: nn.Module, batch: tuple[Any, Any], config
 
 
 def candidate_run(plan: Plan, model: nn.Module, batch: tuple[Any, Any], config: Any) -> CandidateRun:
-    """The planner's :class:`~dlperf.parallel.planner.CandidateRun` for a processes plan."""
+    """The planner's :class:`~dlperf.parallel.planning.planner.CandidateRun` for a processes plan."""
     run = start_candidate(plan, model, batch, config)
     return CandidateRun(step=run.step, close=run.close, threads=plan.replicas * plan.threads)

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import Device, cpu
-from ..errors import UsageError, unknown_choice
-from ..registry import Registry
-from .allreduce import DEFAULT_ALGORITHM, algorithm_names
+from ...devices import Device, cpu
+from ...errors import UsageError, unknown_choice
+from ...registry import Registry
+from ..allreduce import DEFAULT_ALGORITHM, algorithm_names
 
 __all__ = ["Plan", "Execution", "EXECUTIONS", "register_execution", "parse_plan", "LAYOUTS", "PRECISIONS",
            "LAUNCHERS", "STEP_THREADS", "has_batch_statistics", "uses_conv2d", "layer_count"]
@@ -139,7 +139,7 @@ def uses_conv2d(module: nn.Module) -> bool:
 
 def _captured_step(module: nn.Module, loss: Callable[..., Any], optimizer: torch.optim.Optimizer
                    ) -> Callable[..., Any]:
-    from ..hybrid.train_step import make_train_step
+    from ...hybrid.train_step import make_train_step
 
     # captured on its first call, where the batch's shapes are known; a model or optimizer it cannot
     # capture runs the eager step instead, with the reason in the step's repr and one warning

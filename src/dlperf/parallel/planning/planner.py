@@ -1,4 +1,4 @@
-"""The planner: which :class:`~dlperf.parallel.plan.Plan` trains this model fastest here, found by measuring.
+"""The planner: which :class:`~dlperf.parallel.planning.plan.Plan` trains this model fastest here, found by measuring.
 
 1. **Enumerate** the plans valid for the model, batch and devices: replicas x intra-op threads that fill
    the cores (the replica count stays the reference's for a model with BatchNorm, whose statistics depend
@@ -14,7 +14,7 @@
 4. **Keep** the fastest only if it beats the reference (the run as it would be without a plan) in every
    round by more than the noise, else the reference; a candidate that shared fewer rounds with the
    reference (the budget ran out) needs a larger margin (:func:`_decide`). Cache the decision
-   (:mod:`~dlperf.parallel.plan_cache`).
+   (:mod:`~dlperf.parallel.planning.plan_cache`).
 
 Everything stays inside a time budget (default: 10% of the planned run or 30 s, whichever is smaller; a
 short run gets at least one round of each candidate, still at most 30 s): each candidate's round is
@@ -26,9 +26,9 @@ runs the step.
 
 ``torch.compile`` is tried on the fastest eager plan only when the run's length is known and its predicted
 setup fits what is left of the budget: the slowest setup measured for this model on this machine and torch
-(recorded in the plan cache: :func:`~dlperf.parallel.plan_cache.save_setup`; one older than a week that would
+(recorded in the plan cache: :func:`~dlperf.parallel.planning.plan_cache.save_setup`; one older than a week that would
 keep compile out gives way), else a guess from the model's layer count
-(:meth:`~dlperf.parallel.plan.Execution.setup_guess_s`). Measured for a training step (forward compiled;
+(:meth:`~dlperf.parallel.planning.plan.Execution.setup_guess_s`). Measured for a training step (forward compiled;
 backward, SGD) on the two shared cores of the development VM (2026-11-26, 00:56-01:30, load 8-19, run under
 ``nice``, every figure marked contended): LeNet b256 channels-last first step 156 s, then 0.53x eager; the
 Transformer encoder b64 77 s, 0.73x; ResNet-56 b128 not through its first compile and three rounds in 900 s;
@@ -48,10 +48,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import Device
-from ..errors import UsageError
-from ..timing import time_steps
-from .allreduce import DEFAULT_ALGORITHM
+from ...devices import Device
+from ...errors import UsageError
+from ...timing import time_steps
+from ..allreduce import DEFAULT_ALGORITHM
 from .plan import EXECUTIONS, Plan, has_batch_statistics, layer_count, uses_conv2d
 from .plan_cache import (
     SETUP_RECORD_MAX_AGE_S,
@@ -64,7 +64,7 @@ from .plan_cache import (
     save_setup,
     setup_record,
 )
-from .plan_processes import launch_hint, process_plans, processes_measurable, setup_s
+from .process_plans import launch_hint, process_plans, processes_measurable, setup_s
 
 __all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "enumerate_plans",
            "usable_cores", "DEFAULT_BUDGET_S"]
@@ -225,7 +225,7 @@ def _inputs(batch: Any) -> Any:
 
 
 def _examples(batch: Any) -> int:
-    from ..batch import batch_size
+    from ...batch import batch_size
 
     return batch_size(_inputs(batch), "the example batch")
 
@@ -290,8 +290,8 @@ def _gpu_plans(base: Plan, layouts: list[str], model: nn.Module, options: Planne
 
 def _floors(model: nn.Module, batch: Any, plans: Sequence[Plan]) -> tuple[dict[tuple[int, int], float], str]:
     """The cost model's step floor (ms) of each replicas x threads split, and where its figures came from."""
-    from ..probe.cache import load_probe
-    from ..probe.cost import Hardware, count_step, step_floor
+    from ...probe.cache import load_probe
+    from ...probe.cost import Hardware, count_step, step_floor
 
     x = _inputs(batch)
     if not isinstance(x, torch.Tensor):
@@ -345,8 +345,8 @@ def _with_algorithm(plan: Plan, model: nn.Module, devices: Sequence[Device]) -> 
     """``plan`` with the allreduce algorithm the cost model picks for its gradient buckets, and why."""
     if plan.replicas < 2 or plan.kvstore is not None or plan.algorithm != "auto":
         return plan, None
-    from .allreduce import choose_algorithm
-    from .buckets import auto_bucket_bytes
+    from ..allreduce import choose_algorithm
+    from ..communication.buckets import auto_bucket_bytes
 
     params = [p for p in model.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in params]
@@ -616,7 +616,7 @@ def _decide(found: list[Measurement], run_steps: int | None, reasons: list[str])
 
 def _setup_key(model: nn.Module, batch: Any, devices: Sequence[Device], execution: str) -> str:
     """What an execution's setup is recorded under: the model's and batch's signatures, the machine, torch (in
-    :func:`~dlperf.parallel.plan_cache.model_key`), the execution and the kind of device it compiles for."""
+    :func:`~dlperf.parallel.planning.plan_cache.model_key`), the execution and the kind of device it compiles for."""
     return model_key(model, batch, f"setup:{execution}:{sorted({d.kind for d in devices})}")
 
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
-from ..probe.cost import Link
-from ..probe.links import load_links, save_links
+from ...errors import UsageError
+from ...probe.cost import Link
+from ...probe.links import load_links, save_links
 
 LINK_PROBE_ENV = "DLPERF_LINK_PROBE"
 PROBE_SIZES = (4 << 10, 4 << 20)
@@ -99,7 +99,7 @@ def run_transport(name: str, flat: torch.Tensor, group: Any) -> None:
     if name == "gloo":
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     else:
-        from .allreduce.shm import host_allreduce_
+        from ..allreduce.shm import host_allreduce_
 
         host_allreduce_(flat, group)
 
@@ -128,8 +128,8 @@ def _measure(candidates: list[str], group: Any) -> dict[str, Link]:
 
 
 def _candidates(group: Any) -> list[str]:
-    from .allreduce.shm import host_allreduce_, host_allreduce_kind
-    from .launchers import rank_host
+    from ..allreduce.shm import host_allreduce_, host_allreduce_kind
+    from ..launchers import rank_host
 
     # collective: sets up the segments and learns the layout. The host as the launch knows it, not the bare
     # host name: hosts that share a name (network namespaces, cloned machines) must not be taken for one
@@ -150,7 +150,7 @@ def probe_again_requested() -> bool:
 def _decide(group: Any) -> ProcessChoice:
     import torch.distributed as dist
 
-    from .launchers import rank_host
+    from ..launchers import rank_host
 
     candidates = _candidates(group)
     if len(candidates) == 1:

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ..devices import Device, cpu, cpu_count
-from ..engine import Engine, create_engine
-from ..engine.var import Var
+from ...devices import Device, cpu, cpu_count
+from ...engine import Engine, create_engine
+from ...engine.var import Var
 
 __all__ = ["EngineLanes", "comm_lanes", "engine_lanes", "thread_budget"]
 

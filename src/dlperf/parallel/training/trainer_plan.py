@@ -2,7 +2,7 @@
 
 With ``plan="auto"`` the Trainer starts as it would without a plan (the *reference*) and plans on its first
 :meth:`~dlperf.parallel.Trainer.train_step`, when it has a batch to measure: the planner
-(:mod:`~dlperf.parallel.planner`) times candidate Trainers, each on its own copy of the model, and the
+(:mod:`~dlperf.parallel.planning.planner`) times candidate Trainers, each on its own copy of the model, and the
 Trainer rebuilds itself on the winner before taking its first step. A checkpoint holds the plan, and
 loading one into a Trainer that was not given another plan takes it over. A step that fails under a plan
 (memory, a lost device, a compiler error) falls back to the reference with one line, once.
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .._threads import intra_op_threads
-from ..devices import Device
-from ..errors import DlperfError, UsageError
-from .lanes import thread_budget
-from .plan import EXECUTIONS, Plan, parse_plan
-from .plan_processes import in_process_part, launch_hint
-from .planner import CandidateRun, PlanDecision, PlannerOptions, search
+from ..._threads import intra_op_threads
+from ...devices import Device
+from ...errors import DlperfError, UsageError
+from ..allreduce.lanes import thread_budget
+from ..planning.plan import EXECUTIONS, Plan, parse_plan
+from ..planning.planner import CandidateRun, PlanDecision, PlannerOptions, search
+from ..planning.process_plans import in_process_part, launch_hint
 from .trainer_config import TrainerConfig
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def reference_plan(module: nn.Module, devices: Sequence[Device], cfg: TrainerCon
 def apply_plan(plan: Plan, devices: Sequence[Device], cfg: TrainerConfig) -> tuple[list[Device], TrainerConfig]:
     """The devices and config a Trainer builds itself from under ``plan`` (one error line when it cannot)."""
     if plan.launcher == "processes":
-        from .launchers import rank_info
+        from ..launchers import rank_info
 
         world = rank_info().world_size
         if world != plan.replicas:

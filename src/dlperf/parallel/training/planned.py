@@ -5,7 +5,7 @@ profile``) can call it to suggest the plan a Trainer would take: all measure the
 
 >>> import torch
 >>> from torch import nn
->>> from dlperf.parallel.planner import PlannerOptions
+>>> from dlperf.parallel.planning.planner import PlannerOptions
 >>> net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
 >>> batch = (torch.randn(32, 8), torch.randint(0, 3, (32,)))
 >>> decision = plan_for(net, batch, options=PlannerOptions(rounds=1, steps=2, use_cache=False))
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import Device, DeviceLike, cpu
-from ..errors import UsageError
-from .optimizers import OptimizerLike
-from .plan import Plan
-from .plan_processes import measuring_processes
-from .planner import CandidateRun, PlanDecision, PlannerOptions, search, usable_cores
-from .split import check_devices
+from ...devices import Device, DeviceLike, cpu
+from ...errors import UsageError
+from ..optimizers import OptimizerLike
+from ..planning.plan import Plan
+from ..planning.planner import CandidateRun, PlanDecision, PlannerOptions, search, usable_cores
+from ..planning.process_plans import measuring_processes
+from ..split import check_devices
 from .trainer import Trainer
 from .trainer_config import Loss, TrainerConfig
 from .trainer_plan import reference_plan
@@ -81,7 +81,7 @@ def plan_for(model: nn.Module, example_batch: tuple[Any, Any], devices: Sequence
         placed = check_devices(devices)
         reference = reference_plan(model, placed, config)
     build = candidate_builder(model, (example_batch[0], example_batch[1]), placed, config)
-    from .launchers import rank_info
+    from ..launchers import rank_info
 
     with measuring_processes(processes and rank_info().world_size == 1):  # no launch from inside a launched job
         return search(model, tuple(example_batch), placed, build, reference, options)

@@ -1,17 +1,18 @@
 """Across processes: buckets summed among this process's devices, then across the processes.
 
-The sum across processes is :func:`~dlperf.parallel.procs.allreduce_across_processes`: shared memory
+The sum across processes is
+:func:`~dlperf.parallel.communication.process_group.allreduce_across_processes`: shared memory
 between the processes of one host, gloo between hosts, or both (hierarchical), as the job's links
 say. One more engine operation per bucket on the processes' lane runs it, in bucket order (see
-:mod:`dlperf.parallel.buckets`). With one device per process the last bucket's operation updates the
+:mod:`dlperf.parallel.communication.buckets`). With one device per process the last bucket's operation updates the
 weights right after its sum.
 """
 
 from __future__ import annotations
 
 from ...kvstore import KVStore
-from ..buckets import Across, GradientBuckets
-from ..procs import ExchangeClock, ExchangeReport, allreduce_across_processes, gather_exchanges
+from ..communication.buckets import Across, GradientBuckets
+from ..communication.process_group import ExchangeClock, ExchangeReport, allreduce_across_processes, gather_exchanges
 from .context import StepContext
 from .strategy import ReplicaOptimizers, register_strategy
 

@@ -3,7 +3,7 @@
 Gradients are reduced hierarchically: first among the devices of one process (the allreduce
 algorithms on the engine's lanes, host memory shared), then across processes. Every reduction that
 crosses a process boundary goes through :func:`allreduce_across_processes`, the one place where the
-transport is chosen. By default the choice is measured (:mod:`~dlperf.parallel.process_links`): the first
+transport is chosen. By default the choice is measured (:mod:`~dlperf.parallel.communication.process_links`): the first
 sum of a group times :func:`~dlperf.parallel.allreduce.host_allreduce_` (shared memory between processes
 of one host, hierarchical when hosts hold several ranks) against ``torch.distributed`` (gloo), fits
 latency + size / bandwidth to each, and every later sum takes the faster one for its size.
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from ..devices import cpu_count
-from ..errors import UsageError
-from .launchers import rank_info
-from .split import split_sizes
+from ...devices import cpu_count
+from ...errors import UsageError
+from ..launchers import rank_info
+from ..split import split_sizes
 
 PROCESS_ALLREDUCE_ENV = "DLPERF_PROCESS_ALLREDUCE"
 _TRANSPORTS = ("auto", "gloo", "shm")
@@ -58,7 +58,7 @@ def allreduce_across_processes(flat: torch.Tensor, group: Any = None) -> None:
 
     transport = _transport()
     if transport != "gloo" and flat.device.type == "cpu" and flat.dtype in _SHM_DTYPES:
-        from .allreduce.shm import host_allreduce_
+        from ..allreduce.shm import host_allreduce_
         from .process_links import choose_process_allreduce, run_transport
 
         if transport == "shm":
@@ -139,7 +139,7 @@ class ProcessAxis:
         if self.owns_default_group:
             import torch.distributed as dist
 
-            from .allreduce.shm import close_host_allreduce
+            from ..allreduce.shm import close_host_allreduce
             from .process_links import forget_process_choices
 
             close_host_allreduce()  # the segments set up on the group go with it
@@ -183,7 +183,7 @@ def join_processes(group: Any = None) -> ProcessAxis | None:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise UsageError(f"WORLD_SIZE={info.world_size} but MASTER_ADDR/MASTER_PORT are not set; start the "
                          "processes with dlperf launch or torchrun, or unset WORLD_SIZE")
-    from .._attempt import attempt_store
+    from ..._attempt import attempt_store
 
     store = attempt_store()  # under a launcher's agent: this attempt's keys, not a restarted one's predecessor's
     if store is None:
@@ -326,7 +326,7 @@ def gather_store(kind: str) -> Any | None:
     """The launch's rendezvous store under a prefix of its own for this gather (every rank numbers its gathers
     alike), or None outside a launcher's agent."""
     global _gathers
-    from .._attempt import attempt_store
+    from ..._attempt import attempt_store
 
     _gathers += 1
     return attempt_store(f"{kind}/{_gathers}/")
@@ -357,7 +357,7 @@ def gather_exchanges(clock: ExchangeClock, axis: ProcessAxis) -> ExchangeReport 
     missing one, then reports nothing. ``None`` on the other ranks and outside a launcher's agent.
     """
     global _LAST_REPORT
-    from .launchers import rank_host
+    from ..launchers import rank_host
 
     store = gather_store("exchanges")
     if store is None:

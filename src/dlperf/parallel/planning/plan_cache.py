@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._buildcache import CacheUnsafe, cache_base, private_dir, write_private
-from ..batch import tensors_of
-from ..devices import Device
-from ..errors import UsageError
-from ..probe.cache import ProbeCacheError, decode_json, machine_key, read_cache_file
+from ..._buildcache import CacheUnsafe, cache_base, private_dir, write_private
+from ...batch import tensors_of
+from ...devices import Device
+from ...errors import UsageError
+from ...probe.cache import ProbeCacheError, decode_json, machine_key, read_cache_file
 from .plan import Plan
 
 __all__ = ["plan_key", "model_key", "cached_plan", "save_plan", "recorded_setup_s", "setup_record", "save_setup",

@@ -17,11 +17,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._io import atomic_write_text
-from ..engine.trace import Trace, union_intervals
+from ..._io import atomic_write_text
+from ...engine.trace import Trace, union_intervals
 
 if TYPE_CHECKING:
-    from .procs import ExchangeReport
+    from ..communication.process_group import ExchangeReport
 
 __all__ = ["comm_overlap", "COMM_PREFIXES", "COMPUTE_PREFIX", "EXCHANGES_PROCESS", "exchange_events", "save_trace"]
 

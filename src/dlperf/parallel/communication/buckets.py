@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..devices import Device, device_of, tag
-from ..engine.var import Var
-from .allreduce import AllreduceAlgorithm, AutoAllreduce, get_algorithm
-from .lanes import EngineLanes
+from ...devices import Device, device_of, tag
+from ...engine.var import Var
+from ..allreduce import AllreduceAlgorithm, AutoAllreduce, get_algorithm
+from ..allreduce.lanes import EngineLanes
 
 __all__ = ["GradientBuckets", "DEFAULT_BUCKET_BYTES", "MAX_BUCKETS", "auto_bucket_bytes"]
 

@@ -3,7 +3,7 @@
 Every step runs on one asynchronous dependency engine (d2l 12.2): each replica's forward and backward
 is an engine operation on its device's worker. How gradients are synchronized and the replicas updated
 is the trainer's *strategy* (:mod:`dlperf.parallel.strategies`), chosen once from the options: gradient
-buckets reduced by allreduce on communication lanes while backward runs (:mod:`dlperf.parallel.lanes`),
+buckets reduced by allreduce on communication lanes while backward runs (:mod:`dlperf.parallel.allreduce.lanes`),
 through a KVStore, across processes, or by parameter servers. The caller pushes the replicas'
 operations and is woken once, when the last replica ends. ``trace=`` or :meth:`Trainer.start_trace`
 records the engine's timeline.
@@ -20,7 +20,7 @@ records the engine's timeline.
 
 Started as several processes (``dlperf launch``, ``torchrun``), a Trainer spans them all: every process
 passes the same global batch, trains on its slice, and gradients are summed within each process and
-then across processes, bucket by bucket while backward runs (:mod:`dlperf.parallel.procs`).
+then across processes, bucket by bucket while backward runs (:mod:`dlperf.parallel.communication.process_group`).
 """
 
 from __future__ import annotations
@@ -33,19 +33,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch import batch_size, call_model, map_tensors
-from ..devices import DeviceLike
-from ..engine import Engine, Trace, create_engine
-from ..errors import UsageError
-from .allreduce import get_algorithm
-from .buckets import GradientBuckets
+from ...batch import batch_size, call_model, map_tensors
+from ...devices import DeviceLike
+from ...engine import Engine, Trace, create_engine
+from ...errors import UsageError
+from ..allreduce import get_algorithm
+from ..allreduce.lanes import EngineLanes, comm_lanes
+from ..communication.buckets import GradientBuckets
+from ..communication.process_group import ProcessAxis, allreduce_across_processes, broadcast_from_first, join_processes
+from ..optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
+from ..replicas import broadcast_buffers, max_replica_difference, replicate
+from ..split import check_devices, split_step
+from ..strategies import NonFiniteError, StepContext, Strategy, create_strategy
 from .evaluate import evaluate_accuracy
-from .lanes import EngineLanes, comm_lanes
-from .optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
-from .procs import ProcessAxis, allreduce_across_processes, broadcast_from_first, join_processes
-from .replicas import broadcast_buffers, max_replica_difference, replicate
-from .split import check_devices, split_step
-from .strategies import NonFiniteError, StepContext, Strategy, create_strategy
 from .trainer_config import Loss, TrainerConfig, default_loss
 from .trainer_plan import Plan, PlanState, cpu_threads, wants_channels_last
 

@@ -1,0 +1,1 @@
+"""Training: the Trainer and its configuration, one training run (epochs, checkpoints, resume), DataParallel."""
