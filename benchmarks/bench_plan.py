@@ -47,8 +47,7 @@ from dlperf.parallel import Trainer
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.planning.plan import uses_conv2d
 from dlperf.parallel.planning.planner import PlannerOptions, usable_cores
-from dlperf.parallel.training.planned import plan_for
-from dlperf.parallel.training.process_candidates import start_candidate
+from dlperf.parallel.training.planned import plan_for, start_candidate
 from dlperf.parallel.training.trainer_config import TrainerConfig
 from dlperf.timing import time_steps
 

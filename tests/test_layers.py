@@ -169,7 +169,8 @@ def parallel_part(module: str) -> str | None:
 
 def test_every_parallel_part_has_a_layer():
     parts = {parallel_part(m) for m in all_modules()} - {None}
-    assert parts <= set(PARALLEL_LAYERS), f"sub-packages of dlperf.parallel with no layer: {parts - set(PARALLEL_LAYERS)}"
+    missing = parts - set(PARALLEL_LAYERS)
+    assert not missing, f"sub-packages of dlperf.parallel with no layer: {missing}"
 
 
 def test_no_import_runs_up_inside_parallel(graph):
@@ -285,12 +286,12 @@ def test_detects_lazy_and_type_only_imports():
 
 
 def test_modules_and_constructors_stay_small():
-    """One concept per module: none over 800 lines, the Trainer's under 400, and no constructor with
+    """One concept per module: none over 800 lines, the Trainer's under 500, and no constructor with
     more than 10 parameters besides a config object (group options into a config dataclass instead)."""
     too_long = [f"{p.relative_to(SRC)}: {n} lines" for p in sorted(PACKAGE.rglob("*.py"))
                 if (n := len(p.read_text().splitlines())) > 800]
     assert not too_long, too_long
-    assert len((PACKAGE / "parallel" / "training" / "trainer.py").read_text().splitlines()) < 400
+    assert len((PACKAGE / "parallel" / "training" / "trainer.py").read_text().splitlines()) < 500
     crowded = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -17,8 +17,7 @@ from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.planning.plan import Plan, parse_plan
 from dlperf.parallel.planning.planner import PlannerOptions, enumerate_plans
 from dlperf.parallel.planning.process_plans import measuring_processes, setup_s
-from dlperf.parallel.training.planned import plan_for
-from dlperf.parallel.training.process_candidates import start_candidate
+from dlperf.parallel.training.planned import plan_for, start_candidate
 from dlperf.parallel.training.trainer_config import TrainerConfig
 
 STEPS = 3

@@ -57,51 +57,51 @@ def decide_with_processes(processes_s: float, threads_s: float) -> Plan:
     return decision.plan
 
 
-def trainer_plans(capsys, planner: PlannerOptions = ONE_ROUND, devices=None) -> tuple[Plan, str]:
+def trainer_plans(caplog, planner: PlannerOptions = ONE_ROUND, devices=None) -> tuple[Plan, str]:
     """A Trainer planning in one process on the same model and batch: its plan and what it said."""
-    capsys.readouterr()
+    caplog.clear()
     with Trainer(mlp(), devices or [cpu(0)], "sgd", {"lr": 0.01}, plan="auto", planner=planner) as trainer:
         trainer.train_step(*batch())
         plan = trainer.plan
     assert plan is not None and plan.launcher == "threads"
-    return plan, capsys.readouterr().err
+    return plan, "\n".join(r.getMessage() for r in caplog.records)
 
 
-def test_a_trainer_in_one_process_names_the_faster_processes_plan_and_how_to_get_it(capsys):
+def test_a_trainer_in_one_process_names_the_faster_processes_plan_and_how_to_get_it(caplog):
     # by construction the process plan's step does nothing: faster than any real step of the Trainer's
     offered = decide_with_processes(0.0, 0.02)
     assert offered.launcher == "processes"
-    plan, said = trainer_plans(capsys)
+    plan, said = trainer_plans(caplog)
     lines = [line for line in said.splitlines() if offered.name in line]
     assert len(lines) == 1, said
     assert lines[0].startswith(f"plan: {offered.name} was measured faster (") and f"{plan.measured_ms:.2f})" in lines[0]
     assert f"give it plan={offered.name!r} and run under dlperf launch --nproc-per-node 2" in lines[0]
     assert f"dlperf train --nproc-per-node 2 --plan {offered.name}" in lines[0]
     # the decision cached, the next Trainer says it again
-    _, again = trainer_plans(capsys)
+    _, again = trainer_plans(caplog)
     assert lines[0] in again
 
 
-def test_a_trainer_says_nothing_without_a_faster_processes_plan(capsys):
-    _, said = trainer_plans(capsys)  # no decision made with processes allowed
+def test_a_trainer_says_nothing_without_a_faster_processes_plan(caplog):
+    _, said = trainer_plans(caplog)  # no decision made with processes allowed
     assert "processes" not in said, said
     # one made with processes allowed that kept threads (its process plans were slower) names nothing either
     kept = decide_with_processes(0.5, 0.0)
     assert kept.launcher == "threads"
-    _, again = trainer_plans(capsys)  # its own decision cached now: the same question asked again
+    _, again = trainer_plans(caplog)  # its own decision cached now: the same question asked again
     assert "processes" not in again, again
 
 
-def test_a_processes_plan_measured_with_other_cores_or_devices_is_not_named(capsys):
+def test_a_processes_plan_measured_with_other_cores_or_devices_is_not_named(caplog):
     offered = decide_with_processes(0.0, 0.02)  # 2 cores, one device
     assert offered.launcher == "processes"
     # the same model and batch, but other candidates: a 2 x 1 processes plan is no option on one core, and
     # two devices change the reference the times were taken beside
-    _, said = trainer_plans(capsys, dataclasses.replace(ONE_ROUND, cores=1))
+    _, said = trainer_plans(caplog, dataclasses.replace(ONE_ROUND, cores=1))
     assert "processes" not in said, said
-    _, said = trainer_plans(capsys, devices=[cpu(0), cpu(1)])
+    _, said = trainer_plans(caplog, devices=[cpu(0), cpu(1)])
     assert "processes" not in said, said
-    _, said = trainer_plans(capsys)  # what it was decided for: named
+    _, said = trainer_plans(caplog)  # what it was decided for: named
     assert offered.name in said, said
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from typing import NoReturn
 
@@ -60,8 +61,27 @@ def _verb_names(parser: argparse.ArgumentParser) -> list[str]:
             for name in action.choices]
 
 
+class _Notes(logging.Handler):
+    """The library's notes (its ``logging`` records at INFO and above) as the lines a verb prints on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(one_line(record.getMessage()), file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - a note that cannot be shown must not end the run
+            self.handleError(record)
+
+
+def show_notes() -> None:
+    """Print the library's notes on stderr, one line each (once per process)."""
+    logger = logging.getLogger("dlperf")
+    if not any(isinstance(h, _Notes) for h in logger.handlers):
+        logger.addHandler(_Notes())
+    logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one verb; return its exit status (2 for bad input, with one line on stderr)."""
+    show_notes()
     try:
         # the verbs import torch: a Ctrl-C while it loads is an interruption like any other
         parser = build_parser()

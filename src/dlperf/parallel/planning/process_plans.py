@@ -106,13 +106,13 @@ def launch_hint(plan: Plan) -> str:
             f"{plan.replicas} --plan {plan.name})")
 
 
-# -- the candidate processes (their worker is process_candidates._candidate_worker: it needs the Trainer) ------
+# -- the candidate processes (their worker is planned._candidate_worker: it needs the Trainer) ------
 class ProcessCandidate:
     """A processes plan's processes, started once and stepping when asked (see the module's notes).
 
     ``step()`` runs one training step on the whole batch in every process; ``close()`` stops them and waits
     for them to go. ``worker(plan, model, batch, config, port, idle_timeout_s)`` is what each process runs
-    (:func:`~dlperf.parallel.training.process_candidates.start_candidate` gives the Trainer's). Any failure (a process
+    (:func:`~dlperf.parallel.training.planned.start_candidate` gives the Trainer's). Any failure (a process
     that dies, a step past ``STEP_TIMEOUT_S``) raises one RuntimeError naming it, after which ``close()``
     leaves nothing running.
     """

@@ -26,6 +26,7 @@ then across processes, bucket by bucket while backward runs (:mod:`dlperf.parall
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,22 +35,25 @@ import torch
 from torch import nn
 
 from ...batch import batch_size, call_model, map_tensors
-from ...devices import DeviceLike
+from ...devices import Device, DeviceLike
 from ...engine import Engine, Trace, create_engine
 from ...errors import UsageError
 from ..allreduce import get_algorithm
 from ..allreduce.lanes import EngineLanes, comm_lanes
 from ..communication.buckets import GradientBuckets
 from ..communication.process_group import ProcessAxis, allreduce_across_processes, broadcast_from_first, join_processes
+from ..launchers import rank_info
 from ..optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
 from ..replicas import broadcast_buffers, max_replica_difference, replicate
 from ..split import check_devices, split_step
 from ..strategies import NonFiniteError, StepContext, Strategy, create_strategy
 from .evaluate import evaluate_accuracy
 from .trainer_config import Loss, TrainerConfig, default_loss
-from .trainer_plan import Plan, PlanState, cpu_threads, wants_channels_last
+from .trainer_plan import Plan, PlanState, apply_plan, cpu_threads, reference_plan, resize_state, wants_channels_last
 
 __all__ = ["Trainer", "TrainerConfig", "make_optimizer", "OPTIMIZERS", "NonFiniteError"]
+
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -67,7 +71,7 @@ class Trainer:
 
     def __init__(self, module: nn.Module, devices: Sequence[DeviceLike], optimizer: OptimizerLike | None = None,
                  optimizer_params: dict[str, Any] | None = None, *, config: TrainerConfig | None = None,
-                 **options: Any) -> None:
+                 example_batch: tuple[Any, Any] | None = None, **options: Any) -> None:
         if optimizer is not None:
             options["optimizer"] = optimizer
         if optimizer_params is not None:
@@ -75,7 +79,28 @@ class Trainer:
         self.config = dataclasses.replace(config, **options) if config is not None else TrainerConfig(**options)
         self._closed = False
         self.planning = PlanState(self.config.plan, self.config.planner)
-        self._build(module, *self.planning.start(module, check_devices(devices), self.config))
+        given = check_devices(devices)
+        if self.planning.mode is not None:
+            self.planning.reference = reference_plan(module, given, self.config)
+        self._unbuilt: tuple[nn.Module, list[Device]] | None = (module, given)  # until a build succeeds
+        if not self.planning.pending:
+            self._build(module, *apply_plan(self.planning.plan, given, self.config))
+        elif example_batch is not None:  # plan="auto": nothing is built before the plan is chosen
+            self._plan_on(*example_batch)
+
+    def _plan_on(self, X: Any, y: Any) -> None:
+        """Choose the plan on this batch (:func:`~dlperf.parallel.training.planned.plan_for`), then build on it."""
+        from .planned import plan_for  # the planner times candidate Trainers: the same function every caller uses
+
+        assert self._unbuilt is not None and self.planning.reference is not None
+        module, devices = self._unbuilt
+        if self.config.processes is not None and (self.config.processes != "auto" or rank_info().world_size > 1):
+            log.info("plan: kept as given (a Trainer across processes plans in one process only)")
+            plan = self.planning.plan = self.planning.reference
+        else:
+            plan = self.planning.decided(plan_for(module, (X, y), devices, config=self.config,
+                                                  options=self.planning.options, reference=self.planning.reference))
+        self._build(module, *apply_plan(plan, devices, self.config))
 
     def _build(self, module: nn.Module, devices: Sequence[DeviceLike], cfg: TrainerConfig) -> None:
         """Replicas, engine, lanes and strategy for ``devices`` as ``cfg`` says (again when a plan changes)."""
@@ -118,6 +143,7 @@ class Trainer:
         self._whole_step = self.planning.whole_step(self.replicas, self.optimizers, self.loss, self.world)
         self._direct = self.planning.engine_kind() == "naive" and self.k == 1 and self.processes is None
         self._autocast = self.plan is not None and self.plan.mixed_precision != "off"  # else no context per step
+        self._unbuilt = None
 
     @property
     def plan(self) -> Plan | None:
@@ -185,14 +211,16 @@ class Trainer:
         (:meth:`sum_across_processes` of it is the batch's mean loss).
         """
         self._check_open()
-        if self.planning.pending:
-            self.planning.plan_now(self, X, y)
+        if self._unbuilt is not None:
+            self._plan_on(X, y)
         try:
             with self.planning.step_threads():
                 return self._train_step(X, y)
         except Exception as exc:
-            if not self.planning.fall_back(self, exc):
+            reference = self.planning.fall_back(exc)
+            if reference is None:
                 raise
+            self._rebuild(reference)
         return self._train_step(X, y)
 
     def _train_step(self, X: Any, y: Any) -> torch.Tensor:
@@ -324,8 +352,17 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` into every replica and optimizer (or the store); a recorded plan is
         taken over unless this trainer was given another one."""
-        if "plan" in state and self.steps == 0 and self.processes is None:
-            self.planning.adopt_recorded(self, state["plan"])
+        if self._unbuilt is not None:  # plan="auto" not planned yet: a recorded plan is taken, else the reference
+            module, devices = self._unbuilt
+            plan = self.planning.recorded(state["plan"]) if "plan" in state else None
+            self.planning.plan = plan or self.planning.reference
+            self._build(module, *apply_plan(self.planning.plan, devices, self.config))
+        elif "plan" in state and self.steps == 0 and self.processes is None:
+            if self.planning.mode is None:
+                self.planning.reference = reference_plan(self.replicas[0], self.devices, self.config)
+            plan = self.planning.recorded(state["plan"])
+            if plan is not None:
+                self._rebuild(plan, carry=False)
         if len(state["buffers"]) != self.k:
             raise UsageError(f"the checkpoint holds {len(state['buffers'])} replicas but this trainer has "
                              f"{self.k} devices; resume on the same number of devices")
@@ -338,6 +375,21 @@ class Trainer:
         self.steps = int(state["steps"])
         # a captured step holds the optimizer's state tensors, which loading replaced
         self._whole_step = self.planning.whole_step(self.replicas, self.optimizers, self.loss, self.world)
+
+    def _rebuild(self, plan: Plan, carry: bool = True) -> None:
+        """Build again on ``plan`` (after a failed step, or for a checkpoint's plan), carrying weights, buffers and
+        optimizer state over unless the caller loads a state next."""
+        carried = self.state_dict() if carry else None
+        module = self.replicas[0].to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
+        self._teardown(abort=True)  # a failed step's operations may still hold their error
+        self._build(module, *apply_plan(plan, self.devices, self.config))
+        if carried is not None:
+            self.load_state_dict(resize_state(carried, self.k))
+
+    def plan_declined(self) -> str | None:
+        """After a step: why this Trainer does not run what its plan's execution says (its captured step serves
+        the eager one), else None."""
+        return self.planning.declined(self._whole_step)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -365,7 +417,8 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
-        self._teardown(abort)
+        if self._unbuilt is None:  # else nothing was built: plan="auto" saw no batch, or its build failed
+            self._teardown(abort)
 
     def _teardown(self, abort: bool = False) -> None:
         try:

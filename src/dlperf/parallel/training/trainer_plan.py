@@ -1,21 +1,19 @@
 """How a :class:`~dlperf.parallel.Trainer` follows a plan: none (as before plans), one pinned, or ``"auto"``.
 
-With ``plan="auto"`` the Trainer starts as it would without a plan (the *reference*) and plans on its first
-:meth:`~dlperf.parallel.Trainer.train_step`, when it has a batch to measure: the planner
-(:mod:`~dlperf.parallel.planning.planner`) times candidate Trainers, each on its own copy of the model, and the
-Trainer rebuilds itself on the winner before taking its first step. A checkpoint holds the plan, and
+With ``plan="auto"`` the Trainer asks :func:`~dlperf.parallel.training.planned.plan_for` for its plan before it
+builds anything: at once when given an example batch, else on its first batch. A checkpoint holds the plan, and
 loading one into a Trainer that was not given another plan takes it over. A step that fails under a plan
-(memory, a lost device, a compiler error) falls back to the reference with one line, once.
+(memory, a lost device, a compiler error) falls back to the reference (what the Trainer does without a plan)
+with one line, once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import sys
+import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,19 +23,14 @@ from ...devices import Device
 from ...errors import DlperfError, UsageError
 from ..allreduce.lanes import thread_budget
 from ..planning.plan import EXECUTIONS, Plan, parse_plan
-from ..planning.planner import CandidateRun, PlanDecision, PlannerOptions, search
+from ..planning.planner import PlanDecision, PlannerOptions
 from ..planning.process_plans import in_process_part, launch_hint
 from .trainer_config import TrainerConfig
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
-
 __all__ = ["Plan", "PlanDecision", "PlanState", "reference_plan", "apply_plan", "cpu_threads", "wants_channels_last",
-           "resize_state"]
+           "resize_state", "check_whole_step"]
 
-
-def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+log = logging.getLogger(__name__)
 
 
 def wants_channels_last(cfg: TrainerConfig, devices: Sequence[Device], module: nn.Module) -> bool:
@@ -74,8 +67,11 @@ def reference_plan(module: nn.Module, devices: Sequence[Device], cfg: TrainerCon
                 algorithm=str(algorithm), bucket_bytes=cfg.bucket_bytes, kvstore=cfg.kvstore)
 
 
-def apply_plan(plan: Plan, devices: Sequence[Device], cfg: TrainerConfig) -> tuple[list[Device], TrainerConfig]:
-    """The devices and config a Trainer builds itself from under ``plan`` (one error line when it cannot)."""
+def apply_plan(plan: Plan | None, devices: Sequence[Device], cfg: TrainerConfig) -> tuple[list[Device], TrainerConfig]:
+    """The devices and config a Trainer builds itself from under ``plan`` (None: as ``cfg`` says; one error line
+    when it cannot)."""
+    if plan is None:
+        return list(devices), cfg
     if plan.launcher == "processes":
         from ..launchers import rank_info
 
@@ -96,7 +92,7 @@ def apply_plan(plan: Plan, devices: Sequence[Device], cfg: TrainerConfig) -> tup
     if plan.mixed_precision == "bf16" and not gpus:
         raise UsageError(f"plan {plan.name!r}: bf16 mixed precision is planned for GPUs; drop bf16 on CPU devices")
     if EXECUTIONS.get(plan.execution).whole_step:
-        _check_whole_step(plan, cfg)
+        check_whole_step(plan, cfg)
     if plan.cudnn_benchmark and gpus:
         torch.backends.cudnn.benchmark = True  # process-wide: cuDNN keeps one algorithm cache
     return placed, dataclasses.replace(cfg, threads=None if gpus else [plan.threads] * len(placed),
@@ -104,7 +100,7 @@ def apply_plan(plan: Plan, devices: Sequence[Device], cfg: TrainerConfig) -> tup
                                        bucket_bytes=plan.bucket_bytes, kvstore=plan.kvstore, plan=plan)
 
 
-def _check_whole_step(plan: Plan, cfg: TrainerConfig) -> None:
+def check_whole_step(plan: Plan, cfg: TrainerConfig) -> None:
     """A step captured from forward to update replaces the strategy's update: only where there is none to keep."""
     why = ("check_finite=True (its update would have to wait for the check)" if cfg.check_finite else
            f"kvstore={cfg.kvstore!r} (the store runs the update)" if cfg.kvstore is not None else
@@ -124,7 +120,9 @@ def resize_state(state: dict[str, Any], replicas: int) -> dict[str, Any]:
 
 
 class PlanState:
-    """A Trainer's plan: its mode, the plan in force, the reference, and the decision that chose it."""
+    """A Trainer's plan: its mode (None, ``"pinned"`` or ``"auto"``), the plan in force, the reference (what the
+    Trainer does without a plan), the decision that chose it, and how the plan's step runs. It holds no Trainer:
+    the Trainer asks it what to build and how each step runs, and rebuilds itself when the plan changes."""
 
     def __init__(self, spec: object, options: PlannerOptions | None = None) -> None:
         self.mode: str | None = None
@@ -140,30 +138,14 @@ class PlanState:
         self.options = options or PlannerOptions()
         self.reference: Plan | None = None
         self.decision: PlanDecision | None = None
-        self.source: nn.Module | None = None
         self.fell_back = False
         self.fallback = True
         """Whether a failed step may fall back (a candidate being measured must fail instead)."""
-        self.built: Plan | None = None
-        """The plan the Trainer is built on now (None: no plan)."""
 
     @property
     def pending(self) -> bool:
         """Planning waits for the first batch."""
         return self.mode == "auto" and self.plan is None
-
-    def start(self, module: nn.Module, devices: list[Device], cfg: TrainerConfig
-              ) -> tuple[list[Device], TrainerConfig]:
-        """The devices and config the Trainer first builds on."""
-        if self.mode is None:
-            return devices, cfg
-        self.reference = self.built = reference_plan(module, devices, cfg)
-        if self.mode == "auto":
-            self.source = module
-            return devices, cfg
-        assert self.plan is not None
-        self.built = self.plan
-        return apply_plan(self.plan, devices, cfg)
 
     def forwards(self, replicas: Sequence[nn.Module]) -> list[Any]:
         """What each replica's step calls: the module, or its execution's (compiled) form."""
@@ -186,12 +168,11 @@ class PlanState:
         assert len(replicas) == 1 and len(optimizers) == 1, "a whole-step plan has one replica (checked in Plan)"
         return execution.make_step(replicas[0], loss, optimizers[0])
 
-    def declined(self, trainer: Trainer) -> str | None:
-        """Why ``trainer`` does not run what its plan's execution says (see :attr:`CandidateRun.declined`)."""
-        step = trainer._whole_step
-        if self.plan is None or step is None:
+    def declined(self, whole_step: Any) -> str | None:
+        """Why a Trainer whose whole step is ``whole_step`` does not run what its plan's execution says."""
+        if self.plan is None or whole_step is None:
             return None
-        return EXECUTIONS.get(self.plan.execution).declined(step)
+        return EXECUTIONS.get(self.plan.execution).declined(whole_step)
 
     def engine_kind(self) -> str:
         """The engine a build uses: threaded (device workers), or naive when one replica runs on the caller."""
@@ -208,70 +189,36 @@ class PlanState:
             return contextlib.nullcontext()
         return torch.autocast(device.torch_device.type, dtype=torch.bfloat16)
 
-    # -- planning, adopting, falling back -------------------------------------------------------------
-    def plan_now(self, trainer: Trainer, X: Any, y: Any) -> None:
-        """Plan on this batch (the Trainer's first) and rebuild ``trainer`` on the winner."""
-        assert self.source is not None and self.reference is not None
-        if trainer.processes is not None:
-            self.plan = self.reference
-            say("plan: kept as given (a Trainer across processes plans in one process only)")
-            return
-        source, given = self.source, trainer.config
+    def decided(self, decision: PlanDecision) -> Plan:
+        """Take ``decision`` (``plan_for``'s on the first batch) as the plan to build on."""
+        self.decision, self.plan = decision, decision.plan
+        if decision.faster_with_processes:
+            log.warning(decision.faster_with_processes)
+        return decision.plan
 
-        def build(plan: Plan) -> CandidateRun:
-            if EXECUTIONS.get(plan.execution).whole_step:  # candidates skip the finiteness check; the run will not
-                _check_whole_step(plan, given)
-            model = copy.deepcopy(source).to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
-            cfg = dataclasses.replace(given, plan=plan, trace=None, processes=None, check_finite=False)
-            candidate = type(trainer)(model, plan.devices_for(trainer.devices), config=cfg)
-            candidate.planning.fallback = False
-            return CandidateRun(step=lambda: candidate.train_step(X, y), close=candidate.close,
-                                threads=plan.replicas * plan.threads,
-                                declined=lambda: candidate.planning.declined(candidate))
-
-        self.decision = search(source, (X, y), trainer.devices, build, self.reference, self.options)
-        if self.decision.faster_with_processes:
-            say(self.decision.faster_with_processes)
-        self.adopt(trainer, self.decision.plan)
-        self.source = None
-
-    def adopt(self, trainer: Trainer, plan: Plan) -> None:
-        """Rebuild ``trainer`` on ``plan``, carrying its weights, buffers and optimizer state over."""
-        self.plan = plan
-        devices, cfg = apply_plan(plan, trainer.devices, trainer.config)
-        if plan == self.built:
-            return
-        self.built = plan
-        state = trainer.state_dict()
-        module = trainer.replicas[0].to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
-        trainer._teardown(abort=True)  # a failed step's operations may still hold their error
-        trainer._build(module, devices, cfg)
-        trainer.load_state_dict(resize_state(state, len(devices)))
-
-    def adopt_recorded(self, trainer: Trainer, recorded: object) -> None:
-        """A checkpoint's plan: taken over unless this Trainer was given another one."""
+    def recorded(self, recorded: object) -> Plan | None:
+        """A checkpoint's plan: the plan to rebuild on, or None when the one in force stays (a pinned one is kept,
+        with a note)."""
         plan = Plan.from_dict(recorded, "the checkpoint's plan")
         if plan == self.plan:
-            return
-        if self.mode == "pinned" and plan != self.plan:
-            say(f"plan: {self.plan.name if self.plan else '?'} as given; the checkpoint's {plan.name} is not used")
-            return
-        if self.mode is None:
-            self.mode, self.reference = "pinned", reference_plan(trainer.replicas[0], trainer.devices,
-                                                                 trainer.config)
-        self.source = None
-        self.adopt(trainer, plan)
+            return None
+        if self.mode == "pinned":
+            log.warning("plan: %s as given; the checkpoint's %s is not used", self.plan.name if self.plan else "?",
+                        plan.name)
+            return None
+        self.mode, self.plan = "pinned", plan
+        return plan
 
-    def fall_back(self, trainer: Trainer, exc: BaseException) -> bool:
-        """After a step failed under a plan: rebuild on the reference and say so (True), or let it raise."""
+    def fall_back(self, exc: BaseException) -> Plan | None:
+        """After a step failed under a plan: the reference to rebuild on (said once), or None to let it raise."""
         if (self.fell_back or not self.fallback or self.plan is None or self.reference is None
                 or self.plan == self.reference
                 or self.plan.launcher == "processes"  # one process alone cannot leave the others' plan
                 or isinstance(exc, DlperfError) or not isinstance(exc, (RuntimeError, MemoryError))):
-            return False
+            return None
         self.fell_back = True
         text = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
-        say(f"plan: {self.plan.summary()} failed ({type(exc).__name__}: {text}); falling back to "
-            f"{self.reference.summary()}")
-        self.adopt(trainer, self.reference)
-        return True
+        log.warning("plan: %s failed (%s: %s); falling back to %s", self.plan.summary(), type(exc).__name__, text,
+                    self.reference.summary())
+        self.plan = self.reference
+        return self.reference
