@@ -37,7 +37,7 @@ def _imported_modules(path: Path) -> set[str]:
 def test_the_import_scan_resolves_relative_imports():
     # the scan below must be able to fail: an import written relatively is named absolutely
     assert {"dlperf._io.check_writable", "dlperf.parallel.training.checkpoint"} <= _imported_modules(
-        SRC / "parallel" / "training.py")
+        SRC / "parallel" / "training" / "run_config.py")
     assert "dlperf.cli.options" in _imported_modules(SRC / "cli" / "bench.py")
     assert "dlperf.cli.options.one_line" in _imported_modules(SRC / "cli" / "__init__.py")
 
@@ -59,19 +59,26 @@ def test_the_old_verb_modules_are_gone():
         assert not (SRC / old).exists(), old
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"lr": 0.0}, "--lr must be > 0 and <= 100, got 0.0"),
-    ({"epochs": 0}, "--epochs must be >= 1, got 0"),
-    ({"download": True}, "--download needs --data DIR to download into; add --data DIR or drop --download"),
-    ({"devices": "cpu:0,cpu:1", "batch_size": 1}, "--batch-size 1 is smaller than the 2 devices"),
-    ({"algorithm": "tree"}, "unknown allreduce algorithm 'tree'"),
+@pytest.mark.parametrize("kwargs, library, cli", [
+    ({"lr": 0.0}, "lr=0.0: expected a number > 0 and <= 100", "--lr 0.0: expected a number > 0 and <= 100"),
+    ({"epochs": 0}, "epochs=0: expected an integer >= 1", "--epochs 0: expected an integer >= 1"),
+    ({"download": True}, "download=True needs data=DIR to download into",
+     "--download needs --data DIR to download into"),
+    ({"devices": "cpu:0,cpu:1", "batch_size": 1}, "batch_size=1 is smaller than the 2 devices",
+     "--batch-size 1 is smaller than the 2 devices"),
+    ({"algorithm": "tree"}, "unknown allreduce algorithm 'tree'", "unknown allreduce algorithm 'tree'"),
 ])
-def test_train_config_refuses_what_the_cli_refuses_with_the_same_words(kwargs, message):
-    from dlperf.parallel.training.run import TrainConfig
+def test_a_run_config_names_its_parameters_and_the_cli_its_flags(kwargs, library, cli):
+    from dlperf.cli.train import flag_words
+    from dlperf.parallel.training.run_config import RunConfig, RunSection
+    from dlperf.parallel.training.trainer_config import TrainerConfig
 
+    trainer = {k: kwargs.pop(k) for k in ("algorithm",) if k in kwargs}
+    lr = kwargs.pop("lr", 0.2)
     with pytest.raises(UsageError) as info:
-        TrainConfig(**kwargs)
-    assert message in str(info.value) and "\n" not in str(info.value)
+        RunConfig(RunSection(**kwargs), TrainerConfig("sgd", {"lr": lr}, **trainer))
+    assert library in str(info.value) and "\n" not in str(info.value) and "--" not in str(info.value)
+    assert cli in flag_words(str(info.value))
 
 
 def test_train_verb_passes_every_option_to_the_config():
@@ -80,19 +87,21 @@ def test_train_verb_passes_every_option_to_the_config():
     parser = argparse.ArgumentParser()
     train_cli.register(parser.add_subparsers())
     args = parser.parse_args(["train", "--devices", "cpu:0,cpu:1", "--lr", "0.5", "--seed", "7", "--epochs", "3",
-                              "--batch-size", "64", "--check-finite", "--kvstore", "local"])
-    config = train_cli.train_config(args)
-    assert (config.devices, config.lr, config.seed, config.epochs, config.batch_size, config.check_finite,
-            config.kvstore) == ([cpu(0), cpu(1)], 0.5, 7, 3, 64, True, "local")
+                              "--batch-size", "64", "--check-finite", "--kvstore", "local", "--loss", "mse"])
+    config = train_cli.run_config(args)
+    assert (config.devices, config.lr, config.run.seed, config.run.epochs, config.run.batch_size,
+            config.trainer.check_finite, config.trainer.kvstore, config.trainer.loss) == (
+        [cpu(0), cpu(1)], 0.5, 7, 3, 64, True, "local", "mse")
 
 
 @pytest.mark.timeout(120)
 def test_library_training_records_every_epoch_without_the_cli(tmp_path):
     from dlperf.parallel.training.checkpoint import load_checkpoint
-    from dlperf.parallel.training.run import TrainConfig, prepare, train
+    from dlperf.parallel.training.run import RunHooks, train
+    from dlperf.parallel.training.run_config import RunConfig, RunSection, prepare
 
-    config = TrainConfig(devices="cpu:0,cpu:1", batch_size=50, epochs=2, train_size=200, test_size=50,
-                         checkpoint=str(tmp_path / "ck.pt"))
+    config = RunConfig(RunSection(devices="cpu:0,cpu:1", batch_size=50, epochs=2, train_size=200, test_size=50,
+                                  checkpoint=str(tmp_path / "ck.pt")))
     state = prepare(config)
     seen: list[dict] = []
     kept_when_reported: list[list[int]] = []
@@ -103,10 +112,11 @@ def test_library_training_records_every_epoch_without_the_cli(tmp_path):
         assert load_checkpoint(tmp_path / "ck.pt")["history"][-1]["epoch"] == rec["epoch"]
         seen.append(rec)
 
-    train(config, state, on_epoch=reported)
+    result = train(config, state, None, RunHooks(on_epoch=reported))
     assert [r["epoch"] for r in seen] == [1, 2] and seen == state.history and state.saved == [1, 2]
     assert kept_when_reported == [[1], [1, 2]]
     assert load_checkpoint(tmp_path / "ck.pt")["history"] == state.history
+    assert result.devices == [cpu(0), cpu(1)] and result.history == state.history
 
 
 def test_scaling_config_checks_and_defaults():

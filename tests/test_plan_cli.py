@@ -69,7 +69,6 @@ def test_your_own_model_on_the_embedded_data(factories, tmp_path, capsys):
     (["--model", "nope"], "'nope' is neither a model"),
     (["--data", "nomodule_here:f"], "no module named 'nomodule_here'"),
     (["--plan", "auto", "--nproc-per-node", "2"], "--plan auto with 2 processes"),
-    (["--model", "plan_factories:make_model", "--checkpoint", "x.pt"], "--checkpoint with a MODULE:FACTORY"),
     (["--model", "plan_factories:make_model", "--data", "plan_factories:not_batches", "--devices", "cpu:0"],
      "train batch 0 is"),
 ])

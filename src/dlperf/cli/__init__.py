@@ -62,17 +62,19 @@ def _verb_names(parser: argparse.ArgumentParser) -> list[str]:
 
 
 class _Notes(logging.Handler):
-    """The library's notes (its ``logging`` records at INFO and above) as the lines a verb prints on stderr."""
+    """The library's notes as the lines a verb prints: what it decided (INFO, such as the plan it chose) on
+    stdout with its other results, warnings on stderr."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            print(one_line(record.getMessage()), file=sys.stderr, flush=True)
+            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+            print(one_line(record.getMessage()), file=stream, flush=True)
         except Exception:  # noqa: BLE001 - a note that cannot be shown must not end the run
             self.handleError(record)
 
 
 def show_notes() -> None:
-    """Print the library's notes on stderr, one line each (once per process)."""
+    """Print the library's notes, one line each (installed once per process)."""
     logger = logging.getLogger("dlperf")
     if not any(isinstance(h, _Notes) for h in logger.handlers):
         logger.addHandler(_Notes())

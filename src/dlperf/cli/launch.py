@@ -35,8 +35,8 @@ from .options import one_line
 
 __all__ = ["register", "run", "start", "parse_master", "NUM_SERVERS_ENV", "DEFAULT_TIMEOUT_S"]
 
-DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0
-"""The longest a launched job may run (and one collective may wait): a week, unless ``--timeout`` says."""
+from ..parallel.launchers.launch_config import RUN_TIMEOUT_S as DEFAULT_TIMEOUT_S  # noqa: E402
+
 MIN_LAUNCH_TIMEOUT_S = 1.0
 """The shortest ``--timeout``: a whole launch, and processes take about that long to start. The library's
 :data:`~dlperf.parallel.launchers.launch_config.MIN_TIMEOUT_S` is lower: it bounds single waits too (a fault
@@ -141,16 +141,24 @@ def start(args: argparse.Namespace, fn: Callable[..., Any], *fn_args: Any, backe
                                roles={rank: "server" for rank in range(world - args.num_servers, world)})
     try:
         codes = launcher.launch(_in_worker, args.num_servers, fn, fn_args)
-    except LaunchError as exc:
-        if exc.log_path and getattr(args, "verbose", False):
-            _print_log(exc.log_path)
-        log = f" (full traceback and torch's log: {exc.log_path})" if exc.log_path else ""
-        print(f"dlperf launch: error: {one_line(str(exc))}{log}", file=sys.stderr)
-        return 1
-    except SignalException as exc:  # SIGTERM, SIGHUP (SIGINT arrives as KeyboardInterrupt: status 130)
-        print(f"dlperf launch: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr)
-        return 128 + int(exc.sigval)
+    except (LaunchError, SignalException) as exc:
+        return report_launch_error("launch", exc, verbose=getattr(args, "verbose", False))
     return max((int(c or 0) for c in codes), default=0)
+
+
+def report_launch_error(verb: str, exc: BaseException, *, verbose: bool) -> int:
+    """One line for a launch that failed or was stopped by a signal; the exit status it means."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    if isinstance(exc, SignalException):  # SIGTERM, SIGHUP (SIGINT arrives as KeyboardInterrupt: status 130)
+        print(f"dlperf {verb}: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    path = getattr(exc, "log_path", None)
+    if path and verbose:
+        _print_log(path)
+    log = f" (full traceback and torch's log: {path})" if path else ""
+    print(f"dlperf {verb}: error: {one_line(str(exc))}{log}", file=sys.stderr)
+    return 1
 
 
 def _print_log(path: str) -> None:

@@ -1,24 +1,12 @@
-"""``dlperf train``: data-parallel training of LeNet or ResNet-18 on a list of devices (d2l 12.5-12.6).
+"""``dlperf train``: train a zoo network or your own model, data-parallel, on a list of devices (d2l 12.5-12.6).
 
     dlperf train --model lenet --devices cpu:0,cpu:1 --batch-size 256 --lr 0.2 --epochs 2
+    dlperf train --model mymodels:make_gru --data mymodels:gru_data --loss mse --plan auto
 
-Without ``--data`` it trains on the embedded glyph dataset (no network needed); with ``--data DIR``
-it reads Fashion-MNIST IDX files from DIR (``--download`` fetches them first). Each epoch prints the
-test accuracy and the training seconds, and the last line reads like d2l's
-``test acc: 0.85, 2.0 sec/epoch on [cpu(0), cpu(1)]``.
-
-``--nproc-per-node N`` trains as N processes on this host (the short form of ``dlperf launch
---nproc-per-node N -- train ...``): ``--devices`` are each process's own, ``--batch-size`` is the global
-batch, the first process prints and writes the checkpoint.
-
-``--plan auto`` measures the plans valid for the model, batch and devices on the first batch (replicas x
-threads, layout, ...: :mod:`dlperf.parallel.planning.planner`) and trains on the fastest, printing it first; ``--plan
-1x2,channels-last`` pins one. A plan whose replicas are processes (``2x1,processes``, pinned or chosen by
-``auto``) trains as that many processes, as ``--nproc-per-node`` would, and a checkpoint of one resumes so.
-``--model pkg.module:factory`` and ``--data pkg.module:factory`` train your own
-model and data: each factory is imported and called with no arguments (that runs your code), the data
-factory returning ``train`` or ``(train, test)``, each an iterable of ``(inputs, targets)`` batches that can
-be iterated once per epoch (a ``DataLoader`` is one).
+The options become a :class:`~dlperf.parallel.training.run_config.RunConfig` (one table, :data:`FLAGS`, maps each
+of its parameters to the flag that sets it) and :func:`~dlperf.parallel.training.run.run_training` does the rest;
+this module only prints. Each epoch prints the loss, the test accuracy and the seconds, and the last line reads
+like d2l's ``test acc: 0.85, 2.0 sec/epoch on [cpu(0), cpu(1)]``.
 """
 
 from __future__ import annotations
@@ -26,45 +14,58 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
+from functools import partial
+from typing import Any
 
 from ..errors import UsageError
 from ..parallel.allreduce import DEFAULT_ALGORITHM, algorithm_names
-from ..parallel.training.run import (
+from ..parallel.training.run_config import (
     MAX_BATCH,
     MAX_BUCKET_BYTES,
     MAX_EPOCHS,
     MAX_LR,
     TRAIN_MODELS,
-    TrainConfig,
-    TrainState,
-    check_resume,
-    epoch_line,
-    prepare,
-    train,
+    RunConfig,
+    RunSection,
+    is_factory,
 )
 
-__all__ = ["register", "run", "train_config"]
+__all__ = ["register", "run", "run_config", "check_in_parent", "epoch_line", "FLAGS"]
+
+FLAGS: dict[str, str] = {
+    "model": "--model", "data": "--data", "devices": "--devices", "batch_size": "--batch-size", "epochs": "--epochs",
+    "seed": "--seed", "train_size": "--train-size", "test_size": "--test-size", "download": "--download",
+    "checkpoint": "--checkpoint", "resume": "--resume",
+    "resume_hparams_from_checkpoint": "--resume-hparams-from-checkpoint", "lr": "--lr", "loss": "--loss",
+    "algorithm": "--algorithm", "kvstore": "--kvstore", "bucket_bytes": "--bucket-bytes",
+    "check_finite": "--check-finite", "trace": "--trace", "plan": "--plan", "nproc_per_node": "--nproc-per-node",
+}
+"""The library's parameter of a run -> the flag that sets it: what the verb's error lines say instead."""
+
+_interrupted_after: list[int] = []  # the last epoch this process saw saved, for the line after Ctrl-C
 
 
 def register(sub) -> None:
     from ..kvstore import kvstore_types
     from . import options as va
 
-    p = sub.add_parser("train", help="train LeNet or ResNet-18 data-parallel on a list of devices",
+    p = sub.add_parser("train", help="train a zoo network or your own model data-parallel on a list of devices",
                        description=__doc__.splitlines()[0])
     p.add_argument("--model", default="lenet", type=model_source,
                    help=f"{', '.join(TRAIN_MODELS)}, or pkg.module:factory (called with no arguments)")
     p.add_argument("--devices", default="cpu:0", type=va.device_list("--devices"),
                    help="comma-separated, e.g. cpu:0,cpu:1 or gpu:0,gpu:1")
     p.add_argument("--batch-size", type=va.int_in(1, MAX_BATCH, "--batch-size"), default=256,
-                   help="global mini-batch, split across devices (at least one example per device); an "
-                        "epoch's last batch with fewer examples than devices is skipped")
+                   help="global mini-batch of the embedded or IDX data, split across devices (at least one example "
+                        "per device); an epoch's last batch with fewer examples than devices is skipped")
     p.add_argument("--lr", type=va.positive_float("--lr", max_value=MAX_LR), default=0.2)
     p.add_argument("--epochs", type=va.int_in(1, MAX_EPOCHS, "--epochs"), default=10)
     p.add_argument("--data", metavar="DIR|MODULE:FACTORY", type=data_source,
                    help="Fashion-MNIST IDX directory, or pkg.module:factory returning train or (train, test) "
-                        "batches (default: embedded glyphs)")
+                        "batches: (inputs, targets) pairs or mappings with their labels (default: embedded glyphs)")
+    p.add_argument("--loss", default=None, type=loss_option,
+                   help="ce, mse, l1, smooth-l1, bce or pkg.module:fn(outputs, targets); default: the model's own "
+                        "(outputs['loss']), else cross-entropy where the targets are class labels")
     p.add_argument("--plan", default=None, type=plan_option,
                    help="auto: measure the plans valid here on the first batch and train on the fastest (printed "
                         "first); or pin one by name, e.g. 1x2,channels-last (replicas x threads, layout, ...)")
@@ -102,17 +103,13 @@ def register(sub) -> None:
     p.set_defaults(func=run, check_in_parent=check_in_parent)
 
 
-def _factory_text(text: str) -> bool:
-    return ":" in text and not text.startswith(("/", ".", "~"))
-
-
 def model_source(text: str) -> str:
     """A zoo model's name or ``pkg.module:factory``."""
     from .profile import target
 
     if text in TRAIN_MODELS:
         return text
-    if _factory_text(text):
+    if is_factory(text):
         return target(text)
     raise argparse.ArgumentTypeError(f"{text[:60]!r} is neither a model ({', '.join(TRAIN_MODELS)}) nor "
                                      "MODULE:FACTORY; give one, e.g. lenet or mypkg.nets:make_model")
@@ -123,7 +120,20 @@ def data_source(text: str) -> str:
     from . import options as va
     from .profile import target
 
-    return target(text) if _factory_text(text) else va.existing_dir("--data")(text)
+    return target(text) if is_factory(text) else va.existing_dir("--data")(text)
+
+
+def loss_option(text: str) -> object:
+    """A loss name, or ``pkg.module:fn`` (imported when the run starts, in every process)."""
+    from ..losses import LOSSES
+    from .profile import target
+
+    if is_factory(text):
+        return target(text)
+    if text.lower() in LOSSES:
+        return text.lower()
+    raise argparse.ArgumentTypeError(f"{text[:60]!r} is not a loss; give one of {', '.join(LOSSES.names())} or "
+                                     "MODULE:FN, e.g. mse or mylosses:weighted")
 
 
 def plan_option(text: str) -> object:
@@ -138,214 +148,138 @@ def plan_option(text: str) -> object:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def train_config(args: argparse.Namespace, processes: int | None = None) -> TrainConfig:
-    """The parsed options as a :class:`~dlperf.parallel.training.run.TrainConfig` (which checks them).
+def flag_words(message: str) -> str:
+    """A library error line in the verb's words: ``batch_size=1`` -> ``--batch-size 1`` (:data:`FLAGS`)."""
+    import re
 
-    Every option named like a config field is passed on, so a new option needs only its field and its
-    ``add_argument``. ``processes``: how many will train (default: as this process was started).
-    """
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)
-                          and f.name != "plan"}, processes=processes)
+    def swap(m: re.Match) -> str:
+        flag = FLAGS.get(m.group(1))
+        if flag is None:
+            return m.group(0)
+        value = m.group(2).strip("'\"")
+        return flag if value in ("True", "") else f"{flag} {value}"
+
+    return re.sub(r"\b([a-z_]+)=('[^']*'|\"[^\"]*\"|[^\s,;:()]*)", swap, message)
 
 
-def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int = 0) -> TrainConfig:
+def run_config(args: argparse.Namespace, processes: int | None = None) -> RunConfig:
+    """The parsed options as the library's :class:`RunConfig` (which checks them; errors in its words)."""
+    from ..parallel.launchers import LaunchConfig
+    from ..parallel.launchers.launch_config import RUN_TIMEOUT_S
+    from ..parallel.training.trainer_config import TrainerConfig
+
+    nproc = processes if processes is not None else args.nproc_per_node
+    plan = args.plan
+    if plan == "auto" and nproc is not None and nproc > 1:
+        raise UsageError(f"--plan auto with {nproc} processes: the plans (processes among them) are measured from "
+                         "one process; give --plan auto without --nproc-per-node, or a plan by name")
+    if nproc is not None and getattr(plan, "launcher", None) == "processes" and plan.replicas != nproc:
+        raise UsageError(f"--plan {plan.name} runs {plan.replicas} processes but --nproc-per-node {nproc} was "
+                         f"given; give one of them")
+    try:
+        run = RunSection(model=args.model, data=args.data, devices=args.devices, batch_size=args.batch_size,
+                         epochs=args.epochs, seed=args.seed, train_size=args.train_size, test_size=args.test_size,
+                         download=args.download, checkpoint=args.checkpoint, resume=args.resume,
+                         resume_hparams_from_checkpoint=args.resume_hparams_from_checkpoint)
+        trainer = TrainerConfig("sgd", {"lr": args.lr}, loss=_loss(args.loss), algorithm=args.algorithm,
+                                kvstore=args.kvstore, bucket_bytes=args.bucket_bytes, check_finite=args.check_finite,
+                                trace=args.trace, plan=plan)
+        # processes given: checked for the launch that will start them (dlperf launch -- train ...)
+        launch = LaunchConfig(nproc, join_timeout_s=RUN_TIMEOUT_S) if nproc is not None else None
+        config = RunConfig(run, trainer, launch=launch)
+    except UsageError as exc:
+        raise UsageError(flag_words(str(exc))) from None
+    return config
+
+
+def _loss(value: Any) -> Any:
+    if isinstance(value, str) and is_factory(value):
+        from ..probe.targets import load_factory
+
+        return load_factory(value)
+    return value
+
+
+def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int = 0) -> RunConfig:
     """Check the options for ``processes`` processes (``num_servers`` of them parameter servers) before they
     start: a mistake is one line, not one a process."""
     from ..parallel.communication.process_group import check_process_settings
     from ..parallel.strategies import choose_strategy
-    from .train_factory import uses_factories
+    from ..parallel.training.run_config import check_resume
 
     plan = getattr(args, "plan", None)
-    if uses_factories(args):
-        raise UsageError("MODULE:FACTORY models or data train in one process; drop them, or drop the process count")
-    if plan is not None and not _runs_as(plan, processes):
-        raise UsageError(f"--plan {getattr(plan, 'name', plan)} with {processes} processes: a plan with processes "
-                         f"is measured and started by dlperf train; give --plan auto or --plan {processes}xT,processes "
-                         "without --nproc-per-node, or drop --plan")
+    if plan is not None and getattr(plan, "launcher", None) == "processes":
+        raise UsageError(f"--plan {plan.name} under dlperf launch: a plan with processes is started by dlperf train; "
+                         "give it without dlperf launch, or drop --plan")
     choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, cli=True)
-    config = train_config(args, processes)
-    check_resume(config)
+    config = run_config(args, processes)
+    try:
+        check_resume(config)
+    except UsageError as exc:
+        raise UsageError(flag_words(str(exc))) from None
     check_process_settings()
     return config
 
 
 def run(args: argparse.Namespace) -> int:
-    from .train_factory import run_factories, uses_factories
+    from ..parallel.launchers import LaunchError
+    from ..parallel.training.run import RunHooks, run_training
+    from . import show_notes
+    from .launch import report_launch_error
 
-    if uses_factories(args):
-        if _process_plan(args.plan) is not None:
-            raise UsageError(f"--plan {args.plan.name} with MODULE:FACTORY models or data: those train in one "
-                             "process; give a plan without processes")
-        return run_factories(args)
-    if args.plan is None or args.plan == "auto":
-        recorded = _recorded_process_plan(args.resume)
-        args.plan = recorded if recorded is not None and args.nproc_per_node is None else args.plan
-    plan = _process_plan(args.plan)
-    if plan is not None and args.nproc_per_node is None:
-        args.nproc_per_node = plan.replicas  # the plan's processes, started here as --nproc-per-node would
     if args.nproc_per_node is not None:
-        return _launch(args)
-    return _run(train_config(args), args.json, args.no_progress, args.plan)
+        from ..parallel.launchers import rank_info
 
-
-def _process_plan(plan: object):
-    """``plan`` when it runs its replicas as processes, else None."""
-    from ..parallel.planning.plan import Plan
-
-    return plan if isinstance(plan, Plan) and plan.launcher == "processes" else None
-
-
-def _runs_as(plan: object, processes: int) -> bool:
-    found = _process_plan(plan)
-    return found is not None and found.replicas == processes
-
-
-def _recorded_process_plan(resume: str | None):
-    """The checkpoint's plan when it ran as processes (resuming starts as many), else None."""
-    from ..parallel.planning.plan import Plan
-    from ..parallel.training.checkpoint import load_checkpoint
-
-    if resume is None:
-        return None
-    recorded = load_checkpoint(resume)["trainer"].get("plan")
-    if recorded is None:
-        return None
-    return _process_plan(Plan.from_dict(recorded, "the checkpoint's plan"))
-
-
-def _launch(args: argparse.Namespace) -> int:
-    from ..parallel.launchers import rank_info
-    from .launch import DEFAULT_TIMEOUT_S, start
-
-    if rank_info().world_size > 1:
-        raise UsageError(f"--nproc-per-node {args.nproc_per_node} in a process already started as one of "
-                         f"{rank_info().world_size}; give the process count once, to dlperf launch or to dlperf train")
-    config = check_in_parent(args, args.nproc_per_node)
-    layout = argparse.Namespace(nproc_per_node=args.nproc_per_node, nnodes=1, node_rank=0, master=None,
-                                num_servers=0, max_restarts=0, timeout=DEFAULT_TIMEOUT_S)
-    return start(layout, _run, config, args.json, args.no_progress, args.plan)
-
-
-def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = None) -> int:
-    from ..parallel.communication.process_group import last_exchange_report
-    from ..parallel.communication.servers import is_server_rank, server_ranks
-    from ..parallel.launchers import rank_info
-    from ..parallel.training.run import serve
-
-    if config.processes is None:
-        config.processes = rank_info().world_size
-    if is_server_rank(config.kvstore):  # the last --num-servers ranks hold the weights; they do not train
-        serve(config)
-        return 0
-    if rank_info().rank != 0:  # one process reports: the others train silently
-        return _quiet(config, plan)
-    state = prepare(config)
-    config.plan = _choose_plan(config, state, plan)
-    chosen = _process_plan(config.plan)
-    if chosen is not None and rank_info().world_size == 1:  # planned here: train as the plan's processes
-        return _launch_plan(config, as_json, no_progress, chosen)
+        if rank_info().world_size > 1:
+            raise UsageError(f"--nproc-per-node {args.nproc_per_node} in a process already started as one of "
+                             f"{rank_info().world_size}; give the process count once, to dlperf launch or to "
+                             "dlperf train")
+    config = run_config(args)
+    hooks = RunHooks(on_start=show_notes, on_epoch=print_epoch,
+                     on_result=partial(print_result, as_json=args.json),
+                     show_progress=not (args.no_progress or args.json) and sys.stderr.isatty())
+    _interrupted_after.clear()
     try:
-        _train(config, state, show_progress=not (no_progress or as_json) and sys.stderr.isatty())
+        run_training(config, hooks)
+    except UsageError as exc:
+        raise UsageError(flag_words(str(exc))) from None
+    except LaunchError as exc:
+        return report_launch_error("train", exc, verbose=False)
     except KeyboardInterrupt:
-        kept = f"; {config.checkpoint} holds epoch {state.saved[-1]}" if state.saved else ""
+        kept = f"; {config.run.checkpoint} holds epoch {_interrupted_after[-1]}" \
+            if _interrupted_after and config.run.checkpoint else ""
         print(f"dlperf train: interrupted{kept}", file=sys.stderr, flush=True)
         return 130
-    history = state.history
-    per_epoch = state.seconds_per_epoch()
-    acc = history[-1]["test_acc"] if history else float("nan")
-    names = "[" + ", ".join(str(d) for d in config.devices) + "]"
-    servers = server_ranks(config.kvstore)
-    if config.processes > 1:
-        names += f" x {config.processes - servers} processes"
-        if servers:
-            names += f" + {servers} server{'s' * (servers > 1)}"
-    exchanges = last_exchange_report() if config.processes > 1 else None
-    if exchanges is not None:  # before the d2l line, which stays the last
-        print(exchanges.describe())
-    print(f"test acc: {acc:.2f}, {per_epoch:.1f} sec/epoch on {names}")
+    return 0
+
+
+def epoch_line(rec: dict[str, Any]) -> str:
+    """One finished epoch as printed: loss (and since which step it was not finite), test accuracy, seconds."""
+    loss = f"loss {rec['loss']:.3f}"
+    if rec.get("nonfinite_since_step") is not None:
+        loss += f" (non-finite since step {rec['nonfinite_since_step']}; --check-finite stops there)"
+    return f"epoch {rec['epoch']}: {loss}, test acc {rec['test_acc']:.3f}, {rec['seconds']:.1f} sec"
+
+
+def print_epoch(rec: dict[str, Any]) -> None:
+    _interrupted_after.append(rec["epoch"])
+    print(epoch_line(rec), flush=True)
+
+
+def print_result(result: Any, as_json: bool = False) -> None:
+    """The run's last lines: the exchanges across processes, then d2l's line (and the JSON object)."""
+    names = "[" + ", ".join(str(d) for d in result.devices) + "]"
+    if result.processes > 1:
+        names += f" x {result.processes - result.servers} processes"
+        if result.servers:
+            names += f" + {result.servers} server{'s' * (result.servers > 1)}"
+    if result.exchanges is not None:  # before the d2l line, which stays the last
+        print(result.exchanges.describe())
+    print(f"test acc: {result.test_acc:.2f}, {result.seconds_per_epoch:.1f} sec/epoch on {names}", flush=True)
     if as_json:
-        print(json.dumps({"model": config.model, "devices": [str(d) for d in config.devices],
-                          "processes": config.processes, "test_acc": acc, "sec_per_epoch": per_epoch,
-                          "epochs": history, "exchanges": exchanges.as_dict() if exchanges else None}))
-    return 0
+        print(json.dumps({"model": result.config.run.model, "devices": [str(d) for d in result.devices],
+                          "processes": result.processes, "test_acc": result.test_acc,
+                          "sec_per_epoch": result.seconds_per_epoch, "epochs": result.history,
+                          "plan": result.plan.name if result.plan is not None else None,
+                          "exchanges": result.exchanges.as_dict() if result.exchanges else None}), flush=True)
 
-
-def _choose_plan(config: TrainConfig, state: TrainState, plan: object) -> object:
-    """The plan the run follows (printed first): the checkpoint's when resuming, measured on the first batch
-    for ``auto``, or the one named."""
-    from contextlib import closing
-
-    import torch
-
-    from ..parallel.planning.plan import EXECUTIONS, Plan
-    from ..parallel.planning.planner import PlannerOptions
-    from ..parallel.training.planned import plan_for
-
-    if isinstance(plan, Plan):  # a plan by name leaves the store and algorithm to the run's options
-        plan = plan.filled(algorithm=config.algorithm, bucket_bytes=config.bucket_bytes, kvstore=config.kvstore)
-    recorded = state.resume["trainer"].get("plan") if state.resume is not None else None
-    if recorded is not None:
-        chosen = Plan.from_dict(recorded, "the checkpoint's plan")
-        if plan is None or plan == "auto" or plan == chosen:
-            print(f"plan: {chosen.summary()} (from the checkpoint)", flush=True)
-            # the Trainer takes the checkpoint's plan over when it loads the state, except across processes
-            return chosen if chosen.launcher == "processes" else None
-    if plan == "auto" and state.resume is not None:
-        print("plan: as the checkpoint was trained (it records no plan)", flush=True)
-        return None
-    if plan != "auto":
-        if isinstance(plan, Plan):
-            print(plan.line(), flush=True)
-        return plan
-    with closing(state.train_loader.epoch_batches(0)) as batches:
-        X, y = next(iter(batches))
-    steps = max(1, (config.epochs - len(state.history)) * len(state.train_loader))
-    # a step captured from forward to update cannot hold the update back for --check-finite
-    executions = [n for n in EXECUTIONS.names() if not EXECUTIONS.get(n).whole_step] if config.check_finite else None
-    rng = torch.get_rng_state()  # planning must not move the weights the run starts from
-    try:
-        decision = plan_for(state.spec.build(), (X, y), config.device_list(), optimizer_params={"lr": config.lr},
-                            loss=state.spec.loss, options=PlannerOptions(run_steps=steps, executions=executions),
-                            processes=config.kvstore is None)
-    finally:
-        torch.set_rng_state(rng)
-    print(decision.plan.line() + (" [cached]" if decision.cached else f" [planned in {decision.planning_s:.1f} s]"),
-          flush=True)
-    for skipped in decision.skipped:
-        print(f"plan: skipped {skipped}", flush=True)
-    return decision.plan
-
-
-def _launch_plan(config: TrainConfig, as_json: bool, no_progress: bool, plan) -> int:
-    """Train ``config`` as the ``plan``'s processes (the plan ``--plan auto`` chose in this process)."""
-    import dataclasses
-
-    from ..parallel.communication.process_group import check_process_settings
-    from .launch import DEFAULT_TIMEOUT_S, start
-
-    n = plan.replicas
-    print(f"plan: starting {n} processes", flush=True)
-    check_process_settings()
-    config = dataclasses.replace(config, processes=n, plan=None)
-    layout = argparse.Namespace(nproc_per_node=n, nnodes=1, node_rank=0, master=None, num_servers=0,
-                                max_restarts=0, timeout=DEFAULT_TIMEOUT_S)
-    return start(layout, _run, config, as_json, no_progress, plan)
-
-
-def _quiet(config: TrainConfig, plan: object = None) -> int:
-    from ..parallel.planning.plan import Plan
-
-    if isinstance(plan, Plan):  # the plan rank 0 names (printed there), for this rank's Trainer too
-        config.plan = plan.filled(algorithm=config.algorithm, bucket_bytes=config.bucket_bytes,
-                                  kvstore=config.kvstore)
-    state = prepare(config)
-    try:
-        train(config, state)
-    except KeyboardInterrupt:
-        return 130
-    return 0
-
-
-def _train(config: TrainConfig, state: TrainState, show_progress: bool) -> None:
-    train(config, state, on_epoch=lambda rec: print(epoch_line(rec), flush=True),
-          on_message=lambda line: print(line, flush=True), show_progress=show_progress)

@@ -113,6 +113,8 @@ def place_parts(batch: Batch, devices: Sequence[Device], sizes: Sequence[int]) -
     """
     if isinstance(batch, torch.Tensor):
         return [_place(p, d) for p, d in zip(torch.split(batch, list(sizes)), devices)]
+    if batch is None:  # no separate targets: the batch carries its labels
+        return [None] * len(sizes)
     return split_tree(batch, sizes, lambda t, i: _place(t, devices[i]))
 
 
@@ -134,8 +136,12 @@ def split_batch(X: Batch, y: Batch, devices: Sequence[DeviceLike],
 
 
 def _examples(X: Batch, y: Batch) -> int:
-    """The examples of a batch of inputs and targets, which must agree (one line naming both otherwise)."""
-    n, m = batch_size(X, "input"), batch_size(y, "target")
+    """The examples of a batch of inputs and targets, which must agree (one line naming both otherwise); ``y``
+    None: a batch that carries its own labels."""
+    n = batch_size(X, "input")
+    if y is None:
+        return n
+    m = batch_size(y, "target")
     if n != m:
         raise UsageError(f"features have {n} examples but labels have {m}; they must match (inputs {describe(X)}, "
                          f"targets {describe(y)})")
@@ -200,8 +206,8 @@ def split_step(X: Batch, y: Batch, devices: Sequence[Device], world: int = 1,
     def place(t: torch.Tensor, i: int) -> torch.Tensor:
         return _place(t, devices[i - 1]) if 0 < i <= k else t
 
-    Xs, ys = split_tree(X, sizes, place)[1:k + 1], split_tree(y, sizes, place)[1:k + 1]
-    return Xs, ys, n
+    Xs = split_tree(X, sizes, place)[1:k + 1]
+    return Xs, [None] * k if y is None else split_tree(y, sizes, place)[1:k + 1], n
 
 
 def check_placed(parts: Sequence[Batch], devices: Sequence[Device], what: str = "input") -> None:

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 from ...errors import UsageError
 
-__all__ = ["MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "LaunchConfig"]
+__all__ = ["MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "RUN_TIMEOUT_S", "LaunchConfig"]
 
 # bounded: torch turns timeouts into timedeltas (1e300 s overflows) and whole seconds (1e-9 s is 0)
 MIN_TIMEOUT_S = 0.01
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
+RUN_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest a launched training run may take (and one collective wait) unless told otherwise: a week."""
 
 
 @dataclass(frozen=True)

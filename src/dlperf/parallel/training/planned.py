@@ -33,7 +33,7 @@ from ..planning.planner import CandidateRun, PlanDecision, PlannerOptions, searc
 from ..planning.process_plans import START_TIMEOUT_S, ProcessCandidate, measuring_processes
 from ..split import check_devices
 from .trainer import Trainer
-from .trainer_config import Loss, TrainerConfig
+from .trainer_config import LossLike, TrainerConfig
 from .trainer_plan import check_whole_step, reference_plan
 
 __all__ = ["plan_for", "candidate_builder", "start_candidate"]
@@ -63,7 +63,7 @@ def candidate_builder(model: nn.Module, batch: tuple[Any, Any], devices: Sequenc
 
 def plan_for(model: nn.Module, example_batch: tuple[Any, Any], devices: Sequence[DeviceLike] | None = None, *,
              optimizer: OptimizerLike = "sgd", optimizer_params: dict[str, Any] | None = None,
-             loss: Loss | None = None, config: TrainerConfig | None = None, options: PlannerOptions | None = None,
+             loss: LossLike = None, config: TrainerConfig | None = None, options: PlannerOptions | None = None,
              processes: bool = False, reference: Plan | None = None) -> PlanDecision:
     """The plan to train ``model`` on batches like ``example_batch`` (``(inputs, targets)``), with what it measured.
 

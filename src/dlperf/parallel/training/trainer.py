@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from ...batch import batch_size, call_model, map_tensors
 from ...devices import Device, DeviceLike
 from ...engine import Engine, Trace, create_engine
 from ...errors import UsageError
+from ...losses import StepLoss, resolve_loss
 from ..allreduce import get_algorithm
 from ..allreduce.lanes import EngineLanes, comm_lanes
 from ..communication.buckets import GradientBuckets
@@ -48,7 +49,7 @@ from ..replicas import broadcast_buffers, max_replica_difference, replicate
 from ..split import check_devices, split_step
 from ..strategies import NonFiniteError, StepContext, Strategy, create_strategy
 from .evaluate import evaluate_accuracy
-from .trainer_config import Loss, TrainerConfig, default_loss
+from .trainer_config import TrainerConfig
 from .trainer_plan import Plan, PlanState, apply_plan, cpu_threads, reference_plan, resize_state, wants_channels_last
 
 __all__ = ["Trainer", "TrainerConfig", "make_optimizer", "OPTIMIZERS", "NonFiniteError"]
@@ -107,7 +108,7 @@ class Trainer:
         self.devices = check_devices(devices)
         self.check_finite = cfg.check_finite
         self.buffers = cfg.buffers
-        self.loss: Loss = cfg.loss or default_loss
+        self.loss: StepLoss = resolve_loss(cfg.loss)
         self.k = len(self.devices)
         axis = join_processes(None if cfg.processes == "auto" else cfg.processes) if cfg.processes is not None else None
         try:
@@ -199,8 +200,7 @@ class Trainer:
         """This process's part for each of its devices, and the examples of the whole batch."""
         return split_step(X, y, self.devices, self.world, self.rank)
 
-    def train_step(self, X: torch.Tensor | Sequence[torch.Tensor],
-                   y: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    def train_step(self, X: Any, y: Any = None) -> torch.Tensor:
         """Forward, backward and update on every device at once; return the batch's mean loss.
 
         ``X`` and ``y`` are a whole batch (split here) or lists with one part per device; each a tensor or a
@@ -260,9 +260,9 @@ class Trainer:
         self.strategy.zero_grad(i)
         if self._autocast:
             with self.planning.precision(self.devices[i]):
-                loss = self.loss(call_model(self._forwards[i], self._layout(X)), y)
+                loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
         else:
-            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y)
+            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
         if share != 1.0:  # one replica's loss is the batch's: no multiplication to run and differentiate
             loss = loss * share
         loss.backward()
@@ -299,24 +299,27 @@ class Trainer:
             self.strategy.zero_grad(i)
 
     # -- evaluation and state -----------------------------------------------------------------------
-    def evaluate_accuracy(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Accuracy over ``data``: each batch split across the devices and run on all at once.
+    def evaluate_accuracy(self, data: Iterable[Any], predictions: Any = None) -> float:
+        """Accuracy over ``data`` (``(inputs, targets)`` pairs or mapping batches with their ``labels``): each
+        batch split across the devices and run on all at once (:func:`~.evaluate.evaluate_accuracy`).
 
         Across processes every process passes the same ``data``; each evaluates every ``world``-th batch
         and the counts are summed, so all get the accuracy over all of ``data``.
         """
         self._check_open()
         if self.processes is None:
-            return evaluate_accuracy(self.replicas, data, self.devices, self.engine, prepare=self._layout)
+            return evaluate_accuracy(self.replicas, data, self.devices, self.engine, prepare=self._layout,
+                                     predictions=predictions)
         seen = [0]
 
-        def mine() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-            for i, (X, y) in enumerate(data):
+        def mine() -> Iterable[Any]:
+            for i, batch in enumerate(data):
                 if i % self.world == self.rank:
-                    seen[0] += batch_size(X, "input")
-                    yield X, y
+                    seen[0] += batch_size(batch if isinstance(batch, Mapping) else batch[0], "input")
+                    yield batch
 
-        acc = evaluate_accuracy(self.replicas, mine(), self.devices, self.engine, prepare=self._layout)
+        acc = evaluate_accuracy(self.replicas, mine(), self.devices, self.engine, prepare=self._layout,
+                                predictions=predictions)
         counts = self.sum_across_processes(torch.tensor([round(acc * seen[0]), seen[0]], dtype=torch.float64))
         return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
 

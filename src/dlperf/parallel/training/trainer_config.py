@@ -18,29 +18,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...batch import describe
 from ...errors import UsageError, unknown_choice
 from ...kvstore import KVStore
+from ...losses import resolve_loss
 from ..allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
 from ..optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
 from ..planning.plan import Plan, parse_plan
 from ..planning.planner import PlannerOptions
 from ..strategies.factory import check_update_on_kvstore
 
-__all__ = ["TrainerConfig", "BUFFER_MODES", "MEMORY_FORMATS", "Loss"]
+__all__ = ["TrainerConfig", "BUFFER_MODES", "MEMORY_FORMATS", "LossLike"]
 
 BUFFER_MODES = ("per-device", "broadcast")
 MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
 
-Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy averaged over the examples: the loss when a config gives none."""
-    if not isinstance(out, torch.Tensor) or not isinstance(y, torch.Tensor):
-        raise UsageError(f"the default loss (cross-entropy) takes a tensor of scores and a tensor of labels, got "
-                         f"{describe(out)} and {describe(y)}; pass loss=fn(output, target) for other structures")
-    return nn.functional.cross_entropy(out, y)
+LossLike = str | Callable[..., torch.Tensor] | None
 
 
 @dataclass
@@ -62,8 +54,10 @@ class TrainerConfig:
     """A name from :data:`OPTIMIZERS` or a factory ``params -> torch.optim.Optimizer`` (one per replica)."""
     optimizer_params: dict[str, Any] | None = None
     """Keyword arguments for a named optimizer, e.g. ``{"lr": 0.1}``."""
-    loss: Loss | None = None
-    """``loss(output, target)`` averaged over the examples it sees (cross-entropy by default)."""
+    loss: LossLike = None
+    """What each step minimises, averaged over the examples it sees (:mod:`dlperf.losses`): a name (``ce``,
+    ``mse``, ``l1``, ``smooth-l1``, ``bce``), a ``torch.nn`` loss or ``fn(outputs, targets)``; None: the model's
+    own (``outputs["loss"]``), else cross-entropy where the targets are class labels."""
     algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM
     """The allreduce algorithm for gradients (ignored when a kvstore aggregates)."""
     kvstore: str | KVStore | None = None
@@ -114,6 +108,7 @@ class TrainerConfig:
             self.plan = parse_plan(self.plan)  # one line naming the bad part
         elif self.plan is not None and self.plan != "auto" and not isinstance(self.plan, Plan):
             raise UsageError(f"plan={self.plan!r}: expected None, 'auto', a Plan or a plan name such as '1x2'")
+        resolve_loss(self.loss)  # a bad name or value is one line now, not at the first step
         if self.planner is not None and not isinstance(self.planner, PlannerOptions):
             raise UsageError(f"planner={self.planner!r}: expected a PlannerOptions (or None)")
 

@@ -1,0 +1,148 @@
+"""The loss a training step minimises, decided by one rule wherever dlperf trains or times a step.
+
+A loss is a name (``ce``, ``mse``, ``l1``, ``smooth-l1``, ``bce``), a ``torch.nn`` loss, a callable
+``loss(outputs, targets)`` (``loss(outputs, batch)`` when the batch carries its own labels), or, with none
+named, the model's own: an output mapping or object with a ``loss`` (the HuggingFace convention). Without a
+loss of the model's, the default is cross-entropy, and only where it can be right: integer class labels of
+shape ``[B]`` beside scores ``[B, C]`` with at least two classes. Anything else (float targets, a one-column
+head, shapes that do not pair) is one error naming ``loss=``, never a loss that trains nothing.
+
+>>> import torch
+>>> scores, labels = torch.tensor([[2.0, 0.0], [0.0, 2.0]]), torch.tensor([0, 1])
+>>> round(float(resolve_loss(None)(scores, labels)), 4)
+0.1269
+>>> resolve_loss(None)(torch.zeros(2, 1), torch.zeros(2))
+Traceback (most recent call last):
+  ...
+dlperf.errors.UsageError: the default loss, cross-entropy, needs integer class labels [B] beside scores [B, C] \
+with C >= 2, but the model returned float32[2,1] for targets float32[2]; name the loss: loss='mse' (or l1, \
+smooth-l1, bce, ce, a torch.nn loss, or fn(outputs, targets))
+>>> resolve_loss("mse")(torch.zeros(2, 1), torch.ones(2)).item()  # a [B, 1] head against [B] targets
+1.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .batch import describe
+from .errors import UsageError
+from .registry import Registry
+
+__all__ = ["LOSSES", "StepLoss", "resolve_loss", "model_loss", "predictions", "labels_of"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+LOSSES: Registry[LossFn] = Registry("loss", normalize=str.lower)
+LOSSES.register("ce", nn.functional.cross_entropy)
+LOSSES.register("mse", nn.functional.mse_loss)
+LOSSES.register("l1", nn.functional.l1_loss)
+LOSSES.register("smooth-l1", nn.functional.smooth_l1_loss)
+LOSSES.register("bce", nn.functional.binary_cross_entropy_with_logits)
+
+# Losses that compare outputs and targets element by element: a [B, 1] head against [B] targets is meant as one
+# value per example (torch would broadcast it to [B, B] with only a warning)
+_ELEMENTWISE = {"mse", "l1", "smooth-l1", "bce"}
+_NAMES = "'mse' (or l1, smooth-l1, bce, ce, a torch.nn loss, or fn(outputs, targets))"
+
+
+def _field(outputs: Any, name: str) -> Any:
+    if isinstance(outputs, Mapping):
+        return outputs.get(name)
+    if isinstance(outputs, (torch.Tensor, tuple, list)):
+        return None
+    return getattr(outputs, name, None)
+
+
+def model_loss(outputs: Any) -> torch.Tensor | None:
+    """The loss a model computed itself: ``outputs["loss"]`` or ``outputs.loss`` (HuggingFace's convention)."""
+    found = _field(outputs, "loss")
+    return found if isinstance(found, torch.Tensor) else None
+
+
+def predictions(outputs: Any) -> Any:
+    """What a model predicts: ``outputs["logits"]``/``outputs.logits`` where it returns a mapping or object, else
+    its output itself."""
+    found = _field(outputs, "logits")
+    return found if found is not None else outputs
+
+
+def labels_of(inputs: Any, targets: Any) -> Any:
+    """The labels of a batch: ``targets``, else the ``labels`` a mapping batch carries (None without either)."""
+    if targets is not None:
+        return targets
+    return inputs.get("labels") if isinstance(inputs, Mapping) else None
+
+
+def _cross_entropy_fits(scores: Any, targets: Any) -> bool:
+    if not isinstance(scores, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        return False
+    if not scores.is_floating_point() or targets.is_floating_point() or targets.dtype == torch.bool:
+        return False
+    return scores.dim() >= 2 and scores.shape[1] >= 2 and \
+        tuple(targets.shape) == (scores.shape[0], *scores.shape[2:])
+
+
+class StepLoss:
+    """A resolved loss: call it with ``(outputs, targets, inputs)``; ``name`` says in a header what is minimised.
+
+    ``targets`` is None when the batch carries its labels (a mapping batch): a loss of the model's own is used
+    then, or a callable given ``(outputs, inputs)``.
+    """
+
+    def __init__(self, fn: LossFn | None, name: str, elementwise: bool = False) -> None:
+        self.fn, self.name, self._elementwise = fn, name, elementwise
+
+    def __repr__(self) -> str:
+        return f"StepLoss({self.name})"
+
+    def __call__(self, outputs: Any, targets: Any, inputs: Any = None) -> torch.Tensor:
+        if self.fn is None:
+            return self._default(outputs, targets, inputs)
+        if targets is None:  # the batch carries its labels: the callable reads them from it
+            return self.fn(outputs, inputs)
+        scores = predictions(outputs)
+        if self._elementwise and isinstance(scores, torch.Tensor) and isinstance(targets, torch.Tensor):
+            if scores.shape != targets.shape and scores.numel() == targets.numel():
+                targets = targets.reshape(scores.shape)
+            if not targets.is_floating_point() and scores.is_floating_point():
+                targets = targets.to(scores.dtype)
+        return self.fn(scores, targets)
+
+    def _default(self, outputs: Any, targets: Any, inputs: Any) -> torch.Tensor:
+        own = model_loss(outputs)
+        if own is not None:
+            return own
+        scores = predictions(outputs)
+        if targets is None:
+            raise UsageError(f"the model returned {describe(outputs)} with no loss in it, and the batch "
+                             f"{describe(inputs)} has no separate targets; name the loss: loss=fn(outputs, batch), "
+                             "or return {'loss': ...} from the model")
+        if _cross_entropy_fits(scores, targets):
+            return nn.functional.cross_entropy(scores, targets)
+        raise UsageError(f"the default loss, cross-entropy, needs integer class labels [B] beside scores [B, C] with "
+                         f"C >= 2, but the model returned {describe(outputs)} for targets {describe(targets)}; "
+                         f"name the loss: loss={_NAMES}")
+
+
+def resolve_loss(loss: str | LossFn | nn.Module | StepLoss | None) -> StepLoss:
+    """The :class:`StepLoss` for ``loss``: a name from :data:`LOSSES`, a ``torch.nn`` loss or callable, or None
+    (the model's own loss, else cross-entropy where it fits)."""
+    if isinstance(loss, StepLoss):
+        return loss
+    if loss is None:
+        return StepLoss(None, "the model's own loss, else cross-entropy on integer class labels")
+    if isinstance(loss, str):
+        fn = LOSSES.get(loss)
+        name = loss.lower()
+        return StepLoss(fn, "cross-entropy" if name == "ce" else name, name in _ELEMENTWISE)
+    if not callable(loss):
+        raise UsageError(f"loss={loss!r}: expected a name ({', '.join(LOSSES.names())}), a torch.nn loss, a "
+                         "callable loss(outputs, targets), or None")
+    elementwise = isinstance(loss, (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.BCEWithLogitsLoss, nn.BCELoss))
+    name = type(loss).__name__ if isinstance(loss, nn.Module) else getattr(loss, "__qualname__", repr(loss))
+    return StepLoss(loss, name, elementwise)
