@@ -4,8 +4,10 @@ Every verb that calls a model (the Trainer, DataParallel, profile, hybridize, ex
 through these few functions, so a batch of token ids and a dict of features work wherever one float
 tensor does. The conventions are DDP's:
 
-- **Calling.** :func:`call_model` unpacks a *tuple* as positional arguments (``model(*inputs)``) and passes
-  anything else (a tensor, a list, a dict) as the one argument (``model(inputs)``).
+- **Calling.** :func:`call_model` unpacks a *tuple* as positional arguments (``model(*inputs)``), a *mapping*
+  as keywords when the forward's parameters name every key (``model(**batch)``, HuggingFace's convention, labels
+  included), and passes anything else (a tensor, a list, a mapping it cannot name) as the one argument
+  (``model(inputs)``); :func:`how_called` says which.
 - **Splitting.** :func:`split_tree` cuts every tensor with a first axis along that axis; 0-d tensors and
   non-tensors (strings, ints, None) go unchanged to every part, as DDP's scatter does.
 - **Describing.** :func:`describe` names a structure in one line (``dict{ids: int64[64,32], mask:
@@ -21,7 +23,8 @@ tensor does. The conventions are DDP's:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,8 +32,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import UsageError
 
-__all__ = ["Batch", "call_model", "tensors_of", "map_tensors", "batch_size", "split_tree", "gather_tree",
-           "describe"]
+__all__ = ["Batch", "call_model", "how_called", "takes_keywords", "tensors_of", "map_tensors", "batch_size",
+           "split_tree", "gather_tree", "describe"]
 
 Batch = Any
 """A tensor, or a tuple/list/dict (nested) whose leaves are tensors or plain values."""
@@ -39,10 +42,54 @@ _MAX_DESCRIBED = 8
 
 
 def call_model(model: Callable[..., Any], inputs: Batch) -> Any:
-    """``model(*inputs)`` for a tuple, ``model(inputs)`` for anything else (DDP's rule)."""
+    """``model(*inputs)`` for a tuple, ``model(**inputs)`` for a mapping whose keys the forward names,
+    ``model(inputs)`` for anything else."""
+    if type(inputs) is torch.Tensor:  # the common case, once per replica and step
+        return model(inputs)
     if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
         return model(*inputs)
+    if isinstance(inputs, Mapping) and takes_keywords(model, inputs):
+        return model(**inputs)
     return model(inputs)
+
+
+_KEYWORDS: dict[tuple[Any, frozenset[str]], bool] = {}
+
+
+def _forward_of(model: Any) -> Any:
+    """The function whose parameters say how ``model`` is called (a compiled module's original forward)."""
+    while hasattr(model, "_orig_mod"):  # torch.compile's wrapper
+        model = model._orig_mod
+    return model.forward if isinstance(model, torch.nn.Module) else model
+
+
+def takes_keywords(model: Any, batch: Mapping[str, Any]) -> bool:
+    """Whether ``model``'s forward names every key of ``batch`` as a parameter (then it is called with keywords)."""
+    forward = _forward_of(model)
+    key = (getattr(forward, "__func__", forward), frozenset(map(str, batch)))
+    found = _KEYWORDS.get(key)
+    if found is None:
+        try:
+            params = inspect.signature(forward).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+            found = False
+        else:
+            named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+            found = bool(key[1]) and key[1] <= named
+        if len(_KEYWORDS) < 4096:
+            _KEYWORDS[key] = found
+    return found
+
+
+def how_called(model: Any, inputs: Batch) -> str:
+    """How :func:`call_model` calls ``model`` on ``inputs``, in words for reports and errors."""
+    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
+        return f"model(*inputs), {len(inputs)} positional arguments"
+    if isinstance(inputs, Mapping) and takes_keywords(model, inputs):
+        return "model(**batch), keywords " + ", ".join(map(str, inputs))
+    if isinstance(inputs, Mapping):
+        return "model(batch), the mapping as one argument (its forward does not name every key)"
+    return "model(inputs), one argument"
 
 
 def tensors_of(tree: Batch) -> list[torch.Tensor]:

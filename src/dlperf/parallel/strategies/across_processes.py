@@ -51,7 +51,7 @@ class AcrossProcesses(ReplicaOptimizers):
             self.optimizers[0].step()
 
     def begin_step(self) -> None:
-        self._update_after_sum = self.ctx.k == 1 and not self.ctx.check_finite
+        self._update_after_sum = self.ctx.k == 1 and not self.ctx.update_waits
         super().begin_step()
 
     def abort_step(self) -> None:

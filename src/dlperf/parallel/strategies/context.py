@@ -71,6 +71,8 @@ class StepContext:
     """Gradient bucket size (None: the buckets' default)."""
     check_finite: bool = False
     """Check the loss and gradients for NaN/inf before every update."""
+    clip_grad_norm: float | None = None
+    """Scale the summed gradients down to this total 2-norm before every update (None: never)."""
     steps: int = 0
     """Finished steps (the trainer's counter)."""
     replica_vars: list[Var] = field(init=False)
@@ -86,6 +88,23 @@ class StepContext:
         self.replica_vars = [self.engine.new_var(f"replica {d}") for d in self.devices]
         self.step_vars = [self.engine.new_var(f"step {d}") for d in self.devices]
         self.across_var = self.engine.new_var("across processes")
+
+    @property
+    def update_waits(self) -> bool:
+        """Whether an update must wait for every gradient first (a finiteness check, the total norm to clip): no
+        update is pushed from backward then."""
+        return self.check_finite or self.clip_grad_norm is not None
+
+    def clip_(self, grads: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Scale ``grads`` (per replica, each the same sums) so their total 2-norm is at most ``clip_grad_norm``:
+        the norm from the first replica's, the factor applied to every replica's, as
+        ``torch.nn.utils.clip_grad_norm_`` does for one."""
+        if self.clip_grad_norm is None or not grads or not grads[0]:
+            return
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads[0]]))
+        factor = torch.clamp(self.clip_grad_norm / (norm + 1e-6), max=1.0)
+        for row in grads:
+            torch._foreach_mul_(list(row), factor.to(row[0].device))
 
     @property
     def k(self) -> int:

@@ -44,7 +44,7 @@ class LocalAllreduce(ReplicaOptimizers):
         buckets = self._buckets()
         # the updates are pushed from backward unless a finiteness check must see the sums first (and
         # a model without buckets has nothing in backward that would push them)
-        self._push_updates_now = not self.ctx.check_finite and bool(buckets.buckets)
+        self._push_updates_now = not self.ctx.update_waits and bool(buckets.buckets)
         self._pushed_in_step = False
         self._update_ops = []
         self._updates_pushed.clear()

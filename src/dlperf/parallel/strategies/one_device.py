@@ -23,7 +23,7 @@ class OneDevice(ReplicaOptimizers):
 
     def begin_step(self) -> None:
         super().begin_step()
-        self._update_in_step = not self.ctx.check_finite
+        self._update_in_step = not self.ctx.update_waits
 
     def after_backward(self, i: int) -> None:
         if self._update_in_step:

@@ -164,7 +164,7 @@ class ReplicaOptimizers(Strategy):
         reduced, self._in_step = self._in_step, False
         if buckets is not None and not reduced:
             buckets.allreduce_all()
-        if buckets is not None and (scale != 1.0 or ctx.check_finite):
+        if buckets is not None and (scale != 1.0 or ctx.update_waits):
             buckets.wait()
             if scale != 1.0:
                 buckets.scale_(scale)
@@ -172,11 +172,19 @@ class ReplicaOptimizers(Strategy):
             for p in ctx.replicas[0].parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
+        if ctx.clip_grad_norm is not None:
+            ctx.clip_(self._grads_by_replica())
         if ctx.check_finite:
             # reduced: every replica holds the same sums
             grads = ctx.replica_grads() if buckets is None else [row[0] for row in buckets.flats]
             ctx.raise_if_nonfinite("gradient", grads)
         ctx.step_optimizers(self.optimizers, tuple(buckets.done_vars()) if buckets is not None else ())
+
+    def _grads_by_replica(self) -> list[list[torch.Tensor]]:
+        """Each replica's summed gradients: its bucket buffers, else its parameters' ``.grad``."""
+        if self.buckets is not None:
+            return [[row[i] for row in self.buckets.flats] for i in range(self.ctx.k)]
+        return [[p.grad for p in r.parameters() if p.grad is not None] for r in self.ctx.replicas]
 
     def state_dict(self) -> dict[str, Any]:
         # deep copy: an optimizer's state_dict holds its live buffers (momentum), which later steps change

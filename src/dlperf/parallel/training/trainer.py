@@ -44,7 +44,7 @@ from ..allreduce.lanes import EngineLanes, comm_lanes
 from ..communication.buckets import GradientBuckets
 from ..communication.process_group import ProcessAxis, allreduce_across_processes, broadcast_from_first, join_processes
 from ..launchers import rank_info
-from ..optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
+from ..optimizers import OPTIMIZERS, OptimizerLike, make_optimizer, make_schedule
 from ..replicas import broadcast_buffers, max_replica_difference, replicate
 from ..split import check_devices, split_step
 from ..strategies import NonFiniteError, StepContext, Strategy, create_strategy
@@ -135,16 +135,32 @@ class Trainer:
         self.lanes = EngineLanes(self.engine, lanes, kind)
         self.algorithm = get_algorithm(cfg.algorithm)
         self._ctx = StepContext(self.replicas, self.devices, self.engine, self.lanes, self.processes,
-                                cfg.new_optimizer, self.algorithm, cfg.bucket_bytes, cfg.check_finite)
+                                cfg.new_optimizer, self.algorithm, cfg.bucket_bytes, cfg.check_finite,
+                                clip_grad_norm=cfg.clip_grad_norm)
         try:
             self.strategy.attach(self._ctx)
         except BaseException:
             self.close()
             raise
+        self._accumulate, self._micro = cfg.accumulate, 0
+        self._schedulers = self._make_schedulers(cfg)
         self._whole_step = self.planning.whole_step(self.replicas, self.optimizers, self.loss, self.world)
         self._direct = self.planning.engine_kind() == "naive" and self.k == 1 and self.processes is None
         self._autocast = self.plan is not None and self.plan.mixed_precision != "off"  # else no context per step
         self._unbuilt = None
+
+    def _make_schedulers(self, cfg: TrainerConfig) -> list[Any]:
+        """One scheduler per replica's optimizer (they stay equal); refused where the store runs the optimizer."""
+        store_updates = self.strategy.state_key == "kvstore"
+        for name, value in (("clip_grad_norm", cfg.clip_grad_norm), ("lr_schedule", cfg.lr_schedule)):
+            if value is not None and store_updates:
+                self.close()
+                raise UsageError(f"{name}={value!r} with the {self.strategy.name!r} strategy: the store runs the "
+                                 "update, which sees neither; use a strategy whose replicas update themselves (no "
+                                 "update_on_kvstore)")
+        if cfg.lr_schedule is None:
+            return []
+        return [make_schedule(cfg.lr_schedule, opt, cfg.schedule_steps) for opt in self.optimizers]
 
     @property
     def plan(self) -> Plan | None:
@@ -224,6 +240,8 @@ class Trainer:
         return self._train_step(X, y)
 
     def _train_step(self, X: Any, y: Any) -> torch.Tensor:
+        if self._accumulate > 1:
+            return self._micro_step(X, y)
         # one replica on the calling thread, whose engine would run the step inline: it is called directly
         direct = self._direct and not self.engine.tracing and _one_host_batch(X, y)
         Xs, ys, total = ([X], [y], 0) if direct else self._split(X, y)
@@ -249,6 +267,47 @@ class Trainer:
             return losses[0]
         first = self.devices[0].torch_device
         return torch.stack([loss.to(first) for loss in losses]).sum()
+
+    def _micro_step(self, X: Any, y: Any) -> torch.Tensor:
+        """One micro-batch of ``accumulate``: its gradients are added to the others', and the last one sums them
+        across the replicas (once, as DDP's ``no_sync`` does) and updates, the gradients scaled to the mean."""
+        Xs, ys, total = self._split(X, y)
+        ctx, first = self._ctx, self._micro == 0
+        ops = [self.engine.push(self._micro_replica_step, args=(i, Xs[i], ys[i], batch_size(Xs[i]) / total, first),
+                                writes=(ctx.replica_vars[i], ctx.step_vars[i]), device=d, name=f"fwd+bwd {d}")
+               for i, d in enumerate(self.devices)]
+        try:
+            losses = ctx.wait_ops(ops)
+            if self.check_finite:
+                ctx.raise_if_nonfinite("loss", losses)
+        except BaseException:
+            ctx.renew_failed_vars()
+            raise
+        self._micro += 1
+        if self._micro == self._accumulate:
+            self.flush()
+        first_device = self.devices[0].torch_device
+        return torch.stack([loss.to(first_device) for loss in losses]).sum()
+
+    def _micro_replica_step(self, i: int, X: Any, y: Any, share: float, first: bool) -> torch.Tensor:
+        rep = self.replicas[i]
+        if not rep.training:
+            rep.train()
+        if first:
+            self.strategy.zero_grad(i)
+        with self.planning.precision(self.devices[i]):
+            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
+        (loss * (share / self._accumulate)).backward()
+        return (loss * share).detach()
+
+    def flush(self) -> None:
+        """Update from the micro-batches accumulated so far (``accumulate`` > 1), if any: the end of an epoch whose
+        batches do not divide evenly updates on what it has, scaled to their mean."""
+        if self._micro == 0:
+            return
+        self.strategy.finish(self._accumulate / self._micro)  # each micro-batch's gradient was divided by all
+        self._micro = 0
+        self._after_update()
 
     def _replica_step(self, i: int, X: torch.Tensor, y: torch.Tensor, share: float) -> torch.Tensor:
         """Device ``i``'s forward and backward, an engine operation on its worker."""
@@ -290,6 +349,8 @@ class Trainer:
 
     def _after_update(self) -> None:
         self._ctx.steps += 1
+        for scheduler in self._schedulers:
+            scheduler.step()
         if self.buffers == "broadcast" and self.k > 1:
             broadcast_buffers(self.replicas)
 
@@ -350,6 +411,7 @@ class Trainer:
             "steps": self.steps,
             **self.strategy.state_dict(),
             **({"plan": self.plan.to_dict()} if self.plan is not None else {}),
+            **({"schedule": self._schedulers[0].state_dict()} if self._schedulers else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -375,6 +437,9 @@ class Trainer:
                 for name, b in r.named_buffers():
                     b.copy_(bufs[name])
         self.strategy.load_state_dict(state)
+        if self._schedulers and isinstance(state.get("schedule"), dict):
+            for scheduler in self._schedulers:
+                scheduler.load_state_dict(dict(state["schedule"]))
         self.steps = int(state["steps"])
         # a captured step holds the optimizer's state tensors, which loading replaced
         self._whole_step = self.planning.whole_step(self.replicas, self.optimizers, self.loss, self.world)

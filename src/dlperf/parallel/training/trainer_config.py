@@ -22,7 +22,7 @@ from ...errors import UsageError, unknown_choice
 from ...kvstore import KVStore
 from ...losses import resolve_loss
 from ..allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
-from ..optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
+from ..optimizers import OPTIMIZERS, SCHEDULES, OptimizerLike, ScheduleLike, make_optimizer
 from ..planning.plan import Plan, parse_plan
 from ..planning.planner import PlannerOptions
 from ..strategies.factory import check_update_on_kvstore
@@ -58,6 +58,17 @@ class TrainerConfig:
     """What each step minimises, averaged over the examples it sees (:mod:`dlperf.losses`): a name (``ce``,
     ``mse``, ``l1``, ``smooth-l1``, ``bce``), a ``torch.nn`` loss or ``fn(outputs, targets)``; None: the model's
     own (``outputs["loss"]``), else cross-entropy where the targets are class labels."""
+    lr_schedule: ScheduleLike = None
+    """A learning-rate schedule stepped after every update: ``constant``, ``step``, ``cosine``, ``warmup``
+    (:data:`~dlperf.parallel.optimizers.SCHEDULES`, over ``schedule_steps`` updates) or a factory
+    ``optimizer -> scheduler``; None: none."""
+    schedule_steps: int | None = None
+    """The updates a named schedule spans (``dlperf train`` sets it to the run's)."""
+    accumulate: int = 1
+    """Micro-batches whose gradients are summed before one synchronization and update (DDP's ``no_sync``): each
+    ``train_step`` takes one, every ``accumulate``-th updates (and :meth:`~Trainer.flush` updates on the rest)."""
+    clip_grad_norm: float | None = None
+    """Scale the summed gradients down to this total 2-norm before each update (None: never)."""
     algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM
     """The allreduce algorithm for gradients (ignored when a kvstore aggregates)."""
     kvstore: str | KVStore | None = None
@@ -109,8 +120,25 @@ class TrainerConfig:
         elif self.plan is not None and self.plan != "auto" and not isinstance(self.plan, Plan):
             raise UsageError(f"plan={self.plan!r}: expected None, 'auto', a Plan or a plan name such as '1x2'")
         resolve_loss(self.loss)  # a bad name or value is one line now, not at the first step
+        self._check_update_options()
         if self.planner is not None and not isinstance(self.planner, PlannerOptions):
             raise UsageError(f"planner={self.planner!r}: expected a PlannerOptions (or None)")
+
+    def _check_update_options(self) -> None:
+        accumulate = self.accumulate
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or not 1 <= accumulate <= 4096:
+            raise UsageError(f"accumulate={self.accumulate!r}: expected an integer from 1 to 4096")
+        clip = self.clip_grad_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < 1e30):
+            raise UsageError(f"clip_grad_norm={clip!r}: expected a positive number (or None)")
+        steps = self.schedule_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise UsageError(f"schedule_steps={steps!r}: expected an integer >= 1 (or None)")
+        if isinstance(self.lr_schedule, str):
+            SCHEDULES.get(self.lr_schedule)  # a miss lists the names
+        elif self.lr_schedule is not None and not callable(self.lr_schedule):
+            raise UsageError(f"lr_schedule={self.lr_schedule!r}: expected a name ({', '.join(SCHEDULES.names())}), a "
+                             "factory optimizer -> scheduler, or None")
 
     def new_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         """One optimizer over ``params`` as configured."""

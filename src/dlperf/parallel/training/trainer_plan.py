@@ -103,6 +103,9 @@ def apply_plan(plan: Plan | None, devices: Sequence[Device], cfg: TrainerConfig)
 def check_whole_step(plan: Plan, cfg: TrainerConfig) -> None:
     """A step captured from forward to update replaces the strategy's update: only where there is none to keep."""
     why = ("check_finite=True (its update would have to wait for the check)" if cfg.check_finite else
+           f"accumulate={cfg.accumulate} (its update runs every step)" if cfg.accumulate > 1 else
+           f"clip_grad_norm={cfg.clip_grad_norm} (its update takes the gradients as they are)"
+           if cfg.clip_grad_norm is not None else
            f"kvstore={cfg.kvstore!r} (the store runs the update)" if cfg.kvstore is not None else
            f"mixed precision {plan.mixed_precision}" if plan.mixed_precision != "off" else None)
     if why is not None:
