@@ -342,7 +342,7 @@ def _work_to_load(tmp_path, n, monkeypatch):
 
 def test_load_work_is_linear_in_the_nodes(tmp_path, monkeypatch):
     """Three trial runs of one kernel call per node, and one dispatcher look-up per distinct operator:
-    no per-node cost grows with the graph (the time per node is measured in README)."""
+    no per-node cost grows with the graph (the time per node is given in docs/export.md)."""
     small = _work_to_load(tmp_path, 50, monkeypatch)
     large = _work_to_load(tmp_path, 200, monkeypatch)
     assert small == (3 * 50, 1) and large == (3 * 200, 1)

@@ -1,7 +1,7 @@
 """The import graph of src/dlperf flows one way: no lower layer imports a higher one, no cycle spans packages.
 
 Every module is parsed with :mod:`ast`, so imports inside functions (the lazy ones) count as much as
-those at the top of a file. Layers, lowest first (README's architecture):
+those at the top of a file. Layers, lowest first (docs/design/architecture.md):
 
     base (the top-level modules) < engine, models, data < hybrid, kvstore < probe < parallel < bench < cli
 

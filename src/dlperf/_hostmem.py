@@ -6,7 +6,7 @@ returns it to the kernel when freed, and it gives the top of its heap back once 
 threshold is free there. Both thresholds start low and adapt to the largest block freed so far, so
 a loop's blocks can go back to the kernel every step, and come back as page faults that zero every
 page again: LeNet, batch 256, 2 threads, in the main thread: 34.6 ms a step with 11,000 page faults,
-21.9 ms with none once the thresholds are fixed (BENCHMARKS.md). Whether a loop hits that depends
+21.9 ms with none once the thresholds are fixed (docs/design/measuring.md). Whether a loop hits that depends
 on the order its blocks happened to be freed in, so the same loop's time is bimodal run to run.
 
 :func:`keep_freed_host_memory` fixes the thresholds where glibc's own rule would end (32 MiB, the
