@@ -108,6 +108,9 @@ class PlannerOptions:
     """Consider bf16/fp16 plans, which change the numerics (GPUs only)."""
     executions: Sequence[str] | None = None
     """Executions to consider (None: every registered one available here)."""
+    strategies: Sequence[str] | None = None
+    """Gradient synchronization strategies to measure on plans of several replicas, by name, besides the one the
+    options imply (None: every registered strategy marked ``planned`` that can run there)."""
     cores: int | None = None
     """CPU cores the replicas' threads may fill (None: those this process may run on)."""
     use_cache: bool = True
@@ -129,6 +132,10 @@ class PlannerOptions:
                 raise UsageError(f"planner {name}={value!r}: expected an integer >= 1 (or None)")
         for name in self.executions or ():
             EXECUTIONS.get(name)  # a miss lists what exists
+        from ..strategies import STRATEGIES
+
+        for name in self.strategies or ():
+            STRATEGIES.get(name)
 
 
 @dataclass
@@ -253,6 +260,7 @@ def enumerate_plans(model: nn.Module, batch: Any, devices: Sequence[Device], ref
         splits += [(r, cores // r) for r in range(2, min(cores, n, MAX_REPLICAS_TRIED) + 1)
                    if r * (cores // r) == cores]
     plans = [reference]
+    strategies = _planned_strategies(reference, options)
     # replicas as processes, measured by launching them where the caller can (see plan_processes)
     processes = process_plans(model, devices, reference, cores, _examples(batch), layouts, notes)
     for r, t in splits:
@@ -263,11 +271,32 @@ def enumerate_plans(model: nn.Module, batch: Any, devices: Sequence[Device], ref
         for layout in layouts:
             plan = dataclasses.replace(base, replicas=r, threads=t, memory_format=layout, algorithm=algorithm,
                                        step_thread=where)
-            if plan not in plans:
-                plans.append(plan)
+            for variant in [plan, *(dataclasses.replace(plan, strategy=name) for name in strategies if r > 1)]:
+                if variant not in plans and _strategy_fits(variant):
+                    plans.append(variant)
         # a split's processes right after its threads: measured before the budget is spent (DDP's shape)
         plans += [p for p in processes if (p.replicas, p.threads) == (r, t) and p not in plans]
     return plans + [p for p in processes if p not in plans], notes
+
+
+def _planned_strategies(reference: Plan, options: PlannerOptions) -> list[str]:
+    """The strategies, by name, to measure beside the one a plan's options imply (see PlannerOptions.strategies)."""
+    from ..strategies import STRATEGIES
+
+    if reference.kvstore is not None or reference.strategy is not None:  # the user's choice stands
+        return []
+    names = options.strategies if options.strategies is not None else \
+        [n for n in STRATEGIES.names() if STRATEGIES.get(n).planned]
+    return [n for n in names if n != "allreduce"]  # allreduce is what several replicas imply already
+
+
+def _strategy_fits(plan: Plan) -> bool:
+    """Whether a plan's named strategy can run its replicas in one process (as the planner measures them)."""
+    if plan.strategy is None:
+        return True
+    from ..strategies import STRATEGIES, StrategyOptions
+
+    return STRATEGIES.get(plan.strategy).unusable(StrategyOptions(plan.kvstore, devices=plan.replicas)) is None
 
 
 def _gpu_plans(base: Plan, layouts: list[str], model: nn.Module, options: PlannerOptions,
@@ -689,7 +718,8 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     """
     options = options or PlannerOptions()
     extra = repr((reference.to_dict(), options.allow_mixed_precision, tuple(options.executions or ()),
-                  options.cores or usable_cores(), options.run_steps is not None, processes_measurable()))
+                  options.cores or usable_cores(), options.run_steps is not None, processes_measurable(),
+                  tuple(_planned_strategies(reference, options))))
     key = plan_key(model, batch, devices, extra)
     started = time.perf_counter()
     if options.use_cache:

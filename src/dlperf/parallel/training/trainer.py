@@ -113,7 +113,8 @@ class Trainer:
         axis = join_processes(None if cfg.processes == "auto" else cfg.processes) if cfg.processes is not None else None
         try:
             self.strategy: Strategy = create_strategy(cfg.kvstore, update_on_kvstore=cfg.update_on_kvstore,
-                                                      devices=self.devices, processes=axis.world if axis else 1)
+                                                      devices=self.devices, processes=axis.world if axis else 1,
+                                                      strategy=cfg.strategy)
             self.processes: ProcessAxis | None = self.strategy.join(axis)
         except BaseException:
             if axis is not None:
