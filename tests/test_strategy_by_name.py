@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-from support.sum_on_first import SumOnFirst
 from torch import nn
 
 from dlperf.cli import main
@@ -18,6 +17,7 @@ from dlperf.parallel import Trainer
 from dlperf.parallel.planning.plan import parse_plan
 from dlperf.parallel.planning.planner import PlannerOptions
 from dlperf.parallel.training.planned import plan_for
+from support.sum_on_first import SumOnFirst
 
 
 def batches(n: int = 4):
