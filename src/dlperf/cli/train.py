@@ -185,12 +185,15 @@ def run_config(args: argparse.Namespace, processes: int | None = None) -> RunCon
 
     nproc = processes if processes is not None else args.nproc_per_node
     plan = args.plan
-    if plan == "auto" and nproc is not None and nproc > 1:
-        raise UsageError(f"--plan auto with {nproc} processes: the plans (processes among them) are measured from "
-                         "one process; give --plan auto without --nproc-per-node, or a plan by name")
-    if nproc is not None and getattr(plan, "launcher", None) == "processes" and plan.replicas != nproc:
-        raise UsageError(f"--plan {plan.name} runs {plan.replicas} processes but --nproc-per-node {nproc} was "
-                         f"given; give one of them")
+    if nproc is not None and plan is not None and not (getattr(plan, "launcher", None) == "processes"
+                                                       and plan.replicas == nproc):
+        raise UsageError(f"--plan {getattr(plan, 'name', plan)} with {nproc} processes: a plan with processes is "
+                         f"measured and started by dlperf train; give --plan auto or --plan {nproc}xT,processes "
+                         "without --nproc-per-node, or drop --plan")
+    from ..parallel.strategies import choose_strategy
+
+    # the store's rule in the verb's words before the config's (which names library parameters)
+    choose_strategy(args.kvstore, processes=nproc or 1, cli=True, strategy=args.strategy, devices=args.devices)
     try:
         run = RunSection(model=args.model, data=args.data, devices=args.devices, batch_size=args.batch_size,
                          epochs=args.epochs, seed=args.seed, train_size=args.train_size, test_size=args.test_size,
