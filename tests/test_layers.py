@@ -301,3 +301,14 @@ def test_modules_and_constructors_stay_small():
                 if count > 10:
                     crowded.append(f"{path.relative_to(SRC)}:{node.lineno}: {count} parameters")
     assert not crowded, crowded
+
+
+def test_public_class_names_are_unique():
+    """One name for one thing: no two public classes of dlperf share a name."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(str(path.relative_to(SRC)))
+    twice = {name: files for name, files in where.items() if len(files) > 1}
+    assert not twice, f"public classes defined more than once: {twice}"
