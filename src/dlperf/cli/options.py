@@ -27,8 +27,8 @@ from pathlib import Path
 from .._cliargs import one_line
 from ..errors import UsageError, unknown_choice
 
-__all__ = ["int_in", "positive_float", "csv_list", "int_list", "device_list", "choice", "existing_file",
-           "existing_dir", "output_path", "warn", "one_line", "SEED_MAX", "MAX_DEVICE_INDEX"]
+__all__ = ["loss_value", "LOSS_HELP", "int_in", "positive_float", "csv_list", "int_list", "device_list", "choice",
+           "existing_file", "existing_dir", "output_path", "warn", "one_line", "SEED_MAX", "MAX_DEVICE_INDEX"]
 
 SEED_MAX = 2**32 - 1
 """Largest accepted ``--seed``: derived seeds (seed * k + epoch) must stay inside torch's 64-bit range."""
@@ -264,6 +264,27 @@ def output_path(name: str, *, allow_stdout: bool = False, in_place: bool = False
         return text
 
     return parse
+
+
+LOSS_HELP = ("ce, mse, l1, smooth-l1, bce or pkg.module:fn(outputs, targets); default: the model's own "
+             "(outputs['loss']), else cross-entropy where the outputs are class scores")
+
+
+def loss_value(text: str) -> object:
+    """A ``--loss``: a name from :data:`dlperf.losses.LOSSES`, or ``pkg.module:fn`` (imported now: it is the user's)."""
+    from ..losses import LOSSES
+
+    if ":" in text and not text.startswith(("/", ".", "~")):
+        from ..probe.targets import load_factory
+
+        try:
+            return load_factory(text)
+        except UsageError as exc:
+            raise _fail(str(exc)) from None
+    if text.lower() in LOSSES:
+        return text.lower()
+    raise _fail(f"{_show(text)} is not a loss; give --loss one of {', '.join(LOSSES.names())} or MODULE:FN, e.g. mse "
+                "or mylosses:weighted")
 
 
 def warn(verb: str, message: str) -> None:

@@ -88,6 +88,7 @@ def register(sub) -> argparse.ArgumentParser:
                    help="one device's input batch for a MODULE:FACTORY model, as profile takes it: a batch-first "
                         "tensor spec with optional dtype and range (64x3x32x32, 64x32:int64:0-1000; repeat for "
                         "several arguments) or a function returning the batch")
+    p.add_argument("--loss", default=None, type=va.loss_value, help=va.LOSS_HELP + " (for a measured step)")
     p.add_argument("--batch-size", type=va.int_in(1, 1 << 20, "--batch-size"),
                    help="batch per device for a zoo network (default: its CPU batch of Shi et al.)")
     p.add_argument("--hosts", required=True, type=va.int_in(1, MAX_HOSTS, "--hosts"), help="project 1..N hosts")
@@ -163,16 +164,18 @@ def _compute(args: argparse.Namespace, model, x) -> Figure:
         if result is None:
             raise UsageError("--compute probe needs saved probe figures; run `dlperf probe --quick` first, or use "
                              "--compute measure")
-        floor = step_floor(count_step(model, x), Hardware.from_probe_result(result), devices=1, allreduce=None)
+        floor = step_floor(count_step(model, x, loss=args.loss), Hardware.from_probe_result(result), devices=1,
+                           allreduce=None)
         return Figure(floor.no_overlap_s, f"floor from the saved dlperf probe figures (batch {batch}; a lower "
                                           "bound: a real step takes longer)")
     from ..timing import time_steps
 
-    step = TrainingStep(model, x)
+    step = TrainingStep(model, x, loss=args.loss)
     timing = time_steps(step, warmup=1, steps=3, max_seconds=20)
     marked = ", contended: other work competed for the cores" if timing.contended else ""
-    return Figure(timing.median_s, f"measured now: median of {len(timing.samples)} training steps, batch {batch}, "
-                                   f"{torch.get_num_threads()} threads on this machine{marked}")
+    loss = f", loss {step.loss.name}" if step.loss is not None else ""
+    return Figure(timing.median_s, f"measured now: median of {len(timing.samples)} training steps, batch {batch}"
+                                   f"{loss}, {torch.get_num_threads()} threads on this machine{marked}")
 
 
 def _network(args: argparse.Namespace) -> Figure:

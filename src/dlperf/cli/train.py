@@ -63,9 +63,7 @@ def register(sub) -> None:
     p.add_argument("--data", metavar="DIR|MODULE:FACTORY", type=data_source,
                    help="Fashion-MNIST IDX directory, or pkg.module:factory returning train or (train, test) "
                         "batches: (inputs, targets) pairs or mappings with their labels (default: embedded glyphs)")
-    p.add_argument("--loss", default=None, type=loss_option,
-                   help="ce, mse, l1, smooth-l1, bce or pkg.module:fn(outputs, targets); default: the model's own "
-                        "(outputs['loss']), else cross-entropy where the targets are class labels")
+    p.add_argument("--loss", default=None, type=va.loss_value, help=va.LOSS_HELP)
     p.add_argument("--plan", default=None, type=plan_option,
                    help="auto: measure the plans valid here on the first batch and train on the fastest (printed "
                         "first); or pin one by name, e.g. 1x2,channels-last (replicas x threads, layout, ...)")
@@ -127,19 +125,6 @@ def data_source(text: str) -> str:
     return target(text) if is_factory(text) else va.existing_dir("--data")(text)
 
 
-def loss_option(text: str) -> object:
-    """A loss name, or ``pkg.module:fn`` (imported when the run starts, in every process)."""
-    from ..losses import LOSSES
-    from .profile import target
-
-    if is_factory(text):
-        return target(text)
-    if text.lower() in LOSSES:
-        return text.lower()
-    raise argparse.ArgumentTypeError(f"{text[:60]!r} is not a loss; give one of {', '.join(LOSSES.names())} or "
-                                     "MODULE:FN, e.g. mse or mylosses:weighted")
-
-
 def strategy_option(text: str) -> str:
     """A registered gradient synchronization strategy's name, or ``pkg.module:Class`` (imported now)."""
     from ..parallel.strategies import strategy_class
@@ -199,7 +184,7 @@ def run_config(args: argparse.Namespace, processes: int | None = None) -> RunCon
                          epochs=args.epochs, seed=args.seed, train_size=args.train_size, test_size=args.test_size,
                          download=args.download, checkpoint=args.checkpoint, resume=args.resume,
                          resume_hparams_from_checkpoint=args.resume_hparams_from_checkpoint)
-        trainer = TrainerConfig("sgd", {"lr": args.lr}, loss=_loss(args.loss), algorithm=args.algorithm,
+        trainer = TrainerConfig("sgd", {"lr": args.lr}, loss=args.loss, algorithm=args.algorithm,
                                 kvstore=args.kvstore, strategy=args.strategy, bucket_bytes=args.bucket_bytes,
                                 check_finite=args.check_finite, trace=args.trace, plan=plan)
         # processes given: checked for the launch that will start them (dlperf launch -- train ...)
@@ -208,14 +193,6 @@ def run_config(args: argparse.Namespace, processes: int | None = None) -> RunCon
     except UsageError as exc:
         raise UsageError(flag_words(str(exc))) from None
     return config
-
-
-def _loss(value: Any) -> Any:
-    if isinstance(value, str) and is_factory(value):
-        from ..probe.targets import load_factory
-
-        return load_factory(value)
-    return value
 
 
 def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int = 0) -> RunConfig:

@@ -113,6 +113,8 @@ class UserInputs:
     output: Any
     """The model's output on the example batch (any structure): what the targets are shaped after."""
     description: str = ""
+    loss: Any = None
+    """The loss named for it (None: the model's own, else cross-entropy on class scores)."""
 
     def make_batch(self, batch_size: int, device: torch.device | str = "cpu",
                    generator: torch.Generator | None = None) -> tuple[Any, Any]:
@@ -122,7 +124,7 @@ class UserInputs:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         x = resize_batch(self.example(generator), batch_size)
-        y = make_targets(self.output, batch_size, generator)
+        y = make_targets(self.output, batch_size, generator, self.loss)
         return map_tensors(lambda t: t.to(device), x), map_tensors(lambda t: t.to(device), y)
 
 
@@ -142,12 +144,12 @@ class CallsWithBatch(nn.Module):
 
 
 def user_network(name: str, build: Callable[[], nn.Module], example: Callable[[nn.Module, torch.Generator | None],
-                 Any], *, description: str = "") -> ModelSpec:
+                 Any], *, description: str = "", loss: Any = None) -> ModelSpec:
     """A :class:`ModelSpec` for a user's model factory and batch maker, registered under ``name`` (replacing
     an earlier one of that name); the model is built and run once here, to shape the targets."""
     from ..batch import batch_size, describe
     from ..errors import UsageError
-    from .inputs import structured_loss
+    from .inputs import StructuredLoss, make_targets
 
     model = build()
     first = example(model, torch.Generator().manual_seed(0))
@@ -160,7 +162,8 @@ def user_network(name: str, build: Callable[[], nn.Module], example: Callable[[n
                          f"{str(exc).splitlines()[0] if str(exc) else ''}; give the inputs the model expects "
                          "(shape, dtype, one --input per positional argument)") from None
     n = batch_size(first, "example batch")
-    inputs = UserInputs(lambda g: example(model, g), output, describe(first))
+    make_targets(output, n, None, loss)  # a loss that cannot be right for these outputs: one line, now
+    inputs = UserInputs(lambda g: example(model, g), output, describe(first), loss)
     spec = ModelSpec(name, lambda: CallsWithBatch(build()), inputs, n, n, description or f"{name} on {describe(first)}",
-                     paper=False, loss=structured_loss)
+                     paper=False, loss=StructuredLoss(loss))
     return register(spec, replace=True)
