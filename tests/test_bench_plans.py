@@ -50,9 +50,10 @@ def test_profile_bench_and_train_name_the_same_plan_from_one_cache(factories, mo
     assert main(["train", "--model", "plan_factories:make_model", "--data", "plan_factories:make_data",
                  "--epochs", "1", "--plan", "auto", "--no-progress", "--json"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert json.loads(lines[-1])["plan"] == plan
-    # started from profile's cached decision: the figures it prints are the ones profile measured
-    assert lines[0].startswith(f"plan: {parse_plan(plan).summary()}: {top['measured_s'] * 1e3:.1f} ms/step")
+    # train also measures plans whose replicas are processes (it can start them): its own question, its own
+    # decision, printed first with the figures it was chosen on
+    trained = parse_plan(json.loads(lines[-1])["plan"])
+    assert lines[0].startswith(f"plan: {trained.summary()}: ") and "ms/step" in lines[0]
 
 
 def test_profile_suggestions_are_the_planners_candidates_against_its_reference():

@@ -192,7 +192,8 @@ class TimedLoss:
                              "return the outputs the loss is computed on")
         option = loss if isinstance(loss, str) else (None if loss is None else "callable")
         self.targets = [] if self.own else [made_up_targets(t, option, n, generator) for t in leaves]
-        self.name = "the model's own (outputs['loss'])" if self.own else self.step_loss.name
+        default = "cross-entropy (the default, on class scores)" if self.step_loss.fn is None else self.step_loss.name
+        self.name = "the model's own (outputs['loss'])" if self.own else default
 
     def __call__(self, outputs: Any) -> torch.Tensor:
         if self.own:

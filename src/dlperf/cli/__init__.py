@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from .._hostmem import keep_freed_host_memory
 from ..errors import DlperfError
-from .options import one_line
+from .options import flag_words, one_line
 
 # Verb modules, imported lazily so that `dlperf devices` does not pay for the engine or compiler.
 VERB_MODULES: tuple[str, ...] = (
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         # in again (up to 1.6x per CPU training step; see dlperf._hostmem)
         keep_freed_host_memory()
         return int(args.func(args) or 0)
-    except DlperfError as exc:
-        print(f"dlperf {args.verb}: error: {one_line(str(exc))}", file=sys.stderr)
+    except DlperfError as exc:  # the library names its parameters; the CLI's line names the flags
+        print(f"dlperf {args.verb}: error: {one_line(flag_words(str(exc)))}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path the user gave cannot be read or written
         print(f"dlperf {args.verb}: error: {one_line(str(exc))}", file=sys.stderr)

@@ -27,8 +27,9 @@ from pathlib import Path
 from .._cliargs import one_line
 from ..errors import UsageError, unknown_choice
 
-__all__ = ["loss_value", "LOSS_HELP", "int_in", "positive_float", "csv_list", "int_list", "device_list", "choice",
-           "existing_file", "existing_dir", "output_path", "warn", "one_line", "SEED_MAX", "MAX_DEVICE_INDEX"]
+__all__ = ["FLAGS", "flag_words", "loss_value", "LOSS_HELP", "int_in", "positive_float", "csv_list", "int_list",
+           "device_list", "choice", "existing_file", "existing_dir", "output_path", "warn", "one_line", "SEED_MAX",
+           "MAX_DEVICE_INDEX"]
 
 SEED_MAX = 2**32 - 1
 """Largest accepted ``--seed``: derived seeds (seed * k + epoch) must stay inside torch's 64-bit range."""
@@ -264,6 +265,36 @@ def output_path(name: str, *, allow_stdout: bool = False, in_place: bool = False
         return text
 
     return parse
+
+
+FLAGS: dict[str, str] = {
+    "model": "--model", "data": "--data", "devices": "--devices", "batch_size": "--batch-size", "epochs": "--epochs",
+    "seed": "--seed", "train_size": "--train-size", "test_size": "--test-size", "download": "--download",
+    "checkpoint": "--checkpoint", "resume": "--resume",
+    "resume_hparams_from_checkpoint": "--resume-hparams-from-checkpoint", "lr": "--lr", "loss": "--loss",
+    "algorithm": "--algorithm", "kvstore": "--kvstore", "strategy": "--strategy", "bucket_bytes": "--bucket-bytes",
+    "check_finite": "--check-finite", "trace": "--trace", "plan": "--plan", "nproc_per_node": "--nproc-per-node",
+    "threads": "--threads", "steps": "--steps", "warmup": "--warmup",
+}
+"""The library's parameters -> the flags that set them: every verb's error lines say the flag (:func:`flag_words`)."""
+
+_PARAMETER = re.compile(r"\b([a-z_]+)=('[^']*'|\"[^\"]*\"|[^\s,;:()]*)")
+
+
+def flag_words(message: str) -> str:
+    """A library error line in the CLI's words: ``batch_size=1`` -> ``--batch-size 1`` (:data:`FLAGS`).
+
+    >>> flag_words("batch_size=1 is smaller than the 2 devices; give batch_size=2 or more, or loss='mse'")
+    '--batch-size 1 is smaller than the 2 devices; give --batch-size 2 or more, or --loss mse'
+    """
+    def swap(m: re.Match) -> str:
+        flag = FLAGS.get(m.group(1))
+        if flag is None:
+            return m.group(0)
+        value = m.group(2).strip("'\"")
+        return flag if value in ("True", "") else f"{flag} {value}"
+
+    return _PARAMETER.sub(swap, message)
 
 
 LOSS_HELP = ("ce, mse, l1, smooth-l1, bce or pkg.module:fn(outputs, targets); default: the model's own "

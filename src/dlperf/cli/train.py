@@ -30,17 +30,9 @@ from ..parallel.training.run_config import (
     is_factory,
 )
 
-__all__ = ["register", "run", "run_config", "check_in_parent", "epoch_line", "FLAGS"]
+__all__ = ["register", "run", "run_config", "check_in_parent", "epoch_line"]
 
-FLAGS: dict[str, str] = {
-    "model": "--model", "data": "--data", "devices": "--devices", "batch_size": "--batch-size", "epochs": "--epochs",
-    "seed": "--seed", "train_size": "--train-size", "test_size": "--test-size", "download": "--download",
-    "checkpoint": "--checkpoint", "resume": "--resume",
-    "resume_hparams_from_checkpoint": "--resume-hparams-from-checkpoint", "lr": "--lr", "loss": "--loss",
-    "algorithm": "--algorithm", "kvstore": "--kvstore", "strategy": "--strategy", "bucket_bytes": "--bucket-bytes",
-    "check_finite": "--check-finite", "trace": "--trace", "plan": "--plan", "nproc_per_node": "--nproc-per-node",
-}
-"""The library's parameter of a run -> the flag that sets it: what the verb's error lines say instead."""
+
 
 _interrupted_after: list[int] = []  # the last epoch this process saw saved, for the line after Ctrl-C
 
@@ -148,20 +140,6 @@ def plan_option(text: str) -> object:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def flag_words(message: str) -> str:
-    """A library error line in the verb's words: ``batch_size=1`` -> ``--batch-size 1`` (:data:`FLAGS`)."""
-    import re
-
-    def swap(m: re.Match) -> str:
-        flag = FLAGS.get(m.group(1))
-        if flag is None:
-            return m.group(0)
-        value = m.group(2).strip("'\"")
-        return flag if value in ("True", "") else f"{flag} {value}"
-
-    return re.sub(r"\b([a-z_]+)=('[^']*'|\"[^\"]*\"|[^\s,;:()]*)", swap, message)
-
-
 def run_config(args: argparse.Namespace, processes: int | None = None) -> RunConfig:
     """The parsed options as the library's :class:`RunConfig` (which checks them; errors in its words)."""
     from ..parallel.launchers import LaunchConfig
@@ -179,20 +157,16 @@ def run_config(args: argparse.Namespace, processes: int | None = None) -> RunCon
 
     # the store's rule in the verb's words before the config's (which names library parameters)
     choose_strategy(args.kvstore, processes=nproc or 1, cli=True, strategy=args.strategy, devices=args.devices)
-    try:
-        run = RunSection(model=args.model, data=args.data, devices=args.devices, batch_size=args.batch_size,
-                         epochs=args.epochs, seed=args.seed, train_size=args.train_size, test_size=args.test_size,
-                         download=args.download, checkpoint=args.checkpoint, resume=args.resume,
-                         resume_hparams_from_checkpoint=args.resume_hparams_from_checkpoint)
-        trainer = TrainerConfig("sgd", {"lr": args.lr}, loss=args.loss, algorithm=args.algorithm,
-                                kvstore=args.kvstore, strategy=args.strategy, bucket_bytes=args.bucket_bytes,
-                                check_finite=args.check_finite, trace=args.trace, plan=plan)
-        # processes given: checked for the launch that will start them (dlperf launch -- train ...)
-        launch = LaunchConfig(nproc, join_timeout_s=RUN_TIMEOUT_S) if nproc is not None else None
-        config = RunConfig(run, trainer, launch=launch)
-    except UsageError as exc:
-        raise UsageError(flag_words(str(exc))) from None
-    return config
+    run = RunSection(model=args.model, data=args.data, devices=args.devices, batch_size=args.batch_size,
+                     epochs=args.epochs, seed=args.seed, train_size=args.train_size, test_size=args.test_size,
+                     download=args.download, checkpoint=args.checkpoint, resume=args.resume,
+                     resume_hparams_from_checkpoint=args.resume_hparams_from_checkpoint)
+    trainer = TrainerConfig("sgd", {"lr": args.lr}, loss=args.loss, algorithm=args.algorithm, kvstore=args.kvstore,
+                            strategy=args.strategy, bucket_bytes=args.bucket_bytes, check_finite=args.check_finite,
+                            trace=args.trace, plan=plan)
+    # processes given: checked for the launch that will start them (dlperf launch -- train ...)
+    launch = LaunchConfig(nproc, join_timeout_s=RUN_TIMEOUT_S) if nproc is not None else None
+    return RunConfig(run, trainer, launch=launch)
 
 
 def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int = 0) -> RunConfig:
@@ -209,10 +183,7 @@ def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int =
     choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, cli=True, strategy=args.strategy,
                     devices=args.devices)
     config = run_config(args, processes)
-    try:
-        check_resume(config)
-    except UsageError as exc:
-        raise UsageError(flag_words(str(exc))) from None
+    check_resume(config)
     check_process_settings()
     return config
 
@@ -237,8 +208,6 @@ def run(args: argparse.Namespace) -> int:
     _interrupted_after.clear()
     try:
         run_training(config, hooks)
-    except UsageError as exc:
-        raise UsageError(flag_words(str(exc))) from None
     except LaunchError as exc:
         return report_launch_error("train", exc, verbose=False)
     except KeyboardInterrupt:
