@@ -258,6 +258,18 @@ def test_every_step_returns_the_loss_without_history(backend, make):
     assert all(loss.grad_fn is None and not loss.requires_grad for loss in losses), (repr(step), losses)
 
 
+@pytest.mark.parametrize("backend", ["graph", "auto"])
+def test_tensor_hyperparameters_train_as_eager(backend):
+    """Adam(betas=(tensor, tensor)): the functional update refuses them, so the optimizer's own step() runs."""
+    def adam(ps):
+        return torch.optim.Adam(ps, lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+
+    torch.manual_seed(14)
+    ref, net, oe, oc, step = run_both(mlp(), adam, "mlp", steps=5, seed=14, backend=backend)
+    assert step.state == "replay", repr(step)
+    assert_same_state(ref, net, oe, oc)
+
+
 STDIN_SCRIPT = """
 import torch
 from dlperf.hybrid import train_step
