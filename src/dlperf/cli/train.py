@@ -253,7 +253,7 @@ def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = N
     history = state.history
     per_epoch = state.seconds_per_epoch()
     acc = history[-1]["test_acc"] if history else float("nan")
-    names = "[" + ", ".join(str(d) for d in config.devices) + "]"
+    names = "[" + ", ".join(str(d) for d in (state.devices or config.devices)) + "]"  # as the Trainer ran
     servers = server_ranks(config.kvstore)
     if config.processes > 1:
         names += f" x {config.processes - servers} processes"
@@ -264,7 +264,7 @@ def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = N
         print(exchanges.describe())
     print(f"test acc: {acc:.2f}, {per_epoch:.1f} sec/epoch on {names}")
     if as_json:
-        print(json.dumps({"model": config.model, "devices": [str(d) for d in config.devices],
+        print(json.dumps({"model": config.model, "devices": [str(d) for d in (state.devices or config.devices)],
                           "processes": config.processes, "test_acc": acc, "sec_per_epoch": per_epoch,
                           "epochs": history, "exchanges": exchanges.as_dict() if exchanges else None}))
     return 0

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, blame_user_code
 
 __all__ = ["uses_factories", "run_factories"]
 
@@ -37,13 +37,24 @@ class _Batches:
             return 0
 
     def epoch_batches(self, epoch: int) -> Iterator[tuple[Any, Any]]:
-        for i, batch in enumerate(self.batches):
-            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                from ..batch import describe
+        from ..batch import describe
 
+        batches, i = None, 0
+        while True:
+            try:  # the user's iterable: what it raises is noted for the one line that names it
+                batches = iter(self.batches) if batches is None else batches
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as exc:
+                blame_user_code(exc, f"the {self.what} data (epoch {epoch + 1}, batch {i})",
+                                "fix the data factory's batches")
+                raise
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                 raise UsageError(f"{self.what} batch {i} is {describe(batch)}; the data factory's batches must be "
                                  "(inputs, targets) pairs")
             yield batch[0], batch[1]
+            i += 1
 
 
 def _data(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -110,6 +121,7 @@ def run_factories(args: argparse.Namespace) -> int:
         plan = plan.filled(algorithm=args.algorithm, bucket_bytes=args.bucket_bytes, kvstore=args.kvstore)
         print(plan.line(), flush=True)
     history: list[dict[str, Any]] = []
+    devices = list(args.devices)
     with Trainer(model, args.devices, "sgd", {"lr": args.lr}, loss=loss, plan=plan, algorithm=args.algorithm,
                  bucket_bytes=args.bucket_bytes, kvstore=args.kvstore, check_finite=args.check_finite,
                  trace=args.trace, processes=None) as trainer:
@@ -117,14 +129,15 @@ def run_factories(args: argparse.Namespace) -> int:
             history.append(rec)
             print(epoch_line(rec), flush=True)
 
+        devices = list(trainer.devices)  # those the plan uses, which may be fewer than --devices names
         show = not (args.no_progress or args.json) and sys.stderr.isatty()
         train_epochs(trainer, train_loader, test_loader, 0, args.epochs, show, record)
     acc = history[-1]["test_acc"] if history else float("nan")
     per_epoch = sum(h["seconds"] for h in history) / max(1, len(history))
-    names = "[" + ", ".join(str(d) for d in args.devices) + "]"
+    names = "[" + ", ".join(str(d) for d in devices) + "]"
     print(f"test acc: {acc:.2f}, {per_epoch:.1f} sec/epoch on {names}")
     if args.json:
-        print(json.dumps({"model": args.model, "devices": [str(d) for d in args.devices], "processes": 1,
+        print(json.dumps({"model": args.model, "devices": [str(d) for d in devices], "processes": 1,
                           "test_acc": acc, "sec_per_epoch": per_epoch, "epochs": history,
                           "plan": plan.name if plan is not None and not isinstance(plan, str) else None}))
     return 0

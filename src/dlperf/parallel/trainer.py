@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch import batch_size, call_model, map_tensors
+from ..batch import batch_size, call_loss, call_model, map_tensors
 from ..devices import DeviceLike
 from ..engine import Engine, Trace, create_engine
 from ..errors import UsageError
@@ -232,9 +232,9 @@ class Trainer:
         self.strategy.zero_grad(i)
         if self._autocast:
             with self.planning.precision(self.devices[i]):
-                loss = self.loss(call_model(self._forwards[i], self._layout(X)), y)
+                loss = call_loss(self.loss, call_model(self._forwards[i], self._layout(X)), y)
         else:
-            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y)
+            loss = call_loss(self.loss, call_model(self._forwards[i], self._layout(X)), y)
         if share != 1.0:  # one replica's loss is the batch's: no multiplication to run and differentiate
             loss = loss * share
         loss.backward()

@@ -21,6 +21,7 @@ from torch import nn
 from ..batch import describe
 from ..errors import UsageError, unknown_choice
 from ..kvstore import KVStore
+from ..models.spec import check_class_targets
 from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
 from .optimizers import OPTIMIZERS, OptimizerLike, make_optimizer
 from .plan import Plan, parse_plan
@@ -45,6 +46,7 @@ def default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if not isinstance(out, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise UsageError(f"the default loss (cross-entropy) takes a tensor of scores and a tensor of labels, got "
                          f"{describe(out)} and {describe(y)}; pass loss=fn(output, target) for other structures")
+    check_class_targets(out, y)
     return nn.functional.cross_entropy(out, y)
 
 
