@@ -420,6 +420,8 @@ USER_CODE = [
     (_factories("--data", HOSTILE + "labels_out_of_range"),
      "the loss classification_loss(output float32[8,10], targets int64[8]) raised IndexError: Target 12 is out"),
     (_factories("--data", HOSTILE + "labels_negative"), "raised IndexError: Target -3 is out of bounds"),
+    (_factories("--devices", "cpu:0,cpu:1", "--data", HOSTILE + "labels_out_of_range"),  # raised on engine workers
+     "(output float32[4,10], targets int64[4]) raised IndexError: Target 12 is out of bounds"),
     (_factories("--data", HOSTILE + "labels_float"), "cross-entropy needs integer class labels (0 to 9)"),
     (_factories("--model", HOSTILE + "one_column", "--data", HOSTILE + "labels_out_of_range"),
      "cross-entropy over a one-column output"),
