@@ -404,7 +404,53 @@ USER = [
     (_launch("python3.99", "-m"), "expected a module name"),
 ]
 
-CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS + HOSTILE_FILES + USER
+HOSTILE = "support.hostile_models:"  # tests/support/hostile_models.py: factories that go wrong as users' do
+
+
+def _factories(*argv):
+    return ["train", "--epochs", "1", "--no-progress", *argv]
+
+
+def _scale(*argv):
+    return ["scale", "--hosts", "2", "--link", "10gbit", *argv]
+
+
+# the user's model, loss or data raising, or training nothing: one line naming the call and the batch, or why
+USER_CODE = [
+    (_factories("--data", HOSTILE + "labels_out_of_range"),
+     "the loss classification_loss(output float32[8,10], targets int64[8]) raised IndexError: Target 12 is out"),
+    (_factories("--data", HOSTILE + "labels_negative"), "raised IndexError: Target -3 is out of bounds"),
+    (_factories("--devices", "cpu:0,cpu:1", "--data", HOSTILE + "labels_out_of_range"),  # raised on engine workers
+     "(output float32[4,10], targets int64[4]) raised IndexError: Target 12 is out of bounds"),
+    (_factories("--data", HOSTILE + "labels_float"), "cross-entropy needs integer class labels (0 to 9)"),
+    (_factories("--model", HOSTILE + "one_column", "--data", HOSTILE + "labels_out_of_range"),
+     "cross-entropy over a one-column output"),
+    (_factories("--data", HOSTILE + "wrong_shape"), "the model Sequential(float32[8,3,32,32]) raised RuntimeError"),
+    (_factories("--data", HOSTILE + "dict_inputs"), "the model Sequential(dict{x: float32[8,1,28,28]}) raised"),
+    (_factories("--model", HOSTILE + "no_parameters"), "has no trainable parameters (no parameters at all)"),
+    (_factories("--model", HOSTILE + "frozen"), "has no trainable parameters (every one has requires_grad=False)"),
+    (_factories("--model", HOSTILE + "on_meta_device"), "built a model on the meta device"),
+    (_factories("--model", HOSTILE + "parameters_raise"), "parameters() raised RuntimeError: parameters() is broken"),
+    (_factories("--model", HOSTILE + "fails_on_call_4", "--data", HOSTILE + "dry_after_one_epoch"),
+     "the model FailsOnCall(float32[8,1,28,28]) raised ValueError: forward fails on call 4"),
+    (_factories("--data", HOSTILE + "data_raising"), "the train data (epoch 1, batch 2) raised OSError: damaged"),
+    (_factories("--data", HOSTILE + "no_batches"), "the training data gave no batch in epoch 1"),
+    (_factories("--data", HOSTILE + "empty_batches"), "every batch of epoch 1 (3) holds 0 examples"),
+    (_factories("--data", HOSTILE + "dry_after_one_epoch", "--epochs", "2"),
+     "the training data gave no batch in epoch 2 (it did in epoch 1)"),
+    (_factories("--data", HOSTILE + "dry_without_a_test_set"), "the test data gave no example after epoch 1"),
+    (["train", "--epochs", "1", "--no-progress", "--train-size", "128", "--test-size", "64", "--batch-size", "64",
+      "--plan", "1024x1"], "1024"),
+    (["profile", HOSTILE + "fails_on_call_3", "--input", "8x1x28x28", "--steps", "3", "--no-suggest"],
+     "the model FailsOnCall(float32[8,1,28,28]) raised ValueError: forward fails on call 3"),
+    (_scale("--model", HOSTILE + "fails_on_call_4", "--input", "8x1x28x28"), "forward fails on call 4"),
+    (_scale("--model", HOSTILE + "no_parameters", "--input", "8x1x28x28"), "has no trainable parameters"),
+    (_scale("--model", "lenet", "--batch-size", "65536"), "--batch-size 65536 on lenet needs about"),
+    (_scale("--model", HOSTILE + "two_inputs", "--input", "64x1024x1024", "--input", "64x1024x1024"),
+     "--input 64x1024x1024 --input 64x1024x1024 needs about"),
+]
+
+CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS + HOSTILE_FILES + USER + USER_CODE
 # In-process only: a NUL cannot be passed to a process, and pytest's own arguments could not either.
 IN_PROCESS_ONLY = [
     (_train("--checkpoint", "{T}/ck\0.pt"), "ck\\x00.pt'"),
@@ -509,8 +555,8 @@ def test_the_sweep_is_broad():
     verbs = {argv[0] for argv, _ in CASES if argv}
     assert len(CASES) + len(IN_PROCESS_ONLY) >= 150
     assert len({tuple(argv) for argv, _ in CASES}) == len(CASES)
-    assert verbs == {"bench", "devices", "train", "export", "trace", "profile", "probe", "launch", "nosuchverb",
-                     "--bogus", "bench\n"}
+    assert verbs == {"bench", "devices", "train", "export", "trace", "profile", "probe", "launch", "scale",
+                     "nosuchverb", "--bogus", "bench\n"}
     assert len(SCALING) >= 15
 
 
@@ -537,6 +583,27 @@ def test_real_processes_exit_2_with_one_line(scratch):
         out, err = proc.communicate(timeout=150)
         _check_one_line(proc.returncode, out, err, named, scratch)
     assert _hashes(scratch) == before
+
+
+@pytest.mark.parametrize("argv", [["--input", "8x12", "--input", "8x4"], ["--input", HOSTILE + "two_tensors"]],
+                         ids=["two --input", "a batch factory's tuple"])
+def test_scale_measures_a_model_of_several_inputs(argv, capsys):
+    """The title names the batch of a tuple (or dict) of inputs: their common first axis, not a tensor's shape."""
+    assert main(_scale("--model", HOSTILE + "two_inputs", *argv, "--step-ms", "5")) == 0
+    assert "batch 8 per device" in capsys.readouterr().out
+
+
+def test_scale_measures_a_model_of_a_dict_batch(capsys):
+    assert main(_scale("--model", HOSTILE + "dict_input", "--input", HOSTILE + "dict_batch")) == 0
+    assert "batch 8 per device" in capsys.readouterr().out
+
+
+def test_train_names_the_devices_a_plan_ran_on(capsys):
+    """--plan 2x1 with three devices named trains on two, and the last line says which."""
+    assert main(["train", "--epochs", "1", "--no-progress", "--train-size", "64", "--test-size", "32", "--batch-size",
+                 "32", "--plan", "2x1", "--devices", "cpu:0,cpu:1,cpu:2"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.endswith("on [cpu(0), cpu(1)]"), last
 
 
 def test_threads_above_the_core_count_warn_and_run(monkeypatch, capsys):

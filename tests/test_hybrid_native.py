@@ -117,6 +117,35 @@ def test_grad_mode_runs_the_plans_backward_as_one_autograd_node():
         net(torch.randn(2, 8, requires_grad=True))
 
 
+class _FrozenFirstLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = self.a(x)
+        return self.b(torch.relu(h))
+
+
+def test_a_forward_that_changes_the_autograd_mode_is_refused_naming_the_line():
+    """The graph records no ``no_grad``: the plan's backward would differentiate the frozen layer."""
+    torch.manual_seed(1)
+    model = _FrozenFirstLayer()
+    captured = capture(model, (torch.randn(2, 8),))
+    (line,) = captured.grad_mode_changes()
+    assert line.startswith(f"{__file__}:") and line.endswith("h = self.a(x)"), line
+    with pytest.raises(BackendUnsupported, match="changes the autograd mode"):
+        native.refuse_grad_mode_changes(captured)
+    ref = copy.deepcopy(model)
+    with pytest.warns(HybridizeWarning, match="changes the autograd mode"):
+        out = hybridize(model, backend="native")(torch.ones(2, 8))
+    out.sum().backward()
+    ref(torch.ones(2, 8)).sum().backward()
+    assert model.a.weight.grad is None and ref.a.weight.grad is None
+    torch.testing.assert_close(model.b.weight.grad, ref.b.weight.grad)
+
+
 def test_unsupported_graph_is_refused_and_auto_moves_on():
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten())
     with pytest.raises(BackendUnsupported, match="conv2d"):

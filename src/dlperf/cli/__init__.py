@@ -14,7 +14,7 @@ import sys
 from typing import NoReturn
 
 from .._hostmem import keep_freed_host_memory
-from ..errors import DlperfError
+from ..errors import DlperfError, user_code_line
 from .options import flag_words, one_line
 
 # Verb modules, imported lazily so that `dlperf devices` does not pay for the engine or compiler.
@@ -106,8 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dlperf {args.verb}: error: {one_line(flag_words(str(exc)))}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path the user gave cannot be read or written
-        print(f"dlperf {args.verb}: error: {one_line(str(exc))}", file=sys.stderr)
+        print(f"dlperf {args.verb}: error: {one_line(user_code_line(exc) or str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dlperf: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # the user's model, loss or data raised: one line naming the call; else a bug
+        line = user_code_line(exc)
+        if line is None:
+            raise
+        print(f"dlperf {args.verb}: error: {one_line(line)}", file=sys.stderr)
+        return 2

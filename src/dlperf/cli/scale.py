@@ -127,20 +127,29 @@ def _model_and_batch(args: argparse.Namespace):
             raise UsageError(f"--model {args.model} needs --input, the shape of one device's batch, e.g. 64x3x32x32")
         if args.batch_size is not None:
             raise UsageError("--batch-size is for zoo networks; a MODULE:FACTORY model takes its batch from --input")
+        from .._cliargs import require_memory
         from ..probe.targets import build_model
-        from ..probe.user_inputs import batch_maker
+        from ..probe.user_inputs import batch_maker, input_bytes
         from .profile import input_source
 
+        source = input_source(args.input, "scale")
+        if not isinstance(source, str):  # as profile predicts it: the inputs, copies of them, a doubled batch
+            require_memory(4 * input_bytes(source), "--input " + " --input ".join(s.text() for s in source),
+                           "give a smaller --input")
         torch.manual_seed(0)
         model = build_model(args.model)
-        return model, batch_maker(input_source(args.input, "scale"))(model, torch.Generator().manual_seed(0))
+        return model, batch_maker(source)(model, torch.Generator().manual_seed(0))
     if args.input is not None:
         raise UsageError("--input is for a MODULE:FACTORY model; give a zoo network's batch with --batch-size")
+    from .._cliargs import batch_bytes, require_memory
     from ..models import get_spec
 
     spec = get_spec(args.model)
+    batch = args.batch_size or spec.cpu_batch
+    require_memory(batch_bytes(spec, batch, training=True), f"--batch-size {batch} on {spec.name}",
+                   "give a smaller --batch-size")
     torch.manual_seed(0)
-    x, _ = spec.input.make_batch(args.batch_size or spec.cpu_batch, generator=torch.Generator().manual_seed(0))
+    x, _ = spec.input.make_batch(batch, generator=torch.Generator().manual_seed(0))
     return spec.build(), x
 
 
@@ -288,8 +297,11 @@ def run(args: argparse.Namespace) -> int:
     network, intra = _network(args), _intra(args)  # bad or missing links fail before any model is built
     model, x = _model_and_batch(args) if args.model else (None, None)
     if model is not None and x is not None:
+        from ..batch import batch_size
+
         gradient_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
-        title = (f"dlperf scale: {args.model}, {_describe_bytes(gradient_bytes)} of gradients, batch {x.shape[0]} "
+        # a batch may be several inputs or a dict: its size is their common first axis
+        title = (f"dlperf scale: {args.model}, {_describe_bytes(gradient_bytes)} of gradients, batch {batch_size(x)} "
                  f"per device, 1..{args.hosts} hosts x {args.devices_per_host} devices")
     else:
         gradient_bytes = args.gradients

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from ..registry import Registry
 
 
@@ -41,8 +42,31 @@ class InputSpec:
         return x.to(device), y.to(device)
 
 
+def check_class_targets(output: torch.Tensor, target: torch.Tensor) -> None:
+    """Raise one clear :class:`~dlperf.errors.UsageError` where cross-entropy would fail cryptically or train nothing.
+
+    Float labels (other than one probability per output column) and a one-column output, over which
+    cross-entropy is 0 whatever the weights, are refused; labels out of range are the loss's own error.
+    Attributes only: nothing is read from the device.
+    """
+    if not isinstance(output, torch.Tensor) or not isinstance(target, torch.Tensor) or output.dim() < 2:
+        return
+    if target.dtype is torch.int64 and output.shape[-1] > 1:  # the usual case, checked first: once per step
+        return
+    soft = target.is_floating_point() and target.shape == output.shape
+    if (target.is_floating_point() and not soft) or target.is_complex() or target.dtype == torch.bool:
+        raise UsageError(f"cross-entropy needs integer class labels (0 to {output.shape[-1] - 1}), got targets of "
+                         f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)} for output "
+                         f"{str(output.dtype).removeprefix('torch.')}{list(output.shape)}; give int64 class labels")
+    if output.shape[-1] == 1:
+        raise UsageError(f"cross-entropy over a one-column output ({list(output.shape)}) is 0 whatever the weights, "
+                         "so nothing would train; give the model one output column per class, with integer class "
+                         "labels")
+
+
 def classification_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Softmax cross-entropy; sequence outputs (N, T, C) are flattened over time steps."""
+    check_class_targets(output, target)
     if output.dim() == 3:
         output = output.reshape(-1, output.shape[-1])
         target = target.reshape(-1)

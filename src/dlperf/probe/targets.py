@@ -132,4 +132,34 @@ def build_model(spec: str):
                          "no arguments") from None
     if not isinstance(model, nn.Module):
         raise UsageError(f"{spec}() returned {type(model).__name__}, not a torch.nn.Module; return the model")
+    problem = trainable_problem(model)
+    if problem:
+        raise UsageError(f"{spec}() built a model {problem}")
     return model
+
+
+def trainable_problem(model) -> str | None:
+    """Why ``model`` cannot train (``"with no parameters, ..."``), or None: every verb that builds a user's model
+    trains it, and each of these would otherwise fail deep inside a step, or train nothing."""
+    try:
+        params = list(model.named_parameters())
+        tensors = [*params, *model.named_buffers()]
+        list(model.parameters())  # what optimizers and the Trainer call: a model may override it alone
+    except Exception as exc:  # noqa: BLE001 (user code)
+        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        return (f"whose parameters() raised {type(exc).__name__}{': ' + text if text else ''}; fix the model's "
+                "parameters() (nn.Module's own walks its layers)")
+    import torch
+
+    # (unless the caller builds on the meta device itself, to count a step's work without memory)
+    meta = [name for name, t in tensors if t.is_meta] if torch.get_default_device().type != "meta" else []
+    if meta:
+        return (f"on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}), whose tensors hold "
+                "no values to train; build it on the CPU (or call to_empty() and load its weights) in the factory")
+    if not params:
+        return ("that has no trainable parameters (no parameters at all), so there is nothing to train; give a model "
+                "with layers that have weights")
+    if not any(p.requires_grad for _, p in params):
+        return ("that has no trainable parameters (every one has requires_grad=False), so there is nothing to train; "
+                "leave some trainable")
+    return None

@@ -18,10 +18,13 @@ import torch
 
 from ..._cliargs import short_repr
 
-__all__ = ["trainer_state_problem", "history_problem", "HPARAMS_FLAG", "HPARAM_RANGES"]
+__all__ = ["trainer_state_problem", "history_problem", "HPARAMS_FLAG", "HPARAM_RANGES", "TAKEN_FROM_CHECKPOINT"]
 
 HPARAMS_FLAG = "--resume-hparams-from-checkpoint"
 """The option that takes the optimizer's hyperparameters from the checkpoint instead of the run's."""
+TAKEN_FROM_CHECKPOINT = ("lr", "momentum", "weight_decay")
+"""The hyperparameters :data:`HPARAMS_FLAG` takes over; any other (``maximize``, ``nesterov``, ``dampening``) must
+still equal the run's: a crafted flag would change what training computes without a word."""
 
 # Inclusive lower and upper bounds, and whether the lower one is excluded: the range in which SGD
 # trains the zoo's models at all (beyond 100 the learning rate only diverges to NaN).
@@ -40,8 +43,15 @@ _STATE_KEYS: dict[str, tuple[str, ...]] = {
 
 def _show(value: object) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+        kind = "" if value.layout == torch.strided and not value.is_meta else \
+            f"{'meta' if value.is_meta else str(value.layout).removeprefix('torch.')} "
+        return f"a {kind}{value.dtype} tensor of shape {tuple(value.shape)}"
     return short_repr(value, 40)
+
+
+def _not_dense(value: torch.Tensor) -> bool:
+    """A sparse, quantized or meta tensor: it has the shape and dtype of a weight but none of its arithmetic."""
+    return value.layout != torch.strided or value.is_meta or value.is_quantized
 
 
 def _is_number(v: object) -> bool:
@@ -59,8 +69,8 @@ def tensors_problem(where: str, got: object, expected: Mapping[str, torch.Tensor
         if name not in got:
             return f"{where} has no {name!r}, which this model has"
         t = got[name]
-        if not isinstance(t, torch.Tensor):
-            return f"{where}[{name!r}] is {_show(t)}, expected a tensor"
+        if not isinstance(t, torch.Tensor) or _not_dense(t):
+            return f"{where}[{name!r}] is {_show(t)}, expected a dense tensor"
         if t.dtype != ref.dtype:
             return f"{where}[{name!r}] is {t.dtype}, expected {ref.dtype}"
         if tuple(t.shape) != tuple(ref.shape):
@@ -83,8 +93,11 @@ def _hparam_problem(where: str, key: str, got: object, ref: object, from_checkpo
             if value > high or value < low or (open_low and value == low):
                 bound = f"{'>' if open_low else '>='} {low:g} and <= {high:g}"
                 return f"{where}[{key!r}] is {got}, expected {bound}"
-    if got != ref and (not from_checkpoint or key in _IMPLEMENTATION):
-        fix = "" if key in _IMPLEMENTATION else f", or add {HPARAMS_FLAG} to train with the checkpoint's"
+    if got != ref and (not from_checkpoint or key not in TAKEN_FROM_CHECKPOINT):
+        if key not in TAKEN_FROM_CHECKPOINT and key not in _IMPLEMENTATION:
+            fix = f" ({HPARAMS_FLAG} takes over {', '.join(TAKEN_FROM_CHECKPOINT)} only)" if from_checkpoint else ""
+        else:
+            fix = "" if key in _IMPLEMENTATION else f", or add {HPARAMS_FLAG} to train with the checkpoint's"
         return f"{where}[{key!r}] is {_show(got)} but this run's is {_show(ref)}; resume with the settings that " \
                f"wrote the checkpoint{fix}"
     return None
@@ -114,8 +127,8 @@ def _groups_problem(where: str, groups: object, ref_groups: list[dict[str, Any]]
 def _entry_problem(here: str, key: str, value: object, param: torch.Tensor | None, index: int) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, torch.Tensor):
-        return f"{here}[{key!r}] is {_show(value)}, expected a tensor"
+    if not isinstance(value, torch.Tensor) or _not_dense(value):
+        return f"{here}[{key!r}] is {_show(value)}, expected a dense tensor"
     if key == "step":
         if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) < 0:
             return f"{here}['step'] is {_show(value)}, expected one finite count >= 0"

@@ -24,6 +24,7 @@ import torch
 
 from ...batch import batch_size
 from ...devices import Device
+from ...errors import UsageError
 from ..communication.process_group import check_process_settings
 from ..launchers import LaunchConfig, ProcessLauncher, rank_info
 from ..launchers.launch_config import RUN_TIMEOUT_S
@@ -281,7 +282,8 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
     Every device needs at least one example of each step, so an epoch's last batch with fewer
     examples than devices is skipped (at most ``devices - 1`` examples an epoch; across processes, the
     devices of all processes, and every process skips the same batch). The loss is the mean over
-    every process's examples.
+    every process's examples. An epoch that trains on nothing (no batch, or every batch skipped) or a test
+    pass without an example raises :class:`UsageError`: a loss of 0 and an accuracy of 0 would look like results.
     """
     history = []
     for epoch in range(first_epoch, epochs):
@@ -289,13 +291,15 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
         loss_sum: torch.Tensor | float = 0.0
         # the first step whose loss was NaN/inf, kept on the device and read with loss_sum at the end
         first_bad: torch.Tensor | None = None
-        batches = 0
+        batches = given = largest = 0
         try:
             start = time.perf_counter()
             # closing(): after Ctrl-C the loader's thread stops now, not when the traceback is freed
             with closing(train_loader.epoch_batches(epoch)) as train_batches:
                 for X, y in train_batches:
-                    if batch_size(X, "input") < trainer.total_devices:
+                    n = batch_size(X, "input")
+                    given, largest = given + 1, max(largest, n)
+                    if n < trainer.total_devices:
                         continue  # only an epoch's last batch can be this short: see the docstring
                     # summed where it is: reading it on the host every step would stall a GPU's queue
                     loss = trainer.train_step(X, y).detach().float()
@@ -305,6 +309,9 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
                     batches += 1
                     if bar:
                         bar.advance(0, 1)
+            if batches == 0:
+                raise UsageError(_nothing_trained(epoch, first_epoch, given, largest, trainer.total_devices))
+            trainer.flush()  # micro-batches accumulated past the last update: an update on what the epoch has
             for d in trainer.devices:
                 d.synchronize()
             seconds = time.perf_counter() - start
@@ -313,8 +320,14 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
         finally:
             if bar:
                 bar.stop()
+        tested = [0]
         with closing(test_loader.epoch_batches(0)) as test_batches:
-            test_acc = trainer.evaluate_accuracy(test_batches)
+            test_acc = trainer.evaluate_accuracy(_counted(test_batches, tested))
+        if tested[0] == 0:
+            raise UsageError(f"the test data gave no example after epoch {epoch + 1}, so there is no accuracy to "
+                             "report; give test batches with examples, from a source that can be iterated once per "
+                             "epoch (a list or a DataLoader, not a generator; without a test set the training data "
+                             "is evaluated)")
         record = {"epoch": epoch + 1, "loss": float(loss_sum) / max(batches, 1), "test_acc": test_acc,
                   "seconds": seconds}
         if first_bad is not None and float(first_bad) != float("inf"):
@@ -323,3 +336,27 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
         if on_epoch:
             on_epoch(record)
     return history
+
+
+def _counted(batches, count: list[int]):
+    """``batches`` passed through, their examples added to ``count[0]``."""
+    for X, y in batches:
+        count[0] += batch_size(X, "input")
+        yield X, y
+
+
+def _nothing_trained(epoch: int, first_epoch: int, given: int, largest: int, devices: int) -> str:
+    """Why epoch ``epoch`` took no step, in one line with the fix."""
+    if given == 0 and epoch > first_epoch:
+        return (f"the training data gave no batch in epoch {epoch + 1} (it did in epoch {first_epoch + 1}): it runs "
+                "dry after one pass, as a generator does; give a source that can be iterated once per epoch (a list "
+                "or a DataLoader)")
+    if given == 0:
+        return (f"the training data gave no batch in epoch {epoch + 1}, so nothing would train; give at least one "
+                "(inputs, targets) batch")
+    if largest == 0:
+        return (f"every batch of epoch {epoch + 1} ({given}) holds 0 examples, so nothing would train; give "
+                "batches with examples along the first axis")
+    return (f"every batch of epoch {epoch + 1} ({given}, the largest of {largest} examples) is smaller than the "
+            f"{devices} devices a step splits it across, each needing one example, so each was skipped and nothing "
+            f"would train; give batches of at least {devices} examples or train on fewer devices (replicas)")

@@ -19,7 +19,7 @@ import torch
 from ..._io import check_writable
 from ...batch import describe
 from ...devices import Device, to_device
-from ...errors import UsageError
+from ...errors import UsageError, blame_user_code
 from ..launchers import LaunchConfig, rank_info, restart_count
 from ..planning.plan import Plan
 from ..planning.planner import PlannerOptions
@@ -199,8 +199,19 @@ class FactoryBatches:
             return 0
 
     def epoch_batches(self, epoch: int) -> Iterator[tuple[Any, Any]]:
-        for i, batch in enumerate(self.batches):
+        batches, i = None, 0
+        while True:
+            try:  # the user's iterable: what it raises is noted for the one line that names it
+                batches = iter(self.batches) if batches is None else batches
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as exc:
+                blame_user_code(exc, f"the {self.what} data (epoch {epoch + 1}, batch {i})",
+                                "fix the data factory's batches")
+                raise
             yield step_args(batch, f"{self.what} batch {i}")
+            i += 1
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...batch import batch_size, call_model, map_tensors
+from ...batch import batch_size, call_loss, call_model, map_tensors
 from ...devices import Device, DeviceLike
 from ...engine import Engine, Trace, create_engine
 from ...errors import UsageError
@@ -284,7 +284,7 @@ class Trainer:
         if first:
             self.strategy.zero_grad(i)
         with self.planning.precision(self.devices[i]):
-            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
+            loss = call_loss(self.loss, call_model(self._forwards[i], self._layout(X)), y, X)
         (loss * (share / self._accumulate)).backward()
         return (loss * share).detach()
 
@@ -307,9 +307,9 @@ class Trainer:
         self.strategy.zero_grad(i)
         if self._autocast:
             with self.planning.precision(self.devices[i]):
-                loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
+                loss = call_loss(self.loss, call_model(self._forwards[i], self._layout(X)), y, X)
         else:
-            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
+            loss = call_loss(self.loss, call_model(self._forwards[i], self._layout(X)), y, X)
         if share != 1.0:  # one replica's loss is the batch's: no multiplication to run and differentiate
             loss = loss * share
         loss.backward()
