@@ -21,6 +21,7 @@ from dlperf._io import (
     atomic_write_text,
     check_writable,
     safe_torch_load,
+    write_cache_file,
 )
 from dlperf.errors import DlperfError, UsageError
 
@@ -501,6 +502,64 @@ def test_block_device_is_refused_never_written(tmp_path):
         atomic_write_text(node, "x")
     with pytest.raises(FileAccessError, match="block device"):
         check_writable(node)
+
+
+# --- dlperf's own caches: only a regular file of this user is ever replaced ---------------------------------
+def _foreign_targets(tmp_path):
+    """What may stand where a cache is written, none of it a cache file dlperf wrote: (path, what, check)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    link = tmp_path / "link"
+    link.symlink_to(victim)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "adir").mkdir()
+    targets = [(link, "a symbolic link",
+                lambda: os.readlink(link) == str(victim) and victim.read_text() == "the user's"),
+               (fifo, "a FIFO", lambda: stat.S_ISFIFO(os.lstat(fifo).st_mode)),
+               (tmp_path / "adir", "a directory", lambda: os.listdir(tmp_path / "adir") == [])]
+    if IS_ROOT:
+        null = _char_device(tmp_path, "null", 3)
+        if null is not None:
+            targets.append((null, "a character device", lambda: stat.S_ISCHR(os.lstat(null).st_mode)))
+        theirs = tmp_path / "theirs.json"
+        theirs.write_text("their plans")
+        os.chown(theirs, 54321, 54321)
+        targets.append((theirs, "a file of uid 54321", lambda: theirs.read_text() == "their plans"
+                        and theirs.stat().st_uid == 54321))
+    return targets
+
+
+@pytest.mark.timeout(10)
+def test_a_cache_file_replaces_only_a_regular_file_of_this_user(tmp_path):
+    for path, what, unharmed in _foreign_targets(tmp_path):
+        with pytest.raises(FileAccessError) as info:
+            write_cache_file(path, b"{}")
+        assert f"it is {what}, not a cache file dlperf wrote, and is left as it is" in str(info.value)
+        assert str(path) in str(info.value) and "\n" not in str(info.value)
+        assert unharmed(), what
+    assert _temporaries(tmp_path) == []
+    mine = tmp_path / "plans.json"
+    old = os.umask(0o002)
+    try:
+        write_cache_file(mine, b"one")
+        os.chmod(mine, 0o664)
+        write_cache_file(mine, b"two")  # a file of this user, even one others could write, is replaced privately
+    finally:
+        os.umask(old)
+    assert mine.read_bytes() == b"two" and stat.S_IMODE(mine.stat().st_mode) == 0o600
+
+
+def test_a_cache_file_is_never_the_file_stdout_goes_to(tmp_path):
+    out = tmp_path / "log"
+    out.write_text("kept\n")
+    with open(out, "a") as f:
+        proc = subprocess.run([sys.executable, "-c", "import sys; from dlperf._io import write_cache_file\n"
+                               "try:\n    write_cache_file(sys.argv[1], b'cache')\nexcept OSError as e:\n"
+                               "    print(e, file=sys.stderr)", str(out)], stdout=f, stderr=subprocess.PIPE,
+                              text=True, timeout=60)
+    assert "the file this process's output goes to" in proc.stderr
+    assert out.read_text() == "kept\n"
 
 
 # --- full disks ------------------------------------------------------------------------------------------
