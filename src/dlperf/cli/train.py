@@ -24,6 +24,7 @@ be iterated once per epoch (a ``DataLoader`` is one).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import fields
@@ -170,22 +171,49 @@ def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int =
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..parallel.launchers import in_launched_worker
     from .train_factory import run_factories, uses_factories
 
+    _check_given_plan(args, uses_factories(args))
     if uses_factories(args):
         if _process_plan(args.plan) is not None:
             raise UsageError(f"--plan {args.plan.name} with MODULE:FACTORY models or data: those train in one "
                              "process; give a plan without processes")
         return run_factories(args)
     if args.plan is None or args.plan == "auto":
-        recorded = _recorded_process_plan(args.resume)
+        recorded = _recorded_process_plan(args)
         args.plan = recorded if recorded is not None and args.nproc_per_node is None else args.plan
     plan = _process_plan(args.plan)
-    if plan is not None and args.nproc_per_node is None:
+    # a launched process is one of the plan's processes already: it trains, it never starts more of them
+    if plan is not None and args.nproc_per_node is None and not in_launched_worker():
         args.nproc_per_node = plan.replicas  # the plan's processes, started here as --nproc-per-node would
     if args.nproc_per_node is not None:
         return _launch(args)
     return _run(train_config(args), args.json, args.no_progress, args.plan)
+
+
+def _here(args: argparse.Namespace, batch_size: int | None, processes: int):
+    from ..parallel.launchers import in_launched_worker
+    from ..parallel.plan_check import Here
+
+    return Here(devices=args.devices, batch_size=batch_size, processes=processes, can_launch=not in_launched_worker(),
+                allow_mixed_precision=True, check_finite=args.check_finite)
+
+
+def _check_given_plan(args: argparse.Namespace, factories: bool) -> None:
+    """``--plan NAME`` against this machine and this run, before anything starts: one line when it cannot run."""
+    from ..parallel.launchers import rank_info
+    from ..parallel.plan import Plan
+    from ..parallel.plan_check import plan_problem
+
+    if not isinstance(args.plan, Plan):
+        return
+    plan = args.plan.filled(algorithm=args.algorithm, bucket_bytes=args.bucket_bytes, kvstore=args.kvstore)
+    # a factory's batches are its own: --batch-size does not size them
+    here = _here(args, None if factories else args.batch_size, args.nproc_per_node or rank_info().world_size)
+    problem = plan_problem(plan, here)
+    if problem is not None:
+        raise UsageError(f"--plan {args.plan.name}: {problem}; give a plan that fits this run, or --plan auto")
 
 
 def _process_plan(plan: object):
@@ -200,17 +228,22 @@ def _runs_as(plan: object, processes: int) -> bool:
     return found is not None and found.replicas == processes
 
 
-def _recorded_process_plan(resume: str | None):
-    """The checkpoint's plan when it ran as processes (resuming starts as many), else None."""
+def _recorded_process_plan(args: argparse.Namespace):
+    """The checkpoint's plan when it ran as processes and can run here (resuming starts as many), else None."""
     from ..parallel.checkpoint import load_checkpoint
     from ..parallel.plan import Plan
+    from ..parallel.plan_check import usable_here
 
-    if resume is None:
+    if args.resume is None:
         return None
-    recorded = load_checkpoint(resume)["trainer"].get("plan")
+    recorded = load_checkpoint(args.resume)["trainer"].get("plan")
     if recorded is None:
         return None
-    return _process_plan(Plan.from_dict(recorded, "the checkpoint's plan"))
+    plan = _process_plan(Plan.from_dict(recorded, "the checkpoint's plan"))
+    if plan is None:
+        return None
+    here = dataclasses.replace(_here(args, args.batch_size, 1), kvstore=args.kvstore)
+    return usable_here(plan, here, f"the checkpoint {args.resume}", "training without it")
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -227,7 +260,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = None) -> int:
-    from ..parallel.launchers import rank_info
+    from ..parallel.launchers import in_launched_worker, rank_info
     from ..parallel.procs import last_exchange_report
     from ..parallel.servers import is_server_rank, server_ranks
     from ..parallel.training import serve
@@ -242,7 +275,7 @@ def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = N
     state = prepare(config)
     config.plan = _choose_plan(config, state, plan)
     chosen = _process_plan(config.plan)
-    if chosen is not None and rank_info().world_size == 1:  # planned here: train as the plan's processes
+    if chosen is not None and not in_launched_worker():  # planned here: train as the plan's processes, once
         return _launch_plan(config, as_json, no_progress, chosen)
     try:
         _train(config, state, show_progress=not (no_progress or as_json) and sys.stderr.isatty())
@@ -318,8 +351,6 @@ def _choose_plan(config: TrainConfig, state: TrainState, plan: object) -> object
 
 def _launch_plan(config: TrainConfig, as_json: bool, no_progress: bool, plan) -> int:
     """Train ``config`` as the ``plan``'s processes (the plan ``--plan auto`` chose in this process)."""
-    import dataclasses
-
     from ..parallel.procs import check_process_settings
     from .launch import DEFAULT_TIMEOUT_S, start
 

@@ -81,7 +81,7 @@ def plan_for(model: nn.Module, example_batch: tuple[Any, Any], devices: Sequence
         placed = check_devices(devices)
         reference = reference_plan(model, placed, config)
     build = candidate_builder(model, (example_batch[0], example_batch[1]), placed, config)
-    from .launchers import rank_info
+    from .launchers import in_launched_worker
 
-    with measuring_processes(processes and rank_info().world_size == 1):  # no launch from inside a launched job
+    with measuring_processes(processes and not in_launched_worker()):  # no launch from inside a launched job
         return search(model, tuple(example_batch), placed, build, reference, options)

@@ -25,6 +25,7 @@ from ..devices import Device
 from ..errors import DlperfError, UsageError
 from .lanes import thread_budget
 from .plan import EXECUTIONS, Plan, parse_plan
+from .plan_check import Here, usable_here
 from .plan_processes import in_process_part, launch_hint
 from .planner import CandidateRun, PlanDecision, PlannerOptions, search
 from .trainer_config import TrainerConfig
@@ -252,6 +253,10 @@ class PlanState:
         """A checkpoint's plan: taken over unless this Trainer was given another one."""
         plan = Plan.from_dict(recorded, "the checkpoint's plan")
         if plan == self.plan:
+            return
+        here = Here(trainer.devices, check_finite=trainer.config.check_finite, allow_mixed_precision=True,
+                    can_launch=False)
+        if usable_here(plan, here, "the state given to load_state_dict", "training without it") is None:
             return
         if self.mode == "pinned" and plan != self.plan:
             say(f"plan: {self.plan.name if self.plan else '?'} as given; the checkpoint's {plan.name} is not used")

@@ -34,6 +34,7 @@ from .allreduce import DEFAULT_ALGORITHM, get_algorithm
 from .checkpoint import CHECKPOINT_FORMAT, load_checkpoint, save_checkpoint
 from .launchers import rank_info, restart_count
 from .optimizers import make_optimizer
+from .plan_check import keep_usable_plan, run_here
 from .resume import HPARAMS_FLAG, history_problem, trainer_state_problem
 from .split import check_devices
 from .strategies import STRATEGIES, choose_strategy
@@ -220,6 +221,7 @@ def check_resume(config: TrainConfig) -> dict[str, Any] | None:
     devices = config.device_list()
     strategy = STRATEGIES.get(choose_strategy(config.kvstore, devices=devices, processes=config.processes or 1))
     trainer = resume["trainer"]
+    keep_usable_plan(trainer, run_here(config), f"the checkpoint {config.resume}")
     problem = trainer_state_problem(
         trainer, model=get_spec(config.model).build(), devices=len(devices),
         make_reference=lambda params: make_optimizer("sgd", params, {"lr": config.lr}),  # as train() makes it
