@@ -707,13 +707,34 @@ def test_a_checkpoints_plan_that_cannot_run_here_is_one_line_and_the_run_resumes
                                                                                   monkeypatch, capsys):
     import torch
 
+    from dlperf.parallel.checkpoint import state_checksum
+
     state = torch.load(planned / "ck.pt", weights_only=True)
     state["trainer"]["plan"].update(change)
     replicas = state["trainer"]["plan"]["replicas"]
     state["trainer"]["buffers"] = state["trainer"]["buffers"] * replicas  # as a run of that plan kept them
+    state["checksum"] = state_checksum(state)  # crafted with care: only the plan can give it away
     torch.save(state, tmp_path / "ck.pt")
     monkeypatch.setenv("DLPERF_PLAN_CACHE", str(tmp_path / "plans.json"))
     argv = [*QUICK_TRAIN[:1], *QUICK_TRAIN[3:5], "--epochs", "2", *QUICK_TRAIN[7:], "--resume", str(tmp_path / "ck.pt")]
     out, err = _run_on(argv, capsys)
     assert len(err) == 1 and f"from the checkpoint {tmp_path / 'ck.pt'}: " in err[0] and named in err[0], err
     assert "epoch 2:" in out and "processes" not in out.splitlines()[-1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["weight", "history", "plan"])
+def test_a_checkpoint_changed_after_it_was_written_is_one_line(where, planned, tmp_path, capsys):
+    import torch
+
+    state = torch.load(planned / "ck.pt", weights_only=True)
+    if where == "weight":  # one bit of one stored float
+        weight = next(iter(state["trainer"]["model"].values()))
+        weight.view(torch.int32).view(-1)[0] ^= 1 << 3
+    elif where == "history":
+        state["history"][0]["loss"] = 0.001
+    else:
+        state["trainer"]["plan"]["threads"] = 1
+    torch.save(state, tmp_path / "ck.pt")
+    argv = [*QUICK_TRAIN[:1], *QUICK_TRAIN[3:5], "--epochs", "2", *QUICK_TRAIN[7:], "--resume", str(tmp_path / "ck.pt")]
+    _check_one_line(main(argv), *capsys.readouterr(), "do not match the checksum written with them", tmp_path)

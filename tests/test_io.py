@@ -349,6 +349,44 @@ def test_checkpoint_round_trip_and_mode(tmp_path):
     assert _temporaries(tmp_path) == []
 
 
+def test_a_flipped_bit_in_any_stored_tensor_or_value_is_caught_by_the_checksum(tmp_path):
+    from dlperf.parallel.checkpoint import load_checkpoint, save_checkpoint, state_checksum
+
+    path = tmp_path / "ck.pt"
+    state = _checkpoint(tmp_path)
+    save_checkpoint(path, state)
+    saved = torch.load(path, weights_only=True)
+    assert saved["checksum"] == state_checksum(state) == state_checksum(saved)
+    tensors = [t for t in saved["trainer"]["model"].values()]
+    for t in tensors:
+        for i in (0, t.numel() - 1):
+            damaged = torch.load(path, weights_only=True)
+            flat = damaged["trainer"]["model"][next(k for k, v in saved["trainer"]["model"].items() if v is t)]
+            flat.view(torch.int32).view(-1)[i] ^= 1 << (i % 31)
+            torch.save(damaged, path.with_suffix(".bad"))
+            with pytest.raises(UsageError, match="do not match the checksum written with them") as info:
+                load_checkpoint(path.with_suffix(".bad"))
+            assert "\n" not in str(info.value)
+    unsigned = {k: v for k, v in saved.items() if k != "checksum"}  # written before checksums: still read
+    torch.save(unsigned, path.with_suffix(".old"))
+    assert load_checkpoint(path.with_suffix(".old"))["config"] == state["config"]
+
+
+def test_the_checksum_covers_every_layout_and_dtype_without_a_dense_copy():
+    from dlperf.parallel.checkpoint import state_checksum
+
+    dense = torch.arange(12.0).reshape(3, 4)
+    values = [dense, dense.to(torch.bfloat16), torch.tensor(3.0), torch.zeros(0), dense.to_sparse(),
+              dense.to_sparse_csr(), torch.tensor([True, False])]
+    sums = {state_checksum({"v": v}) for v in values}
+    assert len(sums) == len(values)
+    huge = torch.sparse_coo_tensor(torch.tensor([[0], [0]]), torch.tensor([1.0]), (2**31, 2**31),
+                                   check_invariants=True)
+    assert state_checksum({"v": huge}) != state_checksum({"v": huge * 2})  # hashed as stored: no 2**62 elements
+    assert state_checksum({"a": 1, "b": 2}) != state_checksum({"b": 1, "a": 2})
+    assert state_checksum({"a": [1, 2]}) != state_checksum({"a": (1, 2)})
+
+
 @pytest.mark.parametrize("damage, match", [
     (lambda s: s["history"][0].pop("loss"), r"history\[0\] has no 'loss'"),
     (lambda s: s["history"][0].update(extra=1), r"history\[0\] has unexpected keys \['extra'\]"),

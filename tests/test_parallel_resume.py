@@ -11,6 +11,7 @@ from torch import nn
 from dlperf.cli import main
 from dlperf.devices import cpu
 from dlperf.parallel import Trainer
+from dlperf.parallel.checkpoint import state_checksum
 from dlperf.parallel.optimizers import make_optimizer
 from dlperf.parallel.resume import trainer_state_problem
 
@@ -33,6 +34,7 @@ def _crafted(honest: dict, tmp_path, change) -> str:
     state["trainer"]["model"] = dict(honest["trainer"]["model"])
     state["trainer"]["buffers"] = [dict(b) for b in honest["trainer"]["buffers"]]
     change(state)
+    state["checksum"] = state_checksum(state)  # crafted to pass the checksum: every other check must hold
     path = tmp_path / "crafted.pt"
     torch.save(state, path)
     return str(path)
