@@ -458,8 +458,9 @@ def save_torch(path: str | os.PathLike, obj: Any) -> None:
             recorder = _WriteErrors(f)
             torch.save(obj, recorder)  # type: ignore[arg-type]  # a file in all torch uses: write, flush
     except Exception as exc:
-        if _raised_while_interrupted(exc):
-            raise KeyboardInterrupt from None
+        interrupt = _raised_while_interrupted(exc)
+        if interrupt is not None:
+            raise interrupt from None
         if recorder is not None and recorder.error is not None and not isinstance(exc, OSError):
             # torch's writer turns the OSError of a full disk into "unexpected pos"; the real cause is ours
             raise _wrap(Path(path), recorder.error, size=size) from None
@@ -505,15 +506,16 @@ def tensor_bytes(obj: Any) -> int | None:
     return total or None
 
 
-def _raised_while_interrupted(exc: BaseException) -> bool:
+def _raised_while_interrupted(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C (or termination) ``exc`` was raised while handling, if any."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         if isinstance(cur, KeyboardInterrupt):
-            return True
+            return cur
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
-    return False
+    return None
 
 
 def safe_torch_load(path: str | os.PathLike, what: str = "checkpoint", expected: str | None = None) -> Any:

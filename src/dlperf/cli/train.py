@@ -29,7 +29,7 @@ import json
 import sys
 from dataclasses import fields
 
-from ..errors import UsageError
+from ..errors import UsageError, stop_status
 from ..parallel.allreduce import DEFAULT_ALGORITHM, algorithm_names
 from ..parallel.training import (
     MAX_BATCH,
@@ -209,8 +209,9 @@ def _check_given_plan(args: argparse.Namespace, factories: bool) -> None:
     if not isinstance(args.plan, Plan):
         return
     plan = args.plan.filled(algorithm=args.algorithm, bucket_bytes=args.bucket_bytes, kvstore=args.kvstore)
-    # a factory's batches are its own: --batch-size does not size them
-    here = _here(args, None if factories else args.batch_size, args.nproc_per_node or rank_info().world_size)
+    # a factory's batches are its own: --batch-size does not size them; a plan against --nproc-per-node is
+    # check_in_parent's to name (with how to launch it)
+    here = _here(args, None if factories else args.batch_size, rank_info().world_size)
     problem = plan_problem(plan, here)
     if problem is not None:
         raise UsageError(f"--plan {args.plan.name}: {problem}; give a plan that fits this run, or --plan auto")
@@ -279,10 +280,11 @@ def _run(config: TrainConfig, as_json: bool, no_progress: bool, plan: object = N
         return _launch_plan(config, as_json, no_progress, chosen)
     try:
         _train(config, state, show_progress=not (no_progress or as_json) and sys.stderr.isatty())
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
+        said, status = stop_status(exc)
         kept = f"; {config.checkpoint} holds epoch {state.saved[-1]}" if state.saved else ""
-        print(f"dlperf train: interrupted{kept}", file=sys.stderr, flush=True)
-        return 130
+        print(f"dlperf train: {said}{kept}", file=sys.stderr, flush=True)
+        return status
     history = state.history
     per_epoch = state.seconds_per_epoch()
     acc = history[-1]["test_acc"] if history else float("nan")
@@ -372,8 +374,8 @@ def _quiet(config: TrainConfig, plan: object = None) -> int:
     state = prepare(config)
     try:
         train(config, state)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        return stop_status(exc)[1]
     return 0
 
 
