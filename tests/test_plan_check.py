@@ -82,7 +82,7 @@ def _sleepy(built: list[Plan]):
     ({"kvstore": "nosuch"}, "kvstore 'nosuch', not a store type here"),
     ({"mixed_precision": "bf16"}, "bf16 mixed precision"),
     ({"mixed_precision": "fp16"}, "fp16, which needs loss scaling"),
-    ({"replicas": 64}, "64 replicas, more than the 12 examples"),
+    ({"replicas": 64, "threads": 1, "step_thread": "worker", "execution": "eager"}, "64 replicas, more than the 12"),
 ])
 def test_a_cached_plan_that_cannot_run_here_is_planned_again(change, named, capsys):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))

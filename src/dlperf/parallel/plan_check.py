@@ -8,6 +8,7 @@ processes, a store that needs processes this run does not have, mixed precision 
 call: the plan, or None after one line naming where it came from (the run then goes on without it).
 
 >>> from dlperf.devices import cpu
+>>> from dlperf.parallel.plan import parse_plan
 >>> here = Here(devices=[cpu(0)], batch_size=64, cores=2)
 >>> plan_problem(parse_plan("1x1024"), here)
 '1024 threads for each replica, more than the 2 cores this process may use'
@@ -25,7 +26,7 @@ from typing import Any
 from .._cliargs import one_line
 from ..devices import Device
 from ..errors import UsageError
-from .plan import EXECUTIONS, Plan, parse_plan  # noqa: F401  (parse_plan: the docstring's example)
+from .plan import EXECUTIONS, Plan
 
 __all__ = ["ANY", "Here", "plan_problem", "usable_here", "keep_usable_plan", "run_here"]
 
@@ -57,15 +58,15 @@ class Here:
     store that can run here."""
 
 
-def run_here(config: Any, *, allow_mixed_precision: bool = True) -> Here:
-    """What a plan must fit in a ``dlperf train`` run of ``config`` (a :class:`~dlperf.parallel.training.TrainConfig`):
-    its devices, global batch, processes, finiteness check and store. A run that continues a checkpoint allows the
-    mixed precision the checkpoint's run chose (it still needs GPUs)."""
+def run_here(config: Any) -> Here:
+    """What a checkpoint's plan must fit to go on in a ``dlperf train`` run of ``config`` (a
+    :class:`~dlperf.parallel.training.TrainConfig`): its devices, global batch, processes, finiteness check and
+    store. The mixed precision the checkpoint's run chose is allowed (it still needs GPUs)."""
     from .launchers import in_launched_worker
 
     return Here(devices=config.device_list(), batch_size=config.batch_size, processes=config.processes or 1,
-                can_launch=not in_launched_worker(), allow_mixed_precision=allow_mixed_precision,
-                check_finite=config.check_finite, kvstore=config.kvstore)
+                can_launch=not in_launched_worker(), allow_mixed_precision=True, check_finite=config.check_finite,
+                kvstore=config.kvstore)
 
 
 def plan_problem(plan: Plan, here: Here) -> str | None:
