@@ -621,7 +621,8 @@ CACHE_ENTRIES = [
     ({"mixed_precision": "bf16"}, "bf16 mixed precision, which is planned for GPUs, on CPU devices"),
     ({"mixed_precision": "fp16"}, "fp16, which needs loss scaling"),
     ({"kvstore": "nosuch"}, "kvstore 'nosuch', not a store type here"),
-    ({"replicas": 11, "threads": 1, "step_thread": "worker"}, "11 replicas, more than the 10 examples of a batch"),
+    ({"replicas": 11, "threads": 1, "step_thread": "worker", "execution": "eager"},
+     "11 replicas, more than the 10 examples of a batch"),
     ({"measured_ms": 5e-324}, "measured_ms is 4.94066e-324 ms, outside what any machine shows"),
     ({"format": True}, "not a format-1 plan cache"),
 ]
