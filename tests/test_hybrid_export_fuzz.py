@@ -474,7 +474,7 @@ def _attack(data, references, root, mutations=MUTATIONS, max_mutations=3):
     for mutation in drawn:
         try:
             params, kept = mutation(data, doc, params)
-        except (KeyError, IndexError, TypeError, AttributeError):
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError):
             kept = False  # an earlier mutation broke the structure this one edits; the document stays as is
         preserving = preserving and kept
     # An aliasing trick alone must be refused by the write check itself, not by whatever else fails.
