@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -215,6 +216,21 @@ TRAIN = [
     (_train("--resume", "{T}/fifo"), "fifo"),
     (_train("--no-progress=1"), "'1'"),
     (_train("--checkpoint", OUT, "--lr", "nan"), "'nan'"),
+    # a plan given by name is checked against this machine and run before anything starts
+    (_train("--plan", "1x1024"), "--plan 1x1024,contiguous,eager: 1024 threads for each replica"),
+    (_train("--plan", "64x1"), "64 replicas, more than the 10 examples of a batch"),
+    (_train("--plan", "1x1,bf16"), "bf16 mixed precision, which is planned for GPUs, on CPU devices"),
+    (_train("--plan", "1x1,fp16"), "fp16, which needs loss scaling"),
+    (_train("--plan", "1x1,kvstore-dist_sync"), "kvstore dist_sync, a distributed store"),
+    (_train("--plan", "1x1,kvstore-nosuch"), "kvstore 'nosuch', not a store type here"),
+    (_train("--plan", "2x1,processes", "--kvstore", "local"), "kvstore local, which sums one process's devices"),
+    (_train("--plan", "1x1,captured", "--check-finite"), "a captured step, which cannot hold its update back"),
+]
+
+SCALE = [
+    (["scale", "--gradients", "160MB", "--step-ms", "100", "--hosts", "4", "--cores-per-host", "1e-300"],
+     "'1e-300' is out of range; give --cores-per-host a number >= 1"),
+    (["scale", "--gradients", "160MB", "--step-ms", "100", "--hosts", "4", "--cores-per-host", "0.5"], "'0.5'"),
 ]
 
 EXPORT = [
@@ -450,7 +466,7 @@ USER_CODE = [
      "--input 64x1024x1024 --input 64x1024x1024 needs about"),
 ]
 
-CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS + HOSTILE_FILES + USER + USER_CODE
+CASES = BENCH + SCALING + DEVICES + TRAIN + SCALE + EXPORT + TRACE + TOP + PATHS + HOSTILE_FILES + USER + USER_CODE
 # In-process only: a NUL cannot be passed to a process, and pytest's own arguments could not either.
 IN_PROCESS_ONLY = [
     (_train("--checkpoint", "{T}/ck\0.pt"), "ck\\x00.pt'"),
@@ -631,3 +647,162 @@ def test_good_values_still_parse(scratch, monkeypatch):
     doc = json.dumps({"traceEvents": [{"ph": "X", "ts": 0, "dur": 5, "pid": 1, "tid": 1}]})
     (scratch / "good_trace.json").write_text(doc)
     assert main(["trace", str(scratch / "good_trace.json")]) == 0
+
+
+# --- files dlperf reads that name a plan, and paths that are not its files: the run goes on, with one line ---------
+QUICK_TRAIN = ["train", "--plan", "auto", "--kvstore", "local", "--epochs", "1", "--train-size", "20", "--test-size",
+               "10", "--batch-size", "10", "--no-progress"]  # (no process plans: their launches take seconds)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """A plan cache holding the decision for QUICK_TRAIN, and a checkpoint of a run with a plan."""
+    root = tmp_path_factory.mktemp("planned")
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setenv("DLPERF_PLAN_CACHE", str(root / "plans.json"))
+        assert main(QUICK_TRAIN) == 0
+        assert main([*QUICK_TRAIN[:2], "1x2", *QUICK_TRAIN[3:], "--checkpoint", str(root / "ck.pt")]) == 0
+    finally:
+        mp.undo()
+    return root
+
+
+def _cache_with(planned: Path, target: Path, change: dict) -> None:
+    doc = json.loads((planned / "plans.json").read_text())
+    (entry,) = doc["plans"].values()
+    for key, value in change.items():
+        if key == "format":
+            doc["format"] = value
+        elif key in ("measured_ms", "alternatives"):
+            entry[key] = value
+        else:
+            entry["plan"][key] = value
+    target.write_text(json.dumps(doc))
+    target.chmod(0o600)
+
+
+CACHE_ENTRIES = [
+    ({"threads": 1024}, "1024 threads for each replica, more than the"),
+    ({"kvstore": "dist_sync"}, "kvstore dist_sync, a distributed store, which needs several processes"),
+    ({"mixed_precision": "bf16"}, "bf16 mixed precision, which is planned for GPUs, on CPU devices"),
+    ({"mixed_precision": "fp16"}, "fp16, which needs loss scaling"),
+    ({"kvstore": "nosuch"}, "kvstore 'nosuch', not a store type here"),
+    ({"replicas": 11, "threads": 1, "step_thread": "worker", "execution": "eager"},
+     "11 replicas, more than the 10 examples of a batch"),
+    ({"measured_ms": 5e-324}, "measured_ms is 4.94066e-324 ms, outside what any machine shows"),
+    ({"format": True}, "not a format-1 plan cache"),
+]
+
+
+def _run_on(argv: list[str], capsys) -> tuple[str, list[str]]:
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    return captured.out, captured.err.splitlines()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change, named", CACHE_ENTRIES, ids=[str(c) for c, _ in CACHE_ENTRIES])
+def test_a_cached_plan_that_cannot_run_here_is_one_line_and_the_run_plans_again(change, named, planned, tmp_path,
+                                                                                 monkeypatch, capsys):
+    cache = tmp_path / "plans.json"
+    _cache_with(planned, cache, change)
+    monkeypatch.setenv("DLPERF_PLAN_CACHE", str(cache))
+    out, err = _run_on(QUICK_TRAIN, capsys)
+    assert len(err) == 1 and str(cache) in err[0] and named in err[0], err
+    assert "[cached]" not in out and "test acc:" in out.splitlines()[-1]
+
+
+def test_names_in_a_cached_plan_reach_the_terminal_escaped(planned, tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "plans.json"
+    _cache_with(planned, cache, {"alternatives": [["\x1b[2J\nplan: forged", 5.0]]})
+    monkeypatch.setenv("DLPERF_PLAN_CACHE", str(cache))
+    out, err = _run_on(QUICK_TRAIN, capsys)
+    assert err == [] and "[cached]" in out and "\x1b" not in out
+    assert [ln for ln in out.splitlines() if ln.startswith("plan: forged")] == []
+
+
+def _not_dlperfs(kind: str, root: Path):
+    """A path that holds what dlperf did not write, and a check that it is as it was."""
+    path = root / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+        return path, lambda: path.is_fifo()
+    if kind == "link":
+        (root / "victim").write_text("the user's")
+        path.symlink_to(root / "victim")
+        return path, lambda: path.is_symlink() and (root / "victim").read_text() == "the user's"
+    if kind == "notes":
+        path.write_text("my notes\n")
+        return path, lambda: path.read_text() == "my notes\n"
+    if os.geteuid() != 0:
+        pytest.skip("a device node or a file of another user needs root to make")
+    if kind == "char-device":
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a private /dev/null: only it can be harmed
+        except OSError:
+            pytest.skip("cannot create a device node here")
+        return path, lambda: path.is_char_device()
+    path.write_text('{"format": 1, "plans": {}}')
+    os.chown(path, 54321, 54321)
+    return path, lambda: path.read_text() == '{"format": 1, "plans": {}}' and path.stat().st_uid == 54321
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["char-device", "fifo", "link", "notes", "other-user"])
+def test_a_plan_cache_path_that_is_not_dlperfs_file_is_left_alone(kind, tmp_path, monkeypatch, capsys):
+    path, unharmed = _not_dlperfs(kind, tmp_path)
+    monkeypatch.setenv("DLPERF_PLAN_CACHE", str(path))
+    out, err = _run_on(QUICK_TRAIN, capsys)
+    assert len(err) == 1 and str(path) in err[0] and "it is left as it is" in err[0], err
+    assert unharmed() and "test acc:" in out.splitlines()[-1]
+    assert sorted(os.listdir(tmp_path)) == sorted([kind] + (["victim"] if kind == "link" else []))
+
+
+CHECKPOINT_PLANS = [
+    ({"threads": 1024}, "1024 threads for each replica"),
+    ({"kvstore": "dist_sync"}, "kvstore dist_sync, but this run's state is laid out for local"),
+    ({"mixed_precision": "bf16"}, "bf16 mixed precision, which is planned for GPUs"),
+    ({"replicas": 64}, "64 replicas, more than the 10 examples of a batch"),
+    ({"launcher": "processes", "threads": 1024}, "1024 threads for each replica"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change, named", CHECKPOINT_PLANS, ids=[str(c) for c, _ in CHECKPOINT_PLANS])
+def test_a_checkpoints_plan_that_cannot_run_here_is_one_line_and_the_run_resumes(change, named, planned, tmp_path,
+                                                                                  monkeypatch, capsys):
+    import torch
+
+    from dlperf.parallel.training.checkpoint import state_checksum
+
+    state = torch.load(planned / "ck.pt", weights_only=True)
+    state["trainer"]["plan"].update(change)
+    replicas = state["trainer"]["plan"]["replicas"]
+    state["trainer"]["buffers"] = state["trainer"]["buffers"] * replicas  # as a run of that plan kept them
+    state["checksum"] = state_checksum(state)  # crafted with care: only the plan can give it away
+    torch.save(state, tmp_path / "ck.pt")
+    monkeypatch.setenv("DLPERF_PLAN_CACHE", str(tmp_path / "plans.json"))
+    argv = [*QUICK_TRAIN[:1], *QUICK_TRAIN[3:5], "--epochs", "2", *QUICK_TRAIN[7:], "--resume", str(tmp_path / "ck.pt")]
+    out, err = _run_on(argv, capsys)
+    assert len(err) == 1 and f"from the checkpoint {tmp_path / 'ck.pt'}: " in err[0] and named in err[0], err
+    assert "epoch 2:" in out and "processes" not in out.splitlines()[-1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["weight", "history", "plan"])
+def test_a_checkpoint_changed_after_it_was_written_is_one_line(where, planned, tmp_path, capsys):
+    import torch
+
+    state = torch.load(planned / "ck.pt", weights_only=True)
+    if where == "weight":  # one bit of one stored float
+        weight = next(iter(state["trainer"]["model"].values()))
+        weight.view(torch.int32).view(-1)[0] ^= 1 << 3
+    elif where == "history":
+        state["history"][0]["loss"] = 0.001
+    else:
+        state["trainer"]["plan"]["threads"] = 1
+    torch.save(state, tmp_path / "ck.pt")
+    argv = [*QUICK_TRAIN[:1], *QUICK_TRAIN[3:5], "--epochs", "2", *QUICK_TRAIN[7:], "--resume", str(tmp_path / "ck.pt")]
+    _check_one_line(main(argv), *capsys.readouterr(), "do not match the checksum written with them", tmp_path)

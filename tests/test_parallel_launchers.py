@@ -183,6 +183,18 @@ def test_an_exception_in_rank_1_is_one_error_naming_rank_1():
     assert _children() <= before
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_rank_that_raises_leaves_no_traceback_file_of_torchs_behind(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where torch's spawn puts its traceback files
+    with pytest.raises(LaunchError, match=r"rank 1 failed: ValueError: rank one cannot go on") as info:
+        ProcessLauncher(2, join_timeout_s=50).launch(_fail_on_rank_1)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("pytorch-errorfile-")] == []
+    assert "Traceback" in Path(info.value.log_path).read_text()  # torch read it first: it is in the kept log
+
+
 @needs_proc
 @pytest.mark.distributed
 @pytest.mark.timeout(60)

@@ -12,6 +12,7 @@ from dlperf.cli import main
 from dlperf.devices import cpu
 from dlperf.parallel import Trainer
 from dlperf.parallel.optimizers import make_optimizer
+from dlperf.parallel.training.checkpoint import state_checksum
 from dlperf.parallel.training.resume import trainer_state_problem
 
 SMALL = ["--train-size", "300", "--test-size", "100", "--batch-size", "100", "--no-progress", "--devices",
@@ -33,6 +34,7 @@ def _crafted(honest: dict, tmp_path, change) -> str:
     state["trainer"]["model"] = dict(honest["trainer"]["model"])
     state["trainer"]["buffers"] = [dict(b) for b in honest["trainer"]["buffers"]]
     change(state)
+    state["checksum"] = state_checksum(state)  # crafted to pass the checksum: every other check must hold
     path = tmp_path / "crafted.pt"
     torch.save(state, path)
     return str(path)

@@ -6,6 +6,7 @@ The CLI prints these as one line and exits with status 2; library callers catch 
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable
 
 
@@ -23,6 +24,28 @@ class DeviceUnavailableError(DlperfError, RuntimeError):
 
 class DeviceMismatchError(DlperfError, RuntimeError):
     """Operands of one operation live on different devices."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in a dlperf command's main thread as Ctrl-C raises KeyboardInterrupt: whatever
+    a Ctrl-C stops and removes (processes started, temporary directories) a termination stops and removes too,
+    and finished work is kept. The command then says ``stopped by SIGTERM`` and exits 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = int(signum)
+
+    @property
+    def status(self) -> int:
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name}"
+
+
+def stop_status(exc: KeyboardInterrupt) -> tuple[str, int]:
+    """(what a command says, its exit status) when ``exc`` stopped it: Ctrl-C is "interrupted", 130."""
+    return (str(exc), exc.status) if isinstance(exc, Terminated) else ("interrupted", 130)
 
 
 def unknown_choice(what: str, value: object, choices: Iterable[str]) -> UsageError:

@@ -69,8 +69,10 @@ def int_in(lo: int, hi: int, name: str) -> Callable[[str], int]:
     return parse
 
 
-def positive_float(name: str, *, max_value: float = math.inf, finite: bool = True) -> Callable[[str], float]:
-    """A float ``> 0`` and ``<= max_value``; NaN and, when ``finite``, infinity are refused."""
+def positive_float(name: str, *, max_value: float = math.inf, finite: bool = True,
+                   min_value: float = 0.0) -> Callable[[str], float]:
+    """A float ``> 0`` (``>= min_value`` when that is given) and ``<= max_value``; NaN and, when ``finite``,
+    infinity are refused."""
 
     def parse(text: str) -> float:
         try:
@@ -81,8 +83,9 @@ def positive_float(name: str, *, max_value: float = math.inf, finite: bool = Tru
             raise _fail(f"{_show(text)} is not a number; give {name} a positive number such as 0.1") from None
         if math.isnan(value) or (finite and math.isinf(value)):
             raise _fail(f"{_show(text)} is not a finite number; give {name} a positive number such as 0.1")
-        if not 0 < value <= max_value:
-            raise _fail(f"{_show(text)} is out of range; give {name} a number > 0 and <= {max_value:g}")
+        if not 0 < value <= max_value or value < min_value:
+            low = f">= {min_value:g}" if min_value > 0 else "> 0"
+            raise _fail(f"{_show(text)} is out of range; give {name} a number {low} and <= {max_value:g}")
         return value
 
     parse.__name__ = "positive number"

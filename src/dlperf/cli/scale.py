@@ -100,9 +100,9 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--intra-link", type=_link_arg("--intra-link"), metavar="RATE[,LATENCY]",
                    help="each device's link to its host's other devices and memory, e.g. 16GB/s (default: the "
                         "saved dlperf probe copy rate, else PCIe 3.0 x16; latency default 5us)")
-    p.add_argument("--cores-per-host", type=va.positive_float("--cores-per-host", max_value=1e5),
-                   help="cores of each host: where its devices (ranks) outnumber them, they take turns for their "
-                        "reductions, charged at the saved dlperf probe's memory rate (default: not charged)")
+    p.add_argument("--cores-per-host", type=va.positive_float("--cores-per-host", max_value=1e5, min_value=1),
+                   help="cores of each host (at least 1): where its devices (ranks) outnumber them, they take turns "
+                        "for their reductions, charged at the saved dlperf probe's memory rate (default: not charged)")
     p.add_argument("--step-ms", type=va.positive_float("--step-ms", max_value=1e7),
                    help="one device's compute per step, assumed, instead of measuring it")
     p.add_argument("--compute", choices=["measure", "probe"], default="measure",

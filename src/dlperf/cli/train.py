@@ -17,7 +17,7 @@ import sys
 from functools import partial
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, stop_status
 from ..parallel.allreduce import DEFAULT_ALGORITHM, algorithm_names
 from ..parallel.training.run_config import (
     MAX_BATCH,
@@ -210,11 +210,12 @@ def run(args: argparse.Namespace) -> int:
         run_training(config, hooks)
     except LaunchError as exc:
         return report_launch_error("train", exc, verbose=False)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
+        said, status = stop_status(exc)
         kept = f"; {config.run.checkpoint} holds epoch {_interrupted_after[-1]}" \
             if _interrupted_after and config.run.checkpoint else ""
-        print(f"dlperf train: interrupted{kept}", file=sys.stderr, flush=True)
-        return 130
+        print(f"dlperf train: {said}{kept}", file=sys.stderr, flush=True)
+        return status
     return 0
 
 

@@ -22,9 +22,11 @@ import select
 import signal
 import socket
 import stat
+import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -163,6 +165,9 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     except KeyboardInterrupt:
         raise _stopped_by_ctrl_c(marker_dir, local_rank, rank) from None
+    error_file = _spawn_error_file()
+    if error_file is not None:  # the launcher removes it once torch has read it
+        _mark(marker_dir, local_rank, "errorfile", error_file)
     if backend is not None:
         import torch.distributed as dist
 
@@ -196,6 +201,35 @@ def _stopped_by_ctrl_c(marker_dir: str, local_rank: int, rank: int) -> WorkerInt
     message = f"interrupted by SIGINT (Ctrl-C) in rank {rank}'s process"
     _mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{message}")
     return WorkerInterrupted(message)
+
+
+def _spawn_error_file() -> str | None:
+    """Where torch's spawn wrapper, up this worker's stack, writes the traceback if the worker raises: a
+    ``pytorch-errorfile-*.pickle`` in the launcher's temporary directory that torch reads and never removes."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_wrap" and frame.f_globals.get("__name__") == "torch.multiprocessing.spawn":
+            path = frame.f_locals.get("error_file")
+            return path if isinstance(path, str) else None
+        frame = frame.f_back
+    return None
+
+
+def _remove_error_files(markers: Path) -> None:
+    """Remove the traceback files torch's spawn wrapper left for this launch's workers (named in their markers),
+    once the agent has read them; only such files, in this process's temporary directory, owned by this user."""
+    for marker in markers.glob("*.errorfile"):
+        try:
+            path = marker.read_text()
+            name = os.path.basename(path)
+            if os.path.dirname(path) != tempfile.gettempdir() or not (
+                    name.startswith("pytorch-errorfile-") and name.endswith(".pickle")):
+                continue
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(path)
+        except OSError:
+            continue  # never written (the worker did not raise), or gone already
 
 
 def _leave_together(dist: Any) -> None:
@@ -597,6 +631,7 @@ class ProcessLauncher(Launcher):
                 return self._run(elastic_launch(config, _worker), (fn, args, kwargs, setup), watchdog, markers,
                                  host)
             finally:
+                _remove_error_files(markers)
                 if board is not None:
                     board.close()
 

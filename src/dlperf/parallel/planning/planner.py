@@ -56,6 +56,7 @@ from .plan import EXECUTIONS, Plan, has_batch_statistics, layer_count, uses_conv
 from .plan_cache import (
     SETUP_RECORD_MAX_AGE_S,
     cached_plan,
+    default_cache_path,
     model_key,
     plan_key,
     processes_offer,
@@ -64,6 +65,7 @@ from .plan_cache import (
     save_setup,
     setup_record,
 )
+from .plan_check import Here, usable_here
 from .process_plans import launch_hint, process_plans, processes_measurable, setup_s
 
 __all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "enumerate_plans",
@@ -681,6 +683,11 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     started = time.perf_counter()
     if options.use_cache:
         hit = cached_plan(key, options.cache_path)
+        if hit is not None:  # a file's plan: used only when it can run here (else one line, and planning again)
+            here = Here(devices, _examples(batch), can_launch=processes_measurable(), cores=options.cores,
+                        allow_mixed_precision=options.allow_mixed_precision, executions=options.executions)
+            hit = usable_here(hit, here, f"the plan cache {options.cache_path or default_cache_path()}",
+                              "planning again")
         if hit is not None:
             return PlanDecision(hit, reference, planning_s=time.perf_counter() - started, cached=True,
                                 faster_with_processes=_processes_hint(model, batch, devices, hit, options))

@@ -26,7 +26,7 @@ from torch import nn
 
 from ...devices import Device, DeviceLike, cpu
 from ...errors import UsageError
-from ..launchers import rank_info
+from ..launchers import in_launched_worker, rank_info
 from ..optimizers import OptimizerLike
 from ..planning.plan import EXECUTIONS, Plan
 from ..planning.planner import CandidateRun, PlanDecision, PlannerOptions, search, usable_cores
@@ -88,7 +88,7 @@ def plan_for(model: nn.Module, example_batch: tuple[Any, Any], devices: Sequence
         placed = check_devices(devices)
         reference = reference or reference_plan(model, placed, config)
     build = candidate_builder(model, (example_batch[0], example_batch[1]), placed, config)
-    with measuring_processes(processes and rank_info().world_size == 1):  # no launch from inside a launched job
+    with measuring_processes(processes and not in_launched_worker()):  # no launch from inside a launched job
         return search(model, tuple(example_batch), placed, build, reference, options)
 
 

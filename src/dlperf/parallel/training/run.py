@@ -26,11 +26,12 @@ from ...batch import batch_size
 from ...devices import Device
 from ...errors import UsageError
 from ..communication.process_group import check_process_settings
-from ..launchers import LaunchConfig, ProcessLauncher, rank_info
+from ..launchers import LaunchConfig, ProcessLauncher, in_launched_worker, rank_info
 from ..launchers.launch_config import RUN_TIMEOUT_S
 from ..planning.plan import EXECUTIONS, Plan
+from ..planning.plan_check import plan_problem, usable_here
 from .checkpoint import CHECKPOINT_FORMAT, save_checkpoint
-from .run_config import RunConfig, TrainState, check_resume, prepare
+from .run_config import RunConfig, TrainState, check_resume, prepare, run_here
 from .trainer import Trainer
 
 __all__ = ["RunHooks", "RunResult", "run_training", "choose_plan", "train", "train_epochs", "serve", "launch_run",
@@ -82,9 +83,10 @@ def run_training(config: RunConfig, hooks: RunHooks | None = None) -> RunResult 
     hooks = hooks or RunHooks()
     if hooks.on_start is not None:
         hooks.on_start()
-    if config.launch is None and rank_info().world_size == 1:
+    launched = in_launched_worker()  # one of the processes already: it trains, it never starts more
+    if config.launch is None and not launched:
         config = _as_recorded_processes(config)
-    if config.launch is not None and rank_info().world_size == 1:
+    if config.launch is not None and not launched:
         check_resume(config)  # here, once, before any process starts: a mismatch is one line, not one a process
         check_process_settings()
         launch_run(config, hooks)
@@ -94,7 +96,7 @@ def run_training(config: RunConfig, hooks: RunHooks | None = None) -> RunResult 
         return None
     state = prepare(config)
     plan = choose_plan(config, state)
-    if plan is not None and plan.launcher == "processes" and rank_info().world_size == 1:
+    if plan is not None and plan.launcher == "processes" and not launched:
         # chosen or named here: train as that many processes, each pinned to the plan
         pinned = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, plan=plan),
                                      launch=LaunchConfig(plan.replicas, join_timeout_s=RUN_TIMEOUT_S))
@@ -114,6 +116,9 @@ def _as_recorded_processes(config: RunConfig) -> RunConfig:
     plan = Plan.from_dict(recorded, "the checkpoint's plan") if recorded is not None else None
     if plan is None or plan.launcher != "processes" or (isinstance(given, Plan) and given != plan):
         return config
+    here = dataclasses.replace(run_here(config), processes=1)
+    if usable_here(plan, here, f"the checkpoint {config.run.resume}", "training without it") is None:
+        return config
     return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, plan=plan),
                                launch=LaunchConfig(plan.replicas, join_timeout_s=RUN_TIMEOUT_S))
 
@@ -128,6 +133,11 @@ def choose_plan(config: RunConfig, state: TrainState) -> Plan | None:
         plan = plan.filled(algorithm=str(getattr(trainer.algorithm, "name", trainer.algorithm)),
                            bucket_bytes=trainer.bucket_bytes,
                            kvstore=trainer.kvstore if isinstance(trainer.kvstore, str) else None)
+        problem = plan_problem(plan, run_here(config))
+        if problem is not None:  # named by the user: refused, not ignored (they asked for it)
+            from ...errors import UsageError
+
+            raise UsageError(f"plan={plan.name}: {problem}; give a plan that fits this run, or plan=auto")
     recorded = state.resume["trainer"].get("plan") if state.resume is not None else None
     if recorded is not None:
         chosen = Plan.from_dict(recorded, "the checkpoint's plan")

@@ -20,8 +20,9 @@ from ..._io import check_writable
 from ...batch import describe
 from ...devices import Device, to_device
 from ...errors import UsageError, blame_user_code
-from ..launchers import LaunchConfig, rank_info, restart_count
+from ..launchers import LaunchConfig, in_launched_worker, rank_info, restart_count
 from ..planning.plan import Plan
+from ..planning.plan_check import ANY, Here, keep_usable_plan
 from ..planning.planner import PlannerOptions
 from ..split import check_devices
 from ..strategies import STRATEGIES, choose_strategy
@@ -30,7 +31,8 @@ from .resume import history_problem, trainer_state_problem
 from .trainer_config import TrainerConfig
 
 __all__ = ["RunSection", "RunConfig", "TrainState", "FactoryBatches", "check_resume", "prepare", "parse_devices",
-           "step_args", "is_factory", "TRAIN_MODELS", "MAX_BATCH", "MAX_EPOCHS", "MAX_LR", "MAX_BUCKET_BYTES"]
+           "step_args", "is_factory", "run_here", "TRAIN_MODELS", "MAX_BATCH", "MAX_EPOCHS", "MAX_LR",
+           "MAX_BUCKET_BYTES"]
 
 TRAIN_MODELS = ("lenet", "resnet18")
 MAX_BATCH = 2**24
@@ -270,6 +272,17 @@ def _factory_data(source: str) -> tuple[FactoryBatches, FactoryBatches]:
     return FactoryBatches(train, "train"), FactoryBatches(test, "test")
 
 
+def run_here(config: RunConfig) -> Here:
+    """What a checkpoint's or a named plan must fit to run in ``config``: its devices, global batch (a factory's
+    batches are its own: not sized by ``batch_size``), processes, finiteness check and store. Mixed precision is
+    allowed (a checkpoint's run chose it; it still needs GPUs)."""
+    run = config.run
+    return Here(devices=config.devices, batch_size=None if is_factory(run.data) else run.batch_size,
+                processes=config.processes, can_launch=not in_launched_worker(), allow_mixed_precision=True,
+                check_finite=config.trainer.check_finite,
+                kvstore=config.trainer.kvstore if isinstance(config.trainer.kvstore, str | None) else ANY)
+
+
 def check_resume(config: RunConfig) -> dict[str, Any] | None:
     """The checkpoint ``config.run.resume`` names, read and checked against ``config`` (None without one).
 
@@ -291,6 +304,7 @@ def check_resume(config: RunConfig) -> dict[str, Any] | None:
                                               update_on_kvstore=config.trainer.update_on_kvstore,
                                               strategy=config.trainer.strategy))
     trainer = resume["trainer"]
+    keep_usable_plan(trainer, run_here(config), f"the checkpoint {run.resume}")
     build, _ = _model_builder(run)
     problem = trainer_state_problem(
         trainer, model=build(), devices=len(devices), make_reference=config.trainer.new_optimizer,

@@ -407,13 +407,14 @@ class Trainer:
         taken over unless this trainer was given another one."""
         if self._unbuilt is not None:  # plan="auto" not planned yet: a recorded plan is taken, else the reference
             module, devices = self._unbuilt
-            plan = self.planning.recorded(state["plan"]) if "plan" in state else None
+            plan = self.planning.recorded(state["plan"], devices, self.config.check_finite) if "plan" in state \
+                else None
             self.planning.plan = plan or self.planning.reference
             self._build(module, *apply_plan(self.planning.plan, devices, self.config))
         elif "plan" in state and self.steps == 0 and self.processes is None:
             if self.planning.mode is None:
                 self.planning.reference = reference_plan(self.replicas[0], self.devices, self.config)
-            plan = self.planning.recorded(state["plan"])
+            plan = self.planning.recorded(state["plan"], self.devices, self.config.check_finite)
             if plan is not None:
                 self._rebuild(plan, carry=False)
         if len(state["buffers"]) != self.k:
