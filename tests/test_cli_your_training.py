@@ -157,3 +157,22 @@ def test_scale_measures_a_step_with_the_named_loss(models, capsys):
     assert main(["scale", "--model", "your_models:make_gru", "--input", "16x5x3", "--loss", "mse", "--hosts", "2",
                  "--link", "1gbit"]) == 0
     assert "loss mse" in capsys.readouterr().out
+
+
+def test_adamw_a_cosine_schedule_accumulation_and_clipping_from_the_cli_and_a_resume(models, tmp_path):
+    from dlperf.parallel.training.checkpoint import load_checkpoint
+
+    common = ["train", "--model", "your_models:make_gru", "--data", "your_models:gru_data", "--loss", "mse",
+              "--optimizer", "adamw", "--lr", "0.02", "--weight-decay", "0.01", "--lr-schedule", "cosine",
+              "--accumulate", "2", "--clip-grad-norm", "1.0", "--no-progress"]
+    ck = tmp_path / "ck.pt"
+    assert main([*common, "--epochs", "2", "--checkpoint", str(ck)]) == 0
+    done = load_checkpoint(ck)
+    assert done["config"]["optimizer"] == "adamw" and done["config"]["accumulate"] == 2
+    assert done["trainer"]["steps"] == 2 * 15  # 30 batches an epoch, an update every 2
+    assert done["trainer"]["schedule"]["last_epoch"] == 30  # the cosine's updates, the run's whole length
+    assert done["history"][-1]["loss"] < done["history"][0]["loss"]
+    # the run goes on from its checkpoint (the schedule, at its end, included); another optimizer is refused
+    assert main([*common, "--epochs", "3", "--checkpoint", str(ck), "--resume", str(ck)]) == 0
+    assert len(load_checkpoint(ck)["history"]) == 3
+    assert main([*common[:10], "sgd", *common[11:], "--epochs", "4", "--resume", str(ck)]) == 2

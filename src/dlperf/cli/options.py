@@ -27,9 +27,9 @@ from pathlib import Path
 from .._cliargs import one_line
 from ..errors import UsageError, unknown_choice
 
-__all__ = ["FLAGS", "flag_words", "loss_value", "LOSS_HELP", "int_in", "positive_float", "csv_list", "int_list",
-           "device_list", "choice", "existing_file", "existing_dir", "output_path", "warn", "one_line", "SEED_MAX",
-           "MAX_DEVICE_INDEX"]
+__all__ = ["FLAGS", "flag_words", "loss_value", "LOSS_HELP", "int_in", "fraction", "positive_float", "csv_list",
+           "int_list", "device_list", "choice", "existing_file", "existing_dir", "output_path", "warn", "one_line",
+           "SEED_MAX", "MAX_DEVICE_INDEX"]
 
 SEED_MAX = 2**32 - 1
 """Largest accepted ``--seed``: derived seeds (seed * k + epoch) must stay inside torch's 64-bit range."""
@@ -89,6 +89,22 @@ def positive_float(name: str, *, max_value: float = math.inf, finite: bool = Tru
         return value
 
     parse.__name__ = "positive number"
+    return parse
+
+
+def fraction(name: str) -> Callable[[str], float]:
+    """A number in ``[0, 1)`` (momentum, weight decay); NaN and infinity are refused."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text) if len(text) <= 64 else math.nan
+        except ValueError:
+            value = math.nan
+        if not 0 <= value < 1:
+            raise _fail(f"{_show(text)} is not a number from 0 to below 1; give {name} such a number, e.g. 0.9")
+        return value
+
+    parse.__name__ = "number from 0 to below 1"
     return parse
 
 
@@ -277,7 +293,9 @@ FLAGS: dict[str, str] = {
     "resume_hparams_from_checkpoint": "--resume-hparams-from-checkpoint", "lr": "--lr", "loss": "--loss",
     "algorithm": "--algorithm", "kvstore": "--kvstore", "strategy": "--strategy", "bucket_bytes": "--bucket-bytes",
     "check_finite": "--check-finite", "trace": "--trace", "plan": "--plan", "nproc_per_node": "--nproc-per-node",
-    "threads": "--threads", "steps": "--steps", "warmup": "--warmup",
+    "threads": "--threads", "steps": "--steps", "warmup": "--warmup", "optimizer": "--optimizer",
+    "momentum": "--momentum", "weight_decay": "--weight-decay", "lr_schedule": "--lr-schedule",
+    "accumulate": "--accumulate", "clip_grad_norm": "--clip-grad-norm",
 }
 """The library's parameters -> the flags that set them: every verb's error lines say the flag (:func:`flag_words`)."""
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import UsageError, stop_status
 from ..parallel.allreduce import DEFAULT_ALGORITHM, algorithm_names
+from ..parallel.optimizers import SCHEDULES
 from ..parallel.training.run_config import (
     MAX_BATCH,
     MAX_BUCKET_BYTES,
@@ -50,7 +51,20 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=va.int_in(1, MAX_BATCH, "--batch-size"), default=256,
                    help="global mini-batch of the embedded or IDX data, split across devices (at least one example "
                         "per device); an epoch's last batch with fewer examples than devices is skipped")
+    p.add_argument("--optimizer", default="sgd", type=optimizer_value,
+                   help="sgd, adam, adamw, or pkg.module:fn(params) returning a torch.optim optimizer")
     p.add_argument("--lr", type=va.positive_float("--lr", max_value=MAX_LR), default=0.2)
+    p.add_argument("--momentum", type=va.fraction("--momentum"), default=None,
+                   help="SGD's momentum (default: the optimizer's own, 0 for SGD)")
+    p.add_argument("--weight-decay", type=va.fraction("--weight-decay"), default=None,
+                   help="weight decay (default: the optimizer's own)")
+    p.add_argument("--lr-schedule", default=None, type=va.choice("learning-rate schedule", SCHEDULES.names()),
+                   help="constant, step (a tenth at half the run, a hundredth at three quarters), cosine (to 0 over "
+                        "the run) or warmup (from a tenth over its first tenth); default: none")
+    p.add_argument("--accumulate", type=va.int_in(1, 4096, "--accumulate"), default=1,
+                   help="sum the gradients of this many batches before one synchronization and update")
+    p.add_argument("--clip-grad-norm", type=va.positive_float("--clip-grad-norm", max_value=1e30), default=None,
+                   help="scale the summed gradients down to this total 2-norm before each update")
     p.add_argument("--epochs", type=va.int_in(1, MAX_EPOCHS, "--epochs"), default=10)
     p.add_argument("--data", metavar="DIR|MODULE:FACTORY", type=data_source,
                    help="Fashion-MNIST IDX directory, or pkg.module:factory returning train or (train, test) "
@@ -117,6 +131,23 @@ def data_source(text: str) -> str:
     return target(text) if is_factory(text) else va.existing_dir("--data")(text)
 
 
+def optimizer_value(text: str) -> object:
+    """An optimizer's name, or ``pkg.module:fn`` (imported now: it is the user's) taking the parameters."""
+    from ..parallel.optimizers import OPTIMIZERS
+
+    if is_factory(text):
+        from ..probe.targets import load_factory
+
+        try:
+            return load_factory(text)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    if text.lower() in OPTIMIZERS:
+        return text.lower()
+    raise argparse.ArgumentTypeError(f"{text[:60]!r} is not an optimizer; give one of {', '.join(OPTIMIZERS.names())} "
+                                     "or MODULE:FN, e.g. adamw or myopt:make")
+
+
 def strategy_option(text: str) -> str:
     """A registered gradient synchronization strategy's name, or ``pkg.module:Class`` (imported now)."""
     from ..parallel.strategies import strategy_class
@@ -161,9 +192,12 @@ def run_config(args: argparse.Namespace, processes: int | None = None) -> RunCon
                      epochs=args.epochs, seed=args.seed, train_size=args.train_size, test_size=args.test_size,
                      download=args.download, checkpoint=args.checkpoint, resume=args.resume,
                      resume_hparams_from_checkpoint=args.resume_hparams_from_checkpoint)
-    trainer = TrainerConfig("sgd", {"lr": args.lr}, loss=args.loss, algorithm=args.algorithm, kvstore=args.kvstore,
+    params = {"lr": args.lr, **{k: v for k, v in (("momentum", args.momentum), ("weight_decay", args.weight_decay))
+                                if v is not None}}
+    trainer = TrainerConfig(args.optimizer, params, loss=args.loss, algorithm=args.algorithm, kvstore=args.kvstore,
                             strategy=args.strategy, bucket_bytes=args.bucket_bytes, check_finite=args.check_finite,
-                            trace=args.trace, plan=plan)
+                            trace=args.trace, plan=plan, lr_schedule=args.lr_schedule, accumulate=args.accumulate,
+                            clip_grad_norm=args.clip_grad_norm)
     # processes given: checked for the launch that will start them (dlperf launch -- train ...)
     launch = LaunchConfig(nproc, join_timeout_s=RUN_TIMEOUT_S) if nproc is not None else None
     return RunConfig(run, trainer, launch=launch)
@@ -224,7 +258,8 @@ def epoch_line(rec: dict[str, Any]) -> str:
     loss = f"loss {rec['loss']:.3f}"
     if rec.get("nonfinite_since_step") is not None:
         loss += f" (non-finite since step {rec['nonfinite_since_step']}; --check-finite stops there)"
-    return f"epoch {rec['epoch']}: {loss}, test acc {rec['test_acc']:.3f}, {rec['seconds']:.1f} sec"
+    metric = f"test loss {rec['test_loss']:.4f}" if "test_loss" in rec else f"test acc {rec['test_acc']:.3f}"
+    return f"epoch {rec['epoch']}: {loss}, {metric}, {rec['seconds']:.1f} sec"
 
 
 def print_epoch(rec: dict[str, Any]) -> None:
@@ -241,10 +276,12 @@ def print_result(result: Any, as_json: bool = False) -> None:
             names += f" + {result.servers} server{'s' * (result.servers > 1)}"
     if result.exchanges is not None:  # before the d2l line, which stays the last
         print(result.exchanges.describe())
-    print(f"test acc: {result.test_acc:.2f}, {result.seconds_per_epoch:.1f} sec/epoch on {names}", flush=True)
+    metric = f"test loss: {result.test_loss:.4f}" if result.test_loss is not None else \
+        f"test acc: {result.test_acc:.2f}"
+    print(f"{metric}, {result.seconds_per_epoch:.1f} sec/epoch on {names}", flush=True)
     if as_json:
         print(json.dumps({"model": result.config.run.model, "devices": [str(d) for d in result.devices],
-                          "processes": result.processes, "test_acc": result.test_acc,
+                          "processes": result.processes, "test_acc": result.test_acc, "test_loss": result.test_loss,
                           "sec_per_epoch": result.seconds_per_epoch, "epochs": result.history,
                           "plan": result.plan.name if result.plan is not None else None,
                           "exchanges": result.exchanges.as_dict() if result.exchanges else None}), flush=True)

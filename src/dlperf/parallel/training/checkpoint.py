@@ -80,12 +80,15 @@ def _hash_tensor(digest: Any, t: torch.Tensor) -> None:
 _CONFIG_TYPES: dict[str, tuple[type, ...]] = {
     "model": (str,), "devices": (int,), "batch_size": (int,), "lr": (float, int), "data": (str, type(None)),
     "train_size": (int,), "test_size": (int,), "seed": (int,), "algorithm": (str,), "kvstore": (str, type(None))}
-_CONFIG_OPTIONAL: dict[str, tuple[type, ...]] = {"processes": (int,)}
-_HISTORY_TYPES: dict[str, tuple[type, ...]] = {
-    "epoch": (int,), "loss": (float, int), "test_acc": (float, int), "seconds": (float, int)}
-_HISTORY_OPTIONAL: dict[str, tuple[type, ...]] = {"nonfinite_since_step": (int, type(None))}
+_CONFIG_OPTIONAL: dict[str, tuple[type, ...]] = {
+    "processes": (int,), "optimizer": (str,), "lr_schedule": (str,), "accumulate": (int,),
+    "clip_grad_norm": (float, int)}
+_HISTORY_TYPES: dict[str, tuple[type, ...]] = {"epoch": (int,), "loss": (float, int), "seconds": (float, int)}
+_HISTORY_OPTIONAL: dict[str, tuple[type, ...]] = {  # the test metric: accuracy, or a regressor's loss
+    "test_acc": (float, int), "test_loss": (float, int), "nonfinite_since_step": (int, type(None))}
 _TRAINER_TYPES: dict[str, tuple[type, ...]] = {"model": (dict,), "buffers": (list,), "steps": (int,)}
-_TRAINER_OPTIONAL: dict[str, tuple[type, ...]] = {"plan": (dict,)}  # written by a trainer that follows a plan
+_TRAINER_OPTIONAL: dict[str, tuple[type, ...]] = {  # a plan: written by a trainer that follows one
+    "plan": (dict,), "schedule": (dict,)}
 
 
 def _check_fields(where: str, d: object, required: dict[str, tuple[type, ...]],

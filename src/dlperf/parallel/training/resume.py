@@ -29,7 +29,8 @@ still equal the run's: a crafted flag would change what training computes withou
 # Inclusive lower and upper bounds, and whether the lower one is excluded: the range in which SGD
 # trains the zoo's models at all (beyond 100 the learning rate only diverges to NaN).
 HPARAM_RANGES: dict[str, tuple[float, float, bool]] = {
-    "lr": (0.0, 100.0, True), "momentum": (0.0, 0.999, False), "dampening": (0.0, 1.0, False),
+    "lr": (0.0, 100.0, True), "initial_lr": (0.0, 100.0, True),
+    "momentum": (0.0, 0.999, False), "dampening": (0.0, 1.0, False),
     "weight_decay": (0.0, 1.0, False),
 }
 # How the optimizer is implemented, not what it computes: always the run's own.
@@ -114,10 +115,15 @@ def _groups_problem(where: str, groups: object, ref_groups: list[dict[str, Any]]
             return f"{here} has keys {keys}, expected {sorted(ref_group)}"
         if group["params"] != ref_group["params"]:
             return f"{here}['params'] is {_show(group['params'])}, expected {_show(ref_group['params'])}"
+        scheduled = "initial_lr" in ref_group  # a schedule moves "lr"; the run's own rate is its "initial_lr"
         for key, ref_value in ref_group.items():
-            problem = None if key == "params" else _hparam_problem(here, key, group[key], ref_value, from_checkpoint)
+            if key == "params" or (scheduled and key == "lr"):
+                continue
+            problem = _hparam_problem(here, key, group[key], ref_value, from_checkpoint)
             if problem:
                 return problem
+        if scheduled and not (_is_number(group["lr"]) and 0 <= float(group["lr"]) <= HPARAM_RANGES["lr"][1]):
+            return f"{here}['lr'] is {_show(group['lr'])}, expected a rate from 0 to {HPARAM_RANGES['lr'][1]:g}"
         if group.get("nesterov") and (group.get("momentum", 0) <= 0 or group.get("dampening", 0) != 0):
             return f"{here}['nesterov'] is True with momentum {group.get('momentum')} and dampening " \
                    f"{group.get('dampening')}; Nesterov momentum needs momentum > 0 and dampening 0"
@@ -259,8 +265,11 @@ def history_problem(history: Sequence[Mapping[str, Any]], steps: object, *, epoc
         where = f"history[{i}]"
         if rec["epoch"] != i + 1:
             return f"{where}['epoch'] is {_show(rec['epoch'])}, expected {i + 1} (epochs count from 1, in order)"
-        acc, seconds = float(rec["test_acc"]), float(rec["seconds"])
-        if not 0.0 <= acc <= 1.0:
+        seconds = float(rec["seconds"])
+        if ("test_acc" in rec) == ("test_loss" in rec):
+            both = "both" if "test_acc" in rec else "neither"
+            return f"{where} holds {both} 'test_acc' and 'test_loss', expected one"
+        if "test_acc" in rec and not 0.0 <= float(rec["test_acc"]) <= 1.0:
             return f"{where}['test_acc'] is {_show(rec['test_acc'])}, expected an accuracy from 0 to 1"
         if not (math.isfinite(seconds) and seconds >= 0):
             return f"{where}['seconds'] is {_show(rec['seconds'])}, expected a finite time >= 0"

@@ -69,7 +69,12 @@ class RunResult:
 
     @property
     def test_acc(self) -> float:
-        return self.history[-1]["test_acc"] if self.history else float("nan")
+        return self.history[-1].get("test_acc", float("nan")) if self.history else float("nan")
+
+    @property
+    def test_loss(self) -> float | None:
+        """The last epoch's test loss, where the metric is the loss (targets that are not class labels)."""
+        return self.history[-1].get("test_loss") if self.history else None
 
 
 def run_training(config: RunConfig, hooks: RunHooks | None = None) -> RunResult | None:
@@ -228,7 +233,8 @@ def train(config: RunConfig, state: TrainState, plan: Plan | None, hooks: RunHoo
     algorithm = getattr(config.trainer.algorithm, "name", config.trainer.algorithm)
     if algorithm == "auto" and config.trainer.kvstore is None and rank == 0:
         log.info(describe_auto_choice(model, config.devices, config.trainer.bucket_bytes))
-    options = dataclasses.replace(config.trainer_config(plan, rank=rank), loss=state.loss)
+    options = dataclasses.replace(config.trainer_config(plan, rank=rank), loss=state.loss,
+                                  schedule_steps=_schedule_steps(config, state))
     with Trainer(model, config.devices, config=options) as trainer:
         if state.resume is not None:
             _load(trainer, state.resume["trainer"], run.resume)
@@ -260,6 +266,19 @@ def train(config: RunConfig, state: TrainState, plan: Plan | None, hooks: RunHoo
     if hooks.on_result is not None and rank == 0 and world >= 1:
         hooks.on_result(result)
     return result
+
+
+def _schedule_steps(config: RunConfig, state: TrainState) -> int | None:
+    """The updates of the whole run (resumed epochs included) a named learning-rate schedule spans."""
+    if not isinstance(config.trainer.lr_schedule, str):
+        return config.trainer.schedule_steps
+    batches = len(state.train_loader)
+    if not batches:
+        from ...errors import UsageError
+
+        raise UsageError(f"lr_schedule={config.trainer.lr_schedule} spans the run, whose length the data does not "
+                         "say (it has no len()); give data with a length, or a factory optimizer -> scheduler")
+    return max(1, config.run.epochs * -(-batches // config.trainer.accumulate))
 
 
 def _load(trainer: Trainer, state: dict[str, Any], source: str | None) -> None:
@@ -331,14 +350,16 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
             if bar:
                 bar.stop()
         tested = [0]
+        metric = "test_acc" if _classifies(trainer, test_loader) else "test_loss"
         with closing(test_loader.epoch_batches(0)) as test_batches:
-            test_acc = trainer.evaluate_accuracy(_counted(test_batches, tested))
+            counted = _counted(test_batches, tested)
+            test_value = trainer.evaluate_accuracy(counted) if metric == "test_acc" else trainer.evaluate_loss(counted)
         if tested[0] == 0:
             raise UsageError(f"the test data gave no example after epoch {epoch + 1}, so there is no accuracy to "
                              "report; give test batches with examples, from a source that can be iterated once per "
                              "epoch (a list or a DataLoader, not a generator; without a test set the training data "
                              "is evaluated)")
-        record = {"epoch": epoch + 1, "loss": float(loss_sum) / max(batches, 1), "test_acc": test_acc,
+        record = {"epoch": epoch + 1, "loss": float(loss_sum) / max(batches, 1), metric: test_value,
                   "seconds": seconds}
         if first_bad is not None and float(first_bad) != float("inf"):
             record["nonfinite_since_step"] = int(first_bad)
@@ -346,6 +367,19 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
         if on_epoch:
             on_epoch(record)
     return history
+
+
+def _classifies(trainer: Trainer, test_loader: Any) -> bool:
+    """Whether the test data's labels are class labels (accuracy is its metric), else its mean loss is: a
+    regressor's float targets have no accuracy. Read from the first test batch's labels."""
+    from ...losses import labels_of
+
+    with closing(test_loader.epoch_batches(0)) as batches:
+        first = next(iter(batches), None)
+    if first is None:
+        return True
+    labels = labels_of(*first)
+    return isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.dtype != torch.bool
 
 
 def _counted(batches, count: list[int]):

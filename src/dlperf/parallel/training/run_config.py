@@ -168,6 +168,13 @@ class RunConfig:
                     "algorithm": getattr(trainer.algorithm, "name", trainer.algorithm), "kvstore": trainer.kvstore}
         if self.processes > 1:  # absent for one process: older checkpoints still match
             settings["processes"] = self.processes
+        # what the update does, recorded where it is not the default (older checkpoints still match)
+        optimizer = trainer.optimizer if isinstance(trainer.optimizer, str) else "factory"
+        for key, value, default in (("optimizer", optimizer, "sgd"), ("lr_schedule", trainer.lr_schedule, None),
+                                    ("accumulate", trainer.accumulate, 1),
+                                    ("clip_grad_norm", trainer.clip_grad_norm, None)):
+            if value != default:
+                settings[key] = value if isinstance(value, str | int | float) else "factory"
         return settings
 
     def trainer_config(self, plan: Plan | None = None, *, rank: int = 0) -> TrainerConfig:
@@ -307,13 +314,23 @@ def check_resume(config: RunConfig) -> dict[str, Any] | None:
     keep_usable_plan(trainer, run_here(config), f"the checkpoint {run.resume}")
     build, _ = _model_builder(run)
     problem = trainer_state_problem(
-        trainer, model=build(), devices=len(devices), make_reference=config.trainer.new_optimizer,
+        trainer, model=build(), devices=len(devices), make_reference=lambda params: _as_trained(config, params),
         on_store=strategy.state_key == "kvstore", from_checkpoint=run.resume_hparams_from_checkpoint)
     problem = problem or history_problem(resume["history"], trainer["steps"], epochs=run.epochs,
                                          batches_per_epoch=None)
     if problem:
         raise UsageError(f"resume={run.resume}: {problem}")
     return resume
+
+
+def _as_trained(config: RunConfig, params: Any) -> torch.optim.Optimizer:
+    """The optimizer a run of ``config`` trains with, as the Trainer makes it (a schedule adds its own keys)."""
+    from ..optimizers import make_schedule
+
+    optimizer = config.trainer.new_optimizer(params)
+    if config.trainer.lr_schedule is not None:
+        make_schedule(config.trainer.lr_schedule, optimizer, 1)
+    return optimizer
 
 
 def prepare(config: RunConfig) -> TrainState:
@@ -336,7 +353,7 @@ def prepare(config: RunConfig) -> TrainState:
                                               test=run.test_size, download=run.download)
     if resume is not None and len(train_loader):  # the step counter against the data's batches, known now
         problem = history_problem(resume["history"], resume["trainer"]["steps"], epochs=run.epochs,
-                                  batches_per_epoch=len(train_loader))
+                                  batches_per_epoch=-(-len(train_loader) // config.trainer.accumulate))
         if problem:
             raise UsageError(f"resume={run.resume}: {problem}")
     history = list(resume["history"]) if resume else []

@@ -372,6 +372,29 @@ class Trainer:
         counts = self.sum_across_processes(torch.tensor([round(acc * seen[0]), seen[0]], dtype=torch.float64))
         return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
 
+    def evaluate_loss(self, data: Iterable[Any]) -> float:
+        """The mean loss over ``data`` (the metric of a model whose targets are not class labels, a regressor's),
+        on the first replica in eval mode; across processes each takes every ``world``-th batch, as for accuracy."""
+        self._check_open()
+        model, device = self.replicas[0], self.devices[0].torch_device
+        was = model.training
+        model.eval()
+        total, seen = 0.0, 0
+        try:
+            with torch.no_grad():
+                for i, batch in enumerate(data):
+                    if i % self.world != self.rank:
+                        continue
+                    X, y = (batch, None) if isinstance(batch, Mapping) else batch
+                    X, y = map_tensors(lambda t: t.to(device), X), map_tensors(lambda t: t.to(device), y)
+                    n = batch_size(X, "input")
+                    total += float(call_loss(self.loss, call_model(model, self._layout(X)), y, X)) * n
+                    seen += n
+        finally:
+            model.train(was)
+        sums = self.sum_across_processes(torch.tensor([total, seen], dtype=torch.float64))
+        return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+
     def sum_across_processes(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of ``t`` over the trainer's processes (``t`` itself when it trains alone).
 
