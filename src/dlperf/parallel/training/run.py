@@ -343,9 +343,7 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
             trainer.flush()  # micro-batches accumulated past the last update: an update on what the epoch has
             for d in trainer.devices:
                 d.synchronize()
-            seconds = time.perf_counter() - start
-            # each process's loss is its part of the batch's mean: one sum per epoch, not per step
-            loss_sum = trainer.sum_across_processes(torch.as_tensor(loss_sum, dtype=torch.float32))
+            seconds = time.perf_counter() - start  # (every step's loss is the batch's mean in every process)
         finally:
             if bar:
                 bar.stop()

@@ -212,7 +212,7 @@ class Trainer:
         ``X`` and ``y`` are a whole batch (split here; ``y`` None for a mapping batch that carries its labels)
         or lists with one part per device, each a tensor or a structure of them (:mod:`dlperf.batch`). Each
         part's loss is weighted by its share, so the gradient is the whole batch's mean loss's. Across processes
-        they are the global batch; the loss returned is this process's part of the mean.
+        they are the global batch, and the loss returned is the batch's mean in every process.
         """
         self._check_open()
         if self._unbuilt is not None:
@@ -251,10 +251,10 @@ class Trainer:
             strategy.end_step()
         strategy.finish(1.0)
         self._after_update()
-        if len(losses) == 1:
-            return losses[0]
-        first = self.devices[0].torch_device
-        return torch.stack([loss.to(first) for loss in losses]).sum()
+        loss = losses[0] if len(losses) == 1 else \
+            torch.stack([part.to(self.devices[0].torch_device) for part in losses]).sum()
+        # across processes each holds its part of the batch's mean: what a rank reports is their sum, the mean
+        return loss if self.processes is None else self.sum_across_processes(loss)
 
     def _micro_step(self, X: Any, y: Any) -> torch.Tensor:
         """One micro-batch of ``accumulate``: its gradients are added to the others', and the last one sums them
@@ -274,8 +274,8 @@ class Trainer:
         self._micro += 1
         if self._micro == self._accumulate:
             self.flush()
-        first_device = self.devices[0].torch_device
-        return torch.stack([loss.to(first_device) for loss in losses]).sum()
+        loss = torch.stack([part.to(self.devices[0].torch_device) for part in losses]).sum()
+        return loss if self.processes is None else self.sum_across_processes(loss)
 
     def _micro_replica_step(self, i: int, X: Any, y: Any, share: float, first: bool) -> torch.Tensor:
         rep = self.replicas[i]
