@@ -43,7 +43,7 @@ def test_profile_bench_and_train_name_the_same_plan_from_one_cache(factories, mo
     assert main(["bench", "--networks", "plan_factories:make_model", "--input", "32x16", "--threads", cores,
                  "--steps", "2", "--warmup", "1", "--mode", "auto", "--json", "-"]) == 0
     cell = _last_json(capsys.readouterr().out)["cells"][0]
-    assert cell["plan"] == plan and f"plan {plan} [cached]" in cell["auto_reason"]
+    assert cell["plan"] == plan and f"plan {plan} [cached from " in cell["auto_reason"]
     variant = auto.plan_variant(parse_plan(plan), int(cores), nn.functional.cross_entropy)[0]
     assert cell["mode_chosen"] in (variant, "hybrid")  # the plan stands unless the captured training step beat it
 

@@ -711,7 +711,7 @@ def test_a_cached_plan_that_cannot_run_here_is_one_line_and_the_run_plans_again(
     monkeypatch.setenv("DLPERF_PLAN_CACHE", str(cache))
     out, err = _run_on(QUICK_TRAIN, capsys)
     assert len(err) == 1 and str(cache) in err[0] and named in err[0], err
-    assert "[cached]" not in out and "test acc:" in out.splitlines()[-1]
+    assert "[cached from" not in out and "test acc:" in out.splitlines()[-1]
 
 
 def test_names_in_a_cached_plan_reach_the_terminal_escaped(planned, tmp_path, monkeypatch, capsys):
@@ -719,7 +719,7 @@ def test_names_in_a_cached_plan_reach_the_terminal_escaped(planned, tmp_path, mo
     _cache_with(planned, cache, {"alternatives": [["\x1b[2J\nplan: forged", 5.0]]})
     monkeypatch.setenv("DLPERF_PLAN_CACHE", str(cache))
     out, err = _run_on(QUICK_TRAIN, capsys)
-    assert err == [] and "[cached]" in out and "\x1b" not in out
+    assert err == [] and "[cached from" in out and "\x1b" not in out
     assert [ln for ln in out.splitlines() if ln.startswith("plan: forged")] == []
 
 

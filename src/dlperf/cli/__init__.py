@@ -32,6 +32,7 @@ VERB_MODULES: tuple[str, ...] = (
     "dlperf.cli.probe",
     "dlperf.cli.profile",
     "dlperf.cli.scale",
+    "dlperf.cli.plans",
 )
 
 

@@ -73,6 +73,8 @@ def register(sub) -> None:
     p.add_argument("--plan", default=None, type=plan_option,
                    help="auto: measure the plans valid here on the first batch and train on the fastest (printed "
                         "first); or pin one by name, e.g. 1x2,channels-last (replicas x threads, layout, ...)")
+    p.add_argument("--replan", action="store_true",
+                   help="with --plan auto: measure the plans again even where a decision is cached")
     p.add_argument("--download", action="store_true", help="download Fashion-MNIST into --data first")
     p.add_argument("--train-size", type=va.int_in(1, 10**12, "--train-size"), default=12000,
                    help="embedded dataset: training images")
@@ -200,7 +202,9 @@ def run_config(args: argparse.Namespace, processes: int | None = None) -> RunCon
                             clip_grad_norm=args.clip_grad_norm)
     # processes given: checked for the launch that will start them (dlperf launch -- train ...)
     launch = LaunchConfig(nproc, join_timeout_s=RUN_TIMEOUT_S) if nproc is not None else None
-    return RunConfig(run, trainer, launch=launch)
+    from ..parallel.planning.planner import PlannerOptions
+
+    return RunConfig(run, trainer, PlannerOptions(replan=args.replan), launch=launch)
 
 
 def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int = 0) -> RunConfig:

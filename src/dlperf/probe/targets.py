@@ -93,8 +93,9 @@ def _check_figures(doc: dict, source: str) -> None:
 def load_factory(spec: str):
     """Import ``module:attr`` and return the attribute, which must be callable; errors say how to fix."""
     module_name, _, attr_path = spec.partition(":")
-    added = os.getcwd() not in sys.path
-    if added:
+    # the current directory first, as `python -m` puts it, and kept: processes started later (a plan's, a
+    # launch's) unpickle the user's objects by their module, and spawned interpreters take this path list
+    if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
@@ -106,9 +107,6 @@ def load_factory(spec: str):
     except (Exception, SystemExit) as exc:  # noqa: BLE001 (user code: any failure at import is the module's)
         raise UsageError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}; fix the module (a script "
                          "that runs on import needs an `if __name__ == '__main__':` guard)") from None
-    finally:
-        if added and os.getcwd() in sys.path:
-            sys.path.remove(os.getcwd())
     obj = module
     for part in attr_path.split("."):
         if not hasattr(obj, part):

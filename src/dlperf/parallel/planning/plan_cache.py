@@ -38,9 +38,9 @@ from ...probe.cache import ProbeCacheError, decode_json, machine_key, read_cache
 from ...probe.reference import MS, implausible
 from .plan import Plan
 
-__all__ = ["plan_key", "model_key", "cached_plan", "save_plan", "recorded_setup_s", "setup_record", "save_setup",
-           "processes_offer", "save_processes_offer", "default_cache_path", "MAX_ENTRIES", "MAX_BYTES",
-           "SETUP_RECORD_MAX_AGE_S"]
+__all__ = ["plan_key", "model_key", "cached_plan", "cached_time", "cached_decisions", "clear_cache", "save_plan",
+           "recorded_setup_s", "setup_record", "save_setup", "processes_offer", "save_processes_offer",
+           "default_cache_path", "MAX_ENTRIES", "MAX_BYTES", "SETUP_RECORD_MAX_AGE_S"]
 
 CACHE_FORMAT = 1
 MAX_ENTRIES = 256
@@ -139,9 +139,16 @@ def _is_format(value: object) -> bool:
     return type(value) is int and value == CACHE_FORMAT
 
 
+_REQUIRED = {"plan", "measured_ms", "alternatives", "saved"}
+_OPTIONAL = {"contended", "label", "planning_s"}
+
+
 def _entry_plan(entry: object, path: str) -> Plan:
-    if not isinstance(entry, dict) or set(entry) != {"plan", "measured_ms", "alternatives", "saved"}:
-        raise _fail(path, "an entry is not {plan, measured_ms, alternatives, saved}")
+    if not isinstance(entry, dict) or not _REQUIRED <= set(entry) <= _REQUIRED | _OPTIONAL:
+        raise _fail(path, "an entry is not {plan, measured_ms, alternatives, saved} (with contended, label, "
+                          "planning_s)")
+    if not isinstance(entry.get("contended", False), bool) or not isinstance(entry.get("label", ""), str):
+        raise _fail(path, "an entry's contended is not true or false, or its label not text")
     ms, alts = entry["measured_ms"], entry["alternatives"]
     # step times are checked as the probe's figures are: what no machine shows (0, 5e-324) is no measurement
     problem = None if ms is None else implausible(ms, MS)
@@ -176,8 +183,59 @@ def _section_plan(section: str, key: str, path: str | None) -> Plan | None:
 
 
 def cached_plan(key: str, path: str | None = None) -> Plan | None:
-    """The plan decided for ``key`` before, or None (also when the file cannot be trusted: said once)."""
+    """The plan decided for ``key`` before, or None: also when the file cannot be trusted (said once), when the
+    decision was made on contended rounds (measured again instead of reused), and when it is older than this
+    machine's saved probe (the machine's figures changed since: stale)."""
+    path = path or default_cache_path()
+    entry = _read_sections(path)[0]["plans"].get(key)
+    if not isinstance(entry, dict) or entry.get("contended") is True or _saved(entry) < _probe_time():
+        return None
     return _section_plan("plans", key, path)
+
+
+def cached_time(key: str, path: str | None = None) -> float | None:
+    """When the decision cached for ``key`` was measured (``time.time()``), or None."""
+    entry = _read_sections(path or default_cache_path())[0]["plans"].get(key)
+    return _saved(entry) or None if entry is not None else None
+
+
+def _probe_time() -> float:
+    """When this machine's probe figures were saved (0 without any): decisions older than them are stale."""
+    from ...probe.cache import cache_path
+
+    try:
+        return os.stat(cache_path()).st_mtime
+    except (OSError, ValueError):
+        return 0.0
+
+
+def cached_decisions(path: str | None = None) -> list[dict[str, Any]]:
+    """Every decision in the cache, newest first, as ``dlperf plans`` lists them: key, label, plan, ms per step,
+    when, contended, and whether a run would use it (not contended, not stale)."""
+    path = path or default_cache_path()
+    out = []
+    probe = _probe_time()
+    for key, entry in _read_sections(path)[0]["plans"].items():
+        try:
+            plan = _entry_plan(entry, path)
+        except ProbeCacheError:
+            continue
+        contended = entry.get("contended") is True
+        out.append({"key": key, "label": one_line(str(entry.get("label", ""))), "plan": plan.name,
+                    "measured_ms": plan.measured_ms, "saved": _saved(entry), "contended": contended,
+                    "planning_s": entry.get("planning_s"), "used": not contended and _saved(entry) >= probe})
+    return sorted(out, key=lambda e: -e["saved"])
+
+
+def clear_cache(path: str | None = None) -> int:
+    """Remove every decision (and recorded setup) from the cache; how many decisions there were. A path that is
+    not a plan cache is left as it is (said once)."""
+    path = path or default_cache_path()
+    sections, writable = _read_sections(path)
+    count = len(sections["plans"])
+    if writable and os.path.exists(path):
+        os.unlink(path)
+    return count
 
 
 def _saved(entry: object) -> float:
@@ -211,9 +269,14 @@ def _record(section: str, key: str, entry: dict[str, Any], path: str | None) -> 
               file=sys.stderr, flush=True)
 
 
-def save_plan(key: str, plan: Plan, path: str | None = None) -> None:
-    """Record ``plan`` for ``key`` (see :func:`_record`)."""
-    _record("plans", key, _plan_entry(plan), path)
+def save_plan(key: str, plan: Plan, path: str | None = None, *, contended: bool = False, label: str = "",
+              planning_s: float | None = None) -> None:
+    """Record ``plan`` for ``key`` (see :func:`_record`); a ``contended`` decision is kept for ``dlperf plans`` to
+    list but never reused (:func:`cached_plan`)."""
+    extra: dict[str, Any] = {"contended": bool(contended), "label": label[:200]}
+    if planning_s is not None and 0 <= planning_s < 1e6:
+        extra["planning_s"] = round(float(planning_s), 3)
+    _record("plans", key, {**_plan_entry(plan), **extra}, path)
 
 
 def _plan_entry(plan: Plan) -> dict[str, Any]:

@@ -177,8 +177,7 @@ def choose_plan(config: RunConfig, state: TrainState) -> Plan | None:
                             options=options, processes=trainer.kvstore is None)
     finally:
         torch.set_rng_state(rng)
-    log.info("%s%s", decision.plan.line(),
-             " [cached]" if decision.cached else f" [planned in {decision.planning_s:.1f} s]")
+    log.info("%s [%s]", decision.plan.line(), decision.provenance())
     for skipped in decision.skipped:
         log.info("plan: skipped %s", skipped)
     return decision.plan
