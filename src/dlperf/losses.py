@@ -1,7 +1,8 @@
 """The loss a training step minimises, decided by one rule wherever dlperf trains or times a step.
 
-A loss is a name (``ce``, ``mse``, ``l1``, ``smooth-l1``, ``bce``), a ``torch.nn`` loss, a callable
-``loss(outputs, targets)`` (``loss(outputs, batch)`` when the batch carries its own labels), or, with none
+A loss is a name (``ce``, ``mse``, ``l1``, ``smooth-l1``, ``bce``) or a ``torch.nn`` loss (given the predictions:
+a mapping output's ``logits``), a callable ``loss(outputs, targets)`` of yours (given the outputs as the model
+returns them; ``loss(outputs, batch)`` when the batch carries its own labels), or, with none
 named, the model's own: an output mapping or object with a ``loss`` (the HuggingFace convention). Without a
 loss of the model's, the default is cross-entropy, and only where it can be right: integer class labels of
 shape ``[B]`` beside scores ``[B, C]`` with at least two classes. Anything else (float targets, a one-column
@@ -102,8 +103,11 @@ class StepLoss:
     then, or a callable given ``(outputs, inputs)``.
     """
 
-    def __init__(self, fn: LossFn | None, name: str, elementwise: bool = False) -> None:
+    def __init__(self, fn: LossFn | None, name: str, elementwise: bool = False, on_predictions: bool = True) -> None:
         self.fn, self.name, self._elementwise = fn, name, elementwise
+        self._on_predictions = on_predictions
+        """A named or ``torch.nn`` loss takes the predictions (a mapping output's logits); a callable of the
+        user's takes the outputs as the model returned them."""
 
     def __repr__(self) -> str:
         return f"StepLoss({self.name})"
@@ -113,6 +117,8 @@ class StepLoss:
             return self._default(outputs, targets, inputs)
         if targets is None:  # the batch carries its labels: the callable reads them from it
             return self.fn(outputs, inputs)
+        if not self._on_predictions:
+            return self.fn(outputs, targets)
         scores = predictions(outputs)
         if self._elementwise and isinstance(scores, torch.Tensor) and isinstance(targets, torch.Tensor):
             if scores.shape != targets.shape and scores.numel() == targets.numel():
@@ -154,8 +160,9 @@ def resolve_loss(loss: str | LossFn | nn.Module | StepLoss | None) -> StepLoss:
         raise UsageError(f"loss={loss!r}: expected a name ({', '.join(LOSSES.names())}), a torch.nn loss, a "
                          "callable loss(outputs, targets), or None")
     elementwise = isinstance(loss, (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.BCEWithLogitsLoss, nn.BCELoss))
+    torch_loss = isinstance(loss, nn.modules.loss._Loss)
     name = type(loss).__name__ if isinstance(loss, nn.Module) else getattr(loss, "__qualname__", repr(loss))
-    return StepLoss(loss, name, elementwise)
+    return StepLoss(loss, name, elementwise, on_predictions=torch_loss)
 
 
 def made_up_targets(scores: torch.Tensor, loss: str | None, n: int | None = None,
