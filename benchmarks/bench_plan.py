@@ -42,11 +42,12 @@ from torch import nn
 
 from dlperf._hostmem import host_malloc_state, keep_freed_host_memory
 from dlperf.devices import cpu
+from dlperf.machine import usable_cores
 from dlperf.models import get_spec
 from dlperf.parallel import Trainer
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.planning.plan import uses_conv2d
-from dlperf.parallel.planning.planner import PlannerOptions, usable_cores
+from dlperf.parallel.planning.records import PlannerOptions
 from dlperf.parallel.training.planned import plan_for, start_candidate
 from dlperf.parallel.training.trainer_config import TrainerConfig
 from dlperf.timing import time_steps

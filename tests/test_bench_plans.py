@@ -12,8 +12,8 @@ from torch import nn
 from dlperf.bench import auto
 from dlperf.bench.plans import plan_advice, report_plan
 from dlperf.cli import main
+from dlperf.machine import usable_cores
 from dlperf.parallel.planning.plan import parse_plan
-from dlperf.parallel.planning.planner import usable_cores
 from dlperf.probe.profile import profile
 
 

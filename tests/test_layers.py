@@ -12,6 +12,7 @@ lives inside a capability instead of below it.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -315,3 +316,46 @@ def test_public_class_names_are_unique():
                 where.setdefault(node.name, []).append(str(path.relative_to(SRC)))
     twice = {name: files for name, files in where.items() if len(files) > 1}
     assert not twice, f"public classes defined more than once: {twice}"
+
+
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]+")
+
+
+def _library_files():
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[0] != "cli"]
+
+
+def test_the_library_prints_nothing():
+    """Notes go through logging (the CLI shows them); a library module never prints."""
+    printing = [f"{p.relative_to(SRC)}:{node.lineno}" for p in _library_files()
+                for node in ast.walk(ast.parse(p.read_text()))
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"]
+    assert not printing, f"library modules that print: {printing}"
+
+
+def test_library_errors_name_parameters_not_flags():
+    """An error the library raises names its parameters (``batch_size=1``); the CLI turns them into its flags
+    (dlperf.cli.options.FLAGS). A flag in a library error would be wrong for every library caller."""
+    naming = []
+    for path in _library_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if not name.endswith(("Error", "_fail", "Exception")) and name != "unknown_choice":
+                continue
+            found = next((m.group(0) for sub in ast.walk(node) if isinstance(sub, ast.Constant)
+                          and isinstance(sub.value, str) for m in [_FLAG.search(sub.value)] if m), None)
+            if found:
+                naming.append(f"{path.relative_to(SRC)}:{node.lineno}: {found}")
+    assert not naming, f"library errors that name CLI flags: {naming}"
+
+
+def test_the_flag_table_covers_the_parameters_library_errors_name():
+    from dlperf.cli.options import FLAGS, flag_words
+
+    assert flag_words("batch_size=8 with lr=0.5 and kvstore='local'") == \
+        "--batch-size 8 with --lr 0.5 and --kvstore local"
+    assert flag_words("give kvstore=None") == "give no --kvstore"
+    assert all(flag.startswith("--") for flag in FLAGS.values())

@@ -26,6 +26,7 @@ from dlperf.parallel.launchers import (
     rank_info,
 )
 from dlperf.parallel.launchers.processes import _failure_message
+from dlperf.parallel.launchers.watchdog import Watchdog
 
 HANG_TIMEOUT_S = 6.0
 LAST_SUM_STALL_S = 3.0
@@ -200,12 +201,11 @@ def test_a_rank_that_raises_leaves_no_traceback_file_of_torchs_behind(tmp_path, 
 @pytest.mark.timeout(60)
 def test_a_failed_watchdog_neither_hides_the_ranks_failure_nor_leaves_their_processes(tmp_path, monkeypatch,
                                                                                        capsys):
-    from dlperf.parallel.launchers import processes
 
     def broken(self):
         raise OSError("the markers went away")
 
-    monkeypatch.setattr(processes._Watchdog, "_run", broken)
+    monkeypatch.setattr(Watchdog, "_run", broken)
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # (its death is reported as it happens)
     before, pid_file = _children(), tmp_path / "child.pid"
     with pytest.raises(LaunchError, match=r"rank 1 failed: ValueError: rank one cannot go on"):
@@ -219,7 +219,6 @@ def test_a_failed_watchdog_neither_hides_the_ranks_failure_nor_leaves_their_proc
 def test_an_interrupt_is_published_and_raised_even_when_the_watchdog_failed(tmp_path, monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from dlperf.parallel.launchers import processes
 
     def broken(self):
         raise OSError("the markers went away")
@@ -228,10 +227,10 @@ def test_an_interrupt_is_published_and_raised_even_when_the_watchdog_failed(tmp_
         raise KeyboardInterrupt
 
     published: list = []
-    monkeypatch.setattr(processes._Watchdog, "_run", broken)
-    monkeypatch.setattr(processes._Watchdog, "publish_interrupt", lambda self: published.append(self.interrupted))
+    monkeypatch.setattr(Watchdog, "_run", broken)
+    monkeypatch.setattr(Watchdog, "publish_interrupt", lambda self: published.append(self.interrupted))
     monkeypatch.setattr(threading, "excepthook", lambda args: None)
-    watchdog = processes._Watchdog(str(tmp_path), 1, 60.0, SimpleNamespace(node_rank=1))
+    watchdog = Watchdog(str(tmp_path), 1, 60.0, SimpleNamespace(node_rank=1))
     with pytest.raises(KeyboardInterrupt):
         ProcessLauncher(1)._run(interrupted, (), watchdog, tmp_path, "host")
     assert published == [signal.SIGINT]  # the other nodes still hear of it

@@ -17,7 +17,8 @@ from dlperf.errors import UsageError
 from dlperf.parallel import Trainer
 from dlperf.parallel.planning.plan import EXECUTIONS, Execution, Plan, parse_plan, register_execution
 from dlperf.parallel.planning.plan_cache import MAX_BYTES, default_cache_path
-from dlperf.parallel.planning.planner import CandidateRun, PlannerOptions, search
+from dlperf.parallel.planning.planner import search
+from dlperf.parallel.planning.records import CandidateRun, PlannerOptions
 from dlperf.parallel.training.planned import plan_for
 
 LR = 0.05
@@ -346,7 +347,7 @@ def test_a_candidate_that_fails_is_dropped_not_measured_as_another_plan(caplog):
 
 
 def test_the_cache_keeps_the_newest_entries_only(monkeypatch):
-    from dlperf.parallel.training.planned import plan_cache
+    from dlperf.parallel.planning import plan_cache
 
     monkeypatch.setattr(plan_cache, "MAX_ENTRIES", 2)
     for i, key in enumerate(("a", "b", "c")):

@@ -15,7 +15,8 @@ from dlperf.parallel import Trainer
 from dlperf.parallel.planning.plan import Plan, parse_plan
 from dlperf.parallel.planning.plan_cache import default_cache_path
 from dlperf.parallel.planning.plan_check import Here, keep_usable_plan, plan_problem, usable_here
-from dlperf.parallel.planning.planner import CandidateRun, PlannerOptions, search
+from dlperf.parallel.planning.planner import search
+from dlperf.parallel.planning.records import CandidateRun, PlannerOptions
 
 CPU = Here(devices=[cpu(0)], batch_size=16, cores=2)
 GPUS = Here(devices=[Device("gpu", 0), Device("gpu", 1)], batch_size=16, cores=2, allow_mixed_precision=True)

@@ -15,8 +15,9 @@ from dlperf.errors import UsageError
 from dlperf.parallel import Trainer
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.planning.plan import Plan, parse_plan
-from dlperf.parallel.planning.planner import PlannerOptions, enumerate_plans
+from dlperf.parallel.planning.planner import enumerate_plans
 from dlperf.parallel.planning.process_plans import measuring_processes, setup_s
+from dlperf.parallel.planning.records import PlannerOptions
 from dlperf.parallel.training.planned import plan_for, start_candidate
 from dlperf.parallel.training.trainer_config import TrainerConfig
 
@@ -193,9 +194,9 @@ def test_dlperf_train_starts_a_process_plan_records_it_and_resume_follows_it(tmp
 @pytest.mark.distributed
 def test_plan_auto_that_picks_processes_trains_as_them(tmp_path, monkeypatch, capsys):
     """The measuring is the planner's (tested above); here its pick, a processes plan, is what the run becomes."""
-    from dlperf.parallel.planning.planner import PlanDecision
+    from dlperf.parallel.planning.records import PlanDecision
+    from dlperf.parallel.training import planned as planning
     from dlperf.parallel.training.checkpoint import load_checkpoint
-    from dlperf.parallel.training.run import planned as planning
 
     picked = parse_plan("2x1,processes").with_figures(12.5, [("1 x 2, threads", 20.0)])
     monkeypatch.setattr(planning, "plan_for",

@@ -16,7 +16,8 @@ from dlperf.devices import cpu
 from dlperf.parallel.planning import planner
 from dlperf.parallel.planning.plan import Plan
 from dlperf.parallel.planning.plan_cache import cached_decisions, cached_plan, default_cache_path
-from dlperf.parallel.planning.planner import CandidateRun, PlannerOptions, search
+from dlperf.parallel.planning.planner import search
+from dlperf.parallel.planning.records import CandidateRun, PlannerOptions
 from dlperf.timing import Contention, ContentionSignals, Timing
 
 REFERENCE = Plan(replicas=2, threads=1)

@@ -11,14 +11,8 @@ import pytest
 from dlperf.decide import FEW_ROUNDS_GAIN, MIN_GAIN
 from dlperf.devices import cpu
 from dlperf.parallel.planning.plan import Plan
-from dlperf.parallel.planning.planner import (
-    CandidateRun,
-    Measurement,
-    PlanDecision,
-    PlannerOptions,
-    _decide,
-    search,
-)
+from dlperf.parallel.planning.planner import _decide, search
+from dlperf.parallel.planning.records import CandidateRun, Measurement, PlanDecision, PlannerOptions
 
 REFERENCE = Plan(replicas=1, threads=2)
 

@@ -38,7 +38,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -112,9 +111,8 @@ def compiler_identity(compiler: str) -> str:
 
 
 def say(message: str) -> None:
-    """One line on stderr, where a user running a script sees it without configuring logging."""
-    print(message, file=sys.stderr, flush=True)
-    log.info("%s", message)
+    """One note (a warning: shown on stderr where logging is not configured, and by the CLI)."""
+    log.warning("%s", message)
 
 
 def warn_once(message: str) -> None:

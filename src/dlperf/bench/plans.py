@@ -19,8 +19,9 @@ from torch import nn
 
 from ..batch import call_model, tensors_of
 from ..devices import cpu
+from ..machine import usable_cores
 from ..parallel.planning.plan import Plan
-from ..parallel.planning.planner import PlanDecision, PlannerOptions, usable_cores
+from ..parallel.planning.records import PlanDecision, PlannerOptions
 from ..parallel.training.planned import plan_for
 from ..probe.profile import PlanAdvice, Suggestion
 

@@ -83,7 +83,7 @@ class BenchConfig:
         if self.batch_size is not None and self.batch_size < 1:
             raise UsageError(f"batch size must be >= 1, got {self.batch_size}")
         if self.steps < 1 or self.warmup < 1:
-            raise UsageError(f"need --steps >= 1 and --warmup >= 1, got {self.steps} and {self.warmup}")
+            raise UsageError(f"steps={self.steps} warmup={self.warmup}: expected steps >= 1 and warmup >= 1")
         if self.mode not in mode_names():
             raise unknown_choice("mode", self.mode, mode_names())
 
@@ -118,10 +118,10 @@ def register_user_networks(networks: list[str], inputs=None, loss=None) -> list[
 
     users = [n for n in networks if ":" in n]
     if inputs and not users:
-        raise UsageError("--input describes the batch of a network given as MODULE:FACTORY, and none is; drop "
-                         "--input (zoo networks make their own batches) or name your model's factory in --networks")
+        raise UsageError("inputs= describes the batch of a network given as MODULE:FACTORY, and none is; drop "
+                         "inputs= (zoo networks make their own batches) or name your model's factory in networks=")
     if users and not inputs:
-        raise UsageError(f"network {users[0]} needs its batch: give --input with a batch-first shape and dtype per "
+        raise UsageError(f"network {users[0]} needs its batch: give inputs= with a batch-first shape and dtype per "
                          "model argument (64x3x32x32, 64x32:int64) or a function returning the batch "
                          "(mypkg.data:make_batch)")
     if not users:

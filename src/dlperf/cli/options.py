@@ -295,7 +295,9 @@ FLAGS: dict[str, str] = {
     "check_finite": "--check-finite", "trace": "--trace", "plan": "--plan", "nproc_per_node": "--nproc-per-node",
     "threads": "--threads", "steps": "--steps", "warmup": "--warmup", "optimizer": "--optimizer",
     "momentum": "--momentum", "weight_decay": "--weight-decay", "lr_schedule": "--lr-schedule",
-    "accumulate": "--accumulate", "clip_grad_norm": "--clip-grad-norm",
+    "accumulate": "--accumulate", "clip_grad_norm": "--clip-grad-norm", "num_servers": "--num-servers",
+    "inputs": "--input", "networks": "--networks", "plot": "--plot", "batch": "--batch", "weights": "--weights",
+    "hardware": "--hardware", "master_port": "--master", "nnodes": "--nnodes", "replan": "--replan",
 }
 """The library's parameters -> the flags that set them: every verb's error lines say the flag (:func:`flag_words`)."""
 
@@ -313,7 +315,9 @@ def flag_words(message: str) -> str:
         if flag is None:
             return m.group(0)
         value = m.group(2).strip("'\"")
-        return flag if value in ("True", "") else f"{flag} {value}"
+        if value in ("None", "0") and m.group(1) in ("kvstore", "data", "num_servers"):
+            return f"no {flag}"  # the parameter's default: the flag left out
+        return flag if value in ("True", "", "...") else f"{flag} {value}"
 
     return _PARAMETER.sub(swap, message)
 

@@ -188,8 +188,8 @@ def run_config(args: argparse.Namespace, processes: int | None = None) -> RunCon
                          "without --nproc-per-node, or drop --plan")
     from ..parallel.strategies import choose_strategy
 
-    # the store's rule in the verb's words before the config's (which names library parameters)
-    choose_strategy(args.kvstore, processes=nproc or 1, cli=True, strategy=args.strategy, devices=args.devices)
+    # the store's rule before the config's other checks (the CLI names its parameters' flags)
+    choose_strategy(args.kvstore, processes=nproc or 1, strategy=args.strategy, devices=args.devices)
     run = RunSection(model=args.model, data=args.data, devices=args.devices, batch_size=args.batch_size,
                      epochs=args.epochs, seed=args.seed, train_size=args.train_size, test_size=args.test_size,
                      download=args.download, checkpoint=args.checkpoint, resume=args.resume,
@@ -202,7 +202,7 @@ def run_config(args: argparse.Namespace, processes: int | None = None) -> RunCon
                             clip_grad_norm=args.clip_grad_norm)
     # processes given: checked for the launch that will start them (dlperf launch -- train ...)
     launch = LaunchConfig(nproc, join_timeout_s=RUN_TIMEOUT_S) if nproc is not None else None
-    from ..parallel.planning.planner import PlannerOptions
+    from ..parallel.planning.records import PlannerOptions
 
     return RunConfig(run, trainer, PlannerOptions(replan=args.replan), launch=launch)
 
@@ -215,10 +215,10 @@ def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int =
     from ..parallel.training.run_config import check_resume
 
     plan = getattr(args, "plan", None)
-    if plan is not None and getattr(plan, "launcher", None) == "processes":
-        raise UsageError(f"--plan {plan.name} under dlperf launch: a plan with processes is started by dlperf train; "
-                         "give it without dlperf launch, or drop --plan")
-    choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, cli=True, strategy=args.strategy,
+    if plan is not None and getattr(plan, "launcher", None) == "processes" and plan.replicas != processes:
+        raise UsageError(f"--plan {plan.name} with {processes} processes: its replicas are {plan.replicas} processes; "
+                         f"launch {plan.replicas}, or give the plan without dlperf launch (dlperf train starts them)")
+    choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, strategy=args.strategy,
                     devices=args.devices)
     config = run_config(args, processes)
     check_resume(config)

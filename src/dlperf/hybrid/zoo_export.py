@@ -48,11 +48,11 @@ class ZooExportConfig:
 
         spec = get_spec(self.model)  # a miss lists the zoo
         if self.batch < 1:
-            raise UsageError(f"--batch must be >= 1, got {self.batch}")
+            raise UsageError(f"batch={self.batch}: expected >= 1")
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise UsageError(f"{self.directory!r} is not a directory; give a directory for the export files")
-        require_memory(batch_bytes(spec, self.batch, training=False), f"--batch {self.batch}",
-                       "give a smaller --batch")
+        require_memory(batch_bytes(spec, self.batch, training=False), f"batch={self.batch}",
+                       "give a smaller batch")
 
 
 @dataclass
@@ -115,9 +115,9 @@ def _load_weights(model: torch.nn.Module, path: str, name: str) -> None:
     from .._io import safe_torch_load
 
     # tensors in dicts only: nothing in the file may run code
-    state = safe_torch_load(path, "--weights", "a state_dict of tensors saved with torch.save")
+    state = safe_torch_load(path, "weights", "a state_dict of tensors saved with torch.save")
     if not isinstance(state, dict):
-        raise UsageError(f"--weights {path!r}: holds a {type(state).__name__}, not a state_dict "
+        raise UsageError(f"weights={path!r}: holds a {type(state).__name__}, not a state_dict "
                          "(save model.state_dict())")
     try:
         model.load_state_dict(state)
@@ -128,7 +128,7 @@ def _load_weights(model: torch.nn.Module, path: str, name: str) -> None:
             detail = f"missing {_few(missing)}, unexpected {_few(unexpected)}"
         else:
             detail = "tensor shapes differ"
-        raise UsageError(f"--weights {path!r}: does not fit model {name!r}: {detail}") from exc
+        raise UsageError(f"weights={path!r}: does not fit model {name!r}: {detail}") from exc
 
 
 def _few(keys: list[str], n: int = 3) -> str:

@@ -184,7 +184,7 @@ def user_network(name: str, build: Callable[[], nn.Module], example: Callable[[n
     except Exception as exc:  # noqa: BLE001 (user code: any failure is the batch not fitting the model)
         raise UsageError(f"{name} failed on the batch {describe(first)}: {type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''}; give the inputs the model expects "
-                         "(shape, dtype, one --input per positional argument)") from None
+                         "(shape, dtype, one tensor per positional argument)") from None
     n = batch_size(first, "example batch")
     make_targets(output, n, None, loss)  # a loss that cannot be right for these outputs: one line, now
     inputs = UserInputs(lambda g: example(model, g), output, describe(first), loss)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import stat
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +21,8 @@ from .._cliargs import one_line
 from ..errors import DlperfError
 from .reference import GBPS, GFLOPS, NS, implausible
 from .result import FORMAT, ProbeResult, ProbeRow, machine
+
+log = logging.getLogger(__name__)
 
 _MAX_BYTES = 1024 * 1024
 _MAX_ROWS = 2000
@@ -181,7 +183,7 @@ def load_probe(path: str | None = None, *, quiet: bool = False) -> ProbeResult |
         # each refusal said once a process: callers that price several thread counts load it once each
         if not quiet and str(exc) not in _refusals_told:
             _refusals_told.add(str(exc))
-            print(f"dlperf probe: warning: {exc}; measuring again", file=sys.stderr)
+            log.warning("dlperf probe: warning: %s; measuring again", exc)
         return None
     return result
 

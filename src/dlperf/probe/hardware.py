@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import math
 import os
-import sys
 import tempfile
 import time
 import timeit
@@ -24,6 +24,8 @@ from ..errors import DlperfError
 from ..timing import best_of
 from .reference import GBPS, GFLOPS, NS, SEED, mm_seed
 from .result import ProbeResult, ProbeRow, cores, machine
+
+log = logging.getLogger(__name__)
 
 _KIB = 1024
 _MIB = 1024 * 1024
@@ -383,7 +385,7 @@ def run_probe(quick: bool = False, *, progress: Callable[[str], None] | None = N
         try:
             save_probe(result)
         except (DlperfError, OSError, RuntimeError) as exc:  # the figures still reach the caller
-            print(f"dlperf probe: warning: {one_line(str(exc))}; the figures were not saved", file=sys.stderr)
+            log.warning("dlperf probe: warning: %s; the figures were not saved", one_line(str(exc)))
     return result
 
 

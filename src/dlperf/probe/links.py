@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
-import sys
 import time
 
 from .._cliargs import one_line
@@ -19,6 +19,8 @@ from .._io import write_cache_file
 from .cache import ProbeCacheError, cache_dir, decode_json, read_cache_file
 from .cost import Link
 from .reference import GBPS, implausible
+
+log = logging.getLogger(__name__)
 
 LINKS_FORMAT = "dlperf-links-1"
 TRANSPORTS = ("shm", "hierarchical", "gloo")
@@ -113,11 +115,10 @@ def load_links(hosts: list[str], transports: list[str], path: str | None = None)
     except FileNotFoundError:
         return None, path
     except OSError as exc:
-        print(f"dlperf: warning: {_fail(path, f'cannot be read ({exc.strerror or exc})')}; measuring again",
-              file=sys.stderr, flush=True)
+        log.warning("dlperf: warning: %s; measuring again", _fail(path, f"cannot be read ({exc.strerror or exc})"))
         return None, path
     except ProbeCacheError as exc:
-        print(f"dlperf: warning: {exc}; measuring again", file=sys.stderr, flush=True)
+        log.warning("dlperf: warning: %s; measuring again", exc)
         return None, path
     return {t: fits[t] for t in transports}, path
 

@@ -605,7 +605,7 @@ def _profile(model: nn.Module, x: Batch, steps: int, warmup: int, hardware: Hard
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise UsageError(f"the model failed on the input {describe(x)}: {type(exc).__name__}: {first}; give the "
                          "inputs the model expects (shapes batch first, dtypes, for token ids a range below the "
-                         "embedding size, one --input per positional argument)") from None
+                         "embedding size, one tensor per positional argument)") from None
     timing = time_steps(step, warmup=max(warmup - 1, 0), steps=steps)
     seconds, profiled = _profiled_step(step, trace, tries=min(steps, 3))
     counts = count_step(model, x, loss=loss)

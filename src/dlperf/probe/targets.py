@@ -45,12 +45,12 @@ def read_hardware(source: str):
     try:
         hardware = Hardware.from_probe(doc)
     except UsageError as exc:
-        raise UsageError(f"--hardware {source!r}: {exc}") from None
+        raise UsageError(f"hardware={source!r}: {exc}") from None
     return dataclasses.replace(hardware, name=one_line(hardware.name))
 
 
 def _bad_file(source: str, problem: str) -> UsageError:
-    return UsageError(f"--hardware {source!r} is {problem}; give a JSON file of hardware figures "
+    return UsageError(f"hardware={source!r} is {problem}; give a JSON file of hardware figures "
                       "(Hardware.from_probe's format)")
 
 
@@ -64,7 +64,7 @@ def _check_figures(doc: dict, source: str) -> None:
     """Refuse, naming the field, a figure no machine shows (types and missing keys are from_probe's)."""
     name = doc.get("name")
     if isinstance(name, str) and len(name) > _MAX_NAME:
-        raise UsageError(f"--hardware {source!r}: 'name' is longer than {_MAX_NAME} characters; give a short name")
+        raise UsageError(f"hardware={source!r}: 'name' is longer than {_MAX_NAME} characters; give a short name")
     fields: list[tuple[str, object, tuple[str, str, float], bool]] = [
         ("memory_bandwidth", doc.get("memory_bandwidth"), _BYTES_PER_S, False),
         ("dispatch_s", doc.get("dispatch_s"), _SECONDS, False)]
@@ -85,7 +85,7 @@ def _check_figures(doc: dict, source: str) -> None:
             continue
         lo, hi = (bound / factor for bound in PLAUSIBLE[plausible_unit])
         if not lo <= value <= hi:
-            raise UsageError(f"--hardware {source!r}: {key} is {value!r} {unit}, outside what any machine shows "
+            raise UsageError(f"hardware={source!r}: {key} is {value!r} {unit}, outside what any machine shows "
                              f"({lo:g} to {hi:g} {unit}{' or 0' if zero_ok else ''}); fix the figure or measure it "
                              "again with `dlperf probe`")
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +41,8 @@ from .plan import Plan
 __all__ = ["plan_key", "model_key", "cached_plan", "cached_time", "cached_decisions", "clear_cache", "save_plan",
            "recorded_setup_s", "setup_record", "save_setup", "processes_offer", "save_processes_offer",
            "default_cache_path", "MAX_ENTRIES", "MAX_BYTES", "SETUP_RECORD_MAX_AGE_S"]
+
+log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
 MAX_ENTRIES = 256
@@ -95,7 +97,7 @@ def _ignore(exc: Exception, leave: bool = False) -> None:
     message = one_line(f"dlperf plan: ignoring {exc}; planning again ({fix})")
     if message not in _told:  # once a process: every Trainer of a script would repeat it
         _told.add(message)
-        print(message, file=sys.stderr, flush=True)
+        log.warning(message)
 
 
 def _read_sections(path: str) -> tuple[dict[str, dict[str, Any]], bool]:
@@ -265,8 +267,7 @@ def _record(section: str, key: str, entry: dict[str, Any], path: str | None) -> 
             private_dir(cache_base(), ["dlperf"])
         write_cache_file(path, data)
     except (OSError, ValueError, CacheUnsafe) as exc:
-        print(f"dlperf plan: the plan cache {path} cannot be written ({exc}); the next run plans again",
-              file=sys.stderr, flush=True)
+        log.warning("dlperf plan: the plan cache %s cannot be written (%s); the next run plans again", path, exc)
 
 
 def save_plan(key: str, plan: Plan, path: str | None = None, *, contended: bool = False, label: str = "",

@@ -48,7 +48,7 @@ class Here:
     can_launch: bool = True
     """Whether a plan whose replicas are processes may start them (in one process that is not a launched one)."""
     cores: int | None = None
-    """CPU cores this process may use (None: as :func:`~dlperf.parallel.planning.planner.usable_cores` says)."""
+    """CPU cores this process may use (None: as :func:`~dlperf.machine.usable_cores` says)."""
     allow_mixed_precision: bool = False
     """Whether the run allows bf16, which changes the numerics."""
     check_finite: bool = False
@@ -62,7 +62,7 @@ class Here:
 
 def plan_problem(plan: Plan, here: Here) -> str | None:
     """Why ``plan`` cannot run here (one phrase, the values named), or None when it can."""
-    from .planner import usable_cores
+    from ...machine import usable_cores
 
     cores = here.cores or usable_cores()
     gpus = [d for d in here.devices if d.is_gpu]
@@ -140,7 +140,7 @@ def usable_here(plan: Plan, here: Here, source: str, instead: str) -> Plan | Non
     problem = plan_problem(plan, here)
     if problem is None:
         return plan
-    line = one_line(f"plan: ignoring the plan {plan.name} from {source}: {problem}; {instead}")
+    line = one_line(f"dlperf plan: ignoring the plan {plan.name} from {source}: {problem}; {instead}")
     if line not in _told:
         _told.add(line)
         log.warning(line)

@@ -145,6 +145,6 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     state = safe_torch_load(path, "--resume checkpoint", "a checkpoint written by dlperf train --checkpoint")
     problem = _checkpoint_problem(state)
     if problem:
-        raise UsageError(f"--resume checkpoint {str(path)!r} is not a dlperf train checkpoint: {problem}; "
-                         "give a file written by dlperf train --checkpoint")
+        raise UsageError(f"resume={str(path)!r} is not a dlperf train checkpoint: {problem}; "
+                         "give a file dlperf train wrote as its checkpoint")
     return state

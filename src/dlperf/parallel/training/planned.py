@@ -27,11 +27,13 @@ from torch import nn
 
 from ...devices import Device, DeviceLike, cpu
 from ...errors import UsageError
+from ...machine import usable_cores
 from ..launchers import in_launched_worker, rank_info
 from ..optimizers import OptimizerLike
 from ..planning.plan import EXECUTIONS, Plan
-from ..planning.planner import CandidateRun, PlanDecision, PlannerOptions, search, usable_cores
+from ..planning.planner import search
 from ..planning.process_plans import START_TIMEOUT_S, ProcessCandidate, measuring_processes
+from ..planning.records import CandidateRun, PlanDecision, PlannerOptions
 from ..split import check_devices
 from .trainer import Trainer
 from .trainer_config import LossLike, TrainerConfig

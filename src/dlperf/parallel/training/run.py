@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import closing
@@ -38,6 +39,9 @@ __all__ = ["RunHooks", "RunResult", "run_training", "choose_plan", "train", "tra
            "describe_auto_choice"]
 
 log = logging.getLogger(__name__)
+
+_ANNOUNCED = "DLPERF_PLAN_ANNOUNCED"
+"""Set for the processes a run starts for its plan, whose line the starting process printed already."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,7 @@ def choose_plan(config: RunConfig, state: TrainState) -> Plan | None:
             log.info("plan: %s (from the checkpoint)", chosen.summary())
             return chosen
     if plan != "auto":
-        if isinstance(plan, Plan) and rank_info().rank == 0:
+        if isinstance(plan, Plan) and rank_info().rank == 0 and not os.environ.get(_ANNOUNCED):
             log.info(plan.line())
         return plan
     if state.resume is not None:
@@ -187,9 +191,14 @@ def launch_run(config: RunConfig, hooks: RunHooks) -> None:
     """Run ``config`` as the processes its launch section names, each calling ``run_training``."""
     assert config.launch is not None
     launcher = ProcessLauncher(config.launch)
-    if isinstance(config.trainer.plan, Plan):
+    announced = isinstance(config.trainer.plan, Plan)
+    if announced:
         log.info("plan: starting %d processes", config.launch.nproc_per_node)
-    launcher.launch(_launched, dataclasses.replace(config, launch=None), hooks)
+    os.environ[_ANNOUNCED] = "1" if announced else ""  # the processes do not print the plan line again
+    try:
+        launcher.launch(_launched, dataclasses.replace(config, launch=None), hooks)
+    finally:
+        os.environ.pop(_ANNOUNCED, None)
 
 
 def _launched(config: RunConfig, hooks: RunHooks) -> int:

@@ -23,7 +23,7 @@ from ...errors import UsageError, blame_user_code
 from ..launchers import LaunchConfig, in_launched_worker, rank_info, restart_count
 from ..planning.plan import Plan
 from ..planning.plan_check import ANY, Here, keep_usable_plan
-from ..planning.planner import PlannerOptions
+from ..planning.records import PlannerOptions
 from ..split import check_devices
 from ..strategies import STRATEGIES, choose_strategy
 from .checkpoint import load_checkpoint

@@ -24,8 +24,8 @@ from ...errors import DlperfError, UsageError
 from ..allreduce.lanes import thread_budget
 from ..planning.plan import EXECUTIONS, Plan, parse_plan
 from ..planning.plan_check import Here, resize_state, usable_here
-from ..planning.planner import PlanDecision, PlannerOptions
 from ..planning.process_plans import in_process_part, launch_hint
+from ..planning.records import PlanDecision, PlannerOptions
 from ..strategies import strategy_class
 from .trainer_config import TrainerConfig
 
