@@ -66,8 +66,8 @@ from .plan_cache import (
 )
 from .process_plans import launch_hint, process_plans, processes_measurable, setup_s
 
-__all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "enumerate_plans",
-           "usable_cores", "DEFAULT_BUDGET_S"]
+__all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "decide", "enumerate_plans",
+           "usable_cores", "DEFAULT_BUDGET_S", "MIN_GAIN"]
 
 DEFAULT_BUDGET_S = 30.0
 RUN_SHARE = 0.1
@@ -614,6 +614,16 @@ def _decide(found: list[Measurement], run_steps: int | None, reasons: list[str])
     return reference, margin
 
 
+def decide(found: list[Measurement], run_steps: int | None = None, reasons: list[str] | None = None
+           ) -> tuple[Plan, float]:
+    """The plan among ``found`` (the reference first) by :func:`_decide`'s rule, with its figures, the others' and
+    ``reasons``; and its margin. The planner's search and the tuning of a user's own loop both decide here."""
+    reasons = reasons if reasons is not None else []
+    best, noise = _decide(found, run_steps, reasons)
+    alternatives = [(_difference(m.plan, best.plan), m.ms) for m in found if m is not best and m.ms is not None]
+    return best.plan.with_figures(best.ms, [(n, ms) for n, ms in alternatives if ms is not None], reasons), noise
+
+
 def _setup_key(model: nn.Module, batch: Any, devices: Sequence[Device], execution: str) -> str:
     """What an execution's setup is recorded under: the model's and batch's signatures, the machine, torch (in
     :func:`~dlperf.parallel.planning.plan_cache.model_key`), the execution and the kind of device it compiles for."""
@@ -711,9 +721,7 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
         found += _executions_phase(session, found, model, batch, devices)
     finally:
         session.close()
-    best, noise = _decide(found, options.run_steps, reasons)
-    alternatives = [(_difference(m.plan, best.plan), m.ms) for m in found if m is not best and m.ms is not None]
-    plan = best.plan.with_figures(best.ms, [(n, ms) for n, ms in alternatives if ms is not None], reasons)
+    plan, noise = decide(found, options.run_steps, reasons)
     late = [m.plan.name for m in found if m.note == "skipped for time"]
     skipped = session.skipped + ([f"for time (budget {session.budget:.1f} s): {'; '.join(late)}"] if late else [])
     decision = PlanDecision(plan, reference, found, time.perf_counter() - started, False, skipped, noise,
