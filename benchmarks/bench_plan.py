@@ -38,6 +38,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from dlperf.parallel.training.planned.plan import uses_conv2d
+from dlperf.parallel.training.planned.planner import PlannerOptions, usable_cores
+from dlperf.parallel.training.run.planned import plan_for, start_candidate
+from dlperf.parallel.training.run.trainer_config import TrainerConfig
 from torch import nn
 
 from dlperf._hostmem import host_malloc_state, keep_freed_host_memory
@@ -45,10 +49,6 @@ from dlperf.devices import cpu
 from dlperf.models import get_spec
 from dlperf.parallel import Trainer
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
-from dlperf.parallel.training.planned.plan import uses_conv2d
-from dlperf.parallel.training.planned.planner import PlannerOptions, usable_cores
-from dlperf.parallel.training.run.planned import plan_for, start_candidate
-from dlperf.parallel.training.run.trainer_config import TrainerConfig
 from dlperf.timing import time_steps
 
 DDP_TIMEOUT_S = 600

@@ -85,7 +85,7 @@ def test_across_processes_every_rank_decides_on_the_summed_figures():
         time.sleep(0.02 if current[0] == REFERENCE else 0.005)
         tuner.step_ended()
     assert tuner.plan == REFERENCE and len(shared) == 1  # FAST left after round 1 on the sum
-    assert shared[0].shape == (3,)  # one figure per candidate and the budget's verdict
+    assert shared[0].shape == (5,)  # per candidate its figure and contention, and the budget's verdict
 
 
 def test_candidates_follow_the_model():

@@ -437,8 +437,8 @@ def test_check_finite_catches_a_nan_gradient_with_a_finite_loss(k):
 
 
 def test_epoch_record_says_since_which_step_the_loss_was_not_finite():
-    from dlperf.data.loader import ArrayLoader
     from dlperf.cli.train import epoch_line as _epoch_line
+    from dlperf.data.loader import ArrayLoader
     from dlperf.parallel.training.run import train_epochs
 
     torch.manual_seed(0)

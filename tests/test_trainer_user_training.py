@@ -133,8 +133,8 @@ def test_a_two_input_model_and_a_custom_loss_function():
     torch.manual_seed(0)
     model = TwoInputs()
     g = torch.Generator().manual_seed(1)
-    data = [((torch.randn(10, 4, generator=g), torch.randn(10, 2, generator=g)), torch.randint(0, 3, (10,), generator=g))
-            for _ in range(5)]
+    data = [((torch.randn(10, 4, generator=g), torch.randn(10, 2, generator=g)),
+             torch.randint(0, 3, (10,), generator=g)) for _ in range(5)]
 
     def smoothed(outputs, targets):
         return nn.functional.cross_entropy(outputs, targets, label_smoothing=0.1)

@@ -37,7 +37,7 @@ FLAGS: dict[str, str] = {
     "seed": "--seed", "train_size": "--train-size", "test_size": "--test-size", "download": "--download",
     "checkpoint": "--checkpoint", "resume": "--resume",
     "resume_hparams_from_checkpoint": "--resume-hparams-from-checkpoint", "lr": "--lr", "loss": "--loss",
-    "algorithm": "--algorithm", "kvstore": "--kvstore", "bucket_bytes": "--bucket-bytes",
+    "algorithm": "--algorithm", "kvstore": "--kvstore", "strategy": "--strategy", "bucket_bytes": "--bucket-bytes",
     "check_finite": "--check-finite", "trace": "--trace", "plan": "--plan", "nproc_per_node": "--nproc-per-node",
 }
 """The library's parameter of a run -> the flag that sets it: what the verb's error lines say instead."""
@@ -80,6 +80,10 @@ def register(sub) -> None:
     p.add_argument("--bucket-bytes", type=va.int_in(1, MAX_BUCKET_BYTES, "--bucket-bytes"), default=None,
                    help="gradient bucket size (default: 1 MiB, larger for large models); smaller buckets "
                         "are reduced while backward still runs (see it with --trace)")
+    p.add_argument("--strategy", default=None, type=strategy_option,
+                   help="how gradients are synchronized, by name (one-device, allreduce, processes, kvstore, "
+                        "update-on-kvstore, parameter-servers) or pkg.module:Class of your own; default: from the "
+                        "devices, processes and --kvstore")
     p.add_argument("--kvstore", default=None, type=va.choice("kvstore type", kvstore_types()),
                    help="aggregate through a KVStore: local or device in one process; dist_sync or "
                         "dist_device_sync across processes (parameter servers: dlperf launch --num-servers)")
@@ -136,6 +140,17 @@ def loss_option(text: str) -> object:
                                      "MODULE:FN, e.g. mse or mylosses:weighted")
 
 
+def strategy_option(text: str) -> str:
+    """A registered gradient synchronization strategy's name, or ``pkg.module:Class`` (imported now)."""
+    from ..parallel.strategies import strategy_class
+
+    try:
+        strategy_class(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def plan_option(text: str) -> object:
     """``auto`` or a plan's name, checked now (one line, exit 2)."""
     from ..parallel.planning.plan import parse_plan
@@ -170,20 +185,23 @@ def run_config(args: argparse.Namespace, processes: int | None = None) -> RunCon
 
     nproc = processes if processes is not None else args.nproc_per_node
     plan = args.plan
-    if plan == "auto" and nproc is not None and nproc > 1:
-        raise UsageError(f"--plan auto with {nproc} processes: the plans (processes among them) are measured from "
-                         "one process; give --plan auto without --nproc-per-node, or a plan by name")
-    if nproc is not None and getattr(plan, "launcher", None) == "processes" and plan.replicas != nproc:
-        raise UsageError(f"--plan {plan.name} runs {plan.replicas} processes but --nproc-per-node {nproc} was "
-                         f"given; give one of them")
+    if nproc is not None and plan is not None and not (getattr(plan, "launcher", None) == "processes"
+                                                       and plan.replicas == nproc):
+        raise UsageError(f"--plan {getattr(plan, 'name', plan)} with {nproc} processes: a plan with processes is "
+                         f"measured and started by dlperf train; give --plan auto or --plan {nproc}xT,processes "
+                         "without --nproc-per-node, or drop --plan")
+    from ..parallel.strategies import choose_strategy
+
+    # the store's rule in the verb's words before the config's (which names library parameters)
+    choose_strategy(args.kvstore, processes=nproc or 1, cli=True, strategy=args.strategy, devices=args.devices)
     try:
         run = RunSection(model=args.model, data=args.data, devices=args.devices, batch_size=args.batch_size,
                          epochs=args.epochs, seed=args.seed, train_size=args.train_size, test_size=args.test_size,
                          download=args.download, checkpoint=args.checkpoint, resume=args.resume,
                          resume_hparams_from_checkpoint=args.resume_hparams_from_checkpoint)
         trainer = TrainerConfig("sgd", {"lr": args.lr}, loss=_loss(args.loss), algorithm=args.algorithm,
-                                kvstore=args.kvstore, bucket_bytes=args.bucket_bytes, check_finite=args.check_finite,
-                                trace=args.trace, plan=plan)
+                                kvstore=args.kvstore, strategy=args.strategy, bucket_bytes=args.bucket_bytes,
+                                check_finite=args.check_finite, trace=args.trace, plan=plan)
         # processes given: checked for the launch that will start them (dlperf launch -- train ...)
         launch = LaunchConfig(nproc, join_timeout_s=RUN_TIMEOUT_S) if nproc is not None else None
         config = RunConfig(run, trainer, launch=launch)
@@ -211,7 +229,8 @@ def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int =
     if plan is not None and getattr(plan, "launcher", None) == "processes":
         raise UsageError(f"--plan {plan.name} under dlperf launch: a plan with processes is started by dlperf train; "
                          "give it without dlperf launch, or drop --plan")
-    choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, cli=True)
+    choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, cli=True, strategy=args.strategy,
+                    devices=args.devices)
     config = run_config(args, processes)
     try:
         check_resume(config)

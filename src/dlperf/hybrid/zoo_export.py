@@ -1,6 +1,7 @@
-"""Export a zoo model by name, then load the export back and compare its output with the model's.
+"""Export a model (a zoo model by name, or any module with its example batch), then load the export back and
+compare its output with the model's.
 
-``dlperf export`` is :func:`export_zoo_model` and :func:`check_export` with printing::
+``dlperf export`` is :func:`export_zoo_model` (or :func:`export_model`) and :func:`check_export` with printing::
 
     done = export_zoo_model(ZooExportConfig("lenet", "out/lenet", batch=2))
     max_difference, matches = check_export(done)
@@ -11,14 +12,15 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..batch import describe, tensors_of
 from ..errors import UsageError
 
-__all__ = ["ZooExportConfig", "ZooExport", "export_zoo_model", "check_export", "MAX_BATCH", "CHECK_RTOL",
-           "CHECK_ATOL"]
+__all__ = ["ZooExportConfig", "ZooExport", "export_zoo_model", "export_model", "check_export", "MAX_BATCH",
+           "CHECK_RTOL", "CHECK_ATOL"]
 
 MAX_BATCH = 2**24
 
@@ -59,8 +61,8 @@ class ZooExport:
 
     model: torch.nn.Module
     """The model, in eval mode, with the weights that were exported."""
-    example: torch.Tensor
-    """The example input the export was traced with."""
+    example: Any
+    """The example input the export was traced with (a tensor, or a tuple of the forward's inputs)."""
     directory: str
     """Where the files are."""
     paths: dict[str, str]
@@ -82,13 +84,26 @@ def export_zoo_model(config: ZooExportConfig) -> ZooExport:
     return ZooExport(model, x, config.directory, paths)
 
 
+def export_model(model: torch.nn.Module, example: Any, directory: str, *, pt2: bool = False) -> ZooExport:
+    """Export any ``model`` traced on ``example`` (a tensor, or a tuple of its forward's positional inputs)."""
+    from .export import export
+
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"{directory!r} is not a directory; give a directory for the export files")
+    model = model.eval()
+    inputs = example if isinstance(example, tuple) else (example,)
+    paths = export(model, directory, inputs, pt2=pt2)
+    return ZooExport(model, example, directory, paths)
+
+
 def check_export(done: ZooExport) -> tuple[float, bool]:
     """Load the export back and run the example: (max absolute difference from the model, within tolerance)."""
     # the module, not the package's function of the same name; its load is looked up now, so it can be replaced
     export_module = importlib.import_module(".export", __package__)
 
+    inputs = done.example if isinstance(done.example, tuple) else (done.example,)
     with torch.no_grad():
-        got, want = export_module.load(done.directory)(done.example), done.model(done.example)
+        got, want = export_module.load(done.directory)(*inputs), done.model(*inputs)
     # outputs may be structures (an LSTM's output and state): every tensor in the same place
     pairs = list(zip(tensors_of(got), tensors_of(want)))
     if describe(got) != describe(want) or not pairs:

@@ -202,6 +202,8 @@ class Plan:
     """Gradient bucket size (None: the Trainer's default)."""
     kvstore: str | None = None
     """Aggregate through a KVStore of this type instead of allreduce."""
+    strategy: str | None = None
+    """The gradient synchronization strategy by name (None: inferred from the replicas, processes and store)."""
     mixed_precision: str = "off"
     """``off``, ``bf16`` (autocast), or ``fp16`` (needs loss scaling); changes the numerics."""
     cudnn_benchmark: bool = False
@@ -241,9 +243,19 @@ class Plan:
             _int_in("bucket_bytes", self.bucket_bytes, 1, 2**40)
         if self.kvstore is not None and not isinstance(self.kvstore, str):
             raise UsageError(f"plan kvstore={self.kvstore!r}: expected a store type name or None")
+        self._check_strategy()
         for name in ("cudnn_benchmark", "pin_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"plan {name}={getattr(self, name)!r}: expected True or False")
+
+    def _check_strategy(self) -> None:
+        if self.strategy is None:
+            return
+        from ..strategies import STRATEGIES
+
+        if not isinstance(self.strategy, str):
+            raise UsageError(f"plan strategy={self.strategy!r}: expected a strategy name or None")
+        STRATEGIES.get(self.strategy)  # a miss lists what exists
 
     # -- names --------------------------------------------------------------------------------------
     @property
@@ -256,6 +268,8 @@ class Plan:
             parts.append("caller")
         if self.kvstore:
             parts.append(f"kvstore-{self.kvstore}")
+        if self.strategy:
+            parts.append(f"strategy-{self.strategy}")
         if self.algorithm != DEFAULT_ALGORITHM:
             parts.append(f"allreduce-{self.algorithm}")
         if self.mixed_precision != "off":
@@ -273,6 +287,8 @@ class Plan:
         text += f", {self.memory_format.replace('_', '-')}, {self.execution}"
         if self.kvstore:
             text += f", kvstore {self.kvstore}"
+        if self.strategy:
+            text += f", strategy {self.strategy}"
         extras = [label for on, label in ((self.mixed_precision != "off", self.mixed_precision),
                                           (self.cudnn_benchmark, "cudnn benchmark"), (self.pin_memory, "pinned"))
                   if on]
@@ -343,7 +359,7 @@ _SIZE = re.compile(r"(\d{1,4})x(\d{1,4})")
 
 def parse_plan(text: str) -> Plan:
     """A plan from its short name: ``RxT`` (replicas x threads) then any of ``contiguous``/``channels-last``,
-    an execution name, ``processes``, ``kvstore-TYPE``, ``allreduce-NAME``, ``bf16``/``fp16``."""
+    an execution name, ``processes``, ``kvstore-TYPE``, ``strategy-NAME``, ``allreduce-NAME``, ``bf16``/``fp16``."""
     if not isinstance(text, str) or len(text) > 200:
         raise UsageError(f"plan {str(text)[:40]!r}: expected a short name such as 1x2,channels-last")
     tokens = [t.strip().lower() for t in text.split(",") if t.strip()]
@@ -366,8 +382,11 @@ def parse_plan(text: str) -> Plan:
             fields["kvstore"] = token.removeprefix("kvstore-")
         elif token.startswith("allreduce-"):
             fields["algorithm"] = token.removeprefix("allreduce-")
+        elif token.startswith("strategy-"):
+            fields["strategy"] = token.removeprefix("strategy-")
         else:
             raise UsageError(f"plan {text!r}: unknown part {token!r}; expected contiguous, channels-last, "
-                             f"{', '.join(EXECUTIONS.names())}, processes, caller, kvstore-TYPE, allreduce-NAME, "
+                             f"{', '.join(EXECUTIONS.names())}, processes, caller, kvstore-TYPE, strategy-NAME, "
+                             "allreduce-NAME, "
                              "bf16 or fp16")
     return Plan(**fields)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...decide import MIN_GAIN, Verdict, judge, rank
 from ...devices import Device
 from ...errors import UsageError
 from ...timing import time_steps
@@ -66,18 +66,12 @@ from .plan_cache import (
 )
 from .process_plans import launch_hint, process_plans, processes_measurable, setup_s
 
-__all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "decide", "enumerate_plans",
-           "usable_cores", "DEFAULT_BUDGET_S", "MIN_GAIN"]
+__all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "enumerate_plans",
+           "usable_cores", "DEFAULT_BUDGET_S"]
 
 DEFAULT_BUDGET_S = 30.0
 RUN_SHARE = 0.1
 """The share of the planned run the planner may spend (when the run's length is known)."""
-MIN_GAIN = 0.03
-"""A plan must beat the reference by at least this fraction, whatever the measured spread."""
-FEW_ROUNDS = 2
-"""Shared rounds with the reference below which a candidate's ratios have no spread to judge noise by."""
-FEW_ROUNDS_GAIN = 0.10
-"""The margin a candidate sharing fewer than :data:`FEW_ROUNDS` rounds with the reference must beat it by."""
 PRUNE_RATIO = 3.0
 """Splits whose cost-model floor exceeds the best floor this many times are not measured."""
 MAX_REPLICAS_TRIED = 8
@@ -108,6 +102,9 @@ class PlannerOptions:
     """Consider bf16/fp16 plans, which change the numerics (GPUs only)."""
     executions: Sequence[str] | None = None
     """Executions to consider (None: every registered one available here)."""
+    strategies: Sequence[str] | None = None
+    """Gradient synchronization strategies to measure on plans of several replicas, by name, besides the one the
+    options imply (None: every registered strategy marked ``planned`` that can run there)."""
     cores: int | None = None
     """CPU cores the replicas' threads may fill (None: those this process may run on)."""
     use_cache: bool = True
@@ -129,6 +126,10 @@ class PlannerOptions:
                 raise UsageError(f"planner {name}={value!r}: expected an integer >= 1 (or None)")
         for name in self.executions or ():
             EXECUTIONS.get(name)  # a miss lists what exists
+        from ..strategies import STRATEGIES
+
+        for name in self.strategies or ():
+            STRATEGIES.get(name)
 
 
 @dataclass
@@ -157,7 +158,16 @@ class Measurement:
     setup_s: float | None = None
     """For an execution with a one-off setup: seconds its build and first step took beyond a steady step."""
     contended: bool = False
+    contended_rounds: set[int] = field(default_factory=set)
+    """The rounds in which its timing was marked contended."""
     note: str = ""
+
+    def record(self, index: int, ms: float, contended: bool) -> None:
+        """Round ``index``'s median, and whether its timing was contended."""
+        self.by_round[index] = ms
+        self.contended |= contended
+        if contended:
+            self.contended_rounds.add(index)
 
     @property
     def rounds_ms(self) -> list[float]:
@@ -253,6 +263,7 @@ def enumerate_plans(model: nn.Module, batch: Any, devices: Sequence[Device], ref
         splits += [(r, cores // r) for r in range(2, min(cores, n, MAX_REPLICAS_TRIED) + 1)
                    if r * (cores // r) == cores]
     plans = [reference]
+    strategies = _planned_strategies(reference, options)
     # replicas as processes, measured by launching them where the caller can (see plan_processes)
     processes = process_plans(model, devices, reference, cores, _examples(batch), layouts, notes)
     for r, t in splits:
@@ -263,11 +274,32 @@ def enumerate_plans(model: nn.Module, batch: Any, devices: Sequence[Device], ref
         for layout in layouts:
             plan = dataclasses.replace(base, replicas=r, threads=t, memory_format=layout, algorithm=algorithm,
                                        step_thread=where)
-            if plan not in plans:
-                plans.append(plan)
+            for variant in [plan, *(dataclasses.replace(plan, strategy=name) for name in strategies if r > 1)]:
+                if variant not in plans and _strategy_fits(variant):
+                    plans.append(variant)
         # a split's processes right after its threads: measured before the budget is spent (DDP's shape)
         plans += [p for p in processes if (p.replicas, p.threads) == (r, t) and p not in plans]
     return plans + [p for p in processes if p not in plans], notes
+
+
+def _planned_strategies(reference: Plan, options: PlannerOptions) -> list[str]:
+    """The strategies, by name, to measure beside the one a plan's options imply (see PlannerOptions.strategies)."""
+    from ..strategies import STRATEGIES
+
+    if reference.kvstore is not None or reference.strategy is not None:  # the user's choice stands
+        return []
+    names = options.strategies if options.strategies is not None else \
+        [n for n in STRATEGIES.names() if STRATEGIES.get(n).planned]
+    return [n for n in names if n != "allreduce"]  # allreduce is what several replicas imply already
+
+
+def _strategy_fits(plan: Plan) -> bool:
+    """Whether a plan's named strategy can run its replicas in one process (as the planner measures them)."""
+    if plan.strategy is None:
+        return True
+    from ..strategies import STRATEGIES, StrategyOptions
+
+    return STRATEGIES.get(plan.strategy).unusable(StrategyOptions(plan.kvstore, devices=plan.replicas)) is None
 
 
 def _gpu_plans(base: Plan, layouts: list[str], model: nn.Module, options: PlannerOptions,
@@ -460,8 +492,7 @@ class _Session:
         if why:
             m.note = f"dropped: {why}"
             return
-        m.by_round[index] = timing.median_s * 1e3
-        m.contended |= timing.contended
+        m.record(index, timing.median_s * 1e3, timing.contended)
         if first:
             m.first_step_ms = warm.samples[0] * 1e3 if warm is not None else m.by_round[index]
             if m.plan.execution == "eager":
@@ -477,7 +508,7 @@ class _Session:
         if any(m is reference for m in todo):
             left -= self.cost_s(reference, reference, steps=1)
         others = [m for m in todo if m is not reference]
-        others.sort(key=lambda m: (bool(m.by_round), _rank(m, reference) if m.ratios(reference) else 0.0))
+        others.sort(key=lambda m: (bool(m.by_round), rank(m.ratios(reference)) if m.ratios(reference) else 0.0))
         chosen: list[Measurement] = []
         for m in others:
             cost = self.cost_s(m, reference, steps=1)  # the steps beyond the first fill what is left
@@ -536,31 +567,6 @@ def _difference(plan: Plan, chosen: Plan) -> str:
     return ", ".join(parts) or plan.name
 
 
-def _gain(m: Measurement, against: Measurement) -> tuple[float, float]:
-    """(median ratio of ``m`` to ``against`` over the rounds both ran, half the ratios' range): how much
-    faster ``m`` is, and how much that moved from round to round."""
-    ratios = sorted(m.ratios(against))
-    if not ratios:
-        return float("inf"), 0.0
-    return statistics.median(ratios), (ratios[-1] - ratios[0]) / 2
-
-
-def _margin(m: Measurement, reference: Measurement) -> float:
-    """How far below the reference ``m``'s median ratio must lie to count: its rounds' spread, at least
-    :data:`MIN_GAIN`; :data:`FEW_ROUNDS_GAIN` when it shared fewer than :data:`FEW_ROUNDS` rounds with the
-    reference (one ratio has no spread to judge its noise by)."""
-    shared = len(m.ratios(reference))
-    if shared < FEW_ROUNDS:
-        return FEW_ROUNDS_GAIN
-    return max(MIN_GAIN, _gain(m, reference)[1])
-
-
-def _rank(m: Measurement, reference: Measurement) -> float:
-    """``m``'s median ratio to the reference, plus :data:`FEW_ROUNDS_GAIN` when it shared fewer than
-    :data:`FEW_ROUNDS` rounds with it: what candidates are ranked by."""
-    return _gain(m, reference)[0] + (FEW_ROUNDS_GAIN if len(m.ratios(reference)) < FEW_ROUNDS else 0.0)
-
-
 def _pays(m: Measurement, reference: Measurement, run_steps: int | None) -> tuple[bool, str]:
     """Whether an execution with a one-off setup (compile) gains back its setup over a run of known length."""
     if m.plan.execution == "eager" or not run_steps or m.first_step_ms is None:
@@ -572,56 +578,26 @@ def _pays(m: Measurement, reference: Measurement, run_steps: int | None) -> tupl
                    f"{run_steps} steps")
 
 
-def _decide(found: list[Measurement], run_steps: int | None, reasons: list[str]) -> tuple[Measurement, float]:
-    """The candidate to run, and the margin it was judged by.
-
-    A candidate counts only if it was faster than the reference by :data:`MIN_GAIN` in every round both ran
-    (a round where another process slowed the reference proves nothing) and its median ratio to the
-    reference lies below 1 by more than its margin (:func:`_margin`: the spread of its ratios,
-    at least :data:`MIN_GAIN`; :data:`FEW_ROUNDS_GAIN` when it shared fewer than :data:`FEW_ROUNDS` rounds,
-    as when the budget ran out before its second round). Among those the lowest median ratio wins, a
-    candidate of fewer than :data:`FEW_ROUNDS` shared rounds counted :data:`FEW_ROUNDS_GAIN` slower
-    (:func:`_rank`): it displaces one timed in more rounds only when clearly faster, never on one lucky
-    ratio. An execution with a setup (compile) counts only when a run of ``run_steps`` gains it back. No
-    candidate counts: the reference.
-    """
+def _decide(found: list[Measurement], run_steps: int | None, reasons: list[str]) -> tuple[Measurement, Verdict]:
+    """The candidate to run, by the one decider's rule (:func:`dlperf.decide.judge`, round by round against the
+    reference), where an execution with a setup (compile) counts only when a run of ``run_steps`` gains it back.
+    No candidate counts: the reference."""
     reference = found[0]
     if reference.ms is None:
         raise UsageError(f"the reference plan {reference.plan.name} could not run ({reference.note}); "
                          "check the model, batch and devices without a plan first")
-    measured = [m for m in found[1:] if m.ms is not None and m.ratios(reference)]
-    eligible = []
-    for m in measured:
-        if max(m.ratios(reference)) < 1 - MIN_GAIN and _gain(m, reference)[0] + _margin(m, reference) < 1:
-            pays, why = _pays(m, reference, run_steps)
-            if pays:
-                eligible.append(m)
-            else:
-                reasons.append(why)
-    if eligible:
-        best = min(eligible, key=lambda m: _rank(m, reference))
-        ratio, margin = _gain(best, reference)[0], _margin(best, reference)
-        shared = len(best.ratios(reference))
-        reasons.append(f"measured: {ratio:.2f}x the reference's step time over {shared} shared round"
-                       f"{'s' * (shared > 1)}, faster by {MIN_GAIN:.0%} or more in each ({best.ms:.2f} against "
-                       f"{reference.ms:.2f} ms at best), beyond its margin ({margin:.0%})")
-        return best, margin
-    closest = min(measured, key=lambda m: _gain(m, reference)[0], default=None)
-    margin = _margin(closest, reference) if closest is not None else MIN_GAIN
-    reasons.append(f"measured: no plan beat the reference ({reference.ms:.2f} ms/step) in every round by more "
-                   f"than its margin ({MIN_GAIN:.0%} or the rounds' spread; {FEW_ROUNDS_GAIN:.0%} with fewer "
-                   f"than {FEW_ROUNDS} shared rounds); kept it")
-    return reference, margin
+    timed = {m.plan.name: m for m in found if m.ms is not None}
+    n = max((max(m.by_round) + 1 for m in timed.values()), default=0)
+    contended = [any(i in m.contended_rounds for m in timed.values()) for i in range(n)]
 
+    def pays(name: str) -> str | None:
+        ok, why = _pays(timed[name], reference, run_steps)
+        return None if ok else why
 
-def decide(found: list[Measurement], run_steps: int | None = None, reasons: list[str] | None = None
-           ) -> tuple[Plan, float]:
-    """The plan among ``found`` (the reference first) by :func:`_decide`'s rule, with its figures, the others' and
-    ``reasons``; and its margin. The planner's search and the tuning of a user's own loop both decide here."""
-    reasons = reasons if reasons is not None else []
-    best, noise = _decide(found, run_steps, reasons)
-    alternatives = [(_difference(m.plan, best.plan), m.ms) for m in found if m is not best and m.ms is not None]
-    return best.plan.with_figures(best.ms, [(n, ms) for n, ms in alternatives if ms is not None], reasons), noise
+    verdict = judge({name: [m.by_round.get(i) for i in range(n)] for name, m in timed.items()},
+                    reference.plan.name, contended=contended, min_gain=MIN_GAIN, eligible=pays)
+    reasons.append(f"measured: {verdict.reason}")
+    return timed[verdict.chosen], verdict
 
 
 def _setup_key(model: nn.Module, batch: Any, devices: Sequence[Device], execution: str) -> str:
@@ -699,7 +675,8 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
     """
     options = options or PlannerOptions()
     extra = repr((reference.to_dict(), options.allow_mixed_precision, tuple(options.executions or ()),
-                  options.cores or usable_cores(), options.run_steps is not None, processes_measurable()))
+                  options.cores or usable_cores(), options.run_steps is not None, processes_measurable(),
+                  tuple(_planned_strategies(reference, options))))
     key = plan_key(model, batch, devices, extra)
     started = time.perf_counter()
     if options.use_cache:
@@ -721,11 +698,14 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
         found += _executions_phase(session, found, model, batch, devices)
     finally:
         session.close()
-    plan, noise = decide(found, options.run_steps, reasons)
+    best, verdict = _decide(found, options.run_steps, reasons)
+    noise = verdict.margin
+    alternatives = [(_difference(m.plan, best.plan), m.ms) for m in found if m is not best and m.ms is not None]
+    plan = best.plan.with_figures(best.ms, [(n, ms) for n, ms in alternatives if ms is not None], reasons)
     late = [m.plan.name for m in found if m.note == "skipped for time"]
     skipped = session.skipped + ([f"for time (budget {session.budget:.1f} s): {'; '.join(late)}"] if late else [])
     decision = PlanDecision(plan, reference, found, time.perf_counter() - started, False, skipped, noise,
-                            any(m.contended for m in found))
+                            verdict.contended or any(m.contended for m in found))
     if options.use_cache:
         save_plan(key, plan, options.cache_path)
         if processes_measurable():  # what a search in one process will compare its own decision with

@@ -10,8 +10,11 @@
 ``parameter-servers``  a distributed KVStore whose servers sum, update and serve the weights
 =====================  ============================================================================
 
-:func:`choose_strategy` picks one from the options (the rule written once); :data:`STRATEGIES` holds
-them by name and a miss lists what exists.
+A user names one (``Trainer(strategy=...)``, ``dlperf train --strategy``, a plan's ``strategy-NAME``), or
+:func:`choose_strategy` infers it from the options (the rule written once); :data:`STRATEGIES` holds them by name
+and a miss lists what exists. A new strategy is one module: a :class:`Strategy` subclass with a ``name``,
+decorated with :func:`register_strategy` (and, for the planner and ``dlperf scale`` to price it, a cost formula
+registered under that name in :data:`dlperf.probe.projection.COSTS`).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from . import (  # noqa: F401 (register)
     parameter_servers,
 )
 from .context import NonFiniteError, StepContext
-from .factory import choose_strategy, create_strategy
-from .strategy import STRATEGIES, ReplicaOptimizers, Strategy, register_strategy
+from .factory import choose_strategy, create_strategy, strategy_class
+from .strategy import STRATEGIES, ReplicaOptimizers, Strategy, StrategyOptions, register_strategy
 
-__all__ = ["Strategy", "ReplicaOptimizers", "StepContext", "NonFiniteError", "STRATEGIES", "register_strategy",
-           "choose_strategy", "create_strategy"]
+__all__ = ["Strategy", "StrategyOptions", "ReplicaOptimizers", "StepContext", "NonFiniteError", "STRATEGIES",
+           "register_strategy", "choose_strategy", "create_strategy", "strategy_class"]

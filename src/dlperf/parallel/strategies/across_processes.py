@@ -14,7 +14,7 @@ from ...kvstore import KVStore
 from ..communication.buckets import Across, GradientBuckets
 from ..communication.process_group import ExchangeClock, ExchangeReport, allreduce_across_processes, gather_exchanges
 from .context import StepContext
-from .strategy import ReplicaOptimizers, register_strategy
+from .strategy import ReplicaOptimizers, StrategyOptions, register_strategy
 
 __all__ = ["AcrossProcesses"]
 
@@ -24,6 +24,16 @@ class AcrossProcesses(ReplicaOptimizers):
     """Gradients summed locally by the allreduce algorithm, then across processes bucket by bucket."""
 
     name = "processes"
+
+    costs = ("processes",)
+
+    @classmethod
+    def unusable(cls, options: StrategyOptions) -> str | None:
+        if options.processes < 2:
+            return "needs several processes: start them with dlperf launch or torchrun"
+        if options.kvstore is not None:
+            return "has no store: drop kvstore, or use 'parameter-servers' with a dist_* store"
+        return "sums on host memory (gloo): use CPU devices" if options.gpus else None
 
     def __init__(self, kvstore: str | KVStore | None = None) -> None:
         super().__init__(kvstore)

@@ -1,10 +1,11 @@
-"""The one factory: which gradient synchronization strategy a set of options means, or why none does.
+"""The one factory: the gradient synchronization strategy a trainer uses, named or inferred, or why none fits.
 
-The Trainer, :class:`~dlperf.parallel.training.run.TrainConfig` and ``dlperf launch`` all ask
-:func:`choose_strategy`, so the rule is written once: a distributed store (its class says so, see
-:func:`~dlperf.parallel.communication.servers.is_dist_kvstore`) needs several processes and means parameter servers;
-a local store aggregates one process's devices only; across processes without a store the buckets are
-summed by allreduce, on host memory.
+A strategy is named (``strategy="allreduce"``, ``--strategy``, a plan's ``strategy-NAME``) and checked against the
+options (:meth:`~.strategy.Strategy.unusable`); without a name the options decide, by one rule written here for the
+Trainer, :class:`~dlperf.parallel.training.run_config.RunConfig` and ``dlperf launch``: a distributed store (its
+class says so, see :func:`~dlperf.parallel.communication.servers.is_dist_kvstore`) needs several processes and means
+parameter servers; a local store aggregates one process's devices only; across processes without a store the
+buckets are summed by allreduce, on host memory.
 
 >>> choose_strategy(devices=2), choose_strategy("local", devices=2, update_on_kvstore=True)
 ('allreduce', 'update-on-kvstore')
@@ -23,9 +24,9 @@ from ...devices import Device
 from ...errors import UsageError
 from ...kvstore import KVStore
 from ..communication.servers import is_dist_kvstore
-from .strategy import STRATEGIES, Strategy
+from .strategy import STRATEGIES, Strategy, StrategyOptions
 
-__all__ = ["choose_strategy", "create_strategy", "check_update_on_kvstore"]
+__all__ = ["choose_strategy", "create_strategy", "check_update_on_kvstore", "strategy_class"]
 
 
 def check_update_on_kvstore(kvstore: str | KVStore | None, update_on_kvstore: bool) -> None:
@@ -42,7 +43,7 @@ def _spell(cli: bool, kvstore: str | KVStore | None) -> str:
 
 def choose_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: bool = False,
                     devices: Sequence[Device] | int = 1, processes: int = 1, num_servers: int = 0,
-                    cli: bool = False) -> str:
+                    cli: bool = False, strategy: str | type[Strategy] | Strategy | None = None) -> str:
     """The registered name of the strategy for these options; one :class:`UsageError` line when they conflict.
 
     Args:
@@ -52,7 +53,10 @@ def choose_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: 
         processes: how many processes train together (servers included).
         num_servers: ranks that are parameter servers (``dlperf launch --num-servers``).
         cli: name the options as ``dlperf train`` spells them in messages (``--kvstore local``).
+        strategy: a registered name (or an instance) to check against the options instead of inferring one.
     """
+    if strategy is not None:
+        return _named(strategy, kvstore, update_on_kvstore, devices, processes, cli)
     distributed = kvstore is not None and is_dist_kvstore(kvstore)
     where = _spell(cli, kvstore)
     dist_choice = "--kvstore dist_sync" if cli else "'dist_sync' or 'dist_device_sync'"
@@ -79,8 +83,54 @@ def choose_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: 
     return "update-on-kvstore" if update_on_kvstore else "kvstore"
 
 
+def strategy_class(strategy: str | type[Strategy] | Strategy) -> type[Strategy]:
+    """The class a strategy option names: a registered name, ``pkg.module:Class`` (imported and registered: a
+    strategy of the user's own), a class or an instance."""
+    if isinstance(strategy, Strategy):
+        return type(strategy)
+    if isinstance(strategy, type) and issubclass(strategy, Strategy):
+        return strategy
+    text = str(strategy)
+    if ":" not in text:
+        return STRATEGIES.get(text)
+    from ...probe.targets import load_factory
+
+    cls = load_factory(text)
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)) or not cls.name:
+        raise UsageError(f"strategy={text!r} is not a Strategy subclass with a name; name one, e.g. "
+                         "mystrategies:MySync")
+    if cls.name not in STRATEGIES:
+        STRATEGIES.register(cls.name, cls)
+    return cls
+
+
+def _named(strategy: str | type[Strategy] | Strategy, kvstore: str | KVStore | None, update_on_kvstore: bool,
+           devices: Sequence[Device] | int, processes: int, cli: bool) -> str:
+    cls = strategy_class(strategy)
+    name = cls.name
+    check_update_on_kvstore(kvstore, update_on_kvstore)
+    options = StrategyOptions(kvstore, update_on_kvstore or (kvstore is not None and _dist(kvstore)),
+                              devices if isinstance(devices, int) else len(devices), processes,
+                              not isinstance(devices, int) and any(d.is_gpu for d in devices))
+    why = cls.unusable(options)
+    if why:
+        where = f"--strategy {name}" if cli else f"strategy={name!r}"
+        raise UsageError(f"{where} with {options.devices} device(s) in {processes} process(es)"
+                         f"{f' and kvstore {kvstore!r}' if kvstore is not None else ''}: it {why}")
+    return name
+
+
+def _dist(kvstore: str | KVStore) -> bool:
+    return is_dist_kvstore(kvstore)
+
+
 def create_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: bool = False,
-                    devices: Sequence[Device] | int = 1, processes: int = 1) -> Strategy:
-    """A new strategy for these options (see :func:`choose_strategy`), not attached to a trainer yet."""
-    name = choose_strategy(kvstore, update_on_kvstore=update_on_kvstore, devices=devices, processes=processes)
+                    devices: Sequence[Device] | int = 1, processes: int = 1,
+                    strategy: str | type[Strategy] | Strategy | None = None) -> Strategy:
+    """A new strategy for these options (see :func:`choose_strategy`), not attached to a trainer yet; a given
+    instance is used itself while unattached (a copy of its kind otherwise: a trainer that builds again)."""
+    name = choose_strategy(kvstore, update_on_kvstore=update_on_kvstore, devices=devices, processes=processes,
+                           strategy=strategy)
+    if isinstance(strategy, Strategy):
+        return strategy if strategy._ctx is None else type(strategy)(kvstore)
     return STRATEGIES.get(name)(kvstore)

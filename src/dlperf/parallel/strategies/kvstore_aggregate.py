@@ -9,7 +9,7 @@ from ...kvstore import KVStore
 from ..communication.buckets import GradientBuckets
 from .context import StepContext
 from .store import BoundStore
-from .strategy import ReplicaOptimizers, register_strategy
+from .strategy import ReplicaOptimizers, StrategyOptions, register_strategy
 
 __all__ = ["KVStoreAggregate"]
 
@@ -22,6 +22,12 @@ class KVStoreAggregate(ReplicaOptimizers):
     """
 
     name = "kvstore"
+
+    @classmethod
+    def unusable(cls, options: StrategyOptions) -> str | None:
+        if options.kvstore is None or options.distributed or options.processes != 1:
+            return "needs a local store in one process: kvstore='local' or 'device'"
+        return "sums only: with update_on_kvstore use 'update-on-kvstore'" if options.update_on_kvstore else None
 
     def __init__(self, kvstore: str | KVStore | None = None) -> None:
         super().__init__(kvstore)

@@ -11,7 +11,7 @@ from ...errors import UsageError
 from ...kvstore import KVStore
 from .context import StepContext
 from .store import BoundStore
-from .strategy import Strategy, register_strategy
+from .strategy import Strategy, StrategyOptions, register_strategy
 
 __all__ = ["UpdateOnKVStore", "gradients"]
 
@@ -27,6 +27,12 @@ class UpdateOnKVStore(Strategy):
     """Update on the store (d2l 12.7): one key per parameter, the store runs the optimizer."""
 
     name = "update-on-kvstore"
+
+    @classmethod
+    def unusable(cls, options: StrategyOptions) -> str | None:
+        if options.kvstore is None or options.distributed or options.processes != 1:
+            return "needs a local store in one process: kvstore='local' or 'device'"
+        return None
     state_key = "kvstore"
 
     def __init__(self, kvstore: str | KVStore | None = None) -> None:

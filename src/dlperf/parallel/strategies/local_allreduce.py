@@ -17,7 +17,7 @@ from ...kvstore import KVStore
 from ..communication.buckets import GradientBuckets
 from ..optimizers import optimizer_name
 from .context import StepContext, wait_each
-from .strategy import ReplicaOptimizers, register_strategy
+from .strategy import ReplicaOptimizers, StrategyOptions, register_strategy
 
 __all__ = ["LocalAllreduce"]
 
@@ -27,6 +27,15 @@ class LocalAllreduce(ReplicaOptimizers):
     """Several devices in one process, gradients summed by the allreduce algorithm."""
 
     name = "allreduce"
+
+    costs = ("allreduce-naive", "allreduce-ring", "allreduce-sharded")
+    planned = True
+
+    @classmethod
+    def unusable(cls, options: StrategyOptions) -> str | None:
+        if options.processes != 1:
+            return "sums one process's devices; across processes use 'processes'"
+        return "has no store: drop kvstore, or use 'kvstore'" if options.kvstore is not None else None
 
     def __init__(self, kvstore: str | KVStore | None = None) -> None:
         super().__init__(kvstore)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...kvstore import KVStore
-from .strategy import ReplicaOptimizers, register_strategy
+from .strategy import ReplicaOptimizers, StrategyOptions, register_strategy
 
 __all__ = ["OneDevice"]
 
@@ -16,6 +16,12 @@ class OneDevice(ReplicaOptimizers):
     """
 
     name = "one-device"
+
+    @classmethod
+    def unusable(cls, options: StrategyOptions) -> str | None:
+        if options.devices != 1 or options.processes != 1:
+            return f"trains one device in one process, not {options.devices} in {options.processes}"
+        return "has no store: drop kvstore" if options.kvstore is not None else None
 
     def __init__(self, kvstore: str | KVStore | None = None) -> None:
         super().__init__(kvstore)

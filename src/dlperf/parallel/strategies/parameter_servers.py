@@ -16,7 +16,7 @@ from ...errors import UsageError
 from ..communication.process_group import ProcessAxis
 from ..communication.servers import close_and_report, open_dist_kvstore
 from .kvstore_update import UpdateOnKVStore, gradients
-from .strategy import register_strategy
+from .strategy import StrategyOptions, register_strategy
 
 __all__ = ["ParameterServers"]
 
@@ -26,6 +26,14 @@ class ParameterServers(UpdateOnKVStore):
     """Every key pushed and pulled in one request per server; the servers run the optimizer."""
 
     name = "parameter-servers"
+
+    costs = ("parameter-servers-1", "parameter-servers-2")
+
+    @classmethod
+    def unusable(cls, options: StrategyOptions) -> str | None:
+        if not options.distributed:
+            return "needs a distributed store: kvstore='dist_sync' (or dist_device_sync)"
+        return "needs several processes: start them with dlperf launch" if options.processes < 2 else None
 
     def join(self, axis: ProcessAxis | None) -> ProcessAxis | None:
         if axis is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -34,7 +35,25 @@ from ..communication.buckets import GradientBuckets
 from ..communication.process_group import ProcessAxis
 from .context import StepContext
 
-__all__ = ["Strategy", "ReplicaOptimizers", "STRATEGIES", "register_strategy"]
+__all__ = ["Strategy", "ReplicaOptimizers", "STRATEGIES", "register_strategy", "StrategyOptions"]
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """What a strategy is chosen against: the store, this process's devices, the processes."""
+
+    kvstore: str | KVStore | None = None
+    update_on_kvstore: bool = False
+    devices: int = 1
+    processes: int = 1
+    gpus: bool = False
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the store spans processes (its class says so: a ``dist_*`` type)."""
+        from ..communication.servers import is_dist_kvstore
+
+        return self.kvstore is not None and is_dist_kvstore(self.kvstore)
 
 STRATEGIES: Registry[type[Strategy]] = Registry("gradient synchronization strategy")
 """Every strategy by name; a miss lists what exists."""
@@ -55,6 +74,17 @@ class Strategy(ABC):
     """The registry name (``one-device``, ``allreduce``, ...)."""
     state_key: ClassVar[str] = "optimizer"
     """The key :meth:`state_dict` keeps the update's state under: ``"optimizer"`` or ``"kvstore"``."""
+    costs: ClassVar[tuple[str, ...]] = ()
+    """The names of its cost formulas in :data:`dlperf.probe.projection.COSTS` (the planner and ``dlperf scale``
+    price it by them): its own name, or its name and a variant (``allreduce-ring``)."""
+    planned: ClassVar[bool] = False
+    """Whether the planner measures it for plans of several replicas where it can run (see :meth:`unusable`)."""
+
+    @classmethod
+    def unusable(cls, options: StrategyOptions) -> str | None:
+        """Why a trainer with these options cannot synchronize with this strategy (None: it can), in a few
+        words that follow its name: ``"needs a kvstore"``."""
+        return None
 
     def __init__(self, kvstore: str | KVStore | None = None) -> None:
         self.kvstore_option = kvstore

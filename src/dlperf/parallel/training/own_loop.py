@@ -436,9 +436,8 @@ class Loop:
             self._tuning_hook.remove()
             self._tuning_hook = None
         if self.rank == 0:
-            contended = any(m.contended for m in tuner.found)
             log.info("loop %s; tuned on its first %d steps in %.1f s%s", tuner.plan.line(), tuner.steps_seen,
-                     tuner.seconds, " (contended)" if contended else "")
+                     tuner.seconds, "; every round contended: decided for this run only" if tuner.contended else "")
 
     # -- data and figures ---------------------------------------------------------------------------------
     def setup_data(self, data: Iterable[Any]) -> Iterable[Any]:

@@ -11,11 +11,12 @@ rounding), so training goes on while it tunes.
 2. **Rounds**: each candidate still in the running is switched on at a step's end, given ``settle`` untimed
    steps (the switch itself: a layout conversion, a first capture), then ``steps`` timed ones. The order
    turns every round, so a change of the machine's load between rounds moves all alike.
-3. **Prune** after every round: a candidate no faster than the reference by
-   :data:`~dlperf.parallel.planning.planner.MIN_GAIN` in a round can no longer be chosen (the planner's rule
-   asks that of every round), so it leaves: a slow candidate costs at most one round of steps.
-4. **Decide** by the planner's rule (:func:`~dlperf.parallel.planning.planner.decide`): the fastest only
-   beyond noise, else the reference, the loop as the user wrote it; that plan stays in force.
+3. **Prune** after every round: a candidate no faster than the reference by :data:`~dlperf.decide.MIN_GAIN`
+   in a round neither timing of which was contended can no longer be chosen (the rule asks that of every
+   round), so it leaves: a slow candidate costs about one round of steps.
+4. **Decide** by dlperf's one rule (:func:`dlperf.decide.judge`): the fastest only beyond noise in every round,
+   contended rounds left out where others exist, else the reference, the loop as the user wrote it; that plan
+   stays in force.
 
 Across processes every rank runs the same schedule (it counts steps, which the gradient sums keep in step),
 and each round's figures and the time budget's verdict are summed over the ranks before anything is pruned
@@ -32,11 +33,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...decide import MIN_GAIN, judge
 from ...devices import Device
 from ...errors import UsageError
 from ...timing import StepWindow, Timing, doubling_up_to
 from ..planning.plan import EXECUTIONS, Plan, uses_conv2d
-from ..planning.planner import MIN_GAIN, Measurement, decide
+from ..planning.planner import Measurement
 
 __all__ = ["LoopTuning", "OnlineTuner", "loop_candidates"]
 
@@ -151,6 +153,8 @@ class OnlineTuner:
         self._left = options.warmup
         self._phase = "warmup"
         self._window: StepWindow | None = None
+        self.contended = False
+        """Every round that decided was contended: the choice holds for this run, it is no measured gain."""
         if len(self.found) == 1:
             self._finish()
 
@@ -200,9 +204,7 @@ class OnlineTuner:
         self._phase, self._left = "settle", self.options.settle
 
     def _record(self, timing: Timing) -> None:
-        m = self._order[self._slot]
-        m.by_round[self._round] = timing.median_s * 1e3
-        m.contended |= timing.contended
+        self._order[self._slot].record(self._round, timing.median_s * 1e3, timing.contended)
 
     def _next_slot(self) -> None:
         self._slot += 1
@@ -225,39 +227,50 @@ class OnlineTuner:
         over = time.perf_counter() - self.started > self.options.budget_s
         if self._share is not None:
             over = self._agree(over)
-        reference = self.reference
-        if self._round in reference.by_round:
+        reference, r = self.reference, self._round
+        if r in reference.by_round and r not in reference.contended_rounds:
             for m in self.live()[1:]:
-                ms = m.by_round.get(self._round)
-                if ms is not None and ms / reference.by_round[self._round] >= 1 - MIN_GAIN:
-                    m.note = f"dropped after round {self._round + 1}: {ms:.2f} ms/step against the reference's " \
-                             f"{reference.by_round[self._round]:.2f}"
+                ms = m.by_round.get(r)
+                if ms is not None and r not in m.contended_rounds and ms / reference.by_round[r] >= 1 - MIN_GAIN:
+                    m.note = f"dropped after round {r + 1}: {ms:.2f} ms/step against the reference's " \
+                             f"{reference.by_round[r]:.2f}"
         if over:
-            self.notes.append(f"budget: {self.options.budget_s:g} s spent after {self._round + 1} round"
-                              f"{'s' * (self._round > 0)}")
-        if over or self._round + 1 >= self.options.rounds or len(self.live()) < 2:
+            self.notes.append(f"budget: {self.options.budget_s:g} s spent after {r + 1} round{'s' * (r > 0)}")
+        if over or r + 1 >= self.options.rounds or len(self.live()) < 2:
             self._finish()
         else:
             self._next_round()
 
     def _agree(self, over: bool) -> bool:
-        """Every rank's figures of this round summed (their mean decides alike everywhere), and whether any rank
-        ran out of time."""
+        """Every rank's figures of this round summed (their mean decides alike everywhere), a timing contended on
+        any rank marked on all, and whether any rank ran out of time."""
         assert self._share is not None
-        ms = [m.by_round.get(self._round, 0.0) for m in self.found]
-        total = self._share(torch.tensor([*ms, float(over)], dtype=torch.float64))
-        for m, value in zip(self.found, total[:-1].tolist(), strict=True):
-            if self._round in m.by_round:
-                m.by_round[self._round] = value
-        return bool(total[-1] > 0)
+        r, k = self._round, len(self.found)
+        mine = [m.by_round.get(r, 0.0) for m in self.found] + [float(r in m.contended_rounds) for m in self.found]
+        total = self._share(torch.tensor([*mine, float(over)], dtype=torch.float64)).tolist()
+        for i, m in enumerate(self.found):
+            if r in m.by_round:
+                m.by_round[r] = total[i]
+                if total[k + i] > 0:
+                    m.record(r, total[i], True)
+        return total[-1] > 0
 
     def _finish(self) -> None:
         reasons = list(self.notes)
-        if len(self.found) == 1:
+        timed = [m for m in self.found if m.by_round and not m.note.startswith("dropped:")]
+        if len(timed) < 2:
             plan = self.reference.plan
-            reasons.append("no other candidate")
+            reasons.append("no other candidate was timed")
         else:
-            plan, _ = decide(self.found, None, reasons)
+            n = 1 + max(i for m in timed for i in m.by_round)
+            verdict = judge({m.plan.name: [m.by_round.get(i) for i in range(n)] for m in timed},
+                            self.reference.plan.name,
+                            contended=[any(i in m.contended_rounds for m in timed) for i in range(n)])
+            reasons.append(f"measured: {verdict.reason}")
+            best = next(m for m in timed if m.plan.name == verdict.chosen)
+            others = [(m.plan.name, m.ms) for m in timed if m is not best and m.ms is not None]
+            plan = best.plan.with_figures(best.ms, others, reasons)
+            self.contended = verdict.contended
         self.plan = plan
         self.seconds = time.perf_counter() - self.started
         self._switch(plan)

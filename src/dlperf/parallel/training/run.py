@@ -24,11 +24,12 @@ import torch
 
 from ...batch import batch_size
 from ...devices import Device
+from ..communication.process_group import check_process_settings
 from ..launchers import LaunchConfig, ProcessLauncher, rank_info
 from ..launchers.launch_config import RUN_TIMEOUT_S
 from ..planning.plan import EXECUTIONS, Plan
 from .checkpoint import CHECKPOINT_FORMAT, save_checkpoint
-from .run_config import RunConfig, TrainState, prepare
+from .run_config import RunConfig, TrainState, check_resume, prepare
 from .trainer import Trainer
 
 __all__ = ["RunHooks", "RunResult", "run_training", "choose_plan", "train", "train_epochs", "serve", "launch_run",
@@ -80,7 +81,11 @@ def run_training(config: RunConfig, hooks: RunHooks | None = None) -> RunResult 
     hooks = hooks or RunHooks()
     if hooks.on_start is not None:
         hooks.on_start()
+    if config.launch is None and rank_info().world_size == 1:
+        config = _as_recorded_processes(config)
     if config.launch is not None and rank_info().world_size == 1:
+        check_resume(config)  # here, once, before any process starts: a mismatch is one line, not one a process
+        check_process_settings()
         launch_run(config, hooks)
         return None
     if is_server_rank(config.trainer.kvstore):  # the last num_servers ranks hold the weights; they do not train
@@ -95,6 +100,21 @@ def run_training(config: RunConfig, hooks: RunHooks | None = None) -> RunResult 
         launch_run(pinned, hooks)
         return None
     return train(config, state, plan, hooks)
+
+
+def _as_recorded_processes(config: RunConfig) -> RunConfig:
+    """A resumed run whose checkpoint was trained as a processes plan, to start as that many processes again."""
+    from .checkpoint import load_checkpoint
+
+    given = config.trainer.plan
+    if not config.run.resume or not (given is None or given == "auto" or isinstance(given, Plan)):
+        return config
+    recorded = load_checkpoint(config.run.resume)["trainer"].get("plan")
+    plan = Plan.from_dict(recorded, "the checkpoint's plan") if recorded is not None else None
+    if plan is None or plan.launcher != "processes" or (isinstance(given, Plan) and given != plan):
+        return config
+    return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, plan=plan),
+                               launch=LaunchConfig(plan.replicas, join_timeout_s=RUN_TIMEOUT_S))
 
 
 def choose_plan(config: RunConfig, state: TrainState) -> Plan | None:

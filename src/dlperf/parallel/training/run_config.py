@@ -136,7 +136,8 @@ class RunConfig:
                 f"{total} devices ({self.processes} processes x {len(self.devices)})"
             raise UsageError(f"batch_size={run.batch_size} is smaller than the {where}; each device needs at least "
                              f"one example per step: give batch_size={total} or more")
-        choose_strategy(self.trainer.kvstore, devices=self.devices, processes=self.processes)
+        choose_strategy(self.trainer.kvstore, devices=self.devices, processes=self.processes,
+                        update_on_kvstore=self.trainer.update_on_kvstore, strategy=self.trainer.strategy)
         if run.checkpoint:
             try:
                 check_writable(run.checkpoint)  # now, not after the first epoch
@@ -275,7 +276,9 @@ def check_resume(config: RunConfig) -> dict[str, Any] | None:
         diff = {k: (was.get(k), settings.get(k)) for k in sorted({*was, *settings}) if was.get(k) != settings.get(k)}
         raise UsageError(f"resume={run.resume}: settings differ from the checkpoint's (was, now): {diff}")
     devices = config.devices
-    strategy = STRATEGIES.get(choose_strategy(config.trainer.kvstore, devices=devices, processes=config.processes))
+    strategy = STRATEGIES.get(choose_strategy(config.trainer.kvstore, devices=devices, processes=config.processes,
+                                              update_on_kvstore=config.trainer.update_on_kvstore,
+                                              strategy=config.trainer.strategy))
     trainer = resume["trainer"]
     build, _ = _model_builder(run)
     problem = trainer_state_problem(

@@ -1,12 +1,9 @@
 """Trainer: data-parallel training of one model on k devices (d2l 12.6, concisely).
 
-Every step runs on one asynchronous dependency engine (d2l 12.2): each replica's forward and backward
-is an engine operation on its device's worker. How gradients are synchronized and the replicas updated
-is the trainer's *strategy* (:mod:`dlperf.parallel.strategies`), chosen once from the options: gradient
-buckets reduced by allreduce on communication lanes while backward runs (:mod:`dlperf.parallel.allreduce.lanes`),
-through a KVStore, across processes, or by parameter servers. The caller pushes the replicas'
-operations and is woken once, when the last replica ends. ``trace=`` or :meth:`Trainer.start_trace`
-records the engine's timeline.
+Each replica's forward and backward is an operation of the asynchronous engine (d2l 12.2) on its device's
+worker; how gradients are synchronized and the replicas updated is the trainer's *strategy*
+(:mod:`dlperf.parallel.strategies`). Started as several processes, a Trainer spans them all: every process passes
+the same global batch and trains on its slice (docs/library.md has the details).
 
 >>> import torch
 >>> from torch import nn
@@ -17,10 +14,6 @@ records the engine's timeline.
 ...     loss = trainer.train_step(X, y)
 ...     trainer.strategy.name, trainer.max_replica_difference()
 ('allreduce', 0.0)
-
-Started as several processes (``dlperf launch``, ``torchrun``), a Trainer spans them all: every process
-passes the same global batch, trains on its slice, and gradients are summed within each process and
-then across processes, bucket by bucket while backward runs (:mod:`dlperf.parallel.communication.process_group`).
 """
 
 from __future__ import annotations
@@ -113,7 +106,8 @@ class Trainer:
         axis = join_processes(None if cfg.processes == "auto" else cfg.processes) if cfg.processes is not None else None
         try:
             self.strategy: Strategy = create_strategy(cfg.kvstore, update_on_kvstore=cfg.update_on_kvstore,
-                                                      devices=self.devices, processes=axis.world if axis else 1)
+                                                      devices=self.devices, processes=axis.world if axis else 1,
+                                                      strategy=cfg.strategy)
             self.processes: ProcessAxis | None = self.strategy.join(axis)
         except BaseException:
             if axis is not None:
@@ -209,22 +203,16 @@ class Trainer:
     # -- training ---------------------------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
-        """The first replica (on ``devices[0]``): the trained model."""
-        return self.replicas[0]
-
-    def _split(self, X: Any, y: Any) -> tuple[list[Any], list[Any], int]:
-        """This process's part for each of its devices, and the examples of the whole batch."""
-        return split_step(X, y, self.devices, self.world, self.rank)
+        """The first replica (on ``devices[0]``): the trained model (the model given, before it is built)."""
+        return self.replicas[0] if self._unbuilt is None else self._unbuilt[0]
 
     def train_step(self, X: Any, y: Any = None) -> torch.Tensor:
         """Forward, backward and update on every device at once; return the batch's mean loss.
 
-        ``X`` and ``y`` are a whole batch (split here) or lists with one part per device; each a tensor or a
-        tuple, list or dict of tensors (:mod:`dlperf.batch`: a tuple is the model's positional inputs). Device i's
-        loss is weighted by its share of the batch, so the summed gradients are the gradient of the
-        mean loss over the whole batch whatever the split. Across processes ``X`` and ``y`` are the
-        global batch, and the loss returned is this process's part of the mean
-        (:meth:`sum_across_processes` of it is the batch's mean loss).
+        ``X`` and ``y`` are a whole batch (split here; ``y`` None for a mapping batch that carries its labels)
+        or lists with one part per device, each a tensor or a structure of them (:mod:`dlperf.batch`). Each
+        part's loss is weighted by its share, so the gradient is the whole batch's mean loss's. Across processes
+        they are the global batch; the loss returned is this process's part of the mean.
         """
         self._check_open()
         if self._unbuilt is not None:
@@ -244,7 +232,7 @@ class Trainer:
             return self._micro_step(X, y)
         # one replica on the calling thread, whose engine would run the step inline: it is called directly
         direct = self._direct and not self.engine.tracing and _one_host_batch(X, y)
-        Xs, ys, total = ([X], [y], 0) if direct else self._split(X, y)
+        Xs, ys, total = ([X], [y], 0) if direct else split_step(X, y, self.devices, self.world, self.rank)
         strategy, ctx = self.strategy, self._ctx
         strategy.begin_step()
         ops = [] if direct else [
@@ -271,7 +259,7 @@ class Trainer:
     def _micro_step(self, X: Any, y: Any) -> torch.Tensor:
         """One micro-batch of ``accumulate``: its gradients are added to the others', and the last one sums them
         across the replicas (once, as DDP's ``no_sync`` does) and updates, the gradients scaled to the mean."""
-        Xs, ys, total = self._split(X, y)
+        Xs, ys, total = split_step(X, y, self.devices, self.world, self.rank)
         ctx, first = self._ctx, self._micro == 0
         ops = [self.engine.push(self._micro_replica_step, args=(i, Xs[i], ys[i], batch_size(Xs[i]) / total, first),
                                 writes=(ctx.replica_vars[i], ctx.step_vars[i]), device=d, name=f"fwd+bwd {d}")

@@ -25,6 +25,7 @@ from ..allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
 from ..optimizers import OPTIMIZERS, SCHEDULES, OptimizerLike, ScheduleLike, make_optimizer
 from ..planning.plan import Plan, parse_plan
 from ..planning.planner import PlannerOptions
+from ..strategies import STRATEGIES, Strategy, strategy_class
 from ..strategies.factory import check_update_on_kvstore
 
 __all__ = ["TrainerConfig", "BUFFER_MODES", "MEMORY_FORMATS", "LossLike"]
@@ -69,6 +70,11 @@ class TrainerConfig:
     ``train_step`` takes one, every ``accumulate``-th updates (and :meth:`~Trainer.flush` updates on the rest)."""
     clip_grad_norm: float | None = None
     """Scale the summed gradients down to this total 2-norm before each update (None: never)."""
+    strategy: str | type[Strategy] | Strategy | None = None
+    """How gradients are synchronized: a registered name (:data:`~dlperf.parallel.strategies.STRATEGIES`:
+    ``one-device``, ``allreduce``, ``processes``, ``kvstore``, ``update-on-kvstore``, ``parameter-servers``),
+    ``pkg.module:Class`` or a class of yours, or an instance; None: inferred from the devices, processes and
+    kvstore."""
     algorithm: str | AllreduceAlgorithm = DEFAULT_ALGORITHM
     """The allreduce algorithm for gradients (ignored when a kvstore aggregates)."""
     kvstore: str | KVStore | None = None
@@ -120,6 +126,13 @@ class TrainerConfig:
         elif self.plan is not None and self.plan != "auto" and not isinstance(self.plan, Plan):
             raise UsageError(f"plan={self.plan!r}: expected None, 'auto', a Plan or a plan name such as '1x2'")
         resolve_loss(self.loss)  # a bad name or value is one line now, not at the first step
+        if isinstance(self.strategy, str) and ":" in self.strategy:
+            self.strategy = strategy_class(self.strategy)  # the class: a process it is sent to imports its module
+        elif isinstance(self.strategy, str) or isinstance(self.strategy, type):
+            strategy_class(self.strategy)  # a miss lists what exists
+        elif self.strategy is not None and not isinstance(self.strategy, Strategy):
+            raise UsageError(f"strategy={self.strategy!r}: expected a strategy name ({', '.join(STRATEGIES.names())}), "
+                             "a Strategy, or None")
         self._check_update_options()
         if self.planner is not None and not isinstance(self.planner, PlannerOptions):
             raise UsageError(f"planner={self.planner!r}: expected a PlannerOptions (or None)")

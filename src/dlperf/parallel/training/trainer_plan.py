@@ -25,6 +25,7 @@ from ..allreduce.lanes import thread_budget
 from ..planning.plan import EXECUTIONS, Plan, parse_plan
 from ..planning.planner import PlanDecision, PlannerOptions
 from ..planning.process_plans import in_process_part, launch_hint
+from ..strategies import strategy_class
 from .trainer_config import TrainerConfig
 
 __all__ = ["Plan", "PlanDecision", "PlanState", "reference_plan", "apply_plan", "cpu_threads", "wants_channels_last",
@@ -62,9 +63,10 @@ def reference_plan(module: nn.Module, devices: Sequence[Device], cfg: TrainerCon
     gpus = any(d.is_gpu for d in devices)
     threads = 1 if gpus else cpu_threads(devices, cfg.threads, None)
     algorithm = getattr(cfg.algorithm, "name", cfg.algorithm)
+    strategy = strategy_class(cfg.strategy).name if cfg.strategy is not None else None
     return Plan(replicas=len(devices), threads=threads,
                 memory_format="channels_last" if wants_channels_last(cfg, devices, module) else "contiguous",
-                algorithm=str(algorithm), bucket_bytes=cfg.bucket_bytes, kvstore=cfg.kvstore)
+                algorithm=str(algorithm), bucket_bytes=cfg.bucket_bytes, kvstore=cfg.kvstore, strategy=strategy)
 
 
 def apply_plan(plan: Plan | None, devices: Sequence[Device], cfg: TrainerConfig) -> tuple[list[Device], TrainerConfig]:
@@ -97,7 +99,8 @@ def apply_plan(plan: Plan | None, devices: Sequence[Device], cfg: TrainerConfig)
         torch.backends.cudnn.benchmark = True  # process-wide: cuDNN keeps one algorithm cache
     return placed, dataclasses.replace(cfg, threads=None if gpus else [plan.threads] * len(placed),
                                        memory_format=plan.memory_format, algorithm=plan.algorithm,
-                                       bucket_bytes=plan.bucket_bytes, kvstore=plan.kvstore, plan=plan)
+                                       bucket_bytes=plan.bucket_bytes, kvstore=plan.kvstore,
+                                       strategy=plan.strategy or cfg.strategy, plan=plan)
 
 
 def check_whole_step(plan: Plan, cfg: TrainerConfig) -> None:
