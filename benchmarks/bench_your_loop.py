@@ -13,12 +13,13 @@ fresh random batches:
 * ``lenet``: d2l's LeNet, batch 128 of 28x28, cross-entropy, SGD with momentum;
 * ``gru``: a GRU regressor (16 features, 64 hidden, 20 steps) with a ``[B, 1]`` head, batch 64, MSE, AdamW.
 
-Each model's loop runs five ways, each on its own copy of the model, timed in alternating rounds by dlperf's
-timer (warm-up, the median of single steps, a contention mark per timing; the order reversed every other
-round; the least disturbed round of each counts):
+Each model's loop runs four ways, each on its own copy of the model, timed in alternating rounds by dlperf's
+timer (warm-up, the median of single steps, a contention mark per timing; the order rotating every round). A
+ratio is the median over the rounds of the two configurations' times in the same round (``best_rounds_*``: the
+ratio of their least disturbed rounds instead):
 
-* ``plain_1t``, ``plain_2t``: the plain loop at 1 and at 2 intra-op threads; the faster is the peer, the plain
-  loop at its best thread count (``best_plain_threads`` says which);
+* ``plain_1t``, ``plain_2t``: the plain loop at 1 and at 2 intra-op threads; the faster (by its median round) is
+  the peer, the plain loop at its best thread count (``best_plain_threads`` says which);
 * ``wrapped_1t``: the same loop through ``dlperf.Loop()`` with no plan, at 1 thread: ``own_loop_overhead`` is its
   step over ``plain_1t``'s (target <= 1.03: the wrapper costs nearly nothing);
 * ``auto``: the same loop through ``dlperf.Loop(plan="auto")``, started at torch's default threads (the loop as
@@ -36,6 +37,7 @@ import copy
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -153,11 +155,15 @@ class UsersLoop:
 def alternate(configs: dict[str, tuple[Callable[[], None], int]], rounds: int, steps: int, warmup: int
               ) -> tuple[dict[str, list[float]], dict[str, bool]]:
     """Each config's median ms per step in every round and whether any of its timings was contended; ``configs``
-    maps a name to (step, intra-op threads), set around its timing; the order reversed every other round."""
+    maps a name to (step, intra-op threads), set around its timing. The order rotates every round (as
+    :func:`dlperf.decide.decide` does), so each config follows each other one as often: what one leaves behind (a
+    2-thread pool still spinning, caches) falls on all alike."""
     by_round: dict[str, list[float]] = {k: [] for k in configs}
     contended = dict.fromkeys(configs, False)
+    names = list(configs)
     for i in range(rounds):
-        for key in (configs if i % 2 == 0 else dict(reversed(configs.items()))):
+        shift = i % len(names)
+        for key in names[shift:] + names[:shift]:
             step, threads = configs[key]
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
@@ -168,6 +174,12 @@ def alternate(configs: dict[str, tuple[Callable[[], None], int]], rounds: int, s
             by_round[key].append(t.median_s * 1e3)
             contended[key] |= t.contended
     return by_round, contended
+
+
+def paired(rounds: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over the rounds of ``a``'s time over ``b``'s in the same round: side by side, so a change of
+    the machine's load between rounds moves both (on a shared machine steadier than the best rounds' ratio)."""
+    return statistics.median(x / y for x, y in zip(rounds[a], rounds[b], strict=True))
 
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -198,12 +210,15 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         table = auto.tuner.table() if auto.tuner is not None else ""
     torch.set_num_threads(default_threads)
     best = {k: min(v) for k, v in rounds.items()}
-    peer = "plain_1t" if best["plain_1t"] <= best["plain_2t"] else "plain_2t"
+    peer = "plain_1t" if statistics.median(rounds["plain_1t"]) <= statistics.median(rounds["plain_2t"]) \
+        else "plain_2t"
     return {"model": name, "what": work.description, "plain_ms": best[peer], "best_plain_threads": int(peer[6]),
             "plain_1t_ms": best["plain_1t"], "plain_2t_ms": best["plain_2t"], "wrapped_1t_ms": best["wrapped_1t"],
             "auto_ms": best["auto"], "auto_plan": chosen.name, "tuning_steps": tuning_steps, "tuning_s": tuning_s,
-            "own_loop_overhead": best["wrapped_1t"] / best["plain_1t"],
-            "own_loop_auto_vs_plain": best["auto"] / best[peer], "rounds_ms": rounds, "contended": contended,
+            "own_loop_overhead": paired(rounds, "wrapped_1t", "plain_1t"),
+            "own_loop_auto_vs_plain": paired(rounds, "auto", peer),
+            "best_rounds_overhead": best["wrapped_1t"] / best["plain_1t"],
+            "best_rounds_auto_vs_plain": best["auto"] / best[peer], "rounds_ms": rounds, "contended": contended,
             "any_contended": any(contended.values()), "tuning_table": table}
 
 
@@ -219,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per round (the MLP takes 5x)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before each timing")
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds; the least disturbed counts")
+    ap.add_argument("--rounds", type=int, default=8, help="alternating rounds (the order rotates)")
     ap.add_argument("--max-tuning-steps", type=int, default=500, help="stop waiting for plan='auto' after this")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -232,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         load_before = load_average()
         results[name] = measure(name, args)
         results[name]["load"] = [load_before, load_average()]
-    print(f"one step of your own loop, ms (median of --steps {args.steps}, best of {args.rounds} alternating rounds; "
-          f"{usable_cores()} cores; torch {torch.__version__})")
+    print(f"one step of your own loop, ms (median of --steps {args.steps}, best of {args.rounds} rotating rounds; "
+          f"ratios: median of the rounds' ratios; {usable_cores()} cores; torch {torch.__version__})")
     print(f"{'model':<12} {'plain 1t':>9} {'plain 2t':>9} {'wrapped':>9} {'auto':>9} {'overhead':>9} {'auto/best':>9}"
           "  auto's plan / tuning / load")
     for name, r in results.items():

@@ -84,8 +84,10 @@ def test_across_processes_every_rank_decides_on_the_summed_figures():
     while tuner.tuning:
         time.sleep(0.02 if current[0] == REFERENCE else 0.005)
         tuner.step_ended()
-    assert tuner.plan == REFERENCE and len(shared) == 1  # FAST left after round 1 on the sum
-    assert shared[0].shape == (5,)  # per candidate its figure and contention, and the budget's verdict
+    assert tuner.plan == REFERENCE and len(shared) == 1  # FAST left after round 1 on the ranks' mean
+    fast = tuner.found[1]
+    assert fast.by_round[0] == pytest.approx((shared[0][1] + 3 * shared[0][0]).item() / 2)
+    assert shared[0].shape == (6,)  # per candidate its figure and contention; the budget's verdict; a rank
 
 
 def test_candidates_follow_the_model():

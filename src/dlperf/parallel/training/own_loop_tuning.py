@@ -242,18 +242,17 @@ class OnlineTuner:
             self._next_round()
 
     def _agree(self, over: bool) -> bool:
-        """Every rank's figures of this round summed (their mean decides alike everywhere), a timing contended on
-        any rank marked on all, and whether any rank ran out of time."""
+        """Every rank's figures of this round averaged (so every rank decides alike), a timing contended on any
+        rank marked on all, and whether any rank ran out of time."""
         assert self._share is not None
         r, k = self._round, len(self.found)
         mine = [m.by_round.get(r, 0.0) for m in self.found] + [float(r in m.contended_rounds) for m in self.found]
-        total = self._share(torch.tensor([*mine, float(over)], dtype=torch.float64)).tolist()
+        total = self._share(torch.tensor([*mine, float(over), 1.0], dtype=torch.float64)).tolist()
+        ranks = total[-1]
         for i, m in enumerate(self.found):
             if r in m.by_round:
-                m.by_round[r] = total[i]
-                if total[k + i] > 0:
-                    m.record(r, total[i], True)
-        return total[-1] > 0
+                m.record(r, total[i] / ranks, total[k + i] > 0)
+        return total[-2] > 0
 
     def _finish(self) -> None:
         reasons = list(self.notes)
