@@ -20,8 +20,11 @@ ratio of their least disturbed rounds instead):
 
 * ``plain_1t``, ``plain_2t``: the plain loop at 1 and at 2 intra-op threads; the faster (by its median round) is
   the peer, the plain loop at its best thread count (``best_plain_threads`` says which);
-* ``wrapped_1t``: the same loop through ``dlperf.Loop()`` with no plan, at 1 thread: ``own_loop_overhead`` is its
-  step over ``plain_1t``'s (target <= 1.03: the wrapper costs nearly nothing);
+* ``wrapped_1t``: the same loop through ``dlperf.Loop()`` with no plan, at 1 thread, stepped in turn with the plain
+  loop step by step (a few percent would drown in other processes' load between blocks): ``own_loop_overhead`` is
+  its step over the plain loop's beside it (target <= 1.03: the wrapper costs nearly nothing);
+  ``own_loop_overhead_cpu`` the same from the calling thread's CPU time per step, which other processes' load
+  does not inflate;
 * ``auto``: the same loop through ``dlperf.Loop(plan="auto")``, started at torch's default threads (the loop as
   the user wrote it), tuned on its own first steps (``tuning_steps``, ``tuning_s``: what tuning took, untimed
   here), then timed beside the others at what it chose: ``own_loop_auto_vs_plain`` is its step over the
@@ -51,7 +54,7 @@ import dlperf
 from dlperf._hostmem import host_malloc_state, keep_freed_host_memory
 from dlperf.models import get_model
 from dlperf.parallel.planning.planner import usable_cores
-from dlperf.timing import time_steps
+from dlperf.timing import ContentionMonitor, time_steps
 
 
 class HFClassifier(nn.Module):
@@ -176,6 +179,42 @@ def alternate(configs: dict[str, tuple[Callable[[], None], int]], rounds: int, s
     return by_round, contended
 
 
+def interleaved(plain: Callable[[], None], wrapped: Callable[[], None], rounds: int, steps: int, threads: int
+                ) -> tuple[dict[str, list[float]], bool]:
+    """The two loops' median ms per step in each round, stepped in turn (plain, wrapped, wrapped, plain, ...) so
+    the machine's load moves both alike within milliseconds, and whether the timer's contention check marked
+    any round. For the wrapper's own cost, a few percent, which other processes' load would hide in blocks.
+
+    Also each step's CPU time on the calling thread (``*_cpu``): at one intra-op thread all of a step's work runs
+    there, and time spent waiting for a core while other processes run is not counted in it."""
+    keys = ("plain", "wrapped", "plain_cpu", "wrapped_cpu")
+    by_round: dict[str, list[float]] = {k: [] for k in keys}
+    contended = False
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(rounds):
+            plain()
+            wrapped()
+            samples: dict[str, list[float]] = {k: [] for k in keys}
+            monitor = ContentionMonitor(threads)
+            monitor.start()
+            for s in range(steps):
+                for key in (("plain", "wrapped") if s % 2 == 0 else ("wrapped", "plain")):
+                    step = plain if key == "plain" else wrapped
+                    c0, t0 = time.thread_time(), time.perf_counter()
+                    step()
+                    samples[key].append(time.perf_counter() - t0)
+                    samples[f"{key}_cpu"].append(time.thread_time() - c0)
+                    monitor.sample()
+            contended |= monitor.stop().contended
+            for key, values in samples.items():
+                by_round[key].append(statistics.median(values) * 1e3)
+    finally:
+        torch.set_num_threads(before)
+    return by_round, contended
+
+
 def paired(rounds: dict[str, list[float]], a: str, b: str) -> float:
     """The median over the rounds of ``a``'s time over ``b``'s in the same round: side by side, so a change of
     the machine's load between rounds moves both (on a shared machine steadier than the best rounds' ratio)."""
@@ -201,12 +240,17 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         tuning_s = time.perf_counter() - started
         assert auto.plan is not None
         chosen = auto.plan
+        scale = 5 if name == "mlp" else 1  # its steps are short: more of them for a steady median
         configs: dict[str, tuple[Callable[[], None], int]] = {
-            "plain_1t": (plain.step, 1), "plain_2t": (plain.step, 2), "wrapped_1t": (wrapped.step, 1),
+            "plain_1t": (plain.step, 1), "plain_2t": (plain.step, 2),
             # what the Loop set for the user's thread (the others' rounds change it in between)
             "auto": (tuned.step, chosen.threads),
         }
-        rounds, contended = alternate(configs, args.rounds, args.steps * (5 if name == "mlp" else 1), args.warmup)
+        rounds, contended = alternate(configs, args.rounds, args.steps * scale, args.warmup)
+        pair, pair_contended = interleaved(plain.step, wrapped.step, args.rounds, 2 * args.steps * scale, 1)
+        rounds["wrapped_1t"], rounds["plain_1t_beside_wrapped"] = pair["wrapped"], pair["plain"]
+        rounds["wrapped_1t_cpu"], rounds["plain_1t_cpu"] = pair["wrapped_cpu"], pair["plain_cpu"]
+        contended["wrapped_1t"] = pair_contended
         table = auto.tuner.table() if auto.tuner is not None else ""
     torch.set_num_threads(default_threads)
     best = {k: min(v) for k, v in rounds.items()}
@@ -215,9 +259,10 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"model": name, "what": work.description, "plain_ms": best[peer], "best_plain_threads": int(peer[6]),
             "plain_1t_ms": best["plain_1t"], "plain_2t_ms": best["plain_2t"], "wrapped_1t_ms": best["wrapped_1t"],
             "auto_ms": best["auto"], "auto_plan": chosen.name, "tuning_steps": tuning_steps, "tuning_s": tuning_s,
-            "own_loop_overhead": paired(rounds, "wrapped_1t", "plain_1t"),
+            "own_loop_overhead": paired(rounds, "wrapped_1t", "plain_1t_beside_wrapped"),
             "own_loop_auto_vs_plain": paired(rounds, "auto", peer),
-            "best_rounds_overhead": best["wrapped_1t"] / best["plain_1t"],
+            "best_rounds_overhead": best["wrapped_1t"] / best["plain_1t_beside_wrapped"],
+            "own_loop_overhead_cpu": paired(rounds, "wrapped_1t_cpu", "plain_1t_cpu"),
             "best_rounds_auto_vs_plain": best["auto"] / best[peer], "rounds_ms": rounds, "contended": contended,
             "any_contended": any(contended.values()), "tuning_table": table}
 

@@ -311,3 +311,15 @@ def test_setup_checks_what_it_is_given():
         loop.backward(torch.zeros(()))
     with dlperf.Loop(plan="auto") as loop, pytest.raises(UsageError, match="pass the optimizer"):
         loop.setup(small_cnn())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_pinned_compiled_forward_trains_to_the_plain_loops_weights():
+    g = torch.Generator().manual_seed(seed())
+    torch.manual_seed(g.initial_seed())
+    model = mlp()
+    data = batches("mlp", 4, g)
+    got, loop = wrapped_loop(model, data, "1x1,compile")
+    assert loop.plan.execution == "compile" and loop._route.run is not loop._route.captured
+    assert_same(got, plain_loop(model, data))

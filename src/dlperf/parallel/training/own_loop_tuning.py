@@ -52,7 +52,7 @@ class LoopTuning:
     warmup: int = 2
     """Untimed steps as the user wrote the loop before the first round (first allocations)."""
     rounds: int = 3
-    """Alternating rounds; the planner's rule compares each candidate with the reference round by round."""
+    """Alternating rounds; :func:`dlperf.decide.judge` compares each candidate with the reference round by round."""
     steps: int = 3
     """Timed steps per candidate per round."""
     settle: int = 1
