@@ -11,6 +11,7 @@ from torch import nn
 
 from dlperf.devices import cpu
 from dlperf.parallel.planning.plan import Plan
+from dlperf.parallel.planning.planner import Measurement
 from dlperf.parallel.training.own_loop_tuning import LoopTuning, OnlineTuner, loop_candidates
 
 REFERENCE = Plan(threads=2, step_thread="caller")
@@ -50,9 +51,27 @@ def test_the_fastest_candidate_wins_and_a_slow_one_leaves_after_one_round():
 
 
 def test_nothing_faster_beyond_noise_keeps_the_loop_as_written():
-    options = LoopTuning(warmup=0, rounds=2, steps=2, settle=1)
-    tuner, final, _, _ = run({REFERENCE: 0.015, FAST: 0.015}, options)
+    options = LoopTuning(warmup=0, rounds=3, steps=3, settle=1)
+    # as fast, give or take a sleep's jitter on a busy machine (a shade slower, so jitter cannot make it 3% faster)
+    tuner, final, _, _ = run({REFERENCE: 0.015, FAST: 0.0155}, options)
     assert tuner.plan == REFERENCE and final == REFERENCE
+
+
+def test_a_capture_is_kept_only_where_it_beats_its_eager_twin():
+    captured = Plan(threads=1, step_thread="caller", execution="captured")
+    options = LoopTuning(warmup=0, rounds=3, steps=2, settle=1)
+    tuner, final, _, _ = run({REFERENCE: 0.03, FAST: 0.01, captured: 0.01}, options)  # no faster than FAST
+    assert final == FAST
+    tuner, final, _, _ = run({REFERENCE: 0.03, FAST: 0.02, captured: 0.01}, options)
+    assert final == captured
+    # both far ahead of the reference, the capture a hair ahead of its twin: the twin stays, and the plan says why
+    twin, cap = Measurement(FAST), Measurement(captured)
+    for i, (a, b) in enumerate([(10.0, 9.8), (10.0, 9.9), (10.0, 9.7)]):
+        twin.record(i, a, False)
+        cap.record(i, b, False)
+    reasons: list[str] = []
+    assert OnlineTuner._plainer_twin(cap, [Measurement(REFERENCE), twin, cap], 3, reasons) is twin
+    assert "eager kept" in reasons[0]
 
 
 def test_a_declined_candidate_is_dropped_and_never_chosen():

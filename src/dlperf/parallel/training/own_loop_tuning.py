@@ -25,6 +25,7 @@ or decided, so every rank chooses the same plan.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -266,13 +267,30 @@ class OnlineTuner:
                             self.reference.plan.name,
                             contended=[any(i in m.contended_rounds for m in timed) for i in range(n)])
             reasons.append(f"measured: {verdict.reason}")
-            best = next(m for m in timed if m.plan.name == verdict.chosen)
+            best = self._plainer_twin(next(m for m in timed if m.plan.name == verdict.chosen), timed, n, reasons)
             others = [(m.plan.name, m.ms) for m in timed if m is not best and m.ms is not None]
             plan = best.plan.with_figures(best.ms, others, reasons)
             self.contended = verdict.contended
         self.plan = plan
         self.seconds = time.perf_counter() - self.started
         self._switch(plan)
+
+    @staticmethod
+    def _plainer_twin(best: Measurement, timed: list[Measurement], n: int, reasons: list[str]) -> Measurement:
+        """``best``, or its eager twin (the same threads and layout) unless ``best``'s execution beat that twin too
+        beyond noise: both may beat the reference by far, and a capture is kept only where it is itself faster."""
+        if best.plan.execution == "eager":
+            return best
+        twin = next((m for m in timed if m.plan == dataclasses.replace(best.plan, execution="eager")), None)
+        if twin is None:
+            return best
+        verdict = judge({m.plan.name: [m.by_round.get(i) for i in range(n)] for m in (twin, best)}, twin.plan.name,
+                        contended=[i in twin.contended_rounds or i in best.contended_rounds for i in range(n)])
+        if verdict.chosen == best.plan.name:
+            return best
+        reasons.append(f"{best.plan.execution}: not faster than eager with the same threads and layout beyond noise "
+                       f"({verdict.reason}); eager kept")
+        return twin
 
     def table(self) -> str:
         """Every candidate with its rounds (ms per step) and why it left, for people."""
