@@ -13,22 +13,21 @@ fresh random batches:
 * ``lenet``: d2l's LeNet, batch 128 of 28x28, cross-entropy, SGD with momentum;
 * ``gru``: a GRU regressor (16 features, 64 hidden, 20 steps) with a ``[B, 1]`` head, batch 64, MSE, AdamW.
 
-Each model's loop runs four ways, each on its own copy of the model, timed in alternating rounds by dlperf's
-timer (warm-up, the median of single steps, a contention mark per timing; the order rotating every round). A
-ratio is the median over the rounds of the two configurations' times in the same round (``best_rounds_*``: the
-ratio of their least disturbed rounds instead):
+Each model's loop runs three ways, each on its own copy of the model: plain, through ``dlperf.Loop()`` with no
+plan, and through ``dlperf.Loop(plan="auto")``. Every comparison steps two loops in turn, step by step
+(a, b, b, a, ...) for ``--rounds`` rounds of ``--steps`` each, so the machine's load moves both alike within
+milliseconds, with dlperf's contention check over each round; a ratio is the median over the rounds of the two
+loops' median steps in that round (``best_rounds_*``: the ratio of their least disturbed rounds instead):
 
-* ``plain_1t``, ``plain_2t``: the plain loop at 1 and at 2 intra-op threads; the faster (by its median round) is
-  the peer, the plain loop at its best thread count (``best_plain_threads`` says which);
-* ``wrapped_1t``: the same loop through ``dlperf.Loop()`` with no plan, at 1 thread, stepped in turn with the plain
-  loop step by step (a few percent would drown in other processes' load between blocks): ``own_loop_overhead`` is
-  its step over the plain loop's beside it (target <= 1.03: the wrapper costs nearly nothing);
-  ``own_loop_overhead_cpu`` the same from the calling thread's CPU time per step, which other processes' load
-  does not inflate;
-* ``auto``: the same loop through ``dlperf.Loop(plan="auto")``, started at torch's default threads (the loop as
-  the user wrote it), tuned on its own first steps (``tuning_steps``, ``tuning_s``: what tuning took, untimed
-  here), then timed beside the others at what it chose: ``own_loop_auto_vs_plain`` is its step over the
-  plain loop at its best thread count (target <= 1.0 on every model).
+* the plain loop at 1 against 2 intra-op threads: the faster (by its median round) is the peer, the plain loop
+  at its best thread count (``best_plain_threads`` says which);
+* ``own_loop_overhead``: the loop through ``dlperf.Loop()`` with no plan over the plain loop, both at 1 thread
+  (target <= 1.03: the wrapper costs nearly nothing); ``own_loop_overhead_cpu`` the same from the calling
+  thread's CPU time per step, which other processes' load does not inflate;
+* ``own_loop_auto_vs_plain``: the loop through ``dlperf.Loop(plan="auto")``, started at torch's default threads
+  (the loop as the user wrote it) and tuned on its own first steps (``tuning_steps``, ``tuning_s``: what tuning
+  took, untimed here), then at what it chose, over the plain loop at its best thread count (target <= 1.0 on
+  every model).
 
 A table for people, then one JSON object as the last line.
 """
@@ -54,7 +53,7 @@ import dlperf
 from dlperf._hostmem import host_malloc_state, keep_freed_host_memory
 from dlperf.models import get_model
 from dlperf.parallel.planning.planner import usable_cores
-from dlperf.timing import ContentionMonitor, time_steps
+from dlperf.timing import ContentionMonitor
 
 
 class HFClassifier(nn.Module):
@@ -155,53 +154,31 @@ class UsersLoop:
         self.opt.step()
 
 
-def alternate(configs: dict[str, tuple[Callable[[], None], int]], rounds: int, steps: int, warmup: int
-              ) -> tuple[dict[str, list[float]], dict[str, bool]]:
-    """Each config's median ms per step in every round and whether any of its timings was contended; ``configs``
-    maps a name to (step, intra-op threads), set around its timing. The order rotates every round (as
-    :func:`dlperf.decide.decide` does), so each config follows each other one as often: what one leaves behind (a
-    2-thread pool still spinning, caches) falls on all alike."""
-    by_round: dict[str, list[float]] = {k: [] for k in configs}
-    contended = dict.fromkeys(configs, False)
-    names = list(configs)
-    for i in range(rounds):
-        shift = i % len(names)
-        for key in names[shift:] + names[:shift]:
-            step, threads = configs[key]
-            before = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            try:
-                t = time_steps(step, warmup=warmup, steps=steps, threads=threads)
-            finally:
-                torch.set_num_threads(before)
-            by_round[key].append(t.median_s * 1e3)
-            contended[key] |= t.contended
-    return by_round, contended
-
-
-def interleaved(plain: Callable[[], None], wrapped: Callable[[], None], rounds: int, steps: int, threads: int
+def interleaved(a: tuple[Callable[[], None], int], b: tuple[Callable[[], None], int], rounds: int, steps: int
                 ) -> tuple[dict[str, list[float]], bool]:
-    """The two loops' median ms per step in each round, stepped in turn (plain, wrapped, wrapped, plain, ...) so
-    the machine's load moves both alike within milliseconds, and whether the timer's contention check marked
-    any round. For the wrapper's own cost, a few percent, which other processes' load would hide in blocks.
-
-    Also each step's CPU time on the calling thread (``*_cpu``): at one intra-op thread all of a step's work runs
-    there, and time spent waiting for a core while other processes run is not counted in it."""
-    keys = ("plain", "wrapped", "plain_cpu", "wrapped_cpu")
+    """Two loops stepped in turn (a, b, b, a, ...), each at its intra-op threads (set outside the timed brackets),
+    so the machine's load moves both alike within milliseconds: per round each one's median ms per step
+    (``a``, ``b``), and with equal threads its median CPU time per step on the calling thread (``a_cpu``,
+    ``b_cpu``: at one thread all of a step's work runs there, and waiting for a core while other processes run is
+    not counted); and whether the timer's contention check marked any round. Blocks of steps, as dlperf's timer
+    takes them elsewhere, drown a few percent in other processes' load on a shared machine."""
+    keys = ("a", "b", "a_cpu", "b_cpu")
     by_round: dict[str, list[float]] = {k: [] for k in keys}
     contended = False
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
         for _ in range(rounds):
-            plain()
-            wrapped()
+            for step, threads in (a, b):  # warm: the first step after the other one's threads
+                torch.set_num_threads(threads)
+                step()
             samples: dict[str, list[float]] = {k: [] for k in keys}
-            monitor = ContentionMonitor(threads)
+            monitor = ContentionMonitor(max(a[1], b[1]))
             monitor.start()
-            for s in range(steps):
-                for key in (("plain", "wrapped") if s % 2 == 0 else ("wrapped", "plain")):
-                    step = plain if key == "plain" else wrapped
+            for i in range(steps):
+                for key in (("a", "b") if i % 2 == 0 else ("b", "a")):
+                    step, threads = a if key == "a" else b
+                    if torch.get_num_threads() != threads:
+                        torch.set_num_threads(threads)
                     c0, t0 = time.thread_time(), time.perf_counter()
                     step()
                     samples[key].append(time.perf_counter() - t0)
@@ -212,12 +189,13 @@ def interleaved(plain: Callable[[], None], wrapped: Callable[[], None], rounds: 
                 by_round[key].append(statistics.median(values) * 1e3)
     finally:
         torch.set_num_threads(before)
+    if a[1] != b[1]:
+        del by_round["a_cpu"], by_round["b_cpu"]
     return by_round, contended
 
 
 def paired(rounds: dict[str, list[float]], a: str, b: str) -> float:
-    """The median over the rounds of ``a``'s time over ``b``'s in the same round: side by side, so a change of
-    the machine's load between rounds moves both (on a shared machine steadier than the best rounds' ratio)."""
+    """The median over the rounds of ``a``'s time over ``b``'s in the same round."""
     return statistics.median(x / y for x, y in zip(rounds[a], rounds[b], strict=True))
 
 
@@ -229,6 +207,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     batches = [work.batch(g) for _ in range(16)]
     default_threads = torch.get_num_threads()
     plain = UsersLoop(work, copy.deepcopy(model), batches, None)
+    steps = args.steps * (5 if name == "mlp" else 1)  # the MLP's steps are short: more for a steady median
     with dlperf.Loop() as bare, dlperf.Loop(plan="auto") as auto:
         wrapped = UsersLoop(work, copy.deepcopy(model), batches, bare)
         tuned = UsersLoop(work, copy.deepcopy(model), batches, auto)
@@ -240,31 +219,29 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         tuning_s = time.perf_counter() - started
         assert auto.plan is not None
         chosen = auto.plan
-        scale = 5 if name == "mlp" else 1  # its steps are short: more of them for a steady median
-        configs: dict[str, tuple[Callable[[], None], int]] = {
-            "plain_1t": (plain.step, 1), "plain_2t": (plain.step, 2),
-            # what the Loop set for the user's thread (the others' rounds change it in between)
-            "auto": (tuned.step, chosen.threads),
-        }
-        rounds, contended = alternate(configs, args.rounds, args.steps * scale, args.warmup)
-        pair, pair_contended = interleaved(plain.step, wrapped.step, args.rounds, 2 * args.steps * scale, 1)
-        rounds["wrapped_1t"], rounds["plain_1t_beside_wrapped"] = pair["wrapped"], pair["plain"]
-        rounds["wrapped_1t_cpu"], rounds["plain_1t_cpu"] = pair["wrapped_cpu"], pair["plain_cpu"]
-        contended["wrapped_1t"] = pair_contended
         table = auto.tuner.table() if auto.tuner is not None else ""
+        threads, threads_contended = interleaved((plain.step, 1), (plain.step, 2), args.rounds, steps)
+        best_threads = 1 if statistics.median(threads["a"]) <= statistics.median(threads["b"]) else 2
+        overhead, overhead_contended = interleaved((plain.step, 1), (wrapped.step, 1), args.rounds, steps)
+        # auto at the threads the Loop set for the user's thread (the other pairs changed it in between)
+        versus, versus_contended = interleaved((plain.step, best_threads), (tuned.step, chosen.threads),
+                                               args.rounds, steps)
     torch.set_num_threads(default_threads)
+    rounds = {"plain_1t": threads["a"], "plain_2t": threads["b"], "plain_1t_beside_wrapped": overhead["a"],
+              "wrapped_1t": overhead["b"], "plain_1t_cpu": overhead["a_cpu"], "wrapped_1t_cpu": overhead["b_cpu"],
+              "plain_best_beside_auto": versus["a"], "auto": versus["b"]}
     best = {k: min(v) for k, v in rounds.items()}
-    peer = "plain_1t" if statistics.median(rounds["plain_1t"]) <= statistics.median(rounds["plain_2t"]) \
-        else "plain_2t"
-    return {"model": name, "what": work.description, "plain_ms": best[peer], "best_plain_threads": int(peer[6]),
-            "plain_1t_ms": best["plain_1t"], "plain_2t_ms": best["plain_2t"], "wrapped_1t_ms": best["wrapped_1t"],
-            "auto_ms": best["auto"], "auto_plan": chosen.name, "tuning_steps": tuning_steps, "tuning_s": tuning_s,
+    contended = {"threads": threads_contended, "overhead": overhead_contended, "auto": versus_contended}
+    return {"model": name, "what": work.description, "plain_ms": best["plain_best_beside_auto"],
+            "best_plain_threads": best_threads, "plain_1t_ms": best["plain_1t"], "plain_2t_ms": best["plain_2t"],
+            "wrapped_1t_ms": best["wrapped_1t"], "auto_ms": best["auto"], "auto_plan": chosen.name,
+            "tuning_steps": tuning_steps, "tuning_s": tuning_s,
             "own_loop_overhead": paired(rounds, "wrapped_1t", "plain_1t_beside_wrapped"),
-            "own_loop_auto_vs_plain": paired(rounds, "auto", peer),
-            "best_rounds_overhead": best["wrapped_1t"] / best["plain_1t_beside_wrapped"],
             "own_loop_overhead_cpu": paired(rounds, "wrapped_1t_cpu", "plain_1t_cpu"),
-            "best_rounds_auto_vs_plain": best["auto"] / best[peer], "rounds_ms": rounds, "contended": contended,
-            "any_contended": any(contended.values()), "tuning_table": table}
+            "own_loop_auto_vs_plain": paired(rounds, "auto", "plain_best_beside_auto"),
+            "best_rounds_overhead": best["wrapped_1t"] / best["plain_1t_beside_wrapped"],
+            "best_rounds_auto_vs_plain": best["auto"] / best["plain_best_beside_auto"], "rounds_ms": rounds,
+            "contended": contended, "any_contended": any(contended.values()), "tuning_table": table}
 
 
 def load_average() -> float | None:
@@ -277,9 +254,8 @@ def load_average() -> float | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per round (the MLP takes 5x)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before each timing")
-    ap.add_argument("--rounds", type=int, default=8, help="alternating rounds (the order rotates)")
+    ap.add_argument("--steps", type=int, default=12, help="steps of each loop per round (the MLP takes 5x)")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds; a ratio is the median of the rounds' ratios")
     ap.add_argument("--max-tuning-steps", type=int, default=500, help="stop waiting for plan='auto' after this")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -292,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         load_before = load_average()
         results[name] = measure(name, args)
         results[name]["load"] = [load_before, load_average()]
-    print(f"one step of your own loop, ms (median of --steps {args.steps}, best of {args.rounds} rotating rounds; "
-          f"ratios: median of the rounds' ratios; {usable_cores()} cores; torch {torch.__version__})")
+    print(f"one step of your own loop, ms (best of {args.rounds} rounds of {args.steps} steps taken in turn with its "
+          f"peer's; ratios: median of the rounds' ratios; {usable_cores()} cores; torch {torch.__version__})")
     print(f"{'model':<12} {'plain 1t':>9} {'plain 2t':>9} {'wrapped':>9} {'auto':>9} {'overhead':>9} {'auto/best':>9}"
           "  auto's plan / tuning / load")
     for name, r in results.items():

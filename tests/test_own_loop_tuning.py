@@ -38,7 +38,7 @@ def run(step_s: dict[Plan, float], options: LoopTuning, declined=lambda plan: No
 
 
 def test_the_fastest_candidate_wins_and_a_slow_one_leaves_after_one_round():
-    options = LoopTuning(warmup=1, rounds=3, steps=2, settle=1)
+    options = LoopTuning(warmup=1, rounds=3, steps=2, settle=1, min_window_s=0)
     tuner, final, switches, steps = run({REFERENCE: 0.02, FAST: 0.01, SLOW: 0.04}, options)
     assert tuner.plan == FAST and final == FAST
     slow = next(m for m in tuner.found if m.plan == SLOW)
@@ -51,7 +51,7 @@ def test_the_fastest_candidate_wins_and_a_slow_one_leaves_after_one_round():
 
 
 def test_nothing_faster_beyond_noise_keeps_the_loop_as_written():
-    options = LoopTuning(warmup=0, rounds=3, steps=3, settle=1)
+    options = LoopTuning(warmup=0, rounds=3, steps=3, settle=1, min_window_s=0)
     # as fast, give or take a sleep's jitter on a busy machine (a shade slower, so jitter cannot make it 3% faster)
     tuner, final, _, _ = run({REFERENCE: 0.015, FAST: 0.0155}, options)
     assert tuner.plan == REFERENCE and final == REFERENCE
@@ -59,7 +59,7 @@ def test_nothing_faster_beyond_noise_keeps_the_loop_as_written():
 
 def test_a_capture_is_kept_only_where_it_beats_its_eager_twin():
     captured = Plan(threads=1, step_thread="caller", execution="captured")
-    options = LoopTuning(warmup=0, rounds=3, steps=2, settle=1)
+    options = LoopTuning(warmup=0, rounds=3, steps=2, settle=1, min_window_s=0)
     tuner, final, _, _ = run({REFERENCE: 0.03, FAST: 0.01, captured: 0.01}, options)  # no faster than FAST
     assert final == FAST
     tuner, final, _, _ = run({REFERENCE: 0.03, FAST: 0.02, captured: 0.01}, options)
@@ -75,7 +75,7 @@ def test_a_capture_is_kept_only_where_it_beats_its_eager_twin():
 
 
 def test_a_declined_candidate_is_dropped_and_never_chosen():
-    options = LoopTuning(warmup=0, rounds=2, steps=1, settle=1)
+    options = LoopTuning(warmup=0, rounds=2, steps=1, settle=1, min_window_s=0)
     tuner, final, _, _ = run({REFERENCE: 0.02, FAST: 0.005}, options,
                              declined=lambda plan: "its forward runs eagerly" if plan == FAST else None)
     assert final == REFERENCE
@@ -83,7 +83,7 @@ def test_a_declined_candidate_is_dropped_and_never_chosen():
 
 
 def test_the_budget_ends_the_rounds_early():
-    options = LoopTuning(warmup=0, rounds=50, steps=1, settle=1, budget_s=0.05)
+    options = LoopTuning(warmup=0, rounds=50, steps=1, settle=1, budget_s=0.05, min_window_s=0)
     tuner, _, _, steps = run({REFERENCE: 0.02, FAST: 0.01}, options)
     assert not tuner.tuning and steps < 20 and any(n.startswith("budget:") for n in tuner.notes)
 
@@ -94,19 +94,31 @@ def test_across_processes_every_rank_decides_on_the_summed_figures():
     def share(t: torch.Tensor) -> torch.Tensor:  # this rank's figures plus another rank's, which found FAST slow
         shared.append(t.clone())
         other = t.clone()
-        other[1] = other[0] * 3
+        if len(t) > 2:  # a round's figures, not the window's length
+            other[1] = other[0] * 3
         return t + other
 
     current = [REFERENCE]
-    tuner = OnlineTuner([REFERENCE, FAST], LoopTuning(warmup=0, rounds=2, steps=1), lambda p: current.__setitem__(0, p),
+    tuner = OnlineTuner([REFERENCE, FAST], LoopTuning(warmup=2, rounds=2, steps=1, min_window_s=0.05),
+                        lambda p: current.__setitem__(0, p),
                         lambda p: None, share=share)
     while tuner.tuning:
         time.sleep(0.02 if current[0] == REFERENCE else 0.005)
         tuner.step_ended()
+    proposed, ranks = shared[0].tolist()  # the window agreed on: 0.05 s of 20 ms steps, every rank alike
+    assert ranks == 1.0 and 2 <= proposed <= 3 and tuner.window_steps == proposed
+    shared.pop(0)
     assert tuner.plan == REFERENCE and len(shared) == 1  # FAST left after round 1 on the ranks' mean
     fast = tuner.found[1]
     assert fast.by_round[0] == pytest.approx((shared[0][1] + 3 * shared[0][0]).item() / 2)
     assert shared[0].shape == (6,)  # per candidate its figure and contention; the budget's verdict; a rank
+
+
+def test_in_one_process_a_timing_lasts_long_enough_to_mean_something():
+    options = LoopTuning(warmup=0, rounds=1, steps=2, settle=1, min_window_s=0.1)
+    tuner, _, _, steps = run({REFERENCE: 0.02, FAST: 0.01}, options)
+    # about 0.1 s of steps each: 5 of the reference's, 10 of the other's (sleep only ever oversleeps)
+    assert 2 <= steps - 2 - 10 <= 10
 
 
 def test_candidates_follow_the_model():

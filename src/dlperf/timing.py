@@ -476,6 +476,11 @@ class StepWindow:
         """Steps timed since :meth:`start`."""
         return len(self._samples)
 
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds the steps timed since :meth:`start` took together."""
+        return sum(self._samples)
+
     def stop(self) -> Timing:
         """The timed steps' :class:`Timing` (at least one :meth:`lap` is needed)."""
         if self._last is None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +42,10 @@ from ...timing import StepWindow, Timing, doubling_up_to
 from ..planning.plan import EXECUTIONS, Plan, uses_conv2d
 from ..planning.planner import Measurement
 
-__all__ = ["LoopTuning", "OnlineTuner", "loop_candidates"]
+__all__ = ["LoopTuning", "OnlineTuner", "loop_candidates", "MAX_WINDOW_STEPS"]
+
+MAX_WINDOW_STEPS = 200
+"""The most steps one candidate's timing in one round takes, however short they are."""
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,10 @@ class LoopTuning:
     """Alternating rounds; :func:`dlperf.decide.judge` compares each candidate with the reference round by round."""
     steps: int = 3
     """Timed steps per candidate per round."""
+    min_window_s: float = 0.2
+    """In one process each timing takes at least this many seconds of steps (up to :data:`MAX_WINDOW_STEPS`): a
+    few steps of a millisecond say little on a busy machine. Across processes every rank must time the same
+    steps, so the window is a step count instead, set once from the warm-up's last step."""
     settle: int = 1
     """Untimed steps after each switch, at least one: the first holds the switch's own cost (a layout
     conversion, a first capture), and after it a capture that fell back is known."""
@@ -71,6 +79,9 @@ class LoopTuning:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1000:
                 raise UsageError(f"tuning {name}={value!r}: expected an integer from {low} to 1000")
+        if isinstance(self.min_window_s, bool) or not isinstance(self.min_window_s, (int, float)) or \
+                not 0 <= self.min_window_s <= 60:
+            raise UsageError(f"tuning min_window_s={self.min_window_s!r}: expected seconds in [0, 60]")
         if isinstance(self.budget_s, bool) or not isinstance(self.budget_s, (int, float)) or \
                 not 0 < self.budget_s <= 3600:
             raise UsageError(f"tuning budget_s={self.budget_s!r}: expected seconds in (0, 3600]")
@@ -154,6 +165,9 @@ class OnlineTuner:
         self._left = options.warmup
         self._phase = "warmup"
         self._window: StepWindow | None = None
+        self._warm: list[float] = []
+        self.window_steps = options.steps
+        """Across processes, the steps of every timing (set from the warm-up's last step)."""
         self.contended = False
         """Every round that decided was contended: the choice holds for this run, it is no measured gain."""
         if len(self.found) == 1:
@@ -179,14 +193,18 @@ class OnlineTuner:
         if self._phase == "timed":
             assert self._window is not None
             self._window.lap()
-            if self._window.laps >= self.options.steps:
+            if self._window_full(self._window):
                 self._record(self._window.stop())
                 self._next_slot()
             return
+        if self._phase == "warmup":
+            self._warm.append(time.perf_counter())
         self._left -= 1
         if self._left > 0:
             return
         if self._phase == "warmup":
+            if self._share is not None:
+                self._agree_window()
             self._next_round()
         else:  # settled
             current = self._order[self._slot]
@@ -198,6 +216,23 @@ class OnlineTuner:
             self._phase = "timed"
             self._window = StepWindow(current.plan.threads, self._sync)
             self._window.start()
+
+    def _window_full(self, window: StepWindow) -> bool:
+        if self._share is not None:
+            return window.laps >= self.window_steps
+        if window.laps < self.options.steps:
+            return False
+        return window.laps >= MAX_WINDOW_STEPS or window.elapsed_s >= self.options.min_window_s
+
+    def _agree_window(self) -> None:
+        """Across processes: the steps every timing takes, from the warm-up's last step, the same on every rank."""
+        assert self._share is not None
+        steps = self.options.steps
+        if len(self._warm) >= 2 and self.options.min_window_s > 0:
+            step_s = max(1e-6, self._warm[-1] - self._warm[-2])
+            steps = min(MAX_WINDOW_STEPS, max(steps, math.ceil(self.options.min_window_s / step_s)))
+        total = self._share(torch.tensor([float(steps), 1.0], dtype=torch.float64)).tolist()
+        self.window_steps = max(self.options.steps, math.ceil(total[0] / total[1]))
 
     def _enter(self) -> None:
         """Switch to the current slot's candidate and let it settle."""
