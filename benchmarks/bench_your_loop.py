@@ -230,18 +230,24 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     rounds = {"plain_1t": threads["a"], "plain_2t": threads["b"], "plain_1t_beside_wrapped": overhead["a"],
               "wrapped_1t": overhead["b"], "plain_1t_cpu": overhead["a_cpu"], "wrapped_1t_cpu": overhead["b_cpu"],
               "plain_best_beside_auto": versus["a"], "auto": versus["b"]}
-    best = {k: min(v) for k, v in rounds.items()}
+    best = {k: _ms(min(v)) for k, v in rounds.items()}
     contended = {"threads": threads_contended, "overhead": overhead_contended, "auto": versus_contended}
     return {"model": name, "what": work.description, "plain_ms": best["plain_best_beside_auto"],
             "best_plain_threads": best_threads, "plain_1t_ms": best["plain_1t"], "plain_2t_ms": best["plain_2t"],
             "wrapped_1t_ms": best["wrapped_1t"], "auto_ms": best["auto"], "auto_plan": chosen.name,
-            "tuning_steps": tuning_steps, "tuning_s": tuning_s,
-            "own_loop_overhead": paired(rounds, "wrapped_1t", "plain_1t_beside_wrapped"),
-            "own_loop_overhead_cpu": paired(rounds, "wrapped_1t_cpu", "plain_1t_cpu"),
-            "own_loop_auto_vs_plain": paired(rounds, "auto", "plain_best_beside_auto"),
-            "best_rounds_overhead": best["wrapped_1t"] / best["plain_1t_beside_wrapped"],
-            "best_rounds_auto_vs_plain": best["auto"] / best["plain_best_beside_auto"], "rounds_ms": rounds,
+            "tuning_steps": tuning_steps, "tuning_s": round(tuning_s, 1),
+            "own_loop_overhead": round(paired(rounds, "wrapped_1t", "plain_1t_beside_wrapped"), 3),
+            "own_loop_overhead_cpu": round(paired(rounds, "wrapped_1t_cpu", "plain_1t_cpu"), 3),
+            "own_loop_auto_vs_plain": round(paired(rounds, "auto", "plain_best_beside_auto"), 3),
+            "best_rounds_overhead": round(best["wrapped_1t"] / best["plain_1t_beside_wrapped"], 3),
+            "best_rounds_auto_vs_plain": round(best["auto"] / best["plain_best_beside_auto"], 3),
+            "rounds_ms": {k: [_ms(x) for x in v] for k, v in rounds.items()},
             "contended": contended, "any_contended": any(contended.values()), "tuning_table": table}
+
+
+def _ms(x: float) -> float:
+    """Milliseconds to four significant digits (the figures' noise is far larger)."""
+    return float(f"{x:.4g}")
 
 
 def load_average() -> float | None:
