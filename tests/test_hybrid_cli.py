@@ -112,7 +112,8 @@ def test_check_fails_when_the_loaded_export_differs(tmp_path, capsys, monkeypatc
     args = _parse(["export", "mlp", str(tmp_path / "out")])
     assert args.func(args) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not reproduce the model" in err[0]
+    assert len(err) == 1 and "does not reproduce the model" in err[0] and "nothing was written" in err[0]
+    assert not (tmp_path / "out" / "graph.json").exists()
 
 
 def test_check_passes_within_float_tolerance(tmp_path, capsys, monkeypatch):
@@ -144,7 +145,7 @@ def test_weights_that_are_not_finite_are_refused_in_one_line(tmp_path, capsys, v
 
 
 def test_the_check_fails_when_both_outputs_are_nan():
-    from dlperf.hybrid.zoo_export import _close
+    from dlperf.hybrid.export import _close
 
     nan = torch.full((2, 3), float("nan"))
     assert not _close(nan, nan.clone())

@@ -179,7 +179,7 @@ def test_a_bad_offer_is_ignored_with_one_line(capsys):
 
 
 def test_full_sections_stay_inside_the_files_size_limit(monkeypatch):
-    from dlperf.parallel.planning import plan_cache
+    from dlperf.parallel.training.planned import plan_cache
 
     # every section at its most, each plan with its most alternatives: the file still reads back
     plan = Plan(replicas=2, threads=1, launcher="processes").with_figures(
@@ -190,7 +190,7 @@ def test_full_sections_stay_inside_the_files_size_limit(monkeypatch):
                 "with_processes": {f"m{i:030d}": {**plan_cache._plan_entry(plan), "saved": 1.0}
                                    for i in range(plan_cache.MAX_ENTRIES // 4)}}
     with monkeypatch.context() as patched:  # one write of full sections, not 600 writes of a growing file
-        patched.setattr(plan_cache, "_read_sections", lambda path: sections)
+        patched.setattr(plan_cache, "_read_sections", lambda path: (sections, True))
         save_processes_offer("m-new", plan)  # one beyond the quarter: the oldest goes
     assert len(sections["with_processes"]) == plan_cache.MAX_ENTRIES // 4
     assert os.path.getsize(default_cache_path()) < plan_cache.MAX_BYTES

@@ -381,7 +381,7 @@ def make_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimi
     choice, builders = choose(model, loss_fn, optimizer, example_x, example_y, compile_bound_s=compile_bound_s,
                               rounds=rounds, plan=decision.plan if decision is not None else None)
     if decision is not None:
-        choice.plan_note = "[cached]" if decision.cached else f"[planned in {decision.planning_s:.1f} s]"
+        choice.plan_note = f"[{decision.provenance()}]"
     elif why:
         choice.notes["plan"] = why
     return _AutoStep(builders[choice.chosen](model, optimizer), choice)

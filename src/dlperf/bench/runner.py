@@ -104,8 +104,9 @@ class BenchConfig:
                         yield net, dev, t
 
 
-def register_user_networks(networks: list[str], inputs=None) -> list[str]:
-    """Register each ``module:factory`` in ``networks`` as a bench network fed by ``inputs``; the names.
+def register_user_networks(networks: list[str], inputs=None, loss=None) -> list[str]:
+    """Register each ``module:factory`` in ``networks`` as a bench network fed by ``inputs`` and timed with
+    ``loss`` (:class:`dlperf.models.inputs.StructuredLoss`); the names.
 
     ``inputs`` is what ``--input`` gives (:data:`dlperf.probe.user_inputs.InputSource`: tensor specs,
     or a function returning the batch). A zoo name passes through. The factory is imported and called here,
@@ -134,18 +135,18 @@ def register_user_networks(networks: list[str], inputs=None) -> list[str]:
                        "give a smaller --input")
     make = inputs if callable(inputs) else batch_maker(inputs)
     for name in users:
-        user_network(name, functools.partial(build_model, name), make)
+        user_network(name, functools.partial(build_model, name), make, loss=loss)
     return networks
 
 
 @contextlib.contextmanager
-def user_networks(networks: list[str], inputs=None) -> Iterator[list[str]]:
+def user_networks(networks: list[str], inputs=None, loss=None) -> Iterator[list[str]]:
     """:func:`register_user_networks` for the length of one sweep: the zoo is left as it was found, so a
     library caller's later ``model_names()`` lists the zoo alone."""
     from ..models.spec import unregister
 
     try:
-        yield register_user_networks(networks, inputs)
+        yield register_user_networks(networks, inputs, loss)
     finally:
         for name in networks:
             if ":" in name:

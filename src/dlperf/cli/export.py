@@ -38,8 +38,9 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0,
                    help="seed for the random initialization and example")
     p.add_argument("--pt2", action="store_true", help="also write model.pt2 (torch.export program)")
-    p.add_argument("--no-check", action="store_true", help="skip loading the export back and comparing outputs "
-                   "(otherwise a mismatch beyond float tolerance exits with status 1)")
+    p.add_argument("--no-check", action="store_true", help="skip loading the written files back and comparing "
+                   "outputs (export itself does so before writing: an export that does not load or reproduce the "
+                   "model is not written, and exits with status 1)")
     p.set_defaults(func=run)
     return p
 
@@ -55,14 +56,20 @@ def _model(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if ":" in args.model:
-        done = _export_factory(args)
-    else:
-        if args.input:
-            raise UsageError(f"--input with zoo model {args.model}: its input is known; give --batch instead")
-        config = ZooExportConfig(args.model, args.directory, batch=args.batch, weights=args.weights, seed=args.seed,
-                                 pt2=args.pt2)
-        done = export_zoo_model(config)
+    from ..hybrid.export import ExportCheckError
+
+    try:
+        if ":" in args.model:
+            done = _export_factory(args)
+        else:
+            if args.input:
+                raise UsageError(f"--input with zoo model {args.model}: its input is known; give --batch instead")
+            config = ZooExportConfig(args.model, args.directory, batch=args.batch, weights=args.weights,
+                                     seed=args.seed, pt2=args.pt2)
+            done = export_zoo_model(config)
+    except ExportCheckError as exc:  # the same failure as the check below, found before writing
+        print(f"dlperf export: error: {exc}", file=sys.stderr)
+        return 1
     for kind, path in done.paths.items():
         print(f"{kind:<7} {path}  {os.path.getsize(path) / 1e6:.2f} MB")
     if not args.no_check:

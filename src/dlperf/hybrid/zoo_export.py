@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..batch import describe, tensors_of
 from ..errors import UsageError
+from .export import CHECK_ATOL, CHECK_RTOL
 
 __all__ = ["ZooExportConfig", "ZooExport", "export_zoo_model", "export_model", "check_export", "MAX_BATCH",
            "CHECK_RTOL", "CHECK_ATOL"]
@@ -97,35 +97,17 @@ def export_model(model: torch.nn.Module, example: Any, directory: str, *, pt2: b
 
 
 def check_export(done: ZooExport) -> tuple[float, bool]:
-    """Load the export back and run the example: (max absolute difference from the model, within tolerance)."""
+    """Load the export back and run the example: (max absolute difference from the model, within tolerance).
+
+    :func:`~dlperf.hybrid.export.export` made the same check before it wrote the files; this one reads what
+    was written, and its difference is what ``dlperf export`` prints."""
     # the module, not the package's function of the same name; its load is looked up now, so it can be replaced
     export_module = importlib.import_module(".export", __package__)
 
     inputs = done.example if isinstance(done.example, tuple) else (done.example,)
     with torch.no_grad():
         got, want = export_module.load(done.directory)(*inputs), done.model(*inputs)
-    # outputs may be structures (an LSTM's output and state): every tensor in the same place
-    pairs = list(zip(tensors_of(got), tensors_of(want)))
-    if describe(got) != describe(want) or not pairs:
-        return float("inf"), False
-    worst = max((g - w).abs().max().item() if g.numel() else 0.0 for g, w in pairs)
-    return worst, all(_close(g, w) for g, w in pairs)
-
-
-# The export replays the same ATen kernels in the same order, so float32 outputs normally agree
-# bit for bit; the tolerance only absorbs kernel choices that depend on the batch (dynamic shapes).
-CHECK_RTOL = 1e-4
-CHECK_ATOL = 1e-5
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """True when the loaded export's output matches the model's, all finite: NaN or inf on either
-    side would match anything or nothing, so such a check proves nothing and fails."""
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return False
-    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
-        return False
-    return bool(torch.allclose(got, want, rtol=CHECK_RTOL, atol=CHECK_ATOL))
+    return export_module.reproduces(got, want)
 
 
 def _load_weights(model: torch.nn.Module, path: str, name: str) -> None:

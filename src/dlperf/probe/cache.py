@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _io
-from .._buildcache import cache_base, private_dir, write_private
+from .._buildcache import cache_base, private_dir
 from .._cliargs import one_line
 from ..errors import DlperfError
 from .reference import GBPS, GFLOPS, NS, implausible
@@ -53,7 +53,7 @@ def save_probe(result: ProbeResult, path: str | None = None) -> str:
     """Write ``result`` atomically to its machine's cache file (or ``path``); return where."""
     if path is None:
         path = os.path.join(private_dir(cache_base(), ["dlperf", "probe"]), f"{machine_key(result.machine)}.json")
-    write_private(path, (json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n").encode())
+    _io.write_cache_file(path, (json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n").encode())
     return path
 
 
@@ -137,7 +137,7 @@ def _check_machine(info: dict, path: str) -> None:
 def parse_probe(data: bytes, path: str = "<probe cache>") -> ProbeResult:
     """A ProbeResult from a cache file's bytes; raise ProbeCacheError naming what is wrong."""
     doc = decode_json(data, path)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+    if not isinstance(doc, dict) or type(doc.get("format")) is not int or doc["format"] != FORMAT:  # not true
         raise _fail(path, f"not a format-{FORMAT} probe document")
     info, rows = doc.get("machine"), doc.get("rows")
     if not isinstance(info, dict) or not isinstance(rows, list) or len(rows) > _MAX_ROWS:

@@ -93,8 +93,9 @@ def _check_figures(doc: dict, source: str) -> None:
 def load_factory(spec: str):
     """Import ``module:attr`` and return the attribute, which must be callable; errors say how to fix."""
     module_name, _, attr_path = spec.partition(":")
-    added = os.getcwd() not in sys.path
-    if added:
+    # the current directory first, as `python -m` puts it, and kept: processes started later (a plan's, a
+    # launch's) unpickle the user's objects by their module, and spawned interpreters take this path list
+    if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
@@ -106,9 +107,6 @@ def load_factory(spec: str):
     except (Exception, SystemExit) as exc:  # noqa: BLE001 (user code: any failure at import is the module's)
         raise UsageError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}; fix the module (a script "
                          "that runs on import needs an `if __name__ == '__main__':` guard)") from None
-    finally:
-        if added and os.getcwd() in sys.path:
-            sys.path.remove(os.getcwd())
     obj = module
     for part in attr_path.split("."):
         if not hasattr(obj, part):
@@ -132,4 +130,34 @@ def build_model(spec: str):
                          "no arguments") from None
     if not isinstance(model, nn.Module):
         raise UsageError(f"{spec}() returned {type(model).__name__}, not a torch.nn.Module; return the model")
+    problem = trainable_problem(model)
+    if problem:
+        raise UsageError(f"{spec}() built a model {problem}")
     return model
+
+
+def trainable_problem(model) -> str | None:
+    """Why ``model`` cannot train (``"with no parameters, ..."``), or None: every verb that builds a user's model
+    trains it, and each of these would otherwise fail deep inside a step, or train nothing."""
+    try:
+        params = list(model.named_parameters())
+        tensors = [*params, *model.named_buffers()]
+        list(model.parameters())  # what optimizers and the Trainer call: a model may override it alone
+    except Exception as exc:  # noqa: BLE001 (user code)
+        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        return (f"whose parameters() raised {type(exc).__name__}{': ' + text if text else ''}; fix the model's "
+                "parameters() (nn.Module's own walks its layers)")
+    import torch
+
+    # (unless the caller builds on the meta device itself, to count a step's work without memory)
+    meta = [name for name, t in tensors if t.is_meta] if torch.get_default_device().type != "meta" else []
+    if meta:
+        return (f"on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}), whose tensors hold "
+                "no values to train; build it on the CPU (or call to_empty() and load its weights) in the factory")
+    if not params:
+        return ("that has no trainable parameters (no parameters at all), so there is nothing to train; give a model "
+                "with layers that have weights")
+    if not any(p.requires_grad for _, p in params):
+        return ("that has no trainable parameters (every one has requires_grad=False), so there is nothing to train; "
+                "leave some trainable")
+    return None

@@ -12,6 +12,7 @@ was found (environment, signal handlers, no child processes, nor any process a w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -21,11 +22,13 @@ import select
 import signal
 import socket
 import stat
+import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,12 +132,42 @@ class WorkerInterrupted(RuntimeError):
     """A worker got SIGINT itself: raised in its place so that the agent sees a failed worker."""
 
 
+@contextlib.contextmanager
+def _workers_start_deaf_to_ctrl_c() -> Iterator[None]:
+    """SIGINT blocked in this (the main) thread while the agent runs, so the workers it spawns start with it blocked.
+
+    A worker spends its first seconds importing torch in the terminal's process group: a Ctrl-C there would
+    print each worker's half-finished import as a traceback, though it is the launcher's to handle (it stops
+    the workers). Blocked, the signal waits in the worker until :func:`_worker` has left that group and lets
+    it through as an interruption. This process still hears it: the kernel hands it to a thread that does
+    not block it (the watchdog's), and Python runs the handler here, in the main thread, as always.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) -> Any:
     """Entry point of every worker process: the process group around ``fn``."""
     rank, _, local_rank = rank_info()
     _prepare_worker(setup, rank)
     marker_dir, backend = setup.marker_dir, setup.backend
     _mark(marker_dir, local_rank, "started", f"{os.getpid()} {rank}")
+    try:
+        # in its own process group now: a Ctrl-C that came while it started (blocked by the launcher, see
+        # _workers_start_deaf_to_ctrl_c) is raised here (pthread_sigmask runs the handler at once), and
+        # later ones come from the agent
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    except KeyboardInterrupt:
+        raise _stopped_by_ctrl_c(marker_dir, local_rank, rank) from None
+    error_file = _spawn_error_file()
+    if error_file is not None:  # the launcher removes it once torch has read it
+        _mark(marker_dir, local_rank, "errorfile", error_file)
     if backend is not None:
         import torch.distributed as dist
 
@@ -142,11 +175,7 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
     try:
         result = fn(*args, **kwargs)
     except KeyboardInterrupt:
-        # torch's spawn wrapper takes a KeyboardInterrupt for its parent's doing and exits 0 without a
-        # result; a worker interrupted on its own (Ctrl-C to its process group) must count as stopped
-        message = f"interrupted by SIGINT (Ctrl-C) in rank {rank}'s process"
-        _mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{message}")
-        raise WorkerInterrupted(message) from None
+        raise _stopped_by_ctrl_c(marker_dir, local_rank, rank) from None
     except BaseException as exc:
         # The peers of a failed rank fail too (their collectives lose the connection), and the agent
         # reports whichever it polls first; the time each rank failed tells the cause from the echoes,
@@ -164,6 +193,43 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
             dist.destroy_process_group()
     _mark(marker_dir, local_rank, "finished")
     return result
+
+
+def _stopped_by_ctrl_c(marker_dir: str, local_rank: int, rank: int) -> WorkerInterrupted:
+    # torch's spawn wrapper takes a KeyboardInterrupt for its parent's doing and exits 0 without a
+    # result; a worker interrupted on its own (Ctrl-C to its process group) must count as stopped
+    message = f"interrupted by SIGINT (Ctrl-C) in rank {rank}'s process"
+    _mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{message}")
+    return WorkerInterrupted(message)
+
+
+def _spawn_error_file() -> str | None:
+    """Where torch's spawn wrapper, up this worker's stack, writes the traceback if the worker raises: a
+    ``pytorch-errorfile-*.pickle`` in the launcher's temporary directory that torch reads and never removes."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_wrap" and frame.f_globals.get("__name__") == "torch.multiprocessing.spawn":
+            path = frame.f_locals.get("error_file")
+            return path if isinstance(path, str) else None
+        frame = frame.f_back
+    return None
+
+
+def _remove_error_files(markers: Path) -> None:
+    """Remove the traceback files torch's spawn wrapper left for this launch's workers (named in their markers),
+    once the agent has read them; only such files, in this process's temporary directory, owned by this user."""
+    for marker in markers.glob("*.errorfile"):
+        try:
+            path = marker.read_text()
+            name = os.path.basename(path)
+            if os.path.dirname(path) != tempfile.gettempdir() or not (
+                    name.startswith("pytorch-errorfile-") and name.endswith(".pickle")):
+                continue
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(path)
+        except OSError:
+            continue  # never written (the worker did not raise), or gone already
 
 
 def _leave_together(dist: Any) -> None:
@@ -565,6 +631,7 @@ class ProcessLauncher(Launcher):
                 return self._run(elastic_launch(config, _worker), (fn, args, kwargs, setup), watchdog, markers,
                                  host)
             finally:
+                _remove_error_files(markers)
                 if board is not None:
                     board.close()
 
@@ -578,7 +645,8 @@ class ProcessLauncher(Launcher):
         lost: BaseException | None = None
         watchdog.start()
         try:
-            results = agent(*agent_args)
+            with _workers_start_deaf_to_ctrl_c():
+                results = agent(*agent_args)
         except ChildFailedError as exc:
             failed = exc
         except RendezvousConnectionError as exc:

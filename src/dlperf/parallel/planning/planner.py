@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ from .plan import EXECUTIONS, Plan, has_batch_statistics, layer_count, uses_conv
 from .plan_cache import (
     SETUP_RECORD_MAX_AGE_S,
     cached_plan,
+    cached_time,
+    default_cache_path,
     model_key,
     plan_key,
     processes_offer,
@@ -64,6 +67,7 @@ from .plan_cache import (
     save_setup,
     setup_record,
 )
+from .plan_check import Here, usable_here
 from .process_plans import launch_hint, process_plans, processes_measurable, setup_s
 
 __all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "enumerate_plans",
@@ -109,6 +113,8 @@ class PlannerOptions:
     """CPU cores the replicas' threads may fill (None: those this process may run on)."""
     use_cache: bool = True
     """Return a cached decision without measuring, and record new ones."""
+    replan: bool = False
+    """Measure again even where a decision is cached (and record the new one)."""
     cache_path: str | None = None
     """Where decisions are cached (None: ``$XDG_CACHE_HOME/dlperf/plans.json``)."""
 
@@ -199,6 +205,8 @@ class PlanDecision:
     faster_with_processes: str | None = None
     """Where plans whose replicas are processes could not be measured: a line naming the faster such plan
     decided for this model before (by a caller that could start processes) and how to get it, else None."""
+    cached_from: float | None = None
+    """When a cached decision was measured (``time.time()``)."""
 
     def table(self) -> str:
         """Every candidate, its floor and rounds, for people (``plan.describe()`` has the choice)."""
@@ -213,6 +221,14 @@ class PlanDecision:
         rows.append(f"planning: {state}; noise {self.noise:.0%}{'; CONTENDED' if self.contended else ''}")
         rows += [f"skipped: {s}" for s in self.skipped]
         return "\n".join(rows)
+
+    def provenance(self) -> str:
+        """Where the plan comes from, for the line a run prints with it: ``planned now in 4.2 s`` (``, contended``
+        when other work disturbed its rounds: used for this run only) or ``cached from 2026-12-07 21:40``."""
+        if self.cached:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.cached_from)) if self.cached_from else "before"
+            return f"cached from {when}"
+        return f"planned now in {self.planning_s:.1f} s" + (", contended: this run only" if self.contended else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.name, "reference": self.reference.name, "measured_ms": self.plan.measured_ms,
@@ -679,10 +695,16 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
                   tuple(_planned_strategies(reference, options))))
     key = plan_key(model, batch, devices, extra)
     started = time.perf_counter()
-    if options.use_cache:
+    if options.use_cache and not options.replan:
         hit = cached_plan(key, options.cache_path)
+        if hit is not None:  # a file's plan: used only when it can run here (else one line, and planning again)
+            here = Here(devices, _examples(batch), can_launch=processes_measurable(), cores=options.cores,
+                        allow_mixed_precision=options.allow_mixed_precision, executions=options.executions)
+            hit = usable_here(hit, here, f"the plan cache {options.cache_path or default_cache_path()}",
+                              "planning again")
         if hit is not None:
             return PlanDecision(hit, reference, planning_s=time.perf_counter() - started, cached=True,
+                                cached_from=cached_time(key, options.cache_path),
                                 faster_with_processes=_processes_hint(model, batch, devices, hit, options))
     plans, notes = enumerate_plans(model, batch, devices, reference, options)
     reasons = list(notes)
@@ -696,22 +718,69 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
             _run_budget(session, found, options.run_steps, reasons, _setup_free(options, model, devices))
         session.rounds(found, options.rounds)
         found += _executions_phase(session, found, model, batch, devices)
+        best, verdict = _decide(found, options.run_steps, reasons)
+        if verdict.contended and best is not found[0]:
+            best = _recheck(session, found[0], best, reasons)
     finally:
         session.close()
-    best, verdict = _decide(found, options.run_steps, reasons)
     noise = verdict.margin
-    alternatives = [(_difference(m.plan, best.plan), m.ms) for m in found if m is not best and m.ms is not None]
-    plan = best.plan.with_figures(best.ms, [(n, ms) for n, ms in alternatives if ms is not None], reasons)
+    figures = _figures(found)
+    chosen_ms = figures.get(id(best), best.ms)
+    # a faster figure than the chosen one's is a median that was not faster in every round (or its setup did not
+    # pay): said beside it, so the line's order never reads as a contradiction of the choice
+    alternatives = sorted(((_difference(m.plan, best.plan) + (" [within noise]" if chosen_ms is not None and
+                                                              figures[id(m)] < chosen_ms else ""), figures[id(m)])
+                           for m in found if m is not best and id(m) in figures), key=lambda a: a[1])
+    plan = best.plan.with_figures(chosen_ms, alternatives, reasons)
     late = [m.plan.name for m in found if m.note == "skipped for time"]
     skipped = session.skipped + ([f"for time (budget {session.budget:.1f} s): {'; '.join(late)}"] if late else [])
     decision = PlanDecision(plan, reference, found, time.perf_counter() - started, False, skipped, noise,
                             verdict.contended or any(m.contended for m in found))
     if options.use_cache:
-        save_plan(key, plan, options.cache_path)
+        save_plan(key, plan, options.cache_path, contended=decision.contended, label=_label(model, batch),
+                  planning_s=decision.planning_s)
         if processes_measurable():  # what a search in one process will compare its own decision with
             save_processes_offer(_offer_key(model, batch, devices, options), plan, options.cache_path)
     decision.faster_with_processes = _processes_hint(model, batch, devices, plan, options)
     return decision
+
+
+def _figures(found: list[Measurement]) -> dict[int, float]:
+    """Each candidate's ms per step as decided: the reference's least disturbed round, the others that times their
+    median ratio to it over the rounds both ran. The figures a line prints are then in the order the decision
+    weighed them (a candidate's own best round may come from a round whose reference was slowed)."""
+    reference = found[0]
+    if reference.ms is None:
+        return {}
+    out = {id(reference): reference.ms}
+    for m in found[1:]:
+        ratios = m.ratios(reference)
+        if ratios:
+            out[id(m)] = reference.ms * statistics.median(ratios)
+    return out
+
+
+def _recheck(session: _Session, reference: Measurement, best: Measurement, reasons: list[str]) -> Measurement:
+    """A decision whose rounds were all contended: one more round of the winner beside the reference, which it must
+    still win (by :data:`MIN_GAIN`) to be used for this run; else the reference."""
+    index = session.round_index
+    session.rounds([reference, best], 1)
+    if index in best.by_round and index in reference.by_round and \
+            best.by_round[index] < (1 - MIN_GAIN) * reference.by_round[index]:
+        reasons.append("contended: the winner beat the reference again in a round of its own; used for this run, "
+                       "measured again next time")
+        return best
+    reasons.append("contended: the winner did not beat the reference again in a round of its own; the reference "
+                   "is kept for this run, and the plan is measured again next time")
+    return reference
+
+
+def _label(model: nn.Module, batch: Any) -> str:
+    """What a cached decision was for, in words (``dlperf plans`` lists it): the model's class and the batch."""
+    from ...batch import describe
+
+    inner = getattr(model, "inner", model)
+    return f"{type(inner).__name__} on {describe(_inputs(batch))}"[:200]
 
 
 def _offer_key(model: nn.Module, batch: Any, devices: Sequence[Device], options: PlannerOptions) -> str:

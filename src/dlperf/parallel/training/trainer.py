@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...batch import batch_size, call_model, map_tensors
+from ...batch import batch_size, call_loss, call_model, map_tensors
 from ...devices import Device, DeviceLike
 from ...engine import Engine, Trace, create_engine
 from ...errors import UsageError
@@ -212,7 +212,7 @@ class Trainer:
         ``X`` and ``y`` are a whole batch (split here; ``y`` None for a mapping batch that carries its labels)
         or lists with one part per device, each a tensor or a structure of them (:mod:`dlperf.batch`). Each
         part's loss is weighted by its share, so the gradient is the whole batch's mean loss's. Across processes
-        they are the global batch; the loss returned is this process's part of the mean.
+        they are the global batch, and the loss returned is the batch's mean in every process.
         """
         self._check_open()
         if self._unbuilt is not None:
@@ -251,10 +251,10 @@ class Trainer:
             strategy.end_step()
         strategy.finish(1.0)
         self._after_update()
-        if len(losses) == 1:
-            return losses[0]
-        first = self.devices[0].torch_device
-        return torch.stack([loss.to(first) for loss in losses]).sum()
+        loss = losses[0] if len(losses) == 1 else \
+            torch.stack([part.to(self.devices[0].torch_device) for part in losses]).sum()
+        # across processes each holds its part of the batch's mean: what a rank reports is their sum, the mean
+        return loss if self.processes is None else self.sum_across_processes(loss)
 
     def _micro_step(self, X: Any, y: Any) -> torch.Tensor:
         """One micro-batch of ``accumulate``: its gradients are added to the others', and the last one sums them
@@ -274,8 +274,8 @@ class Trainer:
         self._micro += 1
         if self._micro == self._accumulate:
             self.flush()
-        first_device = self.devices[0].torch_device
-        return torch.stack([loss.to(first_device) for loss in losses]).sum()
+        loss = torch.stack([part.to(self.devices[0].torch_device) for part in losses]).sum()
+        return loss if self.processes is None else self.sum_across_processes(loss)
 
     def _micro_replica_step(self, i: int, X: Any, y: Any, share: float, first: bool) -> torch.Tensor:
         rep = self.replicas[i]
@@ -284,7 +284,7 @@ class Trainer:
         if first:
             self.strategy.zero_grad(i)
         with self.planning.precision(self.devices[i]):
-            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
+            loss = call_loss(self.loss, call_model(self._forwards[i], self._layout(X)), y, X)
         (loss * (share / self._accumulate)).backward()
         return (loss * share).detach()
 
@@ -307,9 +307,9 @@ class Trainer:
         self.strategy.zero_grad(i)
         if self._autocast:
             with self.planning.precision(self.devices[i]):
-                loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
+                loss = call_loss(self.loss, call_model(self._forwards[i], self._layout(X)), y, X)
         else:
-            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
+            loss = call_loss(self.loss, call_model(self._forwards[i], self._layout(X)), y, X)
         if share != 1.0:  # one replica's loss is the batch's: no multiplication to run and differentiate
             loss = loss * share
         loss.backward()
@@ -372,6 +372,29 @@ class Trainer:
         counts = self.sum_across_processes(torch.tensor([round(acc * seen[0]), seen[0]], dtype=torch.float64))
         return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
 
+    def evaluate_loss(self, data: Iterable[Any]) -> float:
+        """The mean loss over ``data`` (the metric of a model whose targets are not class labels, a regressor's),
+        on the first replica in eval mode; across processes each takes every ``world``-th batch, as for accuracy."""
+        self._check_open()
+        model, device = self.replicas[0], self.devices[0].torch_device
+        was = model.training
+        model.eval()
+        total, seen = 0.0, 0
+        try:
+            with torch.no_grad():
+                for i, batch in enumerate(data):
+                    if i % self.world != self.rank:
+                        continue
+                    X, y = (batch, None) if isinstance(batch, Mapping) else batch
+                    X, y = map_tensors(lambda t: t.to(device), X), map_tensors(lambda t: t.to(device), y)
+                    n = batch_size(X, "input")
+                    total += float(call_loss(self.loss, call_model(model, self._layout(X)), y, X)) * n
+                    seen += n
+        finally:
+            model.train(was)
+        sums = self.sum_across_processes(torch.tensor([total, seen], dtype=torch.float64))
+        return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+
     def sum_across_processes(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of ``t`` over the trainer's processes (``t`` itself when it trains alone).
 
@@ -407,13 +430,14 @@ class Trainer:
         taken over unless this trainer was given another one."""
         if self._unbuilt is not None:  # plan="auto" not planned yet: a recorded plan is taken, else the reference
             module, devices = self._unbuilt
-            plan = self.planning.recorded(state["plan"]) if "plan" in state else None
+            plan = self.planning.recorded(state["plan"], devices, self.config.check_finite) if "plan" in state \
+                else None
             self.planning.plan = plan or self.planning.reference
             self._build(module, *apply_plan(self.planning.plan, devices, self.config))
         elif "plan" in state and self.steps == 0 and self.processes is None:
             if self.planning.mode is None:
                 self.planning.reference = reference_plan(self.replicas[0], self.devices, self.config)
-            plan = self.planning.recorded(state["plan"])
+            plan = self.planning.recorded(state["plan"], self.devices, self.config.check_finite)
             if plan is not None:
                 self._rebuild(plan, carry=False)
         if len(state["buffers"]) != self.k:
