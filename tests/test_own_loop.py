@@ -98,7 +98,9 @@ def test_the_captured_forward_replays(monkeypatch):
     model = mlp()
     data = batches("mlp", 4, torch.Generator().manual_seed(1))
     got, loop = wrapped_loop(model, data, "1x1,captured")
-    assert loop._hybrid.state == "replay" and loop._declined(loop.plan) is None
+    # captured and prepared (whether a replay or eager serves it is hybridize's timed choice on this machine)
+    assert loop._hybrid.state == "replay" and loop._hybrid.choices
+    assert loop._declined(loop.plan) in (None, "its replay was slower than the eager forward, which it serves instead")
     assert_same(got, plain_loop(model, data))
 
 
@@ -258,7 +260,7 @@ def test_a_huggingface_style_model_on_dict_batches_trains_on_its_own_loss(plan):
     assert losses == pytest.approx(plain_losses, rel=1e-3, abs=1e-4)
     assert sum(losses[-5:]) < sum(losses[:5])  # it learns
     if plan == "1x1,captured":  # the keywords are named positionally, so the forward is captured
-        assert loop._hybrid.state == "replay" and loop._declined(loop.plan) is None
+        assert loop._hybrid.state == "replay" and loop._hybrid.choices
 
 
 def test_in_one_process_data_and_figures_pass_through():
