@@ -212,6 +212,10 @@ class ProfileReport:
         lines += ["", f"floor on {self.hardware.name}: {self.floor.no_overlap_s * 1e3:.3f} ms with no overlap, "
                       f"{self.floor.overlap_s * 1e3:.3f} ms with full overlap ({self.floor.bottleneck}); measured "
                       f"{self.step.median_s / max(self.floor.no_overlap_s, 1e-12):.1f}x the no-overlap floor"]
+        if self.floor.overlap_s > self.step.median_s:  # the least time above the measured time: the model is off
+            worst = max(self.floor.components, key=self.floor.components.__getitem__)
+            lines.append(f"! cost-model error: the floor is above the measured step; its {worst} component "
+                         f"({self.floor.components[worst] * 1e3:.3f} ms) overshot (figures: {self.hardware.name})")
         if self.suggestions:
             busy = self.suggestions_contention is not None and self.suggestions_contention.contended
             head = "suggestions (each timed against one baseline, in alternating rounds)"
