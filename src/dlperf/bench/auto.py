@@ -47,7 +47,7 @@ from torch import nn
 
 from .._threads import intra_op_threads
 from ..decide import MIN_GAIN, judge
-from ..timing import Timing, time_steps
+from ..timing import Progress, Timing, time_steps
 from .modes import StepFn, compiled_step, eager_step
 
 if TYPE_CHECKING:
@@ -320,12 +320,14 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
     samples: dict[str, list[float]] = {name: [] for name in steps}
     sync = torch.cuda.synchronize if _on_gpu(x) else (lambda: None)
     started = time.perf_counter()
+    progress = Progress("bench --mode auto", SEARCH_BUDGET_S)
     for done in range(rounds):
         if done >= MIN_ROUNDS and time.perf_counter() - started > SEARCH_BUDGET_S:
             notes["search"] = f"stopped after {done} rounds: the {SEARCH_BUDGET_S:.0f}s budget was spent"
             break
         contended.append(False)
         for name, step in steps.items():
+            progress.say(f"timing {name} (round {done + 1} of {rounds})")
             t = time_steps(functools.partial(step, x, y), warmup=0, steps=steps_per_round, threads=threads,
                            synchronize=sync)
             samples[name] += t.samples
