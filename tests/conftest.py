@@ -81,12 +81,12 @@ def no_leaked_threads_or_env():
 
 @pytest.fixture(autouse=True, scope="session")
 def notes_shown_as_the_cli_shows_them():
-    """dlperf's notes (logging records) printed as ``dlperf`` prints them (decisions on stdout, warnings on stderr),
-    in every test alike: otherwise whether a test sees a note would depend on whether an earlier test in the same
-    process ran the CLI, which installs that handler once."""
+    """dlperf's notes (logging records) printed as ``dlperf`` prints them (warnings on stderr; a verb's decisions on
+    stdout while it runs), in every test alike: otherwise whether a test sees a note would depend on whether an
+    earlier test in the same process ran the CLI, which installs that handler once."""
     from dlperf.cli import show_notes
 
-    show_notes()
+    show_notes(verb=False)
 
 
 @pytest.fixture(autouse=True)
