@@ -13,9 +13,10 @@ The ``dist_*`` types share keys across the processes of a job (see :mod:`dlperf.
 
 from __future__ import annotations
 
-from .base import Key, KVStore, create_kvstore, kvstore_types, register_kvstore
+from .base import Key, KVStore, create_kvstore, kvstore_types, register_kvstore, register_kvstore_alias
 from .dist import DistAsyncKVStore, DistDeviceSyncKVStore, DistKVStore, DistSyncKVStore, Placement
 from .local import DeviceKVStore, LocalKVStore
 
 __all__ = ["KVStore", "Key", "LocalKVStore", "DeviceKVStore", "DistKVStore", "DistSyncKVStore", "DistAsyncKVStore",
-           "DistDeviceSyncKVStore", "Placement", "create_kvstore", "kvstore_types", "register_kvstore"]
+           "DistDeviceSyncKVStore", "Placement", "create_kvstore", "kvstore_types", "register_kvstore",
+           "register_kvstore_alias"]

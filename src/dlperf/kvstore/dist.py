@@ -65,7 +65,7 @@ import torch
 from .._shm import ShmUnavailableError
 from .._threads import cleanup_step
 from ..errors import UsageError
-from .base import Key, KVStore, _as_list, _key_pairs, register_kvstore
+from .base import Key, KVStore, _as_list, _key_pairs, register_kvstore, register_kvstore_alias
 from .control import ControlClient, KVStoreLinkError
 from .placement import BIG_ARRAY_BOUND, Placement, Slice
 from .rpc_agent import agent_name, start_agent, stop_agent
@@ -210,7 +210,7 @@ class DistKVStore(KVStore):
         self._meta: dict[Key, tuple[torch.Size, torch.dtype]] = {}
         self._pushed: dict[Key, int] = {}
         # every rank creates its stores in the same order, so the n-th store has the same id everywhere
-        self._id = f"{self.type}/{next(_GENERATIONS)}"
+        self._id = f"{type(self).type}/{next(_GENERATIONS)}"
         self._server = Server(self) if rank in servers else None
         if self._server is not None:
             SERVERS[self._id] = self._server
@@ -798,3 +798,4 @@ class DistDeviceSyncKVStore(DistKVStore):
 register_kvstore("dist_sync", DistSyncKVStore)
 register_kvstore("dist_async", DistAsyncKVStore)
 register_kvstore("dist_device_sync", DistDeviceSyncKVStore)
+register_kvstore_alias("dist_sync_device", "dist_device_sync")  # MXNet accepts both spellings
