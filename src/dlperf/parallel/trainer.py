@@ -26,6 +26,7 @@ then across processes, bucket by bucket while backward runs (:mod:`dlperf.parall
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from ..batch import batch_size, call_model, map_tensors
 from ..devices import DeviceLike
 from ..engine import Engine, Trace, create_engine
 from ..errors import UsageError
+from ..optimizer_group import OptimizerGroup
 from .allreduce import get_algorithm
 from .buckets import GradientBuckets
 from .evaluate import evaluate_accuracy
@@ -74,6 +76,8 @@ class Trainer:
             options["optimizer_params"] = optimizer_params
         self.config = dataclasses.replace(config, **options) if config is not None else TrainerConfig(**options)
         self._closed = False
+        self._optimizer_group: OptimizerGroup | None = None
+        self._warned_momentum = False
         self.planning = PlanState(self.config.plan, self.config.planner)
         self._build(module, *self.planning.start(module, check_devices(devices), self.config))
 
@@ -260,8 +264,81 @@ class Trainer:
         self.strategy.finish(1.0 / batch_size)
         self._after_update()
 
+    # -- Gluon's split step and learning rate ----------------------------------------------------------
+    def allreduce_grads(self) -> None:
+        """Sum the gradients the caller computed on the replicas, so that every replica holds the sum.
+
+        Gluon's first half of :meth:`step`: change the summed gradients (clip them, say) and then call
+        :meth:`update`. Not with ``update_on_kvstore=True``, where the store sums and updates in one go.
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from dlperf.devices import cpu
+        >>> with Trainer(nn.Linear(2, 1), [cpu(0), cpu(1)], "sgd", {"lr": 0.1}) as trainer:
+        ...     trainer.zero_grad()
+        ...     for i, replica in enumerate(trainer.replicas):
+        ...         (i * replica(torch.ones(1, 2))).sum().backward()
+        ...     trainer.allreduce_grads()
+        ...     [r.bias.grad.item() for r in trainer.replicas]
+        ...     trainer.update(batch_size=1)
+        [1.0, 1.0]
+        """
+        self._check_open()
+        self.strategy.reduce_gradients()
+
+    def update(self, batch_size: int) -> None:
+        """Update the weights with the gradients :meth:`allreduce_grads` summed, divided by ``batch_size``."""
+        self._check_open()
+        if batch_size < 1:
+            raise UsageError(f"batch_size must be >= 1, got {batch_size}")
+        self.strategy.update(1.0 / batch_size)
+        self._after_update()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizers that update the weights (each replica's, or the store's) as one, for a scheduler.
+
+        ``torch.optim.lr_scheduler.StepLR(trainer.optimizer, ...)`` changes the rate of every replica's
+        optimizer, or of the store's with ``update_on_kvstore=True``, as a Gluon scheduler changes its
+        Trainer's; stepping it after each :meth:`train_step` or :meth:`step` is the usual loop. With
+        parameter servers the optimizer runs on the servers and this raises.
+        """
+        group = self.strategy.optimizer_group()
+        self._optimizer_group = group
+        return group
+
+    @property
+    def learning_rate(self) -> float:
+        """The current learning rate (Gluon's ``trainer.learning_rate``)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set every optimizer's learning rate (Gluon's ``trainer.set_learning_rate``).
+
+        A momentum SGD keeps PyTorch's formula: its velocity is a sum of gradients that the new rate
+        scales as a whole, where MXNet's velocity holds past steps at the rate they were taken (see
+        docs/mxnet-differences.md); this warns once per trainer when that makes a difference.
+        """
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
+            raise UsageError(f"lr={lr!r}: expected a number >= 0")
+        groups = self.optimizer.param_groups
+        if not self._warned_momentum and any(g.get("momentum") and g["lr"] != lr for g in groups) and \
+                any(isinstance(o, torch.optim.SGD) for o in self._group_members()):
+            self._warned_momentum = True
+            warnings.warn("set_learning_rate on SGD with momentum: PyTorch scales the whole velocity (past steps "
+                          "too) by the new rate, MXNet only the steps after the change; results differ from "
+                          "MXNet's from here on (docs/mxnet-differences.md)", UserWarning, stacklevel=2)
+        for g in groups:
+            g["lr"] = lr
+
+    def _group_members(self) -> list[torch.optim.Optimizer]:
+        group = self.optimizer
+        return group.members if isinstance(group, OptimizerGroup) else [group]
+
     def _after_update(self) -> None:
         self._ctx.steps += 1
+        if self._optimizer_group is not None:
+            self._optimizer_group.mark_stepped()  # what a learning-rate scheduler checks before its first step
         if self.buffers == "broadcast" and self.k > 1:
             broadcast_buffers(self.replicas)
 
@@ -329,11 +406,12 @@ class Trainer:
         if len(state["buffers"]) != self.k:
             raise UsageError(f"the checkpoint holds {len(state['buffers'])} replicas but this trainer has "
                              f"{self.k} devices; resume on the same number of devices")
-        for r, bufs in zip(self.replicas, state["buffers"]):
-            r.load_state_dict(state["model"])
-            with torch.no_grad():
-                for name, b in r.named_buffers():
-                    b.copy_(bufs[name])
+        with self.strategy.restoring():  # the store's state comes from the checkpoint too, just below
+            for r, bufs in zip(self.replicas, state["buffers"]):
+                r.load_state_dict(state["model"])
+                with torch.no_grad():
+                    for name, b in r.named_buffers():
+                        b.copy_(bufs[name])
         self.strategy.load_state_dict(state)
         self.steps = int(state["steps"])
         # a captured step holds the optimizer's state tensors, which loading replaced

@@ -34,10 +34,24 @@ MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def check_update_on_kvstore(kvstore: str | KVStore | None, update_on_kvstore: bool) -> None:
-    """Refuse ``update_on_kvstore`` without a store: the rule a config and the strategy factory both apply."""
+def check_update_on_kvstore(kvstore: str | KVStore | None, update_on_kvstore: bool | None) -> None:
+    """Refuse an ``update_on_kvstore`` the store cannot honour: the rule a config and the strategy factory apply.
+
+    A stated value is honoured or refused, never replaced: ``True`` needs a store, and ``False`` cannot
+    be had with a distributed store, whose servers run the optimizer (``None`` lets the store decide).
+    """
+    if update_on_kvstore is not None and not isinstance(update_on_kvstore, bool):
+        raise UsageError(f"update_on_kvstore={update_on_kvstore!r}: expected True, False or None (the store decides)")
     if update_on_kvstore and kvstore is None:
         raise UsageError("update_on_kvstore=True needs a kvstore, e.g. kvstore='local'")
+    if update_on_kvstore is False and kvstore is not None:
+        from .servers import is_dist_kvstore
+
+        if is_dist_kvstore(kvstore):
+            name = kvstore if isinstance(kvstore, str) else kvstore.type
+            raise UsageError(f"update_on_kvstore=False with kvstore={name!r}: its parameter servers run the "
+                             "optimizer and serve the updated weights; leave update_on_kvstore out (or True), or "
+                             "drop the kvstore to sum gradients across processes by allreduce")
 
 
 def default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -73,8 +87,11 @@ class TrainerConfig:
     """The allreduce algorithm for gradients (ignored when a kvstore aggregates)."""
     kvstore: str | KVStore | None = None
     """``None``, ``"local"``, ``"device"``, a KVStore, or across processes ``"dist_sync"``/``"dist_device_sync"``."""
-    update_on_kvstore: bool = False
-    """Let the store run the optimizer and pull the new weights (implied by a distributed store)."""
+    update_on_kvstore: bool | None = None
+    """``True``: the store runs the optimizer and the replicas pull the new weights; ``False``: the store sums and
+    every replica updates itself; ``None``: ``False`` with a local store, ``True`` with a distributed one (whose
+    servers always run the optimizer: ``False`` is refused there). MXNet's ``None`` means ``True`` for every store
+    (see docs/mxnet-differences.md)."""
     bucket_bytes: int | None = None
     """Gradient bucket size (default: 1 MiB, or larger so the model's gradients form at most 16 buckets)."""
     buffers: str = "per-device"

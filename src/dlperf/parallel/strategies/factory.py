@@ -35,14 +35,15 @@ def _spell(cli: bool, kvstore: str | KVStore | None) -> str:
     return f"kvstore={kvstore!r}"
 
 
-def choose_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: bool = False,
+def choose_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: bool | None = None,
                     devices: Sequence[Device] | int = 1, processes: int = 1, num_servers: int = 0,
                     cli: bool = False) -> str:
     """The registered name of the strategy for these options; one :class:`UsageError` line when they conflict.
 
     Args:
         kvstore: a store type name, a store, or None (allreduce).
-        update_on_kvstore: the store runs the optimizer (implied by a distributed store).
+        update_on_kvstore: the store runs the optimizer (``None``: only a distributed store, which refuses
+            ``False``).
         devices: this process's devices (or how many).
         processes: how many processes train together (servers included).
         num_servers: ranks that are parameter servers (``dlperf launch --num-servers``).
@@ -74,7 +75,7 @@ def choose_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: 
     return "update-on-kvstore" if update_on_kvstore else "kvstore"
 
 
-def create_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: bool = False,
+def create_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: bool | None = None,
                     devices: Sequence[Device] | int = 1, processes: int = 1) -> Strategy:
     """A new strategy for these options (see :func:`choose_strategy`), not attached to a trainer yet."""
     name = choose_strategy(kvstore, update_on_kvstore=update_on_kvstore, devices=devices, processes=processes)
