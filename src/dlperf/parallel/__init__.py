@@ -15,11 +15,11 @@ from .data_parallel import DataParallel
 from .evaluate import evaluate_accuracy
 from .lanes import EngineLanes, engine_lanes, thread_budget
 from .replicas import broadcast_buffers, broadcast_parameters, max_replica_difference, replicate
-from .split import check_devices, split_and_load, split_batch, split_sizes
+from .split import check_devices, split_and_load, split_batch, split_data, split_sizes
 from .trainer import Trainer
 
 __all__ = [
-    "split_and_load", "split_batch", "split_sizes", "check_devices",
+    "split_and_load", "split_data", "split_batch", "split_sizes", "check_devices",
     "allreduce", "algorithm_names", "get_algorithm", "AllreduceAlgorithm", "DEFAULT_ALGORITHM",
     "replicate", "broadcast_parameters", "broadcast_buffers", "max_replica_difference",
     "Trainer", "DataParallel", "evaluate_accuracy", "EngineLanes", "engine_lanes", "thread_budget",
