@@ -161,3 +161,21 @@ def test_a_call_giving_the_defaulted_input_too_is_captured_as_well():
     assert not any("eager" in s for s in said), said
     torch.testing.assert_close(out, body(x, mask))
     assert len(net.choices) == 2 and all(c.backend == "graph" for c in net.choices.values())
+
+
+# -- SymbolBlock.cast on a loaded export: a documented difference, refused where it is asked -------------------
+def test_a_loaded_export_refuses_a_dtype_cast_at_the_call_and_keeps_working(tmp_path):
+    from dlperf.hybrid import export, load
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    export(model, tmp_path / "net", x)
+    loaded = load(tmp_path / "net")
+    for cast in (lambda m: m.float(), lambda m: m.half(), lambda m: m.to(torch.float32)):
+        with pytest.raises(Exception, match="cannot cast a loaded export from float64 to float") as info:
+            cast(loaded)
+        assert "\n" not in str(info.value) and "export the model again" in str(info.value)
+    assert all(p.dtype == torch.float64 for p in loaded.parameters())
+    loaded.to("cpu")  # a move is not a cast
+    torch.testing.assert_close(loaded(x), model(x))
