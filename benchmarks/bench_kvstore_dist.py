@@ -24,6 +24,18 @@ contention check of :mod:`dlperf.timing`.
 The last stdout line is one JSON object: ``dist_vs_local`` (dist_sync ms over local ms; target <= 2.0),
 ``rpc_vs_local`` (the RPC-only peer), the figures, every round's medians, the bytes each path moved
 (the proof of which path ran) and whether the machine was contended.
+
+``--local`` times the single-process store alone, in this process, against the same exchange written
+by hand in torch (``torch.add`` of the two values into the stored tensor, then two copies out: the
+floor) and, with ``--mxnet-python PYTHON`` (an interpreter that imports ``mxnet``, e.g. a throwaway
+venv with ``pip install mxnet``), MXNet's ``mx.kv.create('local')`` doing the same push and pull
+(``mx.nd.waitall()`` ends each iteration), all in alternating rounds:
+
+    flock /tmp/dlperf-cpu.lock .venv/bin/python benchmarks/bench_kvstore_dist.py --local \
+        --mxnet-python /tmp/mxvenv/bin/python
+
+Its JSON: ``local_ms``, ``torch_floor_ms``, ``mxnet_ms`` (null without MXNet), ``mxnet_vs_local``
+(target >= 2.5: the local store at least 2.5x faster than MXNet's) and every round's medians.
 """
 
 from __future__ import annotations
@@ -31,8 +43,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
 import threading
+import time
 
 import torch
 
@@ -49,6 +64,104 @@ JOIN_TIMEOUT_S = 600
 def _values(worker: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(worker)
     return [torch.randn(KEY_BYTES // 4, generator=g) for _ in KEYS]
+
+
+def _time_torch_floor(steps: int, warmup: int):
+    """The local store's exchange by hand: each key's sum written into its stored tensor, copied out twice."""
+    mine, theirs = _values(0), _values(1)
+    stored = [torch.zeros_like(v) for v in mine]
+    outs = [[torch.empty_like(v), torch.empty_like(v)] for v in mine]
+
+    def step() -> None:
+        for s, a, b, (o0, o1) in zip(stored, mine, theirs, outs, strict=True):
+            torch.add(a, b, out=s)
+            o0.copy_(s)
+            o1.copy_(s)
+
+    return time_steps(step, warmup=warmup, steps=steps)
+
+
+# Runs under the MXNet interpreter (no torch, no dlperf there): the same exchange, timed the same way.
+_MXNET_LOCAL = """
+import json, sys, time
+import mxnet as mx
+steps, warmup, numel = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+keys = [0, 1]
+mx.random.seed(0)
+kv = mx.kv.create("local")
+kv.init(keys, [mx.nd.zeros((numel,)) for _ in keys])
+vals = [[mx.nd.random.normal(shape=(numel,), ctx=mx.cpu(d)) for d in range(2)] for _ in keys]
+outs = [[mx.nd.empty((numel,), ctx=mx.cpu(d)) for d in range(2)] for _ in keys]
+mx.nd.waitall()
+def step():
+    kv.push(keys, vals)
+    kv.pull(keys, out=outs)
+    mx.nd.waitall()
+for _ in range(warmup):
+    step()
+samples = []
+for _ in range(steps):
+    t0 = time.perf_counter()
+    step()
+    samples.append(time.perf_counter() - t0)
+err = float(abs(outs[1][1].asnumpy() - vals[1][0].asnumpy() - vals[1][1].asnumpy()).max())
+print(json.dumps({"samples": samples, "sum_error": err, "version": mx.__version__}))
+"""
+
+
+def _time_mxnet(python: str, steps: int, warmup: int) -> dict:
+    """MXNet's local store in a process of ``python``: median and quartiles of its single iterations."""
+    done = subprocess.run([python, "-c", _MXNET_LOCAL, str(steps), str(warmup), str(KEY_BYTES // 4)],
+                          capture_output=True, text=True, timeout=JOIN_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"--mxnet-python {python}: the MXNet run failed:\n{done.stderr.strip()[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    samples = sorted(result["samples"])
+    q = statistics.quantiles(samples, n=4)
+    return {"median_s": statistics.median(samples), "q1_s": q[0], "q3_s": q[2], "contended": None,
+            "sum_error": result["sum_error"], "version": result["version"]}
+
+
+def _local_only(args: argparse.Namespace) -> int:
+    """``--local``: the single-process store against the torch floor and MXNet, alternating rounds."""
+    contenders = {"local": lambda: _time_local(args.steps, args.warmup).to_dict(),
+                  "torch_floor": lambda: _time_torch_floor(args.steps, args.warmup).to_dict()}
+    if args.mxnet_python:
+        contenders["mxnet"] = lambda: _time_mxnet(args.mxnet_python, args.steps, args.warmup)
+    rounds: dict[str, list[dict]] = {name: [] for name in contenders}
+    started = time.time()
+    for _ in range(args.rounds):
+        for name, run in contenders.items():
+            rounds[name].append(run())
+    best = {name: _best(ts)["median_s"] * 1e3 for name, ts in rounds.items()}
+    mb = KEY_BYTES / 2**20
+    print(f"push+pull of {len(KEYS)} keys x 2 values of {mb:g} MB in one process (median of {args.steps} "
+          f"iterations, best of {args.rounds} alternating rounds; {os.cpu_count()} cores; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} intra-op threads)")
+    print(f"{'store':<44} {'ms/iter':>8}  {'each round':<40}")
+    print("-" * 96)
+    labels = {"local": "dlperf local store", "torch_floor": "the same by hand in torch (floor)",
+              "mxnet": "MXNet mx.kv.create('local')"}
+    for name, ts in rounds.items():
+        each = " ".join(f"{t['median_s'] * 1e3:.3f}" + ("!" if t["contended"] else "") for t in ts)
+        print(f"{labels[name]:<44} {best[name]:>8.3f}  {each}")
+    mxnet_ms = best.get("mxnet")
+    ratio = mxnet_ms / best["local"] if mxnet_ms else None
+    contended = any(t["contended"] for name in ("local", "torch_floor") for t in rounds[name])
+    if ratio is not None:
+        floor = best["local"] / best["torch_floor"]
+        print(f"MXNet / dlperf = {ratio:.2f} (target >= 2.5); dlperf / floor = {floor:.2f}")
+    if contended:
+        print("WARNING: the contention check saw other work on the machine during a timed window (! above); rerun")
+    result = {"local_ms": best["local"], "torch_floor_ms": best["torch_floor"], "mxnet_ms": mxnet_ms,
+              "mxnet_vs_local": ratio, "target": 2.5, "meets_target": ratio >= 2.5 if ratio else None,
+              "local_vs_floor": best["local"] / best["torch_floor"],
+              "rounds_ms": {name: [t["median_s"] * 1e3 for t in ts] for name, ts in rounds.items()},
+              "mxnet_version": rounds["mxnet"][0]["version"] if "mxnet" in rounds else None,
+              "key_bytes": KEY_BYTES, "keys": len(KEYS), "values_per_key": 2, "threads": torch.get_num_threads(),
+              "contended": contended, "wall_s": time.time() - started}
+    print(json.dumps(result))
+    return 0
 
 
 def _time_local(steps: int, warmup: int):
@@ -116,7 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the least disturbed counts")
+    ap.add_argument("--local", action="store_true",
+                    help="time the single-process store alone, against torch by hand and (--mxnet-python) MXNet")
+    ap.add_argument("--mxnet-python", metavar="PYTHON",
+                    help="with --local: an interpreter that imports mxnet, to time MXNet's local store too")
     args = ap.parse_args(argv)
+    if args.local:
+        return _local_only(args)
 
     results = [r for r in ProcessLauncher(3, backend="gloo", join_timeout_s=JOIN_TIMEOUT_S).launch(
         _job, args.steps, args.warmup, args.rounds) if r is not None]

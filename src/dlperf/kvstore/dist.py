@@ -65,7 +65,7 @@ import torch
 from .._shm import ShmUnavailableError
 from .._threads import cleanup_step
 from ..errors import UsageError
-from .base import Key, KVStore, _as_list, _key_pairs, register_kvstore, register_kvstore_alias
+from .base import Key, KVStore, _as_list, _key_pairs, register_kvstore
 from .control import ControlClient, KVStoreLinkError
 from .placement import BIG_ARRAY_BOUND, Placement, Slice
 from .rpc_agent import agent_name, start_agent, stop_agent
@@ -798,4 +798,3 @@ class DistDeviceSyncKVStore(DistKVStore):
 register_kvstore("dist_sync", DistSyncKVStore)
 register_kvstore("dist_async", DistAsyncKVStore)
 register_kvstore("dist_device_sync", DistDeviceSyncKVStore)
-register_kvstore_alias("dist_sync_device", "dist_device_sync")  # MXNet accepts both spellings

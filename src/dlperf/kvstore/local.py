@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Key, KVStore, register_kvstore, register_kvstore_alias
+from .base import Key, KVStore, register_kvstore
 
 __all__ = ["LocalKVStore", "DeviceKVStore"]
 
@@ -54,8 +54,3 @@ class DeviceKVStore(KVStore):
 
 register_kvstore("local", LocalKVStore)
 register_kvstore("device", DeviceKVStore)
-# MXNet's names: where the update runs differs there (on the host, or on each device after the sum), which
-# here the Trainer's update_on_kvstore decides; what the store computes is the same.
-register_kvstore_alias("local_update_cpu", "local")
-register_kvstore_alias("local_allreduce_cpu", "local")
-register_kvstore_alias("local_allreduce_device", "device")

@@ -26,7 +26,6 @@ then across processes, bucket by bucket while backward runs (:mod:`dlperf.parall
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,6 @@ from ..batch import batch_size, call_model, map_tensors
 from ..devices import DeviceLike
 from ..engine import Engine, Trace, create_engine
 from ..errors import UsageError
-from ..optimizer_group import OptimizerGroup
 from .allreduce import get_algorithm
 from .buckets import GradientBuckets
 from .evaluate import evaluate_accuracy
@@ -49,12 +47,13 @@ from .replicas import broadcast_buffers, max_replica_difference, replicate
 from .split import check_devices, split_step
 from .strategies import NonFiniteError, StepContext, Strategy, create_strategy
 from .trainer_config import Loss, TrainerConfig, default_loss
+from .trainer_gluon import GluonCalls
 from .trainer_plan import Plan, PlanState, cpu_threads, wants_channels_last
 
 __all__ = ["Trainer", "TrainerConfig", "make_optimizer", "OPTIMIZERS", "NonFiniteError"]
 
 
-class Trainer:
+class Trainer(GluonCalls):
     """Keeps one replica per device identical while training them on the parts of each batch.
 
     Args:
@@ -76,8 +75,6 @@ class Trainer:
             options["optimizer_params"] = optimizer_params
         self.config = dataclasses.replace(config, **options) if config is not None else TrainerConfig(**options)
         self._closed = False
-        self._optimizer_group: OptimizerGroup | None = None
-        self._warned_momentum = False
         self.planning = PlanState(self.config.plan, self.config.planner)
         self._build(module, *self.planning.start(module, check_devices(devices), self.config))
 
@@ -251,89 +248,6 @@ class Trainer:
         if self.channels_last and x.dim() == 4:
             return x.contiguous(memory_format=torch.channels_last)
         return x
-
-    def step(self, batch_size: int) -> None:
-        """Aggregate gradients the caller computed on the replicas, divide by ``batch_size``, update.
-
-        The caller's losses are sums over examples (as in Gluon's ``Trainer.step``); across processes
-        ``batch_size`` counts the examples of every process.
-        """
-        self._check_open()
-        if batch_size < 1:
-            raise UsageError(f"batch_size must be >= 1, got {batch_size}")
-        self.strategy.finish(1.0 / batch_size)
-        self._after_update()
-
-    # -- Gluon's split step and learning rate ----------------------------------------------------------
-    def allreduce_grads(self) -> None:
-        """Sum the gradients the caller computed on the replicas, so that every replica holds the sum.
-
-        Gluon's first half of :meth:`step`: change the summed gradients (clip them, say) and then call
-        :meth:`update`. Not with ``update_on_kvstore=True``, where the store sums and updates in one go.
-
-        >>> import torch
-        >>> from torch import nn
-        >>> from dlperf.devices import cpu
-        >>> with Trainer(nn.Linear(2, 1), [cpu(0), cpu(1)], "sgd", {"lr": 0.1}) as trainer:
-        ...     trainer.zero_grad()
-        ...     for i, replica in enumerate(trainer.replicas):
-        ...         (i * replica(torch.ones(1, 2))).sum().backward()
-        ...     trainer.allreduce_grads()
-        ...     [r.bias.grad.item() for r in trainer.replicas]
-        ...     trainer.update(batch_size=1)
-        [1.0, 1.0]
-        """
-        self._check_open()
-        self.strategy.reduce_gradients()
-
-    def update(self, batch_size: int) -> None:
-        """Update the weights with the gradients :meth:`allreduce_grads` summed, divided by ``batch_size``."""
-        self._check_open()
-        if batch_size < 1:
-            raise UsageError(f"batch_size must be >= 1, got {batch_size}")
-        self.strategy.update(1.0 / batch_size)
-        self._after_update()
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizers that update the weights (each replica's, or the store's) as one, for a scheduler.
-
-        ``torch.optim.lr_scheduler.StepLR(trainer.optimizer, ...)`` changes the rate of every replica's
-        optimizer, or of the store's with ``update_on_kvstore=True``, as a Gluon scheduler changes its
-        Trainer's; stepping it after each :meth:`train_step` or :meth:`step` is the usual loop. With
-        parameter servers the optimizer runs on the servers and this raises.
-        """
-        group = self.strategy.optimizer_group()
-        self._optimizer_group = group
-        return group
-
-    @property
-    def learning_rate(self) -> float:
-        """The current learning rate (Gluon's ``trainer.learning_rate``)."""
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def set_learning_rate(self, lr: float) -> None:
-        """Set every optimizer's learning rate (Gluon's ``trainer.set_learning_rate``).
-
-        A momentum SGD keeps PyTorch's formula: its velocity is a sum of gradients that the new rate
-        scales as a whole, where MXNet's velocity holds past steps at the rate they were taken (see
-        docs/mxnet-differences.md); this warns once per trainer when that makes a difference.
-        """
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
-            raise UsageError(f"lr={lr!r}: expected a number >= 0")
-        groups = self.optimizer.param_groups
-        if not self._warned_momentum and any(g.get("momentum") and g["lr"] != lr for g in groups) and \
-                any(isinstance(o, torch.optim.SGD) for o in self._group_members()):
-            self._warned_momentum = True
-            warnings.warn("set_learning_rate on SGD with momentum: PyTorch scales the whole velocity (past steps "
-                          "too) by the new rate, MXNet only the steps after the change; results differ from "
-                          "MXNet's from here on (docs/mxnet-differences.md)", UserWarning, stacklevel=2)
-        for g in groups:
-            g["lr"] = lr
-
-    def _group_members(self) -> list[torch.optim.Optimizer]:
-        group = self.optimizer
-        return group.members if isinstance(group, OptimizerGroup) else [group]
 
     def _after_update(self) -> None:
         self._ctx.steps += 1

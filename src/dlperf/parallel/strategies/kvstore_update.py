@@ -13,7 +13,6 @@ from torch.utils.hooks import RemovableHandle
 
 from ...errors import UsageError
 from ...kvstore import KVStore
-from ...optimizer_group import OptimizerGroup
 from .context import StepContext
 from .store import BoundStore
 from .strategy import Strategy, register_strategy
@@ -81,8 +80,8 @@ class UpdateOnKVStore(Strategy):
         self.store.kv.reset(list(range(len(params))), params)
         self._loaded = False
 
-    def optimizer_group(self) -> OptimizerGroup:
-        return self.store.kv.optimizer
+    def update_optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.store.kv.optimizer.members
 
     def finish(self, scale: float) -> None:
         ctx = self.ctx

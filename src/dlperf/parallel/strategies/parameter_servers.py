@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from ...errors import UsageError
-from ...optimizer_group import OptimizerGroup
 from ..procs import ProcessAxis
 from ..servers import close_and_report, open_dist_kvstore
 from .kvstore_update import UpdateOnKVStore, gradients
@@ -65,7 +64,7 @@ class ParameterServers(UpdateOnKVStore):
                              "checkpoint with Trainer.load_state_dict, or load the parameters before creating the "
                              "Trainer")
 
-    def optimizer_group(self) -> OptimizerGroup:
+    def update_optimizers(self) -> list[torch.optim.Optimizer]:
         raise UsageError(f"the parameter servers of kvstore={self.kvstore_option!r} run the optimizer in their own "
                          "processes, where a learning-rate change made here does not reach; give the servers an "
                          "optimizer factory that schedules its own rate (serve_kvstore(optimizer=...))")

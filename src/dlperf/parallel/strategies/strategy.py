@@ -30,7 +30,6 @@ import torch
 from ...engine import Op, Var
 from ...errors import UsageError
 from ...kvstore import KVStore
-from ...optimizer_group import OptimizerGroup
 from ...registry import Registry
 from ..buckets import GradientBuckets
 from ..procs import ProcessAxis
@@ -122,8 +121,8 @@ class Strategy(ABC):
                          "trainer with update_on_kvstore=False to call allreduce_grads() and update(), or call "
                          "step()")
 
-    def optimizer_group(self) -> OptimizerGroup:
-        """The optimizers that update the weights, as one (for learning-rate schedulers)."""
+    def update_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers that update the weights in this process (for learning-rate schedules)."""
         raise UsageError(f"the {self.name!r} strategy has no optimizer in this process")
 
     @contextmanager
@@ -152,7 +151,6 @@ class ReplicaOptimizers(Strategy):
         self.buckets: GradientBuckets | None = None
         self._in_step = False
         self._reduced = False  # reduce_gradients ran since the last update
-        self._group: OptimizerGroup | None = None
 
     def attach(self, ctx: StepContext) -> None:
         super().attach(ctx)
@@ -202,10 +200,8 @@ class ReplicaOptimizers(Strategy):
                              "allreduce_grads() before update(), or step(batch_size), which does both")
         self.finish(scale)
 
-    def optimizer_group(self) -> OptimizerGroup:
-        if self._group is None:
-            self._group = OptimizerGroup(lambda: self.optimizers, "the replicas' optimizers")
-        return self._group
+    def update_optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.optimizers
 
     def finish(self, scale: float) -> None:
         """Sum the replicas' gradients (unless the begun step's buckets did), scale them, step every optimizer."""
