@@ -264,12 +264,14 @@ def _load_into_a_parameter_server_trainer() -> dict:
             refused = str(exc)
         unchanged = torch.equal(trainer.module.x.detach(), after_step)
         trainer.load_state_dict(trainer.state_dict())  # a checkpoint restored as a whole still works
-        try:
-            trainer.optimizer  # noqa: B018
-            no_optimizer = ""
-        except UsageError as exc:
-            no_optimizer = str(exc)
-        return {"refused": refused, "unchanged": unchanged, "x": after_step.tolist(), "no_optimizer": no_optimizer}
+        messages = []
+        for ask in (lambda: trainer.optimizer, lambda: trainer.strategy.store.kv.optimizer):
+            try:
+                ask()
+                messages.append("")
+            except UsageError as exc:
+                messages.append(str(exc))
+        return {"refused": refused, "unchanged": unchanged, "x": after_step.tolist(), "no_optimizer": messages}
 
 
 @pytest.mark.distributed
@@ -281,4 +283,5 @@ def test_parameters_loaded_while_parameter_servers_hold_the_weights_are_refused(
         assert "\n" not in r["refused"]
         assert r["unchanged"]
         assert r["x"] == pytest.approx([-0.2] * 10)  # two workers' gradients of ones, lr 0.1
-        assert "run the optimizer in their own processes" in r["no_optimizer"]
+        assert "run the optimizer in their own processes" in r["no_optimizer"][0]
+        assert "optimizers run on its servers" in r["no_optimizer"][1]

@@ -465,6 +465,9 @@ class KVStore(ABC):
         [-0.5, -0.5]
         """
         self._check_open()
+        if len(self._store) < len(self.keys()):  # a distributed store: the values live on its servers
+            raise UsageError(f"the {self.type!r} store's optimizers run on its servers, in their own processes; give "
+                             "the servers an optimizer factory that schedules its own learning rate")
         if self._factory is None:
             raise UsageError("this store has no optimizer: call set_optimizer(factory) first (with a custom updater "
                              "set_updater, the updater itself holds any learning rate)")
