@@ -109,10 +109,14 @@ print(json.dumps({"samples": samples, "sum_error": err, "version": mx.__version_
 """
 
 
-def _time_mxnet(python: str, steps: int, warmup: int) -> dict:
-    """MXNet's local store in a process of ``python``: median and quartiles of its single iterations."""
+def _time_mxnet(python: str, steps: int, warmup: int, threads: int) -> dict:
+    """MXNet's local store in a process of ``python``: median and quartiles of its single iterations.
+
+    Its operators get as many OpenMP threads as torch's here (``OMP_NUM_THREADS``).
+    """
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     done = subprocess.run([python, "-c", _MXNET_LOCAL, str(steps), str(warmup), str(KEY_BYTES // 4)],
-                          capture_output=True, text=True, timeout=JOIN_TIMEOUT_S, check=False)
+                          capture_output=True, text=True, timeout=JOIN_TIMEOUT_S, check=False, env=env)
     if done.returncode != 0:
         raise SystemExit(f"--mxnet-python {python}: the MXNet run failed:\n{done.stderr.strip()[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -124,10 +128,13 @@ def _time_mxnet(python: str, steps: int, warmup: int) -> dict:
 
 def _local_only(args: argparse.Namespace) -> int:
     """``--local``: the single-process store against the torch floor and MXNet, alternating rounds."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
     contenders = {"local": lambda: _time_local(args.steps, args.warmup).to_dict(),
                   "torch_floor": lambda: _time_torch_floor(args.steps, args.warmup).to_dict()}
     if args.mxnet_python:
-        contenders["mxnet"] = lambda: _time_mxnet(args.mxnet_python, args.steps, args.warmup)
+        contenders["mxnet"] = lambda: _time_mxnet(args.mxnet_python, args.steps, args.warmup, threads)
     rounds: dict[str, list[dict]] = {name: [] for name in contenders}
     started = time.time()
     for _ in range(args.rounds):
@@ -233,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the single-process store alone, against torch by hand and (--mxnet-python) MXNet")
     ap.add_argument("--mxnet-python", metavar="PYTHON",
                     help="with --local: an interpreter that imports mxnet, to time MXNet's local store too")
+    ap.add_argument("--threads", type=int, help="with --local: intra-op threads, for torch and MXNet alike "
+                                                   "(default: torch's default)")
     args = ap.parse_args(argv)
     if args.local:
         return _local_only(args)
