@@ -370,16 +370,16 @@ class Array(Inferable):
                     e.grad = Var("grad")
                 raise
 
-    def reshape(self, *shape: Any) -> Array:
+    def reshape(self, *shape: Any, **kwargs: Any) -> Array:
         """As ``torch.Tensor.reshape`` (a copy: see "No aliasing"); a shape that cannot hold this array's
         elements is a :class:`~dlperf.errors.ShapeError` here, when the shape is known without waiting."""
-        self._check_reshape("reshape", shape)
-        return apply(torch.Tensor.reshape, (self, *shape), {}, "reshape")
+        self._check_reshape("reshape", shape or tuple(kwargs.values()))
+        return apply(torch.Tensor.reshape, (self, *shape), kwargs, "reshape")
 
-    def view(self, *shape: Any) -> Array:
+    def view(self, *shape: Any, **kwargs: Any) -> Array:
         """As ``torch.Tensor.view`` (a copy: see "No aliasing"), checked at the call like :meth:`reshape`."""
-        self._check_reshape("view", shape)
-        return apply(torch.Tensor.view, (self, *shape), {}, "view")
+        self._check_reshape("view", shape or tuple(kwargs.values()))
+        return apply(torch.Tensor.view, (self, *shape), kwargs, "view")
 
     def _check_reshape(self, call: str, shape: tuple) -> None:
         # MXNet infers shapes as an operation is pushed, so a reshape that cannot be fails where it is
