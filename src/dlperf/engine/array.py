@@ -8,11 +8,14 @@ whose value is not computed yet; the call returns immediately. The functions her
 and MXNet's spellings where they differ from torch's (``axis=``, ``ctx=`` beside ``device=``).
 
 Implicit blockers: anything that needs the values waits for them: ``asnumpy()``, ``item()``,
-``tolist()``, ``tensor()``, ``print``/``repr``, ``float()``/``int()``/``bool()`` and iteration.
+``tolist()``, ``tensor()``, ``print``/``repr``, ``float()``/``int()``/``bool()`` and iteration
+(``for row in x`` waits for ``x`` once, then gives its rows).
 Explicit barriers: ``x.wait_to_read()`` and :func:`waitall`. ``shape``, ``dtype``, ``ndim`` and
 ``len()`` do not block: they are inferred when asked, by running the pending operations on
 PyTorch's ``meta`` device (shapes only, no data); only an operation that cannot run there (or an
-in-place change of shape such as ``resize_``) makes them wait for the value.
+in-place change of shape such as ``resize_``) makes them wait for the value. A ``reshape`` or
+``view`` to a shape that cannot hold the array's elements is an error at the call, as in MXNet,
+whenever the array's shape is known then.
 
 Autograd and plain tensors: a torch module called with an engine array pushes its operations with
 the module's parameters as inputs; ``l.backward()`` is an engine operation that writes the
@@ -306,8 +309,16 @@ def stack(arrays: Sequence[Array], axis: int = 0) -> Array:
 
 
 def reshape(a: Array, newshape: Any) -> Array:
-    """``a`` with a new shape (a copy: see "No aliasing")."""
-    return apply(torch.reshape, (a, _shape(newshape, "reshape", infer_one=True)), {}, "reshape")
+    """``a`` with a new shape (a copy: see "No aliasing"); a shape that cannot hold ``a``'s elements is an
+    error at the call whenever ``a``'s shape is known without waiting.
+
+    >>> reshape(ones((2, 3)), (3, 2)).shape
+    torch.Size([3, 2])
+    """
+    shape = _shape(newshape, "reshape", infer_one=True)
+    if type(a) is not Array:
+        return apply(torch.reshape, (a, shape), {}, "reshape")  # refused with one line: no engine array
+    return a.reshape(shape)
 
 
 def transpose(a: Array, axes: Sequence[int] | None = None) -> Array:
@@ -325,6 +336,41 @@ def _normal(loc: float, scale: float, size: tuple[int, ...], device: torch.devic
 def _uniform(low: float, high: float, size: tuple[int, ...], device: torch.device) -> torch.Tensor:
     out = torch.empty(size, device=device)
     return out.uniform_(low, high)
+
+
+def _randint(low: int, high: int, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randint(low, high, size, dtype=dtype, device=device)
+
+
+def _choice(n: int, size: tuple[int, ...], replace: bool, weights: torch.Tensor | None,
+            device: torch.device) -> torch.Tensor:
+    count = int(torch.Size(size).numel())
+    if weights is not None:
+        picked = torch.multinomial(weights.to(device), count, replacement=replace)
+    elif replace:
+        picked = torch.randint(0, n, (count,), device=device)
+    else:
+        picked = torch.randperm(n, device=device)[:count]
+    return picked.reshape(size)
+
+
+def _choice_of(values: torch.Tensor, n: int, size: tuple[int, ...], replace: bool,
+               weights: torch.Tensor | None) -> torch.Tensor:
+    return values[_choice(n, size, replace, weights, values.device)]
+
+
+def _probabilities(p: Any, n: int) -> torch.Tensor:
+    """``p`` as float64 probabilities of ``n`` elements (one line when they are not)."""
+    try:
+        weights = torch.as_tensor(p.tensor() if type(p) is Array else p, dtype=torch.float64).detach().cpu()
+    except (TypeError, ValueError, RuntimeError):
+        raise EngineArgumentError(f"random.choice: p={p!r:.60} is not a list of numbers") from None
+    # (this module's abs and sum are NumPy's, for arrays)
+    if weights.shape != (n,) or not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()) or \
+            not -1e-6 <= float(weights.sum()) - 1.0 <= 1e-6:
+        raise EngineArgumentError(f"random.choice: p={p!r:.60} is not {n} probabilities; expected {n} "
+                                  "non-negative numbers that sum to 1")
+    return weights
 
 
 def _draw(sampler: Any, params: tuple, size: Any, device: DeviceLike | None, engine: Engine | None,
@@ -347,6 +393,63 @@ class _Random:
                 engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
         """Uniform samples in ``[low, high)`` (d2l's ``np.random.uniform``)."""
         return _draw(_uniform, (low, high), size, _place(device, ctx), engine, "uniform")
+
+    @staticmethod
+    def randint(low: int, high: int | None = None, size: Any = None, dtype: torch.dtype | None = None,
+                device: DeviceLike | None = None, engine: Engine | None = None, *,
+                ctx: DeviceLike | None = None) -> Array:
+        """Integers drawn uniformly from ``[low, high)``, or ``[0, low)`` without ``high`` (NumPy's ``randint``).
+
+        >>> x = random.randint(3, 5, size=(2, 4))
+        >>> x.shape, x.dtype, set(x.tolist()[0]) <= {3, 4}
+        (torch.Size([2, 4]), torch.int64, True)
+        """
+        lo, hi = (0, low) if high is None else (low, high)
+        for name, v in (("low", lo), ("high", hi)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise EngineArgumentError(f"random.randint: {name}={v!r} is not an integer")
+        if lo >= hi:
+            raise EngineArgumentError(f"random.randint: low={lo} >= high={hi}; expected low < high (an empty range "
+                                      "has nothing to draw)")
+        kind = torch.int64 if dtype is None else dtype
+        shape = _shape(size, "random.randint")
+        return _make(_randint, (lo, hi, shape, kind), {}, _place(device, ctx), engine, "randint",
+                     torch.empty(shape, dtype=kind, device="meta"))
+
+    @staticmethod
+    def choice(a: Any, size: Any = None, replace: bool = True, p: Any = None, device: DeviceLike | None = None,
+               engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
+        """Samples of ``a`` (an integer n: of ``arange(n)``; else a 1-d array of values), NumPy's ``choice``.
+
+        ``replace=False`` draws distinct elements; ``p`` gives each element's probability.
+
+        >>> sorted(random.choice(5, size=5, replace=False).tolist())
+        [0, 1, 2, 3, 4]
+        """
+        if type(a) is Array:
+            if a.ndim != 1:
+                raise EngineArgumentError(f"random.choice: a has shape {tuple(a.shape)}; expected a 1-d array "
+                                          "(or an integer n for arange(n))")
+            values: Any = a
+            n = a.shape[0]
+        elif isinstance(a, int) and not isinstance(a, bool):
+            values, n = None, a
+        else:
+            raise EngineArgumentError(f"random.choice: a is {type(a).__name__}; expected an integer n or a 1-d "
+                                      "engine array")
+        if n < 1:
+            raise EngineArgumentError(f"random.choice: a has {n} elements; expected at least one")
+        shape = _shape(size, "random.choice")
+        count = int(torch.Size(shape).numel())
+        if not replace and count > n:
+            raise EngineArgumentError(f"random.choice: {count} samples without replacement from {n} elements; "
+                                      "take at most as many as there are, or pass replace=True")
+        weights = None if p is None else _probabilities(p, n)
+        args = (n, shape, bool(replace), weights)
+        if values is None:
+            return _make(_choice, args, {}, _place(device, ctx), engine, "choice",
+                         torch.empty(shape, dtype=torch.int64, device="meta"))
+        return apply(_choice_of, (values, *args), {}, "choice")
 
 
 random = _Random()

@@ -23,7 +23,10 @@ it is decided at capture and unrolled. Side effects such as ``print`` run during
 see the stand-ins, not numbers) and never again on replay.
 
 A module that already is a graph (a loaded export, :class:`GraphSource`) is not traced: its graph is
-copied in, wherever it is called (the module itself, or a layer of the user's model).
+copied in, wherever it is called (the module itself, or a layer of the user's model). A torch layer
+hybridized alone (``nn.BatchNorm2d``) is captured as one call of it, as it is inside a model, and a
+call that leaves defaulted parameters out (``forward(self, x, mask=None)`` called as ``net(x)``) is
+captured with the defaults, as MXNet's hybridized blocks are.
 
 Leaf layers whose behaviour does not depend on ``module.training`` are lowered to functional
 calls on the module's own parameters, which skips ``nn.Module.__call__`` on replay; BatchNorm,
@@ -156,7 +159,7 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
     tracer = _Tracer()
     tracer.record_stack_traces = True
     mode = grad_mode()
-    root = _Calls(module) if isinstance(module, GraphSource) else module
+    root = _Calls(module) if _called_as_a_layer(tracer, module, example_args) else module
     # Parameters are symbolic while tracing; buffers and plain attributes are real objects, so an
     # update of them runs once, for real, and is not in the graph: undo it and refuse the graph.
     state = ModuleState(module, parameters=False)
@@ -181,6 +184,26 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
     _reject_escaping_values(gm)
     _lower_leaf_modules(gm)
     return Captured(module, gm, len(example_args), mode)
+
+
+def _called_as_a_layer(tracer: fx.Tracer, module: nn.Module, example_args: tuple) -> bool:
+    """Whether to trace ``module(*example_args)`` from a wrapper (:class:`_Calls`) rather than its forward.
+
+    A :class:`GraphSource` is copied in where it is called. A torch layer (``nn.BatchNorm2d`` alone) is
+    what fx keeps as one call inside a model: traced itself, its forward's checks of the input
+    (``if input.dim() != 4``) would stop capture. A forward with more parameters than the call passes,
+    the rest defaulted (``forward(self, x, mask=None)``), would get a placeholder for each: called as
+    the caller calls it, the defaults apply as they do eagerly and fix the graph.
+    """
+    if isinstance(module, GraphSource) or tracer.is_leaf_module(module, ""):
+        return True
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(example_args) < len(positional) and all(p.default is not p.empty
+                                                      for p in positional[len(example_args):])
 
 
 def _varargs_placeholders(module: nn.Module, example_args: tuple) -> tuple | None:

@@ -210,7 +210,7 @@ class DistKVStore(KVStore):
         self._meta: dict[Key, tuple[torch.Size, torch.dtype]] = {}
         self._pushed: dict[Key, int] = {}
         # every rank creates its stores in the same order, so the n-th store has the same id everywhere
-        self._id = f"{self.type}/{next(_GENERATIONS)}"
+        self._id = f"{type(self).type}/{next(_GENERATIONS)}"
         self._server = Server(self) if rank in servers else None
         if self._server is not None:
             SERVERS[self._id] = self._server
