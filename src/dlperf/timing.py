@@ -11,14 +11,15 @@ benchmark"). The rule, and how its limits were calibrated: docs/design/measuring
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["NOISY_REL_SPREAD", "Contention", "ContentionMonitor", "ContentionSignals", "StepWindow", "Timing",
-           "best_of", "doubling_up_to", "judge_contention", "median_of", "per_call_samples", "time_steps"]
+__all__ = ["Progress", "NOISY_REL_SPREAD", "Contention", "ContentionMonitor", "ContentionSignals", "StepWindow",
+           "Timing", "best_of", "doubling_up_to", "judge_contention", "median_of", "per_call_samples", "time_steps"]
 
 # A cell whose interquartile range exceeds this fraction of its median is flagged as noisy: the
 # median is still reported, but the reader should rerun with more steps on a quieter machine.
@@ -490,3 +491,30 @@ def median_of(fn: Callable[[], object], *, reps: int, warmup: int = 1, calls: in
               synchronize: Callable[[], None] = _no_sync) -> float:
     """The median per-call time of :func:`per_call_samples`, for a typical cost."""
     return statistics.median(per_call_samples(fn, reps=reps, warmup=warmup, calls=calls, synchronize=synchronize))
+
+
+class Progress:
+    """What a long measurement is trying and the time it has left, as notes at most one every ``every_s`` seconds
+    (logger ``dlperf.progress``: the CLI shows them on a terminal only, so piped output stays clean).
+
+    >>> p = Progress("plan", budget_s=30.0, every_s=0.0)
+    >>> p.say("timing 2x1,contiguous,eager (round 2 of 3)")  # logged as "plan: timing ... (28 s left of 30 s)"
+    """
+
+    def __init__(self, what: str, budget_s: float | None = None, every_s: float = 3.0) -> None:
+        import logging
+
+        self.what, self.budget_s, self.every_s = what, budget_s, every_s
+        self.start = time.perf_counter()
+        self._last = -math.inf
+        self._log = logging.getLogger("dlperf.progress")
+
+    def say(self, doing: str, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
+        spent = now - self.start
+        left = f" ({max(0.0, self.budget_s - spent):.0f} s left of {self.budget_s:.0f} s)" \
+            if self.budget_s is not None else f" ({spent:.0f} s so far)"
+        self._log.info("%s: %s%s", self.what, doing, left)

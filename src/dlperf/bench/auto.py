@@ -24,7 +24,7 @@ from torch import nn
 
 from .._threads import intra_op_threads
 from ..decide import MIN_GAIN, judge
-from ..timing import Timing, time_steps
+from ..timing import Progress, Timing, time_steps
 from .modes import StepFn, compiled_step, eager_step
 
 if TYPE_CHECKING:
@@ -73,6 +73,8 @@ class AutoChoice:
     plan_note: str = ""
     runs_on: dict[str, str] = field(default_factory=dict)
     """What replayed each timed candidate that is a captured training step (``hybrid``: native, graph)."""
+    contended: bool = False
+    """Every round that decided was contended: the choice stands for this run, its ratio is no measured gain."""
 
     def label(self, name: str) -> str:
         """``name`` as the reason prints it: a captured step says so, with the backend that replayed it."""
@@ -90,7 +92,10 @@ class AutoChoice:
             parts.append(f"{self.label(name)} {gain:.2f}x{verdict}" if gain is not None else f"{self.label(name)} -")
         parts += [f"{name}: {why}" for name, why in self.notes.items()]
         base = self.plan_variant or "eager"
-        if self.chosen != base:
+        if self.chosen != base and self.contended:
+            head = (f"{self.label(self.chosen)}: chosen on contended rounds, for this run only (other work took the "
+                    f"cores: its {self.gain_over_eager:.2f}x over eager is no measured gain)")
+        elif self.chosen != base:
             head = f"{self.label(self.chosen)}: {self.gain_over_eager:.2f}x over eager"
         elif base == "eager":
             head = (f"eager kept: nothing beat it by more than {MIN_GAIN:.0%} in every round (the fastest's "
@@ -292,12 +297,14 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
     samples: dict[str, list[float]] = {name: [] for name in steps}
     sync = torch.cuda.synchronize if _on_gpu(x) else (lambda: None)
     started = time.perf_counter()
+    progress = Progress("bench --mode auto", SEARCH_BUDGET_S)
     for done in range(rounds):
         if done >= MIN_ROUNDS and time.perf_counter() - started > SEARCH_BUDGET_S:
             notes["search"] = f"stopped after {done} rounds: the {SEARCH_BUDGET_S:.0f}s budget was spent"
             break
         contended.append(False)
         for name, step in steps.items():
+            progress.say(f"timing {name} (round {done + 1} of {rounds})")
             t = time_steps(functools.partial(step, x, y), warmup=0, steps=steps_per_round, threads=threads,
                            synchronize=sync)
             samples[name] += t.samples
@@ -308,8 +315,8 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
         trainer = getattr(timed, "trainer", None)
         if trainer is not None:
             trainer.close()
-    best, gain, worst = _pick(medians, per_round, base, contended)
-    choice = AutoChoice(best, gain, medians, notes, worst)
+    best, gain, worst, all_contended = _pick(medians, per_round, base, contended)
+    choice = AutoChoice(best, gain, medians, notes, worst, contended=all_contended)
     choice.runs_on = {name: ran for name, timed in steps.items()
                       if isinstance(ran := getattr(timed, "runs_on", None), str)}
     if choice.runs_on.get("hybrid") in REPLAY_BACKENDS:
@@ -322,17 +329,18 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
 
 
 def _pick(medians: dict[str, float], per_round: dict[str, list[float]], base: str = "eager",
-          contended: list[bool] | None = None) -> tuple[str, float, float]:
+          contended: list[bool] | None = None) -> tuple[str, float, float, bool]:
     """The candidate the one decider (:func:`dlperf.decide.judge`) keeps against ``base`` (eager, or the
     planner's plan), timed in alternating rounds; ``base`` when none beats it beyond noise in every round.
 
-    Returns (name, gain over eager overall, the worst round's gain of the fastest candidate).
+    Returns (name, gain over eager overall, the worst round's gain of the fastest candidate, whether every
+    round was contended).
     """
     verdict = judge(per_round, base, contended=contended or [])
     fastest = min((n for n in medians if n not in ("eager", base)), key=medians.__getitem__, default=None)
     ratios = verdict.ratios.get(fastest, []) if fastest is not None else []
     worst_of_fastest = 1 / max(ratios) if ratios else 1.0
-    return verdict.chosen, medians["eager"] / medians[verdict.chosen], worst_of_fastest
+    return verdict.chosen, medians["eager"] / medians[verdict.chosen], worst_of_fastest, verdict.contended
 
 
 def _planned(model: nn.Module, loss_fn: Callable, x, y):

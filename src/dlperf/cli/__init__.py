@@ -72,6 +72,10 @@ class _Notes(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
+            if record.name == "dlperf.progress":  # what a long measurement is doing: on a terminal only
+                if sys.stderr.isatty():
+                    print(one_line(record.getMessage()), file=sys.stderr, flush=True)
+                return
             stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
             print(one_line(record.getMessage()), file=stream, flush=True)
         except Exception:  # noqa: BLE001 - a note that cannot be shown must not end the run

@@ -33,7 +33,7 @@ from ...decide import MIN_GAIN, Verdict, judge, rank
 from ...devices import Device
 from ...errors import UsageError
 from ...machine import usable_cores
-from ...timing import time_steps
+from ...timing import Progress, time_steps
 from ..allreduce import DEFAULT_ALGORITHM
 from .plan import EXECUTIONS, Plan, has_batch_statistics, layer_count, uses_conv2d
 from .plan_cache import (
@@ -248,6 +248,7 @@ class _Session:
         """Seconds each build took (a candidate not built yet is allowed the slowest so far)."""
         self.first_extra_s: list[float] = []
         """Seconds each eager candidate's first step took beyond its steady step (first allocations)."""
+        self.progress = Progress("plan", self.budget)
         self.setups: dict[str, float] = {}
         """Each execution's predicted one-off setup in seconds (measured before for this model, else guessed)."""
 
@@ -291,6 +292,8 @@ class _Session:
         the budget for one step of each of ``after``, the members still to come in this round."""
         run = self.runs.get(id(m))
         options = self.options
+        self.progress.budget_s = self.budget
+        self.progress.say(f"timing {m.plan.name} (round {index + 1})")
         if run is None and reference is not None and self.elapsed() + setup_s(m.plan) > self.budget:
             # starting processes costs seconds; the reference (reference None) is always timed
             m.note = "skipped for time"
