@@ -6,7 +6,8 @@ dlperf does not drive. Besides the per-step samples it watches the machine over 
 timing ``contended`` when other work competed for the CPUs the steps needed (scheduler wait, other runnable
 tasks, CPU use and steal against ``WAIT_LIMIT`` and the limits beside it), so that a number measured on a busy
 machine is never mistaken for the cost of the step (d2l 12.4: "make sure nothing else runs when you
-benchmark"). The rule, and how its limits were calibrated: docs/design/measuring.md.
+benchmark"). :class:`Progress` says what a long measurement is timing and the time it has left. The rule, and
+how its limits were calibrated: docs/design/measuring.md.
 """
 
 from __future__ import annotations
