@@ -1,35 +1,12 @@
 """``dlperf bench --mode auto``: per cell, the fastest training step dlperf can apply, timed and kept.
 
-The candidates are what dlperf knows how to apply to a model without changing its math:
-
-* ``eager``: plain PyTorch, the reference;
-* ``channels-last``: the conv net's weights and each input batch in NHWC (conv nets with a 4-D input);
-* ``hybrid``: the whole training step (forward, loss, backward, update) captured once and replayed, as
-  ``--mode hybrid`` times it (:func:`dlperf.hybrid.bench_mode.make_captured_step`, backend
-  :data:`HYBRID_BACKEND`); a model it cannot capture, or whose captured step times the eager step fastest,
-  leaves it out with the reason in the notes. When it is chosen, the caller's model is captured for the
-  backend that was timed, and the cell's ``backend`` names that backend;
-* ``compile``: ``torch.compile`` of forward and loss (alone, and with channels-last), only when a quick
-  probe predicts its compile time under a bound: the probe traces the step with dynamo alone (no code
-  generation) and scales that by :data:`INDUCTOR_OVER_TRACE`, measured here on LeNet (0.6 s to trace,
-  10 s to compile with inductor);
-* fewer threads than the cell's (half, and one) for eager and channels-last: small ops can lose more to
-  the threads' hand-offs than they gain from sharing. The cell's thread count is never exceeded.
-
-Each candidate runs on its own copy of the model and optimizer, and all are timed in alternating rounds
-with the one timer (:func:`dlperf.timing.time_steps`), so every one sees the same background load. A
-variant qualifies only if it beat eager by more than the noise, :data:`MIN_GAIN`, in every round; the
-fastest that qualifies runs, and with none, eager does. The chosen variant is then applied to the
-caller's model and optimizer, which the timing left untouched, so the first timed step starts from the
-same weights as eager's would.
-
-On a CPU cell the layout and thread-count candidates are the planner's (:mod:`dlperf.bench.plans`): the
-plan ``dlperf train --plan auto`` and ``dlperf profile`` give for this model and batch (the same
-enumeration, pricing, measurement and cache) is timed as one candidate, and it stands unless another
-execution (hybrid, compile) beats it by more than the noise in every round; the cell records its name.
-A one-replica eager or compiled plan runs as the plain step at its threads and layout (``channels-last``,
-``eager 1 thr``, ``channels-last + compile``); any other runs as a :class:`~dlperf.parallel.Trainer`
-following it (``plan 2x1,contiguous,eager``).
+The candidates change how a step runs, not its mathematics: ``eager`` (the reference), ``channels-last``,
+``hybrid`` (the captured whole step, backend :data:`HYBRID_BACKEND`), ``compile`` (only when a dynamo-only trace
+scaled by :data:`INDUCTOR_OVER_TRACE` predicts its compile time under a bound) and fewer threads than the cell's.
+On a CPU cell the planner's plan (:mod:`dlperf.bench.plans`) replaces the layout and thread candidates. Each runs
+on its own copy of the model and optimizer, all are timed in alternating rounds, and the one decider keeps a
+variant only beyond :data:`MIN_GAIN` in every round; the chosen one is then applied to the caller's model. The
+candidates' rules: docs/design/planner.md.
 """
 
 from __future__ import annotations

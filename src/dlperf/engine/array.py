@@ -1,36 +1,11 @@
 """An array whose operations are pushed to the engine and return at once (d2l's ``mxnet.np``).
 
-Every operation on an :class:`Array` (operators, tensor methods, the functions of this module and
-``torch.*`` functions through ``__torch_function__``) becomes one engine operation that reads its
-input arrays and writes a new one, on the device of its inputs (small elementwise ones, such as
-``x + 1``, may share one: see ``EngineConfig.auto_bulk``). The result is an :class:`Array`
-whose value is not computed yet; the call returns immediately. The functions here take NumPy's
-and MXNet's spellings where they differ from torch's (``axis=``, ``ctx=`` beside ``device=``).
-
-Implicit blockers: anything that needs the values waits for them: ``asnumpy()``, ``item()``,
-``tolist()``, ``tensor()``, ``print``/``repr``, ``float()``/``int()``/``bool()`` and iteration
-(``for row in x`` waits for ``x`` once, then gives its rows).
-Explicit barriers: ``x.wait_to_read()`` and :func:`waitall`. ``shape``, ``dtype``, ``ndim`` and
-``len()`` do not block: they are inferred when asked, by running the pending operations on
-PyTorch's ``meta`` device (shapes only, no data); only an operation that cannot run there (or an
-in-place change of shape such as ``resize_``) makes them wait for the value. A ``reshape`` or
-``view`` to a shape that cannot hold the array's elements is an error at the call, as in MXNet,
-whenever the array's shape is known then.
-
-Autograd and plain tensors: a torch module called with an engine array pushes its operations with
-the module's parameters as inputs; ``l.backward()`` is an engine operation that writes the
-gradients of every parameter ``l`` depends on, and by default waits for itself before returning,
-so ``p.grad`` read right after it is the finished gradient, as in eager PyTorch
-(``backward(wait=False)`` returns at once). Torch optimizers, ``state_dict``/``load_state_dict``
-and eager module calls wait for pending engine work on the tensors they use (see
-:mod:`dlperf.engine.external` for exactly what is covered). Autograd's mode (``torch.no_grad()``)
-at the time of a push is the mode its operation runs in.
-
-No aliasing: the engine orders operations per array, so two arrays must never share memory. An
-operation whose result would share storage with one of its inputs (indexing ``a[0:2]``, ``view``,
-``reshape``, ``t``, ``narrow``, ``expand``, ``detach``, ...) returns a copy instead: after
-``b = a[0:2]``, writing to ``a`` does not change ``b`` (unlike a NumPy view). Change part of an
-array with ``a[key] = value``, which is one engine write of ``a``.
+Every operation on an :class:`Array` (operators, methods, the functions here and ``torch.*`` functions) is one
+engine operation on the device of its inputs; the result's value is computed later. Anything that needs the values
+(``asnumpy()``, ``item()``, ``print``) waits for them; ``shape`` and ``dtype`` are inferred without waiting. Results
+never share memory with inputs: ``a[0:2]`` is a copy. Blocking, autograd and aliasing in full:
+docs/design/engine.md. The array class is in :mod:`~dlperf.engine.ndarray`, what workers run in
+:mod:`~dlperf.engine.records`, shape inference in :mod:`~dlperf.engine.shapes`; this is the NumPy-style namespace.
 
 Example (d2l §12.2.1 with dlperf names):
     >>> from dlperf.engine import array as dnp
@@ -44,10 +19,6 @@ Example (d2l §12.2.1 with dlperf names):
     ...     print(z)                   # printing waits for z
     torch.Size([100, 100])
     array([[3., 3.]], device=cpu(0))
-
-Modules: :mod:`~dlperf.engine.ndarray` (the :class:`Array` class), :mod:`~dlperf.engine.records`
-(what workers run for it), :mod:`~dlperf.engine.shapes` (shape inference); this one is the
-NumPy-style namespace.
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """Capture a module's forward as a graph, and refuse what a graph cannot express.
 
-Capture runs ``forward`` once with symbolic stand-ins for the inputs (torch.fx), so every
-operation on them is recorded instead of executed. What the stand-ins cannot answer is
-exactly what a replayed graph would get wrong, and capture stops there with the user's line:
-
-* Python control flow on tensor *values* (``if x.sum() > 0:``, ``for row in x:``): the branch
-  taken depends on data the graph does not have yet.
-* Values leaving the graph (``x.numpy()``, ``x.item()``, ``x.tolist()``): a replay would not
-  re-run the Python that consumes them.
-
-* Updates of module state outside the graph (``self.calls += 1``, ``self.count += 1`` on a
-  buffer, ``self.cache = x``): buffers and attributes are real objects while tracing, so the
-  update would run once at capture and never on replay. Capture undoes it and refuses.
-
-A graph records operations, not the autograd mode they ran in: a ``with torch.no_grad():`` (or
-``inference_mode``, ``set_grad_enabled``) inside forward is gone from it. Each node keeps the mode it
-was recorded in (``node.meta["grad_mode"]``), and :meth:`Captured.grad_mode_changes` names the lines
-where it differs from the call's, for the backends that differentiate the graph to refuse.
-
-Control flow on Python values (``if self.stride != 1:``, ``for block in self.blocks:``) is fine:
-it is decided at capture and unrolled. Side effects such as ``print`` run during capture (they
-see the stand-ins, not numbers) and never again on replay.
-
-A module that already is a graph (a loaded export, :class:`GraphSource`) is not traced: its graph is
-copied in, wherever it is called (the module itself, or a layer of the user's model). A torch layer
-hybridized alone (``nn.BatchNorm2d``) is captured as one call of it, as it is inside a model, and a
-call that leaves defaulted parameters out (``forward(self, x, mask=None)`` called as ``net(x)``) is
-captured with the defaults, as MXNet's hybridized blocks are.
-
-Leaf layers whose behaviour does not depend on ``module.training`` are lowered to functional
-calls on the module's own parameters, which skips ``nn.Module.__call__`` on replay; BatchNorm,
-Dropout, LSTM and unknown layers stay module calls and keep reading their mode at run time.
+Capture runs ``forward`` once with symbolic stand-ins for the inputs (torch.fx), so every operation on them is
+recorded instead of executed. What the stand-ins cannot answer is what a replay would get wrong, and capture stops
+there with the user's line: control flow on tensor values, values leaving the graph (``x.item()``), updates of
+module state outside it (``self.calls += 1``). Control flow on Python values is unrolled. Each node keeps the grad
+mode it was recorded in (:meth:`Captured.grad_mode_changes`); a module that already is a graph
+(:class:`GraphSource`) is copied in, not traced. The rules and their reasons: docs/design/hybridize.md.
 
 >>> import torch
 >>> from torch import nn

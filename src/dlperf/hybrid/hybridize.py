@@ -1,38 +1,12 @@
 """``hybridize(module)``: develop eagerly, then replay a captured graph without the Python.
 
-A :class:`HybridModule` is an explicit state machine:
-
-``capture``
-    the next call traces ``forward`` into a graph (:mod:`dlperf.hybrid.capture`). If that is
-    impossible (data-dependent control flow, ``x.numpy()`` inside forward) it warns with the
-    offending line and moves to ``eager`` for good; ``strict=True`` raises instead.
-``replay``
-    every call is keyed by its *signature*: the shape, dtype, device and ``requires_grad`` of each
-    input, whether autograd is recording, and ``module.training``. A known signature goes straight
-    to its runner. A new one warns, prepares a runner for it (checked against eager on a copy of
-    that very input: output, gradients, the input after the call and the module state after it)
-    and caches it, up to ``max_signatures``; beyond that calls run eagerly, with a warning. The
-    checks and ``auto``'s timing runs work on copies of the inputs and are undone on the module,
-    so each call changes the caller's tensors and the module's buffers exactly once, as eager.
-``eager``
-    the original module runs, as if never hybridized (``reset()`` goes back to ``capture``).
-
-Replays do not run forward's Python: a ``print`` in forward prints the symbolic stand-ins during
-capture and never again on replays, as the d2l book observes of MXNet. Preparing a new signature
-runs it too, on copies of the inputs: once as the eager reference, and with ``auto``
-``AUTO_PYTHON_TRIALS`` (3) more times to time eager, plus the call itself if eager is chosen
-(2 runs in all with a named backend, 5 or 6 with ``auto``). Python values read by forward
-(``self.scale = 2.0``) are frozen into the graph at capture; call ``reset()`` after changing them.
-A change of the module's structure (a layer appended or replaced, a parameter or buffer assigned
-anew) is noticed, as MXNet notices a child registered on a block: the next call warns once and
-captures again. A forward that updates module state outside the graph
-(``self.calls += 1`` on a Python int or a buffer) runs eagerly, with a warning naming the
-attribute; in-place updates inside the graph (BatchNorm statistics, ``self.total.add_(x.sum())``)
-are replayed. Outputs may be tensors or any nesting of tuples, lists, dicts and namedtuples of
-them. With autograd recording, every backend keeps gradients (the ``native`` plan as one autograd
-node whose backward is the plan's backward instructions), each checked against eager's gradients,
-so training through a hybridized module is eager's mathematics. A loaded export
-(:func:`dlperf.hybrid.load`) is captured from its own graph, not traced, and replays like any module.
+A :class:`HybridModule` is an explicit state machine: ``capture`` (the next call traces ``forward``,
+:mod:`dlperf.hybrid.capture`; what cannot be traced warns with the user's line and goes ``eager``, or raises with
+``strict=True``), ``replay`` (each call's signature, the inputs' shapes, dtypes, devices and ``requires_grad``, the
+grad mode and ``module.training``, picks a runner, prepared and checked against eager on the first call of each
+signature, up to ``max_signatures``) and ``eager`` (``reset()`` goes back to ``capture``). Replays do not run
+forward's Python; each call changes the caller's tensors and the module's buffers exactly once, as eager does. The
+states, the checks and what runs forward's Python when: docs/design/hybridize.md.
 
 >>> import torch
 >>> from dlperf.models import get_model
