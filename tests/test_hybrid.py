@@ -423,10 +423,15 @@ def test_auto_trials_time_an_input_mutating_forward_on_fresh_copies(modifies_inp
         seen.append(x.detach().clone())
         return x.mul_(0.5)
 
+    from dlperf.decide import decide
+    from dlperf.hybrid.backends.registry import get_backend
+
     x = torch.full((2, 3), 8.0)
     with torch.no_grad():
-        seconds = net._time_runner(run, (x,), torch.device("cpu"), ModuleState(net.module), modifies_inputs)
-    assert seconds > 0 and len(seen) >= 4  # one warm-up, at least three timed trials
+        candidate = net._candidate(get_backend("graph"), run, (x,), torch.device("cpu"), ModuleState(net.module),
+                                   modifies_inputs)
+        verdict = decide([candidate], rounds=3, steps=5, warmup=1)
+    assert verdict.best_s["graph"] > 0 and len(seen) >= 4  # one warm-up, at least a timed call a round
     assert torch.equal(x, torch.full((2, 3), 8.0))  # the caller's input is never the one mutated
     # With fresh copies every timed trial starts from the caller's values; without, they decay.
     first = [s[0, 0].item() for s in seen[:6]]

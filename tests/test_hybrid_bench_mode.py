@@ -57,7 +57,7 @@ def test_the_hybrid_mode_step_trains_to_eagers_weights(name, backend):
     if backend != "auto":  # auto may time the eager step fastest; then it says so, see below
         assert step.runs_on == backend and step.eager_reason is None
     elif step.runs_on == "eager":
-        assert step.eager_reason and "fastest step" in step.eager_reason
+        assert step.eager_reason and ("fastest step" in step.eager_reason or "kept within noise" in step.eager_reason)
 
 
 def test_a_model_that_cannot_be_captured_trains_eagerly_and_says_why():

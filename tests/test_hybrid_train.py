@@ -310,7 +310,7 @@ def test_auto_says_what_it_chose():
     torch.manual_seed(11)
     ref, net, oe, oc, step = run_both(mlp(), OPTIMIZERS["sgd_momentum_wd"], "mlp", steps=20, seed=11, backend="auto")
     text = repr(step)
-    assert "fastest step" in text and "eager" in text, text
+    assert ("fastest step" in text or "kept within noise" in text) and "eager" in text, text
     assert_same_state(ref, net, oe, oc)
 
 

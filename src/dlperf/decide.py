@@ -1,8 +1,10 @@
 """dlperf's one decider: time candidates side by side and keep a faster one only when it is faster beyond noise.
 
-Every choice dlperf makes by measuring (the planner's plans, ``bench --mode auto``'s variants, hybridize's
-backend, ``train_step``'s replay) goes through :func:`judge`, and those that time their candidates themselves
-through :func:`decide`, so one rule decides them all:
+Every choice dlperf makes by timing candidates (the planner's plans, ``bench --mode auto``'s variants,
+hybridize's backend, ``train_step``'s replay) goes through :func:`judge`, and those that time their candidates
+themselves through :func:`decide`, so one rule decides them all. Two choices predict rather than time: allreduce
+``auto`` ranks a cost model's figures, and the process links fit a line to their best repetitions (taken in
+alternating turns, as here) and pick by it; a prediction has no rounds to judge.
 
 1. **Alternating rounds.** Each round times every candidate once (:func:`dlperf.timing.time_steps`), in an
    order that rotates between rounds, so a change of the machine's load between rounds moves every candidate;
@@ -147,6 +149,15 @@ class Candidate:
     synchronize: Callable[[], None] = lambda: None
     threads: int = 1
     """Threads a step keeps busy (the contention check compares the machine's load against it)."""
+    steps: int | None = None
+    """Timed steps a round for this candidate (default: :func:`decide`'s): one for a step with side effects a
+    caller sees (it runs the user's Python), so the whole decision runs it a known number of times."""
+    warmup: int | None = None
+    """Untimed steps before its first round (default: :func:`decide`'s)."""
+    between_steps: Callable[[], None] | None = None
+    """Run untimed after every step (fresh inputs for a step that changes its own)."""
+    after_round: Callable[[], None] | None = None
+    """Run untimed after each of its rounds (put back what its steps changed, so every round starts alike)."""
 
 
 def decide(candidates: Sequence[Candidate], reference: str | None = None, *, rounds: int = 3, steps: int = 3,
@@ -163,14 +174,23 @@ def decide(candidates: Sequence[Candidate], reference: str | None = None, *, rou
     times: dict[str, list[float | None]] = {c.name: [] for c in candidates}
     marks: list[bool] = []
     for c in candidates:
-        if warmup:
-            time_steps(c.step, warmup=0, steps=warmup, synchronize=c.synchronize, threads=c.threads)
+        first = warmup if c.warmup is None else c.warmup
+        if first:
+            time_steps(c.step, warmup=0, steps=first, synchronize=c.synchronize, threads=c.threads,
+                       on_step=c.between_steps)
+            if c.after_round is not None:
+                c.after_round()
     for r in range(rounds):
         shift = r % len(candidates)
         contended = False
         for c in [*candidates[shift:], *candidates[:shift]]:
-            timing = time_steps(c.step, warmup=0, steps=steps, synchronize=c.synchronize, threads=c.threads,
-                                min_steps=1, max_seconds=max_seconds)
+            try:
+                timing = time_steps(c.step, warmup=0, steps=steps if c.steps is None else c.steps,
+                                    synchronize=c.synchronize, threads=c.threads, on_step=c.between_steps,
+                                    min_steps=1, max_seconds=max_seconds)
+            finally:
+                if c.after_round is not None:
+                    c.after_round()
             times[c.name].append(timing.median_s)
             contended |= timing.contended
         marks.append(contended)

@@ -32,9 +32,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..batch import describe, tensors_of
+from ..decide import Candidate, decide
 from ..engine.array import Array, call_module
 from ..errors import UsageError
-from ..timing import time_steps
 from ._warn import warn_at_caller
 from .backends.registry import Backend, BackendUnsupported, get_backend
 from .capture import Captured, CaptureError, ModuleState, capture
@@ -45,12 +45,12 @@ EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
 STALE = "stale"  # replay, but the module's structure changed since capture: the next call captures again
 _grad_enabled = torch.is_grad_enabled
 
-# Trial calls per candidate when backend="auto": enough for a stable median on small models,
-# bounded in time for big ones (a 100 ms forward gets the minimum).
-AUTO_MIN_TRIALS, AUTO_MAX_TRIALS, AUTO_BUDGET_S = 3, 200, 0.05
-# Backends whose runner is forward's own Python (eager) are timed with this many runs and no
-# warm-up (the eager reference run just warmed it): each run repeats forward's side effects.
-AUTO_PYTHON_TRIALS = 3
+# backend="auto" times its candidates in AUTO_ROUNDS alternating rounds (dlperf.decide): a replay takes up to
+# AUTO_MAX_TRIALS calls a round within AUTO_BUDGET_S in all (a 100 ms forward gets one a round).
+AUTO_ROUNDS, AUTO_MAX_TRIALS, AUTO_BUDGET_S = 3, 200, 0.05
+# Backends whose runner is forward's own Python (eager) get one call a round and no warm-up (the eager
+# reference run just warmed it): each run repeats forward's side effects, so they run this many times.
+AUTO_PYTHON_TRIALS = AUTO_ROUNDS
 # A runner whose output differs from eager's beyond this is never used (float32 reassociation
 # in fused kernels moves results by ~1e-6 relative; anything larger is a bug).
 CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5
@@ -367,14 +367,21 @@ class HybridModule(nn.Module):
             if rejected:
                 reason += "; skipped " + "; ".join(rejected)
             return Choice(backend.name, run, reason), run(*args)
-        timed = [(self._time_runner(run, args, device, state, reference.modifies_inputs, backend.runs_python),
-                  backend, run) for backend, run in ready]
-        timed.sort(key=lambda t: t[0])
-        best_s, backend, run = timed[0]
-        others = ", ".join(f"{b.name} {s * 1e6:.1f} us" for s, b, _ in timed[1:])
+        names_ready = [backend.name for backend, _ in ready]
+        try:
+            verdict = decide([self._candidate(backend, run, args, device, state, reference.modifies_inputs)
+                              for backend, run in ready],
+                             "eager" if "eager" in names_ready else names_ready[0], rounds=AUTO_ROUNDS,
+                             steps=AUTO_MAX_TRIALS, warmup=1, max_seconds=AUTO_BUDGET_S / AUTO_ROUNDS)
+        finally:
+            state.restore()
+        backend, run = ready[names_ready.index(verdict.chosen)]
+        best = verdict.best_s
+        others = ", ".join(f"{n} {best[n] * 1e6:.1f} us" for n in verdict.ranking() if n != backend.name)
         detail = getattr(run, "detail", backend.description)
         what = "forward+backward" if torch.is_grad_enabled() else "call"
-        reason = f"fastest: {best_s * 1e6:.1f} us/{what} vs {others} ({detail})"
+        how = "fastest" if verdict.ranking()[0] == backend.name else "kept within noise"
+        reason = f"{how}: {best[backend.name] * 1e6:.1f} us/{what} vs {others} ({detail}); {verdict.reason}"
         if rejected:
             reason += "; skipped " + "; ".join(rejected)
         return Choice(backend.name, run, reason), run(*args)
@@ -431,32 +438,22 @@ class HybridModule(nn.Module):
         grads = torch.autograd.grad(cast(torch.Tensor, sum(total)), leaves, allow_unused=True)
         return out, tuple(g if g is not None else torch.zeros(()) for g in grads)
 
-    def _time_runner(self, run: Callable, args: tuple, device: torch.device, state: ModuleState,
-                     modifies_inputs: bool, runs_python: bool = False) -> float:
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    def _candidate(self, backend: Backend, run: Callable, args: tuple, device: torch.device, state: ModuleState,
+                   modifies_inputs: bool) -> Candidate:
+        """``run`` as the decider times it: with autograd on, a call is forward and backward (a backend that speeds
+        up the forward but slows down the backward must not win a training run), on copies of the inputs, the
+        module's state put back after each round."""
         needs_grad = torch.is_grad_enabled()
-        # With autograd on, a trial is forward and backward: a backend that speeds up the forward
-        # but slows down the backward must not win a training run.
         inputs = [_copies(args)]  # a forward that mutates its input mutates these, not the caller's
 
-        def trial() -> None:
-            self._forward_backward(run, *inputs[0], needs_grad)
-
-        def fresh_inputs() -> None:  # runs between steps, untimed: x.mul_(0.5) 200 times would time denormals
+        def fresh_inputs() -> None:  # untimed, between calls: x.mul_(0.5) 200 times would time denormals
             inputs[0] = _copies(args)
 
-        try:
-            # One untimed warm-up for lazy allocations and algorithm choices; the budget bounds the rest.
-            if runs_python:
-                timing = time_steps(trial, warmup=0, steps=AUTO_PYTHON_TRIALS, synchronize=sync,
-                                    on_step=fresh_inputs if modifies_inputs else None)
-            else:
-                timing = time_steps(trial, warmup=1, steps=AUTO_MAX_TRIALS, synchronize=sync,
-                                    on_step=fresh_inputs if modifies_inputs else None,
-                                    max_seconds=AUTO_BUDGET_S, min_steps=AUTO_MIN_TRIALS)
-        finally:
-            state.restore()
-        return timing.median_s
+        python = backend.runs_python
+        return Candidate(backend.name, lambda: self._forward_backward(run, *inputs[0], needs_grad),
+                         torch.cuda.synchronize if device.type == "cuda" else (lambda: None),
+                         threads=torch.get_num_threads(), steps=1 if python else None, warmup=0 if python else None,
+                         between_steps=fresh_inputs if modifies_inputs else None, after_round=state.restore)
 
     def _warn(self, message: str, line: str | None = None) -> None:
         # At the user's offending line when capture found one, else at the user's call: never in dlperf.

@@ -18,6 +18,7 @@ step, with the reason in ``repr`` and one warning. How it is built: docs/design/
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,8 +28,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import batch as batches
+from ..decide import Candidate, decide
 from ..steps import eager_step
-from ..timing import time_steps
 from ._warn import warn_at_caller
 from .capture import ModuleState, same_change
 from .hybridize import CHECK_ATOL, CHECK_RTOL, HybridizeWarning, HybridModule
@@ -39,8 +40,9 @@ __all__ = ["TrainStep", "make_train_step", "train_step"]
 
 EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
 BACKENDS = ("auto", "graph", "native", "cuda_graphs", "compile", "eager")
-# Steps per candidate when ``auto`` times the training path: steps, not calls, are what it is judged on.
-AUTO_STEPS, AUTO_BUDGET_S = 20, 0.3
+# ``auto`` times the training steps (steps, not calls, are what it is judged on) in AUTO_ROUNDS alternating rounds
+# (dlperf.decide), up to AUTO_STEPS a round and AUTO_BUDGET_S per candidate in all.
+AUTO_ROUNDS, AUTO_STEPS, AUTO_BUDGET_S = 3, 7, 0.3
 
 
 @dataclass
@@ -161,23 +163,25 @@ class TrainStep:
         if self.backend != "auto":
             return ready[0]
         ready.append(_Runner("eager", self._eager, "the eager step"))
-        timed = sorted(((self._time(r, x, y), r) for r in ready), key=lambda t: t[0])
-        best_s, best = timed[0]
-        others = ", ".join(f"{r.backend} {s * 1e6:.0f} us" for s, r in timed[1:])
-        best.reason = f"fastest step: {best_s * 1e6:.0f} us vs {others} ({best.reason})"
-        return best
-
-    def _time(self, runner: _Runner, x, y) -> float:
-        """Median seconds per step of ``runner``; the steps are undone (weights, buffers, optimizer, RNG)."""
+        on_gpu = any(p.is_cuda for p in self.module.parameters())
         saved = _Saved(self.module, self.optimizer)
         try:
-            on_gpu = any(p.is_cuda for p in self.module.parameters())
-            timing = time_steps(lambda: runner.step(x, y), warmup=1, steps=AUTO_STEPS, min_steps=3,
-                                max_seconds=AUTO_BUDGET_S,
-                                synchronize=torch.cuda.synchronize if on_gpu else _no_sync)
+            # every round starts from the saved state (weights, buffers, optimizer, RNG): the steps are trials
+            verdict = decide([Candidate(r.backend, functools.partial(r.step, x, y),
+                                        torch.cuda.synchronize if on_gpu else _no_sync,
+                                        threads=torch.get_num_threads(),
+                                        after_round=functools.partial(saved.restore, r.step)) for r in ready],
+                             "eager", rounds=AUTO_ROUNDS, steps=AUTO_STEPS, warmup=1,
+                             max_seconds=AUTO_BUDGET_S / AUTO_ROUNDS)
         finally:
-            saved.restore(runner.step)
-        return timing.median_s
+            saved.restore()
+        best = next(r for r in ready if r.backend == verdict.chosen)
+        figures = verdict.best_s
+        others = ", ".join(f"{n} {figures[n] * 1e6:.0f} us" for n in verdict.ranking() if n != best.backend)
+        how = "fastest step" if verdict.ranking()[0] == best.backend else "step kept within noise"
+        best.reason = (f"{how}: {figures[best.backend] * 1e6:.0f} us vs {others} ({best.reason}); "
+                       f"{verdict.reason}")
+        return best
 
     # --- reports --------------------------------------------------------------------------
     @property

@@ -109,11 +109,14 @@ def _measure(candidates: list[str], group: Any) -> dict[str, Link]:
     import torch.distributed as dist
 
     times = torch.zeros(len(candidates), len(PROBE_SIZES), PROBE_REPEATS, dtype=torch.float64)
-    for c, name in enumerate(candidates):
-        for s, nbytes in enumerate(PROBE_SIZES):
-            flat = torch.ones(nbytes // 4, dtype=torch.float32)
+    for s, nbytes in enumerate(PROBE_SIZES):
+        flat = torch.ones(nbytes // 4, dtype=torch.float32)
+        for name in candidates:
             run_transport(name, flat, group)  # warm: first touches, connections, caches
-            for r in range(PROBE_REPEATS):
+        # the candidates take turns within each repetition, as the one decider's rounds do: a burst of load on
+        # a shared host then slows both alike instead of deciding for whichever ran outside it
+        for r in range(PROBE_REPEATS):
+            for c, name in enumerate(candidates):
                 dist.barrier(group=group)
                 start = time.perf_counter()
                 run_transport(name, flat, group)

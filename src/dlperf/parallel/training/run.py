@@ -250,8 +250,10 @@ def train(config: RunConfig, state: TrainState, plan: Plan | None, hooks: RunHoo
             from ..communication.process_group import describe_process_allreduce
 
             # collective: every process measures the links now, before the first step's sums wait on them
-            for line in describe_process_allreduce(trainer.processes.group, choose=True):
-                log.info(line)
+            lines = describe_process_allreduce(trainer.processes.group, choose=True)
+            if rank == 0:  # one account of the choice, not one per process
+                for line in lines:
+                    log.info(line)
         settings = config.checkpoint_settings()
 
         def record(rec: dict[str, Any]) -> None:
