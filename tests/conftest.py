@@ -8,10 +8,16 @@ import textwrap
 import threading
 import time
 
-import pytest
-import torch
+# OpenMP's threads spin while they wait for work. The tests run threads of their own (engine workers, launched
+# processes) on a few cores shared with other work, where a spinning thread holds the core its partner needs
+# and each parallel region then waits for a preempted thread: 3-4x slower under load. Waiting passively
+# changes no result. It must be set before torch (and with it OpenMP) loads; launched interpreters inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from dlperf._threads import fresh_thread_default
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dlperf._threads import fresh_thread_default  # noqa: E402
 
 # Variables that pytest or torch itself set on first use (torch's inductor cache dir is set lazily
 # by some ops and by torch.compile); a test that sets them has not leaked anything of its own.
