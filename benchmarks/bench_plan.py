@@ -6,7 +6,7 @@
 For each model and batch (LeNet b256, ResNet-18 on 28x28 b128, Shi et al.'s fcn-s b64 and ResNet-56 b128,
 the zoo's LSTM b128, a small Transformer-encoder classifier b64, d2l's MLP b64):
 
-* **planning**: :func:`dlperf.parallel.training.run.planned.plan_for` on the machine's cores with a fresh plan cache
+* **planning**: :func:`dlperf.parallel.training.planned.plan_for` on the machine's cores with a fresh plan cache
   (``planning_s``), then again with the decision cached (``cached_planning_s``); ``--run-steps N`` plans for
   a run of N steps, as ``dlperf train`` does (budget 10% of it, at most 30 s; ``torch.compile`` weighed
   against it), else the run's length is unknown (budget 30 s, compile not tried);
@@ -38,17 +38,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from dlperf.parallel.training.planned.plan import uses_conv2d
-from dlperf.parallel.training.planned.planner import PlannerOptions, usable_cores
-from dlperf.parallel.training.run.planned import plan_for, start_candidate
-from dlperf.parallel.training.run.trainer_config import TrainerConfig
 from torch import nn
 
 from dlperf._hostmem import host_malloc_state, keep_freed_host_memory
 from dlperf.devices import cpu
+from dlperf.machine import usable_cores
 from dlperf.models import get_spec
 from dlperf.parallel import Trainer
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
+from dlperf.parallel.planning.plan import uses_conv2d
+from dlperf.parallel.planning.records import PlannerOptions
+from dlperf.parallel.training.planned import plan_for, start_candidate
+from dlperf.parallel.training.trainer_config import TrainerConfig
 from dlperf.timing import time_steps
 
 DDP_TIMEOUT_S = 600

@@ -31,11 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from dlperf.parallel.training.planned.plan import parse_plan
-from dlperf.parallel.training.planned.planner import usable_cores
 
 from dlperf._hostmem import host_malloc_state, keep_freed_host_memory
+from dlperf.machine import usable_cores
 from dlperf.parallel import Trainer
+from dlperf.parallel.planning.plan import parse_plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_plan import LR, alternate, plain_step, workload  # noqa: E402  (the peers bench_plan times, written once)

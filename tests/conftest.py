@@ -85,6 +85,16 @@ def no_leaked_threads_or_env():
         f"to {new_thread_default}")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def notes_shown_as_the_cli_shows_them():
+    """dlperf's notes (logging records) printed as ``dlperf`` prints them (decisions on stdout, warnings on stderr),
+    in every test alike: otherwise whether a test sees a note would depend on whether an earlier test in the same
+    process ran the CLI, which installs that handler once."""
+    from dlperf.cli import show_notes
+
+    show_notes()
+
+
 @pytest.fixture(autouse=True)
 def private_plan_cache(no_leaked_threads_or_env, tmp_path_factory, monkeypatch):
     """Each test plans against its own empty plan cache: a decision cached by one test (or by the user's own

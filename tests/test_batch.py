@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from dlperf.batch import batch_size, call_model, describe, map_tensors, split_tree, tensors_of
-from dlperf.errors import UsageError
+from dlperf.batch import batch_size, call_loss, call_model, describe, map_tensors, split_tree, tensors_of
+from dlperf.errors import UsageError, user_code_line
 
 
 class TwoInputs(nn.Module):
@@ -75,3 +75,26 @@ def test_split_tree_applies_each_per_part_and_gather_tree_inverts_it():
     assert torch.equal(joined["k"], torch.tensor([3, 3]))  # one 0-d value per part, stacked
     with pytest.raises(UsageError, match="hold different values 'a' and 'b'"):
         gather_tree([{"v": "a"}, {"v": "b"}])
+
+
+class _Raises(nn.Module):
+    def forward(self, batch):
+        raise ValueError("no such feature 'y'\nsecond line")
+
+
+def test_what_the_users_model_or_loss_raises_goes_on_unchanged_naming_the_call_and_the_batch():
+    """The exception keeps its type (callers and a plan's fallback tell errors apart by it); the CLI's one line
+    names the model's call and the batch's structure, from the innermost call that saw it."""
+    with pytest.raises(ValueError) as info:
+        call_model(_Raises(), {"x": torch.zeros(2, 3)})
+    line = user_code_line(info.value)
+    assert line is not None and line.startswith("the model _Raises(dict{x: float32[2,3]}) raised ValueError: "
+                                                "no such feature 'y'; fix the model"), line
+    with pytest.raises(IndexError) as info:
+        call_loss(torch.nn.functional.cross_entropy, torch.zeros(2, 3), torch.tensor([0, 7]))
+    assert user_code_line(info.value).startswith(
+        "the loss cross_entropy(output float32[2,3], targets int64[2]) raised IndexError: Target 7 is out of bounds")
+    with pytest.raises(UsageError) as info:  # dlperf's own errors are not the user's
+        call_model(lambda x: batch_size(x), torch.zeros(()))
+    assert user_code_line(info.value) is None
+    assert user_code_line(ValueError("plain")) is None

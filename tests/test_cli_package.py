@@ -69,7 +69,7 @@ def test_the_old_verb_modules_are_gone():
     ({"algorithm": "tree"}, "unknown allreduce algorithm 'tree'", "unknown allreduce algorithm 'tree'"),
 ])
 def test_a_run_config_names_its_parameters_and_the_cli_its_flags(kwargs, library, cli):
-    from dlperf.cli.train import flag_words
+    from dlperf.cli.options import flag_words
     from dlperf.parallel.training.run_config import RunConfig, RunSection
     from dlperf.parallel.training.trainer_config import TrainerConfig
 

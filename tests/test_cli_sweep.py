@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -215,6 +216,21 @@ TRAIN = [
     (_train("--resume", "{T}/fifo"), "fifo"),
     (_train("--no-progress=1"), "'1'"),
     (_train("--checkpoint", OUT, "--lr", "nan"), "'nan'"),
+    # a plan given by name is checked against this machine and run before anything starts
+    (_train("--plan", "1x1024"), "--plan 1x1024,contiguous,eager: 1024 threads for each replica"),
+    (_train("--plan", "64x1"), "64 replicas, more than the 10 examples of a batch"),
+    (_train("--plan", "1x1,bf16"), "bf16 mixed precision, which is planned for GPUs, on CPU devices"),
+    (_train("--plan", "1x1,fp16"), "fp16, which needs loss scaling"),
+    (_train("--plan", "1x1,kvstore-dist_sync"), "kvstore dist_sync, a distributed store"),
+    (_train("--plan", "1x1,kvstore-nosuch"), "kvstore 'nosuch', not a store type here"),
+    (_train("--plan", "2x1,processes", "--kvstore", "local"), "kvstore local, which sums one process's devices"),
+    (_train("--plan", "1x1,captured", "--check-finite"), "a captured step, which cannot hold its update back"),
+]
+
+SCALE = [
+    (["scale", "--gradients", "160MB", "--step-ms", "100", "--hosts", "4", "--cores-per-host", "1e-300"],
+     "'1e-300' is out of range; give --cores-per-host a number >= 1"),
+    (["scale", "--gradients", "160MB", "--step-ms", "100", "--hosts", "4", "--cores-per-host", "0.5"], "'0.5'"),
 ]
 
 EXPORT = [
@@ -404,7 +420,53 @@ USER = [
     (_launch("python3.99", "-m"), "expected a module name"),
 ]
 
-CASES = BENCH + SCALING + DEVICES + TRAIN + EXPORT + TRACE + TOP + PATHS + HOSTILE_FILES + USER
+HOSTILE = "support.hostile_models:"  # tests/support/hostile_models.py: factories that go wrong as users' do
+
+
+def _factories(*argv):
+    return ["train", "--epochs", "1", "--no-progress", *argv]
+
+
+def _scale(*argv):
+    return ["scale", "--hosts", "2", "--link", "10gbit", *argv]
+
+
+# the user's model, loss or data raising, or training nothing: one line naming the call and the batch, or why
+USER_CODE = [
+    (_factories("--data", HOSTILE + "labels_out_of_range"),
+     "the loss classification_loss(output float32[8,10], targets int64[8]) raised IndexError: Target 12 is out"),
+    (_factories("--data", HOSTILE + "labels_negative"), "raised IndexError: Target -3 is out of bounds"),
+    (_factories("--devices", "cpu:0,cpu:1", "--data", HOSTILE + "labels_out_of_range"),  # raised on engine workers
+     "(output float32[4,10], targets int64[4]) raised IndexError: Target 12 is out of bounds"),
+    (_factories("--data", HOSTILE + "labels_float"), "cross-entropy needs integer class labels (0 to 9)"),
+    (_factories("--model", HOSTILE + "one_column", "--data", HOSTILE + "labels_out_of_range"),
+     "cross-entropy over a one-column output"),
+    (_factories("--data", HOSTILE + "wrong_shape"), "the model Sequential(float32[8,3,32,32]) raised RuntimeError"),
+    (_factories("--data", HOSTILE + "dict_inputs"), "the model Sequential(dict{x: float32[8,1,28,28]}) raised"),
+    (_factories("--model", HOSTILE + "no_parameters"), "has no trainable parameters (no parameters at all)"),
+    (_factories("--model", HOSTILE + "frozen"), "has no trainable parameters (every one has requires_grad=False)"),
+    (_factories("--model", HOSTILE + "on_meta_device"), "built a model on the meta device"),
+    (_factories("--model", HOSTILE + "parameters_raise"), "parameters() raised RuntimeError: parameters() is broken"),
+    (_factories("--model", HOSTILE + "fails_on_call_4", "--data", HOSTILE + "dry_after_one_epoch"),
+     "the model FailsOnCall(float32[8,1,28,28]) raised ValueError: forward fails on call 4"),
+    (_factories("--data", HOSTILE + "data_raising"), "the train data (epoch 1, batch 2) raised OSError: damaged"),
+    (_factories("--data", HOSTILE + "no_batches"), "the training data gave no batch in epoch 1"),
+    (_factories("--data", HOSTILE + "empty_batches"), "every batch of epoch 1 (3) holds 0 examples"),
+    (_factories("--data", HOSTILE + "dry_after_one_epoch", "--epochs", "2"),
+     "the training data gave no batch in epoch 2 (it did in epoch 1)"),
+    (_factories("--data", HOSTILE + "dry_without_a_test_set"), "the test data gave no example after epoch 1"),
+    (["train", "--epochs", "1", "--no-progress", "--train-size", "128", "--test-size", "64", "--batch-size", "64",
+      "--plan", "1024x1"], "1024"),
+    (["profile", HOSTILE + "fails_on_call_3", "--input", "8x1x28x28", "--steps", "3", "--no-suggest"],
+     "the model FailsOnCall(float32[8,1,28,28]) raised ValueError: forward fails on call 3"),
+    (_scale("--model", HOSTILE + "fails_on_call_4", "--input", "8x1x28x28"), "forward fails on call 4"),
+    (_scale("--model", HOSTILE + "no_parameters", "--input", "8x1x28x28"), "has no trainable parameters"),
+    (_scale("--model", "lenet", "--batch-size", "65536"), "--batch-size 65536 on lenet needs about"),
+    (_scale("--model", HOSTILE + "two_inputs", "--input", "64x1024x1024", "--input", "64x1024x1024"),
+     "--input 64x1024x1024 --input 64x1024x1024 needs about"),
+]
+
+CASES = BENCH + SCALING + DEVICES + TRAIN + SCALE + EXPORT + TRACE + TOP + PATHS + HOSTILE_FILES + USER + USER_CODE
 # In-process only: a NUL cannot be passed to a process, and pytest's own arguments could not either.
 IN_PROCESS_ONLY = [
     (_train("--checkpoint", "{T}/ck\0.pt"), "ck\\x00.pt'"),
@@ -509,8 +571,8 @@ def test_the_sweep_is_broad():
     verbs = {argv[0] for argv, _ in CASES if argv}
     assert len(CASES) + len(IN_PROCESS_ONLY) >= 150
     assert len({tuple(argv) for argv, _ in CASES}) == len(CASES)
-    assert verbs == {"bench", "devices", "train", "export", "trace", "profile", "probe", "launch", "nosuchverb",
-                     "--bogus", "bench\n"}
+    assert verbs == {"bench", "devices", "train", "export", "trace", "profile", "probe", "launch", "scale",
+                     "nosuchverb", "--bogus", "bench\n"}
     assert len(SCALING) >= 15
 
 
@@ -539,6 +601,27 @@ def test_real_processes_exit_2_with_one_line(scratch):
     assert _hashes(scratch) == before
 
 
+@pytest.mark.parametrize("argv", [["--input", "8x12", "--input", "8x4"], ["--input", HOSTILE + "two_tensors"]],
+                         ids=["two --input", "a batch factory's tuple"])
+def test_scale_measures_a_model_of_several_inputs(argv, capsys):
+    """The title names the batch of a tuple (or dict) of inputs: their common first axis, not a tensor's shape."""
+    assert main(_scale("--model", HOSTILE + "two_inputs", *argv, "--step-ms", "5")) == 0
+    assert "batch 8 per device" in capsys.readouterr().out
+
+
+def test_scale_measures_a_model_of_a_dict_batch(capsys):
+    assert main(_scale("--model", HOSTILE + "dict_input", "--input", HOSTILE + "dict_batch")) == 0
+    assert "batch 8 per device" in capsys.readouterr().out
+
+
+def test_train_names_the_devices_a_plan_ran_on(capsys):
+    """--plan 2x1 with three devices named trains on two, and the last line says which."""
+    assert main(["train", "--epochs", "1", "--no-progress", "--train-size", "64", "--test-size", "32", "--batch-size",
+                 "32", "--plan", "2x1", "--devices", "cpu:0,cpu:1,cpu:2"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.endswith("on [cpu(0), cpu(1)]"), last
+
+
 def test_threads_above_the_core_count_warn_and_run(monkeypatch, capsys):
     import dlperf.cli.bench as bench_cli
 
@@ -564,3 +647,162 @@ def test_good_values_still_parse(scratch, monkeypatch):
     doc = json.dumps({"traceEvents": [{"ph": "X", "ts": 0, "dur": 5, "pid": 1, "tid": 1}]})
     (scratch / "good_trace.json").write_text(doc)
     assert main(["trace", str(scratch / "good_trace.json")]) == 0
+
+
+# --- files dlperf reads that name a plan, and paths that are not its files: the run goes on, with one line ---------
+QUICK_TRAIN = ["train", "--plan", "auto", "--kvstore", "local", "--epochs", "1", "--train-size", "20", "--test-size",
+               "10", "--batch-size", "10", "--no-progress"]  # (no process plans: their launches take seconds)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """A plan cache holding the decision for QUICK_TRAIN, and a checkpoint of a run with a plan."""
+    root = tmp_path_factory.mktemp("planned")
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setenv("DLPERF_PLAN_CACHE", str(root / "plans.json"))
+        assert main(QUICK_TRAIN) == 0
+        assert main([*QUICK_TRAIN[:2], "1x2", *QUICK_TRAIN[3:], "--checkpoint", str(root / "ck.pt")]) == 0
+    finally:
+        mp.undo()
+    return root
+
+
+def _cache_with(planned: Path, target: Path, change: dict) -> None:
+    doc = json.loads((planned / "plans.json").read_text())
+    (entry,) = doc["plans"].values()
+    for key, value in change.items():
+        if key == "format":
+            doc["format"] = value
+        elif key in ("measured_ms", "alternatives"):
+            entry[key] = value
+        else:
+            entry["plan"][key] = value
+    target.write_text(json.dumps(doc))
+    target.chmod(0o600)
+
+
+CACHE_ENTRIES = [
+    ({"threads": 1024}, "1024 threads for each replica, more than the"),
+    ({"kvstore": "dist_sync"}, "kvstore dist_sync, a distributed store, which needs several processes"),
+    ({"mixed_precision": "bf16"}, "bf16 mixed precision, which is planned for GPUs, on CPU devices"),
+    ({"mixed_precision": "fp16"}, "fp16, which needs loss scaling"),
+    ({"kvstore": "nosuch"}, "kvstore 'nosuch', not a store type here"),
+    ({"replicas": 11, "threads": 1, "step_thread": "worker", "execution": "eager"},
+     "11 replicas, more than the 10 examples of a batch"),
+    ({"measured_ms": 5e-324}, "measured_ms is 4.94066e-324 ms, outside what any machine shows"),
+    ({"format": True}, "not a format-1 plan cache"),
+]
+
+
+def _run_on(argv: list[str], capsys) -> tuple[str, list[str]]:
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    return captured.out, captured.err.splitlines()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change, named", CACHE_ENTRIES, ids=[str(c) for c, _ in CACHE_ENTRIES])
+def test_a_cached_plan_that_cannot_run_here_is_one_line_and_the_run_plans_again(change, named, planned, tmp_path,
+                                                                                 monkeypatch, capsys):
+    cache = tmp_path / "plans.json"
+    _cache_with(planned, cache, change)
+    monkeypatch.setenv("DLPERF_PLAN_CACHE", str(cache))
+    out, err = _run_on(QUICK_TRAIN, capsys)
+    assert len(err) == 1 and str(cache) in err[0] and named in err[0], err
+    assert "[cached from" not in out and "test acc:" in out.splitlines()[-1]
+
+
+def test_names_in_a_cached_plan_reach_the_terminal_escaped(planned, tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "plans.json"
+    _cache_with(planned, cache, {"alternatives": [["\x1b[2J\nplan: forged", 5.0]]})
+    monkeypatch.setenv("DLPERF_PLAN_CACHE", str(cache))
+    out, err = _run_on(QUICK_TRAIN, capsys)
+    assert err == [] and "[cached from" in out and "\x1b" not in out
+    assert [ln for ln in out.splitlines() if ln.startswith("plan: forged")] == []
+
+
+def _not_dlperfs(kind: str, root: Path):
+    """A path that holds what dlperf did not write, and a check that it is as it was."""
+    path = root / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+        return path, lambda: path.is_fifo()
+    if kind == "link":
+        (root / "victim").write_text("the user's")
+        path.symlink_to(root / "victim")
+        return path, lambda: path.is_symlink() and (root / "victim").read_text() == "the user's"
+    if kind == "notes":
+        path.write_text("my notes\n")
+        return path, lambda: path.read_text() == "my notes\n"
+    if os.geteuid() != 0:
+        pytest.skip("a device node or a file of another user needs root to make")
+    if kind == "char-device":
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a private /dev/null: only it can be harmed
+        except OSError:
+            pytest.skip("cannot create a device node here")
+        return path, lambda: path.is_char_device()
+    path.write_text('{"format": 1, "plans": {}}')
+    os.chown(path, 54321, 54321)
+    return path, lambda: path.read_text() == '{"format": 1, "plans": {}}' and path.stat().st_uid == 54321
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["char-device", "fifo", "link", "notes", "other-user"])
+def test_a_plan_cache_path_that_is_not_dlperfs_file_is_left_alone(kind, tmp_path, monkeypatch, capsys):
+    path, unharmed = _not_dlperfs(kind, tmp_path)
+    monkeypatch.setenv("DLPERF_PLAN_CACHE", str(path))
+    out, err = _run_on(QUICK_TRAIN, capsys)
+    assert len(err) == 1 and str(path) in err[0] and "it is left as it is" in err[0], err
+    assert unharmed() and "test acc:" in out.splitlines()[-1]
+    assert sorted(os.listdir(tmp_path)) == sorted([kind] + (["victim"] if kind == "link" else []))
+
+
+CHECKPOINT_PLANS = [
+    ({"threads": 1024}, "1024 threads for each replica"),
+    ({"kvstore": "dist_sync"}, "kvstore dist_sync, but this run's state is laid out for local"),
+    ({"mixed_precision": "bf16"}, "bf16 mixed precision, which is planned for GPUs"),
+    ({"replicas": 64}, "64 replicas, more than the 10 examples of a batch"),
+    ({"launcher": "processes", "threads": 1024}, "1024 threads for each replica"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change, named", CHECKPOINT_PLANS, ids=[str(c) for c, _ in CHECKPOINT_PLANS])
+def test_a_checkpoints_plan_that_cannot_run_here_is_one_line_and_the_run_resumes(change, named, planned, tmp_path,
+                                                                                  monkeypatch, capsys):
+    import torch
+
+    from dlperf.parallel.training.checkpoint import state_checksum
+
+    state = torch.load(planned / "ck.pt", weights_only=True)
+    state["trainer"]["plan"].update(change)
+    replicas = state["trainer"]["plan"]["replicas"]
+    state["trainer"]["buffers"] = state["trainer"]["buffers"] * replicas  # as a run of that plan kept them
+    state["checksum"] = state_checksum(state)  # crafted with care: only the plan can give it away
+    torch.save(state, tmp_path / "ck.pt")
+    monkeypatch.setenv("DLPERF_PLAN_CACHE", str(tmp_path / "plans.json"))
+    argv = [*QUICK_TRAIN[:1], *QUICK_TRAIN[3:5], "--epochs", "2", *QUICK_TRAIN[7:], "--resume", str(tmp_path / "ck.pt")]
+    out, err = _run_on(argv, capsys)
+    assert len(err) == 1 and f"from the checkpoint {tmp_path / 'ck.pt'}: " in err[0] and named in err[0], err
+    assert "epoch 2:" in out and "processes" not in out.splitlines()[-1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["weight", "history", "plan"])
+def test_a_checkpoint_changed_after_it_was_written_is_one_line(where, planned, tmp_path, capsys):
+    import torch
+
+    state = torch.load(planned / "ck.pt", weights_only=True)
+    if where == "weight":  # one bit of one stored float
+        weight = next(iter(state["trainer"]["model"].values()))
+        weight.view(torch.int32).view(-1)[0] ^= 1 << 3
+    elif where == "history":
+        state["history"][0]["loss"] = 0.001
+    else:
+        state["trainer"]["plan"]["threads"] = 1
+    torch.save(state, tmp_path / "ck.pt")
+    argv = [*QUICK_TRAIN[:1], *QUICK_TRAIN[3:5], "--epochs", "2", *QUICK_TRAIN[7:], "--resume", str(tmp_path / "ck.pt")]
+    _check_one_line(main(argv), *capsys.readouterr(), "do not match the checksum written with them", tmp_path)

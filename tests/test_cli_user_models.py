@@ -128,13 +128,16 @@ def test_resize_repeats_rows_and_targets_follow_the_output_structure():
     batch = {"x": torch.arange(6.0).reshape(3, 2), "n": torch.tensor(7), "tag": "en"}
     big = resize_batch(batch, 5)
     assert big["x"][:, 0].tolist() == [0.0, 2.0, 4.0, 0.0, 2.0] and big["n"].item() == 7 and big["tag"] == "en"
+    # a mapping output with logits: the loss is on the logits (its predictions), class labels for class scores
     out = {"logits": torch.randn(5, 3), "score": torch.randn(5), "ids": torch.zeros(5, dtype=torch.int64)}
     targets = make_targets(out, 5, torch.Generator().manual_seed(0))
-    assert targets["logits"].dtype == torch.int64 and targets["score"].dtype == torch.float32
-    assert targets["ids"] is None  # an integer output takes no loss
-    expected = nn.functional.cross_entropy(out["logits"], targets["logits"]) + nn.functional.mse_loss(
-        out["score"], targets["score"])
-    assert torch.allclose(structured_loss(out, targets), expected)
+    assert targets.dtype == torch.int64 and targets.shape == (5,)
+    assert torch.allclose(structured_loss(out, targets), nn.functional.cross_entropy(out["logits"], targets))
+    # without logits every floating output takes its own loss, and one that is not class scores needs a name
+    with pytest.raises(UsageError, match="name the loss"):
+        make_targets({"a": torch.randn(5, 3), "score": torch.randn(5)}, 5)
+    # a model's own loss needs no targets
+    assert make_targets({"logits": torch.randn(5, 3), "loss": torch.tensor(1.0)}, 5) is None
 
 
 # --- bench --networks module:factory ------------------------------------------------------------------------
@@ -184,8 +187,7 @@ def test_a_user_network_step_is_the_plain_pytorch_step(user_models):
     plain = my_models_e2e.make_dict_model()
     plain.load_state_dict(reference)
     out = plain(x)
-    loss = nn.functional.cross_entropy(out["logits"], y["logits"]) + nn.functional.mse_loss(out["score"],
-                                                                                            y["score"])
+    loss = nn.functional.cross_entropy(out["logits"], y)  # the dict's logits are its predictions
     loss.backward()
     with torch.no_grad():
         for p in plain.parameters():
@@ -294,15 +296,12 @@ def test_profile_python_api_takes_tuples_and_dict_outputs():
     batch = (torch.randint(0, 9, (6, 5)), torch.rand(6))
     report = profile(model, batch, steps=1, suggest=False)
     assert report.inputs == describe(batch) and report.batch == 6 and report.input_shape == (6,)
-    # the profiled step's loss: each floating output takes its own (both are 2-D: cross-entropy), summed
+    # the profiled step's loss: cross-entropy on the dict's logits (its predictions), made-up class labels
     step = TrainingStep(model, batch, lr=0.0)
     out = model(*batch)
-    g0 = torch.Generator().manual_seed(0)
-    labels0 = torch.randint(0, 3, (6,), generator=g0)
-    g1 = torch.Generator().manual_seed(1)
-    labels1 = torch.randint(0, 4, (6,), generator=g1)
-    expected = nn.functional.cross_entropy(out["logits"], labels0) + nn.functional.cross_entropy(out["aux"], labels1)
-    assert torch.allclose(step(), expected)
+    labels = torch.randint(0, 3, (6,), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(step(), nn.functional.cross_entropy(out["logits"], labels))
+    assert step.loss is not None and step.loss.name.startswith("cross-entropy (the default")
 
 
 # --- launch -- python script.py --------------------------------------------------------------------------

@@ -345,3 +345,117 @@ def test_a_link_around_a_size_is_read_off_the_curve_when_the_large_sizes_took_no
     sizes, seconds = [4e3, 32e3, 256e3, 2e6, 16e6], [1e-4, 1e-4, 1e-3, 1e-3, 1e-3]
     near = alpha_beta_fit(sizes, seconds, around=144e3)
     assert near.time(144e3) == pytest.approx(1e-4 + 0.5 * 0.9e-3, rel=1e-6)
+
+
+# --- the formulas over groups of alike hosts against the same formulas rank by rank ----------------------------
+def _per_rank_reference(strategy: str, n: float, hosts: list[int], servers: list[int], network: Link, intra: Link,
+                        cpu: HostCPU | None) -> float:
+    """The plain reference: each formula of d2l 12.7 written over the list of every rank's host."""
+    from collections import Counter
+
+    p = len(hosts)
+    counts = Counter(hosts)
+    if p < 2 and strategy not in ("ps-1", "ps-2"):
+        return 0.0
+
+    def sharded(world_hosts):
+        k = len(world_hosts)
+        if k < 2:
+            return 0.0
+        device = 2 * intra.alpha_s + 2 * (k - 1) / k * n * intra.beta
+        per = Counter(world_hosts)
+        if len(per) == 1:
+            return device
+        return max(device, 2 * network.alpha_s + 2 * max(g * (k - g) / k for g in per.values()) * n * network.beta)
+
+    ring = (lambda k, link: 0.0 if k < 2 else 2 * (k - 1) * link.alpha_s + 2 * (k - 1) / k * n * link.beta)
+    if strategy == "ring":
+        t = ring(p, network if len(counts) > 1 else intra)
+    elif strategy == "sharded":
+        t = sharded(hosts)
+    elif strategy == "naive":
+        remote = sum(1 for h in hosts if h != hosts[0])
+        t = 2 * max((p - 1) * intra.time(n), remote * network.time(n) if remote else 0.0)
+    elif strategy == "hierarchical":
+        g = max(counts.values())
+        t = sharded([0] * g) if g > 1 else 0.0
+        if len(counts) > 1:
+            t += ring(len(counts), network) + (intra.time(n) if g > 1 else 0.0)
+    else:
+        s, part, phase = len(servers), n / len(servers), 0.0
+        for host in set(hosts) | set(servers):
+            mine, theirs = sum(1 for h in hosts if h == host), sum(1 for h in servers if h == host)
+            local, remote = mine * theirs, max(mine * (s - theirs), theirs * (p - mine))
+            phase = max(phase, local * intra.time(part) if local else 0.0,
+                        remote * network.time(part) if remote else 0.0)
+        t = 2 * phase
+    return t if cpu is None else t + _per_rank_cpu(strategy, n, hosts, servers, cpu)
+
+
+def _per_rank_cpu(strategy: str, n: float, hosts: list[int], servers: list[int], cpu: HostCPU) -> float:
+    from collections import Counter
+
+    p, counts = len(hosts), Counter(hosts)
+    if strategy in ("ring", "sharded"):
+        work = [(p - 1) / p * n] * p
+    elif strategy == "naive":
+        work = [(p - 1) * n] + [0.0] * (p - 1)
+    elif strategy == "hierarchical":
+        leaders = {hosts.index(h) for h in counts}
+        work = [(counts[h] - 1) / counts[h] * n + ((len(counts) - 1) / len(counts) * n if r in leaders else 0.0)
+                for r, h in enumerate(hosts)]
+    else:
+        work = [0.0] * p + [p * n / len(servers)] * len(servers)
+    by_host: dict[int, list[float]] = {}
+    for host, nbytes in zip(hosts + servers, work, strict=True):
+        by_host.setdefault(host, []).append(nbytes * cpu.reduce_s_per_byte)
+    return max([0.0] + [sum(w) / cpu.cores - max(w) for w in by_host.values() if len(w) > cpu.cores])
+
+
+def test_the_grouped_formulas_match_the_per_rank_ones_on_fresh_layouts():
+    import random
+
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    for _ in range(300):
+        hosts = sorted(rng.choices(range(rng.randint(1, 6)), k=rng.randint(1, 24)))
+        rng.shuffle(hosts) if rng.random() < 0.3 else None  # ranks need not be in host order
+        network, intra = Link(rng.uniform(0, 1e-4), rng.uniform(1e8, 1e10)), Link(rng.uniform(0, 1e-5), 1e10)
+        cpu = rng.choice([None, HostCPU(rng.choice([0.5, 1, 2, 3]), rng.uniform(1e-11, 1e-9))])
+        n = rng.choice([0.0, 1.0, 4e3, 160e6])
+        for strategy, (_, count) in STRATEGIES.items():
+            servers = [rng.randrange(8) for _ in range(max(count, rng.randint(1, 3) if count else 0))]
+            got = layout_time(strategy, n, Layout(tuple(hosts), tuple(servers)), network, intra, cpu)
+            want = _per_rank_reference(strategy, n, hosts, servers, network, intra, cpu)
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (seed, strategy, hosts, servers, cpu)
+        cluster = Cluster(rng.randint(1, 9), rng.randint(1, 9), network, intra, cpu)
+        for strategy, (_, count) in STRATEGIES.items():
+            hosts = list(cluster.layout().hosts)
+            want = _per_rank_reference(strategy, n, hosts, [s % cluster.hosts for s in range(count)], network,
+                                       intra, cpu)
+            assert communication_time(strategy, n, cluster) == pytest.approx(want, rel=1e-12, abs=1e-15), \
+                (seed, strategy, cluster)
+
+
+@pytest.mark.timeout(120)
+def test_a_projection_costs_the_same_for_each_host_count_whatever_the_devices():
+    """1,024 hosts x 64 devices in about a second: a row costs the kinds of host, not the hosts or ranks (the
+    per-rank formulas took 110 s and more; 256 hosts 10 s)."""
+    import time
+
+    network, intra = Link(250e-6, 10e9 / 8), Link(5e-6, 16e9)
+    cpu = HostCPU(8, 1e-10)
+
+    def seconds(hosts: int, devices: int) -> float:
+        start = time.perf_counter()
+        rows = project(160e6, 0.1, Cluster(hosts, devices, network, intra, cpu)).rows
+        assert len(rows) == hosts
+        return time.perf_counter() - start
+
+    assert seconds(1024, 64) < 3.0  # about a second on a loaded two-core machine; quadratic would take minutes
+    small, large = [], []
+    for _ in range(3):  # alternating, so that load hits both alike
+        small.append(seconds(128, 64))
+        large.append(seconds(1024, 64))
+    assert min(large) / min(small) < 8 * 2  # linear: 8x the hosts, 8x the time (with room for noise)
+    assert min(large) < 4 * min(seconds(1024, 1) for _ in range(3))  # 64x the devices cost no more

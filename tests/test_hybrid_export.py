@@ -658,3 +658,55 @@ def test_a_real_full_file_system_keeps_the_previous_export(small_filesystem, pt2
     with pytest.raises(FileAccessError, match=r"no space left on the device for about \d+ bytes \(\d+ bytes free"):
         export(big, target, (x,), pt2=pt2)
     _assert_kept(small_filesystem, target, old, x, before)
+
+
+# --- export writes only what load takes back: the check `dlperf export` makes, made by the API too -----------
+class _PinsTheBatch(nn.Module):
+    """Traces with a dynamic batch, but ``expand`` to a fixed size pins it: a dynamic export would not load."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x.expand(2, 4))
+
+
+class _Noisy(nn.Module):
+    """A forward no export can reproduce: fresh noise on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x) + torch.rand(x.shape[0], 3)
+
+
+def test_a_batch_the_graph_pins_is_exported_fixed_and_loads(tmp_path):
+    model, x = _PinsTheBatch(), torch.randn(2, 4)
+    export(model, tmp_path / "e", (x,))
+    loaded = load(tmp_path / "e")
+    assert loaded.doc["inputs"][0]["shape"] == [2, 4]
+    torch.testing.assert_close(loaded(x), model(x))
+
+
+@pytest.mark.parametrize("model, named", [(_Noisy(), "its export does not reproduce the model on the example"),
+                                          (None, "its export would not load back")])
+def test_an_export_load_would_refuse_is_never_written(model, named, tmp_path, monkeypatch):
+    import importlib
+
+    export_module = importlib.import_module("dlperf.hybrid.export")  # (the package's `export` is the function)
+    x = torch.randn(2, 4)
+    export(nn.Linear(4, 3), tmp_path / "e", (x,))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "e").iterdir()}
+    if model is None:  # whatever load refuses: here, every export
+        def refuse(path, device="cpu"):
+            raise ExportFormatError(f"{path}: refused in this test")
+        monkeypatch.setattr(export_module, "load", refuse)
+        model = nn.Linear(4, 3)
+    with pytest.raises(DlperfError, match=named) as info:
+        export(model, tmp_path / "e", (x,))
+    assert "nothing was written" in str(info.value) and "\n" not in str(info.value)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "e").iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["e"]  # no staging directory left

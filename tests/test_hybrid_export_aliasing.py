@@ -328,11 +328,11 @@ def _work_to_load(tmp_path, n, monkeypatch):
         calls["kernels"] += 1
         return real_call(step, env)
 
+    _chain(tmp_path / str(n), n)  # (export loads its own files back: that is not the work counted here)
     monkeypatch.setattr(export_load, "_call", counting)
     from dlperf.hybrid import export_format
 
     export_format._resolve_valid_name.cache_clear()
-    _chain(tmp_path / str(n), n)
     loaded = load(tmp_path / str(n))
     with torch.no_grad():
         x = torch.randn(5, 4)
@@ -351,8 +351,8 @@ def test_load_work_is_linear_in_the_nodes(tmp_path, monkeypatch):
 def test_more_nodes_than_the_limit_are_refused_before_anything_runs(tmp_path, monkeypatch):
     from dlperf.hybrid.export_format import MAX_NODES
 
-    monkeypatch.setattr(export_load, "_call", lambda step, env: pytest.fail("ran a node"))
     _chain(tmp_path, MAX_NODES + 1)
+    monkeypatch.setattr(export_load, "_call", lambda step, env: pytest.fail("ran a node"))
     with pytest.raises(ExportFormatError, match=f"nodes: is an array of {MAX_NODES + 1}"):
         load(tmp_path)
 

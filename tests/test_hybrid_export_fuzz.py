@@ -372,9 +372,54 @@ def mutate_tree(data, doc, params):
     return params, False
 
 
+# Operators that create a tensor of a size their arguments give (after the size, the rest of their arguments).
+FACTORIES = [("aten.zeros.default", []), ("aten.ones.default", []), ("aten.empty.memory_format", []),
+             ("aten.full.default", [1.5]), ("aten.rand.default", []), ("aten.randn.default", []),
+             ("aten.empty_strided.default", ["strides"])]
+FACTORY_SIDES = [2, 3, 1000, 32768, 65536, 1 << 20, 1 << 31]  # float32 squares of 16 B to 16 EiB
+
+
+def mutate_factory(data, doc, params):
+    """A node creating a tensor of a drawn size, with or without a device, its record true or not."""
+    op, rest = data.draw(st.sampled_from(FACTORIES))
+    side = data.draw(st.sampled_from(FACTORY_SIDES), label="side")
+    size = [side, side]
+    args = [size] + [[side, 1] if a == "strides" else a for a in rest]
+    kwargs = data.draw(st.sampled_from([{}, {"device": {"device": "cpu"}}, {"dtype": {"dtype": "float32"}}]))
+    shape = data.draw(st.sampled_from([size, [2, 2], [None, None]]), label="recorded shape")
+    at = data.draw(st.integers(0, len(doc["nodes"])))
+    doc["nodes"].insert(at, {"name": f"made_{at}", "op": op, "inputs": args, "kwargs": kwargs, "shape": shape,
+                             "dtype": "float32"})
+    return params, side * side * 4 <= REAL_BYTES_ALLOWED and shape == size
+
+
 MUTATIONS = [mutate_exploit, mutate_op, mutate_dtype, mutate_encoding, mutate_reference, mutate_nodes, mutate_rename,
              mutate_files, mutate_shape, mutate_literal, mutate_blind, mutate_params, mutate_alias_write,
-             mutate_metadata, mutate_tree]
+             mutate_metadata, mutate_tree, mutate_factory]
+
+REAL_BYTES_ALLOWED = 64 << 20
+"""Loading these small models allocates far less for real; more, before the trial run on the meta device refused
+it, is an allocation the file chose."""
+
+
+class _RealAllocation(BaseException):
+    """Raised by the guard, past load's own handlers, where a factory would allocate too much for real."""
+
+
+class _AllocationGuard(torch.utils._python_dispatch.TorchDispatchMode):
+    """Sizes every tensor an operator creates off the meta device (on the meta device) before it is made."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        creates = any(a.name == "device" and a.kwarg_only for a in func._schema.arguments)
+        if creates and (device is None or torch.device(device).type != "meta"):
+            made = func(*args, **{**kwargs, "device": torch.device("meta")})
+            nbytes = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(made)
+                         if isinstance(t, torch.Tensor))
+            if nbytes > REAL_BYTES_ALLOWED:
+                raise _RealAllocation(f"{func} would allocate {nbytes} bytes on {device or 'the CPU'}")
+        return func(*args, **kwargs)
 
 
 def _aten_state():
@@ -429,7 +474,7 @@ def _attack(data, references, root, mutations=MUTATIONS, max_mutations=3):
     for mutation in drawn:
         try:
             params, kept = mutation(data, doc, params)
-        except (KeyError, IndexError, TypeError, AttributeError):
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError):
             kept = False  # an earlier mutation broke the structure this one edits; the document stays as is
         preserving = preserving and kept
     # An aliasing trick alone must be refused by the write check itself, not by whatever else fails.
@@ -447,7 +492,8 @@ def _attack(data, references, root, mutations=MUTATIONS, max_mutations=3):
             f.write(params)
         before = _aten_state()
         try:
-            module = load(directory)
+            with _AllocationGuard():
+                module = load(directory)
         except ExportFormatError as exc:
             event(f"refused: {str(exc).split(': ', 1)[-1][:40]}")
             if refusal is not None:
@@ -481,6 +527,14 @@ def test_mutated_exports_are_refused_or_run(references, workspace, data):
 @given(data=st.data())
 def test_aliasing_tricks_are_refused_by_the_write_check(references, workspace, data):
     _attack(data, references, workspace, mutations=[mutate_alias_write, mutate_metadata], max_mutations=1)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_factory_ops_of_any_size_allocate_nothing_real_before_they_are_sized(references, workspace, data):
+    _attack(data, references, workspace, mutations=[mutate_factory], max_mutations=2)
 
 
 @pytest.mark.slow

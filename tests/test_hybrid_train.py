@@ -245,6 +245,54 @@ def test_uncapturable_steps_fall_back_with_reason_and_one_warning_at_the_callers
     assert_same_state(ref, net, oe, oc)
 
 
+@pytest.mark.parametrize("backend, make", [("eager", mlp), ("auto", Branchy), ("graph", _hooked), ("graph", mlp),
+                                           ("native", mlp)])
+def test_every_step_returns_the_loss_without_history(backend, make):
+    """As documented: the eager step (asked for, or fallen back to) too, so holding losses keeps no graph alive."""
+    torch.manual_seed(13)
+    net = make()
+    step = train_step(net, F.cross_entropy, torch.optim.SGD(net.parameters(), lr=0.1), backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HybridizeWarning)
+        losses = [step(x, y) for x, y in batches("mlp", 3, 13)]
+    assert all(loss.grad_fn is None and not loss.requires_grad for loss in losses), (repr(step), losses)
+
+
+@pytest.mark.parametrize("backend", ["graph", "auto"])
+def test_tensor_hyperparameters_train_as_eager(backend):
+    """Adam(betas=(tensor, tensor)): the functional update refuses them, so the optimizer's own step() runs."""
+    def adam(ps):
+        return torch.optim.Adam(ps, lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+
+    torch.manual_seed(14)
+    ref, net, oe, oc, step = run_both(mlp(), adam, "mlp", steps=5, seed=14, backend=backend)
+    assert step.state == "replay", repr(step)
+    assert_same_state(ref, net, oe, oc)
+
+
+STDIN_SCRIPT = """
+import torch
+from dlperf.hybrid import train_step
+net = torch.nn.Linear(4, 2)
+step = train_step(net, torch.nn.functional.mse_loss, torch.optim.SGD(net.parameters(), lr=0.1),
+                  backend="cuda_graphs" if not torch.cuda.is_available() else "native")
+loss = step(torch.randn(3, 4, device=next(net.parameters()).device), torch.randn(3, 2))
+"""
+
+
+def test_a_refused_backend_of_a_script_read_from_standard_input_warns_at_its_line():
+    """``python - < train.py``: ``__main__``'s loader cannot give the source of <stdin>, so the warning goes without."""
+    import importlib.machinery
+
+    script = {"__name__": "__main__", "__loader__": importlib.machinery.BuiltinImporter, "__builtins__": __builtins__}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(STDIN_SCRIPT, "<stdin>", "exec"), script)
+    ours = [w for w in caught if issubclass(w.category, HybridizeWarning)]
+    assert [(w.filename, w.lineno) for w in ours] == [("<stdin>", 7)], [str(w.message) for w in ours]
+    assert "cannot serve this step" in str(ours[0].message)
+
+
 def test_make_train_step_is_a_make_step_and_leaves_no_trace_of_its_capture():
     torch.manual_seed(10)
     net = BNDropNet()

@@ -33,8 +33,9 @@ def _env() -> dict[str, str]:
 class _Process:
     """A dlperf subprocess whose stdout and stderr are read by threads (a full pipe must not block it)."""
 
-    def __init__(self, argv: list[str], module: str = "dlperf.cli") -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], env=_env(), stdout=subprocess.PIPE,
+    def __init__(self, argv: list[str], module: str = "dlperf.cli", env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], env={**_env(), **(env or {})},
+                                     stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True,
                                      # Ctrl-C must reach the child as it would from a terminal
                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -186,3 +187,60 @@ def test_sigkill_during_checkpoint_writes_keeps_the_previous_one_and_the_next_wr
     save_checkpoint(ck, {"n": 0, "w": torch.zeros(1)})
     assert _temporaries(tmp_path) == []
     assert safe_torch_load(ck)["n"] == 0
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Processes whose environment holds ``marker`` (the test's own temporary directory): what a run left."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def _terminate_once_launching(tmp_path: Path, argv: list[str], said: str) -> None:
+    """Run ``dlperf ARGV`` with its own TMPDIR; SIGTERM it once it has a launch directory there (processes are
+    starting or running); it must say ``said`` in one line, exit 143 and leave nothing behind."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = _Process(argv, env={"TMPDIR": str(tmp), "DLPERF_PLAN_CACHE": str(tmp_path / "plans.json")})
+    try:
+        deadline = time.monotonic() + 150
+        while not any(n.startswith("dlperf-launch-") for n in os.listdir(tmp)):
+            assert p.proc.poll() is None and time.monotonic() < deadline, "".join(p.err)[-2000:]
+            time.sleep(0.05)
+        time.sleep(0.5)
+        p.proc.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=90)
+    finally:
+        p.kill()
+    err = "".join(p.err)
+    assert rc == 143, err
+    assert said in err and "Traceback" not in err and "leaked semaphore" not in err, err
+    left = [n for n in os.listdir(tmp) if n.startswith(("dlperf-launch-", "pytorch-errorfile-"))]
+    assert left == [], left
+    deadline = time.monotonic() + 10  # killed process groups take a moment to be reaped
+    while _processes_with(str(tmp)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(str(tmp)) == []
+
+
+PLAN_SMALL = ["--train-size", "200", "--test-size", "50", "--batch-size", "20", "--no-progress", "--epochs", "1"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_sigterm_while_planning_measures_process_candidates_is_one_line_and_leaves_nothing(tmp_path):
+    _terminate_once_launching(tmp_path, ["train", "--plan", "auto", *PLAN_SMALL], "dlperf train: stopped by SIGTERM")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_sigterm_while_a_process_plan_trains_is_one_line_and_leaves_nothing(tmp_path):
+    argv = ["train", "--plan", "2x1,processes", *PLAN_SMALL[:-1], "1000"]
+    _terminate_once_launching(tmp_path, argv, "stopped by SIGTERM")

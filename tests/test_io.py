@@ -21,6 +21,7 @@ from dlperf._io import (
     atomic_write_text,
     check_writable,
     safe_torch_load,
+    write_cache_file,
 )
 from dlperf.errors import DlperfError, UsageError
 
@@ -348,6 +349,44 @@ def test_checkpoint_round_trip_and_mode(tmp_path):
     assert _temporaries(tmp_path) == []
 
 
+def test_a_flipped_bit_in_any_stored_tensor_or_value_is_caught_by_the_checksum(tmp_path):
+    from dlperf.parallel.training.checkpoint import load_checkpoint, save_checkpoint, state_checksum
+
+    path = tmp_path / "ck.pt"
+    state = _checkpoint(tmp_path)
+    save_checkpoint(path, state)
+    saved = torch.load(path, weights_only=True)
+    assert saved["checksum"] == state_checksum(state) == state_checksum(saved)
+    tensors = [t for t in saved["trainer"]["model"].values()]
+    for t in tensors:
+        for i in (0, t.numel() - 1):
+            damaged = torch.load(path, weights_only=True)
+            flat = damaged["trainer"]["model"][next(k for k, v in saved["trainer"]["model"].items() if v is t)]
+            flat.view(torch.int32).view(-1)[i] ^= 1 << (i % 31)
+            torch.save(damaged, path.with_suffix(".bad"))
+            with pytest.raises(UsageError, match="do not match the checksum written with them") as info:
+                load_checkpoint(path.with_suffix(".bad"))
+            assert "\n" not in str(info.value)
+    unsigned = {k: v for k, v in saved.items() if k != "checksum"}  # written before checksums: still read
+    torch.save(unsigned, path.with_suffix(".old"))
+    assert load_checkpoint(path.with_suffix(".old"))["config"] == state["config"]
+
+
+def test_the_checksum_covers_every_layout_and_dtype_without_a_dense_copy():
+    from dlperf.parallel.training.checkpoint import state_checksum
+
+    dense = torch.arange(12.0).reshape(3, 4)
+    values = [dense, dense.to(torch.bfloat16), torch.tensor(3.0), torch.zeros(0), dense.to_sparse(),
+              dense.to_sparse_csr(), torch.tensor([True, False])]
+    sums = {state_checksum({"v": v}) for v in values}
+    assert len(sums) == len(values)
+    huge = torch.sparse_coo_tensor(torch.tensor([[0], [0]]), torch.tensor([1.0]), (2**31, 2**31),
+                                   check_invariants=True)
+    assert state_checksum({"v": huge}) != state_checksum({"v": huge * 2})  # hashed as stored: no 2**62 elements
+    assert state_checksum({"a": 1, "b": 2}) != state_checksum({"b": 1, "a": 2})
+    assert state_checksum({"a": [1, 2]}) != state_checksum({"a": (1, 2)})
+
+
 @pytest.mark.parametrize("damage, match", [
     (lambda s: s["history"][0].pop("loss"), r"history\[0\] has no 'loss'"),
     (lambda s: s["history"][0].update(extra=1), r"history\[0\] has unexpected keys \['extra'\]"),
@@ -501,6 +540,64 @@ def test_block_device_is_refused_never_written(tmp_path):
         atomic_write_text(node, "x")
     with pytest.raises(FileAccessError, match="block device"):
         check_writable(node)
+
+
+# --- dlperf's own caches: only a regular file of this user is ever replaced ---------------------------------
+def _foreign_targets(tmp_path):
+    """What may stand where a cache is written, none of it a cache file dlperf wrote: (path, what, check)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    link = tmp_path / "link"
+    link.symlink_to(victim)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "adir").mkdir()
+    targets = [(link, "a symbolic link",
+                lambda: os.readlink(link) == str(victim) and victim.read_text() == "the user's"),
+               (fifo, "a FIFO", lambda: stat.S_ISFIFO(os.lstat(fifo).st_mode)),
+               (tmp_path / "adir", "a directory", lambda: os.listdir(tmp_path / "adir") == [])]
+    if IS_ROOT:
+        null = _char_device(tmp_path, "null", 3)
+        if null is not None:
+            targets.append((null, "a character device", lambda: stat.S_ISCHR(os.lstat(null).st_mode)))
+        theirs = tmp_path / "theirs.json"
+        theirs.write_text("their plans")
+        os.chown(theirs, 54321, 54321)
+        targets.append((theirs, "a file of uid 54321", lambda: theirs.read_text() == "their plans"
+                        and theirs.stat().st_uid == 54321))
+    return targets
+
+
+@pytest.mark.timeout(10)
+def test_a_cache_file_replaces_only_a_regular_file_of_this_user(tmp_path):
+    for path, what, unharmed in _foreign_targets(tmp_path):
+        with pytest.raises(FileAccessError) as info:
+            write_cache_file(path, b"{}")
+        assert f"it is {what}, not a cache file dlperf wrote, and is left as it is" in str(info.value)
+        assert str(path) in str(info.value) and "\n" not in str(info.value)
+        assert unharmed(), what
+    assert _temporaries(tmp_path) == []
+    mine = tmp_path / "plans.json"
+    old = os.umask(0o002)
+    try:
+        write_cache_file(mine, b"one")
+        os.chmod(mine, 0o664)
+        write_cache_file(mine, b"two")  # a file of this user, even one others could write, is replaced privately
+    finally:
+        os.umask(old)
+    assert mine.read_bytes() == b"two" and stat.S_IMODE(mine.stat().st_mode) == 0o600
+
+
+def test_a_cache_file_is_never_the_file_stdout_goes_to(tmp_path):
+    out = tmp_path / "log"
+    out.write_text("kept\n")
+    with open(out, "a") as f:
+        proc = subprocess.run([sys.executable, "-c", "import sys; from dlperf._io import write_cache_file\n"
+                               "try:\n    write_cache_file(sys.argv[1], b'cache')\nexcept OSError as e:\n"
+                               "    print(e, file=sys.stderr)", str(out)], stdout=f, stderr=subprocess.PIPE,
+                              text=True, timeout=60)
+    assert "the file this process's output goes to" in proc.stderr
+    assert out.read_text() == "kept\n"
 
 
 # --- full disks ------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from dlperf.parallel.launchers import (
     rank_info,
 )
 from dlperf.parallel.launchers.processes import _failure_message
+from dlperf.parallel.launchers.watchdog import Watchdog
 
 HANG_TIMEOUT_S = 6.0
 LAST_SUM_STALL_S = 3.0
@@ -183,17 +184,28 @@ def test_an_exception_in_rank_1_is_one_error_naming_rank_1():
     assert _children() <= before
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_rank_that_raises_leaves_no_traceback_file_of_torchs_behind(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where torch's spawn puts its traceback files
+    with pytest.raises(LaunchError, match=r"rank 1 failed: ValueError: rank one cannot go on") as info:
+        ProcessLauncher(2, join_timeout_s=50).launch(_fail_on_rank_1)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("pytorch-errorfile-")] == []
+    assert "Traceback" in Path(info.value.log_path).read_text()  # torch read it first: it is in the kept log
+
+
 @needs_proc
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_a_failed_watchdog_neither_hides_the_ranks_failure_nor_leaves_their_processes(tmp_path, monkeypatch,
                                                                                        capsys):
-    from dlperf.parallel.launchers import processes
 
     def broken(self):
         raise OSError("the markers went away")
 
-    monkeypatch.setattr(processes._Watchdog, "_run", broken)
+    monkeypatch.setattr(Watchdog, "_run", broken)
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # (its death is reported as it happens)
     before, pid_file = _children(), tmp_path / "child.pid"
     with pytest.raises(LaunchError, match=r"rank 1 failed: ValueError: rank one cannot go on"):
@@ -207,7 +219,6 @@ def test_a_failed_watchdog_neither_hides_the_ranks_failure_nor_leaves_their_proc
 def test_an_interrupt_is_published_and_raised_even_when_the_watchdog_failed(tmp_path, monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from dlperf.parallel.launchers import processes
 
     def broken(self):
         raise OSError("the markers went away")
@@ -216,10 +227,10 @@ def test_an_interrupt_is_published_and_raised_even_when_the_watchdog_failed(tmp_
         raise KeyboardInterrupt
 
     published: list = []
-    monkeypatch.setattr(processes._Watchdog, "_run", broken)
-    monkeypatch.setattr(processes._Watchdog, "publish_interrupt", lambda self: published.append(self.interrupted))
+    monkeypatch.setattr(Watchdog, "_run", broken)
+    monkeypatch.setattr(Watchdog, "publish_interrupt", lambda self: published.append(self.interrupted))
     monkeypatch.setattr(threading, "excepthook", lambda args: None)
-    watchdog = processes._Watchdog(str(tmp_path), 1, 60.0, SimpleNamespace(node_rank=1))
+    watchdog = Watchdog(str(tmp_path), 1, 60.0, SimpleNamespace(node_rank=1))
     with pytest.raises(KeyboardInterrupt):
         ProcessLauncher(1)._run(interrupted, (), watchdog, tmp_path, "host")
     assert published == [signal.SIGINT]  # the other nodes still hear of it
@@ -451,3 +462,51 @@ def test_a_launch_config_and_keyword_options_build_the_same_launcher():
         ProcessLauncher(LaunchConfig(2), nnodes=1)
     with pytest.raises(UsageError, match="the options are nproc_per_node, nnodes"):
         ProcessLauncher(2, join_timeout=90)
+
+
+CTRL_C_SCRIPT = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import support.slow_import as slow  # imported here at full speed: only the workers are slow
+from dlperf.parallel.launchers import ProcessLauncher
+os.environ["SLOW_IMPORT_MARKERS"] = {markers!r}
+try:
+    ProcessLauncher(2).launch(slow.work)
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_workers_import_is_the_launchers_alone(tmp_path):
+    """The terminal's Ctrl-C reaches every process of its group, the workers importing too: they print nothing."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    script = CTRL_C_SCRIPT.format(tests=str(Path(__file__).parent), markers=str(markers))
+    env = {**os.environ, "SLOW_IMPORT_S": "20"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True,  # its own group: the Ctrl-C below reaches it alone
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(markers.glob("*.importing"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the whole foreground group
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130 and err.strip() == "interrupted", err
+    assert "Traceback" not in err + out and "KeyboardInterrupt" not in err, err
+    for marker in markers.glob("*.importing"):  # no worker outlives the launch
+        pid = int(marker.name.split(".")[0])
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()

@@ -12,6 +12,7 @@ from dlperf.cli import main
 from dlperf.devices import cpu
 from dlperf.parallel import Trainer
 from dlperf.parallel.optimizers import make_optimizer
+from dlperf.parallel.training.checkpoint import state_checksum
 from dlperf.parallel.training.resume import trainer_state_problem
 
 SMALL = ["--train-size", "300", "--test-size", "100", "--batch-size", "100", "--no-progress", "--devices",
@@ -33,6 +34,7 @@ def _crafted(honest: dict, tmp_path, change) -> str:
     state["trainer"]["model"] = dict(honest["trainer"]["model"])
     state["trainer"]["buffers"] = [dict(b) for b in honest["trainer"]["buffers"]]
     change(state)
+    state["checksum"] = state_checksum(state)  # crafted to pass the checksum: every other check must hold
     path = tmp_path / "crafted.pt"
     torch.save(state, path)
     return str(path)
@@ -48,12 +50,13 @@ def _set(where, key, value):
     return change
 
 
-def _momentum_buffer(shape=None, momentum=None):
+def _momentum_buffer(shape=None, momentum=None, sparse=False):
     def change(state):
         if momentum is not None:
             _group(state)["momentum"] = momentum
         first = next(iter(state["trainer"]["model"].values()))
-        state["trainer"]["optimizer"]["state"][0] = {"momentum_buffer": torch.zeros(shape or first.shape)}
+        buffer = torch.zeros(shape or first.shape)
+        state["trainer"]["optimizer"]["state"][0] = {"momentum_buffer": buffer.to_sparse() if sparse else buffer}
     return change
 
 
@@ -72,6 +75,15 @@ def _first_weight(dtype):
 
 def _extra_buffer(state):
     state["trainer"]["buffers"][1]["ghost"] = torch.zeros(3)
+
+
+def _sparse_weight(state):
+    name = next(iter(state["trainer"]["model"]))
+    state["trainer"]["model"][name] = state["trainer"]["model"][name].to_sparse()
+
+
+FROM_CHECKPOINT = ["--resume-hparams-from-checkpoint"]
+ONLY = "(--resume-hparams-from-checkpoint takes over lr, momentum, weight_decay only)"
 
 
 CASES = {
@@ -104,6 +116,18 @@ CASES = {
     "an extra buffer key": (_extra_buffer, [], ["trainer['buffers'][1] has unexpected entries ['ghost']"]),
     "int64 weights": (_first_weight(torch.int64), [], ["trainer['model']['0.weight'] is torch.int64, "
                                                        "expected torch.float32"]),
+    # the flag takes over what the README names (momentum, lr, weight decay), never what else a file says
+    "maximize from the checkpoint": (_set(_group, "maximize", True), FROM_CHECKPOINT,
+                                     ["['param_groups'][0]['maximize'] is True but this run's is False", ONLY]),
+    "nesterov from the checkpoint": (lambda s: _group(s).update(momentum=0.9, nesterov=True), FROM_CHECKPOINT,
+                                     ["['param_groups'][0]['nesterov'] is True but this run's is False", ONLY]),
+    "dampening from the checkpoint": (_set(_group, "dampening", 0.5), FROM_CHECKPOINT,
+                                      ["['param_groups'][0]['dampening'] is 0.5 but this run's is 0", ONLY]),
+    "a sparse momentum buffer": (_momentum_buffer(momentum=0.9, sparse=True), FROM_CHECKPOINT,
+                                 ["['state'][0]['momentum_buffer'] is a sparse_coo torch.float32 tensor of shape",
+                                  "expected a dense tensor"]),
+    "a sparse weight": (_sparse_weight, [], ["trainer['model']['0.weight'] is a sparse_coo torch.float32 tensor",
+                                             "expected a dense tensor"]),
 }
 
 

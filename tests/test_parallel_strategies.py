@@ -50,12 +50,10 @@ def test_a_lookup_miss_lists_every_strategy():
 
 
 @pytest.mark.parametrize("kvstore,options,needles", [
-    ("local", dict(processes=2), ["kvstore='local' with 2 processes", "'dist_sync' or 'dist_device_sync'"]),
-    ("local", dict(processes=2, cli=True), ["--kvstore local with 2 processes", "use --kvstore dist_sync"]),
-    ("dist_sync", dict(), ["kvstore='dist_sync' in one process", "dlperf launch"]),
-    ("dist_sync", dict(cli=True), ["--kvstore dist_sync in one process", "--nproc-per-node 2"]),
-    (None, dict(processes=3, num_servers=1), ["--num-servers 1 with train --kvstore None", "add --kvstore dist_sync"]),
-    ("local", dict(processes=3, num_servers=1), ["--num-servers 1 with train --kvstore local"]),
+    ("local", dict(processes=2), ["kvstore='local' with 2 processes", "use kvstore='dist_sync', or kvstore=None"]),
+    ("dist_sync", dict(), ["kvstore='dist_sync' in one process", "dlperf launch", "nproc_per_node=2"]),
+    (None, dict(processes=3, num_servers=1), ["num_servers=1 with kvstore=None", "give kvstore='dist_sync'"]),
+    ("local", dict(processes=3, num_servers=1), ["num_servers=1 with kvstore='local'"]),
     (None, dict(update_on_kvstore=True), ["update_on_kvstore=True needs a kvstore"]),
     (None, dict(processes=2, devices=[gpu(0)]), ["with 2 processes", "use CPU devices"]),
     ("redis", dict(), ["unknown kvstore type 'redis'; valid choices: ", "local", "dist_sync"]),

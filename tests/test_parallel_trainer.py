@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import time
 
@@ -457,6 +458,39 @@ def test_epoch_record_says_since_which_step_the_loss_was_not_finite():
     assert rec["nonfinite_since_step"] == 8
     assert rec["loss"] != rec["loss"]  # NaN
     assert _epoch_line(rec).startswith("epoch 2: loss nan (non-finite since step 8;")
+
+
+class _Batches:
+    """Loaders as train_epochs takes them, from plain lists (or one generator, iterated once)."""
+
+    def __init__(self, batches) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return 0
+
+    def epoch_batches(self, epoch: int):
+        yield from self.batches
+
+
+@pytest.mark.parametrize("train, test, needle", [
+    ([], None, "the training data gave no batch in epoch 1"),
+    ([(torch.rand(0, 1, 28, 28), torch.zeros(0, dtype=torch.long))], None, "holds 0 examples"),
+    ([(torch.rand(1, 1, 28, 28), torch.zeros(1, dtype=torch.long))], None, "smaller than the 2 devices"),
+    (iter([(torch.rand(4, 1, 28, 28), torch.zeros(4, dtype=torch.long))]), None,
+     "gave no batch in epoch 2 (it did in epoch 1): it runs dry"),
+    ([(torch.rand(4, 1, 28, 28), torch.zeros(4, dtype=torch.long))], [], "the test data gave no example after epoch 1"),
+], ids=["no batch", "empty batches", "every batch skipped", "a generator", "no test example"])
+def test_an_epoch_that_trains_nothing_is_an_error(train, test, needle):
+    """A loss of 0 and an accuracy of 0 would read as results: one UsageError says why nothing trained."""
+    from dlperf.parallel.training.run import train_epochs
+
+    spec = get_spec("lenet")
+    loader = _Batches(train)
+    with Trainer(spec.build(), _devices(2), "sgd", {"lr": 0.1}, loss=spec.loss) as trainer:
+        with pytest.raises(UsageError, match=re.escape(needle)):
+            test = test if test is not None else [(torch.rand(4, 1, 28, 28), torch.zeros(4, dtype=torch.long))]
+            train_epochs(trainer, loader, _Batches(test), 0, 2)
 
 
 # --- batches as PyTorch users write them ----------------------------------------------------------------

@@ -17,7 +17,8 @@ from dlperf.errors import UsageError
 from dlperf.parallel import Trainer
 from dlperf.parallel.planning.plan import EXECUTIONS, Execution, Plan, parse_plan, register_execution
 from dlperf.parallel.planning.plan_cache import MAX_BYTES, default_cache_path
-from dlperf.parallel.planning.planner import CandidateRun, PlannerOptions, search
+from dlperf.parallel.planning.planner import search
+from dlperf.parallel.planning.records import CandidateRun, PlannerOptions
 from dlperf.parallel.training.planned import plan_for
 
 LR = 0.05
@@ -289,7 +290,10 @@ def test_budget_skips_and_says_so():
 
 @pytest.mark.parametrize("content", [b"{", b"[]", json.dumps({"format": 1, "plans": {"k": {"plan": {"replicas": -1}}}}
                                                                 ).encode(), b" " * (MAX_BYTES + 1)])
-def test_a_hostile_cache_is_ignored_with_one_line(content, capsys):
+def test_a_hostile_cache_is_ignored_with_one_line(content, capsys, tmp_path, monkeypatch):
+    # in dlperf's own cache directory a damaged file is dlperf's, and is replaced by a good one
+    monkeypatch.delenv("DLPERF_PLAN_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = default_cache_path()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
@@ -306,6 +310,23 @@ def test_a_hostile_cache_is_ignored_with_one_line(content, capsys):
     assert len(err) >= 1 and all("\n" not in ln for ln in err)
     with open(path, "rb") as f:
         assert json.loads(f.read())["format"] == 1  # replaced by a good one
+
+
+@pytest.mark.parametrize("content", [b"{", b"[]", b"my notes\n"])
+def test_a_file_of_other_content_named_as_the_cache_is_left_as_it_is(content, capsys):
+    path = default_cache_path()  # DLPERF_PLAN_CACHE: a path of the user's, outside dlperf's cache directory
+    with open(path, "wb") as f:
+        f.write(content)
+    os.chmod(path, 0o600)
+    model, batch = small_cnn(), fresh_batches(1, 0)[0]
+    built: list[Plan] = []
+    decision = search(model, batch, [cpu(0), cpu(1)], _sleepy_builder(2, built), Plan(replicas=2, threads=1),
+                      PlannerOptions(rounds=1, steps=1, cores=2))
+    assert not decision.cached and built
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "plan cache" in ln]
+    assert len(err) == 1 and "it is left as it is" in err[0]
+    with open(path, "rb") as f:
+        assert f.read() == content
 
 
 def test_a_cache_others_can_write_is_not_trusted(capsys):

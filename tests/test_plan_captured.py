@@ -14,7 +14,8 @@ from dlperf.devices import cpu
 from dlperf.errors import UsageError
 from dlperf.parallel import Trainer
 from dlperf.parallel.planning.plan import parse_plan
-from dlperf.parallel.planning.planner import PlannerOptions, _decide
+from dlperf.parallel.planning.planner import _decide
+from dlperf.parallel.planning.records import PlannerOptions
 from dlperf.parallel.training.planned import plan_for
 
 OPTIMIZERS = {"sgd-momentum": ("sgd", {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}),

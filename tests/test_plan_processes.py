@@ -15,8 +15,9 @@ from dlperf.errors import UsageError
 from dlperf.parallel import Trainer
 from dlperf.parallel.launchers import ProcessLauncher, rank_info
 from dlperf.parallel.planning.plan import Plan, parse_plan
-from dlperf.parallel.planning.planner import PlannerOptions, enumerate_plans
+from dlperf.parallel.planning.planner import enumerate_plans
 from dlperf.parallel.planning.process_plans import measuring_processes, setup_s
+from dlperf.parallel.planning.records import PlannerOptions
 from dlperf.parallel.training.planned import plan_for, start_candidate
 from dlperf.parallel.training.trainer_config import TrainerConfig
 
@@ -193,7 +194,7 @@ def test_dlperf_train_starts_a_process_plan_records_it_and_resume_follows_it(tmp
 @pytest.mark.distributed
 def test_plan_auto_that_picks_processes_trains_as_them(tmp_path, monkeypatch, capsys):
     """The measuring is the planner's (tested above); here its pick, a processes plan, is what the run becomes."""
-    from dlperf.parallel.planning.planner import PlanDecision
+    from dlperf.parallel.planning.records import PlanDecision
     from dlperf.parallel.training import planned as planning
     from dlperf.parallel.training.checkpoint import load_checkpoint
 
@@ -206,3 +207,28 @@ def test_plan_auto_that_picks_processes_trains_as_them(tmp_path, monkeypatch, ca
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("plan: 2 replicas x 1 thread (processes), contiguous, eager: 12.5 ms/step"), out
     assert load_checkpoint(ck)["trainer"]["plan"]["launcher"] == "processes"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("head", [["train"], ["launch", "--nproc-per-node", "1", "--", "train"]])
+def test_a_process_plan_launches_its_processes_once(head, tmp_path):
+    """A launched process is one of the plan's processes: it trains, it never launches the plan again."""
+    import signal
+    import subprocess
+    import sys
+
+    argv = [*head, "--plan", "1x1,processes", "--model", "lenet", "--train-size", "64", "--test-size", "32",
+            "--batch-size", "32", "--epochs", "1", "--no-progress"]
+    env = {**os.environ, "DLPERF_PLAN_CACHE": str(tmp_path / "plans.json"), "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "dlperf.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # relaunching itself: stop the whole tree
+        out, err = proc.communicate()
+        pytest.fail(f"still running after 150 s; {out.count('plan: ')} plan lines: {out[-400:]}")
+    assert proc.returncode == 0, err
+    assert out.count("plan: 1 replica x 1 thread (processes)") == 1, out
+    assert out.splitlines()[-1].startswith("test acc:") and "leaked semaphore" not in err, err

@@ -181,3 +181,38 @@ def test_a_cache_saved_under_a_group_umask_reads_back(tmp_path, monkeypatch):
         os.umask(old)
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert probe_cache.load_probe() is not None
+
+
+def test_format_true_is_not_format_1(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = probe_cache.save_probe(_result())
+    doc = json.loads(Path(path).read_text())
+    doc["format"] = True  # equal to 1 in Python, but not what dlperf probe writes
+    Path(path).write_text(json.dumps(doc))
+    with pytest.raises(probe_cache.ProbeCacheError, match="not a format-1 probe document"):
+        probe_cache.read_probe(path)
+
+
+@pytest.mark.parametrize("what", ["char-device", "fifo", "link"])
+def test_saving_never_replaces_what_dlperf_did_not_write(tmp_path, what):
+    import stat
+
+    path = tmp_path / "probe.json"
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "link":
+        (tmp_path / "victim").write_text("the user's")
+        path.symlink_to(tmp_path / "victim")
+    elif os.geteuid() != 0:
+        pytest.skip("a device node needs root to make")
+    else:
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except OSError:
+            pytest.skip("cannot create a device node here")
+    before = os.lstat(path)
+    with pytest.raises(OSError, match="not a cache file dlperf wrote, and is left as it is"):
+        probe_cache.save_probe(_result(), str(path))
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert what != "link" or (tmp_path / "victim").read_text() == "the user's"

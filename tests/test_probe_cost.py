@@ -332,3 +332,21 @@ def test_saved_fits_between_hosts_skip_one_host_layouts_and_bad_files(tmp_path):
                path=str(tmp_path / "links-0000000000000003.json"))
     fit, world, path = saved_between_hosts(str(tmp_path))
     assert (fit, world) == (Link(2e-4, 5e8), 3) and path.endswith("3.json")
+
+
+@pytest.mark.parametrize("rate", [5e-324, 1e-3, 1e300])
+def test_a_saved_link_rate_no_network_shows_is_not_read(tmp_path, rate, capsys):
+    import json
+
+    from dlperf.probe.links import load_links, save_links
+
+    path = str(tmp_path / "links-0000000000000009.json")
+    save_links(["a", "b"], {"gloo": Link(1e-4, 1e9)}, path=path)
+    with open(path) as f:
+        doc = json.load(f)
+    doc["links"]["gloo"]["bytes_per_s"] = rate
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    assert load_links(["a", "b"], ["gloo"], path) == (None, path)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a plausible link" in err and "outside what any machine shows" in err

@@ -75,8 +75,8 @@ def test_profile_mlp_with_mse_output_and_floor():
         def forward(self, x):
             return self.lin(x).unsqueeze(-1)
 
-    for model in (MLP(), Regressor()):
-        report = profile(model, torch.randn(4, 12), steps=2, hardware=_hardware(), suggest=False)
+    for model, loss in ((MLP(), None), (Regressor(), "mse")):
+        report = profile(model, torch.randn(4, 12), steps=2, hardware=_hardware(), suggest=False, loss=loss)
         rows = report.groups_by_name()
         assert rows["matmul"].time_s > 0 and rows["loss"].time_s > 0
         assert rows["conv"].ops == 0 and rows["conv"].flops == 0

@@ -228,7 +228,7 @@ def _train_in_process(batches_by_kind):
     for kind, batches in batches_by_kind.items():
         model, loss_fn = build(kind)
         with Trainer(model, [cpu(0)], "sgd", {"lr": LR}, loss=loss_fn) as trainer:
-            losses = [float(trainer.sum_across_processes(trainer.train_step(X, y).detach())) for X, y in batches]
+            losses = [float(trainer.train_step(X, y)) for X, y in batches]  # the batch's mean in every process
             accuracy = trainer.evaluate_accuracy(batches) if kind != "dict" else None
             results[kind] = {"params": [p.detach().clone() for p in trainer.module.parameters()], "losses": losses,
                              "accuracy": accuracy, "world": trainer.world,
@@ -269,6 +269,7 @@ def test_the_default_loss_on_a_dict_output_is_one_error_naming_it():
     model, _ = build("dict")
     X, y = make_batch("dict", 4, fresh_generator())
     with Trainer(model, [cpu(0), cpu(1)], "sgd", {"lr": LR}, processes=None) as trainer:
-        with pytest.raises(UsageError, match=r"default loss .* got dict\{logits: float32\[2,3\], score: float32\[2\]\} "
-                                             r"and dict\{label: int64\[2\], score: float32\[2\]\}; pass loss="):
+        with pytest.raises(UsageError, match=r"default loss, cross-entropy, .* returned dict\{logits: float32\[2,3\], "
+                                             r"score: float32\[2\]\} for targets dict\{label: int64\[2\], score: "
+                                             r"float32\[2\]\}; name the loss: loss="):
             trainer.train_step(X, y)

@@ -15,7 +15,7 @@ from dlperf.devices import cpu
 from dlperf.errors import UsageError
 from dlperf.parallel import Trainer
 from dlperf.parallel.planning.plan import parse_plan
-from dlperf.parallel.planning.planner import PlannerOptions
+from dlperf.parallel.planning.records import PlannerOptions
 from dlperf.parallel.training.planned import plan_for
 from support.sum_on_first import SumOnFirst
 

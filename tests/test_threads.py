@@ -20,6 +20,7 @@ import torch
 
 from dlperf import engine
 from dlperf._threads import ServiceThread, join_all, on_fresh_thread
+from dlperf.parallel.launchers.watchdog import Watchdog
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = SRC / "dlperf"
@@ -274,12 +275,11 @@ def test_a_kvstore_control_thread_that_failed_is_raised_by_close(reports):
 
 @pytest.mark.timeout(60)
 def test_the_launch_watchdog_is_gone_after_stop_and_its_failure_is_raised(tmp_path, monkeypatch, reports):
-    from dlperf.parallel.launchers import processes
 
     before = set(threading.enumerate())
     wakeup = signal.set_wakeup_fd(-1)
     signal.set_wakeup_fd(wakeup)
-    watchdog = processes._Watchdog(str(tmp_path), 1, 60.0, None)
+    watchdog = Watchdog(str(tmp_path), 1, 60.0, None)
     watchdog.start()
     assert _new_threads(before) == ["dlperf-launch-watchdog"]
     watchdog.stop()
@@ -289,8 +289,8 @@ def test_the_launch_watchdog_is_gone_after_stop_and_its_failure_is_raised(tmp_pa
     def broken(self):
         raise OSError("the markers went away")
 
-    monkeypatch.setattr(processes._Watchdog, "_run", broken)
-    watchdog = processes._Watchdog(str(tmp_path), 1, 60.0, None)
+    monkeypatch.setattr(Watchdog, "_run", broken)
+    watchdog = Watchdog(str(tmp_path), 1, 60.0, None)
     watchdog.start()
     with pytest.raises(OSError, match="markers went away"):
         watchdog.stop()

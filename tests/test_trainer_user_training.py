@@ -214,3 +214,26 @@ def test_an_optimizer_class_takes_its_parameters():
 def test_bad_training_options_are_one_line(options, words):
     with pytest.raises(UsageError, match=words):
         Trainer(nn.Linear(2, 2), [cpu(0), cpu(1)], "sgd", {"lr": 0.1}, **options).close()
+
+
+def test_a_scheduled_accumulating_trainer_resumes_bit_identically_from_its_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(4)
+    micro = [(torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(16)]
+    options = {"lr_schedule": "cosine", "schedule_steps": 8, "accumulate": 2, "clip_grad_norm": 0.5}
+    with Trainer(copy.deepcopy(model), [cpu(0), cpu(1)], "adamw", {"lr": 0.02}, **options) as straight:
+        for X, y in micro:
+            straight.train_step(X, y)
+        want = copy.deepcopy(straight.module)
+    with Trainer(copy.deepcopy(model), [cpu(0), cpu(1)], "adamw", {"lr": 0.02}, **options) as first:
+        for X, y in micro[:8]:
+            first.train_step(X, y)
+        state = first.state_dict()
+    with Trainer(copy.deepcopy(model), [cpu(0), cpu(1)], "adamw", {"lr": 0.02}, **options) as second:
+        second.load_state_dict(state)
+        for X, y in micro[8:]:
+            second.train_step(X, y)
+        assert second.steps == 8
+        for p, q in zip(second.module.parameters(), want.parameters()):
+            assert torch.equal(p, q)

@@ -21,6 +21,8 @@ waited for at most ``wait_s`` seconds (``$DLPERF_BUILD_WAIT_S``, default 900).
 Every file of the cache is opened with ``O_NOFOLLOW | O_NONBLOCK`` and used only if it is a regular
 file owned by the effective user that group and others cannot write: a link, a FIFO (which would
 block a plain ``open`` forever) or a file someone else could have written is reported and rebuilt.
+Files are published by :func:`dlperf._io.write_cache_file`, so what is not a regular file of the user
+(that link, that FIFO) is never replaced: the fresh build is used and not kept, with one warning.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -45,7 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ._cliargs import one_line
-from ._io import atomic_write_bytes, decode_json, read_bounded
+from ._io import decode_json, read_bounded, write_cache_file
 from .errors import UsageError
 
 log = logging.getLogger("dlperf.hybrid")
@@ -110,9 +111,8 @@ def compiler_identity(compiler: str) -> str:
 
 
 def say(message: str) -> None:
-    """One line on stderr, where a user running a script sees it without configuring logging."""
-    print(message, file=sys.stderr, flush=True)
-    log.info("%s", message)
+    """One note (a warning: shown on stderr where logging is not configured, and by the CLI)."""
+    log.warning("%s", message)
 
 
 def warn_once(message: str) -> None:
@@ -296,7 +296,8 @@ def _load_verified(directory: str, filename: str, load: Callable[[str], T]) -> t
     except (OSError, ValueError, CacheUnsafe) as exc:
         return None, f"its {MANIFEST} is unusable ({exc})"
     digest = hashlib.sha256(data).hexdigest()
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT \
+    if not isinstance(manifest, dict) or type(manifest.get("format")) is not int \
+            or manifest["format"] != MANIFEST_FORMAT \
             or manifest.get("file") != filename:
         return None, f"its {MANIFEST} is not a format-{MANIFEST_FORMAT} manifest for {filename}"
     if manifest.get("sha256") != digest or manifest.get("size") != len(data):
@@ -332,20 +333,6 @@ def _read_regular(path: str, limit: int | None, *, shared: bool = True) -> bytes
                         check=(lambda st: _check_file(path, st)) if shared else None)
 
 
-def write_private(path: str, data: bytes) -> None:
-    """Write a cache file atomically, mode 0600: whatever stood at ``path`` (a link, a FIFO) is replaced,
-    not followed or written into, and the umask cannot leave it writable by group or others."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):  # a directory is refused below
-            os.unlink(path)
-    atomic_write_bytes(path, data)
-    os.chmod(path, 0o600)  # a group-writable file would not be read back
-
-
 def _build(directory: str | None, filename: str, what: str, expected_time: str,
            build: Callable[[str], tuple[str, T]]) -> T:
     try:
@@ -377,8 +364,8 @@ def _keep(directory: str, filename: str, library: str, what: str) -> None:
         manifest = {"format": MANIFEST_FORMAT, "file": filename, "size": len(data),
                     "sha256": hashlib.sha256(data).hexdigest(), "built": time.time()}
         # Library first, manifest second: a reader in between sees a mismatch and takes the lock.
-        write_private(os.path.join(directory, filename), data)
-        write_private(os.path.join(directory, MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
+        write_cache_file(os.path.join(directory, filename), data)
+        write_cache_file(os.path.join(directory, MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
     except (OSError, CacheUnsafe) as exc:
         warn_once(f"dlperf: compiled {what} but could not keep it in the cache: {exc}; the next process "
                   f"compiles it again")

@@ -14,6 +14,11 @@ never half of one. Three kinds of target are written in place instead, never rep
 Block devices and sockets are refused. A full disk is one error naming the path and the bytes that
 did not fit; the previous file stays and no temporary is left.
 
+dlperf's own caches (plans, probe figures, compiled libraries) are written by :func:`write_cache_file`,
+which is stricter: it replaces only a regular file of this user (mode 0600) and leaves anything else at
+the path (a device, a FIFO, a link, a directory, another user's file) as it is, raising one error that
+says so; the caller goes on without its cache.
+
 Reads of torch files go through :func:`safe_torch_load`, which unpickles tensors and plain containers
 only and turns every failure into one line naming the file. Small files of data (JSON documents, cache
 entries, manifests) are read with :func:`read_bounded`: a regular file of bounded size, checked through
@@ -39,8 +44,8 @@ from typing import IO, Any
 from .errors import DlperfError, UsageError
 
 __all__ = ["FileAccessError", "decode_json", "atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable",
-           "no_space_error", "output_stream", "process_alive", "proc_stat", "read_bounded", "safe_torch_load",
-           "save_torch", "tensor_bytes"]
+           "foreign_file", "no_space_error", "output_stream", "process_alive", "proc_stat", "read_bounded",
+           "safe_torch_load", "save_torch", "tensor_bytes", "write_cache_file"]
 
 _TMP_SUFFIX = ".tmp"
 FIFO_READER_WAIT_S = 10.0
@@ -260,7 +265,8 @@ def _fsync_dir(directory: Path) -> None:
 
 
 @contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "wb", *, size: int | None = None) -> Iterator[IO[Any]]:
+def atomic_open(path: str | os.PathLike, mode: str = "wb", *, size: int | None = None,
+                permissions: int | None = None) -> Iterator[IO[Any]]:
     """Open ``path`` for writing; on a clean exit the new content replaces the old one atomically.
 
     ``mode`` is ``"wb"`` or ``"w"`` (UTF-8 text); ``size``, when known, is how many bytes will be
@@ -269,6 +275,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", *, size: int | None =
     umask); a replaced file keeps its mode. A symlink keeps pointing where it did: the file it points
     to is replaced. Stdout, stderr, character devices and FIFOs are written in place (see the module
     docstring). Any :class:`OSError` becomes a :class:`FileAccessError` naming ``path``.
+    ``permissions`` gives a replaced or new regular file these mode bits instead (e.g. 0o600).
     """
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_open writes with mode 'wb' or 'w', not {mode!r}")
@@ -296,7 +303,10 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", *, size: int | None =
     except OSError as exc:
         raise _wrap(given, exc) from None
     try:
-        _match_mode(fd, st)
+        if permissions is None:
+            _match_mode(fd, st)
+        else:
+            os.fchmod(fd, permissions)  # set before the rename: the file is never readable more widely
         with _fdopen(fd, mode) as f:
             yield f
             f.flush()
@@ -367,6 +377,44 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def foreign_file(st: os.stat_result) -> str | None:
+    """Why the file of ``st`` (from ``lstat``: a link is not followed) is not one dlperf may replace: not a
+    regular file, or another user's; None when it is a regular file of this user."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if not stat.S_ISREG(st.st_mode):
+        return f"a {_kind(st.st_mode)}"
+    if st.st_uid != os.geteuid():
+        return f"a file of uid {st.st_uid}"
+    return None
+
+
+def write_cache_file(path: str | os.PathLike, data: bytes) -> Path:
+    """Write one of dlperf's cache files atomically, mode 0600 whatever the umask.
+
+    Only a regular file of this user is replaced. Anything else at ``path`` (a character device such as
+    ``/dev/null``, a FIFO, a symbolic link, a directory, another user's file, or the file this process's
+    stdout or stderr is open on) is left exactly as it is and :class:`FileAccessError` says what it is:
+    a cache is never worth touching a file that is not the cache's. Callers go on without their cache.
+    """
+    given = Path(path)
+    try:
+        st: os.stat_result | None = os.lstat(given)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise _wrap(given, exc) from None
+    problem = foreign_file(st) if st is not None else None
+    if problem is None and output_stream(given) is not None:
+        problem = "the file this process's output goes to"
+    if problem is not None:
+        raise FileAccessError(given, f"it is {problem}, not a cache file dlperf wrote, and is left as it is "
+                                     "(point the cache at a path of your own)", errno.EEXIST)
+    with atomic_open(given, "wb", size=len(data), permissions=0o600) as f:
+        f.write(data)
+    return given
+
+
 def check_writable(path: str | os.PathLike) -> Path:
     """Fail now, with the reason, if ``path`` could not be written later (before hours of work).
 
@@ -410,8 +458,9 @@ def save_torch(path: str | os.PathLike, obj: Any) -> None:
             recorder = _WriteErrors(f)
             torch.save(obj, recorder)  # type: ignore[arg-type]  # a file in all torch uses: write, flush
     except Exception as exc:
-        if _raised_while_interrupted(exc):
-            raise KeyboardInterrupt from None
+        interrupt = _raised_while_interrupted(exc)
+        if interrupt is not None:
+            raise interrupt from None
         if recorder is not None and recorder.error is not None and not isinstance(exc, OSError):
             # torch's writer turns the OSError of a full disk into "unexpected pos"; the real cause is ours
             raise _wrap(Path(path), recorder.error, size=size) from None
@@ -457,15 +506,16 @@ def tensor_bytes(obj: Any) -> int | None:
     return total or None
 
 
-def _raised_while_interrupted(exc: BaseException) -> bool:
+def _raised_while_interrupted(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C (or termination) ``exc`` was raised while handling, if any."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         if isinstance(cur, KeyboardInterrupt):
-            return True
+            return cur
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
-    return False
+    return None
 
 
 def safe_torch_load(path: str | os.PathLike, what: str = "checkpoint", expected: str | None = None) -> Any:

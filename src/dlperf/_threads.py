@@ -16,6 +16,7 @@ default back; the only setter also sets its caller's count, so a throw-away thre
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -26,6 +27,8 @@ import torch
 
 __all__ = ["PREFIX", "ServiceThread", "cleanup_step", "fresh_thread_default", "intra_op_threads", "join_all",
            "on_fresh_thread", "restore_process_default", "set_thread_budget"]
+
+log = logging.getLogger(__name__)
 
 PREFIX = "dlperf-"
 """Every thread dlperf makes is named with this, so a leak or a stack dump names its owner."""
@@ -132,8 +135,8 @@ class cleanup_step:  # noqa: N801 - used as a statement, like contextlib.suppres
         if error is None or self.pending is None or not isinstance(error, Exception):
             return False
         first = (str(error).strip().splitlines() or [""])[0]
-        print(f"dlperf: {self.what} failed too ({type(error).__name__}: {first}) while "
-              f"{type(self.pending).__name__} was raised; that is raised", file=sys.stderr)
+        log.warning("dlperf: %s failed too (%s: %s) while %s was raised; that is raised", self.what,
+                    type(error).__name__, first, type(self.pending).__name__)
         return True
 
 

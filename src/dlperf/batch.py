@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .errors import UsageError
+from .errors import UsageError, blame_user_code
 
-__all__ = ["Batch", "call_model", "how_called", "takes_keywords", "tensors_of", "map_tensors", "batch_size",
-           "split_tree", "gather_tree", "describe"]
+__all__ = ["Batch", "call_model", "call_loss", "model_name", "how_called", "takes_keywords", "tensors_of",
+           "map_tensors", "batch_size", "split_tree", "gather_tree", "describe"]
 
 Batch = Any
 """A tensor, or a tuple/list/dict (nested) whose leaves are tensors or plain values."""
@@ -43,14 +43,45 @@ _MAX_DESCRIBED = 8
 
 def call_model(model: Callable[..., Any], inputs: Batch) -> Any:
     """``model(*inputs)`` for a tuple, ``model(**inputs)`` for a mapping whose keys the forward names,
-    ``model(inputs)`` for anything else."""
-    if type(inputs) is torch.Tensor:  # the common case, once per replica and step
+    ``model(inputs)`` for anything else.
+
+    What the model raises goes on unchanged, noted with the call and the batch's structure
+    (:func:`dlperf.errors.blame_user_code`): the CLI shows it as one line naming both.
+    """
+    try:
+        if type(inputs) is torch.Tensor:  # the common case, once per replica and step
+            return model(inputs)
+        if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
+            return model(*inputs)
+        if isinstance(inputs, Mapping) and takes_keywords(model, inputs):
+            return model(**inputs)
         return model(inputs)
-    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
-        return model(*inputs)
-    if isinstance(inputs, Mapping) and takes_keywords(model, inputs):
-        return model(**inputs)
-    return model(inputs)
+    except Exception as exc:
+        blame_user_code(exc, f"the model {model_name(model)}({describe(inputs)})",
+                        "fix the model, or give it batches of the structure, shapes and dtypes its forward takes")
+        raise
+
+
+def call_loss(loss_fn: Callable[..., Any], output: Any, targets: Batch, *inputs: Any) -> Any:
+    """``loss_fn(output, targets, *inputs)``; what it raises is noted as :func:`call_model` notes the model's errors
+    (a :class:`dlperf.losses.StepLoss` takes the inputs too: a batch that carries its labels)."""
+    try:
+        return loss_fn(output, targets, *inputs)
+    except Exception as exc:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        blame_user_code(exc, f"the loss {name}(output {describe(output)}, targets {describe(targets)})",
+                        "give targets the loss takes (class labels from 0 to the output's width - 1 for "
+                        "cross-entropy), or a model whose output fits them")
+        raise
+
+
+def model_name(model: Any) -> str:
+    """The user's class name of ``model``, seen through dlperf's and torch's wrappers."""
+    for attribute in ("_orig_mod", "module", "inner"):
+        inner = getattr(model, attribute, None)
+        if isinstance(inner, torch.nn.Module) and type(model).__module__.startswith(("dlperf.", "torch.")):
+            model = inner
+    return type(model).__name__
 
 
 _KEYWORDS: dict[tuple[Any, frozenset[str]], bool] = {}

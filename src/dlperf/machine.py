@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import platform
 
-__all__ = ["cpu_model", "host_memory", "read_meminfo", "rank_host", "HOST_ENV"]
+__all__ = ["cpu_model", "host_memory", "read_meminfo", "rank_host", "HOST_ENV", "usable_cores"]
 
 HOST_ENV = "DLPERF_HOST"
 """Set by :class:`~dlperf.parallel.launchers.ProcessLauncher` in every worker: see :func:`rank_host`."""
@@ -61,3 +61,11 @@ def rank_host() -> str:
     import socket
 
     return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity, which a container or ``taskset`` narrows)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)

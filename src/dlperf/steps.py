@@ -31,11 +31,13 @@ MakeStep = Callable[..., StepFn]
 
 def eager_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                example_x: torch.Tensor | None = None, example_y: torch.Tensor | None = None) -> StepFn:
-    """Plain PyTorch: the reference every other mode is checked against."""
+    """Plain PyTorch: the reference every other mode is checked against; the model is called on ``x`` as
+    :func:`dlperf.batch.call_model` calls it (a tuple is its positional inputs)."""
+    from .batch import call_model
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(call_model(model, x), y)
         loss.backward()
         optimizer.step()
         return loss

@@ -1,7 +1,8 @@
 """dlperf's one timer: warm up, synchronize around each step, take the median, and say whether to trust it.
 
 Every measurement in dlperf (``dlperf bench``, Table 8 scaling, hybridize's ``auto`` backend choice,
-the hardware probe) goes through :func:`time_steps`. Besides the per-step samples it watches the
+the hardware probe) goes through :func:`time_steps`, or :class:`StepWindow` where the steps are a user's own
+loop's, which dlperf does not drive. Besides the per-step samples it watches the
 machine while the timed steps run and marks the timing ``contended`` when other work competed for
 the CPUs the steps needed, so that a number measured on a busy machine is never mistaken for the
 cost of the step (d2l 12.4: "make sure nothing else runs when you benchmark").
@@ -63,8 +64,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["NOISY_REL_SPREAD", "Contention", "ContentionMonitor", "ContentionSignals", "Timing", "best_of",
-           "doubling_up_to", "judge_contention", "median_of", "per_call_samples", "time_steps"]
+__all__ = ["NOISY_REL_SPREAD", "Contention", "ContentionMonitor", "ContentionSignals", "StepWindow", "Timing",
+           "best_of", "doubling_up_to", "judge_contention", "median_of", "per_call_samples", "time_steps"]
 
 # A cell whose interquartile range exceeds this fraction of its median is flagged as noisy: the
 # median is still reported, but the reader should rerun with more steps on a quieter machine.
@@ -426,6 +427,67 @@ def time_steps(step: Callable[[], object], *, warmup: int, steps: int,
         if on_step:
             on_step()
     return Timing.from_samples(samples, warm, monitor.stop())
+
+
+class StepWindow:
+    """:func:`time_steps` for steps someone else drives (a training loop of the user's own): call :meth:`start`
+    at a step's end, :meth:`lap` at the end of each step after it, then :meth:`stop` for the :class:`Timing` of
+    those steps, judged for contention like any other.
+
+    Each sample is the wall time from one step's end to the next one's, so whatever the loop does between
+    steps (loading the next batch) counts, as it does in the loop's own time. ``synchronize`` waits for the
+    device before each reading (GPU work is asynchronous); ``threads`` is what the steps keep busy.
+
+    >>> window = StepWindow(threads=1)
+    >>> window.start()
+    >>> for _ in range(3):
+    ...     _ = sum(range(1000))
+    ...     window.lap()
+    >>> t = window.stop()
+    >>> len(t.samples), t.median_s > 0
+    (3, True)
+    """
+
+    def __init__(self, threads: int | None = None, synchronize: Callable[[], None] = lambda: None) -> None:
+        self.synchronize = synchronize
+        self._monitor = ContentionMonitor(threads if threads is not None else _default_threads())
+        self._samples: list[float] = []
+        self._last: float | None = None
+
+    def start(self) -> None:
+        """The timed steps begin after this moment (a step has just ended)."""
+        self.synchronize()
+        self._samples = []
+        self._monitor.start()
+        self._last = time.perf_counter()
+
+    def lap(self) -> None:
+        """A timed step ended."""
+        if self._last is None:
+            raise RuntimeError("StepWindow.lap() before start()")
+        self.synchronize()
+        now = time.perf_counter()
+        self._samples.append(now - self._last)
+        self._last = now
+        self._monitor.sample()
+
+    @property
+    def laps(self) -> int:
+        """Steps timed since :meth:`start`."""
+        return len(self._samples)
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds the steps timed since :meth:`start` took together."""
+        return sum(self._samples)
+
+    def stop(self) -> Timing:
+        """The timed steps' :class:`Timing` (at least one :meth:`lap` is needed)."""
+        if self._last is None:
+            raise RuntimeError("StepWindow.stop() before start()")
+        contention = self._monitor.stop()
+        self._last = None
+        return Timing.from_samples(self._samples, contention=contention)
 
 
 # --- figures of one operation: the probe's and the cost model's measurements ------------------------

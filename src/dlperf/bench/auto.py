@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from .._threads import intra_op_threads
+from ..decide import MIN_GAIN, judge
 from ..timing import Timing, time_steps
 from .modes import StepFn, compiled_step, eager_step
 
@@ -61,8 +62,6 @@ STEPS_PER_ROUND = 3
 MIN_ROUNDS = 2
 SEARCH_BUDGET_S = 60.0
 """After :data:`MIN_ROUNDS` rounds, no further round starts once the timing took this long (slow networks)."""
-MIN_GAIN = 0.05
-"""A candidate must be at least this much faster than eager (relative) to replace it."""
 COMPILE_BOUND_S = 60.0
 """torch.compile is skipped when its predicted compile time exceeds this (seconds)."""
 INDUCTOR_OVER_TRACE = 20.0
@@ -312,6 +311,7 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
     if base not in steps:  # the plan's variant could not run here: eager stands, and the notes say why
         base = "eager"
     per_round: dict[str, list[float]] = {name: [] for name in steps}
+    contended: list[bool] = []
     samples: dict[str, list[float]] = {name: [] for name in steps}
     sync = torch.cuda.synchronize if _on_gpu(x) else (lambda: None)
     started = time.perf_counter()
@@ -319,17 +319,19 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
         if done >= MIN_ROUNDS and time.perf_counter() - started > SEARCH_BUDGET_S:
             notes["search"] = f"stopped after {done} rounds: the {SEARCH_BUDGET_S:.0f}s budget was spent"
             break
+        contended.append(False)
         for name, step in steps.items():
             t = time_steps(functools.partial(step, x, y), warmup=0, steps=steps_per_round, threads=threads,
                            synchronize=sync)
             samples[name] += t.samples
             per_round[name].append(t.median_s)
+            contended[-1] |= t.contended
     medians = {name: Timing.from_samples(s).median_s for name, s in samples.items()}
     for timed in steps.values():  # a Trainer candidate's device workers go with its copy of the model
         trainer = getattr(timed, "trainer", None)
         if trainer is not None:
             trainer.close()
-    best, gain, worst = _pick(medians, per_round, base)
+    best, gain, worst = _pick(medians, per_round, base, contended)
     choice = AutoChoice(best, gain, medians, notes, worst)
     choice.runs_on = {name: ran for name, timed in steps.items()
                       if isinstance(ran := getattr(timed, "runs_on", None), str)}
@@ -342,30 +344,18 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
     return choice, builders
 
 
-def _pick(medians: dict[str, float], per_round: dict[str, list[float]],
-          base: str = "eager") -> tuple[str, float, float]:
-    """The candidate with the largest gain among those faster than ``base`` (eager, or the planner's plan)
-    by more than the noise in every round; ``base`` when none is.
+def _pick(medians: dict[str, float], per_round: dict[str, list[float]], base: str = "eager",
+          contended: list[bool] | None = None) -> tuple[str, float, float]:
+    """The candidate the one decider (:func:`dlperf.decide.judge`) keeps against ``base`` (eager, or the
+    planner's plan), timed in alternating rounds; ``base`` when none beats it beyond noise in every round.
 
-    Alternating rounds see the same background load, so a real gain shows in each; one round that a
-    burst of other work slowed is what the noise is. Requiring the worst round's gain to clear
-    :data:`MIN_GAIN` keeps a variant that only looked fast in one lucky round from replacing eager.
     Returns (name, gain over eager overall, the worst round's gain of the fastest candidate).
     """
-    reference = per_round[base]
-    best, best_gain = base, 1.0
-    worst_of_fastest = 1.0
+    verdict = judge(per_round, base, contended=contended or [])
     fastest = min((n for n in medians if n not in ("eager", base)), key=medians.__getitem__, default=None)
-    for name, rounds in per_round.items():
-        ratios = [e / c for e, c in zip(reference, rounds) if c > 0]
-        if name in ("eager", base) or not ratios:
-            continue
-        if name == fastest:
-            worst_of_fastest = min(ratios)
-        gain = medians[base] / medians[name]
-        if min(ratios) > 1 + MIN_GAIN and gain > best_gain:
-            best, best_gain = name, gain
-    return best, medians["eager"] / medians[best], worst_of_fastest
+    ratios = verdict.ratios.get(fastest, []) if fastest is not None else []
+    worst_of_fastest = 1 / max(ratios) if ratios else 1.0
+    return verdict.chosen, medians["eager"] / medians[verdict.chosen], worst_of_fastest
 
 
 def _planned(model: nn.Module, loss_fn: Callable, x, y):
@@ -391,7 +381,7 @@ def make_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimi
     choice, builders = choose(model, loss_fn, optimizer, example_x, example_y, compile_bound_s=compile_bound_s,
                               rounds=rounds, plan=decision.plan if decision is not None else None)
     if decision is not None:
-        choice.plan_note = "[cached]" if decision.cached else f"[planned in {decision.planning_s:.1f} s]"
+        choice.plan_note = f"[{decision.provenance()}]"
     elif why:
         choice.notes["plan"] = why
     return _AutoStep(builders[choice.chosen](model, optimizer), choice)

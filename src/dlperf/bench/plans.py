@@ -19,8 +19,9 @@ from torch import nn
 
 from ..batch import call_model, tensors_of
 from ..devices import cpu
+from ..machine import usable_cores
 from ..parallel.planning.plan import Plan
-from ..parallel.planning.planner import PlanDecision, PlannerOptions, usable_cores
+from ..parallel.planning.records import PlanDecision, PlannerOptions
 from ..parallel.training.planned import plan_for
 from ..probe.profile import PlanAdvice, Suggestion
 
@@ -52,18 +53,19 @@ def report_plan(model: nn.Module, batch: tuple[Any, Any], *, threads: int | None
     return plan_for(model, batch, [cpu(0)] if whole_machine else None, loss=loss, options=options)
 
 
-def _targets(model: nn.Module, x: Any) -> tuple[Any, Any] | None:
-    """Targets as ``dlperf profile``'s step takes its loss: labels of the output's width for a 2-D output,
-    zeros with MSE otherwise; None for outputs of several tensors (the planner's Trainer takes one loss)."""
+def _targets(model: nn.Module, x: Any, loss: Any = None) -> tuple[Any, Any] | None:
+    """Targets and the loss as ``dlperf profile``'s step takes them (:class:`dlperf.losses.TimedLoss`); None for
+    outputs of several tensors without a loss of their own (the planner's Trainer takes one)."""
+    from ..losses import TimedLoss
+
     with torch.no_grad():
         out = call_model(model, x)
-    outs = [t for t in tensors_of(out) if t.is_floating_point()]
-    if len(outs) != 1 or not isinstance(out, torch.Tensor):
+    timed = TimedLoss(loss, out, generator=torch.Generator().manual_seed(0))
+    if timed.own:
+        return None, None
+    if len(timed.targets) != 1:
         return None
-    if out.dim() == 2 and out.shape[1] >= 1:
-        labels = torch.randint(0, out.shape[1], (out.shape[0],), generator=torch.Generator().manual_seed(0))
-        return labels.to(out.device), None
-    return torch.zeros_like(out), nn.functional.mse_loss
+    return timed.targets[0].to(tensors_of(out)[0].device), timed.step_loss
 
 
 def _how(plan: Plan) -> str:
@@ -74,13 +76,13 @@ def _not_planned(why: str) -> PlanAdvice:
     return PlanAdvice(None, [Suggestion("plan", "dlperf train --plan auto", note=f"not planned: {why}")])
 
 
-def plan_advice(model: nn.Module, x: Any) -> PlanAdvice:
+def plan_advice(model: nn.Module, x: Any, loss: Any = None) -> PlanAdvice:
     """``dlperf profile``'s thread-count and layout suggestions: the planner's candidates, each measured
     against the planner's reference in its alternating rounds; the chosen plan first."""
     if any(t.device.type != "cpu" for t in tensors_of(x)):
         return _not_planned("the batch is not on the CPU; for GPUs, dlperf train --plan auto --devices gpu(0) "
                             "plans on them")
-    made = _targets(model, x)
+    made = _targets(model, x, loss)
     if made is None:
         return _not_planned("the model returns several outputs, and a planned Trainer takes one loss")
     y, loss = made

@@ -268,7 +268,7 @@ def render_plot(result: BenchResult, path: str) -> None:
     except ImportError:
         from ..errors import UsageError
 
-        raise UsageError("--plot needs matplotlib; install it with: pip install 'dlperf[plot]'") from None
+        raise UsageError("plot=... needs matplotlib; install it with: pip install 'dlperf[plot]'") from None
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for net in result.config.networks:

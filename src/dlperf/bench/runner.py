@@ -83,7 +83,7 @@ class BenchConfig:
         if self.batch_size is not None and self.batch_size < 1:
             raise UsageError(f"batch size must be >= 1, got {self.batch_size}")
         if self.steps < 1 or self.warmup < 1:
-            raise UsageError(f"need --steps >= 1 and --warmup >= 1, got {self.steps} and {self.warmup}")
+            raise UsageError(f"steps={self.steps} warmup={self.warmup}: expected steps >= 1 and warmup >= 1")
         if self.mode not in mode_names():
             raise unknown_choice("mode", self.mode, mode_names())
 
@@ -104,8 +104,9 @@ class BenchConfig:
                         yield net, dev, t
 
 
-def register_user_networks(networks: list[str], inputs=None) -> list[str]:
-    """Register each ``module:factory`` in ``networks`` as a bench network fed by ``inputs``; the names.
+def register_user_networks(networks: list[str], inputs=None, loss=None) -> list[str]:
+    """Register each ``module:factory`` in ``networks`` as a bench network fed by ``inputs`` and timed with
+    ``loss`` (:class:`dlperf.models.inputs.StructuredLoss`); the names.
 
     ``inputs`` is what ``--input`` gives (:data:`dlperf.probe.user_inputs.InputSource`: tensor specs,
     or a function returning the batch). A zoo name passes through. The factory is imported and called here,
@@ -117,10 +118,10 @@ def register_user_networks(networks: list[str], inputs=None) -> list[str]:
 
     users = [n for n in networks if ":" in n]
     if inputs and not users:
-        raise UsageError("--input describes the batch of a network given as MODULE:FACTORY, and none is; drop "
-                         "--input (zoo networks make their own batches) or name your model's factory in --networks")
+        raise UsageError("inputs= describes the batch of a network given as MODULE:FACTORY, and none is; drop "
+                         "inputs= (zoo networks make their own batches) or name your model's factory in networks=")
     if users and not inputs:
-        raise UsageError(f"network {users[0]} needs its batch: give --input with a batch-first shape and dtype per "
+        raise UsageError(f"network {users[0]} needs its batch: give inputs= with a batch-first shape and dtype per "
                          "model argument (64x3x32x32, 64x32:int64) or a function returning the batch "
                          "(mypkg.data:make_batch)")
     if not users:
@@ -134,18 +135,18 @@ def register_user_networks(networks: list[str], inputs=None) -> list[str]:
                        "give a smaller --input")
     make = inputs if callable(inputs) else batch_maker(inputs)
     for name in users:
-        user_network(name, functools.partial(build_model, name), make)
+        user_network(name, functools.partial(build_model, name), make, loss=loss)
     return networks
 
 
 @contextlib.contextmanager
-def user_networks(networks: list[str], inputs=None) -> Iterator[list[str]]:
+def user_networks(networks: list[str], inputs=None, loss=None) -> Iterator[list[str]]:
     """:func:`register_user_networks` for the length of one sweep: the zoo is left as it was found, so a
     library caller's later ``model_names()`` lists the zoo alone."""
     from ..models.spec import unregister
 
     try:
-        yield register_user_networks(networks, inputs)
+        yield register_user_networks(networks, inputs, loss)
     finally:
         for name in networks:
             if ":" in name:

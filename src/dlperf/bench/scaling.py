@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ from .sweep import Outputs
 
 __all__ = ["PAPER_TABLE8", "GLOBAL_BATCH", "PAPER_DEVICE_COUNTS", "ScalingResult", "ScalingConfig", "run_scaling",
            "measure_scaling", "device_counts"]
+
+log = logging.getLogger(__name__)
 
 PAPER_DEVICE_COUNTS = (1, 2, 4)
 # Seconds per mini-batch on 1, 2 and 4 GK210 GPUs (Table 8).
@@ -335,11 +338,11 @@ class ScalingConfig:
         for name, low in (("steps", 1), ("warmup", 0)):
             value = getattr(self, name)
             if value is not None and value < low:
-                raise UsageError(f"--{name} must be >= {low}, got {value}")
+                raise UsageError(f"{name.replace('-', '_')}={value}: expected >= {low}")
         n_devices = len(self.devices)
         if self.batch_size is not None and self.batch_size < max(1, n_devices):
-            raise UsageError(f"--batch-size must be >= 1 and at least the {n_devices} devices (each device needs "
-                             f"one example per step), got {self.batch_size}")
+            raise UsageError(f"batch_size={self.batch_size}: expected at least the {n_devices} devices (each device "
+                             "needs one example per step)")
         self.steps = self.steps if self.steps is not None else (3 if self.quick else 10)
         self.warmup = self.warmup if self.warmup is not None else (1 if self.quick else 2)
         self.global_batch = dict(self.global_batch or {})
@@ -395,10 +398,10 @@ def run_scaling(config: ScalingConfig) -> int:
     result.seconds, result.machine = time.perf_counter() - t0, machine_info()
     emit_outputs(result, config.outputs, sys.modules[__name__])
     if result.contended:
-        print(f"dlperf bench: {sum(bool(r['contended']) for r in result.rows)} row(s) were timed on a busy "
-              f"machine and are marked {CONTENDED_MARK}; rerun them when the machine is quiet.", file=sys.stderr)
+        log.warning("dlperf bench: %d row(s) were timed on a busy machine and are marked %s; rerun them when the "
+                    "machine is quiet.", sum(bool(r["contended"]) for r in result.rows), CONTENDED_MARK)
     if result.interrupted:
-        print(f"dlperf bench: interrupted after {len(result.rows)} of {result.planned} rows; "
-              "the outputs hold the finished ones", file=sys.stderr, flush=True)
+        log.warning("dlperf bench: interrupted after %d of %d rows; the outputs hold the finished ones",
+                    len(result.rows), result.planned)
         return 130
     return 0

@@ -63,7 +63,7 @@ def check_outputs(outputs: Outputs) -> None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise UsageError("--plot needs matplotlib; install it with: pip install 'dlperf[plot]'") from None
+            raise UsageError("plot=... needs matplotlib; install it with: pip install 'dlperf[plot]'") from None
 
 
 def emit_outputs(result, outputs: Outputs, renderer) -> None:
@@ -87,8 +87,8 @@ def emit_outputs(result, outputs: Outputs, renderer) -> None:
         renderer.render_plot(result, outputs.plot)
     target = outputs.json
     if target == "-":
+        sys.stdout.write(renderer.render_json(result) + "\n")  # asked for on stdout: the output, not a note
         sys.stdout.flush()
-        print(renderer.render_json(result), flush=True)
     elif target:
         atomic_write_text(target, renderer.render_json(result) + "\n")
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 from .._hostmem import keep_freed_host_memory
-from ..errors import DlperfError
-from .options import one_line
+from ..errors import DlperfError, Terminated, user_code_line
+from .options import flag_words, one_line
 
 # Verb modules, imported lazily so that `dlperf devices` does not pay for the engine or compiler.
 VERB_MODULES: tuple[str, ...] = (
@@ -28,6 +32,7 @@ VERB_MODULES: tuple[str, ...] = (
     "dlperf.cli.probe",
     "dlperf.cli.profile",
     "dlperf.cli.scale",
+    "dlperf.cli.plans",
 )
 
 
@@ -101,13 +106,51 @@ def main(argv: list[str] | None = None) -> int:
         # every step's activations reuse the last step's freed memory instead of page-faulting it
         # in again (up to 1.6x per CPU training step; see dlperf._hostmem)
         keep_freed_host_memory()
-        return int(args.func(args) or 0)
-    except DlperfError as exc:
-        print(f"dlperf {args.verb}: error: {one_line(str(exc))}", file=sys.stderr)
+        with stopped_by_signals():
+            return int(args.func(args) or 0)
+    except Terminated as exc:  # (what a verb did not report itself)
+        print(f"dlperf {args.verb}: {exc}", file=sys.stderr)
+        return exc.status
+    except DlperfError as exc:  # the library names its parameters; the CLI's line names the flags
+        print(f"dlperf {args.verb}: error: {one_line(flag_words(str(exc)))}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path the user gave cannot be read or written
-        print(f"dlperf {args.verb}: error: {one_line(str(exc))}", file=sys.stderr)
+        print(f"dlperf {args.verb}: error: {one_line(user_code_line(exc) or str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dlperf: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # the user's model, loss or data raised: one line naming the call; else a bug
+        line = user_code_line(exc)
+        if line is None:
+            raise
+        print(f"dlperf {args.verb}: error: {one_line(line)}", file=sys.stderr)
+        return 2
+
+
+_STOPPING = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise :class:`~dlperf.errors.Terminated` in the main thread while a verb runs: it
+    unwinds as Ctrl-C does, so the processes and temporary directories the verb made are removed (without a
+    handler, the default action ends the process at once). The previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        raise Terminated(signum)
+
+    previous = {}
+    for sig in _STOPPING:
+        try:
+            previous[sig] = signal.signal(sig, stop)
+        except (OSError, ValueError):  # pragma: no cover - a platform without the signal
+            continue
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

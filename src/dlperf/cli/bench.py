@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--networks", type=va.csv_list("--networks", model_names(), what="network", other=target),
                    default=None, help=f"comma-separated, default the paper's seven; choices: "
                                       f"{', '.join(model_names())}, or MODULE:FACTORY for your own model")
+    p.add_argument("--loss", default=None, type=va.loss_value,
+                   help="for a MODULE:FACTORY network: " + va.LOSS_HELP)
     p.add_argument("--input", action="append", type=input_value, metavar="SPEC|MODULE:FUNCTION",
                    help="the batch of a MODULE:FACTORY network, as dlperf profile takes it: one SHAPE[:DTYPE"
                         "[:LOW-HIGH]] per model argument, batch first (64x32:int64), or a function returning the "
@@ -117,7 +119,7 @@ def user_networks_of(args: argparse.Namespace):
     from ..bench.runner import user_networks
 
     inputs = input_source(args.input, "bench") if getattr(args, "input", None) else None
-    return user_networks(list(getattr(args, "networks", None) or []), inputs)
+    return user_networks(list(getattr(args, "networks", None) or []), inputs, getattr(args, "loss", None))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,8 +27,9 @@ from pathlib import Path
 from .._cliargs import one_line
 from ..errors import UsageError, unknown_choice
 
-__all__ = ["int_in", "positive_float", "csv_list", "int_list", "device_list", "choice", "existing_file",
-           "existing_dir", "output_path", "warn", "one_line", "SEED_MAX", "MAX_DEVICE_INDEX"]
+__all__ = ["FLAGS", "flag_words", "loss_value", "LOSS_HELP", "int_in", "fraction", "positive_float", "csv_list",
+           "int_list", "device_list", "choice", "existing_file", "existing_dir", "output_path", "warn", "one_line",
+           "SEED_MAX", "MAX_DEVICE_INDEX"]
 
 SEED_MAX = 2**32 - 1
 """Largest accepted ``--seed``: derived seeds (seed * k + epoch) must stay inside torch's 64-bit range."""
@@ -68,8 +69,10 @@ def int_in(lo: int, hi: int, name: str) -> Callable[[str], int]:
     return parse
 
 
-def positive_float(name: str, *, max_value: float = math.inf, finite: bool = True) -> Callable[[str], float]:
-    """A float ``> 0`` and ``<= max_value``; NaN and, when ``finite``, infinity are refused."""
+def positive_float(name: str, *, max_value: float = math.inf, finite: bool = True,
+                   min_value: float = 0.0) -> Callable[[str], float]:
+    """A float ``> 0`` (``>= min_value`` when that is given) and ``<= max_value``; NaN and, when ``finite``,
+    infinity are refused."""
 
     def parse(text: str) -> float:
         try:
@@ -80,11 +83,28 @@ def positive_float(name: str, *, max_value: float = math.inf, finite: bool = Tru
             raise _fail(f"{_show(text)} is not a number; give {name} a positive number such as 0.1") from None
         if math.isnan(value) or (finite and math.isinf(value)):
             raise _fail(f"{_show(text)} is not a finite number; give {name} a positive number such as 0.1")
-        if not 0 < value <= max_value:
-            raise _fail(f"{_show(text)} is out of range; give {name} a number > 0 and <= {max_value:g}")
+        if not 0 < value <= max_value or value < min_value:
+            low = f">= {min_value:g}" if min_value > 0 else "> 0"
+            raise _fail(f"{_show(text)} is out of range; give {name} a number {low} and <= {max_value:g}")
         return value
 
     parse.__name__ = "positive number"
+    return parse
+
+
+def fraction(name: str) -> Callable[[str], float]:
+    """A number in ``[0, 1)`` (momentum, weight decay); NaN and infinity are refused."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text) if len(text) <= 64 else math.nan
+        except ValueError:
+            value = math.nan
+        if not 0 <= value < 1:
+            raise _fail(f"{_show(text)} is not a number from 0 to below 1; give {name} such a number, e.g. 0.9")
+        return value
+
+    parse.__name__ = "number from 0 to below 1"
     return parse
 
 
@@ -264,6 +284,63 @@ def output_path(name: str, *, allow_stdout: bool = False, in_place: bool = False
         return text
 
     return parse
+
+
+FLAGS: dict[str, str] = {
+    "model": "--model", "data": "--data", "devices": "--devices", "batch_size": "--batch-size", "epochs": "--epochs",
+    "seed": "--seed", "train_size": "--train-size", "test_size": "--test-size", "download": "--download",
+    "checkpoint": "--checkpoint", "resume": "--resume",
+    "resume_hparams_from_checkpoint": "--resume-hparams-from-checkpoint", "lr": "--lr", "loss": "--loss",
+    "algorithm": "--algorithm", "kvstore": "--kvstore", "strategy": "--strategy", "bucket_bytes": "--bucket-bytes",
+    "check_finite": "--check-finite", "trace": "--trace", "plan": "--plan", "nproc_per_node": "--nproc-per-node",
+    "threads": "--threads", "steps": "--steps", "warmup": "--warmup", "optimizer": "--optimizer",
+    "momentum": "--momentum", "weight_decay": "--weight-decay", "lr_schedule": "--lr-schedule",
+    "accumulate": "--accumulate", "clip_grad_norm": "--clip-grad-norm", "num_servers": "--num-servers",
+    "inputs": "--input", "networks": "--networks", "plot": "--plot", "batch": "--batch", "weights": "--weights",
+    "hardware": "--hardware", "master_port": "--master", "nnodes": "--nnodes", "replan": "--replan",
+}
+"""The library's parameters -> the flags that set them: every verb's error lines say the flag (:func:`flag_words`)."""
+
+_PARAMETER = re.compile(r"\b([a-z_]+)=('[^']*'|\"[^\"]*\"|[^\s,;:()]*)")
+
+
+def flag_words(message: str) -> str:
+    """A library error line in the CLI's words: ``batch_size=1`` -> ``--batch-size 1`` (:data:`FLAGS`).
+
+    >>> flag_words("batch_size=1 is smaller than the 2 devices; give batch_size=2 or more, or loss='mse'")
+    '--batch-size 1 is smaller than the 2 devices; give --batch-size 2 or more, or --loss mse'
+    """
+    def swap(m: re.Match) -> str:
+        flag = FLAGS.get(m.group(1))
+        if flag is None:
+            return m.group(0)
+        value = m.group(2).strip("'\"")
+        if value in ("None", "0") and m.group(1) in ("kvstore", "data", "num_servers"):
+            return f"no {flag}"  # the parameter's default: the flag left out
+        return flag if value in ("True", "", "...") else f"{flag} {value}"
+
+    return _PARAMETER.sub(swap, message)
+
+
+LOSS_HELP = ("ce, mse, l1, smooth-l1, bce or pkg.module:fn(outputs, targets); default: the model's own "
+             "(outputs['loss']), else cross-entropy where the outputs are class scores")
+
+
+def loss_value(text: str) -> object:
+    """A ``--loss``: a name from :data:`dlperf.losses.LOSSES`, or ``pkg.module:fn`` (imported now: it is the user's)."""
+    from ..losses import LOSSES
+
+    if ":" in text and not text.startswith(("/", ".", "~")):
+        from ..probe.targets import load_factory
+
+        try:
+            return load_factory(text)
+        except UsageError as exc:
+            raise _fail(str(exc)) from None
+    if text.lower() in LOSSES:
+        return text.lower()
+    raise _fail(f"{_show(text)} is not a loss; give --loss one of {', '.join(LOSSES.names())} or MODULE:FN, e.g. mse "
+                "or mylosses:weighted")
 
 
 def warn(verb: str, message: str) -> None:

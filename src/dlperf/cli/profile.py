@@ -90,6 +90,7 @@ def register(sub) -> argparse.ArgumentParser:
                         "64x32:int64:0-1000; integer ids default to below the model's smallest nn.Embedding); "
                         "repeat for several arguments; or a function returning the whole batch (a tensor, tuple "
                         "or dict), e.g. mypkg.data:make_batch")
+    p.add_argument("--loss", default=None, type=va.loss_value, help=va.LOSS_HELP)
     p.add_argument("--threads", type=va.int_in(1, 1024, "--threads"), help="torch intra-op threads (default: as is)")
     p.add_argument("--steps", type=va.int_in(1, 1000, "--steps"), default=5, help="timed steps (default 5)")
     p.add_argument("--seed", type=va.int_in(0, va.SEED_MAX, "--seed"), default=0, help="seed for weights and input")
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(args.target)
     batch = make(model, torch.Generator().manual_seed(args.seed))
     report = profile(model, batch, steps=args.steps, threads=args.threads, suggest=not args.no_suggest,
-                     trace=args.trace, name=args.target, hardware=hardware, plans=plan_advice)
+                     trace=args.trace, name=args.target, hardware=hardware, plans=plan_advice, loss=args.loss)
     print(report, flush=True)
     if report.contended:
         print("dlperf profile: timed on a busy machine; the times marked ! are not the step's cost, rerun when the "

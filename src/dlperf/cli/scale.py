@@ -88,6 +88,7 @@ def register(sub) -> argparse.ArgumentParser:
                    help="one device's input batch for a MODULE:FACTORY model, as profile takes it: a batch-first "
                         "tensor spec with optional dtype and range (64x3x32x32, 64x32:int64:0-1000; repeat for "
                         "several arguments) or a function returning the batch")
+    p.add_argument("--loss", default=None, type=va.loss_value, help=va.LOSS_HELP + " (for a measured step)")
     p.add_argument("--batch-size", type=va.int_in(1, 1 << 20, "--batch-size"),
                    help="batch per device for a zoo network (default: its CPU batch of Shi et al.)")
     p.add_argument("--hosts", required=True, type=va.int_in(1, MAX_HOSTS, "--hosts"), help="project 1..N hosts")
@@ -99,9 +100,9 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--intra-link", type=_link_arg("--intra-link"), metavar="RATE[,LATENCY]",
                    help="each device's link to its host's other devices and memory, e.g. 16GB/s (default: the "
                         "saved dlperf probe copy rate, else PCIe 3.0 x16; latency default 5us)")
-    p.add_argument("--cores-per-host", type=va.positive_float("--cores-per-host", max_value=1e5),
-                   help="cores of each host: where its devices (ranks) outnumber them, they take turns for their "
-                        "reductions, charged at the saved dlperf probe's memory rate (default: not charged)")
+    p.add_argument("--cores-per-host", type=va.positive_float("--cores-per-host", max_value=1e5, min_value=1),
+                   help="cores of each host (at least 1): where its devices (ranks) outnumber them, they take turns "
+                        "for their reductions, charged at the saved dlperf probe's memory rate (default: not charged)")
     p.add_argument("--step-ms", type=va.positive_float("--step-ms", max_value=1e7),
                    help="one device's compute per step, assumed, instead of measuring it")
     p.add_argument("--compute", choices=["measure", "probe"], default="measure",
@@ -126,20 +127,29 @@ def _model_and_batch(args: argparse.Namespace):
             raise UsageError(f"--model {args.model} needs --input, the shape of one device's batch, e.g. 64x3x32x32")
         if args.batch_size is not None:
             raise UsageError("--batch-size is for zoo networks; a MODULE:FACTORY model takes its batch from --input")
+        from .._cliargs import require_memory
         from ..probe.targets import build_model
-        from ..probe.user_inputs import batch_maker
+        from ..probe.user_inputs import batch_maker, input_bytes
         from .profile import input_source
 
+        source = input_source(args.input, "scale")
+        if not isinstance(source, str):  # as profile predicts it: the inputs, copies of them, a doubled batch
+            require_memory(4 * input_bytes(source), "--input " + " --input ".join(s.text() for s in source),
+                           "give a smaller --input")
         torch.manual_seed(0)
         model = build_model(args.model)
-        return model, batch_maker(input_source(args.input, "scale"))(model, torch.Generator().manual_seed(0))
+        return model, batch_maker(source)(model, torch.Generator().manual_seed(0))
     if args.input is not None:
         raise UsageError("--input is for a MODULE:FACTORY model; give a zoo network's batch with --batch-size")
+    from .._cliargs import batch_bytes, require_memory
     from ..models import get_spec
 
     spec = get_spec(args.model)
+    batch = args.batch_size or spec.cpu_batch
+    require_memory(batch_bytes(spec, batch, training=True), f"--batch-size {batch} on {spec.name}",
+                   "give a smaller --batch-size")
     torch.manual_seed(0)
-    x, _ = spec.input.make_batch(args.batch_size or spec.cpu_batch, generator=torch.Generator().manual_seed(0))
+    x, _ = spec.input.make_batch(batch, generator=torch.Generator().manual_seed(0))
     return spec.build(), x
 
 
@@ -163,16 +173,18 @@ def _compute(args: argparse.Namespace, model, x) -> Figure:
         if result is None:
             raise UsageError("--compute probe needs saved probe figures; run `dlperf probe --quick` first, or use "
                              "--compute measure")
-        floor = step_floor(count_step(model, x), Hardware.from_probe_result(result), devices=1, allreduce=None)
+        floor = step_floor(count_step(model, x, loss=args.loss), Hardware.from_probe_result(result), devices=1,
+                           allreduce=None)
         return Figure(floor.no_overlap_s, f"floor from the saved dlperf probe figures (batch {batch}; a lower "
                                           "bound: a real step takes longer)")
     from ..timing import time_steps
 
-    step = TrainingStep(model, x)
+    step = TrainingStep(model, x, loss=args.loss)
     timing = time_steps(step, warmup=1, steps=3, max_seconds=20)
     marked = ", contended: other work competed for the cores" if timing.contended else ""
-    return Figure(timing.median_s, f"measured now: median of {len(timing.samples)} training steps, batch {batch}, "
-                                   f"{torch.get_num_threads()} threads on this machine{marked}")
+    loss = f", loss {step.loss.name}" if step.loss is not None else ""
+    return Figure(timing.median_s, f"measured now: median of {len(timing.samples)} training steps, batch {batch}"
+                                   f"{loss}, {torch.get_num_threads()} threads on this machine{marked}")
 
 
 def _network(args: argparse.Namespace) -> Figure:
@@ -285,8 +297,11 @@ def run(args: argparse.Namespace) -> int:
     network, intra = _network(args), _intra(args)  # bad or missing links fail before any model is built
     model, x = _model_and_batch(args) if args.model else (None, None)
     if model is not None and x is not None:
+        from ..batch import batch_size
+
         gradient_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
-        title = (f"dlperf scale: {args.model}, {_describe_bytes(gradient_bytes)} of gradients, batch {x.shape[0]} "
+        # a batch may be several inputs or a dict: its size is their common first axis
+        title = (f"dlperf scale: {args.model}, {_describe_bytes(gradient_bytes)} of gradients, batch {batch_size(x)} "
                  f"per device, 1..{args.hosts} hosts x {args.devices_per_host} devices")
     else:
         gradient_bytes = args.gradients

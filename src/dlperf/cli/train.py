@@ -17,8 +17,9 @@ import sys
 from functools import partial
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, stop_status
 from ..parallel.allreduce import DEFAULT_ALGORITHM, algorithm_names
+from ..parallel.optimizers import SCHEDULES
 from ..parallel.training.run_config import (
     MAX_BATCH,
     MAX_BUCKET_BYTES,
@@ -30,17 +31,9 @@ from ..parallel.training.run_config import (
     is_factory,
 )
 
-__all__ = ["register", "run", "run_config", "check_in_parent", "epoch_line", "FLAGS"]
+__all__ = ["register", "run", "run_config", "check_in_parent", "epoch_line"]
 
-FLAGS: dict[str, str] = {
-    "model": "--model", "data": "--data", "devices": "--devices", "batch_size": "--batch-size", "epochs": "--epochs",
-    "seed": "--seed", "train_size": "--train-size", "test_size": "--test-size", "download": "--download",
-    "checkpoint": "--checkpoint", "resume": "--resume",
-    "resume_hparams_from_checkpoint": "--resume-hparams-from-checkpoint", "lr": "--lr", "loss": "--loss",
-    "algorithm": "--algorithm", "kvstore": "--kvstore", "strategy": "--strategy", "bucket_bytes": "--bucket-bytes",
-    "check_finite": "--check-finite", "trace": "--trace", "plan": "--plan", "nproc_per_node": "--nproc-per-node",
-}
-"""The library's parameter of a run -> the flag that sets it: what the verb's error lines say instead."""
+
 
 _interrupted_after: list[int] = []  # the last epoch this process saw saved, for the line after Ctrl-C
 
@@ -58,17 +51,30 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=va.int_in(1, MAX_BATCH, "--batch-size"), default=256,
                    help="global mini-batch of the embedded or IDX data, split across devices (at least one example "
                         "per device); an epoch's last batch with fewer examples than devices is skipped")
+    p.add_argument("--optimizer", default="sgd", type=optimizer_value,
+                   help="sgd, adam, adamw, or pkg.module:fn(params) returning a torch.optim optimizer")
     p.add_argument("--lr", type=va.positive_float("--lr", max_value=MAX_LR), default=0.2)
+    p.add_argument("--momentum", type=va.fraction("--momentum"), default=None,
+                   help="SGD's momentum (default: the optimizer's own, 0 for SGD)")
+    p.add_argument("--weight-decay", type=va.fraction("--weight-decay"), default=None,
+                   help="weight decay (default: the optimizer's own)")
+    p.add_argument("--lr-schedule", default=None, type=va.choice("learning-rate schedule", SCHEDULES.names()),
+                   help="constant, step (a tenth at half the run, a hundredth at three quarters), cosine (to 0 over "
+                        "the run) or warmup (from a tenth over its first tenth); default: none")
+    p.add_argument("--accumulate", type=va.int_in(1, 4096, "--accumulate"), default=1,
+                   help="sum the gradients of this many batches before one synchronization and update")
+    p.add_argument("--clip-grad-norm", type=va.positive_float("--clip-grad-norm", max_value=1e30), default=None,
+                   help="scale the summed gradients down to this total 2-norm before each update")
     p.add_argument("--epochs", type=va.int_in(1, MAX_EPOCHS, "--epochs"), default=10)
     p.add_argument("--data", metavar="DIR|MODULE:FACTORY", type=data_source,
                    help="Fashion-MNIST IDX directory, or pkg.module:factory returning train or (train, test) "
                         "batches: (inputs, targets) pairs or mappings with their labels (default: embedded glyphs)")
-    p.add_argument("--loss", default=None, type=loss_option,
-                   help="ce, mse, l1, smooth-l1, bce or pkg.module:fn(outputs, targets); default: the model's own "
-                        "(outputs['loss']), else cross-entropy where the targets are class labels")
+    p.add_argument("--loss", default=None, type=va.loss_value, help=va.LOSS_HELP)
     p.add_argument("--plan", default=None, type=plan_option,
                    help="auto: measure the plans valid here on the first batch and train on the fastest (printed "
                         "first); or pin one by name, e.g. 1x2,channels-last (replicas x threads, layout, ...)")
+    p.add_argument("--replan", action="store_true",
+                   help="with --plan auto: measure the plans again even where a decision is cached")
     p.add_argument("--download", action="store_true", help="download Fashion-MNIST into --data first")
     p.add_argument("--train-size", type=va.int_in(1, 10**12, "--train-size"), default=12000,
                    help="embedded dataset: training images")
@@ -127,17 +133,21 @@ def data_source(text: str) -> str:
     return target(text) if is_factory(text) else va.existing_dir("--data")(text)
 
 
-def loss_option(text: str) -> object:
-    """A loss name, or ``pkg.module:fn`` (imported when the run starts, in every process)."""
-    from ..losses import LOSSES
-    from .profile import target
+def optimizer_value(text: str) -> object:
+    """An optimizer's name, or ``pkg.module:fn`` (imported now: it is the user's) taking the parameters."""
+    from ..parallel.optimizers import OPTIMIZERS
 
     if is_factory(text):
-        return target(text)
-    if text.lower() in LOSSES:
+        from ..probe.targets import load_factory
+
+        try:
+            return load_factory(text)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    if text.lower() in OPTIMIZERS:
         return text.lower()
-    raise argparse.ArgumentTypeError(f"{text[:60]!r} is not a loss; give one of {', '.join(LOSSES.names())} or "
-                                     "MODULE:FN, e.g. mse or mylosses:weighted")
+    raise argparse.ArgumentTypeError(f"{text[:60]!r} is not an optimizer; give one of {', '.join(OPTIMIZERS.names())} "
+                                     "or MODULE:FN, e.g. adamw or myopt:make")
 
 
 def strategy_option(text: str) -> str:
@@ -163,20 +173,6 @@ def plan_option(text: str) -> object:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def flag_words(message: str) -> str:
-    """A library error line in the verb's words: ``batch_size=1`` -> ``--batch-size 1`` (:data:`FLAGS`)."""
-    import re
-
-    def swap(m: re.Match) -> str:
-        flag = FLAGS.get(m.group(1))
-        if flag is None:
-            return m.group(0)
-        value = m.group(2).strip("'\"")
-        return flag if value in ("True", "") else f"{flag} {value}"
-
-    return re.sub(r"\b([a-z_]+)=('[^']*'|\"[^\"]*\"|[^\s,;:()]*)", swap, message)
-
-
 def run_config(args: argparse.Namespace, processes: int | None = None) -> RunConfig:
     """The parsed options as the library's :class:`RunConfig` (which checks them; errors in its words)."""
     from ..parallel.launchers import LaunchConfig
@@ -185,34 +181,30 @@ def run_config(args: argparse.Namespace, processes: int | None = None) -> RunCon
 
     nproc = processes if processes is not None else args.nproc_per_node
     plan = args.plan
-    if plan == "auto" and nproc is not None and nproc > 1:
-        raise UsageError(f"--plan auto with {nproc} processes: the plans (processes among them) are measured from "
-                         "one process; give --plan auto without --nproc-per-node, or a plan by name")
-    if nproc is not None and getattr(plan, "launcher", None) == "processes" and plan.replicas != nproc:
-        raise UsageError(f"--plan {plan.name} runs {plan.replicas} processes but --nproc-per-node {nproc} was "
-                         f"given; give one of them")
-    try:
-        run = RunSection(model=args.model, data=args.data, devices=args.devices, batch_size=args.batch_size,
-                         epochs=args.epochs, seed=args.seed, train_size=args.train_size, test_size=args.test_size,
-                         download=args.download, checkpoint=args.checkpoint, resume=args.resume,
-                         resume_hparams_from_checkpoint=args.resume_hparams_from_checkpoint)
-        trainer = TrainerConfig("sgd", {"lr": args.lr}, loss=_loss(args.loss), algorithm=args.algorithm,
-                                kvstore=args.kvstore, strategy=args.strategy, bucket_bytes=args.bucket_bytes,
-                                check_finite=args.check_finite, trace=args.trace, plan=plan)
-        # processes given: checked for the launch that will start them (dlperf launch -- train ...)
-        launch = LaunchConfig(nproc, join_timeout_s=RUN_TIMEOUT_S) if nproc is not None else None
-        config = RunConfig(run, trainer, launch=launch)
-    except UsageError as exc:
-        raise UsageError(flag_words(str(exc))) from None
-    return config
+    if nproc is not None and plan is not None and not (getattr(plan, "launcher", None) == "processes"
+                                                       and plan.replicas == nproc):
+        raise UsageError(f"--plan {getattr(plan, 'name', plan)} with {nproc} processes: a plan with processes is "
+                         f"measured and started by dlperf train; give --plan auto or --plan {nproc}xT,processes "
+                         "without --nproc-per-node, or drop --plan")
+    from ..parallel.strategies import choose_strategy
 
+    # the store's rule before the config's other checks (the CLI names its parameters' flags)
+    choose_strategy(args.kvstore, processes=nproc or 1, strategy=args.strategy, devices=args.devices)
+    run = RunSection(model=args.model, data=args.data, devices=args.devices, batch_size=args.batch_size,
+                     epochs=args.epochs, seed=args.seed, train_size=args.train_size, test_size=args.test_size,
+                     download=args.download, checkpoint=args.checkpoint, resume=args.resume,
+                     resume_hparams_from_checkpoint=args.resume_hparams_from_checkpoint)
+    params = {"lr": args.lr, **{k: v for k, v in (("momentum", args.momentum), ("weight_decay", args.weight_decay))
+                                if v is not None}}
+    trainer = TrainerConfig(args.optimizer, params, loss=args.loss, algorithm=args.algorithm, kvstore=args.kvstore,
+                            strategy=args.strategy, bucket_bytes=args.bucket_bytes, check_finite=args.check_finite,
+                            trace=args.trace, plan=plan, lr_schedule=args.lr_schedule, accumulate=args.accumulate,
+                            clip_grad_norm=args.clip_grad_norm)
+    # processes given: checked for the launch that will start them (dlperf launch -- train ...)
+    launch = LaunchConfig(nproc, join_timeout_s=RUN_TIMEOUT_S) if nproc is not None else None
+    from ..parallel.planning.records import PlannerOptions
 
-def _loss(value: Any) -> Any:
-    if isinstance(value, str) and is_factory(value):
-        from ..probe.targets import load_factory
-
-        return load_factory(value)
-    return value
+    return RunConfig(run, trainer, PlannerOptions(replan=args.replan), launch=launch)
 
 
 def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int = 0) -> RunConfig:
@@ -223,16 +215,13 @@ def check_in_parent(args: argparse.Namespace, processes: int, num_servers: int =
     from ..parallel.training.run_config import check_resume
 
     plan = getattr(args, "plan", None)
-    if plan is not None and getattr(plan, "launcher", None) == "processes":
-        raise UsageError(f"--plan {plan.name} under dlperf launch: a plan with processes is started by dlperf train; "
-                         "give it without dlperf launch, or drop --plan")
-    choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, cli=True, strategy=args.strategy,
+    if plan is not None and getattr(plan, "launcher", None) == "processes" and plan.replicas != processes:
+        raise UsageError(f"--plan {plan.name} with {processes} processes: its replicas are {plan.replicas} processes; "
+                         f"launch {plan.replicas}, or give the plan without dlperf launch (dlperf train starts them)")
+    choose_strategy(args.kvstore, processes=processes, num_servers=num_servers, strategy=args.strategy,
                     devices=args.devices)
     config = run_config(args, processes)
-    try:
-        check_resume(config)
-    except UsageError as exc:
-        raise UsageError(flag_words(str(exc))) from None
+    check_resume(config)
     check_process_settings()
     return config
 
@@ -257,15 +246,14 @@ def run(args: argparse.Namespace) -> int:
     _interrupted_after.clear()
     try:
         run_training(config, hooks)
-    except UsageError as exc:
-        raise UsageError(flag_words(str(exc))) from None
     except LaunchError as exc:
         return report_launch_error("train", exc, verbose=False)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
+        said, status = stop_status(exc)
         kept = f"; {config.run.checkpoint} holds epoch {_interrupted_after[-1]}" \
             if _interrupted_after and config.run.checkpoint else ""
-        print(f"dlperf train: interrupted{kept}", file=sys.stderr, flush=True)
-        return 130
+        print(f"dlperf train: {said}{kept}", file=sys.stderr, flush=True)
+        return status
     return 0
 
 
@@ -274,7 +262,8 @@ def epoch_line(rec: dict[str, Any]) -> str:
     loss = f"loss {rec['loss']:.3f}"
     if rec.get("nonfinite_since_step") is not None:
         loss += f" (non-finite since step {rec['nonfinite_since_step']}; --check-finite stops there)"
-    return f"epoch {rec['epoch']}: {loss}, test acc {rec['test_acc']:.3f}, {rec['seconds']:.1f} sec"
+    metric = f"test loss {rec['test_loss']:.4f}" if "test_loss" in rec else f"test acc {rec['test_acc']:.3f}"
+    return f"epoch {rec['epoch']}: {loss}, {metric}, {rec['seconds']:.1f} sec"
 
 
 def print_epoch(rec: dict[str, Any]) -> None:
@@ -291,10 +280,12 @@ def print_result(result: Any, as_json: bool = False) -> None:
             names += f" + {result.servers} server{'s' * (result.servers > 1)}"
     if result.exchanges is not None:  # before the d2l line, which stays the last
         print(result.exchanges.describe())
-    print(f"test acc: {result.test_acc:.2f}, {result.seconds_per_epoch:.1f} sec/epoch on {names}", flush=True)
+    metric = f"test loss: {result.test_loss:.4f}" if result.test_loss is not None else \
+        f"test acc: {result.test_acc:.2f}"
+    print(f"{metric}, {result.seconds_per_epoch:.1f} sec/epoch on {names}", flush=True)
     if as_json:
         print(json.dumps({"model": result.config.run.model, "devices": [str(d) for d in result.devices],
-                          "processes": result.processes, "test_acc": result.test_acc,
+                          "processes": result.processes, "test_acc": result.test_acc, "test_loss": result.test_loss,
                           "sec_per_epoch": result.seconds_per_epoch, "epochs": result.history,
                           "plan": result.plan.name if result.plan is not None else None,
                           "exchanges": result.exchanges.as_dict() if result.exchanges else None}), flush=True)

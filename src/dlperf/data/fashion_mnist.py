@@ -135,7 +135,7 @@ def download_fashion_mnist(root: str | Path, mirror: str = MIRROR, timeout_s: fl
             body = _fetch(url, size, timeout_s)
         except (OSError, ValueError) as exc:  # URLError, timeouts, refused connections, bad URLs
             raise UsageError(f"could not download {url}: {exc}; copy the files into {root} by hand, or train "
-                             "on the embedded dataset (no --data)") from None
+                             "on the embedded dataset (data=None)") from None
         got = hashlib.sha256(body).hexdigest()
         if len(body) != size or got != sha256:
             raise UsageError(f"{url} does not match the published Fashion-MNIST file ({len(body)} bytes, "

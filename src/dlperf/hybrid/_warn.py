@@ -41,10 +41,17 @@ def warn_at_caller(message: str, category: type[Warning], line: str | None = Non
         warnings.warn(message, category, stacklevel=2)
         return
     module_globals = frame.f_globals
-    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
-                           module=module_globals.get("__name__", "<unknown>"),
-                           registry=module_globals.setdefault("__warningregistry__", {}),
-                           module_globals=module_globals)
+    filename = frame.f_code.co_filename
+    where = dict(module=module_globals.get("__name__", "<unknown>"),
+                 registry=module_globals.setdefault("__warningregistry__", {}))
+    if filename.startswith("<"):  # <stdin>, <string>: no source a loader could give, and asking it can raise
+        warnings.warn_explicit(message, category, filename, frame.f_lineno, **where)
+        return
+    try:
+        # module_globals lets the warning show the line of a module loaded from a zip or by another loader
+        warnings.warn_explicit(message, category, filename, frame.f_lineno, **where, module_globals=module_globals)
+    except ImportError:  # that loader refused to give the source: the warning goes without its line
+        warnings.warn_explicit(message, category, filename, frame.f_lineno, **where)
 
 
 _REGISTRIES: dict[str, dict] = {}

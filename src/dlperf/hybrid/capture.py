@@ -13,6 +13,11 @@ exactly what a replayed graph would get wrong, and capture stops there with the 
   buffer, ``self.cache = x``): buffers and attributes are real objects while tracing, so the
   update would run once at capture and never on replay. Capture undoes it and refuses.
 
+A graph records operations, not the autograd mode they ran in: a ``with torch.no_grad():`` (or
+``inference_mode``, ``set_grad_enabled``) inside forward is gone from it. Each node keeps the mode it
+was recorded in (``node.meta["grad_mode"]``), and :meth:`Captured.grad_mode_changes` names the lines
+where it differs from the call's, for the backends that differentiate the graph to refuse.
+
 Control flow on Python values (``if self.stride != 1:``, ``for block in self.blocks:``) is fine:
 it is decided at capture and unrolled. Side effects such as ``print`` run during capture (they
 see the stand-ins, not numbers) and never again on replay.
@@ -69,9 +74,23 @@ class Captured:
     module: nn.Module  # the original module (eager replays call it)
     graph_module: fx.GraphModule
     num_inputs: int
+    grad_mode: tuple[bool, bool] = (True, False)
+    """(grad enabled, inference mode) when forward was traced."""
 
     def nodes_of(self, op: str) -> list[fx.Node]:
         return [n for n in self.graph_module.graph.nodes if n.op == op]
+
+    def grad_mode_changes(self) -> list[str]:
+        """Where forward changed the autograd mode: ``"file:line: source"`` of each first node recorded in a
+        mode other than the call's (``no_grad``, ``inference_mode``), which a replayed graph would not keep."""
+        lines: list[str] = []
+        for node in self.graph_module.graph.nodes:
+            mode = node.meta.get("grad_mode")
+            if mode is not None and mode != self.grad_mode:
+                line = _stack_line(node) or f"node {node.name}"
+                if line not in lines:
+                    lines.append(line)
+        return lines
 
 
 @runtime_checkable
@@ -84,8 +103,19 @@ class GraphSource(Protocol):
         ...
 
 
+def grad_mode() -> tuple[bool, bool]:
+    """The autograd mode now: (grad enabled, inference mode)."""
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
 class _Tracer(fx.Tracer):
-    """torch.fx's tracer, except that a :class:`GraphSource` layer's own graph is copied in, not its forward."""
+    """torch.fx's tracer, except that a :class:`GraphSource` layer's own graph is copied in, not its forward,
+    and that each node keeps the autograd mode it was recorded in."""
+
+    def create_node(self, *args, **kwargs) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        node.meta["grad_mode"] = grad_mode()
+        return node
 
     def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
         if isinstance(m, GraphSource) and not kwargs:
@@ -125,6 +155,7 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
     """
     tracer = _Tracer()
     tracer.record_stack_traces = True
+    mode = grad_mode()
     root = _Calls(module) if isinstance(module, GraphSource) else module
     # Parameters are symbolic while tracing; buffers and plain attributes are real objects, so an
     # update of them runs once, for real, and is not in the graph: undo it and refuse the graph.
@@ -149,7 +180,7 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
                            f"{len(example_args)} positional arguments; pass inputs positionally")
     _reject_escaping_values(gm)
     _lower_leaf_modules(gm)
-    return Captured(module, gm, len(example_args))
+    return Captured(module, gm, len(example_args), mode)
 
 
 def _varargs_placeholders(module: nn.Module, example_args: tuple) -> tuple | None:
@@ -194,7 +225,7 @@ def _stack_line(node: fx.Node) -> str | None:
                 lineno = int(lines[i].split("line ")[1].split(",")[0])
             except (IndexError, ValueError):
                 continue
-            if os.path.abspath(fname).startswith(_TORCH_DIR):
+            if os.path.abspath(fname).startswith((_TORCH_DIR, _HERE)):
                 continue
             source = lines[i + 1] if i + 1 < len(lines) else ""
             return f"{fname}:{lineno}: {source}"
@@ -308,6 +339,24 @@ def _same_tensor(now: torch.Tensor, then: torch.Tensor, rtol: float = 0.0, atol:
     return torch.equal(now.detach(), then)
 
 
+# A step's change compared with eager's: within this fraction of eager's change, of the largest change in the
+# tensor (sums reassociated), and of float32 rounding of the value itself.
+CHANGE_RTOL, CHANGE_SCALE_TOL, ROUNDING = 1e-3, 1e-5, 4 * 2.0**-24
+
+
+def same_change(before: torch.Tensor, got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether ``before -> got`` is the change ``before -> expected``, within float rounding."""
+    if got.shape != expected.shape or got.dtype != expected.dtype or before.shape != expected.shape:
+        return False
+    if not (expected.is_floating_point() or expected.is_complex()):
+        return torch.equal(got.detach(), expected)
+    base, want, have = before.detach().double(), expected.detach().double(), got.detach().double()
+    change = want - base
+    scale = float(change.abs().max()) if change.numel() else 0.0
+    tol = CHANGE_RTOL * change.abs() + CHANGE_SCALE_TOL * scale + ROUNDING * (base.abs() + want.abs())
+    return bool(((have - want).abs() <= tol).all()) and bool((have.isnan() == want.isnan()).all())
+
+
 @dataclass
 class _TensorSlot:
     """One tensor a forward can change: a parameter, a buffer or a plain tensor attribute."""
@@ -380,6 +429,14 @@ class ModuleState:
         """Tensors whose values now differ from ``expected`` (a ``changed_tensors()``), else from the snapshot."""
         return [s.name for s in self._tensors
                 if not _same_tensor(s.live, expected.get(s.name, s.saved), rtol, atol)]
+
+    def step_differences(self, expected: dict[str, torch.Tensor]) -> list[str]:
+        """Tensors whose change since the snapshot is not the change ``expected`` (a ``changed_tensors()``) shows.
+
+        Changes are compared, not values: a step that moves a weight by a thousandth of eager's move, or a
+        weight eager does not move at all, differs however small the weight's change is next to its value.
+        """
+        return [s.name for s in self._tensors if not same_change(s.saved, s.live, expected.get(s.name, s.saved))]
 
     def restore(self) -> None:
         """Put every tensor, attribute and the RNG back as they were at the snapshot."""

@@ -123,7 +123,8 @@ from .export_tree import check_inputs_are_tensors, tree_of_spec
 
 __all__ = ["EXPORT_FILES", "FORMAT_NAME", "FORMAT_VERSION", "GRAPH_FILE", "MAX_ELEMENTS", "MAX_FILE_BYTES",
            "MAX_GRAPH_BYTES", "MAX_NODES", "MAX_RANK", "MAX_TRIAL_BYTES", "PARAMS_FILE", "PT2_FILE", "TRIAL_DIM",
-           "ExportFormatError", "ExportedModule", "export", "load", "load_pt2"]
+           "ExportCheckError", "ExportFormatError", "ExportedModule", "export", "load", "load_pt2", "reproduces",
+           "CHECK_RTOL", "CHECK_ATOL"]
 
 
 def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple | list | dict | torch.Tensor, *,
@@ -146,8 +147,13 @@ def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple | l
     Returns:
         The paths written, ``{"graph": ..., "params": ...}`` (and ``"pt2"``).
 
+    Before anything is written, the files are loaded back (:func:`load`) and the example is run through them
+    and through ``module``: a batch left dynamic that the graph pins after all is exported fixed, and an export
+    that still would not load, or not reproduce the module within float tolerance, is not written.
+
     Raises:
         DlperfError: the module cannot be exported, or holds weights that are not finite.
+        ExportCheckError: its export would not load back or reproduce it; nothing was written.
         FileAccessError: the files cannot be written (a full disk names the space needed).
     """
     from .hybridize import HybridModule
@@ -158,24 +164,111 @@ def export(module: nn.Module, path: str | os.PathLike, example_inputs: tuple | l
     check_inputs_are_tensors(args)
     target = _export_target(path)
     _check_finite(module)
-    program = _export_program(module, args, dynamic_batch)
     state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    doc, tensors = _describe(program, state)
-    if len(doc["nodes"]) > MAX_NODES:
-        raise DlperfError(f"cannot export {type(module).__name__}: its graph has {len(doc['nodes'])} nodes, and "
-                          f"load reads at most {MAX_NODES} (each costs load a trial run)")
-    try:
-        with atomic_directory(target, tag=STAGING_TAG) as staging:
-            _write_files(staging, doc, tensors, program if pt2 else None)
-    except Exception as exc:
-        full = _full_disk(exc, target, doc, tensors, pt2, os.fspath(path))
-        if full is None:
-            raise
-        raise full from exc
+    # A batch left dynamic that the graph still pins (x.expand(2, 4)) traces, but its export would not load:
+    # then the batch is fixed, as when tracing itself needs it.
+    for dynamic in (True, False) if dynamic_batch else (False,):
+        program = _export_program(module, args, dynamic)
+        doc, tensors = _describe(program, state)
+        if len(doc["nodes"]) > MAX_NODES:
+            raise DlperfError(f"cannot export {type(module).__name__}: its graph has {len(doc['nodes'])} nodes, and "
+                              f"load reads at most {MAX_NODES} (each costs load a trial run)")
+        try:
+            with atomic_directory(target, tag=STAGING_TAG) as staging:
+                _write_files(staging, doc, tensors, program if pt2 else None)
+                _check_loads_back(module, staging, args)  # before the swap: what load refuses is never written
+            break
+        except _DoesNotLoad as exc:
+            if dynamic:
+                continue
+            raise ExportCheckError(f"cannot export {type(module).__name__}: {exc}; nothing was written") \
+                from exc.__cause__
+        except Exception as exc:
+            full = _full_disk(exc, target, doc, tensors, pt2, os.fspath(path))
+            if full is None:
+                raise
+            raise full from exc
     written = {"graph": os.path.join(path, GRAPH_FILE), "params": os.path.join(path, PARAMS_FILE)}
     if pt2:
         written["pt2"] = os.path.join(path, PT2_FILE)
     return written
+
+
+# The export replays the same ATen kernels in the same order, so float32 outputs normally agree
+# bit for bit; the tolerance only absorbs kernel choices that depend on the batch (dynamic shapes).
+CHECK_RTOL = 1e-4
+CHECK_ATOL = 1e-5
+
+
+class ExportCheckError(DlperfError):
+    """The export of a module would not load back, or would not reproduce the module on its example: nothing
+    was written (the check ``dlperf export`` makes after writing, made before)."""
+
+
+class _DoesNotLoad(Exception):
+    """The files written would not load, or would not reproduce the module on its example."""
+
+
+def _check_loads_back(module: nn.Module, directory: str, args: tuple) -> None:
+    """Load the export in ``directory`` and run the example through it and through ``module`` (in eval mode):
+    :class:`_DoesNotLoad` unless it loads and reproduces the module (:func:`reproduces`)."""
+    from ..batch import tensors_of
+
+    first = next(iter(tensors_of(args)), None)
+    try:
+        loaded = load(directory, first.device if first is not None else "cpu")  # where the example is
+    except ExportFormatError as exc:
+        raise _DoesNotLoad(f"its export would not load back ({str(exc).split(': ', 1)[-1]})") from exc
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            got, want = loaded(*args), module(*args)
+    except Exception as exc:  # noqa: BLE001 - the export's or the module's own error: either way no export
+        raise _DoesNotLoad(f"its export does not run the example ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from exc
+    finally:
+        module.train(was_training)
+    worst, matches = reproduces(got, want)
+    if not matches:
+        raise _DoesNotLoad(f"its export does not reproduce the model on the example (max difference {worst:.3g}, "
+                           f"tolerance rtol={CHECK_RTOL:g} atol={CHECK_ATOL:g})")
+
+
+def reproduces(got: Any, want: Any) -> tuple[float, bool]:
+    """(max absolute difference, whether ``got`` matches ``want``): the same structure, every tensor of the same
+    shape and dtype, finite on both sides (NaN or inf would match anything or nothing) and within tolerance."""
+    from ..batch import describe, tensors_of
+
+    # outputs may be structures (an LSTM's output and state): every tensor in the same place (a namedtuple
+    # comes back a tuple)
+    got_tensors, want_tensors = list(tensors_of(got)), list(tensors_of(want))
+    pairs = list(zip(got_tensors, want_tensors))
+    if describe(got) != describe(_as_loaded(want)) or not pairs or len(got_tensors) != len(want_tensors):
+        return float("inf"), False
+    worst = max(((g - w).abs().max().item() if g.numel() and g.shape == w.shape else 0.0) for g, w in pairs)
+    return worst, all(_close(g, w) for g, w in pairs)
+
+
+def _as_loaded(tree: Any, depth: int = 0) -> Any:
+    """``tree`` as a loaded export returns it: namedtuples become tuples."""
+    if depth > 100:
+        return tree
+    if isinstance(tree, tuple):
+        return tuple(_as_loaded(t, depth + 1) for t in tree)
+    if isinstance(tree, list):
+        return [_as_loaded(t, depth + 1) for t in tree]
+    if isinstance(tree, dict):
+        return {k: _as_loaded(v, depth + 1) for k, v in tree.items()}
+    return tree
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return False
+    return bool(torch.allclose(got, want, rtol=CHECK_RTOL, atol=CHECK_ATOL))
 
 
 def _check_finite(module: nn.Module) -> None:

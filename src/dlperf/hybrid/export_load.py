@@ -48,6 +48,13 @@ class _Step(NamedTuple):
     inputs: list
     kwargs: dict
     meta: dict
+    places: bool = False
+    """The operator creates a tensor on the ``device`` it is given: given none, it gets the graph's."""
+
+
+def _places(fn: Any) -> bool:
+    schema = getattr(fn, "_schema", None)
+    return schema is not None and any(a.name == "device" and a.kwarg_only for a in schema.arguments)
 
 
 class ExportedModule(nn.Module):
@@ -73,8 +80,9 @@ class ExportedModule(nn.Module):
             else:
                 self.register_buffer(attr, tensor)
             self._names[node_name] = attr
-        self._program = [_Step(n["name"], n["op"], _resolve_op(n["op"]), n["inputs"], n["kwargs"],
-                               {k: n[k] for k in ("shape", "dtype", "outputs") if k in n}) for n in doc["nodes"]]
+        self._program = [_Step(n["name"], n["op"], fn, n["inputs"], n["kwargs"],
+                               {k: n[k] for k in ("shape", "dtype", "outputs") if k in n}, _places(fn))
+                         for n in doc["nodes"] for fn in (_resolve_op(n["op"]),)]
         self._inputs = doc["inputs"]
         self._outputs = doc["outputs"]
         self._input_tree = doc.get("input_tree", flat_tree(len(self._inputs)))
@@ -122,7 +130,7 @@ class ExportedModule(nn.Module):
             if step.op in _OPERATORS:
                 env[step.name] = graph.call_function(_checked_operator, (step.name, step.op, *args_))
             else:
-                kwargs = {k: _decode(v, env) for k, v in step.kwargs.items()}
+                kwargs = _kwargs(step, env)
                 unknown = set(kwargs) - {a.name for a in step.fn._schema.arguments}
                 if unknown:
                     raise ExportFormatError(f"node {step.name!r} ({step.op}): {sorted(unknown)[0]!r} is not an "
@@ -168,8 +176,9 @@ class ExportedModule(nn.Module):
     def _trial_run(self, where: str) -> None:
         """Run the graph with the declared input shapes, comparing every node's dtype and shape with its record.
 
-        On the meta device (shapes only, no memory) with dynamic dimensions of ``TRIAL_DIM``, which
-        bounds the results' size; again with a size that equals no fixed dimension of the graph, so
+        On the meta device (shapes only, no memory: the tensors the graph creates are made there too) with
+        dynamic dimensions of ``TRIAL_DIM``, which bounds the results' size before any is allocated for real;
+        again with a size that equals no fixed dimension of the graph, so
         that no broadcast or reshape works only by coincidence; then on zeros where the parameters
         are, because meta kernels skip some checks the real kernels make (an int64 input to
         ``linear``, say). A graph that loads must not fail in forward. That it writes into no input
@@ -227,8 +236,17 @@ class ExportedModule(nn.Module):
 def _call(step: _Step, env: dict):
     args = [_decode(a, env) for a in step.inputs]
     if step.op not in _OPERATORS:
-        return step.fn(*args, **{k: _decode(v, env) for k, v in step.kwargs.items()})
+        return step.fn(*args, **_kwargs(step, env))
     return _python_operator(step.name, step.op, *args)
+
+
+def _kwargs(step: _Step, env: dict) -> dict:
+    """A node's keyword arguments; a tensor it creates goes on the graph's device even where the node names none
+    (ATen's default would be the CPU: in a trial run on the meta device, a real allocation of any size)."""
+    kwargs = {k: _decode(v, env) for k, v in step.kwargs.items()}
+    if step.places and kwargs.get("device") is None:
+        kwargs["device"] = env["@device"]
+    return kwargs
 
 
 def _python_operator(node_name: str, op: str, *args):

@@ -147,6 +147,11 @@ class HybridModule(nn.Module):
         return self._state
 
     @property
+    def fallback_reason(self) -> str | None:
+        """Why calls run the original module (None while capturing or replaying)."""
+        return self._fallback_reason
+
+    @property
     def choices(self) -> dict[tuple, Choice]:
         """Signature -> the backend serving it and the reason (structured inputs: their flat tensors)."""
         merged = dict(self._choices)

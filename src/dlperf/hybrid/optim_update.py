@@ -15,6 +15,7 @@ Any other optimizer still works through :class:`GenericUpdate`: gradients are pu
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -45,8 +46,21 @@ class OptimizerUpdate:
                                            "trainable parameters of the module, which the step does not differentiate")
             self.groups.append((group, [index[id(p)] for p in group["params"] if id(p) in index]))
 
+        self.without: list[torch.Tensor] = []  # parameters this update leaves alone (no gradient this step)
+
     def __call__(self, grads: Sequence[torch.Tensor]) -> None:
         raise NotImplementedError
+
+    def only(self, indices: Sequence[int]) -> OptimizerUpdate:
+        """This update for the parameters at ``indices`` alone: the others are left as eager's ``step()`` leaves a
+        parameter without a gradient (not changed, no state made for it)."""
+        other = copy.copy(self)
+        other.params = [self.params[i] for i in indices]
+        kept = {id(p): i for i, p in enumerate(other.params)}
+        other.without = [p for p in self.params if id(p) not in kept]
+        other.groups = [(group, [kept[id(self.params[i])] for i in idx if id(self.params[i]) in kept])
+                        for group, idx in self.groups]
+        return other
 
 
 class GenericUpdate(OptimizerUpdate):
@@ -55,6 +69,8 @@ class GenericUpdate(OptimizerUpdate):
     def __call__(self, grads: Sequence[torch.Tensor]) -> None:
         for p, g in zip(self.params, grads):
             p.grad = g
+        for p in self.without:  # as zero_grad(set_to_none=True) left it: step() skips it
+            p.grad = None
         self.optimizer.step()
 
 
@@ -133,14 +149,25 @@ def _init_adam_state(state: dict, p: torch.Tensor, group: dict) -> None:
 def functional_update(optimizer: torch.optim.Optimizer, module: nn.Module) -> OptimizerUpdate:
     """The fastest exact update for ``optimizer`` over ``module``'s trainable parameters."""
     params = trainable_parameters(module)
-    if any(p.is_complex() or p.is_sparse for p in params) or _has_step_hooks(optimizer):
-        return GenericUpdate(optimizer, params)  # step() runs the hooks and the complex views
+    if any(p.is_complex() or p.is_sparse for p in params) or _has_step_hooks(optimizer) \
+            or _tensor_hyperparameters(optimizer):
+        return GenericUpdate(optimizer, params)  # step() runs the hooks, the complex views, tensor betas
     # Exact classes only: a subclass may override step() with different mathematics.
     if type(optimizer) is SGD:
         return SGDUpdate(optimizer, params)
-    if type(optimizer) in (Adam, AdamW) and not any(isinstance(g["lr"], torch.Tensor) for g in optimizer.param_groups):
+    if type(optimizer) in (Adam, AdamW):
         return AdamUpdate(optimizer, params)
     return GenericUpdate(optimizer, params)
+
+
+def _tensor_hyperparameters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a hyperparameter is a tensor (``lr``, ``betas=(tensor, tensor)``): only ``step()`` takes every form."""
+    for group in optimizer.param_groups:
+        for key, value in group.items():
+            values = value if isinstance(value, (tuple, list)) and key != "params" else (value,)
+            if key != "params" and any(isinstance(v, torch.Tensor) for v in values):
+                return True
+    return False
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:

@@ -2,11 +2,13 @@
 
 ``make_fx`` runs ``loss_fn(functional_call(module, weights, x), y)`` and ``torch.autograd.grad`` of it with
 fake tensors, recording every ATen operation autograd dispatches, backward included: the result is a flat
-graph ``(params..., buffers..., input leaves...) -> (loss, grads...)``. Fake tensors have no values, so
-tracing changes nothing (no buffer update, no random draw) and a branch on tensor values cannot be taken
-silently: it fails, and the step stays eager. In-place updates of buffers (BatchNorm's running statistics,
-``num_batches_tracked``) are operations on the buffers' placeholders, so a replay on the real buffers
-updates them as eager does.
+graph ``(params..., buffers..., input leaves...) -> (loss, grads...)``. A parameter the loss does not reach
+(its layer under ``no_grad``, or detached) has no gradient in eager, and the optimizer skips it: the
+graph returns no gradient for it either, and :attr:`JointGraph.used` says which parameters have one.
+Fake tensors have no values, so tracing changes nothing (no buffer update, no random draw) and a branch on
+tensor values cannot be taken silently: it fails, and the step stays eager. In-place updates of buffers
+(BatchNorm's running statistics, ``num_batches_tracked``) are operations on the buffers' placeholders, so a
+replay on the real buffers updates them as eager does.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class JointGraph:
     buffers: list[torch.Tensor]  # buffers and frozen parameters, real tensors of the module
     input_spec: object  # pytree spec of (x, y)
     output: torch.Tensor | None  # a fake tensor shaped like the model's output (for planners)
+    used: list[int] | None = None  # indices into params of those with a gradient, in the graph's order; None: all
 
     def leaves(self, x, y) -> list:
         return tree_flatten((x, y))[0]
@@ -64,6 +67,7 @@ def capture_joint(module: nn.Module, loss_fn: Callable, x, y) -> JointGraph:
     names = [n for n, _ in named_params] + [n for n, _ in constants]
     n_params = len(named_params)
     seen_output: list = []
+    used: list[list[int]] = []
 
     def joint(*flat):
         weights = [w.requires_grad_() for w in flat[:n_params]]  # fakes of leaves: they start without grad
@@ -78,7 +82,8 @@ def capture_joint(module: nn.Module, loss_fn: Callable, x, y) -> JointGraph:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TrainCaptureError(f"the loss must be a scalar tensor, got {batches.describe(loss)}")
         grads = torch.autograd.grad(loss, weights, allow_unused=True)
-        return [loss.detach(), *[g if g is not None else torch.zeros_like(w) for g, w in zip(grads, weights)]]
+        used.append([i for i, g in enumerate(grads) if g is not None])
+        return [loss.detach(), *[g for g in grads if g is not None]]
 
     example = [t.detach() for _, t in named_params] + [t for _, t in constants] + [leaves[i] for i in tensor_at]
     state = ModuleState(module, parameters=False)
@@ -97,8 +102,10 @@ def capture_joint(module: nn.Module, loss_fn: Callable, x, y) -> JointGraph:
                                 "which a replayed graph would skip")
     _reject_input_mutation(gm, n_params, len(names))
     _simplify(gm)
+    with_grad = used[-1] if used and len(used[-1]) < n_params else None
     return JointGraph(module, loss_fn, gm, [t for _, t in named_params], [t for _, t in constants], spec,
-                      seen_output[-1] if seen_output and isinstance(seen_output[-1], torch.Tensor) else None)
+                      seen_output[-1] if seen_output and isinstance(seen_output[-1], torch.Tensor) else None,
+                      with_grad)
 
 
 def _call_args(bx) -> tuple:

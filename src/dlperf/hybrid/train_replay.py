@@ -43,7 +43,6 @@ def graph_runner(joint: JointGraph, update: OptimizerUpdate, x, y, keep_grads: b
     """The joint graph replayed under ``no_grad``, then the functional update."""
     forward = joint.graph_module.forward
     weights = [*joint.params, *joint.buffers]
-    params = joint.params
     no_grad = torch.no_grad
 
     def step(x, y) -> torch.Tensor:
@@ -51,13 +50,20 @@ def graph_runner(joint: JointGraph, update: OptimizerUpdate, x, y, keep_grads: b
         with no_grad():
             loss, *grads = forward(*weights, *leaves)
             if keep_grads:
-                for p, g in zip(params, grads):
-                    p.grad = g
+                keep(update, grads)
             update(grads)
         return loss
 
     step.detail = "joint forward+backward graph, no autograd"  # type: ignore[attr-defined]
     return step
+
+
+def keep(update: OptimizerUpdate, grads: list[torch.Tensor]) -> None:
+    """Each gradient in its parameter's ``.grad``, and None where there is none, as eager's step leaves them."""
+    for p, g in zip(update.params, grads):
+        p.grad = g
+    for p in update.without:
+        p.grad = None
 
 
 def compiled_runner(joint: JointGraph, update: OptimizerUpdate, x, y, keep_grads: bool) -> StepRunner:
@@ -107,6 +113,10 @@ class _CudaGraphStep:
         self._stepped = False
         self.outputs: list[torch.Tensor] = []
 
+    def reset(self) -> None:
+        """Forget the recorded steps: trial steps were undone, and the next step is the first again."""
+        self._graph, self._hyper, self._stepped, self.outputs = None, (), False, []
+
     def _hyperparameters(self) -> tuple:
         return tuple(tuple((k, v) for k, v in g.items() if k != "params") for g in self.update.optimizer.param_groups)
 
@@ -153,8 +163,7 @@ class _CudaGraphStep:
             self._graph.replay()
             outputs = self.outputs
         if self.keep_grads:
-            for p, g in zip(self.joint.params, outputs[1:]):
-                p.grad = g.clone()
+            keep(self.update, [g.clone() for g in outputs[1:]])
         return outputs[0].clone()
 
 

@@ -17,7 +17,10 @@ graph, dropout draws from the global generator in eager's order, and ``keep_grad
 gradient in ``.grad`` as ``zero_grad(set_to_none=True); backward()`` would. What a graph cannot replay --
 data-dependent Python control flow, in-place changes to the inputs, hooks, state updated in Python,
 optimizers or options without a functional update -- runs the plain eager step instead, with the reason in
-``repr`` and one warning at the caller's line.
+``repr`` and one warning at the caller's line. Before a backend serves a signature, its first step is
+checked against eager's from the same state (weights, buffers, optimizer state, loss; undone after): one
+that differs -- a graph feature it does not reproduce -- is not used. Every step returns the loss without
+autograd history, the eager one included.
 
 >>> import torch
 >>> from torch import nn
@@ -43,8 +46,8 @@ from .. import batch as batches
 from ..steps import eager_step
 from ..timing import time_steps
 from ._warn import warn_at_caller
-from .capture import ModuleState
-from .hybridize import HybridizeWarning, HybridModule
+from .capture import ModuleState, same_change
+from .hybridize import CHECK_ATOL, CHECK_RTOL, HybridizeWarning, HybridModule
 from .optim_update import OptimizerUpdate, UnsupportedOptimizer, functional_update
 from .train_graph import JointGraph, TrainCaptureError, capture_joint
 
@@ -87,7 +90,7 @@ class TrainStep:
         self.max_signatures = max_signatures
         self.state = CAPTURE
         self.fallback_reason: str | None = None
-        self._eager = eager_step(self.module, loss_fn, optimizer)
+        self._eager = _without_history(eager_step(self.module, loss_fn, optimizer))
         self._runners: dict[tuple, _Runner] = {}
         self._update: OptimizerUpdate | None = None
         # Seconds of the first signature: tracing and preparing the runners; and the whole first call,
@@ -144,11 +147,18 @@ class TrainStep:
 
         names = [self.backend] if self.backend != "auto" else ["native", "graph", "cuda_graphs"]
         ready, skipped = [], []
+        first_step = _FirstStep(self, x, y)
+        assert self._update is not None
+        # parameters the loss does not reach keep no gradient, and the optimizer leaves them alone, as in eager
+        update = self._update if joint.used is None else self._update.only(joint.used)
         for name in names:
             if name == "eager":
                 ready.append(_Runner("eager", self._eager, "requested"))
                 continue
-            step, why_not = prepare_runner(name, joint, self._update, x, y, keep_grads=self.keep_grads)
+            step, why_not = prepare_runner(name, joint, update, x, y, keep_grads=self.keep_grads)
+            if step is not None:
+                why_not = first_step.differences(step)
+                step = None if why_not else step
             if step is None:
                 skipped.append(f"{name}: {why_not}")
                 if self.backend != "auto":
@@ -175,16 +185,14 @@ class TrainStep:
 
     def _time(self, runner: _Runner, x, y) -> float:
         """Median seconds per step of ``runner``; the steps are undone (weights, buffers, optimizer, RNG)."""
-        saved = ModuleState(self.module)
-        opt_state = _snapshot_optimizer(self.optimizer)
+        saved = _Saved(self.module, self.optimizer)
         try:
             on_gpu = any(p.is_cuda for p in self.module.parameters())
             timing = time_steps(lambda: runner.step(x, y), warmup=1, steps=AUTO_STEPS, min_steps=3,
                                 max_seconds=AUTO_BUDGET_S,
                                 synchronize=torch.cuda.synchronize if on_gpu else _no_sync)
         finally:
-            saved.restore()
-            _restore_optimizer(self.optimizer, opt_state)
+            saved.restore(runner.step)
         return timing.median_s
 
     # --- reports --------------------------------------------------------------------------
@@ -251,18 +259,135 @@ def make_train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.
     """:data:`dlperf.steps.MakeStep` for the captured step: captured now when an example batch is given."""
     step = TrainStep(model, loss_fn, optimizer, backend=backend)
     if example_x is not None and example_y is not None:
-        saved = ModuleState(step.module)
-        opt_state = _snapshot_optimizer(optimizer)
+        saved = _Saved(step.module, optimizer)
         try:
             step(example_x, example_y)  # capture and choose now, not in the first timed step
         finally:
             saved.restore()
-            _restore_optimizer(optimizer, opt_state)
+            for runner in step._runners.values():
+                _reset(runner.step)
     return step
 
 
 def _no_sync() -> None:
     return None
+
+
+def _without_history(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``step`` returning its loss detached, as every captured step does: holding it keeps no graph alive."""
+
+    def detached(x, y) -> torch.Tensor:
+        return step(x, y).detach()
+
+    return detached
+
+
+class _Saved:
+    """What a step changes (module state and RNG, the optimizer's state, ``.grad``), to put back after trial steps."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer):
+        self.module, self.optimizer = module, optimizer
+        self.state = ModuleState(module)
+        self.optimizer_state = _snapshot_optimizer(optimizer)
+        self.grads = [(p, p.grad) for p in module.parameters()]
+
+    def restore(self, runner: Callable | None = None) -> None:
+        self.state.restore()
+        _restore_optimizer(self.optimizer, self.optimizer_state)
+        for p, g in self.grads:
+            p.grad = g
+        if runner is not None:
+            _reset(runner)
+
+
+def _reset(runner: Callable) -> None:
+    reset = getattr(runner, "reset", None)
+    if reset is not None:  # a runner that keeps steps of its own (a recorded CUDA graph) starts afresh
+        reset()
+
+
+@dataclass
+class _Outcome:
+    """What one step from the saved state left: its loss, module tensors changed, optimizer state, gradients."""
+
+    loss: torch.Tensor
+    changed: dict[str, torch.Tensor]
+    optimizer_state: dict
+    grads: list[torch.Tensor | None]
+
+
+class _FirstStep:
+    """Eager's first step on ``(x, y)``, and the check of another backend's first step against it.
+
+    Both start from the same state and are undone, so the caller's step that follows is the first for real.
+    """
+
+    def __init__(self, owner: TrainStep, x, y):
+        self.owner, self.x, self.y = owner, x, y
+        self._reference: _Outcome | None = None
+
+    def differences(self, step: Callable[..., torch.Tensor]) -> str | None:
+        """Why ``step``'s first step is not eager's (None when it is, within float tolerance)."""
+        if self._reference is None:
+            # the user's own step: an error in it is theirs, raised as eager raises it
+            self._reference = self._run(self.owner._eager)
+        reference = self._reference
+        saved = _Saved(self.owner.module, self.owner.optimizer)
+        try:
+            loss = step(self.x, self.y)
+            differ = saved.state.step_differences(reference.changed)
+            differ += _optimizer_differences(self.owner.optimizer, saved.optimizer_state[0], reference.optimizer_state)
+            if not _close(loss, reference.loss):
+                differ.append("the loss")
+            if self.owner.keep_grads:
+                differ += [f"{name}.grad" for (name, p), g in zip(self.owner.module.named_parameters(), reference.grads)
+                           if not _close(p.grad, g)]
+        except Exception as exc:  # noqa: BLE001 (a backend that cannot run the step does not serve it)
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            return f"its first step failed ({type(exc).__name__}: {text[:200]})"
+        finally:
+            saved.restore(step)
+        if differ:
+            return f"its first step differs from eager's ({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''})"
+        return None
+
+    def _run(self, step: Callable[..., torch.Tensor]) -> _Outcome:
+        saved = _Saved(self.owner.module, self.owner.optimizer)
+        try:
+            loss = step(self.x, self.y).detach().clone()
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in self.owner.module.parameters()]
+            return _Outcome(loss, saved.state.changed_tensors(), _snapshot_optimizer(self.owner.optimizer)[0], grads)
+        finally:
+            saved.restore(step)
+
+
+def _close(got, expected) -> bool:
+    if got is None or expected is None:
+        return got is None and expected is None
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return False
+    if not expected.is_floating_point():
+        return torch.equal(got, expected)
+    return bool(torch.allclose(got.detach().float(), expected.float(), CHECK_RTOL, CHECK_ATOL, equal_nan=True))
+
+
+def _optimizer_differences(optimizer: torch.optim.Optimizer, before: dict, expected: dict) -> list[str]:
+    """The optimizer's per-parameter state that did not change as it did in ``expected`` (from ``before``)."""
+    names = {id(p): f"param {i}" for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    differ = []
+    for p in set(optimizer.state) | set(expected):
+        got, want, was = optimizer.state.get(p, {}), expected.get(p, {}), before.get(p, {})
+        for key in set(got) | set(want):
+            a, b = got.get(key), want.get(key)
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                start = was.get(key)
+                same = same_change(start if isinstance(start, torch.Tensor) and start.shape == b.shape
+                                   else torch.zeros_like(b), a, b)
+            else:
+                same = type(a) is type(b) and a == b
+            if not same:
+                differ.append(f"optimizer state[{names.get(id(p), '?')}][{key!r}]")
+    return sorted(differ)
 
 
 def _signature(x, y, training: bool) -> tuple | None:

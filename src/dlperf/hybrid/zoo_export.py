@@ -1,6 +1,7 @@
-"""Export a zoo model by name, then load the export back and compare its output with the model's.
+"""Export a model (a zoo model by name, or any module with its example batch), then load the export back and
+compare its output with the model's.
 
-``dlperf export`` is :func:`export_zoo_model` and :func:`check_export` with printing::
+``dlperf export`` is :func:`export_zoo_model` (or :func:`export_model`) and :func:`check_export` with printing::
 
     done = export_zoo_model(ZooExportConfig("lenet", "out/lenet", batch=2))
     max_difference, matches = check_export(done)
@@ -11,14 +12,15 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..batch import describe, tensors_of
 from ..errors import UsageError
+from .export import CHECK_ATOL, CHECK_RTOL
 
-__all__ = ["ZooExportConfig", "ZooExport", "export_zoo_model", "check_export", "MAX_BATCH", "CHECK_RTOL",
-           "CHECK_ATOL"]
+__all__ = ["ZooExportConfig", "ZooExport", "export_zoo_model", "export_model", "check_export", "MAX_BATCH",
+           "CHECK_RTOL", "CHECK_ATOL"]
 
 MAX_BATCH = 2**24
 
@@ -46,11 +48,11 @@ class ZooExportConfig:
 
         spec = get_spec(self.model)  # a miss lists the zoo
         if self.batch < 1:
-            raise UsageError(f"--batch must be >= 1, got {self.batch}")
+            raise UsageError(f"batch={self.batch}: expected >= 1")
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise UsageError(f"{self.directory!r} is not a directory; give a directory for the export files")
-        require_memory(batch_bytes(spec, self.batch, training=False), f"--batch {self.batch}",
-                       "give a smaller --batch")
+        require_memory(batch_bytes(spec, self.batch, training=False), f"batch={self.batch}",
+                       "give a smaller batch")
 
 
 @dataclass
@@ -59,8 +61,8 @@ class ZooExport:
 
     model: torch.nn.Module
     """The model, in eval mode, with the weights that were exported."""
-    example: torch.Tensor
-    """The example input the export was traced with."""
+    example: Any
+    """The example input the export was traced with (a tensor, or a tuple of the forward's inputs)."""
     directory: str
     """Where the files are."""
     paths: dict[str, str]
@@ -82,35 +84,30 @@ def export_zoo_model(config: ZooExportConfig) -> ZooExport:
     return ZooExport(model, x, config.directory, paths)
 
 
+def export_model(model: torch.nn.Module, example: Any, directory: str, *, pt2: bool = False) -> ZooExport:
+    """Export any ``model`` traced on ``example`` (a tensor, or a tuple of its forward's positional inputs)."""
+    from .export import export
+
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"{directory!r} is not a directory; give a directory for the export files")
+    model = model.eval()
+    inputs = example if isinstance(example, tuple) else (example,)
+    paths = export(model, directory, inputs, pt2=pt2)
+    return ZooExport(model, example, directory, paths)
+
+
 def check_export(done: ZooExport) -> tuple[float, bool]:
-    """Load the export back and run the example: (max absolute difference from the model, within tolerance)."""
+    """Load the export back and run the example: (max absolute difference from the model, within tolerance).
+
+    :func:`~dlperf.hybrid.export.export` made the same check before it wrote the files; this one reads what
+    was written, and its difference is what ``dlperf export`` prints."""
     # the module, not the package's function of the same name; its load is looked up now, so it can be replaced
     export_module = importlib.import_module(".export", __package__)
 
+    inputs = done.example if isinstance(done.example, tuple) else (done.example,)
     with torch.no_grad():
-        got, want = export_module.load(done.directory)(done.example), done.model(done.example)
-    # outputs may be structures (an LSTM's output and state): every tensor in the same place
-    pairs = list(zip(tensors_of(got), tensors_of(want)))
-    if describe(got) != describe(want) or not pairs:
-        return float("inf"), False
-    worst = max((g - w).abs().max().item() if g.numel() else 0.0 for g, w in pairs)
-    return worst, all(_close(g, w) for g, w in pairs)
-
-
-# The export replays the same ATen kernels in the same order, so float32 outputs normally agree
-# bit for bit; the tolerance only absorbs kernel choices that depend on the batch (dynamic shapes).
-CHECK_RTOL = 1e-4
-CHECK_ATOL = 1e-5
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """True when the loaded export's output matches the model's, all finite: NaN or inf on either
-    side would match anything or nothing, so such a check proves nothing and fails."""
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return False
-    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
-        return False
-    return bool(torch.allclose(got, want, rtol=CHECK_RTOL, atol=CHECK_ATOL))
+        got, want = export_module.load(done.directory)(*inputs), done.model(*inputs)
+    return export_module.reproduces(got, want)
 
 
 def _load_weights(model: torch.nn.Module, path: str, name: str) -> None:
@@ -118,9 +115,9 @@ def _load_weights(model: torch.nn.Module, path: str, name: str) -> None:
     from .._io import safe_torch_load
 
     # tensors in dicts only: nothing in the file may run code
-    state = safe_torch_load(path, "--weights", "a state_dict of tensors saved with torch.save")
+    state = safe_torch_load(path, "weights", "a state_dict of tensors saved with torch.save")
     if not isinstance(state, dict):
-        raise UsageError(f"--weights {path!r}: holds a {type(state).__name__}, not a state_dict "
+        raise UsageError(f"weights={path!r}: holds a {type(state).__name__}, not a state_dict "
                          "(save model.state_dict())")
     try:
         model.load_state_dict(state)
@@ -131,7 +128,7 @@ def _load_weights(model: torch.nn.Module, path: str, name: str) -> None:
             detail = f"missing {_few(missing)}, unexpected {_few(unexpected)}"
         else:
             detail = "tensor shapes differ"
-        raise UsageError(f"--weights {path!r}: does not fit model {name!r}: {detail}") from exc
+        raise UsageError(f"weights={path!r}: does not fit model {name!r}: {detail}") from exc
 
 
 def _few(keys: list[str], n: int = 3) -> str:

@@ -19,6 +19,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from ..batch import Batch, batch_size, describe, map_tensors, tensors_of
 from ..errors import UsageError
 
 __all__ = ["TensorSpec", "parse_tensor_spec", "embedding_range", "make_inputs", "resize_batch", "make_targets",
-           "structured_loss", "DTYPES", "MAX_DIM", "MAX_ELEMENTS"]
+           "structured_loss", "StructuredLoss", "DTYPES", "MAX_DIM", "MAX_ELEMENTS"]
 
 MAX_DIM = 2**24
 MAX_ELEMENTS = 2**31
@@ -148,38 +149,46 @@ def resize_batch(batch: Batch, n: int) -> Batch:
 
 # --- targets and a loss for any output -----------------------------------------------------------------------
 
-def _target_of(out: torch.Tensor, n: int, generator: torch.Generator | None) -> torch.Tensor | None:
-    if not out.is_floating_point():
-        return None  # an integer output (ids, a mask) takes no loss
-    if out.dim() == 0:
-        return torch.zeros((), dtype=out.dtype)
-    if out.dim() in (2, 3) and out.shape[-1] >= 1:
-        # class scores (N, C) or (N, T, C): class labels, one per example (per time step)
-        return torch.randint(0, out.shape[-1], (n, *out.shape[1:-1]), generator=generator)
-    return torch.zeros((n, *out.shape[1:]), dtype=out.dtype)
+def make_targets(output: Batch, n: int, generator: torch.Generator | None = None, loss: Any = None) -> Batch:
+    """Targets for ``n`` examples shaped like ``output`` (a model's output at any batch size), one per floating
+    output, as :func:`dlperf.losses.made_up_targets` makes them for ``loss``; None when the model computes its own
+    loss (an output with ``loss``)."""
+    from ..losses import made_up_targets, model_loss, predictions
+
+    if model_loss(output) is not None:
+        return None
+    option = loss if isinstance(loss, str) or loss is None else "callable"
+    targets = [made_up_targets(t, option, n, generator) for t in tensors_of(predictions(output))
+               if t.is_floating_point()]
+    return targets[0] if len(targets) == 1 else tuple(targets)
 
 
-def make_targets(output: Batch, n: int, generator: torch.Generator | None = None) -> Batch:
-    """Targets for ``n`` examples shaped like ``output`` (a model's output at any batch size): class labels for
-    class scores, zeros for any other floating tensor; the structure (a tuple, a dict) is kept."""
-    return map_tensors(lambda t: _target_of(t, n, generator), output)
+class StructuredLoss:
+    """A user network's loss for ``bench``: the model's own, else ``loss`` (the default rule when None) summed
+    over its floating outputs against :func:`make_targets`'s targets."""
+
+    def __init__(self, loss: Any = None) -> None:
+        from ..losses import resolve_loss
+
+        self.step_loss = resolve_loss(loss)
+        self.name = self.step_loss.name
+
+    def __call__(self, output: Batch, target: Batch) -> torch.Tensor:
+        from ..losses import model_loss, predictions
+
+        own = model_loss(output)
+        if own is not None:
+            return own
+        outs = [t for t in tensors_of(predictions(output)) if t.is_floating_point()]
+        targets = tensors_of(target)
+        if not outs or len(outs) != len(targets):
+            raise UsageError(f"the model returned {describe(output)}; expected the floating tensors of "
+                             f"{describe(target)} (return the outputs the loss is computed on)")
+        total = self.step_loss(outs[0], targets[0])
+        for out, tgt in zip(outs[1:], targets[1:]):
+            total = total + self.step_loss(out, tgt)
+        return total
 
 
-def _leaf_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if not target.is_floating_point():
-        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
-    return nn.functional.mse_loss(out, target)
-
-
-def structured_loss(output: Batch, target: Batch) -> torch.Tensor:
-    """The sum over the output's floating tensors of cross-entropy (integer targets) or MSE (float targets)."""
-    outs = [t for t in tensors_of(output) if t.is_floating_point()]
-    targets = tensors_of(target)
-    if not outs or len(outs) != len(targets):
-        raise UsageError(f"the model returned {describe(output)}; expected the floating tensors of "
-                         f"{describe(target)} (return the outputs the loss is computed on)")
-    total = _leaf_loss(outs[0], targets[0])
-    for out, tgt in zip(outs[1:], targets[1:]):
-        total = total + _leaf_loss(out, tgt)
-    return total
-
+structured_loss = StructuredLoss()
+"""The default :class:`StructuredLoss`: the model's own, else cross-entropy where the outputs are class scores."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from ..registry import Registry
 
 
@@ -41,8 +42,31 @@ class InputSpec:
         return x.to(device), y.to(device)
 
 
+def check_class_targets(output: torch.Tensor, target: torch.Tensor) -> None:
+    """Raise one clear :class:`~dlperf.errors.UsageError` where cross-entropy would fail cryptically or train nothing.
+
+    Float labels (other than one probability per output column) and a one-column output, over which
+    cross-entropy is 0 whatever the weights, are refused; labels out of range are the loss's own error.
+    Attributes only: nothing is read from the device.
+    """
+    if not isinstance(output, torch.Tensor) or not isinstance(target, torch.Tensor) or output.dim() < 2:
+        return
+    if target.dtype is torch.int64 and output.shape[-1] > 1:  # the usual case, checked first: once per step
+        return
+    soft = target.is_floating_point() and target.shape == output.shape
+    if (target.is_floating_point() and not soft) or target.is_complex() or target.dtype == torch.bool:
+        raise UsageError(f"cross-entropy needs integer class labels (0 to {output.shape[-1] - 1}), got targets of "
+                         f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)} for output "
+                         f"{str(output.dtype).removeprefix('torch.')}{list(output.shape)}; give int64 class labels")
+    if output.shape[-1] == 1:
+        raise UsageError(f"cross-entropy over a one-column output ({list(output.shape)}) is 0 whatever the weights, "
+                         "so nothing would train; give the model one output column per class, with integer class "
+                         "labels")
+
+
 def classification_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Softmax cross-entropy; sequence outputs (N, T, C) are flattened over time steps."""
+    check_class_targets(output, target)
     if output.dim() == 3:
         output = output.reshape(-1, output.shape[-1])
         target = target.reshape(-1)
@@ -113,6 +137,8 @@ class UserInputs:
     output: Any
     """The model's output on the example batch (any structure): what the targets are shaped after."""
     description: str = ""
+    loss: Any = None
+    """The loss named for it (None: the model's own, else cross-entropy on class scores)."""
 
     def make_batch(self, batch_size: int, device: torch.device | str = "cpu",
                    generator: torch.Generator | None = None) -> tuple[Any, Any]:
@@ -122,7 +148,7 @@ class UserInputs:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         x = resize_batch(self.example(generator), batch_size)
-        y = make_targets(self.output, batch_size, generator)
+        y = make_targets(self.output, batch_size, generator, self.loss)
         return map_tensors(lambda t: t.to(device), x), map_tensors(lambda t: t.to(device), y)
 
 
@@ -142,12 +168,12 @@ class CallsWithBatch(nn.Module):
 
 
 def user_network(name: str, build: Callable[[], nn.Module], example: Callable[[nn.Module, torch.Generator | None],
-                 Any], *, description: str = "") -> ModelSpec:
+                 Any], *, description: str = "", loss: Any = None) -> ModelSpec:
     """A :class:`ModelSpec` for a user's model factory and batch maker, registered under ``name`` (replacing
     an earlier one of that name); the model is built and run once here, to shape the targets."""
     from ..batch import batch_size, describe
     from ..errors import UsageError
-    from .inputs import structured_loss
+    from .inputs import StructuredLoss, make_targets
 
     model = build()
     first = example(model, torch.Generator().manual_seed(0))
@@ -158,9 +184,10 @@ def user_network(name: str, build: Callable[[], nn.Module], example: Callable[[n
     except Exception as exc:  # noqa: BLE001 (user code: any failure is the batch not fitting the model)
         raise UsageError(f"{name} failed on the batch {describe(first)}: {type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''}; give the inputs the model expects "
-                         "(shape, dtype, one --input per positional argument)") from None
+                         "(shape, dtype, one tensor per positional argument)") from None
     n = batch_size(first, "example batch")
-    inputs = UserInputs(lambda g: example(model, g), output, describe(first))
+    make_targets(output, n, None, loss)  # a loss that cannot be right for these outputs: one line, now
+    inputs = UserInputs(lambda g: example(model, g), output, describe(first), loss)
     spec = ModelSpec(name, lambda: CallsWithBatch(build()), inputs, n, n, description or f"{name} on {describe(first)}",
-                     paper=False, loss=structured_loss)
+                     paper=False, loss=StructuredLoss(loss))
     return register(spec, replace=True)

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import stat
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from .. import _io
-from .._buildcache import cache_base, private_dir, write_private
+from .._buildcache import cache_base, private_dir
 from .._cliargs import one_line
 from ..errors import DlperfError
 from .reference import GBPS, GFLOPS, NS, implausible
 from .result import FORMAT, ProbeResult, ProbeRow, machine
+
+log = logging.getLogger(__name__)
 
 _MAX_BYTES = 1024 * 1024
 _MAX_ROWS = 2000
@@ -53,7 +55,7 @@ def save_probe(result: ProbeResult, path: str | None = None) -> str:
     """Write ``result`` atomically to its machine's cache file (or ``path``); return where."""
     if path is None:
         path = os.path.join(private_dir(cache_base(), ["dlperf", "probe"]), f"{machine_key(result.machine)}.json")
-    write_private(path, (json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n").encode())
+    _io.write_cache_file(path, (json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n").encode())
     return path
 
 
@@ -137,7 +139,7 @@ def _check_machine(info: dict, path: str) -> None:
 def parse_probe(data: bytes, path: str = "<probe cache>") -> ProbeResult:
     """A ProbeResult from a cache file's bytes; raise ProbeCacheError naming what is wrong."""
     doc = decode_json(data, path)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+    if not isinstance(doc, dict) or type(doc.get("format")) is not int or doc["format"] != FORMAT:  # not true
         raise _fail(path, f"not a format-{FORMAT} probe document")
     info, rows = doc.get("machine"), doc.get("rows")
     if not isinstance(info, dict) or not isinstance(rows, list) or len(rows) > _MAX_ROWS:
@@ -181,7 +183,7 @@ def load_probe(path: str | None = None, *, quiet: bool = False) -> ProbeResult |
         # each refusal said once a process: callers that price several thread counts load it once each
         if not quiet and str(exc) not in _refusals_told:
             _refusals_told.add(str(exc))
-            print(f"dlperf probe: warning: {exc}; measuring again", file=sys.stderr)
+            log.warning("dlperf probe: warning: %s; measuring again", exc)
         return None
     return result
 

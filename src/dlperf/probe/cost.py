@@ -38,14 +38,15 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from .._cliargs import short_repr as _short
-from ..batch import Batch, call_model, describe, map_tensors, tensors_of
+from ..batch import Batch, call_model, map_tensors, tensors_of
 from ..errors import UsageError
+from ..losses import TimedLoss
 from ..registry import Registry
 
 __all__ = ["Link", "Hardware", "LINK_KINDS", "ALLREDUCE_FORMULAS", "AllreduceFormula", "PROJECT_ALGORITHMS",
@@ -488,42 +489,28 @@ class _Tally(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 class TrainingStep:
-    """One SGD step of a model on a fixed batch: cross-entropy on random labels of the output's width for
-    a 2-D output, MSE against zeros otherwise.
+    """One SGD step of a model on a fixed batch, its loss by :class:`dlperf.losses.TimedLoss`: the model's own where it
+    returns one, else ``loss`` (cross-entropy by default, only on class scores) against made-up targets.
 
-    The labels are drawn once, from their own seeded generator, at the first call: the timed steps then
+    The targets are made once, from their own seeded generator, at the first call: the timed steps then
     draw no random numbers (and leave torch's global generator alone), so a counted step does exactly
     the work of a timed one. ``on_phase`` hears "forward", "loss", "backward", "optimizer", then "".
     """
 
-    def __init__(self, model: nn.Module, x: Batch, *, lr: float = 1e-3, seed: int = 0,
+    def __init__(self, model: nn.Module, x: Batch, *, lr: float = 1e-3, seed: int = 0, loss: Any = None,
                  on_phase: Callable[[str], object] = lambda phase: None):
-        self.model, self.x, self.on_phase, self.seed = model, x, on_phase, seed
+        self.model, self.x, self.on_phase, self.seed, self.loss_option = model, x, on_phase, seed, loss
         self.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-        self.labels: dict[int, torch.Tensor] = {}
-
-    def _loss(self, out: torch.Tensor, key: int = 0) -> torch.Tensor:
-        if out.dim() == 2 and out.shape[1] >= 1:
-            labels = self.labels.get(key)
-            if labels is None or labels.shape[0] != out.shape[0]:
-                g = torch.Generator().manual_seed(self.seed + key)
-                labels = self.labels[key] = torch.randint(0, out.shape[1], (out.shape[0],), generator=g).to(out.device)
-            return nn.functional.cross_entropy(out, labels)
-        return nn.functional.mse_loss(out, torch.zeros_like(out))
+        self.loss: TimedLoss | None = None
 
     def __call__(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         self.on_phase("forward")
         out = call_model(self.model, self.x)
-        # a tuple or dict output: every floating tensor in it takes its own loss, summed
-        outs = [t for t in tensors_of(out) if t.is_floating_point()]
-        if not outs:
-            raise UsageError(f"the model returned {describe(out)}, with no floating tensor to take a loss of; "
-                             "profile a model whose forward returns its outputs")
         self.on_phase("loss")
-        loss = self._loss(outs[0])
-        for key, extra in enumerate(outs[1:], 1):
-            loss = loss + self._loss(extra, key)
+        if self.loss is None:
+            self.loss = TimedLoss(self.loss_option, out, generator=torch.Generator().manual_seed(self.seed))
+        loss = self.loss(out)
         self.on_phase("backward")
         loss.backward()
         self.on_phase("optimizer")
@@ -532,7 +519,7 @@ class TrainingStep:
         return loss
 
 
-def _count_on(model: nn.Module, x: Batch) -> StepCounts:
+def _count_on(model: nn.Module, x: Batch, loss: Any = None) -> StepCounts:
     from torch.utils.flop_counter import FlopCounterMode
 
     floating = [t for t in tensors_of(x) if t.is_floating_point()]
@@ -551,7 +538,7 @@ def _count_on(model: nn.Module, x: Batch) -> StepCounts:
         tally.phase = phase
 
     with counter, tally:
-        TrainingStep(model, x, lr=0.0, on_phase=on_phase)()
+        TrainingStep(model, x, lr=0.0, loss=loss, on_phase=on_phase)()
     for phase, per_op in flop_phases.items():
         if phase == "_seen":
             continue
@@ -571,7 +558,7 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo).to("meta")
 
 
-def count_step(model: nn.Module, example_input: Batch, *, on_meta: bool = True) -> StepCounts:
+def count_step(model: nn.Module, example_input: Batch, *, on_meta: bool = True, loss: Any = None) -> StepCounts:
     """FLOPs, bytes and operator calls of one training step of ``model`` on ``example_input``.
 
     With ``on_meta`` a copy of the model runs on the meta device (shapes only, no arithmetic, no
@@ -580,12 +567,12 @@ def count_step(model: nn.Module, example_input: Batch, *, on_meta: bool = True) 
     """
     if on_meta:
         try:
-            return _count_on(_meta_copy(model), map_tensors(lambda t: t.to("meta"), example_input))
+            return _count_on(_meta_copy(model), map_tensors(lambda t: t.to("meta"), example_input), loss)
         except UsageError:
             raise
         except Exception:  # noqa: BLE001 (the meta device is an optimisation: fall back to a real step)
             pass
-    return _count_on(copy.deepcopy(model), map_tensors(torch.Tensor.clone, example_input))
+    return _count_on(copy.deepcopy(model), map_tensors(torch.Tensor.clone, example_input), loss)
 
 
 @dataclass(frozen=True)

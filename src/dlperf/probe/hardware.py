@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import math
 import os
-import sys
 import tempfile
 import time
 import timeit
@@ -25,6 +25,8 @@ from ..timing import best_of
 from .reference import GBPS, GFLOPS, NS, SEED, mm_seed
 from .result import ProbeResult, ProbeRow, cores, machine
 
+log = logging.getLogger(__name__)
+
 _KIB = 1024
 _MIB = 1024 * 1024
 _HANDOFF_MAX_S = 1.0  # per call: on a busy machine each hand-off or echo can wait a whole time slice
@@ -32,7 +34,7 @@ _DEFAULT_CACHES = {"L1": 32 * _KIB, "L2": 1 * _MIB, "L3": 8 * _MIB}
 
 
 @dataclass(frozen=True)
-class Plan:
+class ProbeEffort:
     """How much to measure: the full run, ``--quick`` (under a minute on two cores), or tiny (tests)."""
 
     reps: int
@@ -53,15 +55,15 @@ class Plan:
     tiny: bool = False
 
 
-FULL = Plan(reps=5, chase_loads=4_000_000, dram_sizes=(64 * _MIB, 256 * _MIB), stream_reps=10,
+FULL = ProbeEffort(reps=5, chase_loads=4_000_000, dram_sizes=(64 * _MIB, 256 * _MIB), stream_reps=10,
             stream_min_elems=2_000_000, lock_iters=5_000_000, handoff_rounds=20_000, tcp_messages=50_000,
             tcp_round_trips=20_000, disk_file=256 * _MIB, disk_random_reads=50_000, mm_n=1024, mm_min_s=0.5,
             all_thread_counts=True, py_calls=1_000_000)
-QUICK = Plan(reps=3, chase_loads=1_000_000, dram_sizes=(64 * _MIB,), stream_reps=3, stream_min_elems=2_000_000,
+QUICK = ProbeEffort(reps=3, chase_loads=1_000_000, dram_sizes=(64 * _MIB,), stream_reps=3, stream_min_elems=2_000_000,
              lock_iters=1_000_000, handoff_rounds=3_000, tcp_messages=10_000, tcp_round_trips=2_000,
              disk_file=64 * _MIB, disk_random_reads=10_000, mm_n=512, mm_min_s=0.15, all_thread_counts=False,
              py_calls=200_000)
-TINY = Plan(reps=1, chase_loads=100_000, dram_sizes=(64 * _MIB,), stream_reps=1, stream_min_elems=1_000_000,
+TINY = ProbeEffort(reps=1, chase_loads=100_000, dram_sizes=(64 * _MIB,), stream_reps=1, stream_min_elems=1_000_000,
             lock_iters=100_000, handoff_rounds=200, tcp_messages=500, tcp_round_trips=100, disk_file=4 * _MIB,
             disk_random_reads=500, mm_n=128, mm_min_s=0.01, all_thread_counts=False, py_calls=10_000, tiny=True)
 
@@ -118,7 +120,7 @@ def _checked(value: float, what: str) -> tuple[float | None, str]:
     return value, ""
 
 
-def _latency_rows(lib, plan: Plan) -> list[ProbeRow]:
+def _latency_rows(lib, plan: ProbeEffort) -> list[ProbeRow]:
     caches, origin = cache_sizes()
     rows = []
     value, note = _checked(lib.dlp_fadd_latency(plan.chase_loads * 4, plan.reps), "the add chain")
@@ -146,7 +148,7 @@ def _best(fn: Callable[[], float], reps: int) -> float:
     return -1.0 if any(v < 0 for v in values) else min(values)
 
 
-def _thread_rows(lib, plan: Plan) -> list[ProbeRow]:
+def _thread_rows(lib, plan: ProbeEffort) -> list[ProbeRow]:
     value, note = _checked(lib.dlp_mutex(plan.lock_iters, plan.reps), "the mutex loop")
     rows = [_row("mutex", "Mutex lock/unlock (uncontended)", value, note or "pthread_mutex, one thread")]
     handoff = _best(lambda: lib.dlp_handoff(plan.handoff_rounds, _HANDOFF_MAX_S), plan.reps)
@@ -161,7 +163,7 @@ def _thread_rows(lib, plan: Plan) -> list[ProbeRow]:
     return rows
 
 
-def _stream_rows(lib, plan: Plan) -> list[ProbeRow]:
+def _stream_rows(lib, plan: ProbeEffort) -> list[ProbeRow]:
     caches, _ = cache_sizes()
     last = max(caches.values())
     n = plan.stream_min_elems if plan.tiny else max(plan.stream_min_elems, 4 * last // 8)
@@ -188,7 +190,7 @@ def _stream_rows(lib, plan: Plan) -> list[ProbeRow]:
     return rows
 
 
-def _tcp_rows(lib, plan: Plan) -> list[ProbeRow]:
+def _tcp_rows(lib, plan: ProbeEffort) -> list[ProbeRow]:
     send = _best(lambda: lib.dlp_tcp(0, plan.tcp_messages, 4096, _HANDOFF_MAX_S), plan.reps)
     value, note = _checked(send, "the loopback stream")
     rate = f"; {4096 / value:.2f} GB/s" if value else ""
@@ -216,7 +218,7 @@ def _write_temp_file(nbytes: int) -> str:
     return path
 
 
-def _disk_rows(lib, plan: Plan) -> list[ProbeRow]:
+def _disk_rows(lib, plan: ProbeEffort) -> list[ProbeRow]:
     size = plan.disk_file
     try:
         path = _write_temp_file(size)
@@ -242,7 +244,7 @@ def _disk_rows(lib, plan: Plan) -> list[ProbeRow]:
     return rows
 
 
-def _direct_rows(lib, path: str, size: int, plan: Plan) -> list[ProbeRow]:
+def _direct_rows(lib, path: str, size: int, plan: ProbeEffort) -> list[ProbeRow]:
     what = ("Read 1MB sequentially (O_DIRECT)", "Read 4KB randomly (O_DIRECT)")
     direct = getattr(os, "O_DIRECT", None)
     try:
@@ -278,7 +280,7 @@ def _time_mm(torch, n: int, dtype, min_s: float, reps: int) -> float:
     return 2.0 * n ** 3 / best / 1e9
 
 
-def _mm_rows(plan: Plan) -> list[ProbeRow]:
+def _mm_rows(plan: ProbeEffort) -> list[ProbeRow]:
     import torch
 
     total = cores()
@@ -304,7 +306,7 @@ def _per_call_ns(stmt: str, number: int, reps: int, env: dict) -> float:
     return min(timer.repeat(repeat=max(reps, 1), number=number)) / number * 1e9
 
 
-def _dispatch_rows(plan: Plan) -> list[ProbeRow]:
+def _dispatch_rows(plan: ProbeEffort) -> list[ProbeRow]:
     import torch
 
     def nothing():
@@ -337,7 +339,7 @@ def _unavailable_rows(reason: str) -> list[ProbeRow]:
     return [_row(key, SEED[key].source.split(":")[0], None, reason) for key in UNAVAILABLE_KEYS]
 
 
-def _sections(plan: Plan) -> list[tuple[str, Callable[[], list[ProbeRow]]]]:
+def _sections(plan: ProbeEffort) -> list[tuple[str, Callable[[], list[ProbeRow]]]]:
     from .gpu import gpu_rows
     from .kernels import KernelsUnavailable, kernels
 
@@ -354,7 +356,7 @@ def _sections(plan: Plan) -> list[tuple[str, Callable[[], list[ProbeRow]]]]:
     return sections
 
 
-def measure(plan: Plan = QUICK, progress: Callable[[str], None] | None = None) -> ProbeResult:
+def measure(plan: ProbeEffort = QUICK, progress: Callable[[str], None] | None = None) -> ProbeResult:
     """Measure every row under ``plan``; rows a machine cannot measure carry None and the reason.
 
     Ctrl-C stops after the rows measured so far: they are returned with ``interrupted`` set.
@@ -373,7 +375,7 @@ def measure(plan: Plan = QUICK, progress: Callable[[str], None] | None = None) -
 
 
 def run_probe(quick: bool = False, *, progress: Callable[[str], None] | None = None, save: bool = True,
-              _plan: Plan | None = None) -> ProbeResult:
+              _plan: ProbeEffort | None = None) -> ProbeResult:
     """Measure this machine (``quick``: fewer repetitions, smaller sweeps) and save the figures to its cache."""
     plan = _plan or (QUICK if quick else FULL)
     result = measure(plan, progress)
@@ -383,9 +385,9 @@ def run_probe(quick: bool = False, *, progress: Callable[[str], None] | None = N
         try:
             save_probe(result)
         except (DlperfError, OSError, RuntimeError) as exc:  # the figures still reach the caller
-            print(f"dlperf probe: warning: {one_line(str(exc))}; the figures were not saved", file=sys.stderr)
+            log.warning("dlperf probe: warning: %s; the figures were not saved", one_line(str(exc)))
     return result
 
 
-__all__ = ["ProbeRow", "ProbeResult", "Plan", "FULL", "QUICK", "TINY", "run_probe", "measure", "machine",
+__all__ = ["ProbeRow", "ProbeResult", "ProbeEffort", "FULL", "QUICK", "TINY", "run_probe", "measure", "machine",
            "cache_sizes", "GBPS", "GFLOPS", "NS"]

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
-import sys
 import time
 
-from .._buildcache import write_private
 from .._cliargs import one_line
+from .._io import write_cache_file
 from .cache import ProbeCacheError, cache_dir, decode_json, read_cache_file
 from .cost import Link
+from .reference import GBPS, implausible
+
+log = logging.getLogger(__name__)
 
 LINKS_FORMAT = "dlperf-links-1"
 TRANSPORTS = ("shm", "hierarchical", "gloo")
@@ -45,7 +48,7 @@ def save_links(hosts: list[str], fits: dict[str, Link], path: str | None = None)
     doc = {"format": LINKS_FORMAT, "created": time.time(), "hosts": hosts, "world": len(hosts),
            "links": {name: {"latency_s": f.alpha_s, "bytes_per_s": None if math.isinf(f.bandwidth) else f.bandwidth}
                      for name, f in fits.items()}}
-    write_private(path, (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
+    write_cache_file(path, (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
     return path
 
 
@@ -88,8 +91,10 @@ def parse_links(data: bytes, path: str, hosts: list[str]) -> dict[str, Link]:
             raise _fail(path, f"'links.{name}' is not an object with latency_s and bytes_per_s")
         latency = _positive(fig["latency_s"], path, f"'links.{name}.latency_s'")
         rate = _positive(fig["bytes_per_s"], path, f"'links.{name}.bytes_per_s'", allow_none=True)
-        if latency > 60 or rate <= 0:
-            raise _fail(path, f"'links.{name}' is {latency:g} s + size / {rate:g} B/s, not a plausible link")
+        problem = None if math.isinf(rate) else implausible(rate / 1e9, GBPS)
+        if latency > 60 or problem is not None:
+            raise _fail(path, f"'links.{name}' is {latency:g} s + size / {rate:g} B/s, not a plausible link"
+                              + (f" (its rate: {problem})" if problem else ""))
         fits[name] = Link(latency, rate)
     return fits
 
@@ -110,11 +115,10 @@ def load_links(hosts: list[str], transports: list[str], path: str | None = None)
     except FileNotFoundError:
         return None, path
     except OSError as exc:
-        print(f"dlperf: warning: {_fail(path, f'cannot be read ({exc.strerror or exc})')}; measuring again",
-              file=sys.stderr, flush=True)
+        log.warning("dlperf: warning: %s; measuring again", _fail(path, f"cannot be read ({exc.strerror or exc})"))
         return None, path
     except ProbeCacheError as exc:
-        print(f"dlperf: warning: {exc}; measuring again", file=sys.stderr, flush=True)
+        log.warning("dlperf: warning: %s; measuring again", exc)
         return None, path
     return {t: fits[t] for t in transports}, path
 

@@ -33,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -130,7 +131,7 @@ class PlanAdvice:
     planning_s: float = 0.0
 
 
-PlanAdvisor = Callable[[nn.Module, Batch], PlanAdvice]
+PlanAdvisor = Callable[[nn.Module, Batch, Any], PlanAdvice]
 """``plans(model, batch) -> PlanAdvice``: asked with torch's threads set as the profile runs them."""
 
 
@@ -154,6 +155,8 @@ class ProfileReport:
     """The verdict on the window the suggestions were timed in."""
     plan: str | None = None
     """The planner's plan for this model and batch (when ``profile`` was given ``plans``)."""
+    loss: str = ""
+    """The loss the step minimises (:class:`dlperf.losses.TimedLoss`'s name)."""
 
     @property
     def contended(self) -> bool:
@@ -192,7 +195,8 @@ class ProfileReport:
         shape = self.inputs or "x".join(map(str, self.input_shape))
         mark = f" {CONTENDED_MARK}" if self.step.contended else ""
         noisy = " (noisy)" if self.step.noisy else ""
-        lines = [f"{self.model}, input {shape}, {self.threads} thread(s), {len(self.step.samples)} timed steps",
+        lines = [f"{self.model}, input {shape}, {self.threads} thread(s), {len(self.step.samples)} timed steps"
+                 + (f", loss {self.loss}" if self.loss else ""),
                  f"step {self.step.median_s * 1e3:.3f} ms median{mark}{noisy}, {self.examples_per_s:,.0f} "
                  f"examples/s; the profiled step took {self.profiled_step_s * 1e3:.3f} ms",
                  "",
@@ -400,8 +404,8 @@ def _group_rows(seconds: dict[str, float], counts: StepCounts, hw: Hardware) -> 
 
 # --- timing and suggestions ---------------------------------------------------------------------------------
 
-def _trainer(model: nn.Module, x: Batch) -> Callable[[], object]:
-    step = TrainingStep(model, x)
+def _trainer(model: nn.Module, x: Batch, loss: Any = None) -> Callable[[], object]:
+    step = TrainingStep(model, x, loss=loss)
     devices = {t.device for t in tensors_of(x)}
     cuda = next((d for d in devices if d.type == "cuda"), None)
     if cuda is None:
@@ -412,6 +416,7 @@ def _trainer(model: nn.Module, x: Batch) -> Callable[[], object]:
         torch.cuda.synchronize(cuda)
         return out
 
+    synced.training_step = step  # type: ignore[attr-defined]
     return synced
 
 
@@ -486,7 +491,7 @@ def _thread_counts(current: int, cores: int) -> list[int]:
     return sorted({n for n in (1, max(current // 2, 1), cores) if n != current and 1 <= n <= max(cores, 1)})
 
 
-def _channels_last(model: nn.Module, x: Batch) -> _Variant | None:
+def _channels_last(model: nn.Module, x: Batch, loss: Any = None) -> _Variant | None:
     four_d = [t for t in tensors_of(x) if t.dim() == 4 and t.is_floating_point()]
     if not four_d or not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         return None
@@ -494,22 +499,22 @@ def _channels_last(model: nn.Module, x: Batch) -> _Variant | None:
     try:
         cl_model = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         cl_x = map_tensors(lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t, x)
-        return _Variant("channels-last", how, _trainer(cl_model, cl_x))
+        return _Variant("channels-last", how, _trainer(cl_model, cl_x, loss))
     except Exception as exc:  # noqa: BLE001
         return _Variant("channels-last", how, note=f"failed: {type(exc).__name__}: {exc}")
 
 
-def _larger_batch(model: nn.Module, x: Batch) -> _Variant:
+def _larger_batch(model: nn.Module, x: Batch, loss: Any = None) -> _Variant:
     b = batch_size(x)
     how = f"batch {2 * b} instead of {b}: the fixed per-operator cost is shared by twice the examples"
     try:
         doubled = map_tensors(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, x)
-        return _Variant("larger batch", how, _trainer(copy.deepcopy(model), doubled), scale=2, unit="example")
+        return _Variant("larger batch", how, _trainer(copy.deepcopy(model), doubled, loss), scale=2, unit="example")
     except (RuntimeError, MemoryError) as exc:
         return _Variant("larger batch", how, note=f"failed: {type(exc).__name__}: {exc}", unit="example")
 
 
-def _hybridized(model: nn.Module, x: Batch) -> _Variant:
+def _hybridized(model: nn.Module, x: Batch, loss: Any = None) -> _Variant:
     import warnings
 
     from ..hybrid import hybridize
@@ -519,7 +524,7 @@ def _hybridized(model: nn.Module, x: Batch) -> _Variant:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hybrid = hybridize(copy.deepcopy(model), backend="graph", strict=True)
-            step = _trainer(hybrid, x)
+            step = _trainer(hybrid, x, loss)
             step()  # the first call captures; a model capture refuses is a finding, not a failure
     except Exception as exc:  # noqa: BLE001
         return _Variant("hybridize", how, note=f"not applicable: {type(exc).__name__}: {exc}")
@@ -527,23 +532,23 @@ def _hybridized(model: nn.Module, x: Batch) -> _Variant:
 
 
 def _suggestions(model: nn.Module, x: Batch, report: ProfileReport, steps: int,
-                 plans: PlanAdvisor | None = None) -> tuple[list[Suggestion], Contention | None]:
-    baseline = _trainer(model, x)
+                 plans: PlanAdvisor | None = None, loss: Any = None) -> tuple[list[Suggestion], Contention | None]:
+    baseline = _trainer(model, x, loss)
     current, cores = torch.get_num_threads(), _usable_cores()
     planned: list[Suggestion] = []
     if plans is not None:  # layout and threads are the planner's: its candidates against its reference
-        advice = plans(model, x)
+        advice = plans(model, x, loss)
         report.plan, planned = advice.plan, list(advice.suggestions)
-    variants = [] if plans is not None else [v for v in (_channels_last(model, x),) if v is not None]
+    variants = [] if plans is not None else [v for v in (_channels_last(model, x, loss),) if v is not None]
     for n in _thread_counts(current, cores) if plans is None else ():
         way = "more" if n > current else "fewer"
         variants.append(_Variant(f"threads {n}", f"--threads {n} (torch.set_num_threads({n})): {way} threads than "
                                                  f"the {current} now; this machine has {cores} usable cores",
-                                 _with_threads(n, _trainer(copy.deepcopy(model), x))))
+                                 _with_threads(n, _trainer(copy.deepcopy(model), x, loss))))
     overhead = sum(g.time_s for g in report.groups if g.verdict == "overhead-bound")
     if overhead > OVERHEAD_SHARE * sum(g.time_s for g in report.groups):
-        variants.append(_larger_batch(model, x))
-    variants.append(_hybridized(model, x))
+        variants.append(_larger_batch(model, x, loss))
+    variants.append(_hybridized(model, x, loss))
     base, contention = _rounds(baseline, variants, steps)
     base_s = Timing.from_samples(base).median_s
     out = []
@@ -562,14 +567,15 @@ def _suggestions(model: nn.Module, x: Batch, report: ProfileReport, steps: int,
 def profile(model: nn.Module, example_input: Batch, *, steps: int = 5, warmup: int = 1,
             threads: int | None = None, hardware: Hardware | None = None, suggest: bool = True,
             trace: str | os.PathLike | None = None, name: str | None = None,
-            plans: PlanAdvisor | None = None) -> ProfileReport:
+            plans: PlanAdvisor | None = None, loss: Any = None) -> ProfileReport:
     """Profile training steps of ``model`` on batches like ``example_input``; ``model`` itself is not changed.
 
     ``example_input`` is a tensor, a tuple (the model's positional arguments) or a dict, of any dtypes
     (:mod:`dlperf.batch`). ``threads`` sets torch's intra-op threads for the run (restored after);
     ``hardware`` gives the figures for the floors (default: :func:`estimate_hardware`); ``trace`` writes the
     profiled step's Chrome trace there; ``plans`` (:func:`dlperf.bench.plans.plan_advice`) replaces the
-    layout and thread-count suggestions with the planner's candidates, its chosen plan first. Raises
+    layout and thread-count suggestions with the planner's candidates, its chosen plan first; ``loss`` is the
+    step's (:class:`dlperf.losses.TimedLoss`: the model's own, else cross-entropy on class scores). Raises
     :class:`~dlperf.errors.UsageError` when the model cannot train on the input.
     """
     if not isinstance(model, nn.Module):
@@ -585,12 +591,12 @@ def profile(model: nn.Module, example_input: Batch, *, steps: int = 5, warmup: i
         raise UsageError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     with intra_op_threads(threads):
         return _profile(copy.deepcopy(model).train(), example_input, steps, warmup, hardware, suggest, trace,
-                        name or type(model).__name__, plans)
+                        name or type(model).__name__, plans, loss)
 
 
 def _profile(model: nn.Module, x: Batch, steps: int, warmup: int, hardware: Hardware | None,
-             suggest: bool, trace, name: str, plans: PlanAdvisor | None = None) -> ProfileReport:
-    step = _trainer(model, x)
+             suggest: bool, trace, name: str, plans: PlanAdvisor | None = None, loss: Any = None) -> ProfileReport:
+    step = _trainer(model, x, loss)
     try:
         step()  # the first step also checks that the model trains on this input at all
     except UsageError:
@@ -599,16 +605,22 @@ def _profile(model: nn.Module, x: Batch, steps: int, warmup: int, hardware: Hard
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise UsageError(f"the model failed on the input {describe(x)}: {type(exc).__name__}: {first}; give the "
                          "inputs the model expects (shapes batch first, dtypes, for token ids a range below the "
-                         "embedding size, one --input per positional argument)") from None
+                         "embedding size, one tensor per positional argument)") from None
     timing = time_steps(step, warmup=max(warmup - 1, 0), steps=steps)
     seconds, profiled = _profiled_step(step, trace, tries=min(steps, 3))
-    counts = count_step(model, x)
+    counts = count_step(model, x, loss=loss)
     hw = hardware or _at_least_observed(_this_machine(), counts, seconds, timing.median_s)
     floor = step_floor(counts, hw, measured_s=timing.median_s)
     shape = tuple(x.shape) if isinstance(x, torch.Tensor) else (batch_size(x),)
     report = ProfileReport(name, shape, torch.get_num_threads(), timing, profiled,
                            _group_rows(seconds, counts, hw), floor, hw, counts, inputs=describe(x),
-                           batch=batch_size(x))
+                           batch=batch_size(x), loss=_loss_name(step))
     if suggest:
-        report.suggestions, report.suggestions_contention = _suggestions(model, x, report, steps, plans)
+        report.suggestions, report.suggestions_contention = _suggestions(model, x, report, steps, plans, loss)
     return report
+
+
+def _loss_name(step: Callable[[], object]) -> str:
+    """The loss a profiled step minimised (a GPU step's wrapper keeps its TrainingStep as ``training_step``)."""
+    inner = getattr(step, "training_step", step)
+    return str(getattr(getattr(inner, "loss", None), "name", "") or "")

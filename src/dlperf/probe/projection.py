@@ -44,9 +44,10 @@ from ..errors import UsageError
 from ..registry import Registry
 from .cost import Link
 
-__all__ = ["Cluster", "Layout", "HostCPU", "STRATEGIES", "alpha_beta_fit", "cpu_time", "communication_time",
-           "layout_time", "ring_time", "sharded_time", "naive_time", "push_pull_time", "hierarchical_time",
-           "link_from_allreduce", "link_from_strategy", "straggler", "ScaleRow", "Projection", "project"]
+__all__ = ["Cluster", "Layout", "HostGroup", "HostGroups", "HostCPU", "STRATEGIES", "alpha_beta_fit", "cpu_time",
+           "communication_time", "layout_time", "ring_time", "sharded_time", "naive_time", "push_pull_time",
+           "hierarchical_time", "link_from_allreduce", "link_from_strategy", "straggler", "ScaleRow", "Projection",
+           "project"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,63 @@ class Cluster:
         """Every device's host, in rank order (a host's devices together)."""
         return Layout(tuple(h for h in range(self.hosts) for _ in range(self.devices_per_host)))
 
+    def host_groups(self, servers: int = 0) -> HostGroups:
+        """:meth:`Layout.host_groups` of :meth:`layout` with ``servers`` parameter servers on hosts ``s mod
+        hosts``, made without listing the ranks: the cost of a projection does not grow with the devices."""
+        on_host = Counter(s % self.hosts for s in range(servers))
+        kinds = Counter((self.devices_per_host, k, h == 0) for h, k in on_host.items())
+        if 0 not in on_host:
+            kinds[(self.devices_per_host, 0, True)] += 1
+        kinds[(self.devices_per_host, 0, False)] += self.hosts - len(on_host | Counter({0: 1}))
+        return HostGroups.of(kinds)
+
+
+@dataclass(frozen=True)
+class HostGroup:
+    """``count`` hosts alike: each holds ``ranks`` ranks and ``servers`` parameter servers (``first``: the host
+    of rank 0, always a group of its own)."""
+
+    ranks: int
+    servers: int
+    count: int
+    first: bool
+
+
+@dataclass(frozen=True)
+class HostGroups:
+    """What the formulas need to know of a layout: its hosts, grouped by what each holds. Every formula runs over
+    these groups, so its cost grows with the kinds of host, not with the hosts or ranks (a cluster of 1,024
+    uniform hosts is two or three groups)."""
+
+    groups: tuple[HostGroup, ...]
+
+    @classmethod
+    def of(cls, kinds: Counter) -> HostGroups:
+        """From a Counter of (ranks, servers, first) -> hosts like that (zero counts dropped)."""
+        return cls(tuple(HostGroup(r, k, c, f) for (r, k, f), c in sorted(kinds.items()) if c > 0))
+
+    @property
+    def world(self) -> int:
+        return sum(g.ranks * g.count for g in self.groups)
+
+    @property
+    def servers(self) -> int:
+        return sum(g.servers * g.count for g in self.groups)
+
+    @property
+    def hosts(self) -> int:
+        """Hosts holding ranks."""
+        return sum(g.count for g in self.groups if g.ranks)
+
+    @property
+    def most_ranks(self) -> int:
+        return max((g.ranks for g in self.groups), default=0)
+
+    @property
+    def first_ranks(self) -> int:
+        """Ranks on rank 0's host."""
+        return next((g.ranks for g in self.groups if g.first), 0)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -110,109 +168,118 @@ class Layout:
     def per_host(self) -> Counter:
         return Counter(self.hosts)
 
+    def host_groups(self) -> HostGroups:
+        """The hosts grouped by how many ranks and servers each holds (rank 0's host on its own)."""
+        ranks, servers = Counter(self.hosts), Counter(self.servers)
+        first = self.hosts[0] if self.hosts else None
+        return HostGroups.of(Counter((ranks[h], servers[h], h == first) for h in ranks.keys() | servers.keys()))
+
+
+def _groups(layout: Layout | HostGroups) -> HostGroups:
+    return layout if isinstance(layout, HostGroups) else layout.host_groups()
+
 
 def _ring(n: float, k: int, link: Link) -> float:
     return 0.0 if k < 2 else 2 * (k - 1) * link.alpha_s + 2 * (k - 1) / k * n * link.beta
 
 
-def ring_time(n: float, layout: Layout, network: Link, intra: Link) -> float:
+def ring_time(n: float, layout: Layout | HostGroups, network: Link, intra: Link) -> float:
     """One ring through every rank: 2(p-1) steps of n/p bytes, each step as slow as its slowest hop."""
-    slow = network if len(layout.per_host()) > 1 else intra
-    return _ring(n, layout.world, slow)
+    shape = _groups(layout)
+    slow = network if shape.hosts > 1 else intra
+    return _ring(n, shape.world, slow)
 
 
-def sharded_time(n: float, layout: Layout, network: Link, intra: Link) -> float:
+def sharded_time(n: float, layout: Layout | HostGroups, network: Link, intra: Link) -> float:
     """Direct reduce-scatter + all-gather: two phases; each rank's link carries (p-1)/p n, a NIC its host's share."""
-    p = layout.world
+    shape = _groups(layout)
+    p = shape.world
     if p < 2:
         return 0.0
     device = 2 * intra.alpha_s + 2 * (p - 1) / p * n * intra.beta
-    counts = layout.per_host()
-    if len(counts) == 1:
+    if shape.hosts == 1:
         return device
-    nic = max(g * (p - g) / p for g in counts.values())
+    nic = max(g.ranks * (p - g.ranks) / p for g in shape.groups if g.ranks)
     return max(device, 2 * network.alpha_s + 2 * nic * n * network.beta)
 
 
-def naive_time(n: float, layout: Layout, network: Link, intra: Link) -> float:
+def naive_time(n: float, layout: Layout | HostGroups, network: Link, intra: Link) -> float:
     """All to rank 0 and back: rank 0's link takes p-1 copies each way, host 0's NIC those of the other hosts."""
-    p = layout.world
-    remote = sum(1 for h in layout.hosts if h != layout.hosts[0])
+    shape = _groups(layout)
+    p = shape.world
+    remote = p - shape.first_ranks
     return 2 * max((p - 1) * intra.time(n), remote * network.time(n) if remote else 0.0)
 
 
-def push_pull_time(n: float, layout: Layout, network: Link, intra: Link) -> float:
+def push_pull_time(n: float, layout: Layout | HostGroups, network: Link, intra: Link) -> float:
     """Every rank pushes n/S to each of the S servers (``layout.servers``) and pulls as much back.
 
     Per phase, the busiest link sets the pace: a host's memory link takes a message from each of its own
     ranks to each of its servers (the NIC does not see them), a NIC what its host sends to, or receives
     from, servers elsewhere.
     """
-    servers = layout.servers
-    if not servers:
+    shape = _groups(layout)
+    s = shape.servers
+    if not s:
         raise UsageError("a push/pull needs at least one server in the layout")
-    s, part = len(servers), n / len(servers)
+    part, p = n / s, shape.world
     phase = 0.0
-    for host in set(layout.hosts) | set(servers):
-        ranks_here = sum(1 for h in layout.hosts if h == host)
-        servers_here = sum(1 for h in servers if h == host)
+    for g in shape.groups:
         # this host's memory link takes a message from each of its own ranks to each of its servers
-        local = ranks_here * servers_here
-        out_msgs = ranks_here * (s - servers_here)  # this host's ranks to servers elsewhere
-        in_msgs = servers_here * (layout.world - ranks_here)  # other hosts' ranks to servers here
+        local = g.ranks * g.servers
+        out_msgs = g.ranks * (s - g.servers)  # this host's ranks to servers elsewhere
+        in_msgs = g.servers * (p - g.ranks)  # other hosts' ranks to servers here
         remote = max(out_msgs, in_msgs)
         phase = max(phase, local * intra.time(part) if local else 0.0,
                     remote * network.time(part) if remote else 0.0)
     return 2 * phase
 
 
-def hierarchical_time(n: float, layout: Layout, network: Link, intra: Link) -> float:
+def hierarchical_time(n: float, layout: Layout | HostGroups, network: Link, intra: Link) -> float:
     """Allreduce inside each host, a ring of one leader per host across them, the leader's result copied back."""
-    counts = layout.per_host()
-    g = max(counts.values())
-    inside = sharded_time(n, Layout(tuple([0] * g)), network, intra) if g > 1 else 0.0
-    if len(counts) == 1:
+    shape = _groups(layout)
+    g = shape.most_ranks
+    inside = sharded_time(n, HostGroups((HostGroup(g, 0, 1, True),)), network, intra) if g > 1 else 0.0
+    if shape.hosts == 1:
         return inside
-    return inside + _ring(n, len(counts), network) + (intra.time(n) if g > 1 else 0.0)
+    return inside + _ring(n, shape.hosts, network) + (intra.time(n) if g > 1 else 0.0)
 
 
-def _reduced_bytes(strategy: str, n: float, layout: Layout) -> list[float]:
-    """The bytes each rank (then each server, for the parameter servers) adds into a sum during ``strategy``."""
-    p = layout.world
+def _host_work(strategy: str, n: float, group: HostGroup, shape: HostGroups) -> tuple[int, float, float]:
+    """One host of ``group`` during ``strategy``: how many ranks and servers add into a sum there, the bytes
+    they add together, and the most one of them adds."""
+    p, r = shape.world, group.ranks
     if strategy in ("ring", "sharded"):
-        return [(p - 1) / p * n] * p
+        each = (p - 1) / p * n
+        return r, r * each, each if r else 0.0
     if strategy == "naive":
-        return [(p - 1) * n] + [0.0] * (p - 1)
+        first = (p - 1) * n if group.first else 0.0
+        return r, first, first
     if strategy == "hierarchical":
-        counts = layout.per_host()
-        leaders = {layout.hosts.index(h) for h in counts}
-        hosts = len(counts)
-        return [(counts[h] - 1) / counts[h] * n + ((hosts - 1) / hosts * n if r in leaders else 0.0)
-                for r, h in enumerate(layout.hosts)]
-    s = max(1, len(layout.servers))
-    return [0.0] * p + [p * n / s] * len(layout.servers)
+        own = (r - 1) / r * n if r else 0.0
+        leader = own + (shape.hosts - 1) / shape.hosts * n
+        return r, (r - 1) * own + leader if r else 0.0, leader if r else 0.0
+    server = p * n / max(1, shape.servers) if group.servers else 0.0
+    return r + group.servers, group.servers * server, server
 
 
-def cpu_time(strategy: str, n: float, layout: Layout, cpu: HostCPU) -> float:
+def cpu_time(strategy: str, n: float, layout: Layout | HostGroups, cpu: HostCPU) -> float:
     """Seconds a host's reductions add when its ranks outnumber its cores (0 when every rank has a core).
 
     Side by side, the busiest rank's reductions would last ``bytes x reduce_s_per_byte``; taking turns on
     ``cores`` cores, a host's last as long as all of its ranks' together over the cores. The difference
     for the busiest host is charged.
     """
-    work = _reduced_bytes(strategy, n, layout)
-    where = list(layout.hosts) + list(layout.servers)
-    by_host: dict[int, list[float]] = {}
-    for host, nbytes in zip(where, work, strict=True):
-        by_host.setdefault(host, []).append(nbytes * cpu.reduce_s_per_byte)
+    shape = _groups(layout)
     extra = 0.0
-    for spent in by_host.values():
-        if len(spent) > cpu.cores:
-            extra = max(extra, sum(spent) / cpu.cores - max(spent))
+    for group in shape.groups:
+        workers, total, largest = _host_work(strategy, n, group, shape)
+        if workers > cpu.cores:
+            extra = max(extra, (total / cpu.cores - largest) * cpu.reduce_s_per_byte)
     return extra
 
 
-LayoutFormula = Callable[[float, Layout, Link, Link], float]
+LayoutFormula = Callable[[float, Layout | HostGroups, Link, Link], float]
 STRATEGIES: Registry[tuple[LayoutFormula, int]] = Registry("gradient strategy")
 """Strategy name -> (its time formula over a layout, the number of parameter servers it places; 0: none)."""
 for _name, _entry in (("ring", (ring_time, 0)), ("sharded", (sharded_time, 0)), ("ps-1", (push_pull_time, 1)),
@@ -221,23 +288,22 @@ for _name, _entry in (("ring", (ring_time, 0)), ("sharded", (sharded_time, 0)), 
     STRATEGIES.register(_name, _entry)
 
 
-def layout_time(strategy: str, n: float, layout: Layout, network: Link, intra: Link,
+def layout_time(strategy: str, n: float, layout: Layout | HostGroups, network: Link, intra: Link,
                 cpu: HostCPU | None = None) -> float:
     """Seconds for ``strategy`` to sum ``n`` bytes of gradients on ``layout`` (its servers already placed); with
     ``cpu``, plus what ranks that outnumber their host's cores add (:func:`cpu_time`)."""
     formula, _ = STRATEGIES.get(strategy)
-    if layout.world < 2 and strategy not in ("ps-1", "ps-2"):
+    shape = _groups(layout)
+    if shape.world < 2 and strategy not in ("ps-1", "ps-2"):
         return 0.0
-    extra = cpu_time(strategy, n, layout, cpu) if cpu is not None else 0.0
-    return formula(n, layout, network, intra) + extra
+    extra = cpu_time(strategy, n, shape, cpu) if cpu is not None else 0.0
+    return formula(n, shape, network, intra) + extra
 
 
 def communication_time(strategy: str, n: float, cluster: Cluster) -> float:
     """Seconds for ``strategy`` to sum ``n`` bytes of gradients over every device of ``cluster``."""
     _, servers = STRATEGIES.get(strategy)
-    base = cluster.layout()
-    layout = Layout(base.hosts, tuple(s % cluster.hosts for s in range(servers)))
-    return layout_time(strategy, n, layout, cluster.network, cluster.intra, cluster.cpu)
+    return layout_time(strategy, n, cluster.host_groups(servers), cluster.network, cluster.intra, cluster.cpu)
 
 
 def link_from_allreduce(fit: Link, world: int) -> Link:

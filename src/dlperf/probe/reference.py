@@ -10,15 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NS = "ns"
+MS = "ms"
 GBPS = "GB/s"
 GFLOPS = "GFLOP/s"
 
 
 # What any machine can show, per unit, with margin on both sides: a figure outside is not a measurement
 # (a cache or file holding 0, 5e-324 or 1e308 is refused, not turned into a floor of 0 or inf).
-# Times from a tenth of a picosecond to a day; bandwidths from 1 KB/s to 1 PB/s; FLOP/s from 1 kFLOP/s
-# to 1 EFLOP/s.
-PLAUSIBLE: dict[str, tuple[float, float]] = {NS: (1e-4, 86_400e9), GBPS: (1e-6, 1e6), GFLOPS: (1e-6, 1e9)}
+# Times from a tenth of a picosecond to a day (in ns, or in ms for step times); bandwidths from 1 KB/s to
+# 1 PB/s; FLOP/s from 1 kFLOP/s to 1 EFLOP/s. Every cache of figures (probe, links, plans) is checked here.
+PLAUSIBLE: dict[str, tuple[float, float]] = {NS: (1e-4, 86_400e9), MS: (1e-10, 86_400e3), GBPS: (1e-6, 1e6),
+                                             GFLOPS: (1e-6, 1e9)}
 
 
 def implausible(value: object, unit: str) -> str | None:

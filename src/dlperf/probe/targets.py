@@ -45,12 +45,12 @@ def read_hardware(source: str):
     try:
         hardware = Hardware.from_probe(doc)
     except UsageError as exc:
-        raise UsageError(f"--hardware {source!r}: {exc}") from None
+        raise UsageError(f"hardware={source!r}: {exc}") from None
     return dataclasses.replace(hardware, name=one_line(hardware.name))
 
 
 def _bad_file(source: str, problem: str) -> UsageError:
-    return UsageError(f"--hardware {source!r} is {problem}; give a JSON file of hardware figures "
+    return UsageError(f"hardware={source!r} is {problem}; give a JSON file of hardware figures "
                       "(Hardware.from_probe's format)")
 
 
@@ -64,7 +64,7 @@ def _check_figures(doc: dict, source: str) -> None:
     """Refuse, naming the field, a figure no machine shows (types and missing keys are from_probe's)."""
     name = doc.get("name")
     if isinstance(name, str) and len(name) > _MAX_NAME:
-        raise UsageError(f"--hardware {source!r}: 'name' is longer than {_MAX_NAME} characters; give a short name")
+        raise UsageError(f"hardware={source!r}: 'name' is longer than {_MAX_NAME} characters; give a short name")
     fields: list[tuple[str, object, tuple[str, str, float], bool]] = [
         ("memory_bandwidth", doc.get("memory_bandwidth"), _BYTES_PER_S, False),
         ("dispatch_s", doc.get("dispatch_s"), _SECONDS, False)]
@@ -85,7 +85,7 @@ def _check_figures(doc: dict, source: str) -> None:
             continue
         lo, hi = (bound / factor for bound in PLAUSIBLE[plausible_unit])
         if not lo <= value <= hi:
-            raise UsageError(f"--hardware {source!r}: {key} is {value!r} {unit}, outside what any machine shows "
+            raise UsageError(f"hardware={source!r}: {key} is {value!r} {unit}, outside what any machine shows "
                              f"({lo:g} to {hi:g} {unit}{' or 0' if zero_ok else ''}); fix the figure or measure it "
                              "again with `dlperf probe`")
 
@@ -93,8 +93,9 @@ def _check_figures(doc: dict, source: str) -> None:
 def load_factory(spec: str):
     """Import ``module:attr`` and return the attribute, which must be callable; errors say how to fix."""
     module_name, _, attr_path = spec.partition(":")
-    added = os.getcwd() not in sys.path
-    if added:
+    # the current directory first, as `python -m` puts it, and kept: processes started later (a plan's, a
+    # launch's) unpickle the user's objects by their module, and spawned interpreters take this path list
+    if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
@@ -106,9 +107,6 @@ def load_factory(spec: str):
     except (Exception, SystemExit) as exc:  # noqa: BLE001 (user code: any failure at import is the module's)
         raise UsageError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}; fix the module (a script "
                          "that runs on import needs an `if __name__ == '__main__':` guard)") from None
-    finally:
-        if added and os.getcwd() in sys.path:
-            sys.path.remove(os.getcwd())
     obj = module
     for part in attr_path.split("."):
         if not hasattr(obj, part):
@@ -132,4 +130,34 @@ def build_model(spec: str):
                          "no arguments") from None
     if not isinstance(model, nn.Module):
         raise UsageError(f"{spec}() returned {type(model).__name__}, not a torch.nn.Module; return the model")
+    problem = trainable_problem(model)
+    if problem:
+        raise UsageError(f"{spec}() built a model {problem}")
     return model
+
+
+def trainable_problem(model) -> str | None:
+    """Why ``model`` cannot train (``"with no parameters, ..."``), or None: every verb that builds a user's model
+    trains it, and each of these would otherwise fail deep inside a step, or train nothing."""
+    try:
+        params = list(model.named_parameters())
+        tensors = [*params, *model.named_buffers()]
+        list(model.parameters())  # what optimizers and the Trainer call: a model may override it alone
+    except Exception as exc:  # noqa: BLE001 (user code)
+        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        return (f"whose parameters() raised {type(exc).__name__}{': ' + text if text else ''}; fix the model's "
+                "parameters() (nn.Module's own walks its layers)")
+    import torch
+
+    # (unless the caller builds on the meta device itself, to count a step's work without memory)
+    meta = [name for name, t in tensors if t.is_meta] if torch.get_default_device().type != "meta" else []
+    if meta:
+        return (f"on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}), whose tensors hold "
+                "no values to train; build it on the CPU (or call to_empty() and load its weights) in the factory")
+    if not params:
+        return ("that has no trainable parameters (no parameters at all), so there is nothing to train; give a model "
+                "with layers that have weights")
+    if not any(p.requires_grad for _, p in params):
+        return ("that has no trainable parameters (every one has requires_grad=False), so there is nothing to train; "
+                "leave some trainable")
+    return None

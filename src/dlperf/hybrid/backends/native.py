@@ -254,9 +254,19 @@ class _PythonReplay:
             return self._gm.forward(x)
 
 
+def refuse_grad_mode_changes(captured: Captured) -> None:
+    """Raise :class:`BackendUnsupported` when forward changes the autograd mode: the plan differentiates every
+    instruction (its backward would train what ``no_grad`` froze) and hands back what the call's mode says."""
+    lines = captured.grad_mode_changes()
+    if lines:
+        raise BackendUnsupported(f"forward changes the autograd mode (torch.no_grad, inference_mode or "
+                                 f"set_grad_enabled) at {lines[0]}, which the plan cannot keep")
+
+
 def _prepare(captured: Captured, example_args: tuple) -> Runner:
     if len(example_args) != 1:
         raise BackendUnsupported("the native plan takes exactly one input tensor")
+    refuse_grad_mode_changes(captured)
     code, params, num_slots, output_slot = build_code(captured.graph_module)
     try:
         ext = load_extension()

@@ -34,16 +34,26 @@ def native_runner(joint: JointGraph, update: OptimizerUpdate, x, y, keep_grads: 
         raise BackendUnsupported("the native plan takes one float32 CPU tensor as input")
     if not isinstance(y, torch.Tensor):
         raise BackendUnsupported("the native step takes one target tensor")
+    if joint.used is not None:
+        raise BackendUnsupported("the loss does not reach every trainable parameter, and the plan's backward would "
+                                 "update them all")
     if update.kind not in ("sgd", "adam"):
         raise BackendUnsupported(f"{type(update.optimizer).__name__} has no fused update")
     if any(not (p.dtype == torch.float32 and p.is_contiguous() and p.device.type == "cpu") for p in joint.params):
         raise BackendUnsupported("the native plan updates contiguous float32 CPU parameters only")
     try:
-        captured = capture(joint.module, (x,))
+        with torch.enable_grad():  # a training step's mode: a change inside forward shows against it
+            captured = capture(joint.module, (x,))
     except CaptureError as exc:
         raise BackendUnsupported(str(exc)) from None
+    native.refuse_grad_mode_changes(captured)
     code, params, num_slots, out_slot = native.build_code(captured.graph_module)
     order = {id(p): i for i, p in enumerate(joint.params)}
+    frozen = [name for name, p in joint.module.named_parameters() if not p.requires_grad
+              and any(p is q for q in params)]
+    if frozen:  # the plan's backward differentiates and updates every weight it reads
+        raise BackendUnsupported(f"parameters with requires_grad=False ({', '.join(frozen[:3])}) are read by the "
+                                 "plan, whose backward would update them")
     if len(params) != len(joint.params) or {id(p) for p in params} != set(order):
         raise BackendUnsupported("every trainable parameter must be a weight or bias of exactly one linear layer")
     try:

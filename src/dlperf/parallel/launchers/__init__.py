@@ -15,6 +15,7 @@ from .launcher import (
     LaunchError,
     RankInfo,
     checkpoint_path,
+    in_launched_worker,
     rank_host,
     rank_info,
     rank_role,
@@ -24,5 +25,5 @@ from .processes import ProcessLauncher, attempt_store, free_port
 from .threads import ThreadLauncher
 
 __all__ = ["DEFAULT_ROLE", "HOST_ENV", "LaunchConfig", "Launcher", "LaunchError", "ProcessLauncher", "RankInfo",
-           "ThreadLauncher", "attempt_store", "checkpoint_path", "free_port", "rank_host", "rank_info", "rank_role",
-           "restart_count"]
+           "ThreadLauncher", "attempt_store", "checkpoint_path", "free_port", "in_launched_worker", "rank_host",
+           "rank_info", "rank_role", "restart_count"]

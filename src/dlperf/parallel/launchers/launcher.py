@@ -74,6 +74,14 @@ def rank_info() -> RankInfo:
                           "start the workers with a launcher") from None
 
 
+def in_launched_worker() -> bool:
+    """Whether the caller is a worker a launcher started: a thread of :class:`ThreadLauncher`, or a process of
+    ``dlperf launch``, :class:`ProcessLauncher` or ``torchrun`` (torch's agent names the run in every worker's
+    environment). Such a worker is one of the processes: it never starts processes of its own again.
+    """
+    return getattr(_thread_rank, "info", None) is not None or "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def rank_role() -> str:
     """The role the launcher gave the calling worker (``"worker"`` unless the launch's ``roles`` say else)."""
     return os.environ.get("DLPERF_ROLE") or DEFAULT_ROLE

@@ -12,29 +12,31 @@ was found (environment, signal handlers, no child processes, nor any process a w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
 import os
 import pickle
-import select
 import signal
 import socket
 import stat
+import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..._attempt import attempt_number, attempt_store
+from ..._attempt import attempt_store
 from ..._cliargs import one_line
 from ..._hostmem import keep_freed_host_memory
 from ..._io import check_writable
-from ..._threads import ServiceThread, cleanup_step
+from ..._threads import cleanup_step
 from ...errors import UsageError
 from ...machine import HOST_ENV
 from .faults import (
@@ -43,20 +45,18 @@ from .faults import (
     first_cause,
     host_label,
     interface_with_address,
-    kill_process_groups,
     local_address,
     set_parent_death_signal,
 )
 from .launch_config import MAX_TIMEOUT_S, MIN_TIMEOUT_S, LaunchConfig
 from .launcher import DEFAULT_ROLE, Launcher, LaunchError, rank_info
 from .parent import ParentState
+from .watchdog import Watchdog, mark, reported_failures
 
 __all__ = ["MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "LaunchConfig", "ProcessLauncher", "attempt_store", "free_port"]
 
 # how long the agent waits for signalled workers before SIGKILL: time for a worker to finish a checkpoint write
 _SHUTDOWN_TIMEOUT_S = 5
-# signals that stop a launch on purpose: the other nodes hear of it at once, not after their fault timeout
-_INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PORT_TRIES = 3  # free ports tried by a launch that picks its own
 _KEPT_LOGS = 20  # logs of failed launches kept per user; older ones go as new ones come
 _STORE_READ_TIMEOUT_S = 60  # torch's default for the rendezvous store's connect and reads
@@ -67,15 +67,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _mark(marker_dir: str, local_rank: int, what: str, text: str = "") -> None:
-    # a marker's presence is its message; os.replace makes it appear whole. Names carry the attempt so a
-    # restarted worker's markers are not confused with its predecessor's.
-    path = Path(marker_dir) / f"{attempt_number()}.{local_rank}.{what}"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text or str(os.getpid()))
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -129,12 +120,42 @@ class WorkerInterrupted(RuntimeError):
     """A worker got SIGINT itself: raised in its place so that the agent sees a failed worker."""
 
 
+@contextlib.contextmanager
+def _workers_start_deaf_to_ctrl_c() -> Iterator[None]:
+    """SIGINT blocked in this (the main) thread while the agent runs, so the workers it spawns start with it blocked.
+
+    A worker spends its first seconds importing torch in the terminal's process group: a Ctrl-C there would
+    print each worker's half-finished import as a traceback, though it is the launcher's to handle (it stops
+    the workers). Blocked, the signal waits in the worker until :func:`_worker` has left that group and lets
+    it through as an interruption. This process still hears it: the kernel hands it to a thread that does
+    not block it (the watchdog's), and Python runs the handler here, in the main thread, as always.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) -> Any:
     """Entry point of every worker process: the process group around ``fn``."""
     rank, _, local_rank = rank_info()
     _prepare_worker(setup, rank)
     marker_dir, backend = setup.marker_dir, setup.backend
-    _mark(marker_dir, local_rank, "started", f"{os.getpid()} {rank}")
+    mark(marker_dir, local_rank, "started", f"{os.getpid()} {rank}")
+    try:
+        # in its own process group now: a Ctrl-C that came while it started (blocked by the launcher, see
+        # _workers_start_deaf_to_ctrl_c) is raised here (pthread_sigmask runs the handler at once), and
+        # later ones come from the agent
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    except KeyboardInterrupt:
+        raise _stopped_by_ctrl_c(marker_dir, local_rank, rank) from None
+    error_file = _spawn_error_file()
+    if error_file is not None:  # the launcher removes it once torch has read it
+        mark(marker_dir, local_rank, "errorfile", error_file)
     if backend is not None:
         import torch.distributed as dist
 
@@ -142,16 +163,12 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
     try:
         result = fn(*args, **kwargs)
     except KeyboardInterrupt:
-        # torch's spawn wrapper takes a KeyboardInterrupt for its parent's doing and exits 0 without a
-        # result; a worker interrupted on its own (Ctrl-C to its process group) must count as stopped
-        message = f"interrupted by SIGINT (Ctrl-C) in rank {rank}'s process"
-        _mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{message}")
-        raise WorkerInterrupted(message) from None
+        raise _stopped_by_ctrl_c(marker_dir, local_rank, rank) from None
     except BaseException as exc:
         # The peers of a failed rank fail too (their collectives lose the connection), and the agent
         # reports whichever it polls first; the time each rank failed tells the cause from the echoes,
         # so it is taken before this rank's connections close.
-        _mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{type(exc).__name__}: {exc}")
+        mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{type(exc).__name__}: {exc}")
         raise
     else:
         if backend is not None:
@@ -162,8 +179,45 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, setup: _Setup) ->
 
             close_host_allreduce()  # segments set up on this group go with it
             dist.destroy_process_group()
-    _mark(marker_dir, local_rank, "finished")
+    mark(marker_dir, local_rank, "finished")
     return result
+
+
+def _stopped_by_ctrl_c(marker_dir: str, local_rank: int, rank: int) -> WorkerInterrupted:
+    # torch's spawn wrapper takes a KeyboardInterrupt for its parent's doing and exits 0 without a
+    # result; a worker interrupted on its own (Ctrl-C to its process group) must count as stopped
+    message = f"interrupted by SIGINT (Ctrl-C) in rank {rank}'s process"
+    mark(marker_dir, local_rank, "failed", f"{time.time()!r}\n{rank}\n{message}")
+    return WorkerInterrupted(message)
+
+
+def _spawn_error_file() -> str | None:
+    """Where torch's spawn wrapper, up this worker's stack, writes the traceback if the worker raises: a
+    ``pytorch-errorfile-*.pickle`` in the launcher's temporary directory that torch reads and never removes."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_wrap" and frame.f_globals.get("__name__") == "torch.multiprocessing.spawn":
+            path = frame.f_locals.get("error_file")
+            return path if isinstance(path, str) else None
+        frame = frame.f_back
+    return None
+
+
+def _remove_error_files(markers: Path) -> None:
+    """Remove the traceback files torch's spawn wrapper left for this launch's workers (named in their markers),
+    once the agent has read them; only such files, in this process's temporary directory, owned by this user."""
+    for marker in markers.glob("*.errorfile"):
+        try:
+            path = marker.read_text()
+            name = os.path.basename(path)
+            if os.path.dirname(path) != tempfile.gettempdir() or not (
+                    name.startswith("pytorch-errorfile-") and name.endswith(".pickle")):
+                continue
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(path)
+        except OSError:
+            continue  # never written (the worker did not raise), or gone already
 
 
 def _leave_together(dist: Any) -> None:
@@ -191,230 +245,6 @@ def _init_process_group(dist: Any, backend: str, rank: int, timeout: datetime.ti
     store.set_timeout(timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
                             timeout=timeout)
-
-
-def _reported_failures(marker_dir: Path) -> dict[int, tuple[float, str]]:
-    """rank -> (when, error) of every worker that raised in the last attempt, from their own markers."""
-    found = []
-    for path in marker_dir.glob("*.failed"):
-        try:
-            attempt = int(path.name.split(".")[0])
-            when, rank, message = path.read_text().split("\n", 2)
-            found.append((attempt, int(rank), float(when), message.strip()))
-        except (OSError, ValueError):
-            continue
-    last = max((f[0] for f in found), default=0)
-    return {rank: (when, message) for attempt, rank, when, message in found if attempt == last}
-
-
-def _spawned_children() -> set[int]:
-    """Pids of this process's multiprocessing-spawned children (Linux; empty elsewhere)."""
-    pids: set[int] = set()
-    try:
-        tasks = os.listdir(f"/proc/{os.getpid()}/task")
-    except OSError:
-        return pids
-    for tid in tasks:
-        try:
-            pids.update(int(p) for p in Path(f"/proc/{os.getpid()}/task/{tid}/children").read_text().split())
-        except (OSError, ValueError):
-            continue
-    out = set()
-    for pid in pids:
-        try:
-            if b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.add(pid)
-        except OSError:
-            continue
-    return out
-
-
-class _Watchdog:
-    """The launcher's one thread beside the agent: it stops the workers when they must not go on.
-
-    The agent itself waits for its workers without a deadline and knows nothing of other nodes;
-    killing the workers is the one way to make it return (and stop the rest) through its own shutdown
-    path. The watchdog does that when the join timeout passes, and, on a launch over several nodes,
-    when another node gives up or is lost (see :class:`~.faults.FaultBoard`, which it keeps beating).
-    When this launcher is interrupted (SIGINT, SIGTERM, SIGHUP) the agent stops the workers itself, and
-    the watchdog tells the other nodes at once, while the main thread is still busy with that shutdown.
-    """
-
-    POLL_S = 0.2
-
-    def __init__(self, marker_dir: str, local_world: int, timeout_s: float, board: FaultBoard | None,
-                 roles: Mapping[int, str] | None = None, host: str = "") -> None:
-        self.marker_dir = Path(marker_dir)
-        self.local_world = local_world
-        self.timeout_s = timeout_s
-        self.board = board
-        self.roles = dict(roles or {})
-        self.host = host
-        self.before = _spawned_children()
-        self.still_running: list[int] = []
-        self.remote: list[FailureRecord] | None = None  # set when other nodes' failures stopped ours
-        self.interrupted: int | None = None  # the signal that stopped this launcher
-        self.interrupt_published = False
-        self._done = threading.Event()
-        # the kernel-level signal handler writes each signal's number here (signal.set_wakeup_fd), however
-        # the agent's Python handlers deal with it afterwards
-        self._wake_read, self._wake_write = socket.socketpair()
-        for end in (self._wake_read, self._wake_write):
-            end.setblocking(False)
-        self._previous_wakeup: int | None = None
-        # one plain thread: it only waits, polls the store and sends signals; tensor work runs elsewhere
-        self._thread = ServiceThread(self._run, name="dlperf-launch-watchdog")
-
-    @property
-    def fired(self) -> bool:
-        return bool(self.still_running)
-
-    def start(self) -> None:
-        if threading.current_thread() is threading.main_thread():  # only there can signals be watched
-            self._previous_wakeup = signal.set_wakeup_fd(self._wake_write.fileno(), warn_on_full_buffer=False)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop the thread and the watch on signals; may be called more than once.
-
-        Raises what the thread raised (once), after the watch on signals is given back.
-        """
-        self._done.set()
-        try:
-            self._wake_write.send(b"\0")  # not a signal number: it only ends the thread's wait
-        except OSError:
-            pass
-        try:
-            self._thread.join()
-        finally:
-            if self._previous_wakeup is not None:
-                signal.set_wakeup_fd(self._previous_wakeup)
-                self._previous_wakeup = None
-            self._wake_read.close()
-            self._wake_write.close()
-
-    def _wait(self) -> bool:
-        """Sleep one poll interval or until a signal arrives; return whether the watchdog must stop."""
-        if not self._done.is_set():
-            try:
-                select.select([self._wake_read], [], [], self.POLL_S)
-                received = self._wake_read.recv(256)
-            except (BlockingIOError, InterruptedError):
-                received = b""
-            for signum in received:
-                if signum in _INTERRUPTS and self.interrupted is None:
-                    self.interrupted = signum
-        return self._done.is_set()
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while not self._wait():
-            if self.interrupted is not None:
-                self.publish_interrupt()
-                self._done.wait()  # the agent stops its workers itself: they got the signal and may save
-                return
-            if time.monotonic() > deadline:
-                self.still_running = [self._rank(r) for r in range(self.local_world)
-                                      if not self._marker(r, "finished").exists()] or [-1]
-                break
-            if self.board is not None and self._others_failed():
-                break
-        # keep killing until the agent returns: with restarts left it starts replacements
-        while not self._done.is_set():
-            self.kill_workers()
-            self._done.wait(self.POLL_S)
-
-    def interrupt_record(self, signum: int) -> FailureRecord:
-        """This node as the cause of the launch's end: stopped by ``signum``, named by its lowest rank."""
-        ranks = self.global_ranks()
-        rank = ranks[0] if ranks else None
-        node = f"node {self.board.node_rank}" if self.board is not None else "this node"
-        return FailureRecord(rank, self.roles.get(rank, DEFAULT_ROLE) if rank is not None else "node", self.host,
-                             f"interrupted by {signal.Signals(signum).name} to the launcher of {node} "
-                             f"(ranks {ranks or 'not started'})", time.time(), False)
-
-    def publish_interrupt(self) -> None:
-        """Tell the other nodes that this one was interrupted (once; the board's thread only)."""
-        if self.board is None or self.interrupt_published or self.interrupted is None:
-            return
-        if self.global_ranks():  # (the signal may come before the board's first call since they started)
-            self.board.rendezvous_met()
-        self.interrupt_published = self.board.publish_interrupt(self.interrupt_record(self.interrupted))
-
-    def _others_failed(self) -> bool:
-        assert self.board is not None
-        ranks = self.global_ranks()
-        if not ranks:
-            # before this node's workers start, the rendezvous (and its join timeout) watches the nodes; a
-            # store that is not up yet would cost each poll a connect timeout, past the launch's deadline
-            return False
-        self.board.rendezvous_met()
-        self.board.beat(ranks)
-        if self.board.others_failed():
-            self.remote = []
-            return True
-        lost = self.board.lost()
-        if lost:
-            self.remote = lost
-            return True
-        return False
-
-    def kill_workers(self) -> None:
-        """SIGKILL this launch's workers (also those too young to have said who they are) and their groups."""
-        targets = self._targets()
-        for pid in targets:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        kill_process_groups(targets | self.leaders())
-
-    def kill_leftovers(self) -> None:
-        """SIGKILL what is left of the process groups of this launch's workers, once the agent is done.
-
-        Only groups its workers announced: children spawned meanwhile may belong to another launch.
-        """
-        kill_process_groups(self.leaders())
-
-    def _attempts(self) -> list[int]:
-        return sorted({int(p.name.split(".")[0]) for p in self.marker_dir.glob("*.started")})
-
-    def _marker(self, local_rank: int, what: str) -> Path:
-        return self.marker_dir / f"{max(self._attempts(), default=0)}.{local_rank}.{what}"
-
-    def _rank(self, local_rank: int) -> int:
-        """The global rank of a local worker, as it wrote it; its local rank if it has not started."""
-        try:
-            return int(self._marker(local_rank, "started").read_text().split()[1])
-        except (OSError, ValueError, IndexError):
-            return local_rank
-
-    def global_ranks(self) -> list[int]:
-        """The global ranks of this node's workers in the current attempt (those that have started)."""
-        return sorted(self._rank(r) for r in range(self.local_world) if self._marker(r, "started").exists())
-
-    def leaders(self) -> set[int]:
-        """Every worker of every attempt: each leads its own process group."""
-        pids = set()
-        for path in self.marker_dir.glob("*.started"):
-            try:
-                pids.add(int(path.read_text().split()[0]))
-            except (OSError, ValueError, IndexError):
-                continue
-        pids.discard(os.getpid())
-        return pids
-
-    def _targets(self) -> set[int]:
-        pids = _spawned_children() - self.before
-        for r in range(self.local_world):
-            if self._marker(r, "finished").exists():
-                continue
-            try:
-                pids.add(int(self._marker(r, "started").read_text().split()[0]))
-            except (OSError, ValueError):
-                continue
-        pids.discard(os.getpid())
-        return pids
 
 
 class ProcessLauncher(Launcher):
@@ -526,7 +356,7 @@ class ProcessLauncher(Launcher):
                     continue
                 raise LaunchError(f"the rendezvous store on {self.master_addr}:{port} could not be "
                                   f"{'hosted' if self.node_rank == 0 else 'reached'} ({exc}); "
-                                  + ("pick another free port for --master / master_port" if self.node_rank == 0
+                                  + ("pick another free master_port" if self.node_rank == 0
                                      else "start node 0 first, with the same master address and port, or check "
                                           "that this host reaches it")) from None
             # (had the deadline passed as the last worker finished, the work is still done: it is returned)
@@ -560,15 +390,16 @@ class ProcessLauncher(Launcher):
                            self.checkpoint, self.nnodes)
             board = (FaultBoard(self.master_addr, port, run_id, self.node_rank, self.nnodes, host,
                                 self.fault_timeout_s) if self.nnodes > 1 else None)
-            watchdog = _Watchdog(str(markers), self.nproc_per_node, self.join_timeout_s, board, self.roles, host)
+            watchdog = Watchdog(str(markers), self.nproc_per_node, self.join_timeout_s, board, self.roles, host)
             try:
                 return self._run(elastic_launch(config, _worker), (fn, args, kwargs, setup), watchdog, markers,
                                  host)
             finally:
+                _remove_error_files(markers)
                 if board is not None:
                     board.close()
 
-    def _run(self, agent: Callable[..., Any], agent_args: tuple, watchdog: _Watchdog, markers: Path,
+    def _run(self, agent: Callable[..., Any], agent_args: tuple, watchdog: Watchdog, markers: Path,
              host: str) -> dict[int, Any]:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -578,7 +409,8 @@ class ProcessLauncher(Launcher):
         lost: BaseException | None = None
         watchdog.start()
         try:
-            results = agent(*agent_args)
+            with _workers_start_deaf_to_ctrl_c():
+                results = agent(*agent_args)
         except ChildFailedError as exc:
             failed = exc
         except RendezvousConnectionError as exc:
@@ -593,7 +425,7 @@ class ProcessLauncher(Launcher):
             raise LaunchError(f"the rendezvous on {self.master_addr} did not complete within "
                               f"join_timeout_s={self.join_timeout_s:g} s ({type(exc).__name__}: "
                               f"{one_line(str(exc)).split(' Exception raised from')[0][:200]}); start all "
-                              f"{self.nnodes} nodes with the same --master and --nnodes, or raise the timeout"
+                              f"{self.nnodes} nodes with the same master_port and nnodes, or raise the timeout"
                               ) from None
         except (SignalException, KeyboardInterrupt) as exc:
             # handled while the exception lives: it holds the agent, and on node 0 the store with it
@@ -616,7 +448,7 @@ class ProcessLauncher(Launcher):
         # heartbeat or "done" from any node would only meet a closed socket (a screenful of C++ warnings).
         return results
 
-    def _interrupted(self, watchdog: _Watchdog, signum: int) -> None:
+    def _interrupted(self, watchdog: Watchdog, signum: int) -> None:
         """This launcher was stopped on purpose: make sure the other nodes know, and on node 0 keep the
         store up until they have read it."""
         with cleanup_step("the launch watchdog"):  # the interrupt being handled is raised, and published first
@@ -630,7 +462,7 @@ class ProcessLauncher(Launcher):
         if watchdog.interrupt_published and board.node_rank == 0:
             board.wait_for_readers(list(range(1, self.nnodes)), time.monotonic() + self.fault_timeout_s)
 
-    def _failure(self, exc: Any, watchdog: _Watchdog, markers: Path, host: str) -> LaunchError:
+    def _failure(self, exc: Any, watchdog: Watchdog, markers: Path, host: str) -> LaunchError:
         if watchdog.fired:
             error = _timeout_error(self.join_timeout_s, watchdog.still_running)
             if watchdog.board is not None:  # the other nodes' workers wait for ours: stop them now
@@ -648,7 +480,7 @@ class ProcessLauncher(Launcher):
                                "see the other nodes' output")
         return LaunchError(cause.message(), rank=cause.rank, role=cause.role, host=cause.host, cause=cause.cause)
 
-    def _store_lost(self, watchdog: _Watchdog) -> LaunchError:
+    def _store_lost(self, watchdog: Watchdog) -> LaunchError:
         """The rendezvous store went while the workers ran: a lost node the watchdog named, else the store itself.
 
         The board lives on that store: nothing more can be read from it or written to it (each try would wait
@@ -667,7 +499,7 @@ class ProcessLauncher(Launcher):
         The peers of a failed rank fail too (their collectives lose the connection); the time each rank
         failed, and whether it could report at all, tells the cause from the echoes.
         """
-        reported = _reported_failures(markers)
+        reported = reported_failures(markers)
         records = []
         for rank, failure in exc.failures.items():
             if rank in reported:

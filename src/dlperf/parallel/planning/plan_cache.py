@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,16 +28,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._buildcache import CacheUnsafe, cache_base, private_dir, write_private
+from ..._buildcache import CacheUnsafe, cache_base, private_dir
+from ..._cliargs import one_line
+from ..._io import foreign_file, write_cache_file
 from ...batch import tensors_of
 from ...devices import Device
 from ...errors import UsageError
 from ...probe.cache import ProbeCacheError, decode_json, machine_key, read_cache_file
+from ...probe.reference import MS, implausible
 from .plan import Plan
 
-__all__ = ["plan_key", "model_key", "cached_plan", "save_plan", "recorded_setup_s", "setup_record", "save_setup",
-           "processes_offer", "save_processes_offer", "default_cache_path", "MAX_ENTRIES", "MAX_BYTES",
-           "SETUP_RECORD_MAX_AGE_S"]
+__all__ = ["plan_key", "model_key", "cached_plan", "cached_time", "cached_decisions", "clear_cache", "save_plan",
+           "recorded_setup_s", "setup_record", "save_setup", "processes_offer", "save_processes_offer",
+           "default_cache_path", "MAX_ENTRIES", "MAX_BYTES", "SETUP_RECORD_MAX_AGE_S"]
+
+log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
 MAX_ENTRIES = 256
@@ -84,50 +89,84 @@ def _fail(path: str, problem: str) -> ProbeCacheError:
     return ProbeCacheError(f"plan cache {path}: {problem}")
 
 
-def _ignore(exc: Exception) -> None:
-    message = f"dlperf plan: ignoring {exc}; planning again (delete the file to stop this note)"
+def _ignore(exc: Exception, leave: bool = False) -> None:
+    """One line, once a process: the cache (or an entry) is not used. ``leave``: the file is not dlperf's to
+    replace, so it is kept as it is and nothing is written there."""
+    fix = ("it is left as it is; point DLPERF_PLAN_CACHE at a file of your own" if leave
+           else "delete the file to stop this note")
+    message = one_line(f"dlperf plan: ignoring {exc}; planning again ({fix})")
     if message not in _told:  # once a process: every Trainer of a script would repeat it
         _told.add(message)
-        print(message, file=sys.stderr, flush=True)
+        log.warning(message)
 
 
-def _read_sections(path: str) -> dict[str, dict[str, Any]]:
+def _read_sections(path: str) -> tuple[dict[str, dict[str, Any]], bool]:
     """The file's sections (``plans`` and the optional others, each {key: entry}), or empty ones when it is
-    missing or unusable (said in one line)."""
+    missing or unusable (said in one line); and whether the file may be written: it is missing, a plan cache,
+    or a damaged file of this user in dlperf's own cache directory. A path holding anything else (a device, a
+    FIFO, a link, another user's file, a file of other content) is left as it is."""
     empty: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     try:
+        problem = foreign_file(os.lstat(path))
+    except FileNotFoundError:
+        return empty, True
+    except OSError as exc:
+        _ignore(_fail(path, f"cannot be read ({exc.strerror or exc})"), leave=True)
+        return empty, False
+    if problem is not None:
+        _ignore(_fail(path, problem), leave=True)
+        return empty, False
+    ours = os.path.dirname(os.path.abspath(path)) == os.path.join(cache_base(), "dlperf")
+    try:
         doc = decode_json(read_cache_file(path, _fail, max_bytes=MAX_BYTES), path, _fail)
-        if not isinstance(doc, dict) or doc.get("format") != CACHE_FORMAT or not isinstance(doc.get("plans"), dict):
+        if not isinstance(doc, dict) or not _is_format(doc.get("format")) or not isinstance(doc.get("plans"), dict):
             raise _fail(path, f"not a format-{CACHE_FORMAT} plan cache")
+        ours = True  # a plan cache, even where one of its entries is unusable
         sections = {name: doc.get(name, {}) for name in _SECTIONS}
         for name, entries in sections.items():
             if not isinstance(entries, dict):
                 raise _fail(path, f"{name!r} is not an object")
             if len(entries) > MAX_ENTRIES:
                 raise _fail(path, f"more than {MAX_ENTRIES} entries in {name!r}")
-        return sections
+        return sections, True
     except FileNotFoundError:
-        return empty
+        return empty, True
     except (ProbeCacheError, OSError) as exc:
-        _ignore(exc)
-        return empty
+        _ignore(exc, leave=not ours)
+        return empty, ours
+
+
+def _is_format(value: object) -> bool:
+    # true == 1 in Python: a file saying "format": true is not a format-1 file
+    return type(value) is int and value == CACHE_FORMAT
+
+
+_REQUIRED = {"plan", "measured_ms", "alternatives", "saved"}
+_OPTIONAL = {"contended", "label", "planning_s"}
 
 
 def _entry_plan(entry: object, path: str) -> Plan:
-    if not isinstance(entry, dict) or set(entry) != {"plan", "measured_ms", "alternatives", "saved"}:
-        raise _fail(path, "an entry is not {plan, measured_ms, alternatives, saved}")
+    if not isinstance(entry, dict) or not _REQUIRED <= set(entry) <= _REQUIRED | _OPTIONAL:
+        raise _fail(path, "an entry is not {plan, measured_ms, alternatives, saved} (with contended, label, "
+                          "planning_s)")
+    if not isinstance(entry.get("contended", False), bool) or not isinstance(entry.get("label", ""), str):
+        raise _fail(path, "an entry's contended is not true or false, or its label not text")
     ms, alts = entry["measured_ms"], entry["alternatives"]
-    if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < 1e9):
-        raise _fail(path, f"measured_ms {str(ms)[:30]!r} is not a step time in ms")
+    # step times are checked as the probe's figures are: what no machine shows (0, 5e-324) is no measurement
+    problem = None if ms is None else implausible(ms, MS)
+    if problem is not None:
+        raise _fail(path, f"measured_ms is {problem}")
     if not isinstance(alts, list) or len(alts) > _MAX_ALTERNATIVES or not all(
             isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and len(a[0]) <= 200
-            and isinstance(a[1], (int, float)) and not isinstance(a[1], bool) and 0 < a[1] < 1e9 for a in alts):
-        raise _fail(path, "alternatives are not [[name, ms], ...]")
+            and implausible(a[1], MS) is None for a in alts):
+        raise _fail(path, f"alternatives are not [[name, ms], ...] of at most {_MAX_ALTERNATIVES} names of at most "
+                          "200 characters and step times in ms")
     try:
         plan = Plan.from_dict(entry["plan"], "its plan")
     except (UsageError, TypeError) as exc:
         raise _fail(path, str(exc)) from None
-    return plan.with_figures(float(ms) if ms is not None else None, [(a[0], float(a[1])) for a in alts],
+    # the names are printed on the plan's line: control characters are shown escaped, never sent to the terminal
+    return plan.with_figures(float(ms) if ms is not None else None, [(one_line(a[0]), float(a[1])) for a in alts],
                              ("measured earlier on this machine; cached",))
 
 
@@ -135,7 +174,7 @@ def _section_plan(section: str, key: str, path: str | None) -> Plan | None:
     """The plan kept under ``key`` in ``section`` (``plans`` or ``with_processes``), or None (also when the file
     or the entry cannot be trusted: said once)."""
     path = path or default_cache_path()
-    entry = _read_sections(path)[section].get(key)
+    entry = _read_sections(path)[0][section].get(key)
     if entry is None:
         return None
     try:
@@ -146,8 +185,59 @@ def _section_plan(section: str, key: str, path: str | None) -> Plan | None:
 
 
 def cached_plan(key: str, path: str | None = None) -> Plan | None:
-    """The plan decided for ``key`` before, or None (also when the file cannot be trusted: said once)."""
+    """The plan decided for ``key`` before, or None: also when the file cannot be trusted (said once), when the
+    decision was made on contended rounds (measured again instead of reused), and when it is older than this
+    machine's saved probe (the machine's figures changed since: stale)."""
+    path = path or default_cache_path()
+    entry = _read_sections(path)[0]["plans"].get(key)
+    if not isinstance(entry, dict) or entry.get("contended") is True or _saved(entry) < _probe_time():
+        return None
     return _section_plan("plans", key, path)
+
+
+def cached_time(key: str, path: str | None = None) -> float | None:
+    """When the decision cached for ``key`` was measured (``time.time()``), or None."""
+    entry = _read_sections(path or default_cache_path())[0]["plans"].get(key)
+    return _saved(entry) or None if entry is not None else None
+
+
+def _probe_time() -> float:
+    """When this machine's probe figures were saved (0 without any): decisions older than them are stale."""
+    from ...probe.cache import cache_path
+
+    try:
+        return os.stat(cache_path()).st_mtime
+    except (OSError, ValueError):
+        return 0.0
+
+
+def cached_decisions(path: str | None = None) -> list[dict[str, Any]]:
+    """Every decision in the cache, newest first, as ``dlperf plans`` lists them: key, label, plan, ms per step,
+    when, contended, and whether a run would use it (not contended, not stale)."""
+    path = path or default_cache_path()
+    out = []
+    probe = _probe_time()
+    for key, entry in _read_sections(path)[0]["plans"].items():
+        try:
+            plan = _entry_plan(entry, path)
+        except ProbeCacheError:
+            continue
+        contended = entry.get("contended") is True
+        out.append({"key": key, "label": one_line(str(entry.get("label", ""))), "plan": plan.name,
+                    "measured_ms": plan.measured_ms, "saved": _saved(entry), "contended": contended,
+                    "planning_s": entry.get("planning_s"), "used": not contended and _saved(entry) >= probe})
+    return sorted(out, key=lambda e: -e["saved"])
+
+
+def clear_cache(path: str | None = None) -> int:
+    """Remove every decision (and recorded setup) from the cache; how many decisions there were. A path that is
+    not a plan cache is left as it is (said once)."""
+    path = path or default_cache_path()
+    sections, writable = _read_sections(path)
+    count = len(sections["plans"])
+    if writable and os.path.exists(path):
+        os.unlink(path)
+    return count
 
 
 def _saved(entry: object) -> float:
@@ -160,7 +250,9 @@ def _record(section: str, key: str, entry: dict[str, Any], path: str | None) -> 
     ``with_processes``, so that full sections stay well inside :data:`MAX_BYTES`) and write the file again. A
     cache that cannot be written costs the next run its planning time, not this run: said in one line."""
     path = path or default_cache_path()
-    sections = _read_sections(path)
+    sections, writable = _read_sections(path)
+    if not writable:  # not dlperf's file: said once when it was read
+        return
     entries = sections[section]
     entries[key] = {**entry, "saved": time.time()}
     limit = MAX_ENTRIES // 4 if section == "with_processes" else MAX_ENTRIES
@@ -173,15 +265,19 @@ def _record(section: str, key: str, entry: dict[str, Any], path: str | None) -> 
     try:
         if path == os.path.join(cache_base(), "dlperf", "plans.json"):
             private_dir(cache_base(), ["dlperf"])
-        write_private(path, data)
+        write_cache_file(path, data)
     except (OSError, ValueError, CacheUnsafe) as exc:
-        print(f"dlperf plan: the plan cache {path} cannot be written ({exc}); the next run plans again",
-              file=sys.stderr, flush=True)
+        log.warning("dlperf plan: the plan cache %s cannot be written (%s); the next run plans again", path, exc)
 
 
-def save_plan(key: str, plan: Plan, path: str | None = None) -> None:
-    """Record ``plan`` for ``key`` (see :func:`_record`)."""
-    _record("plans", key, _plan_entry(plan), path)
+def save_plan(key: str, plan: Plan, path: str | None = None, *, contended: bool = False, label: str = "",
+              planning_s: float | None = None) -> None:
+    """Record ``plan`` for ``key`` (see :func:`_record`); a ``contended`` decision is kept for ``dlperf plans`` to
+    list but never reused (:func:`cached_plan`)."""
+    extra: dict[str, Any] = {"contended": bool(contended), "label": label[:200]}
+    if planning_s is not None and 0 <= planning_s < 1e6:
+        extra["planning_s"] = round(float(planning_s), 3)
+    _record("plans", key, {**_plan_entry(plan), **extra}, path)
 
 
 def _plan_entry(plan: Plan) -> dict[str, Any]:
@@ -193,7 +289,7 @@ def setup_record(key: str, path: str | None = None) -> tuple[float, float] | Non
     """(seconds, saved): the one-off setup recorded for ``key`` (:func:`model_key` of a model and an execution)
     and when it was measured (``time.time()``), or None (also when the entry cannot be trusted: said once)."""
     path = path or default_cache_path()
-    entry = _read_sections(path)["setups"].get(key)
+    entry = _read_sections(path)[0]["setups"].get(key)
     if entry is None:
         return None
     seconds = entry.get("seconds") if isinstance(entry, dict) and set(entry) == {"seconds", "saved"} else None

@@ -38,24 +38,26 @@ the LSTM b128 5 s, 0.67x and 0.88x in two runs. Only the LSTM's compile fits a 3
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ...decide import MIN_GAIN, Verdict, judge, rank
 from ...devices import Device
 from ...errors import UsageError
+from ...machine import usable_cores
 from ...timing import time_steps
 from ..allreduce import DEFAULT_ALGORITHM
 from .plan import EXECUTIONS, Plan, has_batch_statistics, layer_count, uses_conv2d
 from .plan_cache import (
     SETUP_RECORD_MAX_AGE_S,
     cached_plan,
+    cached_time,
+    default_cache_path,
     model_key,
     plan_key,
     processes_offer,
@@ -64,7 +66,9 @@ from .plan_cache import (
     save_setup,
     setup_record,
 )
+from .plan_check import Here, usable_here
 from .process_plans import launch_hint, process_plans, processes_measurable, setup_s
+from .records import CandidateRun, Measurement, PlanDecision, PlannerOptions
 
 __all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "search", "enumerate_plans",
            "usable_cores", "DEFAULT_BUDGET_S"]
@@ -72,12 +76,6 @@ __all__ = ["PlannerOptions", "CandidateRun", "Measurement", "PlanDecision", "sea
 DEFAULT_BUDGET_S = 30.0
 RUN_SHARE = 0.1
 """The share of the planned run the planner may spend (when the run's length is known)."""
-MIN_GAIN = 0.03
-"""A plan must beat the reference by at least this fraction, whatever the measured spread."""
-FEW_ROUNDS = 2
-"""Shared rounds with the reference below which a candidate's ratios have no spread to judge noise by."""
-FEW_ROUNDS_GAIN = 0.10
-"""The margin a candidate sharing fewer than :data:`FEW_ROUNDS` rounds with the reference must beat it by."""
 PRUNE_RATIO = 3.0
 """Splits whose cost-model floor exceeds the best floor this many times are not measured."""
 MAX_REPLICAS_TRIED = 8
@@ -86,145 +84,6 @@ FLOOR_ALLOWANCE = 1.5
 WHOLE_STEP_FIRST_CALL_STEPS = 16
 """A whole-step execution's first call, in steps: it captures the step, then times each replay it could use
 and the eager step a few steps each before it answers (:mod:`dlperf.hybrid.train_step`)."""
-
-
-@dataclass
-class PlannerOptions:
-    """How hard the planner looks; every field is checked when made."""
-
-    budget_s: float | None = None
-    """Seconds planning may take (None: 10% of the run when ``run_steps`` is given, at most 30 s)."""
-    run_steps: int | None = None
-    """Steps the run will take, when known: sets the budget and lets compiled executions be weighed."""
-    steps: int = 3
-    """Timed steps per candidate per round."""
-    warmup: int = 1
-    """Untimed steps per candidate before its first round (first allocations, compilation)."""
-    rounds: int = 3
-    """Alternating rounds; each candidate's least disturbed round counts."""
-    keep: int = 8
-    """At most this many candidates are measured after pricing (the reference always is)."""
-    allow_mixed_precision: bool = False
-    """Consider bf16/fp16 plans, which change the numerics (GPUs only)."""
-    executions: Sequence[str] | None = None
-    """Executions to consider (None: every registered one available here)."""
-    strategies: Sequence[str] | None = None
-    """Gradient synchronization strategies to measure on plans of several replicas, by name, besides the one the
-    options imply (None: every registered strategy marked ``planned`` that can run there)."""
-    cores: int | None = None
-    """CPU cores the replicas' threads may fill (None: those this process may run on)."""
-    use_cache: bool = True
-    """Return a cached decision without measuring, and record new ones."""
-    cache_path: str | None = None
-    """Where decisions are cached (None: ``$XDG_CACHE_HOME/dlperf/plans.json``)."""
-
-    def __post_init__(self) -> None:
-        for name, low in (("steps", 1), ("warmup", 0), ("rounds", 1), ("keep", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1000:
-                raise UsageError(f"planner {name}={value!r}: expected an integer from {low} to 1000")
-        if self.budget_s is not None and (isinstance(self.budget_s, bool) or not isinstance(self.budget_s, (int, float))
-                                          or not 0 < self.budget_s <= 3600):
-            raise UsageError(f"planner budget_s={self.budget_s!r}: expected seconds in (0, 3600]")
-        for name in ("run_steps", "cores"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise UsageError(f"planner {name}={value!r}: expected an integer >= 1 (or None)")
-        for name in self.executions or ():
-            EXECUTIONS.get(name)  # a miss lists what exists
-        from ..strategies import STRATEGIES
-
-        for name in self.strategies or ():
-            STRATEGIES.get(name)
-
-
-@dataclass
-class CandidateRun:
-    """A plan made ready to time: ``step()`` runs one training step, ``close()`` frees it."""
-
-    step: Callable[[], object]
-    close: Callable[[], None]
-    threads: int = 1
-    """Threads a step keeps busy (the contention check compares the machine's load against it)."""
-    synchronize: Callable[[], None] = lambda: None
-    declined: Callable[[], str | None] = lambda: None
-    """After its first step: why the run does not do what its plan says (a captured step that serves the eager
-    one), or None. A declined candidate is dropped, so a plan is never chosen for another plan's speed."""
-
-
-@dataclass
-class Measurement:
-    """One candidate: its floor, each round's median ms per step, and why it was not measured, if so."""
-
-    plan: Plan
-    floor_ms: float | None = None
-    by_round: dict[int, float] = field(default_factory=dict)
-    """Median ms per step in each round it was timed in (rounds count from 0)."""
-    first_step_ms: float | None = None
-    setup_s: float | None = None
-    """For an execution with a one-off setup: seconds its build and first step took beyond a steady step."""
-    contended: bool = False
-    note: str = ""
-
-    @property
-    def rounds_ms(self) -> list[float]:
-        return list(self.by_round.values())
-
-    @property
-    def ms(self) -> float | None:
-        """The least disturbed round's median (another process only ever slows a round down)."""
-        return min(self.by_round.values()) if self.by_round else None
-
-    def ratios(self, other: Measurement) -> list[float]:
-        """This candidate's time over ``other``'s in each round both were timed in: side by side, so a
-        change in the machine's load between rounds moves both."""
-        return [ms / other.by_round[i] for i, ms in self.by_round.items() if i in other.by_round]
-
-
-@dataclass
-class PlanDecision:
-    """The chosen plan (with its figures), the reference it had to beat, and everything measured."""
-
-    plan: Plan
-    reference: Plan
-    measurements: list[Measurement] = field(default_factory=list)
-    planning_s: float = 0.0
-    cached: bool = False
-    skipped: list[str] = field(default_factory=list)
-    noise: float = MIN_GAIN
-    contended: bool = False
-    faster_with_processes: str | None = None
-    """Where plans whose replicas are processes could not be measured: a line naming the faster such plan
-    decided for this model before (by a caller that could start processes) and how to get it, else None."""
-
-    def table(self) -> str:
-        """Every candidate, its floor and rounds, for people (``plan.describe()`` has the choice)."""
-        rows = [f"{'plan':<40} {'floor ms':>9} {'ms/step':>9}  rounds / note"]
-        for m in self.measurements:
-            mark = "*" if m.plan == self.plan else " "
-            floor = f"{m.floor_ms:9.2f}" if m.floor_ms is not None else f"{'-':>9}"
-            ms = f"{m.ms:9.2f}" if m.ms is not None else f"{'-':>9}"
-            rounds = " ".join(f"{r:.2f}" for r in m.rounds_ms)
-            rows.append(f"{mark}{m.plan.name:<39} {floor} {ms}  {rounds}{' ' + m.note if m.note else ''}")
-        state = "cached" if self.cached else f"{self.planning_s:.1f} s"
-        rows.append(f"planning: {state}; noise {self.noise:.0%}{'; CONTENDED' if self.contended else ''}")
-        rows += [f"skipped: {s}" for s in self.skipped]
-        return "\n".join(rows)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"plan": self.plan.name, "reference": self.reference.name, "measured_ms": self.plan.measured_ms,
-                "planning_s": self.planning_s, "cached": self.cached, "noise": self.noise,
-                "contended": self.contended, "skipped": list(self.skipped),
-                "candidates": {m.plan.name: {"ms": m.ms, "rounds_ms": m.rounds_ms, "floor_ms": m.floor_ms,
-                                             "note": m.note} for m in self.measurements}}
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity, which a container or ``taskset`` narrows)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _inputs(batch: Any) -> Any:
@@ -489,8 +348,7 @@ class _Session:
         if why:
             m.note = f"dropped: {why}"
             return
-        m.by_round[index] = timing.median_s * 1e3
-        m.contended |= timing.contended
+        m.record(index, timing.median_s * 1e3, timing.contended)
         if first:
             m.first_step_ms = warm.samples[0] * 1e3 if warm is not None else m.by_round[index]
             if m.plan.execution == "eager":
@@ -506,7 +364,7 @@ class _Session:
         if any(m is reference for m in todo):
             left -= self.cost_s(reference, reference, steps=1)
         others = [m for m in todo if m is not reference]
-        others.sort(key=lambda m: (bool(m.by_round), _rank(m, reference) if m.ratios(reference) else 0.0))
+        others.sort(key=lambda m: (bool(m.by_round), rank(m.ratios(reference)) if m.ratios(reference) else 0.0))
         chosen: list[Measurement] = []
         for m in others:
             cost = self.cost_s(m, reference, steps=1)  # the steps beyond the first fill what is left
@@ -565,31 +423,6 @@ def _difference(plan: Plan, chosen: Plan) -> str:
     return ", ".join(parts) or plan.name
 
 
-def _gain(m: Measurement, against: Measurement) -> tuple[float, float]:
-    """(median ratio of ``m`` to ``against`` over the rounds both ran, half the ratios' range): how much
-    faster ``m`` is, and how much that moved from round to round."""
-    ratios = sorted(m.ratios(against))
-    if not ratios:
-        return float("inf"), 0.0
-    return statistics.median(ratios), (ratios[-1] - ratios[0]) / 2
-
-
-def _margin(m: Measurement, reference: Measurement) -> float:
-    """How far below the reference ``m``'s median ratio must lie to count: its rounds' spread, at least
-    :data:`MIN_GAIN`; :data:`FEW_ROUNDS_GAIN` when it shared fewer than :data:`FEW_ROUNDS` rounds with the
-    reference (one ratio has no spread to judge its noise by)."""
-    shared = len(m.ratios(reference))
-    if shared < FEW_ROUNDS:
-        return FEW_ROUNDS_GAIN
-    return max(MIN_GAIN, _gain(m, reference)[1])
-
-
-def _rank(m: Measurement, reference: Measurement) -> float:
-    """``m``'s median ratio to the reference, plus :data:`FEW_ROUNDS_GAIN` when it shared fewer than
-    :data:`FEW_ROUNDS` rounds with it: what candidates are ranked by."""
-    return _gain(m, reference)[0] + (FEW_ROUNDS_GAIN if len(m.ratios(reference)) < FEW_ROUNDS else 0.0)
-
-
 def _pays(m: Measurement, reference: Measurement, run_steps: int | None) -> tuple[bool, str]:
     """Whether an execution with a one-off setup (compile) gains back its setup over a run of known length."""
     if m.plan.execution == "eager" or not run_steps or m.first_step_ms is None:
@@ -601,46 +434,26 @@ def _pays(m: Measurement, reference: Measurement, run_steps: int | None) -> tupl
                    f"{run_steps} steps")
 
 
-def _decide(found: list[Measurement], run_steps: int | None, reasons: list[str]) -> tuple[Measurement, float]:
-    """The candidate to run, and the margin it was judged by.
-
-    A candidate counts only if it was faster than the reference by :data:`MIN_GAIN` in every round both ran
-    (a round where another process slowed the reference proves nothing) and its median ratio to the
-    reference lies below 1 by more than its margin (:func:`_margin`: the spread of its ratios,
-    at least :data:`MIN_GAIN`; :data:`FEW_ROUNDS_GAIN` when it shared fewer than :data:`FEW_ROUNDS` rounds,
-    as when the budget ran out before its second round). Among those the lowest median ratio wins, a
-    candidate of fewer than :data:`FEW_ROUNDS` shared rounds counted :data:`FEW_ROUNDS_GAIN` slower
-    (:func:`_rank`): it displaces one timed in more rounds only when clearly faster, never on one lucky
-    ratio. An execution with a setup (compile) counts only when a run of ``run_steps`` gains it back. No
-    candidate counts: the reference.
-    """
+def _decide(found: list[Measurement], run_steps: int | None, reasons: list[str]) -> tuple[Measurement, Verdict]:
+    """The candidate to run, by the one decider's rule (:func:`dlperf.decide.judge`, round by round against the
+    reference), where an execution with a setup (compile) counts only when a run of ``run_steps`` gains it back.
+    No candidate counts: the reference."""
     reference = found[0]
     if reference.ms is None:
         raise UsageError(f"the reference plan {reference.plan.name} could not run ({reference.note}); "
                          "check the model, batch and devices without a plan first")
-    measured = [m for m in found[1:] if m.ms is not None and m.ratios(reference)]
-    eligible = []
-    for m in measured:
-        if max(m.ratios(reference)) < 1 - MIN_GAIN and _gain(m, reference)[0] + _margin(m, reference) < 1:
-            pays, why = _pays(m, reference, run_steps)
-            if pays:
-                eligible.append(m)
-            else:
-                reasons.append(why)
-    if eligible:
-        best = min(eligible, key=lambda m: _rank(m, reference))
-        ratio, margin = _gain(best, reference)[0], _margin(best, reference)
-        shared = len(best.ratios(reference))
-        reasons.append(f"measured: {ratio:.2f}x the reference's step time over {shared} shared round"
-                       f"{'s' * (shared > 1)}, faster by {MIN_GAIN:.0%} or more in each ({best.ms:.2f} against "
-                       f"{reference.ms:.2f} ms at best), beyond its margin ({margin:.0%})")
-        return best, margin
-    closest = min(measured, key=lambda m: _gain(m, reference)[0], default=None)
-    margin = _margin(closest, reference) if closest is not None else MIN_GAIN
-    reasons.append(f"measured: no plan beat the reference ({reference.ms:.2f} ms/step) in every round by more "
-                   f"than its margin ({MIN_GAIN:.0%} or the rounds' spread; {FEW_ROUNDS_GAIN:.0%} with fewer "
-                   f"than {FEW_ROUNDS} shared rounds); kept it")
-    return reference, margin
+    timed = {m.plan.name: m for m in found if m.ms is not None}
+    n = max((max(m.by_round) + 1 for m in timed.values()), default=0)
+    contended = [any(i in m.contended_rounds for m in timed.values()) for i in range(n)]
+
+    def pays(name: str) -> str | None:
+        ok, why = _pays(timed[name], reference, run_steps)
+        return None if ok else why
+
+    verdict = judge({name: [m.by_round.get(i) for i in range(n)] for name, m in timed.items()},
+                    reference.plan.name, contended=contended, min_gain=MIN_GAIN, eligible=pays)
+    reasons.append(f"measured: {verdict.reason}")
+    return timed[verdict.chosen], verdict
 
 
 def _setup_key(model: nn.Module, batch: Any, devices: Sequence[Device], execution: str) -> str:
@@ -722,10 +535,16 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
                   tuple(_planned_strategies(reference, options))))
     key = plan_key(model, batch, devices, extra)
     started = time.perf_counter()
-    if options.use_cache:
+    if options.use_cache and not options.replan:
         hit = cached_plan(key, options.cache_path)
+        if hit is not None:  # a file's plan: used only when it can run here (else one line, and planning again)
+            here = Here(devices, _examples(batch), can_launch=processes_measurable(), cores=options.cores,
+                        allow_mixed_precision=options.allow_mixed_precision, executions=options.executions)
+            hit = usable_here(hit, here, f"the plan cache {options.cache_path or default_cache_path()}",
+                              "planning again")
         if hit is not None:
             return PlanDecision(hit, reference, planning_s=time.perf_counter() - started, cached=True,
+                                cached_from=cached_time(key, options.cache_path),
                                 faster_with_processes=_processes_hint(model, batch, devices, hit, options))
     plans, notes = enumerate_plans(model, batch, devices, reference, options)
     reasons = list(notes)
@@ -739,21 +558,69 @@ def search(model: nn.Module, batch: Any, devices: Sequence[Device], build: Calla
             _run_budget(session, found, options.run_steps, reasons, _setup_free(options, model, devices))
         session.rounds(found, options.rounds)
         found += _executions_phase(session, found, model, batch, devices)
+        best, verdict = _decide(found, options.run_steps, reasons)
+        if verdict.contended and best is not found[0]:
+            best = _recheck(session, found[0], best, reasons)
     finally:
         session.close()
-    best, noise = _decide(found, options.run_steps, reasons)
-    alternatives = [(_difference(m.plan, best.plan), m.ms) for m in found if m is not best and m.ms is not None]
-    plan = best.plan.with_figures(best.ms, [(n, ms) for n, ms in alternatives if ms is not None], reasons)
+    noise = verdict.margin
+    figures = _figures(found)
+    chosen_ms = figures.get(id(best), best.ms)
+    # a faster figure than the chosen one's is a median that was not faster in every round (or its setup did not
+    # pay): said beside it, so the line's order never reads as a contradiction of the choice
+    alternatives = sorted(((_difference(m.plan, best.plan) + (" [within noise]" if chosen_ms is not None and
+                                                              figures[id(m)] < chosen_ms else ""), figures[id(m)])
+                           for m in found if m is not best and id(m) in figures), key=lambda a: a[1])
+    plan = best.plan.with_figures(chosen_ms, alternatives, reasons)
     late = [m.plan.name for m in found if m.note == "skipped for time"]
     skipped = session.skipped + ([f"for time (budget {session.budget:.1f} s): {'; '.join(late)}"] if late else [])
     decision = PlanDecision(plan, reference, found, time.perf_counter() - started, False, skipped, noise,
-                            any(m.contended for m in found))
+                            verdict.contended or any(m.contended for m in found))
     if options.use_cache:
-        save_plan(key, plan, options.cache_path)
+        save_plan(key, plan, options.cache_path, contended=decision.contended, label=_label(model, batch),
+                  planning_s=decision.planning_s)
         if processes_measurable():  # what a search in one process will compare its own decision with
             save_processes_offer(_offer_key(model, batch, devices, options), plan, options.cache_path)
     decision.faster_with_processes = _processes_hint(model, batch, devices, plan, options)
     return decision
+
+
+def _figures(found: list[Measurement]) -> dict[int, float]:
+    """Each candidate's ms per step as decided: the reference's least disturbed round, the others that times their
+    median ratio to it over the rounds both ran. The figures a line prints are then in the order the decision
+    weighed them (a candidate's own best round may come from a round whose reference was slowed)."""
+    reference = found[0]
+    if reference.ms is None:
+        return {}
+    out = {id(reference): reference.ms}
+    for m in found[1:]:
+        ratios = m.ratios(reference)
+        if ratios:
+            out[id(m)] = reference.ms * statistics.median(ratios)
+    return out
+
+
+def _recheck(session: _Session, reference: Measurement, best: Measurement, reasons: list[str]) -> Measurement:
+    """A decision whose rounds were all contended: one more round of the winner beside the reference, which it must
+    still win (by :data:`MIN_GAIN`) to be used for this run; else the reference."""
+    index = session.round_index
+    session.rounds([reference, best], 1)
+    if index in best.by_round and index in reference.by_round and \
+            best.by_round[index] < (1 - MIN_GAIN) * reference.by_round[index]:
+        reasons.append("contended: the winner beat the reference again in a round of its own; used for this run, "
+                       "measured again next time")
+        return best
+    reasons.append("contended: the winner did not beat the reference again in a round of its own; the reference "
+                   "is kept for this run, and the plan is measured again next time")
+    return reference
+
+
+def _label(model: nn.Module, batch: Any) -> str:
+    """What a cached decision was for, in words (``dlperf plans`` lists it): the model's class and the batch."""
+    from ...batch import describe
+
+    inner = getattr(model, "inner", model)
+    return f"{type(inner).__name__} on {describe(_inputs(batch))}"[:200]
 
 
 def _offer_key(model: nn.Module, batch: Any, devices: Sequence[Device], options: PlannerOptions) -> str:

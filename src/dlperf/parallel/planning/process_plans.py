@@ -49,6 +49,7 @@ STEP_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 300.0
 """A candidate process that hears nothing from the planner this long stops by itself."""
 _MAX_PROCESSES = 8
+_WAIT_SLICE_S = 0.2  # the planner's waits on its candidates' processes, in slices of this (signals run between)
 
 _MEASURABLE: ContextVar[bool] = ContextVar("dlperf_measure_processes", default=False)
 
@@ -167,10 +168,17 @@ class ProcessCandidate:
                 store.set(key, "failed")
 
     def _wait(self, keys: list[str], timeout_s: float, what: str) -> None:
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
-        except RuntimeError:
-            raise RuntimeError(f"{self.plan.name}: its processes did not {what} within {timeout_s:.0f} s") from None
+        # in slices: a signal's handler (Ctrl-C, SIGTERM) runs only between them, and must not wait for the start
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=max(0.001, min(_WAIT_SLICE_S,
+                                                                                 deadline - time.monotonic()))))
+                break
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"{self.plan.name}: its processes did not {what} within {timeout_s:.0f} s"
+                                       ) from None
         if any(self.store.get(k) != b"ok" for k in keys):
             why = self._failure
             text = str(why).strip().splitlines()[0][:200] if why is not None and str(why).strip() else "it failed"

@@ -9,11 +9,11 @@ buckets are summed by allreduce, on host memory.
 
 >>> choose_strategy(devices=2), choose_strategy("local", devices=2, update_on_kvstore=True)
 ('allreduce', 'update-on-kvstore')
->>> choose_strategy("local", processes=2, cli=True)
+>>> choose_strategy("local", processes=2)
 Traceback (most recent call last):
   ...
-dlperf.errors.UsageError: --kvstore local with 2 processes: the local stores aggregate one process's devices only; \
-use --kvstore dist_sync, or drop --kvstore (gradients are then summed across processes by allreduce)
+dlperf.errors.UsageError: kvstore='local' with 2 processes: the local stores aggregate one process's devices only; \
+use kvstore='dist_sync', or kvstore=None (gradients are then summed across processes by allreduce)
 """
 
 from __future__ import annotations
@@ -35,15 +35,9 @@ def check_update_on_kvstore(kvstore: str | KVStore | None, update_on_kvstore: bo
         raise UsageError("update_on_kvstore=True needs a kvstore, e.g. kvstore='local'")
 
 
-def _spell(cli: bool, kvstore: str | KVStore | None) -> str:
-    if cli:
-        return f"--kvstore {kvstore}"
-    return f"kvstore={kvstore!r}"
-
-
 def choose_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: bool = False,
                     devices: Sequence[Device] | int = 1, processes: int = 1, num_servers: int = 0,
-                    cli: bool = False, strategy: str | type[Strategy] | Strategy | None = None) -> str:
+                    strategy: str | type[Strategy] | Strategy | None = None) -> str:
     """The registered name of the strategy for these options; one :class:`UsageError` line when they conflict.
 
     Args:
@@ -51,33 +45,30 @@ def choose_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: 
         update_on_kvstore: the store runs the optimizer (implied by a distributed store).
         devices: this process's devices (or how many).
         processes: how many processes train together (servers included).
-        num_servers: ranks that are parameter servers (``dlperf launch --num-servers``).
-        cli: name the options as ``dlperf train`` spells them in messages (``--kvstore local``).
+        num_servers: ranks that are parameter servers (the launch's).
         strategy: a registered name (or an instance) to check against the options instead of inferring one.
     """
     if strategy is not None:
-        return _named(strategy, kvstore, update_on_kvstore, devices, processes, cli)
+        return _named(strategy, kvstore, update_on_kvstore, devices, processes)
     distributed = kvstore is not None and is_dist_kvstore(kvstore)
-    where = _spell(cli, kvstore)
-    dist_choice = "--kvstore dist_sync" if cli else "'dist_sync' or 'dist_device_sync'"
+    where = f"kvstore={kvstore!r}"
     if num_servers and not distributed:
-        raise UsageError(f"--num-servers {num_servers} with train --kvstore {kvstore}: parameter servers serve a "
-                         "distributed store; add --kvstore dist_sync to train, or drop --num-servers")
+        raise UsageError(f"num_servers={num_servers} with kvstore={kvstore!r}: parameter servers serve a distributed "
+                         "store; give kvstore='dist_sync', or num_servers=0")
     check_update_on_kvstore(kvstore, update_on_kvstore)
     count = devices if isinstance(devices, int) else len(devices)
     if processes > 1:
         if kvstore is not None and not distributed:
             raise UsageError(f"{where} with {processes} processes: the local stores aggregate one process's devices "
-                             f"only; use {dist_choice}, or drop {'--kvstore' if cli else 'the kvstore'} (gradients "
-                             "are then summed across processes by allreduce)")
+                             "only; use kvstore='dist_sync', or kvstore=None (gradients are then summed across "
+                             "processes by allreduce)")
         if not isinstance(devices, int) and any(d.is_gpu for d in devices):
             raise UsageError(f"devices {list(devices)} with {processes} processes: gradients are summed across "
                              "processes by gloo on host memory; use CPU devices")
         return "parameter-servers" if distributed else "processes"
     if distributed:
-        fix = "add --nproc-per-node 2, or use --kvstore local" if cli else \
-            "start the processes with dlperf launch or torchrun, or use kvstore='local'"
-        raise UsageError(f"{where} in one process: a distributed store needs several; {fix}")
+        raise UsageError(f"{where} in one process: a distributed store needs several; start them (nproc_per_node=2, "
+                         "dlperf launch, torchrun), or use kvstore='local'")
     if kvstore is None:
         return "one-device" if count == 1 else "allreduce"
     return "update-on-kvstore" if update_on_kvstore else "kvstore"
@@ -105,7 +96,7 @@ def strategy_class(strategy: str | type[Strategy] | Strategy) -> type[Strategy]:
 
 
 def _named(strategy: str | type[Strategy] | Strategy, kvstore: str | KVStore | None, update_on_kvstore: bool,
-           devices: Sequence[Device] | int, processes: int, cli: bool) -> str:
+           devices: Sequence[Device] | int, processes: int) -> str:
     cls = strategy_class(strategy)
     name = cls.name
     check_update_on_kvstore(kvstore, update_on_kvstore)
@@ -114,8 +105,7 @@ def _named(strategy: str | type[Strategy] | Strategy, kvstore: str | KVStore | N
                               not isinstance(devices, int) and any(d.is_gpu for d in devices))
     why = cls.unusable(options)
     if why:
-        where = f"--strategy {name}" if cli else f"strategy={name!r}"
-        raise UsageError(f"{where} with {options.devices} device(s) in {processes} process(es)"
+        raise UsageError(f"strategy={name!r} with {options.devices} device(s) in {processes} process(es)"
                          f"{f' and kvstore {kvstore!r}' if kvstore is not None else ''}: it {why}")
     return name
 

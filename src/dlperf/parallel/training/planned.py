@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import datetime
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,11 +27,13 @@ from torch import nn
 
 from ...devices import Device, DeviceLike, cpu
 from ...errors import UsageError
-from ..launchers import rank_info
+from ...machine import usable_cores
+from ..launchers import in_launched_worker, rank_info
 from ..optimizers import OptimizerLike
 from ..planning.plan import EXECUTIONS, Plan
-from ..planning.planner import CandidateRun, PlanDecision, PlannerOptions, search, usable_cores
+from ..planning.planner import search
 from ..planning.process_plans import START_TIMEOUT_S, ProcessCandidate, measuring_processes
+from ..planning.records import CandidateRun, PlanDecision, PlannerOptions
 from ..split import check_devices
 from .trainer import Trainer
 from .trainer_config import LossLike, TrainerConfig
@@ -55,16 +58,26 @@ def candidate_builder(model: nn.Module, batch: tuple[Any, Any], devices: Sequenc
         cfg = dataclasses.replace(config, plan=plan, trace=None, processes=None, check_finite=False)
         trainer = Trainer(copied, plan.devices_for(devices), config=cfg)
         trainer.planning.fallback = False  # a candidate that fails is dropped, not measured as another plan
-        return CandidateRun(step=lambda: trainer.train_step(X, y), close=trainer.close,
+        return CandidateRun(step=lambda: _quietly(trainer.train_step, X, y), close=trainer.close,
                             threads=plan.replicas * plan.threads, declined=trainer.plan_declined)
 
     return build
 
 
+def _quietly(step: Callable[..., Any], X: Any, y: Any) -> Any:
+    """A candidate's step with dlperf's capture warnings held back: a candidate that cannot capture is dropped
+    with the reason in its note (the decision's table), not told on the user's terminal."""
+    from ...hybrid import HybridizeWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HybridizeWarning)
+        return step(X, y)
+
+
 def plan_for(model: nn.Module, example_batch: tuple[Any, Any], devices: Sequence[DeviceLike] | None = None, *,
              optimizer: OptimizerLike = "sgd", optimizer_params: dict[str, Any] | None = None,
              loss: LossLike = None, config: TrainerConfig | None = None, options: PlannerOptions | None = None,
-             processes: bool = False, reference: Plan | None = None) -> PlanDecision:
+             processes: bool = False, reference: Plan | None = None, replan: bool = False) -> PlanDecision:
     """The plan to train ``model`` on batches like ``example_batch`` (``(inputs, targets)``), with what it measured.
 
     ``devices``: the devices the run was going to use (its reference is then the Trainer on them as it
@@ -72,7 +85,8 @@ def plan_for(model: nn.Module, example_batch: tuple[Any, Any], devices: Sequence
     them all, contiguous and eager (a plain PyTorch loop). ``config``: the Trainer's options the candidates
     share (else one from ``optimizer``, ``optimizer_params`` and ``loss``). The model's weights are never
     stepped: every candidate trains a copy. ``processes=True``: also plans whose replicas are processes (the
-    caller can start them, as ``dlperf train`` does), each measured by launching them.
+    caller can start them, as ``dlperf train`` does), each measured by launching them. ``replan=True``: measure
+    again even where a decision is cached.
     """
     if not isinstance(example_batch, (tuple, list)) or len(example_batch) != 2:
         raise UsageError(f"example_batch is a {type(example_batch).__name__}; give (inputs, targets) as one "
@@ -80,6 +94,8 @@ def plan_for(model: nn.Module, example_batch: tuple[Any, Any], devices: Sequence
     if config is None:
         config = TrainerConfig(optimizer, optimizer_params or {"lr": 0.01}, loss=loss, processes=None)
     config = dataclasses.replace(config, plan=None, planner=None)
+    if replan:
+        options = dataclasses.replace(options or PlannerOptions(), replan=True)
     if devices is None:
         options = options or PlannerOptions()
         placed = [cpu(0)]
@@ -88,7 +104,7 @@ def plan_for(model: nn.Module, example_batch: tuple[Any, Any], devices: Sequence
         placed = check_devices(devices)
         reference = reference or reference_plan(model, placed, config)
     build = candidate_builder(model, (example_batch[0], example_batch[1]), placed, config)
-    with measuring_processes(processes and rank_info().world_size == 1):  # no launch from inside a launched job
+    with measuring_processes(processes and not in_launched_worker()):  # no launch from inside a launched job
         return search(model, tuple(example_batch), placed, build, reference, options)
 
 

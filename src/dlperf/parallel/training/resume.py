@@ -18,15 +18,19 @@ import torch
 
 from ..._cliargs import short_repr
 
-__all__ = ["trainer_state_problem", "history_problem", "HPARAMS_FLAG", "HPARAM_RANGES"]
+__all__ = ["trainer_state_problem", "history_problem", "HPARAMS_FLAG", "HPARAM_RANGES", "TAKEN_FROM_CHECKPOINT"]
 
 HPARAMS_FLAG = "--resume-hparams-from-checkpoint"
 """The option that takes the optimizer's hyperparameters from the checkpoint instead of the run's."""
+TAKEN_FROM_CHECKPOINT = ("lr", "momentum", "weight_decay")
+"""The hyperparameters :data:`HPARAMS_FLAG` takes over; any other (``maximize``, ``nesterov``, ``dampening``) must
+still equal the run's: a crafted flag would change what training computes without a word."""
 
 # Inclusive lower and upper bounds, and whether the lower one is excluded: the range in which SGD
 # trains the zoo's models at all (beyond 100 the learning rate only diverges to NaN).
 HPARAM_RANGES: dict[str, tuple[float, float, bool]] = {
-    "lr": (0.0, 100.0, True), "momentum": (0.0, 0.999, False), "dampening": (0.0, 1.0, False),
+    "lr": (0.0, 100.0, True), "initial_lr": (0.0, 100.0, True),
+    "momentum": (0.0, 0.999, False), "dampening": (0.0, 1.0, False),
     "weight_decay": (0.0, 1.0, False),
 }
 # How the optimizer is implemented, not what it computes: always the run's own.
@@ -40,8 +44,15 @@ _STATE_KEYS: dict[str, tuple[str, ...]] = {
 
 def _show(value: object) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+        kind = "" if value.layout == torch.strided and not value.is_meta else \
+            f"{'meta' if value.is_meta else str(value.layout).removeprefix('torch.')} "
+        return f"a {kind}{value.dtype} tensor of shape {tuple(value.shape)}"
     return short_repr(value, 40)
+
+
+def _not_dense(value: torch.Tensor) -> bool:
+    """A sparse, quantized or meta tensor: it has the shape and dtype of a weight but none of its arithmetic."""
+    return value.layout != torch.strided or value.is_meta or value.is_quantized
 
 
 def _is_number(v: object) -> bool:
@@ -59,8 +70,8 @@ def tensors_problem(where: str, got: object, expected: Mapping[str, torch.Tensor
         if name not in got:
             return f"{where} has no {name!r}, which this model has"
         t = got[name]
-        if not isinstance(t, torch.Tensor):
-            return f"{where}[{name!r}] is {_show(t)}, expected a tensor"
+        if not isinstance(t, torch.Tensor) or _not_dense(t):
+            return f"{where}[{name!r}] is {_show(t)}, expected a dense tensor"
         if t.dtype != ref.dtype:
             return f"{where}[{name!r}] is {t.dtype}, expected {ref.dtype}"
         if tuple(t.shape) != tuple(ref.shape):
@@ -83,8 +94,11 @@ def _hparam_problem(where: str, key: str, got: object, ref: object, from_checkpo
             if value > high or value < low or (open_low and value == low):
                 bound = f"{'>' if open_low else '>='} {low:g} and <= {high:g}"
                 return f"{where}[{key!r}] is {got}, expected {bound}"
-    if got != ref and (not from_checkpoint or key in _IMPLEMENTATION):
-        fix = "" if key in _IMPLEMENTATION else f", or add {HPARAMS_FLAG} to train with the checkpoint's"
+    if got != ref and (not from_checkpoint or key not in TAKEN_FROM_CHECKPOINT):
+        if key not in TAKEN_FROM_CHECKPOINT and key not in _IMPLEMENTATION:
+            fix = f" ({HPARAMS_FLAG} takes over {', '.join(TAKEN_FROM_CHECKPOINT)} only)" if from_checkpoint else ""
+        else:
+            fix = "" if key in _IMPLEMENTATION else f", or add {HPARAMS_FLAG} to train with the checkpoint's"
         return f"{where}[{key!r}] is {_show(got)} but this run's is {_show(ref)}; resume with the settings that " \
                f"wrote the checkpoint{fix}"
     return None
@@ -101,10 +115,15 @@ def _groups_problem(where: str, groups: object, ref_groups: list[dict[str, Any]]
             return f"{here} has keys {keys}, expected {sorted(ref_group)}"
         if group["params"] != ref_group["params"]:
             return f"{here}['params'] is {_show(group['params'])}, expected {_show(ref_group['params'])}"
+        scheduled = "initial_lr" in ref_group  # a schedule moves "lr"; the run's own rate is its "initial_lr"
         for key, ref_value in ref_group.items():
-            problem = None if key == "params" else _hparam_problem(here, key, group[key], ref_value, from_checkpoint)
+            if key == "params" or (scheduled and key == "lr"):
+                continue
+            problem = _hparam_problem(here, key, group[key], ref_value, from_checkpoint)
             if problem:
                 return problem
+        if scheduled and not (_is_number(group["lr"]) and 0 <= float(group["lr"]) <= HPARAM_RANGES["lr"][1]):
+            return f"{here}['lr'] is {_show(group['lr'])}, expected a rate from 0 to {HPARAM_RANGES['lr'][1]:g}"
         if group.get("nesterov") and (group.get("momentum", 0) <= 0 or group.get("dampening", 0) != 0):
             return f"{here}['nesterov'] is True with momentum {group.get('momentum')} and dampening " \
                    f"{group.get('dampening')}; Nesterov momentum needs momentum > 0 and dampening 0"
@@ -114,8 +133,8 @@ def _groups_problem(where: str, groups: object, ref_groups: list[dict[str, Any]]
 def _entry_problem(here: str, key: str, value: object, param: torch.Tensor | None, index: int) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, torch.Tensor):
-        return f"{here}[{key!r}] is {_show(value)}, expected a tensor"
+    if not isinstance(value, torch.Tensor) or _not_dense(value):
+        return f"{here}[{key!r}] is {_show(value)}, expected a dense tensor"
     if key == "step":
         if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) < 0:
             return f"{here}['step'] is {_show(value)}, expected one finite count >= 0"
@@ -246,8 +265,11 @@ def history_problem(history: Sequence[Mapping[str, Any]], steps: object, *, epoc
         where = f"history[{i}]"
         if rec["epoch"] != i + 1:
             return f"{where}['epoch'] is {_show(rec['epoch'])}, expected {i + 1} (epochs count from 1, in order)"
-        acc, seconds = float(rec["test_acc"]), float(rec["seconds"])
-        if not 0.0 <= acc <= 1.0:
+        seconds = float(rec["seconds"])
+        if ("test_acc" in rec) == ("test_loss" in rec):
+            both = "both" if "test_acc" in rec else "neither"
+            return f"{where} holds {both} 'test_acc' and 'test_loss', expected one"
+        if "test_acc" in rec and not 0.0 <= float(rec["test_acc"]) <= 1.0:
             return f"{where}['test_acc'] is {_show(rec['test_acc'])}, expected an accuracy from 0 to 1"
         if not (math.isfinite(seconds) and seconds >= 0):
             return f"{where}['seconds'] is {_show(rec['seconds'])}, expected a finite time >= 0"

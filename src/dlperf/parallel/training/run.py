@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import closing
@@ -24,17 +25,23 @@ import torch
 
 from ...batch import batch_size
 from ...devices import Device
-from ..launchers import LaunchConfig, ProcessLauncher, rank_info
+from ...errors import UsageError
+from ..communication.process_group import check_process_settings
+from ..launchers import LaunchConfig, ProcessLauncher, in_launched_worker, rank_info
 from ..launchers.launch_config import RUN_TIMEOUT_S
 from ..planning.plan import EXECUTIONS, Plan
+from ..planning.plan_check import plan_problem, usable_here
 from .checkpoint import CHECKPOINT_FORMAT, save_checkpoint
-from .run_config import RunConfig, TrainState, prepare
+from .run_config import RunConfig, TrainState, check_resume, prepare, run_here
 from .trainer import Trainer
 
 __all__ = ["RunHooks", "RunResult", "run_training", "choose_plan", "train", "train_epochs", "serve", "launch_run",
            "describe_auto_choice"]
 
 log = logging.getLogger(__name__)
+
+_ANNOUNCED = "DLPERF_PLAN_ANNOUNCED"
+"""Set for the processes a run starts for its plan, whose line the starting process printed already."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,12 @@ class RunResult:
 
     @property
     def test_acc(self) -> float:
-        return self.history[-1]["test_acc"] if self.history else float("nan")
+        return self.history[-1].get("test_acc", float("nan")) if self.history else float("nan")
+
+    @property
+    def test_loss(self) -> float | None:
+        """The last epoch's test loss, where the metric is the loss (targets that are not class labels)."""
+        return self.history[-1].get("test_loss") if self.history else None
 
 
 def run_training(config: RunConfig, hooks: RunHooks | None = None) -> RunResult | None:
@@ -80,7 +92,12 @@ def run_training(config: RunConfig, hooks: RunHooks | None = None) -> RunResult 
     hooks = hooks or RunHooks()
     if hooks.on_start is not None:
         hooks.on_start()
-    if config.launch is not None and rank_info().world_size == 1:
+    launched = in_launched_worker()  # one of the processes already: it trains, it never starts more
+    if config.launch is None and not launched:
+        config = _as_recorded_processes(config)
+    if config.launch is not None and not launched:
+        check_resume(config)  # here, once, before any process starts: a mismatch is one line, not one a process
+        check_process_settings()
         launch_run(config, hooks)
         return None
     if is_server_rank(config.trainer.kvstore):  # the last num_servers ranks hold the weights; they do not train
@@ -88,13 +105,31 @@ def run_training(config: RunConfig, hooks: RunHooks | None = None) -> RunResult 
         return None
     state = prepare(config)
     plan = choose_plan(config, state)
-    if plan is not None and plan.launcher == "processes" and rank_info().world_size == 1:
+    if plan is not None and plan.launcher == "processes" and not launched:
         # chosen or named here: train as that many processes, each pinned to the plan
         pinned = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, plan=plan),
                                      launch=LaunchConfig(plan.replicas, join_timeout_s=RUN_TIMEOUT_S))
         launch_run(pinned, hooks)
         return None
     return train(config, state, plan, hooks)
+
+
+def _as_recorded_processes(config: RunConfig) -> RunConfig:
+    """A resumed run whose checkpoint was trained as a processes plan, to start as that many processes again."""
+    from .checkpoint import load_checkpoint
+
+    given = config.trainer.plan
+    if not config.run.resume or not (given is None or given == "auto" or isinstance(given, Plan)):
+        return config
+    recorded = load_checkpoint(config.run.resume)["trainer"].get("plan")
+    plan = Plan.from_dict(recorded, "the checkpoint's plan") if recorded is not None else None
+    if plan is None or plan.launcher != "processes" or (isinstance(given, Plan) and given != plan):
+        return config
+    here = dataclasses.replace(run_here(config), processes=1)
+    if usable_here(plan, here, f"the checkpoint {config.run.resume}", "training without it") is None:
+        return config
+    return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, plan=plan),
+                               launch=LaunchConfig(plan.replicas, join_timeout_s=RUN_TIMEOUT_S))
 
 
 def choose_plan(config: RunConfig, state: TrainState) -> Plan | None:
@@ -107,6 +142,11 @@ def choose_plan(config: RunConfig, state: TrainState) -> Plan | None:
         plan = plan.filled(algorithm=str(getattr(trainer.algorithm, "name", trainer.algorithm)),
                            bucket_bytes=trainer.bucket_bytes,
                            kvstore=trainer.kvstore if isinstance(trainer.kvstore, str) else None)
+        problem = plan_problem(plan, run_here(config))
+        if problem is not None:  # named by the user: refused, not ignored (they asked for it)
+            from ...errors import UsageError
+
+            raise UsageError(f"plan={plan.name}: {problem}; give a plan that fits this run, or plan=auto")
     recorded = state.resume["trainer"].get("plan") if state.resume is not None else None
     if recorded is not None:
         chosen = Plan.from_dict(recorded, "the checkpoint's plan")
@@ -114,7 +154,7 @@ def choose_plan(config: RunConfig, state: TrainState) -> Plan | None:
             log.info("plan: %s (from the checkpoint)", chosen.summary())
             return chosen
     if plan != "auto":
-        if isinstance(plan, Plan) and rank_info().rank == 0:
+        if isinstance(plan, Plan) and rank_info().rank == 0 and not os.environ.get(_ANNOUNCED):
             log.info(plan.line())
         return plan
     if state.resume is not None:
@@ -141,8 +181,7 @@ def choose_plan(config: RunConfig, state: TrainState) -> Plan | None:
                             options=options, processes=trainer.kvstore is None)
     finally:
         torch.set_rng_state(rng)
-    log.info("%s%s", decision.plan.line(),
-             " [cached]" if decision.cached else f" [planned in {decision.planning_s:.1f} s]")
+    log.info("%s [%s]", decision.plan.line(), decision.provenance())
     for skipped in decision.skipped:
         log.info("plan: skipped %s", skipped)
     return decision.plan
@@ -152,9 +191,14 @@ def launch_run(config: RunConfig, hooks: RunHooks) -> None:
     """Run ``config`` as the processes its launch section names, each calling ``run_training``."""
     assert config.launch is not None
     launcher = ProcessLauncher(config.launch)
-    if isinstance(config.trainer.plan, Plan):
+    announced = isinstance(config.trainer.plan, Plan)
+    if announced:
         log.info("plan: starting %d processes", config.launch.nproc_per_node)
-    launcher.launch(_launched, dataclasses.replace(config, launch=None), hooks)
+    os.environ[_ANNOUNCED] = "1" if announced else ""  # the processes do not print the plan line again
+    try:
+        launcher.launch(_launched, dataclasses.replace(config, launch=None), hooks)
+    finally:
+        os.environ.pop(_ANNOUNCED, None)
 
 
 def _launched(config: RunConfig, hooks: RunHooks) -> int:
@@ -197,7 +241,8 @@ def train(config: RunConfig, state: TrainState, plan: Plan | None, hooks: RunHoo
     algorithm = getattr(config.trainer.algorithm, "name", config.trainer.algorithm)
     if algorithm == "auto" and config.trainer.kvstore is None and rank == 0:
         log.info(describe_auto_choice(model, config.devices, config.trainer.bucket_bytes))
-    options = dataclasses.replace(config.trainer_config(plan, rank=rank), loss=state.loss)
+    options = dataclasses.replace(config.trainer_config(plan, rank=rank), loss=state.loss,
+                                  schedule_steps=_schedule_steps(config, state))
     with Trainer(model, config.devices, config=options) as trainer:
         if state.resume is not None:
             _load(trainer, state.resume["trainer"], run.resume)
@@ -231,6 +276,19 @@ def train(config: RunConfig, state: TrainState, plan: Plan | None, hooks: RunHoo
     return result
 
 
+def _schedule_steps(config: RunConfig, state: TrainState) -> int | None:
+    """The updates of the whole run (resumed epochs included) a named learning-rate schedule spans."""
+    if not isinstance(config.trainer.lr_schedule, str):
+        return config.trainer.schedule_steps
+    batches = len(state.train_loader)
+    if not batches:
+        from ...errors import UsageError
+
+        raise UsageError(f"lr_schedule={config.trainer.lr_schedule} spans the run, whose length the data does not "
+                         "say (it has no len()); give data with a length, or a factory optimizer -> scheduler")
+    return max(1, config.run.epochs * -(-batches // config.trainer.accumulate))
+
+
 def _load(trainer: Trainer, state: dict[str, Any], source: str | None) -> None:
     from ...errors import UsageError
 
@@ -261,7 +319,8 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
     Every device needs at least one example of each step, so an epoch's last batch with fewer
     examples than devices is skipped (at most ``devices - 1`` examples an epoch; across processes, the
     devices of all processes, and every process skips the same batch). The loss is the mean over
-    every process's examples.
+    every process's examples. An epoch that trains on nothing (no batch, or every batch skipped) or a test
+    pass without an example raises :class:`UsageError`: a loss of 0 and an accuracy of 0 would look like results.
     """
     history = []
     for epoch in range(first_epoch, epochs):
@@ -269,13 +328,15 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
         loss_sum: torch.Tensor | float = 0.0
         # the first step whose loss was NaN/inf, kept on the device and read with loss_sum at the end
         first_bad: torch.Tensor | None = None
-        batches = 0
+        batches = given = largest = 0
         try:
             start = time.perf_counter()
             # closing(): after Ctrl-C the loader's thread stops now, not when the traceback is freed
             with closing(train_loader.epoch_batches(epoch)) as train_batches:
                 for X, y in train_batches:
-                    if batch_size(X, "input") < trainer.total_devices:
+                    n = batch_size(X, "input")
+                    given, largest = given + 1, max(largest, n)
+                    if n < trainer.total_devices:
                         continue  # only an epoch's last batch can be this short: see the docstring
                     # summed where it is: reading it on the host every step would stall a GPU's queue
                     loss = trainer.train_step(X, y).detach().float()
@@ -285,17 +346,26 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
                     batches += 1
                     if bar:
                         bar.advance(0, 1)
+            if batches == 0:
+                raise UsageError(_nothing_trained(epoch, first_epoch, given, largest, trainer.total_devices))
+            trainer.flush()  # micro-batches accumulated past the last update: an update on what the epoch has
             for d in trainer.devices:
                 d.synchronize()
-            seconds = time.perf_counter() - start
-            # each process's loss is its part of the batch's mean: one sum per epoch, not per step
-            loss_sum = trainer.sum_across_processes(torch.as_tensor(loss_sum, dtype=torch.float32))
+            seconds = time.perf_counter() - start  # (every step's loss is the batch's mean in every process)
         finally:
             if bar:
                 bar.stop()
+        tested = [0]
+        metric = "test_acc" if _classifies(trainer, test_loader) else "test_loss"
         with closing(test_loader.epoch_batches(0)) as test_batches:
-            test_acc = trainer.evaluate_accuracy(test_batches)
-        record = {"epoch": epoch + 1, "loss": float(loss_sum) / max(batches, 1), "test_acc": test_acc,
+            counted = _counted(test_batches, tested)
+            test_value = trainer.evaluate_accuracy(counted) if metric == "test_acc" else trainer.evaluate_loss(counted)
+        if tested[0] == 0:
+            raise UsageError(f"the test data gave no example after epoch {epoch + 1}, so there is no accuracy to "
+                             "report; give test batches with examples, from a source that can be iterated once per "
+                             "epoch (a list or a DataLoader, not a generator; without a test set the training data "
+                             "is evaluated)")
+        record = {"epoch": epoch + 1, "loss": float(loss_sum) / max(batches, 1), metric: test_value,
                   "seconds": seconds}
         if first_bad is not None and float(first_bad) != float("inf"):
             record["nonfinite_since_step"] = int(first_bad)
@@ -303,3 +373,40 @@ def train_epochs(trainer: Trainer, train_loader, test_loader, first_epoch: int, 
         if on_epoch:
             on_epoch(record)
     return history
+
+
+def _classifies(trainer: Trainer, test_loader: Any) -> bool:
+    """Whether the test data's labels are class labels (accuracy is its metric), else its mean loss is: a
+    regressor's float targets have no accuracy. Read from the first test batch's labels."""
+    from ...losses import labels_of
+
+    with closing(test_loader.epoch_batches(0)) as batches:
+        first = next(iter(batches), None)
+    if first is None:
+        return True
+    labels = labels_of(*first)
+    return isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.dtype != torch.bool
+
+
+def _counted(batches, count: list[int]):
+    """``batches`` passed through, their examples added to ``count[0]``."""
+    for X, y in batches:
+        count[0] += batch_size(X, "input")
+        yield X, y
+
+
+def _nothing_trained(epoch: int, first_epoch: int, given: int, largest: int, devices: int) -> str:
+    """Why epoch ``epoch`` took no step, in one line with the fix."""
+    if given == 0 and epoch > first_epoch:
+        return (f"the training data gave no batch in epoch {epoch + 1} (it did in epoch {first_epoch + 1}): it runs "
+                "dry after one pass, as a generator does; give a source that can be iterated once per epoch (a list "
+                "or a DataLoader)")
+    if given == 0:
+        return (f"the training data gave no batch in epoch {epoch + 1}, so nothing would train; give at least one "
+                "(inputs, targets) batch")
+    if largest == 0:
+        return (f"every batch of epoch {epoch + 1} ({given}) holds 0 examples, so nothing would train; give "
+                "batches with examples along the first axis")
+    return (f"every batch of epoch {epoch + 1} ({given}, the largest of {largest} examples) is smaller than the "
+            f"{devices} devices a step splits it across, each needing one example, so each was skipped and nothing "
+            f"would train; give batches of at least {devices} examples or train on fewer devices (replicas)")

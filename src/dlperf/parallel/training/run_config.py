@@ -19,10 +19,11 @@ import torch
 from ..._io import check_writable
 from ...batch import describe
 from ...devices import Device, to_device
-from ...errors import UsageError
-from ..launchers import LaunchConfig, rank_info, restart_count
+from ...errors import UsageError, blame_user_code
+from ..launchers import LaunchConfig, in_launched_worker, rank_info, restart_count
 from ..planning.plan import Plan
-from ..planning.planner import PlannerOptions
+from ..planning.plan_check import ANY, Here, keep_usable_plan
+from ..planning.records import PlannerOptions
 from ..split import check_devices
 from ..strategies import STRATEGIES, choose_strategy
 from .checkpoint import load_checkpoint
@@ -30,7 +31,8 @@ from .resume import history_problem, trainer_state_problem
 from .trainer_config import TrainerConfig
 
 __all__ = ["RunSection", "RunConfig", "TrainState", "FactoryBatches", "check_resume", "prepare", "parse_devices",
-           "step_args", "is_factory", "TRAIN_MODELS", "MAX_BATCH", "MAX_EPOCHS", "MAX_LR", "MAX_BUCKET_BYTES"]
+           "step_args", "is_factory", "run_here", "TRAIN_MODELS", "MAX_BATCH", "MAX_EPOCHS", "MAX_LR",
+           "MAX_BUCKET_BYTES"]
 
 TRAIN_MODELS = ("lenet", "resnet18")
 MAX_BATCH = 2**24
@@ -166,6 +168,13 @@ class RunConfig:
                     "algorithm": getattr(trainer.algorithm, "name", trainer.algorithm), "kvstore": trainer.kvstore}
         if self.processes > 1:  # absent for one process: older checkpoints still match
             settings["processes"] = self.processes
+        # what the update does, recorded where it is not the default (older checkpoints still match)
+        optimizer = trainer.optimizer if isinstance(trainer.optimizer, str) else "factory"
+        for key, value, default in (("optimizer", optimizer, "sgd"), ("lr_schedule", trainer.lr_schedule, None),
+                                    ("accumulate", trainer.accumulate, 1),
+                                    ("clip_grad_norm", trainer.clip_grad_norm, None)):
+            if value != default:
+                settings[key] = value if isinstance(value, str | int | float) else "factory"
         return settings
 
     def trainer_config(self, plan: Plan | None = None, *, rank: int = 0) -> TrainerConfig:
@@ -199,8 +208,19 @@ class FactoryBatches:
             return 0
 
     def epoch_batches(self, epoch: int) -> Iterator[tuple[Any, Any]]:
-        for i, batch in enumerate(self.batches):
+        batches, i = None, 0
+        while True:
+            try:  # the user's iterable: what it raises is noted for the one line that names it
+                batches = iter(self.batches) if batches is None else batches
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as exc:
+                blame_user_code(exc, f"the {self.what} data (epoch {epoch + 1}, batch {i})",
+                                "fix the data factory's batches")
+                raise
             yield step_args(batch, f"{self.what} batch {i}")
+            i += 1
 
 
 @dataclass
@@ -259,6 +279,17 @@ def _factory_data(source: str) -> tuple[FactoryBatches, FactoryBatches]:
     return FactoryBatches(train, "train"), FactoryBatches(test, "test")
 
 
+def run_here(config: RunConfig) -> Here:
+    """What a checkpoint's or a named plan must fit to run in ``config``: its devices, global batch (a factory's
+    batches are its own: not sized by ``batch_size``), processes, finiteness check and store. Mixed precision is
+    allowed (a checkpoint's run chose it; it still needs GPUs)."""
+    run = config.run
+    return Here(devices=config.devices, batch_size=None if is_factory(run.data) else run.batch_size,
+                processes=config.processes, can_launch=not in_launched_worker(), allow_mixed_precision=True,
+                check_finite=config.trainer.check_finite,
+                kvstore=config.trainer.kvstore if isinstance(config.trainer.kvstore, str | None) else ANY)
+
+
 def check_resume(config: RunConfig) -> dict[str, Any] | None:
     """The checkpoint ``config.run.resume`` names, read and checked against ``config`` (None without one).
 
@@ -280,15 +311,26 @@ def check_resume(config: RunConfig) -> dict[str, Any] | None:
                                               update_on_kvstore=config.trainer.update_on_kvstore,
                                               strategy=config.trainer.strategy))
     trainer = resume["trainer"]
+    keep_usable_plan(trainer, run_here(config), f"the checkpoint {run.resume}")
     build, _ = _model_builder(run)
     problem = trainer_state_problem(
-        trainer, model=build(), devices=len(devices), make_reference=config.trainer.new_optimizer,
+        trainer, model=build(), devices=len(devices), make_reference=lambda params: _as_trained(config, params),
         on_store=strategy.state_key == "kvstore", from_checkpoint=run.resume_hparams_from_checkpoint)
     problem = problem or history_problem(resume["history"], trainer["steps"], epochs=run.epochs,
                                          batches_per_epoch=None)
     if problem:
         raise UsageError(f"resume={run.resume}: {problem}")
     return resume
+
+
+def _as_trained(config: RunConfig, params: Any) -> torch.optim.Optimizer:
+    """The optimizer a run of ``config`` trains with, as the Trainer makes it (a schedule adds its own keys)."""
+    from ..optimizers import make_schedule
+
+    optimizer = config.trainer.new_optimizer(params)
+    if config.trainer.lr_schedule is not None:
+        make_schedule(config.trainer.lr_schedule, optimizer, 1)
+    return optimizer
 
 
 def prepare(config: RunConfig) -> TrainState:
@@ -311,7 +353,7 @@ def prepare(config: RunConfig) -> TrainState:
                                               test=run.test_size, download=run.download)
     if resume is not None and len(train_loader):  # the step counter against the data's batches, known now
         problem = history_problem(resume["history"], resume["trainer"]["steps"], epochs=run.epochs,
-                                  batches_per_epoch=len(train_loader))
+                                  batches_per_epoch=-(-len(train_loader) // config.trainer.accumulate))
         if problem:
             raise UsageError(f"resume={run.resume}: {problem}")
     history = list(resume["history"]) if resume else []

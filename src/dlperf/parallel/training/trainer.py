@@ -1,12 +1,9 @@
 """Trainer: data-parallel training of one model on k devices (d2l 12.6, concisely).
 
-Every step runs on one asynchronous dependency engine (d2l 12.2): each replica's forward and backward
-is an engine operation on its device's worker. How gradients are synchronized and the replicas updated
-is the trainer's *strategy* (:mod:`dlperf.parallel.strategies`), chosen once from the options: gradient
-buckets reduced by allreduce on communication lanes while backward runs (:mod:`dlperf.parallel.allreduce.lanes`),
-through a KVStore, across processes, or by parameter servers. The caller pushes the replicas'
-operations and is woken once, when the last replica ends. ``trace=`` or :meth:`Trainer.start_trace`
-records the engine's timeline.
+Each replica's forward and backward is an operation of the asynchronous engine (d2l 12.2) on its device's
+worker; how gradients are synchronized and the replicas updated is the trainer's *strategy*
+(:mod:`dlperf.parallel.strategies`). Started as several processes, a Trainer spans them all: every process passes
+the same global batch and trains on its slice (docs/library.md has the details).
 
 >>> import torch
 >>> from torch import nn
@@ -17,10 +14,6 @@ records the engine's timeline.
 ...     loss = trainer.train_step(X, y)
 ...     trainer.strategy.name, trainer.max_replica_difference()
 ('allreduce', 0.0)
-
-Started as several processes (``dlperf launch``, ``torchrun``), a Trainer spans them all: every process
-passes the same global batch, trains on its slice, and gradients are summed within each process and
-then across processes, bucket by bucket while backward runs (:mod:`dlperf.parallel.communication.process_group`).
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...batch import batch_size, call_model, map_tensors
+from ...batch import batch_size, call_loss, call_model, map_tensors
 from ...devices import Device, DeviceLike
 from ...engine import Engine, Trace, create_engine
 from ...errors import UsageError
@@ -210,22 +203,16 @@ class Trainer:
     # -- training ---------------------------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
-        """The first replica (on ``devices[0]``): the trained model."""
-        return self.replicas[0]
-
-    def _split(self, X: Any, y: Any) -> tuple[list[Any], list[Any], int]:
-        """This process's part for each of its devices, and the examples of the whole batch."""
-        return split_step(X, y, self.devices, self.world, self.rank)
+        """The first replica (on ``devices[0]``): the trained model (the model given, before it is built)."""
+        return self.replicas[0] if self._unbuilt is None else self._unbuilt[0]
 
     def train_step(self, X: Any, y: Any = None) -> torch.Tensor:
         """Forward, backward and update on every device at once; return the batch's mean loss.
 
-        ``X`` and ``y`` are a whole batch (split here) or lists with one part per device; each a tensor or a
-        tuple, list or dict of tensors (:mod:`dlperf.batch`: a tuple is the model's positional inputs). Device i's
-        loss is weighted by its share of the batch, so the summed gradients are the gradient of the
-        mean loss over the whole batch whatever the split. Across processes ``X`` and ``y`` are the
-        global batch, and the loss returned is this process's part of the mean
-        (:meth:`sum_across_processes` of it is the batch's mean loss).
+        ``X`` and ``y`` are a whole batch (split here; ``y`` None for a mapping batch that carries its labels)
+        or lists with one part per device, each a tensor or a structure of them (:mod:`dlperf.batch`). Each
+        part's loss is weighted by its share, so the gradient is the whole batch's mean loss's. Across processes
+        they are the global batch, and the loss returned is the batch's mean in every process.
         """
         self._check_open()
         if self._unbuilt is not None:
@@ -245,7 +232,7 @@ class Trainer:
             return self._micro_step(X, y)
         # one replica on the calling thread, whose engine would run the step inline: it is called directly
         direct = self._direct and not self.engine.tracing and _one_host_batch(X, y)
-        Xs, ys, total = ([X], [y], 0) if direct else self._split(X, y)
+        Xs, ys, total = ([X], [y], 0) if direct else split_step(X, y, self.devices, self.world, self.rank)
         strategy, ctx = self.strategy, self._ctx
         strategy.begin_step()
         ops = [] if direct else [
@@ -264,15 +251,15 @@ class Trainer:
             strategy.end_step()
         strategy.finish(1.0)
         self._after_update()
-        if len(losses) == 1:
-            return losses[0]
-        first = self.devices[0].torch_device
-        return torch.stack([loss.to(first) for loss in losses]).sum()
+        loss = losses[0] if len(losses) == 1 else \
+            torch.stack([part.to(self.devices[0].torch_device) for part in losses]).sum()
+        # across processes each holds its part of the batch's mean: what a rank reports is their sum, the mean
+        return loss if self.processes is None else self.sum_across_processes(loss)
 
     def _micro_step(self, X: Any, y: Any) -> torch.Tensor:
         """One micro-batch of ``accumulate``: its gradients are added to the others', and the last one sums them
         across the replicas (once, as DDP's ``no_sync`` does) and updates, the gradients scaled to the mean."""
-        Xs, ys, total = self._split(X, y)
+        Xs, ys, total = split_step(X, y, self.devices, self.world, self.rank)
         ctx, first = self._ctx, self._micro == 0
         ops = [self.engine.push(self._micro_replica_step, args=(i, Xs[i], ys[i], batch_size(Xs[i]) / total, first),
                                 writes=(ctx.replica_vars[i], ctx.step_vars[i]), device=d, name=f"fwd+bwd {d}")
@@ -287,8 +274,8 @@ class Trainer:
         self._micro += 1
         if self._micro == self._accumulate:
             self.flush()
-        first_device = self.devices[0].torch_device
-        return torch.stack([loss.to(first_device) for loss in losses]).sum()
+        loss = torch.stack([part.to(self.devices[0].torch_device) for part in losses]).sum()
+        return loss if self.processes is None else self.sum_across_processes(loss)
 
     def _micro_replica_step(self, i: int, X: Any, y: Any, share: float, first: bool) -> torch.Tensor:
         rep = self.replicas[i]
@@ -297,7 +284,7 @@ class Trainer:
         if first:
             self.strategy.zero_grad(i)
         with self.planning.precision(self.devices[i]):
-            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
+            loss = call_loss(self.loss, call_model(self._forwards[i], self._layout(X)), y, X)
         (loss * (share / self._accumulate)).backward()
         return (loss * share).detach()
 
@@ -320,9 +307,9 @@ class Trainer:
         self.strategy.zero_grad(i)
         if self._autocast:
             with self.planning.precision(self.devices[i]):
-                loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
+                loss = call_loss(self.loss, call_model(self._forwards[i], self._layout(X)), y, X)
         else:
-            loss = self.loss(call_model(self._forwards[i], self._layout(X)), y, X)
+            loss = call_loss(self.loss, call_model(self._forwards[i], self._layout(X)), y, X)
         if share != 1.0:  # one replica's loss is the batch's: no multiplication to run and differentiate
             loss = loss * share
         loss.backward()
@@ -385,6 +372,29 @@ class Trainer:
         counts = self.sum_across_processes(torch.tensor([round(acc * seen[0]), seen[0]], dtype=torch.float64))
         return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
 
+    def evaluate_loss(self, data: Iterable[Any]) -> float:
+        """The mean loss over ``data`` (the metric of a model whose targets are not class labels, a regressor's),
+        on the first replica in eval mode; across processes each takes every ``world``-th batch, as for accuracy."""
+        self._check_open()
+        model, device = self.replicas[0], self.devices[0].torch_device
+        was = model.training
+        model.eval()
+        total, seen = 0.0, 0
+        try:
+            with torch.no_grad():
+                for i, batch in enumerate(data):
+                    if i % self.world != self.rank:
+                        continue
+                    X, y = (batch, None) if isinstance(batch, Mapping) else batch
+                    X, y = map_tensors(lambda t: t.to(device), X), map_tensors(lambda t: t.to(device), y)
+                    n = batch_size(X, "input")
+                    total += float(call_loss(self.loss, call_model(model, self._layout(X)), y, X)) * n
+                    seen += n
+        finally:
+            model.train(was)
+        sums = self.sum_across_processes(torch.tensor([total, seen], dtype=torch.float64))
+        return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+
     def sum_across_processes(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of ``t`` over the trainer's processes (``t`` itself when it trains alone).
 
@@ -420,13 +430,14 @@ class Trainer:
         taken over unless this trainer was given another one."""
         if self._unbuilt is not None:  # plan="auto" not planned yet: a recorded plan is taken, else the reference
             module, devices = self._unbuilt
-            plan = self.planning.recorded(state["plan"]) if "plan" in state else None
+            plan = self.planning.recorded(state["plan"], devices, self.config.check_finite) if "plan" in state \
+                else None
             self.planning.plan = plan or self.planning.reference
             self._build(module, *apply_plan(self.planning.plan, devices, self.config))
         elif "plan" in state and self.steps == 0 and self.processes is None:
             if self.planning.mode is None:
                 self.planning.reference = reference_plan(self.replicas[0], self.devices, self.config)
-            plan = self.planning.recorded(state["plan"])
+            plan = self.planning.recorded(state["plan"], self.devices, self.config.check_finite)
             if plan is not None:
                 self._rebuild(plan, carry=False)
         if len(state["buffers"]) != self.k:

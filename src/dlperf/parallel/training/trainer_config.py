@@ -24,7 +24,7 @@ from ...losses import resolve_loss
 from ..allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, get_algorithm
 from ..optimizers import OPTIMIZERS, SCHEDULES, OptimizerLike, ScheduleLike, make_optimizer
 from ..planning.plan import Plan, parse_plan
-from ..planning.planner import PlannerOptions
+from ..planning.records import PlannerOptions
 from ..strategies import STRATEGIES, Strategy, strategy_class
 from ..strategies.factory import check_update_on_kvstore
 

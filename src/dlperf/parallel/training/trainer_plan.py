@@ -23,8 +23,9 @@ from ...devices import Device
 from ...errors import DlperfError, UsageError
 from ..allreduce.lanes import thread_budget
 from ..planning.plan import EXECUTIONS, Plan, parse_plan
-from ..planning.planner import PlanDecision, PlannerOptions
+from ..planning.plan_check import Here, resize_state, usable_here
 from ..planning.process_plans import in_process_part, launch_hint
+from ..planning.records import PlanDecision, PlannerOptions
 from ..strategies import strategy_class
 from .trainer_config import TrainerConfig
 
@@ -116,15 +117,6 @@ def check_whole_step(plan: Plan, cfg: TrainerConfig) -> None:
                          f"piece; use {plan.name.replace(plan.execution, 'eager')}")
 
 
-def resize_state(state: dict[str, Any], replicas: int) -> dict[str, Any]:
-    """``state`` (a Trainer's) for another number of replicas: weights and optimizer are the same; each
-    replica's buffers start from the first's (plans with BatchNorm keep the count, so this is exact there)."""
-    buffers = state["buffers"]
-    if len(buffers) == replicas:
-        return state
-    return {**state, "buffers": [buffers[i] if i < len(buffers) else buffers[0] for i in range(replicas)]}
-
-
 class PlanState:
     """A Trainer's plan: its mode (None, ``"pinned"`` or ``"auto"``), the plan in force, the reference (what the
     Trainer does without a plan), the decision that chose it, and how the plan's step runs. It holds no Trainer:
@@ -202,11 +194,14 @@ class PlanState:
             log.warning(decision.faster_with_processes)
         return decision.plan
 
-    def recorded(self, recorded: object) -> Plan | None:
+    def recorded(self, recorded: object, devices: Sequence[Device], check_finite: bool) -> Plan | None:
         """A checkpoint's plan: the plan to rebuild on, or None when the one in force stays (a pinned one is kept,
-        with a note)."""
+        with a note; one that cannot run on ``devices`` here is ignored with one line)."""
         plan = Plan.from_dict(recorded, "the checkpoint's plan")
         if plan == self.plan:
+            return None
+        here = Here(devices, check_finite=check_finite, allow_mixed_precision=True, can_launch=False)
+        if usable_here(plan, here, "the state given to load_state_dict", "training without it") is None:
             return None
         if self.mode == "pinned":
             log.warning("plan: %s as given; the checkpoint's %s is not used", self.plan.name if self.plan else "?",
