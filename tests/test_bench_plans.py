@@ -26,6 +26,7 @@ def _last_json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_profile_bench_and_train_name_the_same_plan_from_one_cache(factories, monkeypatch, capsys):
     monkeypatch.setattr(auto, "COMPILE_BOUND_S", 0.0)

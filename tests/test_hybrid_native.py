@@ -284,6 +284,7 @@ def test_scratch_left_by_a_killed_process_is_removed_on_the_next_build(cache_hom
     assert not old.exists() and recent.exists()  # a recent one may belong to a live process
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("manifest", ["missing", "forged"])
 def test_planted_constructor_library_never_runs_in_a_fresh_process(cache_home, tmp_path, manifest):
@@ -361,6 +362,7 @@ def test_cache_directory_others_could_write_is_refused(cache_home, tmp_path, cap
     assert "not cached" in capfd.readouterr().err
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(60)
 def test_lock_of_a_killed_builder_does_not_block(cache_home, tmp_path):
     directory = native_cache.private_dir(str(cache_home), ["dlperf", "tiny"])

@@ -20,6 +20,7 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
+@pytest.mark.distributed
 def test_plan_auto_prints_the_plan_line_first(capsys):
     assert main(["train", "--devices", "cpu:0,cpu:1", "--epochs", "1", "--plan", "auto", *SMALL]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -45,6 +46,7 @@ def test_a_pinned_plan_is_recorded_and_resume_follows_it(tmp_path, capsys):
         torch.testing.assert_close(state["trainer"]["model"][name], value, rtol=0, atol=0)
 
 
+@pytest.mark.distributed
 def test_your_own_model_and_data(factories, capsys):
     argv = ["train", "--model", "plan_factories:make_model", "--data", "plan_factories:make_data",
             "--devices", "cpu:0,cpu:1", "--epochs", "2", "--lr", "0.2", "--plan", "auto", "--json", "--no-progress"]
