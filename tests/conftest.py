@@ -18,7 +18,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from dlperf._buildcache import BUILD_CACHE_ENV, cache_base  # noqa: E402
 from dlperf._threads import fresh_thread_default  # noqa: E402
+
+# Compiled libraries (the native plan interpreter: a minute of compiling) stay in the user's cache even where a
+# test moves XDG_CACHE_HOME to keep its figures and plans private, as they would for two runs of the user's own.
+os.environ.setdefault(BUILD_CACHE_ENV, cache_base())
 
 # Variables that pytest or torch itself set on first use (torch's inductor cache dir is set lazily
 # by some ops and by torch.compile); a test that sets them has not leaked anything of its own.
@@ -107,6 +112,15 @@ def private_plan_cache(no_leaked_threads_or_env, tmp_path_factory, monkeypatch):
     """Each test plans against its own empty plan cache: a decision cached by one test (or by the user's own
     runs) must not answer another's question."""
     monkeypatch.setenv("DLPERF_PLAN_CACHE", str(tmp_path_factory.mktemp("plans") / "plans.json"))
+
+
+@pytest.fixture
+def plans_in_one_process(monkeypatch):
+    """The planner without its plans of several processes, which it measures by starting them: a test of what a
+    plan auto decides and prints among the plans of one process, beside its twin marked distributed."""
+    from dlperf.parallel.planning import planner
+
+    monkeypatch.setattr(planner, "process_plans", lambda *args, **kwargs: [])
 
 
 @pytest.fixture

@@ -29,6 +29,15 @@ def _last_json(out: str) -> dict:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_profile_bench_and_train_name_the_same_plan_from_one_cache(factories, monkeypatch, capsys):
+    _profile_bench_and_train_name_the_same_plan(monkeypatch, capsys)
+
+
+def test_profile_bench_and_train_planned_in_one_process_name_the_same_plan(plans_in_one_process, factories,
+                                                                          monkeypatch, capsys):
+    _profile_bench_and_train_name_the_same_plan(monkeypatch, capsys)
+
+
+def _profile_bench_and_train_name_the_same_plan(monkeypatch, capsys) -> None:
     monkeypatch.setattr(auto, "COMPILE_BOUND_S", 0.0)
     cores = str(usable_cores())
     assert main(["profile", "plan_factories:make_model", "--input", "32x16", "--threads", cores, "--steps", "2",

@@ -225,8 +225,19 @@ def cache_home(tmp_path, monkeypatch):
     home = tmp_path / "cache"
     home.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    monkeypatch.setenv(native_cache.BUILD_CACHE_ENV, str(home))  # the compiled libraries' cache moves with it
     monkeypatch.setattr(native_cache, "_warned", set())
     return home
+
+
+def test_compiled_libraries_are_cached_where_their_own_variable_says_else_with_the_users_caches(tmp_path,
+                                                                                              monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(native_cache.BUILD_CACHE_ENV)
+    assert native.cache_dir() == str(tmp_path / "xdg" / "dlperf" / "native")
+    monkeypatch.setenv(native_cache.BUILD_CACHE_ENV, str(tmp_path / "builds"))
+    assert native.cache_dir() == str(tmp_path / "builds" / "dlperf" / "native")
+    assert native_cache.cache_base() == str(tmp_path / "xdg")  # figures and plans stay where XDG_CACHE_HOME says
 
 
 @pytest.mark.timeout(60)
