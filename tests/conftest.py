@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import textwrap
@@ -91,20 +90,14 @@ def no_leaked_threads_or_env():
         f"to {new_thread_default}")
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True, scope="session")
 def notes_shown_as_the_cli_shows_them():
-    """dlperf's notes (logging records) printed as ``dlperf`` prints them (decisions on stdout, warnings on stderr),
-    in every test alike: otherwise whether a test sees a note would depend on whether an earlier test in the same
-    process ran the CLI, which installs that handler once. Per module, so that the doctests of src/, which run
-    after tests/, see the library as a library user does: silent."""
+    """dlperf's notes (logging records) printed as ``dlperf`` prints them (warnings on stderr; a verb's decisions on
+    stdout while it runs), in every test alike: otherwise whether a test sees a note would depend on whether an
+    earlier test in the same process ran the CLI, which installs that handler once."""
     from dlperf.cli import show_notes
 
-    logger = logging.getLogger("dlperf")
-    handlers, level = list(logger.handlers), logger.level
-    show_notes()
-    yield
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
+    show_notes(verb=False)
 
 
 @pytest.fixture(autouse=True)

@@ -124,3 +124,29 @@ def test_cli_scaling_explain_rows(capsys):
     row = doc["rows"][0]
     assert row["floor_s"] > 0 and row["measured_over_floor"] > 0 and row["floor_source"]
     assert "x floor" in out
+
+
+def test_a_floor_above_the_measured_time_is_flagged_as_the_cost_models_error_naming_the_component():
+    from dlperf.bench.explain import CellFloor, explain_footnotes, fmt_floor
+
+    floor = CellFloor(0.0123, {"compute": 0.0123, "memory": 0.002}, "probe cache (2 threads)", 1e9, 1e11)
+    said = floor.overshoot(0.0059)
+    assert said is not None and "12.30 ms is above the measured 5.90 ms" in said
+    assert "its compute component (12.30 ms) overshot" in said and "probe cache" in said
+    assert fmt_floor(floor, 0.0059).endswith("!") and not fmt_floor(floor, 0.02).endswith("!")
+    assert floor.overshoot(0.02) is None and floor.to_dict(0.0059)["floor_error"] == said
+    assert f"! lenet: {said}" in explain_footnotes(["probe cache (2 threads)"], [f"lenet: {said}"])
+
+
+def test_a_choice_made_on_contended_rounds_is_not_printed_as_a_gain():
+    from dlperf.bench.auto import AutoChoice, _pick
+
+    medians = {"eager": 0.010, "hybrid": 0.0007}
+    per_round = {"eager": [0.010, 0.011, 0.010], "hybrid": [0.0007, 0.0008, 0.0007]}
+    best, gain, _, contended = _pick(medians, per_round, contended=[True, True, True])
+    assert best == "hybrid" and contended
+    reason = AutoChoice(best, gain, medians, contended=contended).reason
+    assert "chosen on contended rounds, for this run only" in reason and "no measured gain" in reason
+    assert "x over eager" not in reason.split("(")[0]
+    quiet = AutoChoice(*_pick(medians, per_round, contended=[False, True, False])[:2], medians).reason
+    assert quiet.startswith("hybrid: 14.29x over eager")

@@ -412,12 +412,12 @@ def test_damaged_checkpoint_is_one_line(tmp_path, damage, match):
 
 def test_checkpoint_directory_is_refused_before_training(tmp_path, capsys, monkeypatch):
     from dlperf.cli import main
-    from dlperf.cli import train as train_cli
+    from dlperf.parallel.training import run as run_module
 
     def must_not_train(*a, **k):
         raise AssertionError("trained although the checkpoint could not be written")
 
-    monkeypatch.setattr(train_cli, "_train", must_not_train)
+    monkeypatch.setattr(run_module, "train", must_not_train)
     rc = main(["train", "--checkpoint", str(tmp_path), "--epochs", "1", "--train-size", "10", "--test-size", "10",
                "--no-progress"])
     err = capsys.readouterr().err.strip()

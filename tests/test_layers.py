@@ -315,6 +315,27 @@ def test_modules_and_constructors_stay_small():
     assert not crowded, crowded
 
 
+MODULE_DOCSTRING_LINES = 25
+
+
+def test_module_docstrings_stay_short():
+    """A module docstring says what the module is for in a few lines, a doctest included; the design, the rules
+    and the measured figures behind it live on a page under docs/design/ that the docstring names."""
+    long = [f"{p.relative_to(SRC)}: {n} lines" for p in sorted(PACKAGE.rglob("*.py"))
+            if (doc := ast.get_docstring(ast.parse(p.read_text()), clean=False)) is not None
+            and (n := len(doc.splitlines())) > MODULE_DOCSTRING_LINES]
+    assert not long, f"module docstrings over {MODULE_DOCSTRING_LINES} lines (move the rest to docs/design/): {long}"
+
+
+def test_pages_the_source_names_exist():
+    """A docstring or comment that sends the reader to docs/... names a page that is there."""
+    root = SRC.parent
+    missing = [f"{p.relative_to(SRC)}: {page}" for p in sorted(PACKAGE.rglob("*.py"))
+               for page in sorted(set(re.findall(r"\bdocs/[\w./-]*\w\.md", p.read_text())))
+               if not (root / page).is_file()]
+    assert not missing, f"pages named in the source that do not exist: {missing}"
+
+
 def test_public_class_names_are_unique():
     """One name for one thing: no two public classes of dlperf share a name."""
     where: dict[str, list[str]] = {}

@@ -175,15 +175,15 @@ def test_kvstore_async_error_surfaces_once_and_the_key_stays_usable(monkeypatch)
     with create_kvstore("local") as kv:
         kv.init("w", torch.zeros(3))
         calls = []
-        real = kv._reduce
+        real = kv._push_now
 
-        def failing_once(home, values):
+        def failing_once(key, values):
             calls.append(1)
             if len(calls) == 1:
                 raise RuntimeError("link down")
-            return real(home, values)
+            return real(key, values)
 
-        monkeypatch.setattr(kv, "_reduce", failing_once)
+        monkeypatch.setattr(kv, "_push_now", failing_once)
         op = kv.push_async("w", [torch.ones(3)])
         with pytest.raises(RuntimeError, match="link down"):
             op.wait()

@@ -17,7 +17,21 @@ from dlperf.parallel import Trainer
 from dlperf.parallel.planning.plan import parse_plan
 from dlperf.parallel.planning.records import PlannerOptions
 from dlperf.parallel.training.planned import plan_for
-from support.sum_on_first import SumOnFirst
+
+
+@pytest.fixture(autouse=True)
+def sum_on_first():
+    """The strategy's module imported for each test (its import registers it), and forgotten after: the other
+    tests see the built-in strategies only."""
+    import importlib
+    import sys
+
+    from dlperf.parallel.strategies import STRATEGIES
+
+    module = importlib.import_module("support.sum_on_first")
+    yield module.SumOnFirst
+    STRATEGIES.remove("sum-on-first")
+    sys.modules.pop("support.sum_on_first", None)
 
 
 def batches(n: int = 4):
@@ -35,7 +49,8 @@ def plain(model: nn.Module, data) -> nn.Module:
     return model
 
 
-def test_the_trainer_takes_a_registered_strategy_by_name_and_it_trains_as_a_plain_loop():
+def test_the_trainer_takes_a_registered_strategy_by_name_and_it_trains_as_a_plain_loop(sum_on_first):
+    SumOnFirst = sum_on_first
     torch.manual_seed(0)
     model, data = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)), batches()
     before = SumOnFirst.calls
@@ -51,7 +66,8 @@ def test_the_trainer_takes_a_registered_strategy_by_name_and_it_trains_as_a_plai
         assert isinstance(trainer.strategy, SumOnFirst)
 
 
-def test_the_cli_takes_it_by_name_or_as_module_and_class(capsys):
+def test_the_cli_takes_it_by_name_or_as_module_and_class(capsys, sum_on_first):
+    SumOnFirst = sum_on_first
     before = SumOnFirst.calls
     common = ["train", "--devices", "cpu:0,cpu:1", "--epochs", "1", "--batch-size", "64", "--train-size", "128",
               "--test-size", "64", "--no-progress"]

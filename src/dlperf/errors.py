@@ -18,6 +18,11 @@ class UsageError(DlperfError, ValueError):
     """A value given by the user is not one of the valid choices."""
 
 
+class ShapeError(UsageError, RuntimeError):
+    """An operation asks for a shape its operands cannot have (a ``ValueError`` as in NumPy, a
+    ``RuntimeError`` as in torch and MXNet)."""
+
+
 class DeviceUnavailableError(DlperfError, RuntimeError):
     """A device was requested that this machine does not have."""
 

@@ -1,71 +1,26 @@
 """dlperf's one timer: warm up, synchronize around each step, take the median, and say whether to trust it.
 
-Every measurement in dlperf (``dlperf bench``, Table 8 scaling, hybridize's ``auto`` backend choice,
-the hardware probe) goes through :func:`time_steps`, or :class:`StepWindow` where the steps are a user's own
-loop's, which dlperf does not drive. Besides the per-step samples it watches the
-machine while the timed steps run and marks the timing ``contended`` when other work competed for
-the CPUs the steps needed, so that a number measured on a busy machine is never mistaken for the
-cost of the step (d2l 12.4: "make sure nothing else runs when you benchmark").
-
-The contention rule
--------------------
-A small spread does not prove a quiet machine: a CPU hog that shares a core with one of our
-threads slows *every* step by the same factor, so the steps agree with each other and are all
-wrong. The timer therefore measures the machine directly over the timed window (warm-up excluded)
-and reads four signals:
-
-``wait``
-    Per-thread scheduler statistics (``/proc/self/task/*/schedstat``): the time our threads were
-    ready to run but sat in a run queue because the CPU was given to something else, as a fraction
-    of the time they wanted a CPU (on-CPU + waiting). This is the direct signal: it is near zero on
-    a quiet machine however small the ops are (a thread idle at a barrier is sleeping, not waiting),
-    and it rises exactly when another task takes our core. With more threads than cores our own
-    threads queue behind each other, a share ``(threads - cores) / threads`` that is expected and
-    allowed for.
-``others``
-    Runnable tasks that are not ours, sampled between steps: ``/proc/loadavg``'s running count
-    minus our own threads in state R. It names the cause (another process) and backs up ``wait``.
-``cpu``
-    Cores our process used (process CPU time over wall time) against the threads asked for. Low
-    use alone means nothing (tiny ops run on one thread; a thread may wait on memory), so it only
-    counts together with ``others``, and only where ``wait`` cannot be read.
-``steal``
-    ``/proc/stat``'s steal ticks over all ticks in the window: a hypervisor ran another guest on
-    our virtual CPUs. Trusted only when the window spans at least ``MIN_TICKS`` ticks.
-
-A timing is contended when any of these holds:
-
-1. steal > ``STEAL_LIMIT`` (5 %) of the CPU time in the window;
-2. ``wait`` is readable and exceeds the self-inflicted share by ``WAIT_LIMIT`` (15 % of the time our
-   threads wanted a CPU), and other runnable tasks were seen at least once (so that our own helper
-   threads can never mark a cell on their own);
-3. schedstat is not readable at all (not Linux, or a kernel without it), the window lasted at least
-   ``MIN_WANTED_S``, the process used less than ``CPU_USE_LIMIT`` (0.75) of the
-   ``min(threads, cores)`` cores it asked for, and the mean number of other runnable tasks plus
-   those threads exceeds the cores by more than ``LOAD_MARGIN`` (0.5).
-
-A window shorter than ``MIN_WANTED_S`` of CPU demand (a few steps of a tiny network) is not judged
-by wait or CPU use: a single scheduler tick or one sample decides it, which would mark quiet cells
-at random. Such cells are marked only for steal; their per-step spread remains the guide.
-
-The one-minute load average is reported but never decides: it counts our own threads (a previous
-2-thread cell would make the next one look contended) and lags the window by a minute. The limits
-were calibrated on a 2-core machine: quiet runs of LeNet, AlexNet-R and the MLP waited 0-1 % of the
-time with 1 or 2 threads (Table-8 rows with their extra worker threads up to 6 %), while a ``while
-True`` hog pinned to one core raised a 2-thread cell's wait to 50-73 % (and its time 4-10x) and left
-the 1-thread cell, which the scheduler moved to the free core, at about 1 %.
+Every measurement in dlperf (``dlperf bench``, Table 8 scaling, the one decider :mod:`dlperf.decide`, the
+probe) goes through :func:`time_steps`, or :class:`StepWindow` where the steps are a user's own loop's, which
+dlperf does not drive. Besides the per-step samples it watches the machine over the timed window and marks the
+timing ``contended`` when other work competed for the CPUs the steps needed (scheduler wait, other runnable
+tasks, CPU use and steal against ``WAIT_LIMIT`` and the limits beside it), so that a number measured on a busy
+machine is never mistaken for the cost of the step (d2l 12.4: "make sure nothing else runs when you
+benchmark"). :class:`Progress` says what a long measurement is timing and the time it has left. The rule, and
+how its limits were calibrated: docs/design/measuring.md.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["NOISY_REL_SPREAD", "Contention", "ContentionMonitor", "ContentionSignals", "StepWindow", "Timing",
-           "best_of", "doubling_up_to", "judge_contention", "median_of", "per_call_samples", "time_steps"]
+__all__ = ["Progress", "NOISY_REL_SPREAD", "Contention", "ContentionMonitor", "ContentionSignals", "StepWindow",
+           "Timing", "best_of", "doubling_up_to", "judge_contention", "median_of", "per_call_samples", "time_steps"]
 
 # A cell whose interquartile range exceeds this fraction of its median is flagged as noisy: the
 # median is still reported, but the reader should rerun with more steps on a quieter machine.
@@ -537,3 +492,30 @@ def median_of(fn: Callable[[], object], *, reps: int, warmup: int = 1, calls: in
               synchronize: Callable[[], None] = _no_sync) -> float:
     """The median per-call time of :func:`per_call_samples`, for a typical cost."""
     return statistics.median(per_call_samples(fn, reps=reps, warmup=warmup, calls=calls, synchronize=synchronize))
+
+
+class Progress:
+    """What a long measurement is trying and the time it has left, as notes at most one every ``every_s`` seconds
+    (logger ``dlperf.progress``: the CLI shows them on a terminal only, so piped output stays clean).
+
+    >>> p = Progress("plan", budget_s=30.0, every_s=0.0)
+    >>> p.say("timing 2x1,contiguous,eager (round 2 of 3)")  # logged as "plan: timing ... (28 s left of 30 s)"
+    """
+
+    def __init__(self, what: str, budget_s: float | None = None, every_s: float = 3.0) -> None:
+        import logging
+
+        self.what, self.budget_s, self.every_s = what, budget_s, every_s
+        self.start = time.perf_counter()
+        self._last = -math.inf
+        self._log = logging.getLogger("dlperf.progress")
+
+    def say(self, doing: str, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
+        spent = now - self.start
+        left = f" ({max(0.0, self.budget_s - spent):.0f} s left of {self.budget_s:.0f} s)" \
+            if self.budget_s is not None else f" ({spent:.0f} s so far)"
+        self._log.info("%s: %s%s", self.what, doing, left)

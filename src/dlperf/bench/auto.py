@@ -1,35 +1,12 @@
 """``dlperf bench --mode auto``: per cell, the fastest training step dlperf can apply, timed and kept.
 
-The candidates are what dlperf knows how to apply to a model without changing its math:
-
-* ``eager``: plain PyTorch, the reference;
-* ``channels-last``: the conv net's weights and each input batch in NHWC (conv nets with a 4-D input);
-* ``hybrid``: the whole training step (forward, loss, backward, update) captured once and replayed, as
-  ``--mode hybrid`` times it (:func:`dlperf.hybrid.bench_mode.make_captured_step`, backend
-  :data:`HYBRID_BACKEND`); a model it cannot capture, or whose captured step times the eager step fastest,
-  leaves it out with the reason in the notes. When it is chosen, the caller's model is captured for the
-  backend that was timed, and the cell's ``backend`` names that backend;
-* ``compile``: ``torch.compile`` of forward and loss (alone, and with channels-last), only when a quick
-  probe predicts its compile time under a bound: the probe traces the step with dynamo alone (no code
-  generation) and scales that by :data:`INDUCTOR_OVER_TRACE`, measured here on LeNet (0.6 s to trace,
-  10 s to compile with inductor);
-* fewer threads than the cell's (half, and one) for eager and channels-last: small ops can lose more to
-  the threads' hand-offs than they gain from sharing. The cell's thread count is never exceeded.
-
-Each candidate runs on its own copy of the model and optimizer, and all are timed in alternating rounds
-with the one timer (:func:`dlperf.timing.time_steps`), so every one sees the same background load. A
-variant qualifies only if it beat eager by more than the noise, :data:`MIN_GAIN`, in every round; the
-fastest that qualifies runs, and with none, eager does. The chosen variant is then applied to the
-caller's model and optimizer, which the timing left untouched, so the first timed step starts from the
-same weights as eager's would.
-
-On a CPU cell the layout and thread-count candidates are the planner's (:mod:`dlperf.bench.plans`): the
-plan ``dlperf train --plan auto`` and ``dlperf profile`` give for this model and batch (the same
-enumeration, pricing, measurement and cache) is timed as one candidate, and it stands unless another
-execution (hybrid, compile) beats it by more than the noise in every round; the cell records its name.
-A one-replica eager or compiled plan runs as the plain step at its threads and layout (``channels-last``,
-``eager 1 thr``, ``channels-last + compile``); any other runs as a :class:`~dlperf.parallel.Trainer`
-following it (``plan 2x1,contiguous,eager``).
+The candidates change how a step runs, not its mathematics: ``eager`` (the reference), ``channels-last``,
+``hybrid`` (the captured whole step, backend :data:`HYBRID_BACKEND`), ``compile`` (only when a dynamo-only trace
+scaled by :data:`INDUCTOR_OVER_TRACE` predicts its compile time under a bound) and fewer threads than the cell's.
+On a CPU cell the planner's plan (:mod:`dlperf.bench.plans`) replaces the layout and thread candidates. Each runs
+on its own copy of the model and optimizer, all are timed in alternating rounds, and the one decider keeps a
+variant only beyond :data:`MIN_GAIN` in every round; the chosen one is then applied to the caller's model. The
+candidates' rules: docs/design/planner.md.
 """
 
 from __future__ import annotations
@@ -47,7 +24,7 @@ from torch import nn
 
 from .._threads import intra_op_threads
 from ..decide import MIN_GAIN, judge
-from ..timing import Timing, time_steps
+from ..timing import Progress, Timing, time_steps
 from .modes import StepFn, compiled_step, eager_step
 
 if TYPE_CHECKING:
@@ -96,6 +73,8 @@ class AutoChoice:
     plan_note: str = ""
     runs_on: dict[str, str] = field(default_factory=dict)
     """What replayed each timed candidate that is a captured training step (``hybrid``: native, graph)."""
+    contended: bool = False
+    """Every round that decided was contended: the choice stands for this run, its ratio is no measured gain."""
 
     def label(self, name: str) -> str:
         """``name`` as the reason prints it: a captured step says so, with the backend that replayed it."""
@@ -113,7 +92,10 @@ class AutoChoice:
             parts.append(f"{self.label(name)} {gain:.2f}x{verdict}" if gain is not None else f"{self.label(name)} -")
         parts += [f"{name}: {why}" for name, why in self.notes.items()]
         base = self.plan_variant or "eager"
-        if self.chosen != base:
+        if self.chosen != base and self.contended:
+            head = (f"{self.label(self.chosen)}: chosen on contended rounds, for this run only (other work took the "
+                    f"cores: its {self.gain_over_eager:.2f}x over eager is no measured gain)")
+        elif self.chosen != base:
             head = f"{self.label(self.chosen)}: {self.gain_over_eager:.2f}x over eager"
         elif base == "eager":
             head = (f"eager kept: nothing beat it by more than {MIN_GAIN:.0%} in every round (the fastest's "
@@ -315,12 +297,14 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
     samples: dict[str, list[float]] = {name: [] for name in steps}
     sync = torch.cuda.synchronize if _on_gpu(x) else (lambda: None)
     started = time.perf_counter()
+    progress = Progress("bench --mode auto", SEARCH_BUDGET_S)
     for done in range(rounds):
         if done >= MIN_ROUNDS and time.perf_counter() - started > SEARCH_BUDGET_S:
             notes["search"] = f"stopped after {done} rounds: the {SEARCH_BUDGET_S:.0f}s budget was spent"
             break
         contended.append(False)
         for name, step in steps.items():
+            progress.say(f"timing {name} (round {done + 1} of {rounds})")
             t = time_steps(functools.partial(step, x, y), warmup=0, steps=steps_per_round, threads=threads,
                            synchronize=sync)
             samples[name] += t.samples
@@ -331,8 +315,8 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
         trainer = getattr(timed, "trainer", None)
         if trainer is not None:
             trainer.close()
-    best, gain, worst = _pick(medians, per_round, base, contended)
-    choice = AutoChoice(best, gain, medians, notes, worst)
+    best, gain, worst, all_contended = _pick(medians, per_round, base, contended)
+    choice = AutoChoice(best, gain, medians, notes, worst, contended=all_contended)
     choice.runs_on = {name: ran for name, timed in steps.items()
                       if isinstance(ran := getattr(timed, "runs_on", None), str)}
     if choice.runs_on.get("hybrid") in REPLAY_BACKENDS:
@@ -345,17 +329,18 @@ def choose(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer
 
 
 def _pick(medians: dict[str, float], per_round: dict[str, list[float]], base: str = "eager",
-          contended: list[bool] | None = None) -> tuple[str, float, float]:
+          contended: list[bool] | None = None) -> tuple[str, float, float, bool]:
     """The candidate the one decider (:func:`dlperf.decide.judge`) keeps against ``base`` (eager, or the
     planner's plan), timed in alternating rounds; ``base`` when none beats it beyond noise in every round.
 
-    Returns (name, gain over eager overall, the worst round's gain of the fastest candidate).
+    Returns (name, gain over eager overall, the worst round's gain of the fastest candidate, whether every
+    round was contended).
     """
     verdict = judge(per_round, base, contended=contended or [])
     fastest = min((n for n in medians if n not in ("eager", base)), key=medians.__getitem__, default=None)
     ratios = verdict.ratios.get(fastest, []) if fastest is not None else []
     worst_of_fastest = 1 / max(ratios) if ratios else 1.0
-    return verdict.chosen, medians["eager"] / medians[verdict.chosen], worst_of_fastest
+    return verdict.chosen, medians["eager"] / medians[verdict.chosen], worst_of_fastest, verdict.contended
 
 
 def _planned(model: nn.Module, loss_fn: Callable, x, y):

@@ -48,10 +48,22 @@ class CellFloor:
             return None
         return 100.0 * self.flops / measured_s / self.peak_flops
 
+    def overshoot(self, measured_s: float | None) -> str | None:
+        """Where the floor lies above the measured time, the cost model is wrong, not the step faster than possible:
+        one line naming the component that overshot (its figure above the measurement), else None."""
+        if not measured_s or self.floor_s <= measured_s:
+            return None
+        over = {k: v for k, v in self.components.items() if v > measured_s}
+        name = max(over or self.components, key=(over or self.components).__getitem__)
+        return (f"cost-model error: the floor {self.floor_s * 1e3:.2f} ms is above the measured "
+                f"{measured_s * 1e3:.2f} ms; its {name} component ({self.components[name] * 1e3:.2f} ms) overshot "
+                f"({self.source})")
+
     def to_dict(self, measured_s: float | None) -> dict:
         return {"floor_s": self.floor_s, "floor_components": dict(self.components),
                 "floor_bottleneck": self.bottleneck, "measured_over_floor": self.measured_over_floor(measured_s),
-                "pct_of_peak": self.pct_of_peak(measured_s), "floor_source": self.source}
+                "pct_of_peak": self.pct_of_peak(measured_s), "floor_source": self.source,
+                "floor_error": self.overshoot(measured_s)}
 
 
 def _probe_hardware(threads: int) -> Hardware | None:
@@ -137,16 +149,17 @@ def fmt_pct(x: float | None) -> str:
     return f"{x:.1f}%" if x >= 0.1 else f"{x:.2g}%"
 
 
-def fmt_floor(cell_floor: CellFloor | None) -> str:
+def fmt_floor(cell_floor: CellFloor | None, measured_s: float | None = None) -> str:
     if cell_floor is None:
         return "-"
     s = cell_floor.floor_s
     text = f"{s:.3f}" if s >= 0.01 else f"{s * 1e3:.2f}ms"
-    return f"{text} {cell_floor.bottleneck}"
+    # a floor above the measured step is the cost model's error, flagged (footnote names the component)
+    return f"{text} {cell_floor.bottleneck}" + ("!" if cell_floor.overshoot(measured_s) else "")
 
 
-def explain_footnotes(sources: Sequence[str | None]) -> list[str]:
-    """How the floor rows were priced, once per distinct source."""
+def explain_footnotes(sources: Sequence[str | None], errors: Sequence[str | None] = ()) -> list[str]:
+    """How the floor rows were priced, once per distinct source; each floor that lies above its measurement."""
     notes = ["floor: the cost model's least time for the step (dlperf.probe.cost; its largest component among "
              "compute, memory, dispatch and any allreduce, named beside it); x floor: measured / floor; "
              "% peak: FLOP/s achieved as a share of the measured peak. A floor priced on estimates can "
@@ -154,4 +167,5 @@ def explain_footnotes(sources: Sequence[str | None]) -> list[str]:
     seen = list(dict.fromkeys(s for s in sources if s))
     if seen:
         notes.append("floor figures: " + "; ".join(seen) + ".")
+    notes += [f"! {e}" for e in dict.fromkeys(e for e in errors if e)]
     return notes

@@ -71,7 +71,8 @@ def _cell_rows(cell: CellResult | None, labels: tuple[str, ...]) -> list[str]:
     vs = f"{ratio:.1f}x faster" if ratio and ratio >= 1 else (f"{1 / ratio:.1f}x slower" if ratio else "-")
     by_label = dict(zip(ROW_LABELS, [ours, gflops, torch_s, best, vs]))
     by_label.update(zip(COMPILE_ROW_LABELS, [_fmt_s(cell.compile_s), cell.backend or "-"]))
-    by_label.update(zip(EXPLAIN_ROW_LABELS, [fmt_floor(cell.floor), fmt_ratio(cell.measured_over_floor),
+    by_label.update(zip(EXPLAIN_ROW_LABELS, [fmt_floor(cell.floor, cell.timing.median_s if cell.timing else None),
+                                             fmt_ratio(cell.measured_over_floor),
                                              fmt_pct(cell.pct_of_peak)]))
     gain = f"{cell.gain_over_eager:.2f}x" if cell.gain_over_eager else "-"
     by_label.update(zip(AUTO_ROW_LABELS, [cell.mode_chosen or "-", gain]))
@@ -114,7 +115,10 @@ def footnotes(result: BenchResult) -> list[str]:
         notes += [f"  {cell.network}, {column_label(cell.device, cell.threads)}: eager, {cell.eager_reason}"
                   for cell in result.cells if cell.eager_reason]
     if c.explain:
-        notes += explain_footnotes([cell.floor.source if cell.floor else cell.floor_note for cell in result.cells])
+        notes += explain_footnotes([cell.floor.source if cell.floor else cell.floor_note for cell in result.cells],
+                                   [f"{cell.network} {column_label(cell.device, cell.threads)}: "
+                                    f"{cell.floor.overshoot(cell.timing.median_s)}" for cell in result.cells
+                                    if cell.floor and cell.timing and cell.floor.overshoot(cell.timing.median_s)])
     if c.mode == "auto":
         notes.append("auto choice: the fastest variant timed alternately against eager in the same cell "
                      "(eager is kept unless another beats it by more than 5% in every round); vs eager: its gain. Why:")

@@ -68,27 +68,38 @@ def _verb_names(parser: argparse.ArgumentParser) -> list[str]:
 
 class _Notes(logging.Handler):
     """The library's notes as the lines a verb prints: what it decided (INFO, such as the plan it chose) on
-    stdout with its other results, warnings on stderr."""
+    stdout with its other results while a verb runs, warnings on stderr (also outside a verb: a script's)."""
+
+    verb_running = False
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno < logging.WARNING and not _Notes.verb_running:
+            return
         try:
+            if record.name == "dlperf.progress":  # what a long measurement is doing: on a terminal only
+                if sys.stderr.isatty():
+                    print(one_line(record.getMessage()), file=sys.stderr, flush=True)
+                return
             stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
             print(one_line(record.getMessage()), file=stream, flush=True)
         except Exception:  # noqa: BLE001 - a note that cannot be shown must not end the run
             self.handleError(record)
 
 
-def show_notes() -> None:
-    """Print the library's notes, one line each (installed once per process)."""
+def show_notes(verb: bool = True) -> None:
+    """Print the library's notes, one line each (the handler is installed once per process); ``verb``: this process
+    runs a verb (a launched worker of one, too), whose decisions (INFO notes) are printed as its output."""
     logger = logging.getLogger("dlperf")
     if not any(isinstance(h, _Notes) for h in logger.handlers):
         logger.addHandler(_Notes())
     logger.setLevel(logging.INFO)
+    if verb:
+        _Notes.verb_running = True
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one verb; return its exit status (2 for bad input, with one line on stderr)."""
-    show_notes()
+    show_notes(verb=False)
     try:
         # the verbs import torch: a Ctrl-C while it loads is an interruption like any other
         parser = build_parser()
@@ -107,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         # in again (up to 1.6x per CPU training step; see dlperf._hostmem)
         keep_freed_host_memory()
         with stopped_by_signals():
-            return int(args.func(args) or 0)
+            _Notes.verb_running = True
+            try:
+                return int(args.func(args) or 0)
+            finally:
+                _Notes.verb_running = False
     except Terminated as exc:  # (what a verb did not report itself)
         print(f"dlperf {args.verb}: {exc}", file=sys.stderr)
         return exc.status

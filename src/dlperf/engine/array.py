@@ -1,33 +1,11 @@
 """An array whose operations are pushed to the engine and return at once (d2l's ``mxnet.np``).
 
-Every operation on an :class:`Array` (operators, tensor methods, the functions of this module and
-``torch.*`` functions through ``__torch_function__``) becomes one engine operation that reads its
-input arrays and writes a new one, on the device of its inputs (small elementwise ones, such as
-``x + 1``, may share one: see ``EngineConfig.auto_bulk``). The result is an :class:`Array`
-whose value is not computed yet; the call returns immediately. The functions here take NumPy's
-and MXNet's spellings where they differ from torch's (``axis=``, ``ctx=`` beside ``device=``).
-
-Implicit blockers: anything that needs the values waits for them: ``asnumpy()``, ``item()``,
-``tolist()``, ``tensor()``, ``print``/``repr``, ``float()``/``int()``/``bool()`` and iteration.
-Explicit barriers: ``x.wait_to_read()`` and :func:`waitall`. ``shape``, ``dtype``, ``ndim`` and
-``len()`` do not block: they are inferred when asked, by running the pending operations on
-PyTorch's ``meta`` device (shapes only, no data); only an operation that cannot run there (or an
-in-place change of shape such as ``resize_``) makes them wait for the value.
-
-Autograd and plain tensors: a torch module called with an engine array pushes its operations with
-the module's parameters as inputs; ``l.backward()`` is an engine operation that writes the
-gradients of every parameter ``l`` depends on, and by default waits for itself before returning,
-so ``p.grad`` read right after it is the finished gradient, as in eager PyTorch
-(``backward(wait=False)`` returns at once). Torch optimizers, ``state_dict``/``load_state_dict``
-and eager module calls wait for pending engine work on the tensors they use (see
-:mod:`dlperf.engine.external` for exactly what is covered). Autograd's mode (``torch.no_grad()``)
-at the time of a push is the mode its operation runs in.
-
-No aliasing: the engine orders operations per array, so two arrays must never share memory. An
-operation whose result would share storage with one of its inputs (indexing ``a[0:2]``, ``view``,
-``reshape``, ``t``, ``narrow``, ``expand``, ``detach``, ...) returns a copy instead: after
-``b = a[0:2]``, writing to ``a`` does not change ``b`` (unlike a NumPy view). Change part of an
-array with ``a[key] = value``, which is one engine write of ``a``.
+Every operation on an :class:`Array` (operators, methods, the functions here and ``torch.*`` functions) is one
+engine operation on the device of its inputs; the result's value is computed later. Anything that needs the values
+(``asnumpy()``, ``item()``, ``print``) waits for them; ``shape`` and ``dtype`` are inferred without waiting. Results
+never share memory with inputs: ``a[0:2]`` is a copy. Blocking, autograd and aliasing in full:
+docs/design/engine.md. The array class is in :mod:`~dlperf.engine.ndarray`, what workers run in
+:mod:`~dlperf.engine.records`, shape inference in :mod:`~dlperf.engine.shapes`; this is the NumPy-style namespace.
 
 Example (d2l §12.2.1 with dlperf names):
     >>> from dlperf.engine import array as dnp
@@ -41,10 +19,6 @@ Example (d2l §12.2.1 with dlperf names):
     ...     print(z)                   # printing waits for z
     torch.Size([100, 100])
     array([[3., 3.]], device=cpu(0))
-
-Modules: :mod:`~dlperf.engine.ndarray` (the :class:`Array` class), :mod:`~dlperf.engine.records`
-(what workers run for it), :mod:`~dlperf.engine.shapes` (shape inference); this one is the
-NumPy-style namespace.
 """
 
 from __future__ import annotations
@@ -306,8 +280,16 @@ def stack(arrays: Sequence[Array], axis: int = 0) -> Array:
 
 
 def reshape(a: Array, newshape: Any) -> Array:
-    """``a`` with a new shape (a copy: see "No aliasing")."""
-    return apply(torch.reshape, (a, _shape(newshape, "reshape", infer_one=True)), {}, "reshape")
+    """``a`` with a new shape (a copy: see "No aliasing"); a shape that cannot hold ``a``'s elements is an
+    error at the call whenever ``a``'s shape is known without waiting.
+
+    >>> reshape(ones((2, 3)), (3, 2)).shape
+    torch.Size([3, 2])
+    """
+    shape = _shape(newshape, "reshape", infer_one=True)
+    if type(a) is not Array:
+        return apply(torch.reshape, (a, shape), {}, "reshape")  # refused with one line: no engine array
+    return a.reshape(shape)
 
 
 def transpose(a: Array, axes: Sequence[int] | None = None) -> Array:
@@ -325,6 +307,41 @@ def _normal(loc: float, scale: float, size: tuple[int, ...], device: torch.devic
 def _uniform(low: float, high: float, size: tuple[int, ...], device: torch.device) -> torch.Tensor:
     out = torch.empty(size, device=device)
     return out.uniform_(low, high)
+
+
+def _randint(low: int, high: int, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randint(low, high, size, dtype=dtype, device=device)
+
+
+def _choice(n: int, size: tuple[int, ...], replace: bool, weights: torch.Tensor | None,
+            device: torch.device) -> torch.Tensor:
+    count = int(torch.Size(size).numel())
+    if weights is not None:
+        picked = torch.multinomial(weights.to(device), count, replacement=replace)
+    elif replace:
+        picked = torch.randint(0, n, (count,), device=device)
+    else:
+        picked = torch.randperm(n, device=device)[:count]
+    return picked.reshape(size)
+
+
+def _choice_of(values: torch.Tensor, n: int, size: tuple[int, ...], replace: bool,
+               weights: torch.Tensor | None) -> torch.Tensor:
+    return values[_choice(n, size, replace, weights, values.device)]
+
+
+def _probabilities(p: Any, n: int) -> torch.Tensor:
+    """``p`` as float64 probabilities of ``n`` elements (one line when they are not)."""
+    try:
+        weights = torch.as_tensor(p.tensor() if type(p) is Array else p, dtype=torch.float64).detach().cpu()
+    except (TypeError, ValueError, RuntimeError):
+        raise EngineArgumentError(f"random.choice: p={p!r:.60} is not a list of numbers") from None
+    # (this module's abs and sum are NumPy's, for arrays)
+    if weights.shape != (n,) or not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()) or \
+            not -1e-6 <= float(weights.sum()) - 1.0 <= 1e-6:
+        raise EngineArgumentError(f"random.choice: p={p!r:.60} is not {n} probabilities; expected {n} "
+                                  "non-negative numbers that sum to 1")
+    return weights
 
 
 def _draw(sampler: Any, params: tuple, size: Any, device: DeviceLike | None, engine: Engine | None,
@@ -347,6 +364,63 @@ class _Random:
                 engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
         """Uniform samples in ``[low, high)`` (d2l's ``np.random.uniform``)."""
         return _draw(_uniform, (low, high), size, _place(device, ctx), engine, "uniform")
+
+    @staticmethod
+    def randint(low: int, high: int | None = None, size: Any = None, dtype: torch.dtype | None = None,
+                device: DeviceLike | None = None, engine: Engine | None = None, *,
+                ctx: DeviceLike | None = None) -> Array:
+        """Integers drawn uniformly from ``[low, high)``, or ``[0, low)`` without ``high`` (NumPy's ``randint``).
+
+        >>> x = random.randint(3, 5, size=(2, 4))
+        >>> x.shape, x.dtype, set(x.tolist()[0]) <= {3, 4}
+        (torch.Size([2, 4]), torch.int64, True)
+        """
+        lo, hi = (0, low) if high is None else (low, high)
+        for name, v in (("low", lo), ("high", hi)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise EngineArgumentError(f"random.randint: {name}={v!r} is not an integer")
+        if lo >= hi:
+            raise EngineArgumentError(f"random.randint: low={lo} >= high={hi}; expected low < high (an empty range "
+                                      "has nothing to draw)")
+        kind = torch.int64 if dtype is None else dtype
+        shape = _shape(size, "random.randint")
+        return _make(_randint, (lo, hi, shape, kind), {}, _place(device, ctx), engine, "randint",
+                     torch.empty(shape, dtype=kind, device="meta"))
+
+    @staticmethod
+    def choice(a: Any, size: Any = None, replace: bool = True, p: Any = None, device: DeviceLike | None = None,
+               engine: Engine | None = None, *, ctx: DeviceLike | None = None) -> Array:
+        """Samples of ``a`` (an integer n: of ``arange(n)``; else a 1-d array of values), NumPy's ``choice``.
+
+        ``replace=False`` draws distinct elements; ``p`` gives each element's probability.
+
+        >>> sorted(random.choice(5, size=5, replace=False).tolist())
+        [0, 1, 2, 3, 4]
+        """
+        if type(a) is Array:
+            if a.ndim != 1:
+                raise EngineArgumentError(f"random.choice: a has shape {tuple(a.shape)}; expected a 1-d array "
+                                          "(or an integer n for arange(n))")
+            values: Any = a
+            n = a.shape[0]
+        elif isinstance(a, int) and not isinstance(a, bool):
+            values, n = None, a
+        else:
+            raise EngineArgumentError(f"random.choice: a is {type(a).__name__}; expected an integer n or a 1-d "
+                                      "engine array")
+        if n < 1:
+            raise EngineArgumentError(f"random.choice: a has {n} elements; expected at least one")
+        shape = _shape(size, "random.choice")
+        count = int(torch.Size(shape).numel())
+        if not replace and count > n:
+            raise EngineArgumentError(f"random.choice: {count} samples without replacement from {n} elements; "
+                                      "take at most as many as there are, or pass replace=True")
+        weights = None if p is None else _probabilities(p, n)
+        args = (n, shape, bool(replace), weights)
+        if values is None:
+            return _make(_choice, args, {}, _place(device, ctx), engine, "choice",
+                         torch.empty(shape, dtype=torch.int64, device="meta"))
+        return apply(_choice_of, (values, *args), {}, "choice")
 
 
 random = _Random()

@@ -1,27 +1,12 @@
 """The engine API: push operations with read/write sets, wait for them; a registry of engines.
 
-Two engines implement it (:func:`create_engine` picks one by name, ``DLPERF_ENGINE`` sets the
-default):
-
-* ``threaded`` (:class:`~dlperf.engine.threaded.ThreadedEngine`): the frontend returns at once;
-  per-device worker threads run whatever is ready, so independent work on ``cpu(0)``, ``cpu(1)``
-  and GPUs overlaps.
-* ``naive`` (:class:`~dlperf.engine.naive.NaiveEngine`): every push runs before it returns, in
-  the pushing thread; for debugging (stack traces point at the push) and as the oracle in tests.
-
-Both keep the same error contract: an exception raised by a pushed function is stored, every
-later operation that reads or writes a variable the failed one wrote is skipped, and the error is
-raised at the first wait point that touches it (``wait_to_read``, ``Op.wait``) or else at
-``waitall``, or at the latest by ``close()`` (leaving a ``with`` block). The engine stays usable
-for everything else.
-
-Waiting inside a pushed function is allowed, but a wait that could never return raises
-:class:`EngineDeadlockError` in that function instead of hanging: waiting for an operation that
-is queued behind it on its own worker or ordered after it on one of its variables, or waits in
-operations on several workers that wait for each other (see :mod:`dlperf.engine.waitgraph`).
-``waitall()`` inside a pushed function would wait for that function itself: the threaded engine
-raises :class:`EngineDeadlockError`; ``close()`` there raises :class:`EngineUsageError` on both
-engines.
+Two engines implement it (:func:`create_engine` picks one by name, ``DLPERF_ENGINE`` sets the default):
+``threaded`` (:class:`~dlperf.engine.threaded.ThreadedEngine`) returns from a push at once and runs ready work on
+per-device workers, so independent work on ``cpu(0)``, ``cpu(1)`` and GPUs overlaps; ``naive``
+(:class:`~dlperf.engine.naive.NaiveEngine`) runs every push before it returns, for debugging and as the oracle in
+tests. Both store an exception raised by a pushed function, skip what depends on what it wrote, and raise it at
+the first wait that touches it (at the latest by ``close()``); a wait that could never return raises
+:class:`EngineDeadlockError` instead of hanging. The contract in full: docs/design/engine.md.
 
 Example:
     >>> import torch

@@ -1,29 +1,11 @@
 """Plain torch tensors (parameters, buffers, their gradients) used by engine operations.
 
-An engine operation on arrays may also take ordinary tensors: ``net(x)`` with an engine array
-``x`` pushes ``linear(x, net.weight, net.bias)``, and ``l.backward()`` writes ``net.weight.grad``
-on a worker. Code outside the engine reads and writes those tensors directly (a torch optimizer,
-``state_dict``, an eager forward), so without help it would run before the engine's work and see
-stale values: the optimizer step would find no gradient and silently skip the update.
-
-Each such tensor gets, per engine, two variables: ``value`` (operations read it; in-place torch
-functions on it write it) and ``grad`` (written by every ``backward`` whose loss depends on it).
-While any engine has tracked tensors, global torch hooks make the outside readers wait first:
-
-* ``optimizer.step()`` (any ``torch.optim.Optimizer``): waits until no pending operation reads or
-  writes any of its parameters or their gradients;
-* a module called with plain tensors: waits for pending writes to its parameters and buffers
-  (an in-place engine write, a pending ``backward``);
-* ``state_dict()`` / ``load_state_dict()`` of a module that was called with engine arrays: wait
-  for pending work on every tensor of the module.
-
-Raw attribute reads (``p.grad``, ``p.data``, ``p.tolist()``) cannot be intercepted; that is why
-``Array.backward()`` waits for its own operation by default (see there). :func:`wait_for` waits
-explicitly for tensors or a module's tensors. The hooks are removed again once no open engine
-tracks a tensor; while installed they add about 2 us to every module call in the process.
-
-An error raised at one of these waits is reported once: the tensor's variables are replaced by
-fresh ones, so a failed ``backward`` does not poison every later operation on the parameters.
+``net(x)`` with an engine array ``x`` reads ``net.weight`` on a worker, and ``l.backward()`` writes
+``net.weight.grad`` there; code outside the engine (a torch optimizer, ``state_dict``, an eager forward) would
+otherwise see stale values. Each such tensor gets, per engine, a ``value`` and a ``grad`` variable, and while any
+engine tracks tensors, global torch hooks make ``optimizer.step()``, module calls with plain tensors and
+``state_dict``/``load_state_dict`` wait for the pending work they need. :func:`wait_for` waits explicitly. What
+exactly is covered, and what it costs: docs/design/engine.md.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import numpy
 import torch
 
 from ..devices import Device, DeviceLike, require_available
-from ..errors import DeviceMismatchError, UsageError
+from ..errors import DeviceMismatchError, ShapeError, UsageError
 from .arguments import EngineArgumentError
 from .engine import Engine
 from .external import External, external, register_array_type
@@ -332,12 +332,17 @@ class Array(Inferable):
         return self.attach_grad()
 
     @property
-    def grad(self) -> Array:
-        """The gradient of a leaf made with :meth:`attach_grad`, as a new array (zeros before any backward)."""
+    def grad(self) -> Array | None:
+        """The gradient of a leaf made with :meth:`attach_grad`, as a new array (zeros before any backward).
+
+        ``None`` for an array that is not such a leaf (no ``attach_grad``, or computed from others), as in
+        MXNet: a zero array there would hide the missing ``attach_grad``.
+        """
+        if self._leaf is None:
+            return None
         out = Array(self.engine, self.device)
         out._meta = (torch.zeros_like, (self,), {})
-        reads = (self._var,) if self._leaf is None else (self._var, self._leaf.grad)
-        self.engine._push(run_grad, (self, out), reads, (out._var,), self.device, 0, "grad")
+        self.engine._push(run_grad, (self, out), (self._var, self._leaf.grad), (out._var,), self.device, 0, "grad")
         return out
 
     def backward(self, gradient: Any = None, retain_graph: bool | None = None, create_graph: bool = False,
@@ -364,6 +369,46 @@ class Array(Inferable):
                 for e in self._grads:
                     e.grad = Var("grad")
                 raise
+
+    def reshape(self, *shape: Any, **kwargs: Any) -> Array:
+        """As ``torch.Tensor.reshape`` (a copy: see "No aliasing"); a shape that cannot hold this array's
+        elements is a :class:`~dlperf.errors.ShapeError` here, when the shape is known without waiting."""
+        self._check_reshape("reshape", shape or tuple(kwargs.values()))
+        return apply(torch.Tensor.reshape, (self, *shape), kwargs, "reshape")
+
+    def view(self, *shape: Any, **kwargs: Any) -> Array:
+        """As ``torch.Tensor.view`` (a copy: see "No aliasing"), checked at the call like :meth:`reshape`."""
+        self._check_reshape("view", shape or tuple(kwargs.values()))
+        return apply(torch.Tensor.view, (self, *shape), kwargs, "view")
+
+    def _check_reshape(self, call: str, shape: tuple) -> None:
+        # MXNet infers shapes as an operation is pushed, so a reshape that cannot be fails where it is
+        # written; the engine's worker would only fail it later, at a wait or at exit.
+        known = self._shape_if_known()
+        if known is None or (len(shape) == 1 and not isinstance(shape[0], (int, tuple, list, torch.Size))):
+            return  # not known yet without waiting (or an odd argument torch itself judges on the worker)
+        try:
+            known.reshape(*shape)
+        except (RuntimeError, TypeError) as exc:
+            target = shape[0] if len(shape) == 1 else shape
+            raise ShapeError(f"{call}: cannot give an array of shape {tuple(known.shape)} ({known.numel()} elements) "
+                             f"the shape {tuple(target) if isinstance(target, (list, torch.Size)) else target} "
+                             f"({str(exc).splitlines()[0]}); the new shape must hold as many elements") from None
+
+    def _shape_if_known(self) -> torch.Tensor | None:
+        """A tensor of this array's shape and dtype if known without waiting (its value, or inferred), else None."""
+        meta = self._meta
+        if meta is None:
+            data = self._data
+            return data if isinstance(data, torch.Tensor) else None
+        if meta is UNKNOWN:
+            return None
+        if isinstance(meta, torch.Tensor):
+            return meta
+        inferred = infer(meta)
+        if inferred is not None and self._meta is meta:
+            self._meta = inferred
+        return inferred
 
     def __getattr__(self, name: str) -> Any:
         # Any other torch.Tensor method becomes a pushed op: `b.sum()`, `x.relu()`, `w.zero_()`.
@@ -466,6 +511,8 @@ class Array(Inferable):
         return shape[0]
 
     def __iter__(self) -> Iterator[Array]:
+        # A blocker: the rows are Python's to walk, so the value (and an error computing it) comes first.
+        self.engine.wait_to_read(self._var)
         return (self[i] for i in range(len(self)))
 
     def __float__(self) -> float:

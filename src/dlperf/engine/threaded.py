@@ -1,42 +1,13 @@
 """The threaded engine: the frontend pushes and returns; per-device workers run what is ready.
 
-Scheduling state (each variable's granted readers and writer, its queue of waiting operations,
-each operation's count of variables it still waits for) is plain ints and deques changed under
-one lock, in the style of Apache MXNet's ``ThreadedVar``: a push grants each variable at once if
-nothing conflicting is ahead of it, otherwise queues the operation on that variable; finishing
-an operation grants the next write, or the next run of reads, on each of its variables. An
-operation whose count reaches zero goes to its device's worker.
-
-A thread that waits on a ready operation of an idle CPU worker runs that operation itself
-instead of waking the worker and sleeping: that saves two thread switches, which dominate the
-cost of a synchronous ``y = x + 1; y.wait_to_read()`` loop. For the same reason a push to a CPU
-worker that ran dry a moment ago does not wake it (it looks at its queue again within
-milliseconds on its own, see :mod:`dlperf.engine.worker`), every wait first wakes the workers
-whose queued operations it may need, and finishing operations wakes only threads that wait for
-one of them (or for everything): a woken thread competes for the GIL with the one doing the work.
-
-Small array operations are cheaper still: while a CPU worker is busy, one thread's consecutive
-elementwise operations to it are collected into one engine operation (MXNet's bulk execution,
-done automatically; ``EngineConfig.auto_bulk``). Each costs the frontend a few stores instead of
-an operation, a scheduling pass and a release. The rules are at ``ThreadedEngine._push_rec``.
-
-A thread that blocks while it runs an operation (a pushed function that waits) is a node of the
-wait-for graph (:mod:`dlperf.engine.waitgraph`): it first releases its batch's finished
-operations, then checks under the lock whether its wait closes a cycle, and again after
-``RECHECK_S`` (backing off to ``RECHECK_MAX_S``) while it waits; a cycle raises
-:class:`~dlperf.engine.engine.EngineDeadlockError` in that thread. Threads that run no operation
-skip all of this: nothing can wait for them.
-
-Python costs to know about: the frontend and the workers share the GIL, so for tiny operations
-the engine's throughput is that of one thread (PyTorch drops the GIL inside each kernel, which is
-what lets large operations on different devices overlap). An operation, its arguments (an
-array's output among them), the output's variable and that variable's last writer form a cycle;
-finishing the operation breaks it, so reference counting frees finished work at once and a
-synchronous loop allocates nothing the cyclic collector has to find. Each *pending* operation
-still keeps a few Python objects alive; with thousands queued, the collector runs more often, and
-a full collection with PyTorch loaded pauses the process for tens of milliseconds. Programs that
-queue deep can call ``gc.freeze()`` once after start-up, so full collections skip the modules'
-long-lived objects.
+Scheduling state (each variable's granted readers and writer and its queue, each operation's count of variables
+it still waits for) is plain ints and deques under one lock, in the style of MXNet's ``ThreadedVar``; an
+operation whose count reaches zero goes to its device's worker (:mod:`dlperf.engine.worker`). A thread that waits
+on a ready operation of an idle CPU worker runs it itself; one thread's consecutive small elementwise pushes to a
+busy CPU worker are collected into one operation (``EngineConfig.auto_bulk``; the rules at
+``ThreadedEngine._push_rec``); a thread that blocks inside an operation checks the wait-for graph
+(:mod:`dlperf.engine.waitgraph`). Why each of these, what they cost, and the GIL and garbage-collection costs to
+know about: docs/design/engine.md.
 """
 
 from __future__ import annotations

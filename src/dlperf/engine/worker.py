@@ -1,34 +1,12 @@
 """Per-device workers: one thread per (device, lane) that runs ready operations.
 
-A worker owns a FIFO of ready operations (plus a heap for operations pushed with a priority). It
-sleeps on a lock used as a one-shot semaphore: a push wakes it only when it is asleep, so a busy
-worker costs the frontend one ``deque.append``. Each wake-up drains every ready operation in one
-pass and releases their dependents in groups (at least every ``batch_latency_us``), so thousands
-of tiny operations do not pay one lock round trip each, while a long operation's dependents start
-as soon as it ends.
-
-A CPU worker that runs dry naps briefly (``NAP_S``, doubling up to ``IDLE_CHECK_S``) rather than
-sleeping until woken. While its nap is short (``DEFER_NAP_S``), a frontend push leaves it asleep
-(:meth:`Worker.enqueue_pushed`): the pusher usually waits for that operation next and runs it
-itself, and otherwise the worker finds it within milliseconds, or at once when ``DEFER_MAX``
-operations queued up or any thread waits (the wait wakes it). Only a worker whose recent
-operations were small (under ``SMALL_OP_S`` each) is left asleep: there a wake-up costs as much as
-an operation, while the start of a long one must not wait for a nap to end. Consecutive small pushes so collect
-in the queue and are run by one wake-up, in one pass, released in groups: the bulk execution of
-MXNet's engine without grouping them into one operation, so each keeps its own dependencies, its
-own error and its place in the wait-for graph.
-
-CPU workers (:class:`CpuWorker`) set their own intra-op thread budget with
-:func:`dlperf._threads.set_thread_budget`: ``torch.set_num_threads`` sets OpenMP's per-thread
-``nthreads-var``, so a worker's budget does not touch the main thread's or other workers', and the
-process-wide default that threads started later pick up is put back (checked by
-``tests/test_engine.py``). With two logical CPU devices on two cores each gets one thread, and two
-matrix products really run side by side: PyTorch releases the GIL while it computes.
-
-A worker knows its engine only as a :class:`WorkerHost`, given at construction: what it needs to
-run and release operations, nothing of the engine's scheduling state. It holds its host only
-weakly, so an engine dropped without :meth:`close` is still garbage-collected; its workers notice
-(at once, or at their next idle check) and end.
+A worker owns a FIFO of ready operations (plus a heap for those pushed with a priority) and sleeps on a lock used
+as a one-shot semaphore, so a push to a busy worker costs one ``deque.append``. Each wake-up drains every ready
+operation and releases their dependents in groups. A CPU worker that ran dry naps briefly (``NAP_S`` up to
+``IDLE_CHECK_S``) and, while its operations are small, is left asleep by a push (:meth:`Worker.enqueue_pushed`);
+it sets its own intra-op thread budget (:class:`CpuWorker`). A worker knows its engine only as a weakly held
+:class:`WorkerHost`, so an engine dropped without ``close()`` is still collected. The rules and their reasons:
+docs/design/engine.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """Capture a module's forward as a graph, and refuse what a graph cannot express.
 
-Capture runs ``forward`` once with symbolic stand-ins for the inputs (torch.fx), so every
-operation on them is recorded instead of executed. What the stand-ins cannot answer is
-exactly what a replayed graph would get wrong, and capture stops there with the user's line:
-
-* Python control flow on tensor *values* (``if x.sum() > 0:``, ``for row in x:``): the branch
-  taken depends on data the graph does not have yet.
-* Values leaving the graph (``x.numpy()``, ``x.item()``, ``x.tolist()``): a replay would not
-  re-run the Python that consumes them.
-
-* Updates of module state outside the graph (``self.calls += 1``, ``self.count += 1`` on a
-  buffer, ``self.cache = x``): buffers and attributes are real objects while tracing, so the
-  update would run once at capture and never on replay. Capture undoes it and refuses.
-
-A graph records operations, not the autograd mode they ran in: a ``with torch.no_grad():`` (or
-``inference_mode``, ``set_grad_enabled``) inside forward is gone from it. Each node keeps the mode it
-was recorded in (``node.meta["grad_mode"]``), and :meth:`Captured.grad_mode_changes` names the lines
-where it differs from the call's, for the backends that differentiate the graph to refuse.
-
-Control flow on Python values (``if self.stride != 1:``, ``for block in self.blocks:``) is fine:
-it is decided at capture and unrolled. Side effects such as ``print`` run during capture (they
-see the stand-ins, not numbers) and never again on replay.
-
-A module that already is a graph (a loaded export, :class:`GraphSource`) is not traced: its graph is
-copied in, wherever it is called (the module itself, or a layer of the user's model).
-
-Leaf layers whose behaviour does not depend on ``module.training`` are lowered to functional
-calls on the module's own parameters, which skips ``nn.Module.__call__`` on replay; BatchNorm,
-Dropout, LSTM and unknown layers stay module calls and keep reading their mode at run time.
+Capture runs ``forward`` once with symbolic stand-ins for the inputs (torch.fx), so every operation on them is
+recorded instead of executed. What the stand-ins cannot answer is what a replay would get wrong, and capture stops
+there with the user's line: control flow on tensor values, values leaving the graph (``x.item()``), updates of
+module state outside it (``self.calls += 1``). Control flow on Python values is unrolled. Each node keeps the grad
+mode it was recorded in (:meth:`Captured.grad_mode_changes`); a module that already is a graph
+(:class:`GraphSource`) is copied in, not traced. The rules and their reasons: docs/design/hybridize.md.
 
 >>> import torch
 >>> from torch import nn
@@ -156,7 +134,7 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
     tracer = _Tracer()
     tracer.record_stack_traces = True
     mode = grad_mode()
-    root = _Calls(module) if isinstance(module, GraphSource) else module
+    root = _Calls(module) if _called_as_a_layer(tracer, module, example_args) else module
     # Parameters are symbolic while tracing; buffers and plain attributes are real objects, so an
     # update of them runs once, for real, and is not in the graph: undo it and refuse the graph.
     state = ModuleState(module, parameters=False)
@@ -181,6 +159,26 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
     _reject_escaping_values(gm)
     _lower_leaf_modules(gm)
     return Captured(module, gm, len(example_args), mode)
+
+
+def _called_as_a_layer(tracer: fx.Tracer, module: nn.Module, example_args: tuple) -> bool:
+    """Whether to trace ``module(*example_args)`` from a wrapper (:class:`_Calls`) rather than its forward.
+
+    A :class:`GraphSource` is copied in where it is called. A torch layer (``nn.BatchNorm2d`` alone) is
+    what fx keeps as one call inside a model: traced itself, its forward's checks of the input
+    (``if input.dim() != 4``) would stop capture. A forward with more parameters than the call passes,
+    the rest defaulted (``forward(self, x, mask=None)``), would get a placeholder for each: called as
+    the caller calls it, the defaults apply as they do eagerly and fix the graph.
+    """
+    if isinstance(module, GraphSource) or tracer.is_leaf_module(module, ""):
+        return True
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(example_args) < len(positional) and all(p.default is not p.empty
+                                                      for p in positional[len(example_args):])
 
 
 def _varargs_placeholders(module: nn.Module, example_args: tuple) -> tuple | None:

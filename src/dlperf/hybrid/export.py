@@ -1,74 +1,10 @@
 """``export(module, path, example_inputs)`` and ``load(path)``: a model that outlives its Python class.
 
-An export is a directory of two files (three on request):
-
-``graph.json``
-    human-readable: a format name and version, the inputs (name, shape, dtype; ``null`` for a
-    dimension that may vary, such as the batch), how they nest in the model's call and how the
-    outputs nest in its result (``input_tree``, ``output_tree``: tuples, lists and dicts, see
-    :mod:`.export_tree`), the parameters and buffers (shape, dtype), and the nodes in execution
-    order, each an ATen operator (``aten.conv2d.default``) with its inputs and the shape and dtype
-    of what it produces. It also records the size and SHA-256 of the other
-    files and of its own content, so a truncated or damaged export is refused instead of misread.
-``params.safetensors``
-    every parameter and buffer, by the module's ``state_dict`` names.
-``model.pt2`` (only with ``pt2=True``)
-    the ``torch.export`` program, for PyTorch's own deployment tools; checksummed like the rest.
-
-The graph comes from ``torch.export`` of the module in eval mode: the exported computation is
-inference (BatchNorm uses running statistics, dropout is off), as in MXNet's ``export``.
-
-The format (names, tables, encodings) is in :mod:`.export_format`, the validator of graph.json in
-:mod:`.export_schema`, the proof that a graph writes nothing it does not own in
-:mod:`.export_aliasing`, and reading in :mod:`.export_load`; this module writes.
-
-What ``load`` guarantees for a directory from an untrusted source. The checksums catch accidents,
-not attackers (anyone can recompute them), so every field is checked on its own:
-
-* Nothing but ATen operators and a fixed table of Python arithmetic operators (``operator.add``,
-  ``operator.getitem``...) can be named. An operator name must match ``aten.<op>.<overload>`` with
-  plain identifiers (no leading underscore, no dunder), must exist in PyTorch's dispatcher (which
-  excludes TorchScript's list/string/file builtins such as ``aten::save``), and must not be one of
-  the few dispatcher operators that touch files or build unchecked sparse tensors. No attribute
-  path is followed: the lookup cannot reach Python objects or change ``torch.ops``.
-* dtypes, layouts, memory formats and devices are looked up in tables of torch's own values.
-* ``graph.json`` is validated against one schema before anything runs: field types, identifier
-  syntax, shapes (lists of ints, ``null`` for a dynamic dimension, bounded rank and size), node
-  references only to inputs, parameters and earlier nodes, every listed file present with its size
-  and SHA-256, and the parameter file holding exactly the recorded tensors with their shapes and
-  dtypes. Node counts, nesting, strings and tensor sizes are bounded. The input and output trees
-  are data of three kinds (tuple, list, dict), bounded in depth, size and key length, whose leaves
-  number the flat inputs and outputs once each; they are walked, never executed.
-* No node may write into an input or a parameter, for any input shape: from each operator's
-  schema, every value gets the inputs and parameters it may share memory with (views, and ops such
-  as ``contiguous`` or ``reshape`` that return their argument for some shapes), and a write
-  (in-place op, ``out=``) into such a value refuses the graph; so does any op that changes a
-  tensor's metadata in place (``transpose_``, ``detach_``, ``requires_grad_``, ``resize_``...).
-  See :mod:`dlperf.hybrid.export_aliasing`.
-* The graph then runs with the declared input shapes: on the ``meta`` device (shapes only, no
-  memory) with dynamic dimensions of ``TRIAL_DIM``, where every node's result must have the
-  recorded dtype and shape and all results together take at most ``MAX_TRIAL_BYTES``; again on
-  ``meta`` with dynamic dimensions of a prime that equals no fixed dimension of the graph (so that
-  nothing broadcasts only by coincidence); then on zeros where the parameters are, since meta
-  kernels skip some checks real kernels make. These runs cost about a millisecond per node, which
-  ``MAX_NODES`` bounds.
-
-Any violation raises :class:`ExportFormatError` from ``load`` naming the file and the field or
-node, never later from ``forward``, except for what depends on the caller's values (a token id out
-of the embedding's range) or, for a graph crafted to pass the trial, Python arithmetic on sizes at
-another batch size (also ExportFormatError). A graph that passes runs the recorded ATen kernels, so
-its results are those of the computation graph.json describes. What stays possible is what any
-model can do: spend CPU time and memory within the bounds.
-``load_pt2`` is different: ``torch.export.load`` unpickles parts of the archive, so it refuses
-unless called with ``trusted=True`` (see its docstring).
-
-Writing is atomic as a whole (:func:`dlperf._io.atomic_directory`): the files go into a new
-temporary directory beside ``path``, which is flushed to disk and then swapped with ``path`` in one
-rename (``renameat2(RENAME_EXCHANGE)`` on Linux). A process killed at any moment leaves the previous
-export loadable; the next export removes the temporary directories that dead processes left behind.
-A full disk leaves the previous export and no temporary, and says how much space the export needs.
-Weights that are not finite (NaN, inf) are refused: such an export could not be checked against
-the model.
+An export is a directory: ``graph.json`` (the inputs, parameters and ATen nodes, with checksums),
+``params.safetensors`` and, with ``pt2=True``, ``model.pt2``; it is written atomically as a whole. This module
+writes; :mod:`.export_load` reads, checking every field of a directory that may come from an untrusted source
+(:mod:`.export_format`, :mod:`.export_schema`, :mod:`.export_aliasing`). The format and what ``load``
+guarantees: docs/design/export-format.md.
 
 >>> import tempfile, torch
 >>> from dlperf.models import get_model

@@ -217,6 +217,21 @@ class ExportedModule(nn.Module):
     def _state_tensors(self):
         return (getattr(self, attr) for attr in self._names.values())
 
+    def _apply(self, fn: Callable, recurse: bool = True) -> ExportedModule:
+        # MXNet's SymbolBlock.cast changes the dtype the whole graph runs in. Here the graph's operators keep
+        # the dtypes recorded at export (their dtype arguments, the inputs they take): parameters cast alone
+        # would only make every call fail. So a cast is refused where it is asked for; moves between
+        # devices go through.
+        for t in self._state_tensors():
+            if t.is_floating_point():
+                cast = fn(torch.zeros((), dtype=t.dtype, device=t.device)).dtype
+                if cast != t.dtype:
+                    raise DlperfError(f"cannot cast a loaded export from {_dtype_name(t.dtype)} to "
+                                      f"{_dtype_name(cast)}: its graph runs in the dtypes it was exported with; "
+                                      f"export the model again as {_dtype_name(cast)} (cast it before export)")
+                break
+        return super()._apply(fn, recurse)
+
     def _check_inputs(self, args: tuple) -> None:
         if len(args) != len(self._inputs):
             raise DlperfError(f"exported model takes {len(self._inputs)} inputs, got {len(args)}")

@@ -1,36 +1,12 @@
 """``hybridize(module)``: develop eagerly, then replay a captured graph without the Python.
 
-A :class:`HybridModule` is an explicit state machine:
-
-``capture``
-    the next call traces ``forward`` into a graph (:mod:`dlperf.hybrid.capture`). If that is
-    impossible (data-dependent control flow, ``x.numpy()`` inside forward) it warns with the
-    offending line and moves to ``eager`` for good; ``strict=True`` raises instead.
-``replay``
-    every call is keyed by its *signature*: the shape, dtype, device and ``requires_grad`` of each
-    input, whether autograd is recording, and ``module.training``. A known signature goes straight
-    to its runner. A new one warns, prepares a runner for it (checked against eager on a copy of
-    that very input: output, gradients, the input after the call and the module state after it)
-    and caches it, up to ``max_signatures``; beyond that calls run eagerly, with a warning. The
-    checks and ``auto``'s timing runs work on copies of the inputs and are undone on the module,
-    so each call changes the caller's tensors and the module's buffers exactly once, as eager.
-``eager``
-    the original module runs, as if never hybridized (``reset()`` goes back to ``capture``).
-
-Replays do not run forward's Python: a ``print`` in forward prints the symbolic stand-ins during
-capture and never again on replays, as the d2l book observes of MXNet. Preparing a new signature
-runs it too, on copies of the inputs: once as the eager reference, and with ``auto``
-``AUTO_PYTHON_TRIALS`` (3) more times to time eager, plus the call itself if eager is chosen
-(2 runs in all with a named backend, 5 or 6 with ``auto``). Python values read by forward
-(``self.scale = 2.0``) are frozen into the graph at capture; call ``reset()`` after changing them
-or the module's structure. A forward that updates module state outside the graph
-(``self.calls += 1`` on a Python int or a buffer) runs eagerly, with a warning naming the
-attribute; in-place updates inside the graph (BatchNorm statistics, ``self.total.add_(x.sum())``)
-are replayed. Outputs may be tensors or any nesting of tuples, lists, dicts and namedtuples of
-them. With autograd recording, every backend keeps gradients (the ``native`` plan as one autograd
-node whose backward is the plan's backward instructions), each checked against eager's gradients,
-so training through a hybridized module is eager's mathematics. A loaded export
-(:func:`dlperf.hybrid.load`) is captured from its own graph, not traced, and replays like any module.
+A :class:`HybridModule` is an explicit state machine: ``capture`` (the next call traces ``forward``,
+:mod:`dlperf.hybrid.capture`; what cannot be traced warns with the user's line and goes ``eager``, or raises with
+``strict=True``), ``replay`` (each call's signature, the inputs' shapes, dtypes, devices and ``requires_grad``, the
+grad mode and ``module.training``, picks a runner, prepared and checked against eager on the first call of each
+signature, up to ``max_signatures``) and ``eager`` (``reset()`` goes back to ``capture``). Replays do not run
+forward's Python; each call changes the caller's tensors and the module's buffers exactly once, as eager does. The
+states, the checks and what runs forward's Python when: docs/design/hybridize.md.
 
 >>> import torch
 >>> from dlperf.models import get_model
@@ -45,9 +21,11 @@ so training through a hybridized module is eager's mathematics. A loaded export
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -64,6 +42,7 @@ from .capture import Captured, CaptureError, ModuleState, capture
 log = logging.getLogger("dlperf.hybrid")
 
 EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
+STALE = "stale"  # replay, but the module's structure changed since capture: the next call captures again
 _grad_enabled = torch.is_grad_enabled
 
 # Trial calls per candidate when backend="auto": enough for a stable median on small models,
@@ -133,6 +112,9 @@ class HybridModule(nn.Module):
             get_backend(name)
         self._state = CAPTURE
         self._captured: Captured | None = None
+        self._captures: dict[int, Captured] = {}  # by number of inputs: defaulted parameters make several
+        self._change: str | None = None  # what changed the structure since capture (state STALE)
+        self._preparing = False
         self._choices: dict[tuple, Choice] = {}
         self._runs: dict[tuple, Callable] = {}  # signature -> runner, the hot path's view of _choices
         self._fallback_reason: str | None = None
@@ -143,8 +125,8 @@ class HybridModule(nn.Module):
     # --- state machine --------------------------------------------------------------------
     @property
     def state(self) -> str:
-        """``capture``, ``replay`` or ``eager``."""
-        return self._state
+        """``capture``, ``replay`` or ``eager`` (``capture`` again once the module's structure changed)."""
+        return CAPTURE if self._state is STALE else self._state
 
     @property
     def fallback_reason(self) -> str | None:
@@ -160,9 +142,14 @@ class HybridModule(nn.Module):
         return merged
 
     def reset(self) -> HybridModule:
-        """Forget the captured graph and runners; the next call captures again."""
-        self._state, self._captured, self._choices, self._runs = CAPTURE, None, {}, {}
-        self._fallback_reason, self._warned_full, self._structured = None, False, {}
+        """Forget the captured graph and runners; the next call captures again.
+
+        Not needed after a change of structure (a layer added or replaced, a parameter or buffer
+        assigned anew): that is noticed, and the next call captures again by itself, saying so.
+        Needed after a change of a plain Python value forward reads (``self.scale = 2.0``).
+        """
+        self._state, self._captured, self._captures, self._choices, self._runs = CAPTURE, None, {}, {}, {}
+        self._fallback_reason, self._warned_full, self._structured, self._change = None, False, {}, None
         return self
 
     def eager(self) -> HybridModule:
@@ -190,8 +177,18 @@ class HybridModule(nn.Module):
             self._state, self._fallback_reason = EAGER, str(exc)
             self._warn(f"cannot hybridize {type(self.module).__name__}: {exc}; running eagerly", exc.line)
             return False
+        self._captures[len(args)] = self._captured
+        _watch_structure(self, self.module)
         self._state = REPLAY
         return True
+
+    def _structure_changed(self, module: nn.Module, name: str, kind: str) -> None:
+        """A submodule, parameter or buffer was registered on ``module``, part of the captured module."""
+        if self._state is not REPLAY or self._preparing:  # a trial run's own assignments are undone after it
+            return
+        path = next((p for p, m in self.module.named_modules() if m is module), None)
+        self._change = f"{kind} {f'{path}.{name}' if path else name} set"
+        self._state = STALE
 
     def __call__(self, *args, **kwargs):
         # The hot path, a few hundred nanoseconds: no nn.Module.__call__, one key tuple, one dict
@@ -230,6 +227,12 @@ class HybridModule(nn.Module):
             return call_module(self, args)
         if self._state is EAGER:
             return self.module(*args, **kwargs)
+        if self._state is STALE:
+            # MXNet clears a block's cached graph when a child is registered on it, and the next call builds
+            # it anew; the graph here holds the old layers, so it is dropped the same way, once per change
+            change = self._change
+            self.reset()
+            self._warn(f"{type(self.module).__name__} changed since it was captured ({change}); capturing it again")
         if not kwargs and args and not all(isinstance(a, torch.Tensor) for a in args) and tensors_of(args):
             return self._structured_call(args)
         why_not = _uncapturable_call(args, kwargs)
@@ -242,6 +245,12 @@ class HybridModule(nn.Module):
         run = self._runs.get(key)
         if run is not None:  # a known signature of a multi-input call (single inputs hit __call__)
             return run(*args)
+        if len(args) not in self._captures and not self._capture_arity(args, key):
+            return self.module(*args)
+        return self._new_signature(args, key)
+
+    def _new_signature(self, args: tuple, key: tuple):
+        """Prepare and cache the runner of a signature not seen yet (or run eagerly past ``max_signatures``)."""
         if len(self._choices) >= self.max_signatures:
             if not self._warned_full:
                 self._warned_full = True
@@ -264,6 +273,26 @@ class HybridModule(nn.Module):
         self._runs[key] = choice.run
         log.info("dlperf.hybrid: %s for %s: %s", choice.backend, _format_signature(key), choice.reason)
         return output
+
+    def _capture_arity(self, args: tuple, key: tuple) -> bool:
+        """Capture the graph of a call with this many inputs (a defaulted parameter given, or left out).
+
+        If it cannot be captured, calls of this signature run eagerly from now on, saying so once.
+        """
+        self._preparing = True  # a failed capture undoes the state its tracing changed
+        try:
+            self._captures[len(args)] = capture(self.module, args)
+        except CaptureError as exc:
+            if self.strict:
+                raise
+            self._warn(f"cannot hybridize a call of {type(self.module).__name__} with {len(args)} inputs: {exc}; "
+                       "such calls run eagerly", exc.line)
+            choice = Choice("eager", self.module, f"not captured with {len(args)} inputs: {exc}")
+            self._choices[key], self._runs[key] = choice, choice.run
+            return False
+        finally:
+            self._preparing = False
+        return True
 
     def _structured_call(self, args: tuple):
         """A call whose inputs are tuples, lists or dicts of tensors (and plain values).
@@ -297,9 +326,16 @@ class HybridModule(nn.Module):
         are undone on the module (parameters, buffers, attributes, RNG) afterwards, so only the
         final call, on the caller's tensors, has side effects: exactly one call's worth, as eager.
         """
-        assert self._captured is not None
+        assert len(args) in self._captures
         device = args[0].device if args else torch.device("cpu")
         needs_grad = torch.is_grad_enabled()
+        self._preparing = True
+        try:
+            return self._choose(args, device, needs_grad)
+        finally:
+            self._preparing = False
+
+    def _choose(self, args: tuple, device: torch.device, needs_grad: bool) -> tuple[Choice, object]:
         state = ModuleState(self.module)
         try:
             reference = self._observe(self.module, args, needs_grad, state)
@@ -355,7 +391,7 @@ class HybridModule(nn.Module):
         why_not = backend.unsupported_reason(device, needs_grad)
         if why_not:
             return None, why_not
-        captured = self._captured
+        captured = self._captures.get(len(args))
         assert captured is not None, "backends are tried on a captured graph"
         try:
             # prepare() may run the graph (CUDA graph warm-up): copies, and undone like a trial.
@@ -469,6 +505,50 @@ class _FlatInputs(nn.Module):
         for i, t in zip(self._tensor_at, tensors):
             leaves[i] = t
         return self.module(*tree_unflatten(leaves, self._spec))
+
+
+# Structure changes. torch calls its global registration hooks whenever a submodule, parameter or buffer is
+# set on any module (nn.Module.__setattr__, add_module, register_parameter, register_buffer): for a module that
+# is part of a captured hybrid, that hybrid's graph holds what was there before. The hooks are installed with
+# the first capture and kept (a dictionary lookup per registration); a replay itself costs nothing more.
+_watched: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[HybridModule]] = weakref.WeakKeyDictionary()
+_watch_hooks: list[Any] = []
+_watch_lock = threading.Lock()
+
+
+def _watch_structure(hybrid: HybridModule, module: nn.Module) -> None:
+    with _watch_lock:
+        for m in module.modules():
+            owners = _watched.get(m)
+            if owners is None:
+                owners = _watched[m] = weakref.WeakSet()
+            owners.add(hybrid)
+        if not _watch_hooks:
+            registry = nn.modules.module
+            _watch_hooks.extend([
+                registry.register_module_module_registration_hook(_on_module),
+                registry.register_module_parameter_registration_hook(_on_parameter),
+                registry.register_module_buffer_registration_hook(_on_buffer),
+            ])
+
+
+def _changed(module: nn.Module, name: str, kind: str) -> None:
+    owners = _watched.get(module)
+    if owners:
+        for hybrid in list(owners):
+            hybrid._structure_changed(module, name, kind)
+
+
+def _on_module(module: nn.Module, name: str, value: Any) -> None:
+    _changed(module, name, "layer")
+
+
+def _on_parameter(module: nn.Module, name: str, value: Any) -> None:
+    _changed(module, name, "parameter")
+
+
+def _on_buffer(module: nn.Module, name: str, value: Any) -> None:
+    _changed(module, name, "buffer")
 
 
 def hybridize(module: nn.Module, backend: str = "auto", *, strict: bool = False,

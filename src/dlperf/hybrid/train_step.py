@@ -1,26 +1,10 @@
 """``train_step(module, loss_fn, optimizer)``: a whole training step captured once, replayed without autograd.
 
-d2l 12.1's hybridized Gluon block trains from one static graph; this is that for PyTorch. The first call
-traces forward, loss and backward into one *joint* graph of ATen operations with PyTorch's own tracer
-(``make_fx`` over ``torch.func.functional_call`` and ``torch.autograd.grad``, on fake tensors: nothing runs
-and no state changes while tracing). Later calls replay that graph under ``no_grad`` -- no autograd tape,
-no ``nn.Module.__call__`` -- and hand the gradients to a functional optimizer update (SGD with momentum,
-weight decay, dampening and Nesterov; Adam and AdamW, AMSGrad included) that keeps its state in the
-optimizer's own ``state``, so ``optimizer.state_dict()`` and a later eager ``optimizer.step()`` see the
-same tensors. Hyperparameters are read from ``param_groups`` on every step, so learning-rate schedulers
-take effect. Where the native plan interpreter can run the model (linear layers, activations, add, mul,
-flatten) it runs forward, backward and a fused SGD update in C++ with buffers planned once
-(:mod:`.train_native`); the loss and its gradient stay in the joint graph.
-
-The mathematics is eager's: BatchNorm running statistics and ``num_batches_tracked`` update in place in the
-graph, dropout draws from the global generator in eager's order, and ``keep_grads=True`` leaves each
-gradient in ``.grad`` as ``zero_grad(set_to_none=True); backward()`` would. What a graph cannot replay --
-data-dependent Python control flow, in-place changes to the inputs, hooks, state updated in Python,
-optimizers or options without a functional update -- runs the plain eager step instead, with the reason in
-``repr`` and one warning at the caller's line. Before a backend serves a signature, its first step is
-checked against eager's from the same state (weights, buffers, optimizer state, loss; undone after): one
-that differs -- a graph feature it does not reproduce -- is not used. Every step returns the loss without
-autograd history, the eager one included.
+The first call traces forward, loss and backward into one joint graph of ATen operations (``make_fx`` on fake
+tensors: nothing runs while tracing); later calls replay it under ``no_grad`` and hand the gradients to a
+functional update of the optimizer (SGD, Adam, AdamW) that keeps its state in the optimizer's own ``state``. The
+mathematics is eager's, checked on the first step of each signature; what a graph cannot replay runs the eager
+step, with the reason in ``repr`` and one warning. How it is built: docs/design/hybridize.md.
 
 >>> import torch
 >>> from torch import nn

@@ -35,9 +35,10 @@ from .._io import safe_torch_load, save_torch
 from ..devices import Device, DeviceLike, cpu, to_device
 from ..engine import Engine, Op, Var, create_engine
 from ..errors import UsageError
+from ..optimizer_group import OptimizerGroup
 from ..registry import Registry
 
-__all__ = ["KVStore", "register_kvstore", "create_kvstore", "kvstore_types", "Key"]
+__all__ = ["KVStore", "register_kvstore", "register_kvstore_alias", "create_kvstore", "kvstore_types", "Key"]
 
 Key = int | str
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -76,6 +77,34 @@ def _check_key(key: object, call: str) -> None:
                          "or a str (several keys: a list of them)")
 
 
+def _values_of(value: Any) -> list[torch.Tensor] | None:
+    """``value`` as a list of tensors when it plainly is one (a tensor, or a list or tuple of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if (type(value) is list or type(value) is tuple) and value:
+        for v in value:
+            if not isinstance(v, torch.Tensor):
+                return None
+        return value if type(value) is list else list(value)
+    return None
+
+
+def _sum_into(target: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
+    """``target = sum(values)``, one pass over the values, no temporary on the target's device.
+
+    Values on another device are copied over first (non-blocking only towards a GPU: a host tensor is
+    read at once).
+    """
+    home = target.device
+    moved = [v if v.device == home else v.to(home, non_blocking=home.type == "cuda") for v in values]
+    if len(moved) == 1:
+        target.copy_(moved[0])
+        return
+    torch.add(moved[0], moved[1], out=target)
+    for v in moved[2:]:
+        target.add_(v)
+
+
 def _check_dtype(what: str, key: Key, given: torch.Tensor, stored: torch.Tensor) -> None:
     # copy_ converts silently: a float64 push into a float32 key, or a pull into int64, would round away
     if given.dtype != stored.dtype:
@@ -93,13 +122,17 @@ class KVStore(ABC):
         if cls is KVStore:
             if kind is None:
                 raise UsageError(f"KVStore needs a type; valid choices: {', '.join(_TYPES)}")
-            cls = _TYPES.get(kind)
+            cls = _TYPES.get(_canonical(kind))
         return super().__new__(cls)
 
     def __init__(self, kind: str | None = None) -> None:
+        if isinstance(kind, str) and kind.lower() in _ALIASES and _canonical(kind) == type(self).type:
+            self.type = kind.lower()  # MXNet's name, as given (KVStore("local_allreduce_cpu").type)
         self._store: dict[Key, torch.Tensor] = {}
         self._params: dict[Key, nn.Parameter] = {}
         self._optimizers: dict[Key, torch.optim.Optimizer] = {}
+        self._optimizer_group: OptimizerGroup | None = None
+        self._received: dict[Key, torch.Tensor] = {}  # per key, the buffer a push's sum goes to before an update
         self._factory: OptimizerFactory | None = None
         self._updater: Updater | None = None
         self._key_type: type | None = None
@@ -127,10 +160,10 @@ class KVStore(ABC):
         """The device that holds ``key``'s stored value and does its sums."""
 
     def _reduce(self, home: torch.device, values: list[torch.Tensor]) -> torch.Tensor:
-        acc = values[0].to(home, copy=True)
-        for v in values[1:]:
-            acc.add_(v.to(home, non_blocking=True))
-        return acc
+        """A new tensor on ``home`` holding the sum of ``values``."""
+        total = torch.empty_like(values[0], device=home)
+        _sum_into(total, values)
+        return total
 
     # -- the API ----------------------------------------------------------------------------------
     def init(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor]) -> None:
@@ -153,6 +186,8 @@ class KVStore(ABC):
             first = _as_list(v, "init")[0]
             home = self._home(k, first, [first.device])
             self._store[k] = first.detach().to(home, copy=True)
+            if self._factory is not None and self._optimizer_group is not None:
+                self._key_optimizer(k)  # a scheduler driving the store's optimizers reaches this key too
 
     def push(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor],
              priority: int = 0) -> None:
@@ -162,10 +197,31 @@ class KVStore(ABC):
         now, in call order.
         """
         self._check_open()
-        for k, v in _key_pairs(key, value, "push"):
-            values = self._check_push(k, v)
+        # Every key is checked before the first is pushed, so a bad one leaves the store as it was.
+        for k, values in [self._checked_push(k, v) for k, v in self._key_value_pairs(key, value, "push")]:
             self._settle(k)
             self._push_now(k, values)
+
+    def _key_value_pairs(self, key: Key | Sequence[Key], value: Any, call: str) -> list[tuple[Key, Any]]:
+        if type(key) is int or type(key) is str:  # one key: the common case, no list to check
+            return [(key, value)]
+        return _key_pairs(key, value, call)
+
+    def _checked_push(self, key: Key, value: Any) -> tuple[Key, list[torch.Tensor]]:
+        """``(key, values)`` when ``value`` fits the stored value exactly; else :meth:`_check_push`'s error.
+
+        The common case in a few attribute reads; anything unusual takes the full check, which names
+        the problem.
+        """
+        stored = self._store.get(key)
+        values = _values_of(value)
+        if stored is None or values is None:
+            return key, self._check_push(key, value)
+        shape, dtype = stored.shape, stored.dtype
+        for v in values:
+            if v.shape != shape or v.dtype != dtype or v.requires_grad:
+                return key, self._check_push(key, value)
+        return key, values
 
     def _check_push(self, key: Key, value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
         stored = self._get(key)
@@ -179,23 +235,38 @@ class KVStore(ABC):
 
     def _push_now(self, key: Key, values: list[torch.Tensor]) -> None:
         stored = self._store[key]
-        total = self._reduce(stored.device, values)
+        if self._updater is None and self._factory is None:
+            _sum_into(stored, values)  # no optimizer: the store keeps the sum of the last push, written in place
+            return
+        received = self._received.get(key)
+        if received is None or received.device != stored.device:
+            received = self._received[key] = torch.empty_like(stored)
+        _sum_into(received, values)
         if self._updater is not None:
             with torch.no_grad():
-                self._updater(key, total, stored)
-        elif self._factory is None:
-            stored.copy_(total)  # no optimizer: the store keeps the sum of the last push
+                self._updater(key, received, stored)
         else:
-            self._update(key, total)
+            self._update(key, received)
 
     def pull(self, key: Key | Sequence[Key], out: torch.Tensor | Sequence[torch.Tensor],
              priority: int = 0) -> None:
         """Copy the stored value into ``out`` (a tensor or one per device); ``priority`` is ignored here."""
         self._check_open()
-        for k, o in _key_pairs(key, out, "pull"):
-            outs = self._check_pull(k, o)
+        for k, outs in [self._checked_pull(k, o) for k, o in self._key_value_pairs(key, out, "pull")]:
             self._settle(k)
             self._pull_now(k, outs)
+
+    def _checked_pull(self, key: Key, out: Any) -> tuple[Key, list[torch.Tensor]]:
+        """``(key, outs)`` when ``out`` fits the stored value exactly; else :meth:`_check_pull`'s error."""
+        stored = self._store.get(key)
+        outs = _values_of(out)
+        if stored is None or outs is None:
+            return key, self._check_pull(key, out)
+        shape, dtype = stored.shape, stored.dtype
+        for o in outs:
+            if o.shape != shape or o.dtype != dtype:
+                return key, self._check_pull(key, out)
+        return key, outs
 
     def _check_pull(self, key: Key, out: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
         stored = self._get(key)
@@ -210,9 +281,13 @@ class KVStore(ABC):
 
     def _pull_now(self, key: Key, outs: list[torch.Tensor]) -> None:
         stored = self._store[key]
-        with torch.no_grad():
-            for o in outs:
-                o.copy_(stored, non_blocking=True)
+        if any(o.requires_grad for o in outs):
+            with torch.no_grad():  # a leaf that requires grad takes in-place copies only outside autograd
+                for o in outs:
+                    o.copy_(stored, non_blocking=o.is_cuda)
+            return
+        for o in outs:
+            o.copy_(stored, non_blocking=o.is_cuda)
 
     def broadcast(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor],
                   out: torch.Tensor | Sequence[torch.Tensor], priority: int = 0) -> None:
@@ -325,6 +400,7 @@ class KVStore(ABC):
             raise UsageError(f"set_optimizer needs a callable that builds an optimizer from [param], got "
                              f"{type(factory).__name__}; e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)")
         self._factory, self._updater = factory, None
+        self._params, self._optimizers, self._optimizer_group = {}, {}, None
 
     def set_updater(self, updater: Updater) -> None:
         """Merge each push with ``updater(key, received, stored)``, which updates ``stored`` in place.
@@ -349,16 +425,83 @@ class KVStore(ABC):
             raise UsageError(f"set_updater needs a callable updater(key, received, stored), got "
                              f"{type(updater).__name__}")
         self._updater, self._factory = updater, None
+        self._params, self._optimizers, self._optimizer_group = {}, {}, None
 
     def _update(self, key: Key, grad: torch.Tensor) -> None:
+        param, optimizer = self._key_optimizer(key)
+        param.grad = grad
+        optimizer.step()
+        param.grad = None
+        if self._optimizer_group is not None:
+            self._optimizer_group.mark_stepped()
+
+    def _key_optimizer(self, key: Key) -> tuple[nn.Parameter, torch.optim.Optimizer]:
+        """The parameter over ``key``'s stored value and its optimizer, made on first use."""
         param = self._params.get(key)
         if param is None:
             assert self._factory is not None  # only called with an optimizer set
             param = self._params[key] = nn.Parameter(self._store[key], requires_grad=True)
             self._optimizers[key] = self._factory([param])
-        param.grad = grad
-        self._optimizers[key].step()
-        param.grad = None
+        return param, self._optimizers[key]
+
+    @property
+    def optimizer(self) -> OptimizerGroup:
+        """The store's optimizers (one per key) as one, for learning-rate schedulers and ``lr`` changes.
+
+        MXNet's store runs one optimizer for every key; here each key has its own (made by the factory
+        given to :meth:`set_optimizer`), and this group lists all their ``param_groups``, so
+        ``torch.optim.lr_scheduler.StepLR(kv.optimizer, ...)`` or ``group["lr"] = x`` for each of
+        ``kv.optimizer.param_groups`` changes every key's rate. Keys initialized later join the group.
+
+        >>> with KVStore("local") as kv:
+        ...     kv.set_optimizer(lambda ps: torch.optim.SGD(ps, lr=1.0))
+        ...     kv.init([0, 1], [torch.zeros(2), torch.zeros(3)])
+        ...     for group in kv.optimizer.param_groups:
+        ...         group["lr"] = 0.5
+        ...     kv.push(0, torch.ones(2))
+        ...     out = torch.empty(2)
+        ...     kv.pull(0, out=out)
+        ...     out.tolist()
+        [-0.5, -0.5]
+        """
+        self._check_open()
+        if len(self._store) < len(self.keys()):  # a distributed store: the values live on its servers
+            raise UsageError(f"the {self.type!r} store's optimizers run on its servers, in their own processes; give "
+                             "the servers an optimizer factory that schedules its own learning rate")
+        if self._factory is None:
+            raise UsageError("this store has no optimizer: call set_optimizer(factory) first (with a custom updater "
+                             "set_updater, the updater itself holds any learning rate)")
+        if self._optimizer_group is None:
+            for k in list(self._store):
+                self._key_optimizer(k)  # a scheduler takes the groups that exist when it is made
+            self._optimizer_group = OptimizerGroup(lambda: list(self._optimizers.values()),
+                                                   f"the optimizers of the {self.type!r} store's keys")
+        return self._optimizer_group
+
+    def reset(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Give initialized keys new values and start their update state afresh (MXNet's store reset).
+
+        What a Trainer that updates on the store does when its replicas' parameters were loaded: the
+        store's copy is replaced by the loaded values, and an optimizer's per-key state (momentum) is
+        dropped, while its settings (the learning rate a scheduler set) stay.
+
+        >>> with KVStore("local") as kv:
+        ...     kv.init("w", torch.zeros(2))
+        ...     kv.reset("w", torch.ones(2))
+        ...     out = torch.empty(2)
+        ...     kv.pull("w", out=out)
+        ...     out.tolist()
+        [1.0, 1.0]
+        """
+        self._check_open()
+        pairs = [(k, self._check_push(k, [_as_list(v, "reset")[0]])[0]) for k, v in _key_pairs(key, value, "reset")]
+        self.wait_all()
+        for k, v in pairs:
+            with torch.no_grad():
+                self._store[k].copy_(v)
+            optimizer = self._optimizers.get(k)
+            if optimizer is not None:
+                optimizer.state.clear()
 
     def _check_key_type(self, key: object) -> None:
         """Keys are ints or strs, one kind per store (MXNet's rule: the two kinds name keys differently)."""
@@ -398,10 +541,7 @@ class KVStore(ABC):
         for k, s in state["optimizers"].items():
             if self._factory is None:
                 raise UsageError("the checkpoint has store-side optimizer state; call set_optimizer first")
-            if k not in self._optimizers:
-                self._params[k] = nn.Parameter(self._store[k], requires_grad=True)
-                self._optimizers[k] = self._factory([self._params[k]])
-            self._optimizers[k].load_state_dict(s)
+            self._key_optimizer(k)[1].load_state_dict(s)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write :meth:`state_dict` to ``path`` atomically (a crash leaves the old file or the new one).
@@ -451,6 +591,7 @@ class KVStore(ABC):
 
 
 _TYPES: Registry[type[KVStore]] = Registry("kvstore type", normalize=str.lower)
+_ALIASES: dict[str, str] = {}  # MXNet's other names for a registered type -> that type
 
 
 def register_kvstore(name: str, factory: type[KVStore], *, replace: bool = False) -> None:
@@ -458,8 +599,26 @@ def register_kvstore(name: str, factory: type[KVStore], *, replace: bool = False
     _TYPES.register(name, factory, replace=replace)
 
 
+def register_kvstore_alias(alias: str, name: str) -> None:
+    """Let ``create_kvstore(alias)`` make a ``name`` store whose :attr:`KVStore.type` reads ``alias``.
+
+    MXNet's names for the same stores (``local_allreduce_cpu`` for ``local``, ...); an alias is not
+    listed among :func:`kvstore_types`.
+    """
+    alias = alias.lower()
+    if alias in _TYPES.names() or alias in _ALIASES:
+        raise ValueError(f"kvstore type {alias!r} is registered twice")
+    _ALIASES[alias] = name
+
+
+def _canonical(name: str) -> str:
+    if not isinstance(name, str):
+        raise UsageError(f"a kvstore type is a name such as 'local', got {type(name).__name__}")
+    return _ALIASES.get(name.lower(), name)
+
+
 def kvstore_types() -> list[str]:
-    """Registered store types in registration order."""
+    """Registered store types in registration order (MXNet's aliases for them are accepted too)."""
     return _TYPES.names()
 
 
@@ -467,10 +626,18 @@ def create_kvstore(name: str = "local", **options: Any) -> KVStore:
     """A new store of the given type (``local``: sums on the host; ``device``: sums on the devices).
 
     ``options`` go to the type's constructor (the distributed types take ``num_servers``, ``staleness``).
+    MXNet's aliases make the store they name and keep their own name as its ``type``:
+
+    >>> with create_kvstore("local_allreduce_cpu") as kv:
+    ...     type(kv).__name__, kv.type
+    ('LocalKVStore', 'local_allreduce_cpu')
     """
-    return _TYPES.get(name)(**options)
+    kv = _TYPES.get(_canonical(name))(**options)
+    if name.lower() in _ALIASES:
+        kv.type = name.lower()
+    return kv
 
 
 def kvstore_class(name: str) -> type[KVStore]:
     """The class ``create_kvstore(name)`` makes, without making one (a miss lists the registered types)."""
-    return _TYPES.get(name)
+    return _TYPES.get(_canonical(name))

@@ -1,32 +1,11 @@
 """The control channel between a worker and a same-host server: push/pull requests as small JSON frames.
 
-Once a slice's payloads travel through shared memory (:mod:`dlperf.kvstore.shm`), a push or pull
-carries only key names and slot numbers. Through torch RPC each such request still passes six threads
-(caller, TensorPipe's loops and its handler pool on both sides); on a host whose cores the processes
-share, every hand-off waits for a core. Here the worker's calling thread writes one frame to a Unix
-socket and reads the answer itself, and one server thread per worker connection reads the request
-and answers it: two hand-offs per round trip.
-
-The server listens on an abstract Unix socket (no file to leave behind) under a random name, and a
-connection counts only after its first frame presents the random token that the server gave its
-workers over RPC, with the worker's rank. Abstract names are visible to every local user
-(``/proc/net/unix``) and any of them may connect, or bind a name its owner has let go: so the server
-drops a peer of another user before reading anything, a hello must be small and complete within
-:data:`_AUTH_TIMEOUT_S` however slowly it trickles in, and a worker sends its token only to the
-server's own process (``SO_PEERCRED``), never to whoever holds the name after the server exits. Until a
-connection has proved itself it costs no thread: one thread reads every hello, and connections past
-the per-process and overall limits are closed unread (see :class:`ControlServer`); a worker turned
-away, or refused by a full backlog (``EAGAIN``), connects again after a growing pause. A frame
-is a 4-byte length and a JSON document: nothing a peer sends is unpickled or run, and a frame over
-:data:`MAX_FRAME_BYTES`, or nested too deeply to parse, ends the connection.
-
-Answers are written without blocking: a worker that stops reading them gets the rest from a writer
-thread of its connection, so the thread answering (which holds the server's lock) never waits for it.
-
-A worker keeps a pool of connections per server and takes a free one per request, so requests from
-several threads never wait behind each other (a sync pull may wait for a round that another thread's
-push of the same worker completes). A dead peer shows as a closed connection, an answer that does not
-come within the store's ``timeout_s`` as a timeout: both one :class:`KVStoreLinkError` naming the server.
+Once payloads travel through shared memory (:mod:`dlperf.kvstore.shm`), a request carries only key names and
+slot numbers; over a Unix socket it costs two thread hand-offs per round trip instead of torch RPC's six. The
+server listens on an abstract socket under a random name and admits a connection only once it presents the
+job's token (:class:`ControlServer`); a frame is a 4-byte length and a JSON document, never unpickled; a worker
+keeps a pool of connections per server. A dead peer or a late answer is one :class:`KVStoreLinkError` naming the
+server. Who may connect, and why the channel is built this way: docs/design/kvstore.md.
 """
 
 from __future__ import annotations

@@ -1,53 +1,16 @@
 """Distributed stores: one key space shared by the processes of a job (d2l 12.7.3-12.7.4).
 
-``dist_sync``, ``dist_async`` and ``dist_device_sync`` keep :class:`~dlperf.kvstore.KVStore`'s interface
-across processes started by a launcher (:class:`~dlperf.parallel.launchers.ProcessLauncher`, ``torchrun``)
-with a process group around them; a script started by ``dlperf launch`` or ``torchrun`` without one joins the
-group its environment describes when it creates its first store (:func:`join_launched_processes`), as the
-Trainer does. Every rank creates the store (a collective call); the last
-``num_servers`` ranks are *servers*, the others *workers*. With ``num_servers=0`` (the default, or the
-``DLPERF_NUM_SERVERS`` environment variable) every worker also hosts a server, the co-located design
-of d2l Fig. 12.7.8 (bottom).
+``dist_sync``, ``dist_async`` and ``dist_device_sync`` keep :class:`~dlperf.kvstore.KVStore`'s interface across
+processes started by a launcher (:class:`~dlperf.parallel.launchers.ProcessLauncher`, ``torchrun``). Every rank
+creates the store; the last ``num_servers`` ranks serve (:meth:`DistKVStore.serve`), the others work, and with
+``num_servers=0`` every worker also hosts a server. A small key lives on one server, a big one is split across
+all of them. Between hosts the requests go over torch RPC; inside a host the payloads go through shared memory
+(:mod:`dlperf.kvstore.shm`) and the requests through a control channel (:mod:`dlperf.kvstore.control`).
 
-Placement: a key below ``big_array_bound`` elements lives whole on one server, picked by a stable hash
-of the key, so many small keys spread over the servers; a bigger key is split into ``num_servers``
-even slices of its flattened value, one per server, so no server carries every big array
-(apache/mxnet#8290). ``print(store.placement())`` shows where each key went.
-
-Semantics, per key:
-
-* ``dist_sync``: a round ends when every worker has pushed once; the sum of their pushes is merged
-  into the stored value (the updater, the optimizer, or assignment), and a pull waits for the round
-  its own last push belongs to. A pull after a push therefore sees every worker's contribution.
-* ``dist_async``: each push is merged on arrival. ``staleness=tau`` bounds how far workers drift
-  apart (Li et al. 2014): a pull after a worker's ``t``-th push waits until every worker has pushed
-  at least ``t - tau`` times. ``None`` (default) never waits.
-* ``dist_device_sync``: ``dist_sync`` whose per-worker sum of the device values runs on the
-  devices, as the ``device`` store does; one sum per worker crosses to the servers.
-
-Transport: torch.distributed.rpc (TensorPipe, rendezvous through the job's store). A server's
-handler never blocks: a pull that must wait for a round gets a future the server completes when the
-round ends, so servers need no threads of their own beyond RPC's, and a co-located worker calls its
-own server directly. One request per server carries every key of a batched call, and the keys
-below 64 KB travel packed in one buffer, so a model with many small parameters pays the per-message
-cost once per server, not once per key (bytedance/byteps#237).
-
-This module is the client, :class:`DistKVStore`; the other jobs have a module each: key placement
-(:mod:`~dlperf.kvstore.placement`), the wire format (:mod:`~dlperf.kvstore.wire`), the server
-(:mod:`~dlperf.kvstore.server`) and the RPC agent (:mod:`~dlperf.kvstore.rpc_agent`).
-
-On one host the payloads skip the sockets (:mod:`dlperf.kvstore.shm`): the server keeps each slice
-in shared memory that the workers map, a push is written into the worker's slot there and a sync
-pull is read from the value slot, and the push/pull requests (key names, slot numbers) go through
-a Unix-socket control channel (:mod:`dlperf.kvstore.control`); a pushpull of several keys becomes a
-pipeline of a few requests, so the server sums one while the workers copy the next. The store picks
-this path by itself wherever the mapping works; ``DLPERF_KVSTORE_SHM=off`` or ``shared_memory=False``
-keeps everything on RPC. :meth:`DistKVStore.traffic` says which path moved how many bytes.
-
-Configuration is per process: every rank runs the same program, so ``set_optimizer`` and
-``set_updater`` run on the servers too and take effect there; a worker and a server that disagree on
-how pushes are merged fail at ``init`` naming the server. Server ranks call :meth:`DistKVStore.serve`,
-which returns once every worker has closed its store.
+This module is the client, :class:`DistKVStore`; key placement, the wire format, the server and the RPC agent
+have a module each (:mod:`~dlperf.kvstore.placement`, :mod:`~dlperf.kvstore.wire`,
+:mod:`~dlperf.kvstore.server`, :mod:`~dlperf.kvstore.rpc_agent`). Roles, placement, each store's semantics and
+the transports: docs/design/kvstore.md.
 """
 
 from __future__ import annotations
@@ -210,7 +173,7 @@ class DistKVStore(KVStore):
         self._meta: dict[Key, tuple[torch.Size, torch.dtype]] = {}
         self._pushed: dict[Key, int] = {}
         # every rank creates its stores in the same order, so the n-th store has the same id everywhere
-        self._id = f"{self.type}/{next(_GENERATIONS)}"
+        self._id = f"{type(self).type}/{next(_GENERATIONS)}"
         self._server = Server(self) if rank in servers else None
         if self._server is not None:
             SERVERS[self._id] = self._server

@@ -1,29 +1,11 @@
 """Same-host payloads of the dist kvstores: tensors through shared memory, not through sockets.
 
-When a worker and a server run on one host, a push or pull need not cross a socket. At ``init`` the
-server takes slots from an anonymous memory file (an *arena*, a
-:class:`~dlperf._shm.Segment`: no name in ``/dev/shm``, gone with the last
-mapping however the processes end; a new one when the last is full): per new slice, two value slots
-and one exchange slot per remote worker. Its reply names the arena and the slots; the worker maps the
-arena, and if that works (same host, same pid namespace, the segment's random token matches) the
-slices travel this way from then on, and the requests go through the control channel
-(:mod:`dlperf.kvstore.control`) instead of RPC:
-
-* push: the worker writes its sum into its exchange slot; the request carries only the key names; the
-  server merges from the slot into the spare value slot (a sync round's first push is read when the
-  second arrives, if its sender waits for the round: one pass over both). An assignment round swaps
-  the two value slots instead of copying; an optimizer or updater updates the value slot in place.
-* pull (``dist_sync``): the reply says which value slot holds the value and the worker copies it out
-  itself. A sync value cannot change until every worker has pushed again, so no copy is taken for the
-  reply. ``dist_async`` values change on any push: the server copies the value into the worker's
-  exchange slot under its lock and the worker reads it there.
-
-Nothing in a peer's message is trusted: every slot a reply names is checked against the arena's size
-and the slice's length, and a slot the receiver did not set up is an error naming the peer.
-
-``DLPERF_KVSTORE_SHM=off`` (or ``shared_memory=False`` on the store) keeps every payload and request on
-RPC, e.g. to measure the path between hosts; ``on`` (the default) uses shared memory wherever the
-mapping works.
+When a worker and a server run on one host, the server takes slots for each slice from an anonymous memory file
+(an arena, a :class:`~dlperf._shm.Segment`) and names them in its reply; a worker that can map the arena (same
+host, same pid namespace, matching token) pushes by writing its slot and pulls by copying the value slot, while
+the requests go through the control channel (:mod:`dlperf.kvstore.control`). Every slot a peer names is checked
+against the arena and the slice. ``DLPERF_KVSTORE_SHM=off`` (or ``shared_memory=False``) keeps everything on
+RPC. The slots, and what push and pull do with them: docs/design/kvstore.md.
 """
 
 from __future__ import annotations

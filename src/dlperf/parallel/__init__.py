@@ -13,13 +13,13 @@ from __future__ import annotations
 from .allreduce import DEFAULT_ALGORITHM, AllreduceAlgorithm, algorithm_names, allreduce, get_algorithm
 from .allreduce.lanes import EngineLanes, engine_lanes, thread_budget
 from .replicas import broadcast_buffers, broadcast_parameters, max_replica_difference, replicate
-from .split import check_devices, split_and_load, split_batch, split_sizes
+from .split import check_devices, split_and_load, split_batch, split_data, split_sizes
 from .training.data_parallel import DataParallel
 from .training.evaluate import evaluate_accuracy
 from .training.trainer import Trainer
 
 __all__ = [
-    "split_and_load", "split_batch", "split_sizes", "check_devices",
+    "split_and_load", "split_data", "split_batch", "split_sizes", "check_devices",
     "allreduce", "algorithm_names", "get_algorithm", "AllreduceAlgorithm", "DEFAULT_ALGORITHM",
     "replicate", "broadcast_parameters", "broadcast_buffers", "max_replica_difference",
     "Trainer", "DataParallel", "evaluate_accuracy", "EngineLanes", "engine_lanes", "thread_budget",

@@ -1,4 +1,4 @@
-"""Split a mini-batch along its first axis and place each part on one device (d2l 12.5.5).
+"""Split a mini-batch along its first axis (or another) and place each part on one device (d2l 12.5.5).
 
 A mini-batch is what PyTorch users pass a model: a tensor, or a tuple, list or dict of tensors of any
 dtype (see :mod:`dlperf.batch`).
@@ -23,8 +23,8 @@ from ..batch import Batch, batch_size, describe, split_tree, tensors_of
 from ..devices import Device, DeviceLike, device_of, require_available, tag, to_device
 from ..errors import DeviceMismatchError, UsageError
 
-__all__ = ["split_sizes", "split_and_load", "split_batch", "split_step", "place_parts", "check_devices",
-           "check_placed"]
+__all__ = ["split_sizes", "split_and_load", "split_data", "split_batch", "split_step", "place_parts",
+           "check_devices", "check_placed"]
 
 
 def check_devices(devices: Sequence[DeviceLike]) -> list[Device]:
@@ -81,15 +81,17 @@ def _check_even(n: int, k: int, even_split: bool, what: str) -> list[int]:
     return sizes
 
 
-def split_and_load(batch: Batch, devices: Sequence[DeviceLike], even_split: bool = True) -> list[Batch]:
-    """Split ``batch`` along dim 0 into one equal part per device and put each part there.
+def split_and_load(batch: Batch, devices: Sequence[DeviceLike], even_split: bool = True, *,
+                   batch_axis: int = 0) -> list[Batch]:
+    """Split ``batch`` along ``batch_axis`` into one equal part per device and put each part there.
 
     ``batch`` is a tensor or a tuple, list or dict (nested) of them, of any dtype: every tensor with
     a first axis is cut along it, and 0-d tensors and plain values (strings, ints, None) go to every
     part, as DDP's scatter does (:func:`dlperf.batch.split_tree`). As in Gluon, a batch that does not
     divide evenly is an error unless ``even_split=False``, which gives the first ``n % k`` parts one
     extra row: silently unequal parts would weight the devices' gradients unequally in code that
-    averages per device.
+    averages per device. ``batch_axis`` (Gluon's, for a tensor batch) cuts along another axis, e.g. 1
+    for a time-major sequence batch.
 
     >>> from dlperf.devices import cpu, device_of
     >>> parts = split_and_load(torch.arange(20).reshape(4, 5), [cpu(0), cpu(1)])
@@ -97,13 +99,52 @@ def split_and_load(batch: Batch, devices: Sequence[DeviceLike], even_split: bool
     ([(2, 5), (2, 5)], [cpu(0), cpu(1)])
     >>> [len(p) for p in split_and_load(torch.zeros(5, 2), [cpu(0), cpu(1)], even_split=False)]
     [3, 2]
+    >>> [tuple(p.shape) for p in split_and_load(torch.zeros(7, 4), [cpu(0), cpu(1)], batch_axis=1)]
+    [(7, 2), (7, 2)]
     >>> [describe(p) for p in split_and_load({"ids": torch.zeros(4, 3, dtype=torch.int64), "lang": "en"},
     ...                                      [cpu(0), cpu(1)])]
     ['dict{ids: int64[2,3], lang: str}', 'dict{ids: int64[2,3], lang: str}']
     """
     devs = check_devices(devices)
+    if batch_axis != 0:
+        axis = _tensor_axis(batch, batch_axis, "split_and_load")
+        sizes = _check_even(batch.shape[axis], len(devs), even_split, "split_and_load")
+        return [_place(p, d) for p, d in zip(torch.split(batch, sizes, dim=axis), devs)]
     sizes = _check_even(batch_size(batch, "batch split_and_load was given"), len(devs), even_split, "split_and_load")
     return place_parts(batch, devs, sizes)
+
+
+def split_data(data: Batch, num_slice: int, batch_axis: int = 0, even_split: bool = True) -> list[Batch]:
+    """``data`` cut into ``num_slice`` parts along ``batch_axis``, left where it is (Gluon's ``split_data``).
+
+    The parts are views of ``data`` (see :func:`split_and_load` for the rules, and for placing the parts
+    on devices too). ``batch_axis`` other than 0 takes a tensor.
+
+    >>> [tuple(p.shape) for p in split_data(torch.zeros(4, 6), 3, batch_axis=1)]
+    [(4, 2), (4, 2), (4, 2)]
+    >>> [len(p) for p in split_data(torch.zeros(10, 2), 3, even_split=False)]
+    [4, 3, 3]
+    """
+    if isinstance(num_slice, bool) or not isinstance(num_slice, int):
+        raise UsageError(f"num_slice={num_slice!r}: expected an integer >= 1")
+    if batch_axis != 0:
+        axis = _tensor_axis(data, batch_axis, "split_data")
+        return list(torch.split(data, _check_even(data.shape[axis], num_slice, even_split, "split_data"), dim=axis))
+    sizes = _check_even(batch_size(data, "data split_data was given"), num_slice, even_split, "split_data")
+    if isinstance(data, torch.Tensor):
+        return list(torch.split(data, sizes))
+    return split_tree(data, sizes, lambda t, i: t)
+
+
+def _tensor_axis(batch: Any, batch_axis: int, call: str) -> int:
+    """``batch_axis`` as an axis of the tensor ``batch`` (one line when it is not a tensor or has no such axis)."""
+    if not isinstance(batch, torch.Tensor):
+        raise UsageError(f"{call}(..., batch_axis={batch_axis}) cuts a tensor, got {describe(batch)}; cut a "
+                         "structure of tensors along their first axis (batch_axis=0)")
+    if isinstance(batch_axis, bool) or not isinstance(batch_axis, int) or not -batch.dim() <= batch_axis < batch.dim():
+        raise UsageError(f"{call}: batch_axis={batch_axis!r} is not an axis of a {batch.dim()}-d tensor "
+                         f"{tuple(batch.shape)}; expected an integer in [{-batch.dim()}, {batch.dim() - 1}]")
+    return batch_axis % batch.dim()
 
 
 def place_parts(batch: Batch, devices: Sequence[Device], sizes: Sequence[int]) -> list[Batch]:

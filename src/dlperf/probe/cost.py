@@ -1,32 +1,21 @@
 """A cost model for a training step: how long it must take at least, and where that time goes (d2l 12.4, 12.7).
 
-The hardware is a handful of figures (:class:`Hardware`): peak FLOP/s per dtype, memory bandwidth, the
-cost of dispatching one operator, and for each kind of link a latency ``alpha`` (seconds per message)
-and a bandwidth (``beta`` = seconds per byte). A step costs
-
-* compute: its FLOPs over the peak (counted by torch's FlopCounterMode on the meta device);
-* memory: the bytes its operators read and write over the memory bandwidth;
-* dispatch: its operator count times the per-operator cost;
-* communication: the gradient allreduce (Thakur, Rabenseifner & Gropp 2005's alpha-beta formulas)
-  or a parameter-server push and pull (d2l 12.7.3).
-
-Their sum is the floor when nothing overlaps, their maximum the floor when everything does; a
-measured step lies above both, and how far says what to fix.
+A step's compute (FLOPs over the peak), memory traffic (bytes over the bandwidth), dispatch (operators times the
+per-operator cost) and communication (the gradient allreduce or a parameter-server push and pull) are priced on a
+handful of hardware figures (:class:`Hardware`). Their sum is the floor when nothing overlaps, their maximum the
+floor when everything does; how far a measured step lies above says what to fix (docs/design/measuring.md).
 
 >>> hw = Hardware.from_seed("pcie-4gpu")
 >>> round(allreduce_time("naive", 160e6, 4, hw) * 1e3)  # d2l 12.7.1: to one GPU and back
 60
 >>> round(allreduce_time("sharded", 160e6, 4, hw) * 1e3)  # split aggregation
 15
-
-A model's step, data-parallel over the 4 GPUs with the ring:
-
 >>> import torch
 >>> from torch import nn
 >>> counts = count_step(nn.Linear(512, 10), torch.randn(64, 512))
 >>> counts.total_flops == 2 * (2 * 64 * 512 * 10)  # forward, and the weight gradient (the input needs none)
 True
->>> sorted(step_floor(counts, hw, devices=4, allreduce="ring").components)
+>>> sorted(step_floor(counts, hw, devices=4, allreduce="ring").components)  # data-parallel over 4 GPUs
 ['allreduce:ring', 'compute', 'dispatch', 'memory']
 """
 

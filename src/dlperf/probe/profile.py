@@ -41,7 +41,7 @@ from torch import nn
 from .._threads import intra_op_threads
 from ..batch import Batch, batch_size, describe, map_tensors, tensors_of
 from ..errors import UsageError
-from ..timing import Contention, ContentionMonitor, Timing, best_of, time_steps
+from ..timing import Contention, ContentionMonitor, Progress, Timing, best_of, time_steps
 from .cost import (
     GROUPS,
     Hardware,
@@ -212,6 +212,10 @@ class ProfileReport:
         lines += ["", f"floor on {self.hardware.name}: {self.floor.no_overlap_s * 1e3:.3f} ms with no overlap, "
                       f"{self.floor.overlap_s * 1e3:.3f} ms with full overlap ({self.floor.bottleneck}); measured "
                       f"{self.step.median_s / max(self.floor.no_overlap_s, 1e-12):.1f}x the no-overlap floor"]
+        if self.floor.overlap_s > self.step.median_s:  # the least time above the measured time: the model is off
+            worst = max(self.floor.components, key=self.floor.components.__getitem__)
+            lines.append(f"! cost-model error: the floor is above the measured step; its {worst} component "
+                         f"({self.floor.components[worst] * 1e3:.3f} ms) overshot (figures: {self.hardware.name})")
         if self.suggestions:
             busy = self.suggestions_contention is not None and self.suggestions_contention.contended
             head = "suggestions (each timed against one baseline, in alternating rounds)"
@@ -447,7 +451,9 @@ def _rounds(baseline: Callable[[], object], variants: list[_Variant], steps: int
     every ratio sees the same background load. A variant that fails drops out with its reason.
     """
     live = [v for v in variants if v.step is not None]
+    progress = Progress("profile")
     for v in live:  # the first calls capture graphs, allocate, pick kernels
+        progress.say(f"warming up {v.name}")
         try:
             for _ in range(warmup):
                 v.step()  # type: ignore[misc]
@@ -458,6 +464,7 @@ def _rounds(baseline: Callable[[], object], variants: list[_Variant], steps: int
     base: list[float] = []
     monitor.start()
     for r in range(max(steps, 3)):
+        progress.say(f"timing the suggestions (round {r + 1} of {max(steps, 3)})")
         base.append(_timed(baseline))
         order = [v for v in variants if v.step is not None]
         # rotated each round: no variant always runs right after the baseline (warm caches) or last

@@ -1,29 +1,11 @@
 """How a data-parallel step would scale across hosts: each gradient strategy priced on a cluster's links (d2l 12.7).
 
-A cluster is ``hosts`` machines of ``devices_per_host`` devices each. Every device sits on an ``intra``
-link (d2l 12.7.1's PCIe switch: to the other devices of its host and to its host's memory) and every
-host on one ``network`` link (its NIC), full duplex. A message of ``n`` bytes over a link takes
-``alpha + n / bandwidth`` (:class:`~dlperf.probe.cost.Link`); messages over different links run at
-once, those over one link share it, and the slowest link sets a collective's pace. The strategies:
-
-* ``naive``: every device sends its gradients to device 0 and gets the sum back (12.7.1's first
-  variant); device 0's link, and host 0's NIC for the other hosts' devices, serialise the copies.
-* ``ring``: one ring through every device (12.7.2); with several hosts its steps wait for the
-  network hop.
-* ``sharded``: direct reduce-scatter then all-gather (12.7.1's split aggregation): each device
-  exchanges 1/p of the gradients with every other device at once, so a host's NIC carries
-  ``G (p - G) / p`` of them each phase.
-* ``ps-1``, ``ps-2``: parameter servers in host memory (12.7.3): every device pushes its gradients,
-  split over the servers, and pulls the result; server ``s`` lives on host ``s mod hosts``. A server
-  receives one message per device; a device reaches a server on its own host over its intra link,
-  others over both NICs.
-* ``hierarchical``: what dlperf's hierarchical sum does (:mod:`dlperf.parallel.allreduce.shm`): the
-  devices of each host allreduce among themselves (sharded), one leader per host runs a ring across
-  the hosts, and each leader's result is copied to its host's other devices.
-
-Computation and communication are assumed not to overlap (a floor on overlap would be the maximum;
-dlperf's trainer overlaps the buckets it can, so a measured step lies between). The reduction
-arithmetic is left out, as in d2l's worked example, which the formulas reproduce:
+A :class:`Cluster` is ``hosts`` machines of ``devices_per_host`` devices, each device on an ``intra`` link and
+each host on one ``network`` link; a message costs ``alpha + n / bandwidth`` (:class:`~dlperf.probe.cost.Link`),
+and the busiest link sets a collective's pace. Each strategy (``naive``, ``ring``, ``sharded``, ``ps-1``,
+``ps-2``, ``hierarchical``) is priced phase by phase; computation and communication do not overlap. The
+formulas, and how they are checked on emulated hosts: docs/design/cluster-model.md. They reproduce d2l's worked
+example:
 
 >>> from dlperf.probe.cost import Link
 >>> pcie = Link(0.0, 16e9)

@@ -1,33 +1,12 @@
 """Allreduce between the processes of one host through a shared-memory segment, not through sockets.
 
-gloo moves the bytes of an allreduce between two processes of one host over loopback TCP: about 1 GB/s
-here for 64 MB, while the host copies memory at 20 GB/s and more. :class:`ShmAllreduce` maps one segment
-into every rank of a group and runs a direct reduce-scatter + all-gather through it (the ``sharded``
-schedule of :mod:`dlperf.parallel.allreduce`, across processes instead of threads):
-
-1. *scatter*: each rank copies into its slot of the segment the parts of its chunk that other ranks
-   reduce (slice ``j`` of the chunk for every rank ``j`` but itself);
-2. *reduce*: rank ``r`` adds slice ``r`` of every rank's contribution (its own straight from its
-   tensor) with one torch operation per peer, writing the total into the chunk's result row;
-3. *gather*: each rank copies the whole result row into its tensor.
-
-Tensors are cut into chunks of ``chunk_bytes`` per rank, so the segment stays bounded (3 buffers of
-``world + 1`` rows) whatever the tensor's size, and a chunk's data is still in cache between the steps.
-A chunk's reduce and the next chunk's scatter share one barrier, and the result of chunk ``i`` is
-gathered after it; three buffers in rotation make that safe (a buffer is written again only after
-every rank has passed the barrier that follows its last reader). So a tensor of ``m`` chunks costs
-``m + 1`` barriers, and each barrier a few microseconds when the ranks arrive together.
-
-Every rank ends with bit-identical values: each slice is summed once, by one rank, in rank order.
-The first barrier of a call also compares what every rank passed (element count, dtype, op), so a
-rank that passes something else makes every rank raise the same error instead of reading garbage.
-A peer that exits, raises, closes, or does not arrive within ``timeout_s`` makes the others raise one
-:class:`ShmAllreduceError` naming it.
-
-:func:`host_allreduce_` is the entry point for data-parallel training: it groups the ranks by host (names
-exchanged once per process group) and uses the segment inside a host, ``torch.distributed.all_reduce``
-between hosts, or both (each host reduces in shared memory, one leader per host allreduces across
-hosts, and the leader's result is broadcast through the segment).
+gloo moves an allreduce's bytes between processes of one host over loopback TCP, far below the host's copy rate.
+:class:`ShmAllreduce` maps one segment into every rank and runs the ``sharded`` schedule (reduce-scatter, then
+all-gather) through it, chunk by chunk with three buffers in rotation, so the segment stays bounded and a tensor
+of ``m`` chunks costs ``m + 1`` barriers. Every rank ends with bit-identical values; a peer that passes something
+else, dies or is late makes every rank raise one :class:`ShmAllreduceError` naming it. :func:`host_allreduce_`,
+for data-parallel training, uses the segment inside a host and ``torch.distributed`` between hosts, or both. The
+schedule and why it is safe: docs/design/allreduce.md.
 """
 
 from __future__ import annotations

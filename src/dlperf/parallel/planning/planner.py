@@ -1,38 +1,21 @@
 """The planner: which :class:`~dlperf.parallel.planning.plan.Plan` trains this model fastest here, found by measuring.
 
-1. **Enumerate** the plans valid for the model, batch and devices: replicas x intra-op threads that fill
-   the cores (the replica count stays the reference's for a model with BatchNorm, whose statistics depend
-   on the split), each layout where 2-D convolutions make it matter, then on the fastest of those every
-   other registered execution (``torch.compile`` only when the run's length is known and its compile time
-   fits the budget; the captured whole step on the fastest plan of one replica), each timed beside the
-   reference; on GPUs precision (only when allowed), cuDNN benchmark mode and pinned memory.
-2. **Price** each replicas x threads split with the cost model (:func:`~dlperf.probe.cost.step_floor`,
-   with the saved probe's figures at that thread count, else d2l's quad-core) and drop those whose floor
-   is far above the best; the allreduce algorithm of a split with several replicas is the cost model's pick.
-3. **Measure** the survivors a few steps each, in alternating rounds through :func:`dlperf.timing.time_steps`
-   (each timing carries its contention mark); the least disturbed round counts, as in the benchmarks.
-4. **Keep** the fastest only if it beats the reference (the run as it would be without a plan) in every
-   round by more than the noise, else the reference; a candidate that shared fewer rounds with the
-   reference (the budget ran out) needs a larger margin (:func:`_decide`). Cache the decision
-   (:mod:`~dlperf.parallel.planning.plan_cache`).
+1. **Enumerate** the plans valid for the model, batch and devices (replicas x intra-op threads that fill the
+   cores, layouts, then the other executions on the fastest of those; on GPUs precision, cuDNN benchmark mode,
+   pinned memory).
+2. **Price** each split with the cost model (:func:`~dlperf.probe.cost.step_floor`) and drop those whose floor is
+   far above the best.
+3. **Measure** the survivors in alternating rounds through a builder the caller gives
+   (``build(plan) -> CandidateRun``), each timing with its contention mark.
+4. **Keep** the fastest only if it beats the reference beyond noise in every round (:func:`_decide`, the one
+   decider's rule), and cache the decision (:mod:`~dlperf.parallel.planning.plan_cache`).
 
-Everything stays inside a time budget (default: 10% of the planned run or 30 s, whichever is smaller; a
-short run gets at least one round of each candidate, still at most 30 s): each candidate's round is
-predicted before it is built or timed, and what would not fit is skipped and listed in
-:attr:`PlanDecision.skipped`. What can still overrun it: the reference's one warm-up step (it has to be
-timed once), and a build or first step far slower than predicted (a compile). Candidates are measured
-through a builder the caller gives (``build(plan) -> CandidateRun``), so the planner knows nothing of who
-runs the step.
-
-``torch.compile`` is tried on the fastest eager plan only when the run's length is known and its predicted
-setup fits what is left of the budget: the slowest setup measured for this model on this machine and torch
-(recorded in the plan cache: :func:`~dlperf.parallel.planning.plan_cache.save_setup`; one older than a week that would
-keep compile out gives way), else a guess from the model's layer count
-(:meth:`~dlperf.parallel.planning.plan.Execution.setup_guess_s`). Measured for a training step (forward compiled;
-backward, SGD) on the two shared cores of the development VM (2026-11-26, 00:56-01:30, load 8-19, run under
-``nice``, every figure marked contended): LeNet b256 channels-last first step 156 s, then 0.53x eager; the
-Transformer encoder b64 77 s, 0.73x; ResNet-56 b128 not through its first compile and three rounds in 900 s;
-the LSTM b128 5 s, 0.67x and 0.88x in two runs. Only the LSTM's compile fits a 30 s budget.
+Everything stays inside a time budget (10% of the planned run or 30 s, whichever is smaller): each candidate's
+round is predicted first, and what would not fit is skipped and listed in :attr:`PlanDecision.skipped`;
+``torch.compile`` is started only when its predicted setup fits
+(:func:`~dlperf.parallel.planning.plan_cache.save_setup`,
+:meth:`~dlperf.parallel.planning.plan.Execution.setup_guess_s`). Each step's rules, the budget and the compile
+figures behind its guess: docs/design/planner.md.
 """
 
 from __future__ import annotations
@@ -50,7 +33,7 @@ from ...decide import MIN_GAIN, Verdict, judge, rank
 from ...devices import Device
 from ...errors import UsageError
 from ...machine import usable_cores
-from ...timing import time_steps
+from ...timing import Progress, time_steps
 from ..allreduce import DEFAULT_ALGORITHM
 from .plan import EXECUTIONS, Plan, has_batch_statistics, layer_count, uses_conv2d
 from .plan_cache import (
@@ -265,6 +248,7 @@ class _Session:
         """Seconds each build took (a candidate not built yet is allowed the slowest so far)."""
         self.first_extra_s: list[float] = []
         """Seconds each eager candidate's first step took beyond its steady step (first allocations)."""
+        self.progress = Progress("plan", self.budget)
         self.setups: dict[str, float] = {}
         """Each execution's predicted one-off setup in seconds (measured before for this model, else guessed)."""
 
@@ -308,6 +292,8 @@ class _Session:
         the budget for one step of each of ``after``, the members still to come in this round."""
         run = self.runs.get(id(m))
         options = self.options
+        self.progress.budget_s = self.budget
+        self.progress.say(f"timing {m.plan.name} (round {index + 1})")
         if run is None and reference is not None and self.elapsed() + setup_s(m.plan) > self.budget:
             # starting processes costs seconds; the reference (reference None) is always timed
             m.note = "skipped for time"

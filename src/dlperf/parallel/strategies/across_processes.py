@@ -73,6 +73,11 @@ class AcrossProcesses(ReplicaOptimizers):
         if not self._failed and self._ctx is not None and self._ctx.processes is not None:
             self.exchange_report = gather_exchanges(self.exchanges, self._ctx.processes)
 
+    def reduce_gradients(self) -> None:
+        if not self._in_step:  # a caller-driven sum updates nothing by itself
+            self._update_after_sum = False
+        super().reduce_gradients()
+
     def finish(self, scale: float) -> None:
         if self._in_step and self._update_after_sum:
             self._in_step = False

@@ -29,20 +29,32 @@ from .strategy import STRATEGIES, Strategy, StrategyOptions
 __all__ = ["choose_strategy", "create_strategy", "check_update_on_kvstore", "strategy_class"]
 
 
-def check_update_on_kvstore(kvstore: str | KVStore | None, update_on_kvstore: bool) -> None:
-    """Refuse ``update_on_kvstore`` without a store: the rule a config and this factory both apply."""
+def check_update_on_kvstore(kvstore: str | KVStore | None, update_on_kvstore: bool | None) -> None:
+    """Refuse an ``update_on_kvstore`` the store cannot honour: the rule a config and this factory both apply.
+
+    A stated value is honoured or refused, never replaced: ``True`` needs a store, and ``False`` cannot
+    be had with a distributed store, whose servers run the optimizer (``None`` lets the store decide).
+    """
+    if update_on_kvstore is not None and not isinstance(update_on_kvstore, bool):
+        raise UsageError(f"update_on_kvstore={update_on_kvstore!r}: expected True, False or None (the store decides)")
     if update_on_kvstore and kvstore is None:
         raise UsageError("update_on_kvstore=True needs a kvstore, e.g. kvstore='local'")
+    if update_on_kvstore is False and kvstore is not None and is_dist_kvstore(kvstore):
+        name = kvstore if isinstance(kvstore, str) else kvstore.type
+        raise UsageError(f"update_on_kvstore=False with kvstore={name!r}: its parameter servers run the "
+                         "optimizer and serve the updated weights; leave update_on_kvstore out (or True), or "
+                         "drop the kvstore to sum gradients across processes by allreduce")
 
 
-def choose_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: bool = False,
+def choose_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: bool | None = None,
                     devices: Sequence[Device] | int = 1, processes: int = 1, num_servers: int = 0,
                     strategy: str | type[Strategy] | Strategy | None = None) -> str:
     """The registered name of the strategy for these options; one :class:`UsageError` line when they conflict.
 
     Args:
         kvstore: a store type name, a store, or None (allreduce).
-        update_on_kvstore: the store runs the optimizer (implied by a distributed store).
+        update_on_kvstore: the store runs the optimizer (``None``: only a distributed store, which refuses
+            ``False``).
         devices: this process's devices (or how many).
         processes: how many processes train together (servers included).
         num_servers: ranks that are parameter servers (the launch's).
@@ -95,12 +107,13 @@ def strategy_class(strategy: str | type[Strategy] | Strategy) -> type[Strategy]:
     return cls
 
 
-def _named(strategy: str | type[Strategy] | Strategy, kvstore: str | KVStore | None, update_on_kvstore: bool,
+def _named(strategy: str | type[Strategy] | Strategy, kvstore: str | KVStore | None,
+           update_on_kvstore: bool | None,
            devices: Sequence[Device] | int, processes: int) -> str:
     cls = strategy_class(strategy)
     name = cls.name
     check_update_on_kvstore(kvstore, update_on_kvstore)
-    options = StrategyOptions(kvstore, update_on_kvstore or (kvstore is not None and _dist(kvstore)),
+    options = StrategyOptions(kvstore, bool(update_on_kvstore) or (kvstore is not None and _dist(kvstore)),
                               devices if isinstance(devices, int) else len(devices), processes,
                               not isinstance(devices, int) and any(d.is_gpu for d in devices))
     why = cls.unusable(options)
@@ -114,7 +127,7 @@ def _dist(kvstore: str | KVStore) -> bool:
     return is_dist_kvstore(kvstore)
 
 
-def create_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: bool = False,
+def create_strategy(kvstore: str | KVStore | None = None, *, update_on_kvstore: bool | None = None,
                     devices: Sequence[Device] | int = 1, processes: int = 1,
                     strategy: str | type[Strategy] | Strategy | None = None) -> Strategy:
     """A new strategy for these options (see :func:`choose_strategy`), not attached to a trainer yet; a given

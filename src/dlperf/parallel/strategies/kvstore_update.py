@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ...errors import UsageError
 from ...kvstore import KVStore
@@ -40,6 +44,9 @@ class UpdateOnKVStore(Strategy):
         if kvstore is None:
             raise RuntimeError(f"the {self.name!r} strategy needs a kvstore")
         self.store = BoundStore(kvstore)
+        self._loaded = False  # a replica's parameters were loaded since the store last took them
+        self._restoring = False
+        self._load_hooks: list[RemovableHandle] = []
 
     def attach(self, ctx: StepContext) -> None:
         super().attach(ctx)
@@ -47,9 +54,45 @@ class UpdateOnKVStore(Strategy):
         kv.set_optimizer(ctx.make_optimizer)
         for i, p in enumerate(ctx.replicas[0].parameters()):
             kv.init(i, p.detach())
+        self._watch_loads(ctx.replicas)
+
+    # The store holds the weights and every step pulls them into the replicas: parameters loaded into a
+    # replica would be overwritten by the store's stale copy. MXNet resets the store when parameters are
+    # loaded, so the next step starts from them; so does this strategy, from the first replica's.
+    def _watch_loads(self, replicas: list[nn.Module]) -> None:
+        self._load_hooks = [m.register_load_state_dict_post_hook(self._on_load)
+                            for r in replicas for m in r.modules()]
+
+    def _on_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        if not self._restoring:
+            self._loaded = True
+
+    def _unwatch_loads(self) -> None:
+        for handle in self._load_hooks:
+            handle.remove()
+        self._load_hooks = []
+
+    @contextmanager
+    def restoring(self) -> Iterator[None]:
+        self._restoring = True
+        try:
+            yield
+        finally:
+            self._restoring = False
+
+    def _take_loaded_weights(self) -> None:
+        """The store's values become the first replica's (loaded) parameters; its update state starts afresh."""
+        params = [p.detach() for p in self.ctx.replicas[0].parameters()]
+        self.store.kv.reset(list(range(len(params))), params)
+        self._loaded = False
+
+    def update_optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.store.kv.optimizer.members
 
     def finish(self, scale: float) -> None:
         ctx = self.ctx
+        if self._loaded:
+            self._take_loaded_weights()
         if ctx.check_finite:
             ctx.raise_if_nonfinite("gradient", ctx.replica_grads())
         with torch.no_grad():
@@ -77,4 +120,5 @@ class UpdateOnKVStore(Strategy):
         self.store.kv.load_state_dict(state["kvstore"])
 
     def close(self) -> None:
+        self._unwatch_loads()
         self.store.close()

@@ -8,9 +8,10 @@ before any replica exists, and the trainer then spans the worker ranks only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
+from torch import nn
 
 from ...errors import UsageError
 from ..communication.process_group import ProcessAxis
@@ -54,7 +55,27 @@ class ParameterServers(UpdateOnKVStore):
         super().abort_step()
 
     def close(self) -> None:
+        self._unwatch_loads()
         self.exchange_report = close_and_report(self.store, gather=not self._failed)
+
+    # MXNet refuses to reset a distributed store ("Cannot reset distributed KVStore"): the servers hold the
+    # weights of every worker, and one worker's load cannot replace them. So is a load here, before it changes
+    # anything; a checkpoint restored through Trainer.load_state_dict goes to the servers as a whole.
+    def _watch_loads(self, replicas: list[nn.Module]) -> None:
+        self._load_hooks = [m.register_load_state_dict_pre_hook(self._refuse_load)
+                            for r in replicas for m in r.modules()]
+
+    def _refuse_load(self, module: nn.Module, *args: Any) -> None:
+        if not self._restoring:
+            raise UsageError(f"the parameter servers of kvstore={self.kvstore_option!r} hold the weights, so "
+                             "parameters loaded into a replica would be overwritten by the next pull; restore a "
+                             "checkpoint with Trainer.load_state_dict, or load the parameters before creating the "
+                             "Trainer")
+
+    def update_optimizers(self) -> list[torch.optim.Optimizer]:
+        raise UsageError(f"the parameter servers of kvstore={self.kvstore_option!r} run the optimizer in their own "
+                         "processes, where a learning-rate change made here does not reach; give the servers an "
+                         "optimizer factory that schedules its own rate (serve_kvstore(optimizer=...))")
 
     def _push_and_pull(self, scale: float) -> None:
         params = [list(r.parameters()) for r in self.ctx.replicas]

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -138,6 +139,27 @@ class Strategy(ABC):
     def finish(self, scale: float) -> None:
         """Complete the update with the gradients multiplied by ``scale`` (all of it without a begun step)."""
 
+    def reduce_gradients(self) -> None:
+        """Sum the replicas' gradients so that each holds the sum, without updating (Gluon's ``allreduce_grads``)."""
+        raise UsageError(f"the {self.name!r} strategy updates the weights where it sums the gradients, so the sum "
+                         "cannot be split from the update; create the trainer with update_on_kvstore=False to "
+                         "call allreduce_grads() and update(), or call step()")
+
+    def update(self, scale: float) -> None:
+        """Update with the gradients :meth:`reduce_gradients` summed, multiplied by ``scale`` (Gluon's ``update``)."""
+        raise UsageError(f"the {self.name!r} strategy updates the weights where it sums the gradients; create the "
+                         "trainer with update_on_kvstore=False to call allreduce_grads() and update(), or call "
+                         "step()")
+
+    def update_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers that update the weights in this process (for learning-rate schedules)."""
+        raise UsageError(f"the {self.name!r} strategy has no optimizer in this process")
+
+    @contextmanager
+    def restoring(self) -> Iterator[None]:
+        """The trainer restores a checkpoint: the replicas' loads inside are not a change of weights to act on."""
+        yield
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """The update's state for a checkpoint: ``{"optimizer": ...}`` or ``{"kvstore": ...}``."""
@@ -158,6 +180,7 @@ class ReplicaOptimizers(Strategy):
         self.optimizers: list[torch.optim.Optimizer] = []
         self.buckets: GradientBuckets | None = None
         self._in_step = False
+        self._reduced = False  # reduce_gradients ran since the last update
 
     def attach(self, ctx: StepContext) -> None:
         super().attach(ctx)
@@ -188,10 +211,32 @@ class ReplicaOptimizers(Strategy):
         if self.buckets is not None:
             self.buckets.disarm()
 
+    def reduce_gradients(self) -> None:
+        buckets = self.buckets
+        if buckets is not None:
+            if not self._in_step:
+                buckets.allreduce_all()
+            self._in_step = False
+            try:
+                buckets.wait()
+            except BaseException:
+                self.ctx.renew_failed_vars()
+                raise
+        self._reduced = True
+
+    def update(self, scale: float) -> None:
+        if not self._reduced and self.buckets is not None:
+            raise UsageError("update() after backward needs the replicas' gradients summed first: call "
+                             "allreduce_grads() before update(), or step(batch_size), which does both")
+        self.finish(scale)
+
+    def update_optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.optimizers
+
     def finish(self, scale: float) -> None:
         """Sum the replicas' gradients (unless the begun step's buckets did), scale them, step every optimizer."""
         ctx, buckets = self.ctx, self.buckets
-        reduced, self._in_step = self._in_step, False
+        reduced, self._in_step, self._reduced = self._in_step or self._reduced, False, False
         if buckets is not None and not reduced:
             buckets.allreduce_all()
         if buckets is not None and (scale != 1.0 or ctx.update_waits):

@@ -1,16 +1,8 @@
 """DataParallel: a module wrapper whose forward splits the batch and runs on k devices at once.
 
-The first replica is the wrapped module itself (it must live on ``devices[0]``). The others are
-copies of its structure whose parameters are, on every forward, the original parameters themselves
-(logical CPU devices share host memory) or differentiable copies of them (GPUs). Either way autograd
-carries the gradients back into the original parameters. Buffers (BatchNorm statistics) are per
-replica; only the first replica's are the module's own.
-
-On GPUs PyTorch's autograd engine runs each device's backward on its own thread, so backward is
-parallel too. On logical CPU devices the forward is parallel but autograd runs the single joined graph
-in one thread; :class:`~dlperf.parallel.Trainer` runs backward in parallel as well. The per-device
-forwards are operations on a dependency engine (its own, or one passed as ``engine=``), like every
-other piece of parallel work in dlperf.
+The first replica is the wrapped module itself (on ``devices[0]``); the others share its parameters (logical CPU
+devices) or use differentiable copies (GPUs), so gradients flow back into the original parameters. The
+per-device forwards are engine operations. Replicas and backward: docs/design/engine.md.
 
 >>> import torch
 >>> from torch import nn

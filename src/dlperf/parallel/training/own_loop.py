@@ -1,17 +1,10 @@
 """Your own training loop at dlperf's speed: wrap the model and optimizer, keep the loop as you wrote it.
 
-:class:`Loop` has Lightning Fabric's and HuggingFace Accelerate's shape: ``loop.setup(model, optimizer)`` gives
-back a model and an optimizer that behave like yours (the optimizer *is* yours, the model a thin wrapper whose
-parameters, ``state_dict`` and attributes are your model's), ``loop.backward(loss)`` replaces
-``loss.backward()``, and your loss, optimizer, scheduler and batches pass through untouched. What it adds is a
-plan (:class:`~dlperf.parallel.planning.plan.Plan`), pinned by name or chosen by measuring your own first steps
-(``plan="auto"``, :mod:`~dlperf.parallel.training.own_loop_tuning`): intra-op threads, the activations' layout
-(channels-last where 2-D convolutions make it pay), the forward captured and replayed
-(:func:`dlperf.hybrid.hybridize`) or compiled. Started as several processes (``dlperf launch``, ``torchrun``),
-the same loop trains as one data-parallel job: each process takes its rows of every batch
-(:meth:`Loop.setup_data`), gradients are averaged across the processes while backward runs
-(:mod:`~dlperf.parallel.training.own_loop_processes`), and :meth:`Loop.all_mean` gives every rank the global
-loss and metrics.
+:class:`Loop` has Lightning Fabric's and Accelerate's shape: ``loop.setup(model, optimizer)`` gives back objects
+that behave like yours, ``loop.backward(loss)`` replaces ``loss.backward()``, and a plan (pinned, or
+``plan="auto"``, :mod:`~dlperf.parallel.training.own_loop_tuning`) chooses threads, layout and execution; across
+processes (:mod:`~dlperf.parallel.training.own_loop_processes`) it trains as one data-parallel job. The guide:
+docs/own-loop.md.
 
 >>> import torch
 >>> from torch import nn

@@ -43,6 +43,7 @@ from ..split import check_devices, split_step
 from ..strategies import NonFiniteError, StepContext, Strategy, create_strategy
 from .evaluate import evaluate_accuracy
 from .trainer_config import TrainerConfig
+from .trainer_gluon import GluonCalls
 from .trainer_plan import Plan, PlanState, apply_plan, cpu_threads, reference_plan, resize_state, wants_channels_last
 
 __all__ = ["Trainer", "TrainerConfig", "make_optimizer", "OPTIMIZERS", "NonFiniteError"]
@@ -50,7 +51,7 @@ __all__ = ["Trainer", "TrainerConfig", "make_optimizer", "OPTIMIZERS", "NonFinit
 log = logging.getLogger(__name__)
 
 
-class Trainer:
+class Trainer(GluonCalls):
     """Keeps one replica per device identical while training them on the parts of each batch.
 
     Args:
@@ -323,22 +324,12 @@ class Trainer:
             return x.contiguous(memory_format=torch.channels_last)
         return x
 
-    def step(self, batch_size: int) -> None:
-        """Aggregate gradients the caller computed on the replicas, divide by ``batch_size``, update.
-
-        The caller's losses are sums over examples (as in Gluon's ``Trainer.step``); across processes
-        ``batch_size`` counts the examples of every process.
-        """
-        self._check_open()
-        if batch_size < 1:
-            raise UsageError(f"batch_size must be >= 1, got {batch_size}")
-        self.strategy.finish(1.0 / batch_size)
-        self._after_update()
-
     def _after_update(self) -> None:
         self._ctx.steps += 1
         for scheduler in self._schedulers:
             scheduler.step()
+        if self._optimizer_group is not None:
+            self._optimizer_group.mark_stepped()  # what a learning-rate scheduler checks before its first step
         if self.buffers == "broadcast" and self.k > 1:
             broadcast_buffers(self.replicas)
 
@@ -443,11 +434,12 @@ class Trainer:
         if len(state["buffers"]) != self.k:
             raise UsageError(f"the checkpoint holds {len(state['buffers'])} replicas but this trainer has "
                              f"{self.k} devices; resume on the same number of devices")
-        for r, bufs in zip(self.replicas, state["buffers"]):
-            r.load_state_dict(state["model"])
-            with torch.no_grad():
-                for name, b in r.named_buffers():
-                    b.copy_(bufs[name])
+        with self.strategy.restoring():  # the store's state comes from the checkpoint too, just below
+            for r, bufs in zip(self.replicas, state["buffers"]):
+                r.load_state_dict(state["model"])
+                with torch.no_grad():
+                    for name, b in r.named_buffers():
+                        b.copy_(bufs[name])
         self.strategy.load_state_dict(state)
         if self._schedulers and isinstance(state.get("schedule"), dict):
             for scheduler in self._schedulers:

@@ -79,8 +79,11 @@ class TrainerConfig:
     """The allreduce algorithm for gradients (ignored when a kvstore aggregates)."""
     kvstore: str | KVStore | None = None
     """``None``, ``"local"``, ``"device"``, a KVStore, or across processes ``"dist_sync"``/``"dist_device_sync"``."""
-    update_on_kvstore: bool = False
-    """Let the store run the optimizer and pull the new weights (implied by a distributed store)."""
+    update_on_kvstore: bool | None = None
+    """``True``: the store runs the optimizer and the replicas pull the new weights; ``False``: the store sums and
+    every replica updates itself; ``None``: ``False`` with a local store, ``True`` with a distributed one (whose
+    servers always run the optimizer: ``False`` is refused there). MXNet's ``None`` means ``True`` for every store
+    (see docs/mxnet-differences.md)."""
     bucket_bytes: int | None = None
     """Gradient bucket size (default: 1 MiB, or larger so the model's gradients form at most 16 buckets)."""
     buffers: str = "per-device"
