@@ -8,10 +8,21 @@ import textwrap
 import threading
 import time
 
-import pytest
-import torch
+# OpenMP's threads spin while they wait for work. The tests run threads of their own (engine workers, launched
+# processes) on a few cores shared with other work, where a spinning thread holds the core its partner needs
+# and each parallel region then waits for a preempted thread: 3-4x slower under load. Waiting passively
+# changes no result. It must be set before torch (and with it OpenMP) loads; launched interpreters inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from dlperf._threads import fresh_thread_default
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dlperf._buildcache import BUILD_CACHE_ENV, cache_base  # noqa: E402
+from dlperf._threads import fresh_thread_default  # noqa: E402
+
+# Compiled libraries (the native plan interpreter: a minute of compiling) stay in the user's cache even where a
+# test moves XDG_CACHE_HOME to keep its figures and plans private, as they would for two runs of the user's own.
+os.environ.setdefault(BUILD_CACHE_ENV, cache_base())
 
 # Variables that pytest or torch itself set on first use (torch's inductor cache dir is set lazily
 # by some ops and by torch.compile); a test that sets them has not leaked anything of its own.
@@ -94,6 +105,15 @@ def private_plan_cache(no_leaked_threads_or_env, tmp_path_factory, monkeypatch):
     """Each test plans against its own empty plan cache: a decision cached by one test (or by the user's own
     runs) must not answer another's question."""
     monkeypatch.setenv("DLPERF_PLAN_CACHE", str(tmp_path_factory.mktemp("plans") / "plans.json"))
+
+
+@pytest.fixture
+def plans_in_one_process(monkeypatch):
+    """The planner without its plans of several processes, which it measures by starting them: a test of what a
+    plan auto decides and prints among the plans of one process, beside its twin marked distributed."""
+    from dlperf.parallel.planning import planner
+
+    monkeypatch.setattr(planner, "process_plans", lambda *args, **kwargs: [])
 
 
 @pytest.fixture

@@ -36,8 +36,18 @@ def _last_json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_profile_bench_and_train_name_the_same_plan_from_one_cache(factories, monkeypatch, capsys, quiet_machine):
+    _profile_bench_and_train_name_the_same_plan(monkeypatch, capsys)
+
+
+def test_profile_bench_and_train_planned_in_one_process_name_the_same_plan(plans_in_one_process, factories,
+                                                                          monkeypatch, capsys, quiet_machine):
+    _profile_bench_and_train_name_the_same_plan(monkeypatch, capsys)
+
+
+def _profile_bench_and_train_name_the_same_plan(monkeypatch, capsys) -> None:
     monkeypatch.setattr(auto, "COMPILE_BOUND_S", 0.0)
     cores = str(usable_cores())
     assert main(["profile", "plan_factories:make_model", "--input", "32x16", "--threads", cores, "--steps", "2",

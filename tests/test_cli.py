@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from dlperf.cli import main
 
@@ -23,6 +28,7 @@ def test_devices_table(capsys):
     assert "cpu" in capsys.readouterr().out
 
 
+@pytest.mark.subprocess
 def test_console_entry_point_runs_without_a_traceback():
     proc = subprocess.run([sys.executable, "-m", "dlperf.cli", "bench", "--networks", "nope"],
                           capture_output=True, text=True, timeout=120)
@@ -30,6 +36,7 @@ def test_console_entry_point_runs_without_a_traceback():
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.subprocess
 def test_importing_dlperf_does_not_load_torch_until_a_device_name_is_used():
     code = ("import sys, dlperf; assert 'torch' not in sys.modules; "
             "assert dlperf.cpu(1).index == 1 and 'torch' in sys.modules; print(sorted(dlperf.__all__) == "
@@ -39,6 +46,7 @@ def test_importing_dlperf_does_not_load_torch_until_a_device_name_is_used():
     assert proc.stdout.strip() == "True"
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_while_torch_loads_is_one_line_and_exit_130():
     import os
     import signal
@@ -78,6 +86,70 @@ def test_ci_runs_the_test_command_written_in_the_readme():
     commands = [line.strip() for b in blocks for line in b.splitlines() if "pytest" in line]
     assert commands, "README.md must give the test command"
     assert commands[0] in (ROOT / ".ci" / "run").read_text()
+
+
+TIER_MARKS = ("slow", "distributed", "subprocess")
+
+
+def _tiers() -> dict[str, str]:
+    """The marker expression of each tier: the default run's from pyproject.toml, the process tier's from .ci/run."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    fast = re.search(r"^addopts = .*-m '([^']+)'", pyproject, flags=re.M)
+    process = re.search(r'pytest -m "([^"]+)"', (ROOT / ".ci" / "run").read_text())
+    assert fast and process, "pyproject.toml's addopts and .ci/run each select their tier with -m"
+    return {"fast": fast[1], "process": process[1], "slow": "slow"}
+
+
+def test_the_tiers_take_every_test_exactly_once_and_ci_leaves_out_only_the_slow_one():
+    tiers = _tiers()
+    for names in (set(re.findall(r"\w+", e)) - {"and", "or", "not"} for e in tiers.values()):
+        assert names <= set(TIER_MARKS)
+    for marks in itertools.product([False, True], repeat=len(TIER_MARKS)):
+        where = dict(zip(TIER_MARKS, marks))
+        chosen = [tier for tier, expression in tiers.items() if eval(expression, {}, where)]
+        assert len(chosen) == 1, (where, chosen)
+        assert (chosen == ["slow"]) == where["slow"]
+
+
+FAKE_TOOL = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$CI_CALLS"
+[[ "$*" == "$CI_FAIL" ]] && exit 1
+exit 0
+"""
+FAKE_PYTHON3 = """#!/usr/bin/env bash
+# python3 -m venv .venv: a virtual environment of fake tools
+mkdir -p .venv/bin
+for tool in pip python ruff mypy; do cp "$CI_FAKE_TOOL" .venv/bin/$tool; chmod +x .venv/bin/$tool; done
+"""
+
+
+CI_STEPS = {"fast tier": "-m pytest", "process tier": "-m pytest -m {process}", "ruff": "check src tests benchmarks",
+            "mypy": "src/dlperf"}
+
+
+@pytest.mark.parametrize("failing", [None, *CI_STEPS])
+def test_ci_runs_every_step_and_fails_when_any_step_fails(tmp_path, failing):
+    """.ci/run with fake tools, one step failing: every step still runs (the process tier's failures are worth
+    seeing when the fast tier failed too), and the script fails."""
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "tool").write_text(FAKE_TOOL)
+    (tmp_path / "bin" / "python3").write_text(FAKE_PYTHON3)
+    (tmp_path / "bin" / "python3").chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "CI_CALLS": str(calls),
+           "CI_FAKE_TOOL": str(tmp_path / "tool"),
+           "CI_FAIL": CI_STEPS[failing].format(process=_tiers()["process"]) if failing else "-"}
+    done = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode != 0) == (failing is not None), done.stderr
+    ran = calls.read_text().splitlines()
+    assert ran[0].startswith("pip install") and ran[1] == "python -m pytest", ran
+    assert ran[2] == f"python -m pytest -m {_tiers()['process']}", ran
+    assert [r.split()[0] for r in ran[3:]] == ["ruff", "mypy"], ran
 
 
 def test_validated_numbers_take_their_range_and_nothing_else():

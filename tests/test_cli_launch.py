@@ -173,6 +173,7 @@ def test_two_nodes_on_one_host_as_in_the_readme(tmp_path):
     assert len(docs) == 1 and docs[0]["processes"] == 2  # one process of the two nodes reports
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_a_failing_script_is_one_line_and_status_1(tmp_path, capfd):
     script = tmp_path / "fails.py"
@@ -301,6 +302,7 @@ def test_a_run_that_restarts_and_succeeds_shows_no_agent_output(tmp_path, capfd)
     assert "Traceback" not in err and "frame #" not in err and "first attempt fails" not in err, err
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_a_failed_rank_keeps_the_agent_output_in_the_named_log(tmp_path, capfd):
     script = tmp_path / "fails.py"

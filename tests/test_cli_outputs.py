@@ -27,6 +27,7 @@ def _run_appending(tmp_path: Path, argv: list[str], log: Path) -> subprocess.Com
                               text=True, env=env, timeout=300, check=False)
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(320)
 @pytest.mark.parametrize("verb", sorted(VERBS))
 @pytest.mark.parametrize("target", ["/dev/stdout", "LOG"])

@@ -152,6 +152,7 @@ def test_zoo_export_config_checks_before_building(tmp_path):
         ZooExportConfig("mlp", str(tmp_path / "out"), batch=0)
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(120)
 def test_python_dash_m_runs_the_package():
     done = subprocess.run([sys.executable, "-m", "dlperf.cli", "--version"], capture_output=True, text=True,

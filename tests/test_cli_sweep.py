@@ -588,6 +588,7 @@ SUBPROCESS_CASES = [
 ]
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(180)
 def test_real_processes_exit_2_with_one_line(scratch):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -48,6 +48,7 @@ def _probe(setting: str | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
 @glibc
 def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     kept = _probe(None)

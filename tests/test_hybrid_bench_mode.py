@@ -111,6 +111,7 @@ def test_uncapturable_model_falls_back_to_eager_with_warning():
     assert step.hybrid_module.state == "eager"
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(120)
 def test_the_hybrid_step_does_not_import_bench():
     import subprocess

@@ -57,6 +57,7 @@ def test_graph_json_is_human_readable(mlp_export):
     assert sorted(os.listdir(path)) == ["graph.json", "params.safetensors"]  # no temp files left
 
 
+@pytest.mark.subprocess
 def test_load_runs_without_the_model_code(mlp_export):
     model, path = mlp_export
     x = torch.randn(4, 512)
@@ -449,6 +450,7 @@ def _kill_during_export(tmp_path, point, delay=0.0):
     assert proc.returncode == -9
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("point", ["before-swap", "after-exchange", "between-renames"])
 def test_sigkill_at_each_step_of_the_swap_leaves_a_loadable_export(tmp_path, point):
@@ -480,6 +482,7 @@ def _random_kills(tmp_path, rounds):
     assert os.listdir(tmp_path) == ["net"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(120)
 def test_sigkill_at_random_moments_leaves_a_loadable_export(tmp_path):
     _random_kills(tmp_path, 2)

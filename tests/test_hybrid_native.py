@@ -225,8 +225,19 @@ def cache_home(tmp_path, monkeypatch):
     home = tmp_path / "cache"
     home.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    monkeypatch.setenv(native_cache.BUILD_CACHE_ENV, str(home))  # the compiled libraries' cache moves with it
     monkeypatch.setattr(native_cache, "_warned", set())
     return home
+
+
+def test_compiled_libraries_are_cached_where_their_own_variable_says_else_with_the_users_caches(tmp_path,
+                                                                                              monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(native_cache.BUILD_CACHE_ENV)
+    assert native.cache_dir() == str(tmp_path / "xdg" / "dlperf" / "native")
+    monkeypatch.setenv(native_cache.BUILD_CACHE_ENV, str(tmp_path / "builds"))
+    assert native.cache_dir() == str(tmp_path / "builds" / "dlperf" / "native")
+    assert native_cache.cache_base() == str(tmp_path / "xdg")  # figures and plans stay where XDG_CACHE_HOME says
 
 
 @pytest.mark.timeout(60)
@@ -284,6 +295,7 @@ def test_scratch_left_by_a_killed_process_is_removed_on_the_next_build(cache_hom
     assert not old.exists() and recent.exists()  # a recent one may belong to a live process
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("manifest", ["missing", "forged"])
 def test_planted_constructor_library_never_runs_in_a_fresh_process(cache_home, tmp_path, manifest):
@@ -361,6 +373,7 @@ def test_cache_directory_others_could_write_is_refused(cache_home, tmp_path, cap
     assert "not cached" in capfd.readouterr().err
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(60)
 def test_lock_of_a_killed_builder_does_not_block(cache_home, tmp_path):
     directory = native_cache.private_dir(str(cache_home), ["dlperf", "tiny"])

@@ -79,6 +79,7 @@ class _Process:
             s.close()
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(120)
 def test_ctrl_c_in_bench_keeps_finished_cells_in_every_output(tmp_path):
     js, csv_file, md = tmp_path / "t.json", tmp_path / "t.csv", tmp_path / "t.md"
@@ -128,6 +129,7 @@ def _interrupt_training(tmp_path: Path, rng: random.Random) -> None:
     assert _temporaries(tmp_path) == []
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(120)
 def test_ctrl_c_in_two_device_training_exits_promptly_with_a_loadable_checkpoint(tmp_path):
     _interrupt_training(tmp_path, random.Random(0))

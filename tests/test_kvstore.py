@@ -259,6 +259,7 @@ def test_save_fails_with_the_error_of_the_one_torch_writer(tmp_path, where):
     assert got.value.errno == expected.value.errno
 
 
+@pytest.mark.subprocess
 def test_save_onto_a_full_disk_is_one_error_and_keeps_the_previous_file(tmp_path):
     """Fault injection: the file system fills up while the state is written (RLIMIT_FSIZE in a child process
     turns the write past 64 KiB into EFBIG, as a full disk turns it into ENOSPC)."""

@@ -360,6 +360,7 @@ server.close()
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(90)
 def test_new_connections_get_through_a_flood_that_never_pauses():
     """A process that connects and closes as fast as it can, without end: the accepting thread must not

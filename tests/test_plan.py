@@ -222,28 +222,58 @@ def test_planner_picks_the_layout_that_is_faster_by_construction():
     assert decision.plan.measured_ms is not None and decision.plan.alternatives
 
 
-def _sleepy_builder(slow_replicas: int, built: list[Plan]):
+def _sleepy_builder(slow_replicas: int, built: list[Plan], clock: StepClock | None = None):
+    """Candidates whose step takes 20 ms with ``slow_replicas`` replicas and 2 ms otherwise: slept, or with
+    ``clock``, added to it (exact, whatever else the machine runs)."""
     def build(plan: Plan) -> CandidateRun:
         built.append(plan)
         pause = 0.02 if plan.replicas == slow_replicas else 0.002
-        return CandidateRun(step=lambda: time.sleep(pause), close=lambda: None)
+        step = (lambda: clock.advance(pause)) if clock else (lambda: time.sleep(pause))
+        return CandidateRun(step=step, close=lambda: None)
     return build
 
 
-def test_planner_keeps_the_reference_unless_beaten_and_caches_the_decision():
+class StepClock:
+    """The timer's clock, moved only by the candidates' steps: what the planner measures is what they were built
+    to take, so a decision between equal candidates cannot turn on another process's noise."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+@pytest.fixture
+def step_clock(monkeypatch) -> StepClock:
+    import dlperf.timing
+
+    clock = StepClock()
+    monkeypatch.setattr(dlperf.timing, "time", clock)
+    return clock
+
+
+def test_planner_keeps_the_reference_unless_beaten_and_caches_the_decision(step_clock):
     model, batch = small_cnn(), fresh_batches(1, 0)[0]
     reference = Plan(replicas=2, threads=1, memory_format="channels_last")
     options = PlannerOptions(rounds=2, steps=2, cores=2)
     built: list[Plan] = []
-    first = search(model, batch, [cpu(0), cpu(1)], _sleepy_builder(2, built), reference, options)
+    first = search(model, batch, [cpu(0), cpu(1)], _sleepy_builder(2, built, step_clock), reference, options)
     assert first.plan.replicas == 1 and not first.cached  # 2 replicas are slow by construction
     assert built and os.path.exists(default_cache_path())
     built.clear()
-    started = time.perf_counter()
-    again = search(model, batch, [cpu(0), cpu(1)], _sleepy_builder(2, built), reference, options)
-    assert again.cached and again.plan == first.plan and built == [] and time.perf_counter() - started < 1.0
+    timed_until = step_clock.now
+    again = search(model, batch, [cpu(0), cpu(1)], _sleepy_builder(2, built, step_clock), reference, options)
+    # answered from the cache: nothing built, not one step timed
+    assert again.cached and again.plan == first.plan and built == [] and step_clock.now == timed_until
     # equal candidates: the reference stays
-    even = search(model, batch, [cpu(0), cpu(1)], _sleepy_builder(99, []), reference,
+    even = search(model, batch, [cpu(0), cpu(1)], _sleepy_builder(99, [], step_clock), reference,
                   PlannerOptions(rounds=2, steps=2, cores=2, use_cache=False))
     assert even.plan == reference
 

@@ -20,11 +20,20 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-def test_plan_auto_prints_the_plan_line_first(capsys):
+def _plan_auto_prints_the_plan_line_first(capsys) -> None:
     assert main(["train", "--devices", "cpu:0,cpu:1", "--epochs", "1", "--plan", "auto", *SMALL]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("plan: ") and " x " in out[0] and "ms/step" in out[0]
     assert out[-1].startswith("test acc: ")
+
+
+@pytest.mark.distributed
+def test_plan_auto_prints_the_plan_line_first(capsys):
+    _plan_auto_prints_the_plan_line_first(capsys)
+
+
+def test_plan_auto_in_one_process_prints_the_plan_line_first(plans_in_one_process, capsys):
+    _plan_auto_prints_the_plan_line_first(capsys)
 
 
 def test_a_pinned_plan_is_recorded_and_resume_follows_it(tmp_path, capsys):
@@ -45,7 +54,7 @@ def test_a_pinned_plan_is_recorded_and_resume_follows_it(tmp_path, capsys):
         torch.testing.assert_close(state["trainer"]["model"][name], value, rtol=0, atol=0)
 
 
-def test_your_own_model_and_data(factories, capsys):
+def _your_own_model_and_data(capsys) -> None:
     argv = ["train", "--model", "plan_factories:make_model", "--data", "plan_factories:make_data",
             "--devices", "cpu:0,cpu:1", "--epochs", "2", "--lr", "0.2", "--plan", "auto", "--json", "--no-progress"]
     assert main(argv) == 0
@@ -53,6 +62,15 @@ def test_your_own_model_and_data(factories, capsys):
     assert out[0].startswith("plan: ")
     doc = json.loads(out[-1])
     assert len(doc["epochs"]) == 2 and doc["plan"] is not None and doc["epochs"][1]["loss"] < doc["epochs"][0]["loss"]
+
+
+@pytest.mark.distributed
+def test_your_own_model_and_data(factories, capsys):
+    _your_own_model_and_data(capsys)
+
+
+def test_your_own_model_and_data_planned_in_one_process(plans_in_one_process, factories, capsys):
+    _your_own_model_and_data(capsys)
 
 
 def test_your_own_model_on_the_embedded_data(factories, tmp_path, capsys):

@@ -132,6 +132,7 @@ def _env(tmp_path) -> dict[str, str]:
             "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("target", ["/dev/stdout", "-", "LOG"])
 def test_probe_json_to_stdout_appended_to_a_log_keeps_the_log(tmp_path, monkeypatch, target):

@@ -59,6 +59,7 @@ def test_the_pages_have_python_examples():
     assert {p.name for p, _ in BLOCKS} >= {"README.md", "library.md", "engine.md", "hybridize.md"}
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("index", range(len(BLOCKS)),
                          ids=[f"{p.relative_to(ROOT)}:{i}" for i, (p, _) in enumerate(BLOCKS)])

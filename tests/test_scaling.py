@@ -160,6 +160,7 @@ def test_a_contended_row_is_marked_in_every_output():
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(180)
 def test_ctrl_c_after_the_first_row_keeps_it_in_every_output_and_exits_130(tmp_path):
     files = {"json": tmp_path / "t8.json", "csv": tmp_path / "t8.csv", "markdown": tmp_path / "t8.md"}

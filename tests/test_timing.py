@@ -139,6 +139,7 @@ def _two_cores() -> list[int]:
     return cores
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(240)
 def test_a_cpu_hog_on_one_core_marks_the_two_thread_cell(tmp_path):
     core = _two_cores()[0]

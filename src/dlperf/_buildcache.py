@@ -78,9 +78,18 @@ class BuildWaitTimeout(RuntimeError):
     """Another live process held the build lock for longer than the caller is willing to wait."""
 
 
+BUILD_CACHE_ENV = "DLPERF_BUILD_CACHE"
+
+
 def cache_base() -> str:
     """$XDG_CACHE_HOME, or ~/.cache: the base of every per-user cache dlperf keeps."""
     return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
+def build_cache_base() -> str:
+    """The base of the compiled libraries' cache: ``$DLPERF_BUILD_CACHE``, else :func:`cache_base`. Moving the
+    figures and plans (``XDG_CACHE_HOME``) need not cost a compile of a minute."""
+    return os.environ.get(BUILD_CACHE_ENV) or cache_base()
 
 
 def build_wait_s() -> float:

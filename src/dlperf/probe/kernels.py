@@ -18,7 +18,7 @@ import subprocess
 import threading
 
 from .. import _buildcache
-from .._buildcache import cache_base
+from .._buildcache import build_cache_base
 from ..errors import DlperfError
 from . import _csource
 
@@ -110,7 +110,7 @@ def kernels() -> ctypes.CDLL:
             raise KernelsUnavailable(_error)
         try:
             _loaded = _buildcache.load_or_build(
-                base=cache_base(), subdirs=[*_SUBDIRS, build_key(compiler)], filename="probe_kernels.so",
+                base=build_cache_base(), subdirs=[*_SUBDIRS, build_key(compiler)], filename="probe_kernels.so",
                 what="the probe's C kernels", expected_time="a few seconds",
                 build=functools.partial(_compile, compiler), load=_load)
         except KernelsUnavailable as exc:

@@ -68,11 +68,12 @@ _extension: object | None = None
 _extension_error: str | None = None
 
 
-cache_base = _buildcache.cache_base
+cache_base = _buildcache.build_cache_base
 
 
 def cache_dir() -> str:
-    """Where compiled plan interpreters live: $XDG_CACHE_HOME/dlperf/native or ~/.cache/dlperf/native."""
+    """Where compiled plan interpreters live: <base>/dlperf/native, the base being $DLPERF_BUILD_CACHE,
+    $XDG_CACHE_HOME or ~/.cache."""
     return os.path.join(cache_base(), *_CACHE_SUBDIRS)
 
 
