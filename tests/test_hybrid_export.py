@@ -136,12 +136,12 @@ def test_unknown_version_is_refused(mlp_export):
 
 
 def test_non_aten_operator_is_refused(mlp_export):
-    from dlperf.hybrid.export_format import _content_hash
+    from dlperf.hybrid.export_format import content_hash
 
     _, path = mlp_export
     doc = json.loads((path / "graph.json").read_text())
     doc["nodes"][1]["op"] = "os.system.default"
-    doc["content_sha256"] = _content_hash(doc)  # a deliberate, consistent edit
+    doc["content_sha256"] = content_hash(doc)  # a deliberate, consistent edit
     (path / "graph.json").write_text(json.dumps(doc))
     with pytest.raises(ExportFormatError, match="not an ATen operator"):
         load(path)
@@ -224,7 +224,7 @@ def test_a_failed_export_leaves_the_previous_export(tmp_path, monkeypatch):
     def crash_before_graph(doc):
         raise OSError("killed")
 
-    monkeypatch.setattr(export_mod, "_layout", crash_before_graph)
+    monkeypatch.setattr(export_mod, "layout_of", crash_before_graph)
     with pytest.raises(OSError, match="killed"):
         export(new, target, (x,))
     assert {p: (target / p).read_bytes() for p in os.listdir(target)} == before
@@ -237,12 +237,12 @@ def test_a_failed_export_leaves_the_previous_export(tmp_path, monkeypatch):
 
 def _rewrite(path, edit):
     """Apply ``edit`` to graph.json as an attacker would: checksums recomputed, so only validation stops it."""
-    from dlperf.hybrid.export_format import _content_hash
+    from dlperf.hybrid.export_format import content_hash
 
     doc = json.loads((path / "graph.json").read_text())
     edit(doc)
     if isinstance(doc, dict):
-        doc["content_sha256"] = _content_hash(doc)
+        doc["content_sha256"] = content_hash(doc)
     (path / "graph.json").write_text(json.dumps(doc))
 
 
@@ -324,12 +324,12 @@ def test_malformed_graph_is_refused_at_load(mlp_export, edit, match):
 def test_params_with_other_shapes_are_refused_even_with_matching_checksums(mlp_export):
     from safetensors.torch import save_file
 
-    from dlperf.hybrid.export_format import _sha256_file
+    from dlperf.hybrid.export_format import sha256_file
 
     _, path = mlp_export
     names = [v["tensor"] for v in json.loads((path / "graph.json").read_text())["state"].values()]
     save_file({name: torch.zeros(2, 2) for name in names}, str(path / "params.safetensors"))
-    digest, size = _sha256_file(str(path / "params.safetensors")), (path / "params.safetensors").stat().st_size
+    digest, size = sha256_file(str(path / "params.safetensors")), (path / "params.safetensors").stat().st_size
     _rewrite(path, lambda d: d["files"]["params.safetensors"].update(sha256=digest, bytes=size))
     with pytest.raises(ExportFormatError,
                        match=r"tensor '0.weight' is float32\[2, 2\], graph.json says float32\[256, 512\]"):
@@ -532,12 +532,12 @@ def test_decoded_values_come_from_tables_of_torch_values():
     import importlib
 
     ex = importlib.import_module("dlperf.hybrid.export_format")
-    assert ex._DTYPES["float32"] is torch.float32 and ex._DTYPES["int64"] is torch.int64
-    assert all(isinstance(v, torch.dtype) for v in ex._DTYPES.values())
+    assert ex.DTYPES_BY_NAME["float32"] is torch.float32 and ex.DTYPES_BY_NAME["int64"] is torch.int64
+    assert all(isinstance(v, torch.dtype) for v in ex.DTYPES_BY_NAME.values())
     assert ex._LAYOUTS == {"strided": torch.strided}
     assert ex._MEMORY_FORMATS["channels_last"] is torch.channels_last
     assert all(isinstance(v, torch.memory_format) for v in ex._MEMORY_FORMATS.values())
-    assert not {"os", "__builtins__", "__class__", "Tensor"} & (set(ex._DTYPES) | set(ex._MEMORY_FORMATS))
+    assert not {"os", "__builtins__", "__class__", "Tensor"} & (set(ex.DTYPES_BY_NAME) | set(ex._MEMORY_FORMATS))
 
 
 # --- non-finite weights and full disks -------------------------------------------------------------
@@ -610,7 +610,7 @@ def test_a_full_disk_is_one_line_with_the_space_needed(tmp_path, monkeypatch, wh
         text = 'IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
         monkeypatch.setattr(safetensors.torch, "save_file", _fail_with(_DiskFull(text)))
     elif where == "graph":
-        monkeypatch.setattr(export_mod, "_layout", _fail_with(OSError(errno.ENOSPC, "No space left on device")))
+        monkeypatch.setattr(export_mod, "layout_of", _fail_with(OSError(errno.ENOSPC, "No space left on device")))
     else:  # torch's zip writer says only "unexpected pos": the free space tells
         monkeypatch.setattr(torch.export, "save", _fail_with(RuntimeError("[enforce fail] unexpected pos 64")))
         monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((4096, 4096, 100, 10, 10, 0, 0, 0, 0, 255)))

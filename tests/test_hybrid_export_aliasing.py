@@ -16,7 +16,7 @@ from torch import nn
 
 from dlperf.hybrid import export, load
 from dlperf.hybrid.export import ExportFormatError
-from dlperf.hybrid.export_format import _content_hash, _decode, _dtype_name, _resolve_op
+from dlperf.hybrid.export_format import content_hash, decode_value, dtype_name, resolve_op
 from dlperf.models import get_spec
 
 aliasing = importlib.import_module("dlperf.hybrid.export_aliasing")
@@ -67,18 +67,18 @@ def _craft(path, doc, nodes, output):
     for name, op, inputs, kwargs in nodes:
         node = {"name": name, "op": op, "inputs": inputs, "kwargs": kwargs}
         try:
-            fn = _resolve_op(op)
-            value = fn(*_decode(inputs, model_env), **{k: _decode(v, model_env) for k, v in kwargs.items()})
+            fn = resolve_op(op)
+            value = fn(*decode_value(inputs, model_env), **{k: decode_value(v, model_env) for k, v in kwargs.items()})
         except (RuntimeError, ExportFormatError):
             value = None
         if isinstance(value, torch.Tensor):
-            node.update(shape=list(value.shape), dtype=_dtype_name(value.dtype))
+            node.update(shape=list(value.shape), dtype=dtype_name(value.dtype))
         elif isinstance(value, (tuple, list)):
-            node["outputs"] = [{"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for v in value]
+            node["outputs"] = [{"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for v in value]
         model_env[name] = value
         doc["nodes"].append(node)
     doc["outputs"] = [{"node": output}]
-    doc["content_sha256"] = _content_hash(doc)
+    doc["content_sha256"] = content_hash(doc)
     (path / "graph.json").write_text(json.dumps(doc))
 
 
@@ -153,7 +153,7 @@ def test_the_reported_exploit_on_a_dynamic_batch_is_refused(tmp_path):
          "dtype": "float32"},
         {"name": "a", "op": "aten.add_.Tensor", "inputs": [N("c"), 100], "kwargs": {}, "shape": [512, None],
          "dtype": "float32"}]
-    doc["content_sha256"] = _content_hash(doc)
+    doc["content_sha256"] = content_hash(doc)
     (tmp_path / "graph.json").write_text(json.dumps(doc))
     with pytest.raises(ExportFormatError, match=f"node 'a' .*may write into '{name}'"):
         load(tmp_path)
@@ -217,8 +217,8 @@ OWN_WRITES = {
 
 def _eager(nodes, env):
     for name, op, inputs, kwargs in nodes:
-        fn = _resolve_op(op)
-        env[name] = fn(*_decode(inputs, env), **{k: _decode(v, env) for k, v in kwargs.items()})
+        fn = resolve_op(op)
+        env[name] = fn(*decode_value(inputs, env), **{k: decode_value(v, env) for k, v in kwargs.items()})
     return env[nodes[-1][0]]
 
 
@@ -299,7 +299,7 @@ def test_inputs_of_dtypes_without_plain_tensors_are_refused(base, dtype):
     model, path, doc = base
     doc = json.loads(json.dumps(doc))
     doc["inputs"][0]["dtype"] = dtype
-    doc["content_sha256"] = _content_hash(doc)
+    doc["content_sha256"] = content_hash(doc)
     (path / "graph.json").write_text(json.dumps(doc))
     with pytest.raises(ExportFormatError, match=f"inputs\\[0\\].dtype: {dtype} is not a dtype of plain tensors"):
         load(path)
@@ -315,7 +315,7 @@ def _chain(tmp_path, n):
         nodes.append(dict(first, name=f"r{i}", inputs=[N(prev)]))
         prev = f"r{i}"
     doc["nodes"], doc["outputs"] = nodes, [N(prev)]
-    doc["content_sha256"] = _content_hash(doc)
+    doc["content_sha256"] = content_hash(doc)
     (tmp_path / "graph.json").write_text(json.dumps(doc))
 
 

@@ -69,7 +69,7 @@ def references(tmp_path_factory):
         refs[name] = {"doc": json.loads((path / "graph.json").read_text()),
                       "params": (path / "params.safetensors").read_bytes(), "x": x, "want": want}
     for op in VALID_OPS:
-        export_mod._resolve_op(op)
+        export_mod.resolve_op(op)
     return refs
 
 
@@ -442,7 +442,7 @@ def _example_inputs(module):
     xs = []
     for spec in module.doc["inputs"]:
         shape = [3 if d is None else d for d in spec["shape"]]
-        dtype = export_mod._DTYPES[spec["dtype"]]
+        dtype = export_mod.DTYPES_BY_NAME[spec["dtype"]]
         xs.append(torch.randn(shape).to(dtype) if dtype.is_floating_point or dtype.is_complex
                   else torch.zeros(shape, dtype=dtype))
     return xs
@@ -483,7 +483,7 @@ def _attack(data, references, root, mutations=MUTATIONS, max_mutations=3):
     for entry in list(doc["files"].values()) if isinstance(doc.get("files"), dict) else []:
         if isinstance(entry, dict) and data.draw(st.booleans(), label="recompute file checksum"):
             entry.update(sha256=hashlib.sha256(params).hexdigest(), bytes=len(params))
-    doc["content_sha256"] = export_mod._content_hash(doc)
+    doc["content_sha256"] = export_mod.content_hash(doc)
     directory = tempfile.mkdtemp(dir=root)
     try:
         with open(os.path.join(directory, "graph.json"), "w") as f:

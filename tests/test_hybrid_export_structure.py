@@ -16,7 +16,7 @@ from torch import nn
 from dlperf.errors import DlperfError
 from dlperf.hybrid import export, load
 from dlperf.hybrid.export import ExportFormatError
-from dlperf.hybrid.export_format import _content_hash
+from dlperf.hybrid.export_format import content_hash
 from dlperf.hybrid.export_tree import MAX_KEY_CHARS, MAX_TREE_DEPTH, MAX_TREE_NODES
 
 VOCAB = 50
@@ -156,7 +156,7 @@ def test_format_1_exports_still_load(tmp_path):
     doc = json.loads((tmp_path / "graph.json").read_text())
     doc["format_version"] = 1
     del doc["input_tree"], doc["output_tree"]
-    doc["content_sha256"] = _content_hash(doc)
+    doc["content_sha256"] = content_hash(doc)
     (tmp_path / "graph.json").write_text(json.dumps(doc))
     x = torch.randn(5, 4)
     with torch.no_grad():
@@ -219,7 +219,7 @@ def test_malformed_structures_are_refused_at_load(dict_export, field, value, mes
         del doc[value]
     else:
         doc[field] = value
-    doc["content_sha256"] = _content_hash(doc)
+    doc["content_sha256"] = content_hash(doc)
     try:
         (path / "graph.json").write_text(json.dumps(doc))
         with pytest.raises(ExportFormatError) as err:
@@ -233,7 +233,7 @@ def test_format_1_documents_may_not_carry_trees(dict_export):
     path, text = dict_export
     doc = json.loads(text)
     doc["format_version"] = 1
-    doc["content_sha256"] = _content_hash(doc)
+    doc["content_sha256"] = content_hash(doc)
     try:
         (path / "graph.json").write_text(json.dumps(doc))
         with pytest.raises(ExportFormatError, match="field 'input_tree': unknown in format_version 1"):

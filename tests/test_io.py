@@ -28,7 +28,7 @@ from dlperf.errors import DlperfError, UsageError
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -50,7 +50,7 @@ def test_new_path_gets_the_mode_open_would_give_and_its_parents(tmp_path):
     target = tmp_path / "a" / "b" / "out.json"
     assert atomic_write_text(target, "{}") == target
     assert target.read_text() == "{}"
-    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~_umask()
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~current_umask()
     assert _temporaries(target.parent) == []
 
 
@@ -343,7 +343,7 @@ def test_checkpoint_round_trip_and_mode(tmp_path):
     path = tmp_path / "ck.pt"
     state = _checkpoint(tmp_path)
     save_checkpoint(path, state)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()  # the same as every other output
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~current_umask()  # the same as every other output
     got = load_checkpoint(path)
     assert got["history"] == state["history"] and got["config"] == state["config"]
     assert _temporaries(tmp_path) == []

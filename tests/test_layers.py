@@ -347,6 +347,55 @@ def test_public_class_names_are_unique():
     assert not twice, f"public classes defined more than once: {twice}"
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_reaches(name: str, source: str, is_package: bool, modules: dict[str, Path]) -> list[str]:
+    """Where a module uses another module's private names: ``from .m import _x``, or ``m._x`` on a dlperf module it
+    imported. A private *module* (``dlperf._io``) is the package's own and may be imported inside it; its private
+    names may not."""
+    found, module_names = [], {}
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source_module = _resolve(name, is_package, node)
+            if source_module.split(".")[0] != "dlperf":
+                continue
+            for alias in node.names:
+                full = f"{source_module}.{alias.name}"
+                if full in modules:
+                    module_names[alias.asname or alias.name] = full
+                elif _private(alias.name) and source_module != name:
+                    found.append(f"line {node.lineno}: from {source_module} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.asname:
+                    module_names[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr)
+                and node.value.id in module_names and module_names[node.value.id] != name):
+            found.append(f"line {node.lineno}: {node.value.id}.{node.attr} ({module_names[node.value.id]})")
+    return sorted(found, key=lambda hit: int(hit.split(":")[0].split()[1]))
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A name with a leading underscore belongs to its file: one that another module needs is made public, with
+    a name that says what it is, so a reader knows what may change without looking further."""
+    modules = all_modules()
+    reaches = {str(path.relative_to(SRC)): hits for name, path in modules.items()
+               if (hits := private_reaches(name, path.read_text(), path.name == "__init__.py", modules))}
+    assert not reaches, f"private names used across modules: {reaches}"
+
+
+def test_private_reaches_are_found():
+    modules = {"dlperf.a": Path("a.py"), "dlperf.b": Path("b.py"), "dlperf._io": Path("_io.py")}
+    source = ("from .a import _hidden, shown\nfrom . import b\nfrom . import _io\nimport dlperf.a as a\n"
+              "b._inner()\n_io.atomic()\na._x\n")
+    assert private_reaches("dlperf.c", source, False, modules) == [
+        "line 1: from dlperf.a import _hidden", "line 5: b._inner (dlperf.b)", "line 7: a._x (dlperf.a)"]
+
+
 _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]+")
 # a whole command to run (``dlperf launch --nproc-per-node 2``, ``torchrun --nproc-per-node 2``) is guidance, not a
 # flag standing in for one of the library's parameters

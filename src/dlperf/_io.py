@@ -70,7 +70,7 @@ class FileAccessError(DlperfError, OSError):
         return f"cannot {self.action} {self.filename}: {self.strerror}"
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -355,7 +355,7 @@ def _open_target(given: Path) -> tuple[int, Path, os.stat_result | None]:
 def _match_mode(fd: int, st: os.stat_result | None) -> None:
     """Give the temporary file the mode (and, when allowed, the owner) the target has or would get."""
     if st is None:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~current_umask())
         return
     os.fchmod(fd, stat.S_IMODE(st.st_mode))
     if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
@@ -679,7 +679,7 @@ def atomic_directory(target: str | os.PathLike, tag: str = "new") -> Iterator[st
     parent, base = os.path.split(target)
     staging = tempfile.mkdtemp(prefix=f".{base}.{tag}-{os.getpid()}-", dir=parent)
     try:
-        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would become the directory's mode
+        os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp's 0700 would become the directory's mode
         yield staging
         # No reader sees the files before the swap, so plain writes suffice; but they must be on
         # disk before it, or a crash right after could leave empty files in place of the old ones.

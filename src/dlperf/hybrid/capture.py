@@ -65,7 +65,7 @@ class Captured:
         for node in self.graph_module.graph.nodes:
             mode = node.meta.get("grad_mode")
             if mode is not None and mode != self.grad_mode:
-                line = _stack_line(node) or f"node {node.name}"
+                line = node_source_line(node) or f"node {node.name}"
                 if line not in lines:
                     lines.append(line)
         return lines
@@ -143,7 +143,7 @@ def capture(module: nn.Module, example_args: tuple) -> Captured:
     except CaptureError:
         raise
     except Exception as exc:  # fx raises TraceError, TypeError, AttributeError... all mean "not a graph"
-        raise CaptureError(_describe_trace_failure(exc), _user_line(exc.__traceback__)) from exc
+        raise CaptureError(_describe_trace_failure(exc), user_source_line(exc.__traceback__)) from exc
     finally:
         changed = state.replaced() + list(state.changed_tensors())
         state.restore()
@@ -200,7 +200,7 @@ def _describe_trace_failure(exc: Exception) -> str:
     return f"forward cannot be captured as a graph: {type(exc).__name__}: {text}"
 
 
-def _user_line(tb) -> str | None:
+def user_source_line(tb) -> str | None:
     """The innermost frame outside torch and this package: where the user's code went wrong."""
     frames = traceback.extract_tb(tb)
     for frame in reversed(frames):
@@ -212,7 +212,7 @@ def _user_line(tb) -> str | None:
     return None
 
 
-def _stack_line(node: fx.Node) -> str | None:
+def node_source_line(node: fx.Node) -> str | None:
     """The last user frame of a node's recorded stack trace, as 'file:line: source'."""
     trace = node.stack_trace or ""
     lines = [ln.strip() for ln in trace.strip().splitlines()]
@@ -235,7 +235,7 @@ def _reject_escaping_values(gm: fx.GraphModule) -> None:
         if node.op == "call_method" and node.target in ESCAPING_METHODS:
             raise CaptureError(f"tensor.{node.target}() moves a value out of the graph into Python, "
                                "which a replay would not re-run; remove it from forward or keep the "
-                               "module eager", _stack_line(node))
+                               "module eager", node_source_line(node))
 
 
 # --- lowering leaf layers to functional calls -----------------------------------------------

@@ -28,7 +28,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_map
 
-from .._io import FileAccessError, _umask, atomic_directory, no_space_error, tensor_bytes
+from .._io import FileAccessError, atomic_directory, current_umask, no_space_error, tensor_bytes
 from ..batch import map_tensors
 from ..errors import DlperfError
 from .export_format import (
@@ -47,12 +47,12 @@ from .export_format import (
     STAGING_TAG,
     TRIAL_DIM,
     ExportFormatError,
-    _content_hash,
-    _dtype_name,
-    _encode,
-    _layout,
-    _op_name,
-    _sha256_file,
+    content_hash,
+    dtype_name,
+    encode_value,
+    layout_of,
+    op_name,
+    sha256_file,
 )
 from .export_load import ExportedModule, load, load_pt2
 from .export_tree import check_inputs_are_tensors, tree_of_spec
@@ -281,12 +281,12 @@ def _write_files(staging: str, doc: dict, tensors: dict[str, torch.Tensor], prog
         names.append(PT2_FILE)
     for name in names:
         # safetensors creates its file 0600; an export is as readable as any file
-        os.chmod(os.path.join(staging, name), 0o666 & ~_umask())
-    doc["files"] = {name: {"sha256": _sha256_file(os.path.join(staging, name)),
+        os.chmod(os.path.join(staging, name), 0o666 & ~current_umask())
+    doc["files"] = {name: {"sha256": sha256_file(os.path.join(staging, name)),
                            "bytes": os.path.getsize(os.path.join(staging, name))} for name in names}
-    doc["content_sha256"] = _content_hash(doc)
+    doc["content_sha256"] = content_hash(doc)
     with open(os.path.join(staging, GRAPH_FILE), "xb") as f:
-        f.write(_layout(doc).encode())
+        f.write(layout_of(doc).encode())
 
 
 def _export_program(module: nn.Module, args: tuple, dynamic_batch: bool):
@@ -335,16 +335,16 @@ def _describe(program, state: dict) -> tuple[dict, dict[str, torch.Tensor]]:
                 raise DlperfError(f"cannot export input {node.name} of kind {spec.kind.name}")
             tensors[spec.target] = tensor.detach().contiguous()
             state_nodes[node.name] = {"tensor": spec.target, "kind": spec.kind.name.lower(),
-                                      "shape": list(tensor.shape), "dtype": _dtype_name(tensor.dtype)}
+                                      "shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)}
         elif node.op == "call_function" and _is_metadata_assert(node):
             continue
         elif node.op == "call_function":
-            nodes.append({"name": node.name, "op": _op_name(node.target),
-                          "inputs": [_encode(a) for a in node.args],
-                          "kwargs": {k: _encode(v) for k, v in node.kwargs.items()},
+            nodes.append({"name": node.name, "op": op_name(node.target),
+                          "inputs": [encode_value(a) for a in node.args],
+                          "kwargs": {k: encode_value(v) for k, v in node.kwargs.items()},
                           **_meta(node, dynamic_ok=True)})
         elif node.op == "output":
-            outputs = [_encode(a) for a in node.args[0]]
+            outputs = [encode_value(a) for a in node.args[0]]
         else:
             raise DlperfError(f"cannot export graph node {node.op} {node.target}")
     call = program.call_spec
@@ -367,7 +367,7 @@ def _meta(node: fx.Node, dynamic_ok: bool) -> dict:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         shape = [d if isinstance(d, int) else None for d in val.shape]
-        return {"shape": shape, "dtype": _dtype_name(val.dtype)}
+        return {"shape": shape, "dtype": dtype_name(val.dtype)}
     if isinstance(val, (tuple, list)):
         return {"outputs": [_meta_value(v) for v in val]}
     return {}
@@ -375,6 +375,6 @@ def _meta(node: fx.Node, dynamic_ok: bool) -> dict:
 
 def _meta_value(v) -> dict | None:
     if isinstance(v, torch.Tensor):
-        return {"shape": [d if isinstance(d, int) else None for d in v.shape], "dtype": _dtype_name(v.dtype)}
+        return {"shape": [d if isinstance(d, int) else None for d in v.shape], "dtype": dtype_name(v.dtype)}
     return None
 

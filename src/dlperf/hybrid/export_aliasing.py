@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .export_format import _OPERATORS, ExportFormatError
+from .export_format import OPERATORS, ExportFormatError
 
 # Compositions whose result is always a tensor they allocate (the written results of real exports:
 # ``relu_`` after ``conv2d`` or ``batch_norm``). Checked on sample inputs by the tests.
@@ -64,7 +64,7 @@ def check_no_writes(doc: dict, ops: Iterable[Any], where: str) -> None:
         names.append(name)
     for node, op in zip(doc["nodes"], ops):
         what = f"{where}: node {node['name']!r} ({node['op']})"
-        if node["op"] in _OPERATORS:  # Python operators: getitem of a tensor is a view; be coarse
+        if node["op"] in OPERATORS:  # Python operators: getitem of a tensor is a view; be coarse
             roots[node["name"]] = _roots_of(node["inputs"], roots)
             continue
         roots[node["name"]] = _node_roots(op, node, roots, names, what)

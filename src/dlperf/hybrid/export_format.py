@@ -30,7 +30,7 @@ EXPORT_FILES = (GRAPH_FILE, PARAMS_FILE, PT2_FILE)
 STAGING_TAG = "export"
 
 # Python-level operators torch.export leaves between ATen calls (tuple outputs, symbolic sizes).
-_OPERATORS = {f"operator.{name}": getattr(operator, name)
+OPERATORS = {f"operator.{name}": getattr(operator, name)
               for name in ("getitem", "add", "sub", "mul", "floordiv", "mod", "neg", "truediv")}
 
 # Limits on what a graph may ask for; far above any real model, far below what would exhaust a machine.
@@ -39,10 +39,10 @@ MAX_NODES = 5_000  # the trial runs at load cost up to a millisecond per node: a
 MAX_RANK = 16
 MAX_ELEMENTS = 1 << 32  # per tensor
 MAX_FILE_BYTES = 1 << 40
-_MAX_DEPTH = 6  # nesting of lists in one argument
-_MAX_LIST = 4096
-_MAX_STR = 256
-_INT64 = 1 << 63
+MAX_LIST_DEPTH = 6  # nesting of lists in one argument
+MAX_LIST_LENGTH = 4096
+MAX_STRING_LENGTH = 256
+INT64_LIMIT = 1 << 63
 # A dimension recorded as dynamic (``null``) takes this size in the trial runs at load, whose
 # results together may take at most MAX_TRIAL_BYTES.
 TRIAL_DIM = 2
@@ -53,33 +53,33 @@ class ExportFormatError(DlperfError, ValueError):
     """An export directory is missing, truncated, tampered with, malformed, or of an unknown version."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
+NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 _OP_NAME = re.compile(r"aten\.([a-z][a-z0-9_]{0,99})\.([A-Za-z][A-Za-z0-9_]{0,99})")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_DEVICE = re.compile(r"(cpu|cuda|meta|mps|xpu)(:[0-9]{1,3})?")
+SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
+DEVICE_PATTERN = re.compile(r"(cpu|cuda|meta|mps|xpu)(:[0-9]{1,3})?")
 # Dispatcher operators whose effects reach past the graph's tensors: reading files, sparse
 # constructors whose invariant checks an argument can switch off (unchecked indices read out of
 # bounds), and set_ (a tensor that takes over a parameter's storage, writing it unseen).
 _DENIED_OPS = re.compile(r"from_file|get_gradients|set_.*|.*sparse.*|.*unsafe.*")
 
-_DTYPES = {_dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+DTYPES_BY_NAME = {dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 _LAYOUTS = {"strided": torch.strided}  # other layouts (sparse) are refused, see _DENIED_OPS
 _MEMORY_FORMATS = {str(v).removeprefix("torch."): v for v in vars(torch).values()
                    if isinstance(v, torch.memory_format)}
 _FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-_STATE_KINDS = ("parameter", "buffer", "constant_tensor")
-_TOP_FIELDS_V1 = ("format", "format_version", "torch_version", "inputs", "outputs", "state", "nodes", "files",
+STATE_KINDS = ("parameter", "buffer", "constant_tensor")
+TOP_FIELDS_V1 = ("format", "format_version", "torch_version", "inputs", "outputs", "state", "nodes", "files",
                   "content_sha256")
-_TOP_FIELDS = (*_TOP_FIELDS_V1[:5], "input_tree", "output_tree", *_TOP_FIELDS_V1[5:])
-_NODE_FIELDS = {"name", "op", "inputs", "kwargs"}
-_PYTHON_ARITY = {"operator.neg": 1}
+TOP_FIELDS = (*TOP_FIELDS_V1[:5], "input_tree", "output_tree", *TOP_FIELDS_V1[5:])
+NODE_FIELDS = {"name", "op", "inputs", "kwargs"}
+PYTHON_ARITY = {"operator.neg": 1}
 
 
-def _layout(doc: dict) -> str:
+def layout_of(doc: dict) -> str:
     """JSON with one node, input or tensor per line: readable with ``head``, diffable with ``diff``."""
     lines = []
     for key, value in doc.items():
@@ -94,17 +94,17 @@ def _layout(doc: dict) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
-def _op_name(target) -> str:
+def op_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else \
             f"{target.namespace}.{target._opname}.{target._overloadname}"
-    for name, fn in _OPERATORS.items():
+    for name, fn in OPERATORS.items():
         if target is fn:
             return name
     raise DlperfError(f"cannot export operator {target!r}: only ATen operators are portable")
 
 
-def _encode(value):
+def encode_value(value):
     """A JSON value for one node argument."""
     if isinstance(value, fx.Node):
         return {"node": value.name}
@@ -113,9 +113,9 @@ def _encode(value):
     if isinstance(value, float):
         return value if math.isfinite(value) else {"float": repr(value)}
     if isinstance(value, (list, tuple)):
-        return [_encode(v) for v in value]
+        return [encode_value(v) for v in value]
     if isinstance(value, torch.dtype):
-        return {"dtype": _dtype_name(value)}
+        return {"dtype": dtype_name(value)}
     if isinstance(value, torch.device):
         return {"device": str(value)}
     if isinstance(value, torch.layout):
@@ -125,25 +125,25 @@ def _encode(value):
     raise DlperfError(f"cannot export argument {value!r} of type {type(value).__name__}")
 
 
-def _resolve_op(name: object) -> Any:
+def resolve_op(name: object) -> Any:
     """An ATen operator (or one of a few Python operators) by its exported name, nothing else.
 
     The name is matched against a grammar and the dispatcher's schema registry before torch.ops is
     consulted, so no attribute path is ever followed and only real ATen operators are created.
     """
-    if not isinstance(name, str) or (_OP_NAME.fullmatch(name) is None and name not in _OPERATORS) or "__" in name:
+    if not isinstance(name, str) or (_OP_NAME.fullmatch(name) is None and name not in OPERATORS) or "__" in name:
         raise ExportFormatError(f"operator {name!r} is not an ATen operator: expected aten.<op>.<overload> "
-                                f"of plain identifiers, or one of {', '.join(_OPERATORS)}")
+                                f"of plain identifiers, or one of {', '.join(OPERATORS)}")
     return _resolve_valid_name(name)
 
 
 # A graph names a few distinct operators many times: the dispatcher is asked once per name.
 @functools.lru_cache(maxsize=4096)
 def _resolve_valid_name(name: str) -> Any:
-    if name in _OPERATORS:
-        return _OPERATORS[name]
+    if name in OPERATORS:
+        return OPERATORS[name]
     m = _OP_NAME.fullmatch(name)
-    assert m is not None  # checked by _resolve_op
+    assert m is not None  # checked by resolve_op
     op, overload = m.groups()
     if _DENIED_OPS.fullmatch(op):
         raise ExportFormatError(f"operator {name!r} reaches beyond tensors (files or unchecked memory); "
@@ -164,40 +164,40 @@ def _resolve_valid_name(name: str) -> Any:
     return resolved
 
 
-def _decode(value, env: dict):
+def decode_value(value, env: dict):
     """A node argument from its (validated) JSON form."""
     if isinstance(value, list):
-        return [_decode(v, env) for v in value]
+        return [decode_value(v, env) for v in value]
     if isinstance(value, dict):
         (kind, name), = value.items()
         if kind == "node":
             return env[name]
         if kind == "device":
             return env["@device"]
-        return _DECODERS[kind][name]
+        return DECODERS[kind][name]
     return value
 
 
-_DECODERS: dict[str, dict[str, Any]] = {"dtype": _DTYPES, "layout": _LAYOUTS, "memory_format": _MEMORY_FORMATS,
+DECODERS: dict[str, dict[str, Any]] = {"dtype": DTYPES_BY_NAME, "layout": _LAYOUTS, "memory_format": _MEMORY_FORMATS,
                                         "float": _FLOATS}
 
 
-def _is_int(value) -> bool:
+def is_json_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _json_type(value) -> str:
+def json_type_name(value) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
              int: "an integer", float: "a number"}
     return names.get(type(value), type(value).__name__)
 
 
-def _content_hash(doc: dict) -> str:
+def content_hash(doc: dict) -> str:
     body = {k: v for k, v in doc.items() if k != "content_sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def _sha256_file(path: str) -> str:
+def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -205,15 +205,15 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def _describe_value(value) -> str:
+def describe_value(value) -> str:
     if isinstance(value, torch.Tensor):
-        return f"{_dtype_name(value.dtype)}{list(value.shape)}"
+        return f"{dtype_name(value.dtype)}{list(value.shape)}"
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
     return type(value).__name__
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:300] if text else ""
 

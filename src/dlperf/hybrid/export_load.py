@@ -17,27 +17,27 @@ from .._io import decode_json, directory_to_read, read_bounded
 from ..errors import DlperfError
 from .export_aliasing import check_no_writes
 from .export_format import (
-    _DTYPES,
-    _INT64,
-    _OPERATORS,
+    DTYPES_BY_NAME,
     FORMAT_NAME,
     GRAPH_FILE,
+    INT64_LIMIT,
     MAX_GRAPH_BYTES,
     MAX_TRIAL_BYTES,
+    OPERATORS,
     PARAMS_FILE,
     PT2_FILE,
     READABLE_VERSIONS,
     STAGING_TAG,
     TRIAL_DIM,
     ExportFormatError,
-    _content_hash,
-    _decode,
-    _describe_value,
-    _dtype_name,
-    _first_line,
-    _resolve_op,
+    content_hash,
+    decode_value,
+    describe_value,
+    dtype_name,
+    first_line,
+    resolve_op,
 )
-from .export_schema import _GraphSchema
+from .export_schema import GraphSchema
 from .export_tree import build, flat_tree, flatten_call, tree_text
 
 
@@ -68,7 +68,7 @@ class ExportedModule(nn.Module):
 
     def __init__(self, doc: dict, tensors: dict[str, torch.Tensor], *, where: str = GRAPH_FILE):
         super().__init__()
-        _GraphSchema(where).check(doc)
+        GraphSchema(where).check(doc)
         _check_params(doc, tensors, where)
         self.doc = doc
         self._names: dict[str, str] = {}  # graph placeholder -> attribute holding its tensor
@@ -82,7 +82,7 @@ class ExportedModule(nn.Module):
             self._names[node_name] = attr
         self._program = [_Step(n["name"], n["op"], fn, n["inputs"], n["kwargs"],
                                {k: n[k] for k in ("shape", "dtype", "outputs") if k in n}, _places(fn))
-                         for n in doc["nodes"] for fn in (_resolve_op(n["op"]),)]
+                         for n in doc["nodes"] for fn in (resolve_op(n["op"]),)]
         self._inputs = doc["inputs"]
         self._outputs = doc["outputs"]
         self._input_tree = doc.get("input_tree", flat_tree(len(self._inputs)))
@@ -126,8 +126,8 @@ class ExportedModule(nn.Module):
         device = graph.call_function(_device_of, (first,)) if first is not None else torch.device("cpu")
         env["@device"] = device
         for step in self._program:
-            args_ = tuple(_decode(a, env) for a in step.inputs)
-            if step.op in _OPERATORS:
+            args_ = tuple(decode_value(a, env) for a in step.inputs)
+            if step.op in OPERATORS:
                 env[step.name] = graph.call_function(_checked_operator, (step.name, step.op, *args_))
             else:
                 kwargs = _kwargs(step, env)
@@ -136,7 +136,7 @@ class ExportedModule(nn.Module):
                     raise ExportFormatError(f"node {step.name!r} ({step.op}): {sorted(unknown)[0]!r} is not an "
                                             "argument of the operator")
                 env[step.name] = graph.call_function(step.fn, args_, kwargs)
-        graph.output(tuple(_decode(o, env) for o in self._outputs))
+        graph.output(tuple(decode_value(o, env) for o in self._outputs))
         if isinstance(device, fx.Node) and not device.users:
             graph.erase_node(device)
         return graph, flat, self._result
@@ -161,17 +161,17 @@ class ExportedModule(nn.Module):
             except Exception as exc:
                 # ATen errors at forward are the caller's (wrong device, out-of-range token);
                 # anything in the trial runs, and Python operators on the graph's own values, are the file's.
-                if not trial and step.op not in _OPERATORS:
+                if not trial and step.op not in OPERATORS:
                     raise
                 raise ExportFormatError(f"node {step.name!r} ({step.op}) fails{' in the trial run' if trial else ''}: "
-                                        f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                                        f"{type(exc).__name__}: {first_line(exc)}") from exc
             if trial:
                 produced += _check_result(step, value)
                 if limit is not None and produced > limit:
                     raise ExportFormatError(f"node {step.name!r} ({step.op}): the graph's results take more than "
                                             f"{limit} bytes")
             env[step.name] = value
-        return [_decode(o, env) for o in self._outputs]
+        return [decode_value(o, env) for o in self._outputs]
 
     def _trial_run(self, where: str) -> None:
         """Run the graph with the declared input shapes, comparing every node's dtype and shape with its record.
@@ -207,10 +207,10 @@ class ExportedModule(nn.Module):
         for spec in self._inputs:
             try:
                 env[spec["name"]] = torch.zeros([dim if d is None else d for d in spec["shape"]],
-                                                dtype=_DTYPES[spec["dtype"]], device=device)
+                                                dtype=DTYPES_BY_NAME[spec["dtype"]], device=device)
             except Exception as exc:  # quantized and bit dtypes have no plain tensors
                 raise ExportFormatError(f"{where}: input {spec['name']!r}: dtype {spec['dtype']} cannot be an input "
-                                        f"({type(exc).__name__}: {_first_line(exc)})") from exc
+                                        f"({type(exc).__name__}: {first_line(exc)})") from exc
         env.update((name, getattr(self, attr).detach().to(device)) for name, attr in self._names.items())
         return env
 
@@ -226,9 +226,9 @@ class ExportedModule(nn.Module):
             if t.is_floating_point():
                 cast = fn(torch.zeros((), dtype=t.dtype, device=t.device)).dtype
                 if cast != t.dtype:
-                    raise DlperfError(f"cannot cast a loaded export from {_dtype_name(t.dtype)} to "
-                                      f"{_dtype_name(cast)}: its graph runs in the dtypes it was exported with; "
-                                      f"export the model again as {_dtype_name(cast)} (cast it before export)")
+                    raise DlperfError(f"cannot cast a loaded export from {dtype_name(t.dtype)} to "
+                                      f"{dtype_name(cast)}: its graph runs in the dtypes it was exported with; "
+                                      f"export the model again as {dtype_name(cast)} (cast it before export)")
                 break
         return super()._apply(fn, recurse)
 
@@ -237,10 +237,10 @@ class ExportedModule(nn.Module):
             raise DlperfError(f"exported model takes {len(self._inputs)} inputs, got {len(args)}")
         for spec, a in zip(self._inputs, args):
             want = spec["shape"]
-            ok = isinstance(a, torch.Tensor) and _dtype_name(a.dtype) == spec["dtype"] and a.dim() == len(want) \
+            ok = isinstance(a, torch.Tensor) and dtype_name(a.dtype) == spec["dtype"] and a.dim() == len(want) \
                 and all(w is None or w == d for w, d in zip(want, a.shape))
             if not ok:
-                got = f"{_dtype_name(a.dtype)}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                got = f"{dtype_name(a.dtype)}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
                 shown = ["N" if w is None else w for w in want]
                 raise DlperfError(f"input {spec['name']}: expected {spec['dtype']}{shown}, got {got}")
 
@@ -249,8 +249,8 @@ class ExportedModule(nn.Module):
 
 
 def _call(step: _Step, env: dict):
-    args = [_decode(a, env) for a in step.inputs]
-    if step.op not in _OPERATORS:
+    args = [decode_value(a, env) for a in step.inputs]
+    if step.op not in OPERATORS:
         return step.fn(*args, **_kwargs(step, env))
     return _python_operator(step.name, step.op, *args)
 
@@ -258,7 +258,7 @@ def _call(step: _Step, env: dict):
 def _kwargs(step: _Step, env: dict) -> dict:
     """A node's keyword arguments; a tensor it creates goes on the graph's device even where the node names none
     (ATen's default would be the CPU: in a trial run on the meta device, a real allocation of any size)."""
-    kwargs = {k: _decode(v, env) for k, v in step.kwargs.items()}
+    kwargs = {k: decode_value(v, env) for k, v in step.kwargs.items()}
     if step.places and kwargs.get("device") is None:
         kwargs["device"] = env["@device"]
     return kwargs
@@ -272,8 +272,8 @@ def _python_operator(node_name: str, op: str, *args):
     if not container_ok or not all(isinstance(a, (torch.Tensor, int, float)) for a in operands):
         raise ExportFormatError(f"node {node_name!r} ({op}) applied to "
                                 f"{', '.join(type(a).__name__ for a in args)}; expected tensors or numbers")
-    value = _OPERATORS[op](*args)
-    if isinstance(value, int) and not -_INT64 <= value < _INT64:
+    value = OPERATORS[op](*args)
+    if isinstance(value, int) and not -INT64_LIMIT <= value < INT64_LIMIT:
         raise ExportFormatError(f"node {node_name!r} ({op}) gives {value}, beyond 64-bit integers")
     return value
 
@@ -285,7 +285,7 @@ def _checked_operator(node_name: str, op: str, *args):
     except ExportFormatError:
         raise
     except Exception as exc:  # as the interpreter says it: Python arithmetic on the graph's values is the file's
-        raise ExportFormatError(f"node {node_name!r} ({op}) fails: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise ExportFormatError(f"node {node_name!r} ({op}) fails: {type(exc).__name__}: {first_line(exc)}") from exc
 
 
 def _device_of(tensor: torch.Tensor) -> torch.device:
@@ -298,7 +298,7 @@ def _check_result(step: _Step, value) -> int:
     meta = step.meta
     if "outputs" in meta:
         if not isinstance(value, (tuple, list)) or len(value) != len(meta["outputs"]):
-            raise ExportFormatError(f"node {step.name!r} ({step.op}) gives {_describe_value(value)}, "
+            raise ExportFormatError(f"node {step.name!r} ({step.op}) gives {describe_value(value)}, "
                                     f"graph.json records {len(meta['outputs'])} outputs")
         return sum(_check_tensor(f"node {step.name!r} ({step.op}) output {i}", v, m)
                    for i, (v, m) in enumerate(zip(value, meta["outputs"])))
@@ -308,15 +308,15 @@ def _check_result(step: _Step, value) -> int:
 def _check_tensor(what: str, value, meta: dict | None) -> int:
     if meta is None:
         if not isinstance(value, (int, float, bool)) and value is not None:
-            raise ExportFormatError(f"{what} gives {_describe_value(value)}, graph.json records no tensor there")
+            raise ExportFormatError(f"{what} gives {describe_value(value)}, graph.json records no tensor there")
         return 0
     want = f"{meta['dtype']}{['N' if d is None else d for d in meta['shape']]}"
     if not isinstance(value, torch.Tensor):
-        raise ExportFormatError(f"{what} gives {_describe_value(value)}, graph.json records {want}")
-    fits = _dtype_name(value.dtype) == meta["dtype"] and value.dim() == len(meta["shape"]) \
+        raise ExportFormatError(f"{what} gives {describe_value(value)}, graph.json records {want}")
+    fits = dtype_name(value.dtype) == meta["dtype"] and value.dim() == len(meta["shape"]) \
         and all(w is None or w == d for w, d in zip(meta["shape"], value.shape))
     if not fits:
-        raise ExportFormatError(f"{what} gives {_describe_value(value)}, graph.json records {want}")
+        raise ExportFormatError(f"{what} gives {describe_value(value)}, graph.json records {want}")
     return value.numel() * value.element_size()
 
 
@@ -344,7 +344,7 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> Exporte
     except ExportFormatError:
         raise
     except Exception as exc:  # whatever a crafted file provokes is still a refusal of that file
-        raise ExportFormatError(f"{os.fspath(path)}: cannot load: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise ExportFormatError(f"{os.fspath(path)}: cannot load: {type(exc).__name__}: {first_line(exc)}") from exc
 
 
 def _load(path: str | os.PathLike, device: torch.device | str) -> ExportedModule:
@@ -360,7 +360,7 @@ def _load(path: str | os.PathLike, device: torch.device | str) -> ExportedModule
 
         tensors = load_safetensors(data)  # each tensor in a writable buffer of its own
     except Exception as exc:
-        raise ExportFormatError(f"{params_path}: unreadable safetensors file: {_first_line(exc)}") from exc
+        raise ExportFormatError(f"{params_path}: unreadable safetensors file: {first_line(exc)}") from exc
     del data  # twice the file's size at most, and only until here
     tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
     return ExportedModule(doc, tensors, where=graph_path)
@@ -404,15 +404,15 @@ def _read_graph(graph_path: str) -> dict:
                                 f"({exc.strerror}); is this a dlperf export?") from exc
     except OSError as exc:
         raise ExportFormatError(f"{graph_path}: not a readable JSON graph ({type(exc).__name__}: "
-                                f"{_first_line(exc)})") from exc
+                                f"{first_line(exc)})") from exc
     doc = decode_json(data, graph_path, lambda where, why: ExportFormatError(f"{where}: not a readable JSON graph "
                                                                              f"({why})"),
                       allow_nan=False, unique_keys=True)
     try:
-        digest = _content_hash(doc) if isinstance(doc, dict) else None
+        digest = content_hash(doc) if isinstance(doc, dict) else None
     except (ValueError, RecursionError) as exc:
         raise ExportFormatError(f"{graph_path}: not a readable JSON graph ({type(exc).__name__}: "
-                                f"{_first_line(exc)})") from exc
+                                f"{first_line(exc)})") from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise ExportFormatError(f"{graph_path}: not a {FORMAT_NAME} file")
     version = doc.get("format_version")
@@ -421,7 +421,7 @@ def _read_graph(graph_path: str) -> dict:
                                 f"versions {', '.join(map(str, READABLE_VERSIONS))}); re-export the model")
     if doc.get("content_sha256") != digest:
         raise ExportFormatError(f"{graph_path}: content checksum does not match (file was modified)")
-    _GraphSchema(graph_path).check(doc)
+    GraphSchema(graph_path).check(doc)
     return doc
 
 
@@ -446,7 +446,7 @@ def _read_listed(path: str, expected: dict) -> bytes:
         raise ExportFormatError(f"{os.path.dirname(path)}: missing {name} ({exc.strerror}), which graph.json "
                                 f"lists; is this a whole dlperf export? (export the model again)") from exc
     except OSError as exc:
-        raise refuse(path, f"unreadable ({type(exc).__name__}: {_first_line(exc)})") from exc
+        raise refuse(path, f"unreadable ({type(exc).__name__}: {first_line(exc)})") from exc
     if len(data) != size or hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise ExportFormatError(f"{path}: checksum does not match graph.json ({len(data)} bytes, {size} recorded; "
                                 f"truncated or modified); export the model again")
@@ -463,8 +463,8 @@ def _check_params(doc: dict, tensors: dict, where: str) -> None:
         raise ExportFormatError(f"{where}: parameter file: tensor {name!r} {problem}")
     for name, info in recorded.items():
         t = tensors[name]
-        if not isinstance(t, torch.Tensor) or list(t.shape) != info["shape"] or _dtype_name(t.dtype) != info["dtype"]:
-            raise ExportFormatError(f"{where}: parameter file: tensor {name!r} is {_describe_value(t)}, "
+        if not isinstance(t, torch.Tensor) or list(t.shape) != info["shape"] or dtype_name(t.dtype) != info["dtype"]:
+            raise ExportFormatError(f"{where}: parameter file: tensor {name!r} is {describe_value(t)}, "
                                     f"graph.json says {info['dtype']}{info['shape']}")
 
 

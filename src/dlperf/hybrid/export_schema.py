@@ -7,32 +7,32 @@ from collections.abc import Set as AbstractSet
 from typing import NoReturn
 
 from .export_format import (
-    _DECODERS,
-    _DEVICE,
-    _DTYPES,
-    _INT64,
-    _MAX_DEPTH,
-    _MAX_LIST,
-    _MAX_STR,
-    _NAME,
-    _NODE_FIELDS,
-    _OPERATORS,
-    _PYTHON_ARITY,
-    _SHA256,
-    _STATE_KINDS,
-    _TOP_FIELDS,
-    _TOP_FIELDS_V1,
+    DECODERS,
+    DEVICE_PATTERN,
+    DTYPES_BY_NAME,
     FORMAT_VERSION,
+    INT64_LIMIT,
     MAX_ELEMENTS,
     MAX_FILE_BYTES,
+    MAX_LIST_DEPTH,
+    MAX_LIST_LENGTH,
     MAX_NODES,
     MAX_RANK,
+    MAX_STRING_LENGTH,
+    NAME_PATTERN,
+    NODE_FIELDS,
+    OPERATORS,
     PARAMS_FILE,
     PT2_FILE,
+    PYTHON_ARITY,
+    SHA256_PATTERN,
+    STATE_KINDS,
+    TOP_FIELDS,
+    TOP_FIELDS_V1,
     ExportFormatError,
-    _is_int,
-    _json_type,
-    _resolve_op,
+    is_json_int,
+    json_type_name,
+    resolve_op,
 )
 from .export_tree import check_tree
 
@@ -40,7 +40,7 @@ from .export_tree import check_tree
 _NOT_PLAIN_DTYPE = re.compile(r"q.*|bits.*|u?int[1-7]")
 
 
-class _GraphSchema:
+class GraphSchema:
     """The one validator of graph.json's structure; raises ExportFormatError naming the field."""
 
     def __init__(self, where: str):
@@ -52,15 +52,15 @@ class _GraphSchema:
 
     def check(self, doc) -> None:
         if not isinstance(doc, dict):
-            self.fail("document", f"is {_json_type(doc)}, expected an object")
+            self.fail("document", f"is {json_type_name(doc)}, expected an object")
         version = doc.get("format_version")
-        fields = _TOP_FIELDS_V1 if version == 1 and not isinstance(version, bool) else _TOP_FIELDS
+        fields = TOP_FIELDS_V1 if version == 1 and not isinstance(version, bool) else TOP_FIELDS
         for key in fields:
             if key not in doc:
                 raise ExportFormatError(f"{self.where}: missing field {key!r}")
         unknown = sorted(set(doc) - set(fields))
         if unknown:
-            shown = 1 if fields is _TOP_FIELDS_V1 else FORMAT_VERSION
+            shown = 1 if fields is TOP_FIELDS_V1 else FORMAT_VERSION
             self.fail(f"field {unknown[0]!r}", f"unknown in format_version {shown}")
         self.string("torch_version", doc["torch_version"])
         self.inputs(doc["inputs"])
@@ -74,25 +74,25 @@ class _GraphSchema:
             check_tree(doc["output_tree"], "output_tree", len(doc["outputs"]), self.fail)
         self.files(doc["files"])
 
-    def string(self, field: str, value, limit: int = _MAX_STR) -> str:
+    def string(self, field: str, value, limit: int = MAX_STRING_LENGTH) -> str:
         if not isinstance(value, str) or len(value) > limit:
-            self.fail(field, f"is {_json_type(value)}, expected a string of at most {limit} characters")
+            self.fail(field, f"is {json_type_name(value)}, expected a string of at most {limit} characters")
         return value
 
     def sequence(self, field: str, value, least: int, most: int) -> None:
         if not isinstance(value, list) or not least <= len(value) <= most:
-            shown = f"an array of {len(value)}" if isinstance(value, list) else _json_type(value)
+            shown = f"an array of {len(value)}" if isinstance(value, list) else json_type_name(value)
             self.fail(field, f"is {shown}, expected an array of {least} to {most} entries")
 
     def record(self, field: str, value, keys: AbstractSet[str], optional: AbstractSet[str] = frozenset()) -> None:
         if not isinstance(value, dict):
-            self.fail(field, f"is {_json_type(value)}, expected an object with {', '.join(sorted(keys))}")
+            self.fail(field, f"is {json_type_name(value)}, expected an object with {', '.join(sorted(keys))}")
         missing, unknown = keys - set(value), set(value) - keys - optional
         if missing or unknown:
             self.fail(field, f"{'lacks' if missing else 'has unknown'} field {sorted(missing or unknown)[0]!r}")
 
     def name(self, field: str, value) -> None:
-        if not isinstance(value, str) or not _NAME.fullmatch(value):
+        if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
             self.fail(field, f"{value!r} is not a name (letters, digits, underscores)")
         if value in self.defined:
             self.fail(field, f"{value!r} is defined twice")
@@ -101,14 +101,14 @@ class _GraphSchema:
         self.sequence(field, value, 0, MAX_RANK)
         static = 1
         for d in value:
-            if d is not None and not (_is_int(d) and 0 <= d <= MAX_ELEMENTS):
+            if d is not None and not (is_json_int(d) and 0 <= d <= MAX_ELEMENTS):
                 self.fail(field, f"dimension {d!r} is not an integer in [0, {MAX_ELEMENTS}] or null")
             static *= 1 if d is None else d
         if static > MAX_ELEMENTS:
             self.fail(field, f"{value} has {static} elements, more than {MAX_ELEMENTS}")
 
     def dtype(self, field: str, value) -> None:
-        if not isinstance(value, str) or value not in _DTYPES:
+        if not isinstance(value, str) or value not in DTYPES_BY_NAME:
             self.fail(field, f"{value!r} is not a torch dtype name (float32, int64, ...)")
 
     def inputs(self, inputs) -> None:
@@ -126,14 +126,14 @@ class _GraphSchema:
 
     def state(self, state) -> None:
         if not isinstance(state, dict) or len(state) > MAX_NODES:
-            self.fail("state", f"is {_json_type(state)}, expected an object of at most {MAX_NODES} tensors")
+            self.fail("state", f"is {json_type_name(state)}, expected an object of at most {MAX_NODES} tensors")
         for node_name, info in state.items():
             field = f"state[{node_name!r}]"
             self.name(field, node_name)
             self.record(field, info, {"tensor", "kind", "shape", "dtype"})
             self.string(f"{field}.tensor", info["tensor"], 1024)
-            if info["kind"] not in _STATE_KINDS:
-                self.fail(f"{field}.kind", f"{info['kind']!r} is not one of {', '.join(_STATE_KINDS)}")
+            if info["kind"] not in STATE_KINDS:
+                self.fail(f"{field}.kind", f"{info['kind']!r} is not one of {', '.join(STATE_KINDS)}")
             self.shape(f"{field}.shape", info["shape"])
             if None in info["shape"]:
                 self.fail(f"{field}.shape", "a stored tensor has no dynamic dimension")
@@ -144,7 +144,7 @@ class _GraphSchema:
         self.sequence("nodes", nodes, 0, MAX_NODES)
         for i, node in enumerate(nodes):
             field = f"nodes[{i}]"
-            self.record(field, node, _NODE_FIELDS, {"shape", "dtype", "outputs"})
+            self.record(field, node, NODE_FIELDS, {"shape", "dtype", "outputs"})
             self.name(f"{field}.name", node["name"])
             field = f"nodes[{i}] ({node['name']})"
             self.op(field, node)
@@ -152,9 +152,9 @@ class _GraphSchema:
             for j, arg in enumerate(node["inputs"]):
                 self.arg(f"{field}.inputs[{j}]", arg, 0)
             if not isinstance(node["kwargs"], dict) or len(node["kwargs"]) > 64:
-                self.fail(f"{field}.kwargs", f"is {_json_type(node['kwargs'])}, expected an object")
+                self.fail(f"{field}.kwargs", f"is {json_type_name(node['kwargs'])}, expected an object")
             for key, arg in node["kwargs"].items():
-                if not _NAME.fullmatch(key) or key.startswith("_"):
+                if not NAME_PATTERN.fullmatch(key) or key.startswith("_"):
                     self.fail(f"{field}.kwargs", f"{key!r} is not an argument name")
                 self.arg(f"{field}.kwargs[{key!r}]", arg, 0)
             self.node_meta(field, node)
@@ -162,14 +162,14 @@ class _GraphSchema:
 
     def op(self, field: str, node: dict) -> None:
         try:
-            _resolve_op(node["op"])
+            resolve_op(node["op"])
         except ExportFormatError as exc:
             self.fail(f"{field}.op", str(exc))
-        if node["op"] not in _OPERATORS:
+        if node["op"] not in OPERATORS:
             return
-        arity = _PYTHON_ARITY.get(node["op"], 2)
+        arity = PYTHON_ARITY.get(node["op"], 2)
         if node["kwargs"] or not isinstance(node["inputs"], list) or len(node["inputs"]) != arity or not all(
-                _is_int(a) or isinstance(a, float) or isinstance(a, dict) and set(a) == {"node"}
+                is_json_int(a) or isinstance(a, float) or isinstance(a, dict) and set(a) == {"node"}
                 for a in node["inputs"]):
             self.fail(f"{field}.inputs", f"{node['op']} takes {arity} node references or numbers, no kwargs")
 
@@ -192,20 +192,20 @@ class _GraphSchema:
     def arg(self, field: str, value, depth: int) -> None:
         if value is None or isinstance(value, (bool, float)):
             return
-        if _is_int(value):
-            if not -_INT64 <= value < _INT64:
+        if is_json_int(value):
+            if not -INT64_LIMIT <= value < INT64_LIMIT:
                 self.fail(field, f"{value} does not fit 64 bits")
         elif isinstance(value, str):
             self.string(field, value)
         elif isinstance(value, list):
-            if depth >= _MAX_DEPTH or len(value) > _MAX_LIST:
-                self.fail(field, f"nests deeper than {_MAX_DEPTH} or holds more than {_MAX_LIST} entries")
+            if depth >= MAX_LIST_DEPTH or len(value) > MAX_LIST_LENGTH:
+                self.fail(field, f"nests deeper than {MAX_LIST_DEPTH} or holds more than {MAX_LIST_LENGTH} entries")
             for j, v in enumerate(value):
                 self.arg(f"{field}[{j}]", v, depth + 1)
         elif isinstance(value, dict):
             self.tagged(field, value)
         else:
-            self.fail(field, f"is {_json_type(value)}")
+            self.fail(field, f"is {json_type_name(value)}")
 
     def tagged(self, field: str, value: dict) -> None:
         if len(value) != 1:
@@ -216,24 +216,24 @@ class _GraphSchema:
             if not isinstance(name, str) or name not in self.defined:
                 self.fail(field, f"refers to {name!r}, which is not an input, parameter or earlier node")
         elif kind == "device":
-            if not isinstance(name, str) or not _DEVICE.fullmatch(name):
+            if not isinstance(name, str) or not DEVICE_PATTERN.fullmatch(name):
                 self.fail(field, f"{name!r} is not a device (cpu, cuda:0, ...)")
-        elif kind in _DECODERS:
-            if not isinstance(name, str) or name not in _DECODERS[kind]:
-                self.fail(field, f"{name!r} is not a torch {kind} (one of {', '.join(_DECODERS[kind])})")
+        elif kind in DECODERS:
+            if not isinstance(name, str) or name not in DECODERS[kind]:
+                self.fail(field, f"{name!r} is not a torch {kind} (one of {', '.join(DECODERS[kind])})")
         else:
             self.fail(field, f"unknown argument encoding {kind!r}")
 
     def files(self, files) -> None:
         if not isinstance(files, dict) or PARAMS_FILE not in files:
-            self.fail("files", f"is {_json_type(files)} without {PARAMS_FILE}, expected an object listing it")
+            self.fail("files", f"is {json_type_name(files)} without {PARAMS_FILE}, expected an object listing it")
         for name, entry in files.items():
             if name not in (PARAMS_FILE, PT2_FILE):
                 self.fail("files", f"{name!r} is not a file of an export ({PARAMS_FILE}, {PT2_FILE})")
             self.record(f"files[{name!r}]", entry, {"sha256", "bytes"})
-            if not isinstance(entry["sha256"], str) or not _SHA256.fullmatch(entry["sha256"]):
+            if not isinstance(entry["sha256"], str) or not SHA256_PATTERN.fullmatch(entry["sha256"]):
                 self.fail(f"files[{name!r}].sha256", "is not 64 lowercase hex digits")
-            if not _is_int(entry["bytes"]) or not 0 <= entry["bytes"] <= MAX_FILE_BYTES:
+            if not is_json_int(entry["bytes"]) or not 0 <= entry["bytes"] <= MAX_FILE_BYTES:
                 self.fail(f"files[{name!r}].bytes", f"{entry['bytes']!r} is not a file size")
 
 

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..batch import describe
 from ..errors import DlperfError
-from .export_format import _is_int, _json_type
+from .export_format import is_json_int, json_type_name
 
 __all__ = ["MAX_KEY_CHARS", "MAX_TREE_DEPTH", "MAX_TREE_NODES", "Tree", "build", "check_inputs_are_tensors",
            "check_tree", "flat_tree", "flatten_call", "tree_of_spec", "tree_text"]
@@ -90,7 +90,7 @@ def check_tree(tree: object, field: str, leaves: int, fail: Callable[[str, str],
     ``fail(field, problem)`` raises. ``root``: the kind the tree's root must have (``"tuple"`` for inputs).
     """
     if root is not None and not (isinstance(tree, dict) and set(tree) == {root}):
-        fail(field, f"is {_json_type(tree)}, expected an object with {root!r} at its root")
+        fail(field, f"is {json_type_name(tree)}, expected an object with {root!r} at its root")
     check = _TreeCheck(fail)
     check.node(tree, field, 0)
     if check.next_leaf != leaves:
@@ -109,14 +109,14 @@ class _TreeCheck:
         self.nodes += 1
         if self.nodes > MAX_TREE_NODES:
             self.fail(where, f"the structure has more than {MAX_TREE_NODES} nodes")
-        if _is_int(node):
+        if is_json_int(node):
             if node != self.next_leaf:
                 self.fail(where, f"leaf {node} out of order: expected {self.next_leaf} (leaves number the entries "
                                  f"once each, depth first)")
             self.next_leaf += 1
             return
         if not isinstance(node, dict) or len(node) != 1:
-            self.fail(where, f"is {_json_type(node)}, expected a leaf number or an object with one of "
+            self.fail(where, f"is {json_type_name(node)}, expected a leaf number or an object with one of "
                              f"{', '.join(_KINDS)}")
         (kind, body), = node.items()
         if kind not in _KINDS:
@@ -127,13 +127,13 @@ class _TreeCheck:
             self.dict_body(body, f"{where}.dict", depth)
             return
         if not isinstance(body, list):
-            self.fail(f"{where}.{kind}", f"is {_json_type(body)}, expected an array")
+            self.fail(f"{where}.{kind}", f"is {json_type_name(body)}, expected an array")
         for j, child in enumerate(body):
             self.node(child, f"{where}.{kind}[{j}]", depth + 1)
 
     def dict_body(self, body: object, where: str, depth: int) -> None:
         if not isinstance(body, dict):
-            self.fail(where, f"is {_json_type(body)}, expected an object")
+            self.fail(where, f"is {json_type_name(body)}, expected an object")
         for key, child in body.items():
             if not _valid_key(key):
                 self.fail(where, f"key {str(key)[:40]!r} is not a string of at most {MAX_KEY_CHARS} printable "

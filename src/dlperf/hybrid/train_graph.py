@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import batch as batches
 from ..engine.external import release_unused_hooks
-from .capture import CaptureError, ModuleState, _user_line
+from .capture import CaptureError, ModuleState, user_source_line
 from .optim_update import trainable_parameters
 
 _HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -93,7 +93,7 @@ def capture_joint(module: nn.Module, loss_fn: Callable, x, y) -> JointGraph:
     except TrainCaptureError:
         raise
     except Exception as exc:  # make_fx raises many types; all mean "this step is not one graph"
-        raise TrainCaptureError(_describe(exc), _user_line(exc.__traceback__)) from exc
+        raise TrainCaptureError(_describe(exc), user_source_line(exc.__traceback__)) from exc
     finally:
         rebound = state.replaced()
         state.restore()
@@ -101,7 +101,7 @@ def capture_joint(module: nn.Module, loss_fn: Callable, x, y) -> JointGraph:
         raise TrainCaptureError(f"forward updates module state in Python ({', '.join('self.' + n for n in rebound)}), "
                                 "which a replayed graph would skip")
     _reject_input_mutation(gm, n_params, len(names))
-    _simplify(gm)
+    simplify_graph(gm)
     with_grad = used[-1] if used and len(used[-1]) < n_params else None
     return JointGraph(module, loss_fn, gm, [t for _, t in named_params], [t for _, t in constants], spec,
                       seen_output[-1] if seen_output and isinstance(seen_output[-1], torch.Tensor) else None,
@@ -153,12 +153,12 @@ def _reject_input_mutation(gm: fx.GraphModule, n_params: int, n_state: int) -> N
 
 
 def _node_line(node: fx.Node) -> str | None:
-    from .capture import _stack_line
+    from .capture import node_source_line
 
-    return _stack_line(node)
+    return node_source_line(node)
 
 
-def _simplify(gm: fx.GraphModule) -> None:
+def simplify_graph(gm: fx.GraphModule) -> None:
     """Drop what only autograd needed (detach, t of t) and the pytree plumbing of the generated code."""
     aten = torch.ops.aten
     for node in list(gm.graph.nodes):

@@ -45,7 +45,7 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 Updater = Callable[[Key, torch.Tensor, torch.Tensor], None]
 
 
-def _as_list(value: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+def as_tensor_list(value: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
     values = [value] if isinstance(value, torch.Tensor) else list(value)
     if not values:
         raise UsageError(f"{what} needs at least one tensor")
@@ -55,7 +55,7 @@ def _as_list(value: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[to
     return values
 
 
-def _key_pairs(key: Key | Sequence[Key], value: Any, call: str) -> list[tuple[Key, Any]]:
+def key_value_pairs(key: Key | Sequence[Key], value: Any, call: str) -> list[tuple[Key, Any]]:
     """``[(key, value)]`` for one key, or one pair per key of a list; a key that is neither an int nor a str,
     or a value list of another length, is one :class:`UsageError`."""
     if not isinstance(key, (list, tuple)):
@@ -179,11 +179,11 @@ class KVStore(ABC):
         [2.0, 2.0]
         """
         self._check_open()
-        for k, v in _key_pairs(key, value, "init"):
+        for k, v in key_value_pairs(key, value, "init"):
             self._check_key_type(k)
             if k in self._store:
                 raise UsageError(f"key {k!r} is already initialized; each key is initialized once")
-            first = _as_list(v, "init")[0]
+            first = as_tensor_list(v, "init")[0]
             home = self._home(k, first, [first.device])
             self._store[k] = first.detach().to(home, copy=True)
             if self._factory is not None and self._optimizer_group is not None:
@@ -205,7 +205,7 @@ class KVStore(ABC):
     def _key_value_pairs(self, key: Key | Sequence[Key], value: Any, call: str) -> list[tuple[Key, Any]]:
         if type(key) is int or type(key) is str:  # one key: the common case, no list to check
             return [(key, value)]
-        return _key_pairs(key, value, call)
+        return key_value_pairs(key, value, call)
 
     def _checked_push(self, key: Key, value: Any) -> tuple[Key, list[torch.Tensor]]:
         """``(key, values)`` when ``value`` fits the stored value exactly; else :meth:`_check_push`'s error.
@@ -225,7 +225,7 @@ class KVStore(ABC):
 
     def _check_push(self, key: Key, value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
         stored = self._get(key)
-        values = _as_list(value, "push")
+        values = as_tensor_list(value, "push")
         for v in values:
             if v.shape != stored.shape:
                 raise UsageError(f"push to key {key!r}: shape {tuple(v.shape)} does not match the stored "
@@ -270,7 +270,7 @@ class KVStore(ABC):
 
     def _check_pull(self, key: Key, out: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
         stored = self._get(key)
-        outs = _as_list(out, "pull")
+        outs = as_tensor_list(out, "pull")
         for o in outs:
             # copy_ would broadcast a (3,) stored value into a (2, 3) out without a word: refuse instead
             if o.shape != stored.shape:
@@ -494,7 +494,8 @@ class KVStore(ABC):
         [1.0, 1.0]
         """
         self._check_open()
-        pairs = [(k, self._check_push(k, [_as_list(v, "reset")[0]])[0]) for k, v in _key_pairs(key, value, "reset")]
+        pairs = [(k, self._check_push(k, [as_tensor_list(v, "reset")[0]])[0])
+                 for k, v in key_value_pairs(key, value, "reset")]
         self.wait_all()
         for k, v in pairs:
             with torch.no_grad():

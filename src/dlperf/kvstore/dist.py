@@ -28,7 +28,7 @@ import torch
 from .._shm import ShmUnavailableError
 from .._threads import cleanup_step
 from ..errors import UsageError
-from .base import Key, KVStore, _as_list, _key_pairs, register_kvstore
+from .base import Key, KVStore, as_tensor_list, key_value_pairs, register_kvstore
 from .control import ControlClient, KVStoreLinkError
 from .placement import BIG_ARRAY_BOUND, Placement, Slice
 from .rpc_agent import agent_name, start_agent, stop_agent
@@ -297,9 +297,9 @@ class DistKVStore(KVStore):
     def init(self, key: Key | Sequence[Key], value: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Create keys on their servers from rank 0's values; returns once every worker has called it."""
         self._check_worker()
-        pairs = _key_pairs(key, value, "init")
+        pairs = key_value_pairs(key, value, "init")
         keys = [k for k, _ in pairs]
-        values = [_as_list(v, "init")[0] for _, v in pairs]
+        values = [as_tensor_list(v, "init")[0] for _, v in pairs]
         for k, v in zip(keys, values, strict=True):
             self._check_key_type(k)
             if k in self._meta or keys.count(k) > 1:
@@ -582,7 +582,7 @@ class DistKVStore(KVStore):
     @staticmethod
     def _pairs(key: Key | Sequence[Key], value: Any, check: Callable[[Key, Any], list[torch.Tensor]],
                call: str) -> list[tuple[Key, list[torch.Tensor]]]:
-        return [(k, check(k, v)) for k, v in _key_pairs(key, value, call)]
+        return [(k, check(k, v)) for k, v in key_value_pairs(key, value, call)]
 
     def push(self, key, value, priority: int = 0) -> None:
         self._check_worker()

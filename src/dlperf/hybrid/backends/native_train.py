@@ -80,9 +80,9 @@ def _trace_loss_grad(joint: JointGraph, output: torch.Tensor, y: torch.Tensor):
     example = torch.empty(output.shape, dtype=output.dtype)
     with torch.enable_grad():
         gm = make_fx(loss_and_grad, tracing_mode="fake")(example, y)
-    from ..train_graph import _simplify
+    from ..train_graph import simplify_graph
 
-    _simplify(gm)
+    simplify_graph(gm)
     return gm.forward
 
 

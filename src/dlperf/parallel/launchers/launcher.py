@@ -50,7 +50,7 @@ class RankInfo(NamedTuple):
     local_rank: int
 
 
-_thread_rank = threading.local()
+thread_rank = threading.local()
 
 
 def rank_info() -> RankInfo:
@@ -62,7 +62,7 @@ def rank_info() -> RankInfo:
     >>> rank_info()
     RankInfo(rank=0, world_size=1, local_rank=0)
     """
-    info = getattr(_thread_rank, "info", None)
+    info = getattr(thread_rank, "info", None)
     if info is not None:
         return info
     try:
@@ -79,7 +79,7 @@ def in_launched_worker() -> bool:
     ``dlperf launch``, :class:`ProcessLauncher` or ``torchrun`` (torch's agent names the run in every worker's
     environment). Such a worker is one of the processes: it never starts processes of its own again.
     """
-    return getattr(_thread_rank, "info", None) is not None or "TORCHELASTIC_RUN_ID" in os.environ
+    return getattr(thread_rank, "info", None) is not None or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def rank_role() -> str:

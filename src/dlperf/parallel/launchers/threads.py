@@ -8,7 +8,7 @@ from typing import Any
 from ...devices import cpu
 from ...engine import create_engine
 from ...errors import UsageError
-from .launcher import Launcher, LaunchError, RankInfo, _thread_rank
+from .launcher import Launcher, LaunchError, RankInfo, thread_rank
 
 __all__ = ["ThreadLauncher"]
 
@@ -38,13 +38,13 @@ class ThreadLauncher(Launcher):
         n = self.num_workers
 
         def work(rank: int) -> Any:
-            _thread_rank.info = RankInfo(rank, n, rank)
+            thread_rank.info = RankInfo(rank, n, rank)
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:
                 raise LaunchError(f"rank {rank} failed: {type(exc).__name__}: {exc}") from exc
             finally:
-                del _thread_rank.info
+                del thread_rank.info
 
         # The engine's per-device workers are the project's threads: rank r runs on cpu(r)'s worker.
         with create_engine("threaded", cpu_threads=self.threads_per_worker) as eng:
