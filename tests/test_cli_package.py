@@ -148,7 +148,7 @@ def test_zoo_export_config_checks_before_building(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="is not a directory"):
         ZooExportConfig("mlp", str(tmp_path / "file"))
-    with pytest.raises(UsageError, match="--batch must be >= 1"):
+    with pytest.raises(UsageError, match="batch=0: expected >= 1"):
         ZooExportConfig("mlp", str(tmp_path / "out"), batch=0)
 
 

@@ -187,7 +187,7 @@ def test_a_rank_that_dies_once_is_restarted_and_resumes_bit_identically(extra, n
     (["launch", "--nproc-per-node", "2", "--num-servers", "2", "--", "train", "--kvstore", "dist_sync"],
      ["--num-servers 2 with 2 processes", "fewer servers than processes"]),
     (["launch", "--nproc-per-node", "3", "--num-servers", "1", "--", "train"],
-     ["--num-servers 1 with train --kvstore None", "add --kvstore dist_sync"]),
+     ["--num-servers 1 with no --kvstore", "give --kvstore dist_sync"]),
     (["launch", "--nproc-per-node", "3", "--num-servers", "1", "--", "train", "--kvstore", "local"],
      ["--kvstore local"]),
     (["train", "--kvstore", "dist_sync"], ["--kvstore dist_sync in one process", "--nproc-per-node 2"]),

@@ -353,7 +353,7 @@ def test_a_port_taken_before_the_store_binds_it_is_one_clear_error_or_with_a_pic
     with socket.create_server(("127.0.0.1", 0)) as taken:  # another program got there first
         busy = taken.getsockname()[1]
         with pytest.raises(LaunchError, match=rf"the rendezvous store on 127.0.0.1:{busy} could not be hosted "
-                                              r"\(.*\); pick another free port") as info:
+                                              r"\(.*\); pick another free master_port") as info:
             ProcessLauncher(1, master_port=busy, join_timeout_s=60).launch(_pure, 1)
         assert "\n" not in str(info.value)
         picks = iter([busy])

@@ -1,4 +1,4 @@
-"""--hardware files: figures a machine can show are used as given; the name is shown escaped."""
+"""Hardware files (``--hardware``): figures a machine can show are used as given; the name is shown escaped."""
 
 from __future__ import annotations
 
@@ -33,6 +33,6 @@ def test_the_name_is_escaped(tmp_path):
 def test_an_implausible_figure_names_its_field(tmp_path, field, value):
     path = tmp_path / "hw.json"
     path.write_text(json.dumps({**GOOD, field: value}))
-    expected = re.escape(f"--hardware '{path}': {field} is {value!r} ") + "[^;]*outside what any machine"
+    expected = re.escape(f"hardware='{path}': {field} is {value!r} ") + "[^;]*outside what any machine"
     with pytest.raises(UsageError, match=expected):
         read_hardware(str(path))

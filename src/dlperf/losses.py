@@ -112,6 +112,13 @@ class StepLoss:
     def __repr__(self) -> str:
         return f"StepLoss({self.name})"
 
+    @property
+    def __name__(self) -> str:
+        """What an error calls this loss: the user's function or ``torch.nn`` class, or the default's."""
+        if self.fn is None:
+            return "cross_entropy"
+        return getattr(self.fn, "__name__", type(self.fn).__name__)
+
     def __call__(self, outputs: Any, targets: Any, inputs: Any = None) -> torch.Tensor:
         if self.fn is None:
             return self._default(outputs, targets, inputs)

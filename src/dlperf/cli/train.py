@@ -244,9 +244,11 @@ def run(args: argparse.Namespace) -> int:
                      on_result=partial(print_result, as_json=args.json),
                      show_progress=not (args.no_progress or args.json) and sys.stderr.isatty())
     _interrupted_after.clear()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         run_training(config, hooks)
-    except LaunchError as exc:
+    except (LaunchError, SignalException) as exc:  # SignalException: SIGTERM or SIGHUP while processes train
         return report_launch_error("train", exc, verbose=False)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
         said, status = stop_status(exc)

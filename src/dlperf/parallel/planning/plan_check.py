@@ -101,18 +101,18 @@ def _store_problem(plan: Plan, here: Here, processes: int) -> str | None:
     from ...kvstore import kvstore_types
     from ..communication.servers import is_dist_kvstore
 
+    # what no run could do is said before what this run's state rules out
+    if plan.kvstore is not None:
+        if plan.kvstore not in kvstore_types():
+            return f"kvstore {one_line(plan.kvstore)[:40]!r}, not a store type here ({', '.join(kvstore_types())})"
+        processes = max(processes, here.processes)
+        if is_dist_kvstore(plan.kvstore) and processes == 1:
+            return f"kvstore {plan.kvstore}, a distributed store, which needs several processes, in one"
+        if not is_dist_kvstore(plan.kvstore) and processes > 1:
+            return f"kvstore {plan.kvstore}, which sums one process's devices only, across {processes} processes"
     if here.kvstore != ANY and plan.kvstore != here.kvstore:
         return (f"kvstore {one_line(str(plan.kvstore))[:40]}, but this run's state is laid out for "
                 f"{here.kvstore or 'allreduce (no store)'}")
-    if plan.kvstore is None:
-        return None
-    if plan.kvstore not in kvstore_types():
-        return f"kvstore {one_line(plan.kvstore)[:40]!r}, not a store type here ({', '.join(kvstore_types())})"
-    processes = max(processes, here.processes)
-    if is_dist_kvstore(plan.kvstore) and processes == 1:
-        return f"kvstore {plan.kvstore}, a distributed store, which needs several processes, in one"
-    if not is_dist_kvstore(plan.kvstore) and processes > 1:
-        return f"kvstore {plan.kvstore}, which sums one process's devices only, across {processes} processes"
     return None
 
 

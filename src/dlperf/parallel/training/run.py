@@ -12,6 +12,7 @@ saving a checkpoint after each. It prints nothing: notes go through :mod:`loggin
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -195,8 +196,12 @@ def launch_run(config: RunConfig, hooks: RunHooks) -> None:
     if announced:
         log.info("plan: starting %d processes", config.launch.nproc_per_node)
     os.environ[_ANNOUNCED] = "1" if announced else ""  # the processes do not print the plan line again
+    # each process's share of the run: checked as a whole here already, so not again by dataclasses.replace,
+    # which would check it as the one process this launcher is
+    share = copy.copy(config)
+    share.launch = None
     try:
-        launcher.launch(_launched, dataclasses.replace(config, launch=None), hooks)
+        launcher.launch(_launched, share, hooks)
     finally:
         os.environ.pop(_ANNOUNCED, None)
 
