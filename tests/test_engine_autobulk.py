@@ -514,8 +514,8 @@ def test_runs_of_scalar_records_equal_eager_torch(foreach_calls, device_index):
         cases = []
         for op in (lambda a, s: a + s, lambda a, s: a - s, lambda a, s: a * s, lambda a, s: a / s,
                    lambda a, s: a ** s):
+            _busy(eng, dev)  # one busy spell collects both inputs' runs: up to 18 pushes
             for x, t in ((xf, tf), (xi, ti)):
-                _busy(eng, dev)
                 for scalars in ((2, 2, 2, 2), (1, 1.0, True, -3, 0.5)):
                     for s in scalars:
                         try:
