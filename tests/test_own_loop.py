@@ -18,6 +18,7 @@ import dlperf
 from dlperf._threads import intra_op_threads
 from dlperf.errors import UsageError
 from dlperf.parallel.training.own_loop import LoopModule
+from support.training import TinyHF
 
 TUNING = dict(warmup=1, rounds=2, steps=2, settle=1, min_window_s=0)
 
@@ -203,24 +204,6 @@ def test_adamw_with_a_cosine_schedule_and_accumulation_through_the_users_own_loo
     with dlperf.Loop(plan="1x1") as loop:
         got = train(copy.deepcopy(model), loop)
     assert_same(got, plain)
-
-
-class TinyHF(nn.Module):
-    """HuggingFace-style: keyword forward with ``labels=None``, a dict output with ``loss`` and ``logits``."""
-
-    def __init__(self, vocab: int = 20, classes: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, 8)
-        self.head = nn.Linear(8, classes)
-
-    def forward(self, input_ids, attention_mask, labels=None):
-        mask = attention_mask.unsqueeze(-1).float()
-        pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
-        logits = self.head(pooled)
-        out = {"logits": logits}
-        if labels is not None:
-            out["loss"] = nn.functional.cross_entropy(logits, labels)
-        return out
 
 
 def hf_batches(n: int, g: torch.Generator, batch: int = 12) -> list[dict[str, torch.Tensor]]:

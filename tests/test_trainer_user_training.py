@@ -12,6 +12,7 @@ from torch import nn
 from dlperf.devices import cpu
 from dlperf.errors import UsageError
 from dlperf.parallel import Trainer
+from support.training import TinyHF
 
 
 def assert_same(a: nn.Module, b: nn.Module, atol: float = 1e-6) -> None:
@@ -32,24 +33,6 @@ class Regressor(nn.Module):
         out, _ = self.gru(x)
         y = self.head(out[:, -1])
         return y.squeeze(1) if self.flat else y
-
-
-class TinyHF(nn.Module):
-    """HuggingFace-style: keyword forward with ``labels=None``, a dict output with ``loss`` and ``logits``."""
-
-    def __init__(self, vocab: int = 20, classes: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, 8)
-        self.head = nn.Linear(8, classes)
-
-    def forward(self, input_ids, attention_mask, labels=None):
-        mask = attention_mask.unsqueeze(-1).float()
-        pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
-        logits = self.head(pooled)
-        out = {"logits": logits}
-        if labels is not None:
-            out["loss"] = nn.functional.cross_entropy(logits, labels)
-        return out
 
 
 class TwoInputs(nn.Module):
