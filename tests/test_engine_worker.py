@@ -189,3 +189,54 @@ def test_a_worker_failing_after_its_stop_leaves_its_host_alone(monkeypatch):
     with pytest.raises(ZeroDivisionError):
         worker.thread.join(10)
     assert not hasattr(host, "died")
+
+
+class _RacingWake:
+    """The worker's wake lock, with a wake-up landing just after its first timed-out sleep (as a push on another
+    thread can, between the timeout and the worker taking the engine lock again); every later sleep checks that
+    the lock it waits on is held, which a release left over from that race would break."""
+
+    def __init__(self, worker, host_lock) -> None:
+        self.real, self.worker, self.host_lock = worker._wake, worker, host_lock
+        self.raced = threading.Event()
+        self.unheld_sleeps = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if timeout is not None and timeout >= 0 and blocking:
+            if not self.real.locked():
+                self.unheld_sleeps += 1
+            got = self.real.acquire(timeout=timeout)
+            if not got and not self.raced.is_set():
+                with self.host_lock:
+                    self.worker.wake()  # what enqueue does: _sleeping = False, then release
+                self.raced.set()
+            return got
+        return self.real.acquire(blocking)
+
+    def release(self) -> None:
+        self.real.release()
+
+    def locked(self) -> bool:
+        return self.real.locked()
+
+
+def test_a_wake_up_that_races_a_timed_out_sleep_is_not_left_over():
+    with create_engine("threaded") as eng:
+        x = torch.ones(2)
+        eng.push(lambda: None, device=cpu(0), name="warm")
+        eng.waitall()
+        worker = eng._worker(cpu(0), "compute")
+        racing = _RacingWake(worker, eng._lock)
+        with eng._lock:
+            worker._wake = racing
+        deadline = time.monotonic() + 10
+        while not racing.raced.is_set() and time.monotonic() < deadline:
+            eng.push(lambda: None, device=cpu(0), name="tick")
+            time.sleep(0.002)  # lets the worker run dry and time out (its nap is short after running dry)
+        assert racing.raced.is_set(), "the worker never timed out asleep"
+        for _ in range(50):  # sleeps and wake-ups after the race
+            eng.push(lambda: x.add_(1), device=cpu(0), name="add")
+            time.sleep(0.001)
+        eng.waitall()
+        assert racing.unheld_sleeps == 0
+        assert x.tolist() == [51.0, 51.0]

@@ -285,6 +285,14 @@ class Worker:
                 if self._wake.acquire(timeout=nap):
                     nap = self.first_nap
                 else:
+                    with lock:
+                        # every release happens under the engine lock with _sleeping set False: one that came
+                        # after the timeout is consumed now, or the wake lock would stay released while the
+                        # next sleep says otherwise, and a wake then would release an unlocked lock
+                        if self._sleeping:
+                            self._sleeping = False
+                        else:
+                            self._wake.acquire(blocking=False)
                     if self._host_ref() is None:
                         break  # the engine was collected unclosed and could not signal us
                     nap = min(2 * nap, IDLE_CHECK_S)
