@@ -217,6 +217,9 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
             tuned.step()
             tuning_steps += 1
         tuning_s = time.perf_counter() - started
+        if auto.tuning:  # timing a loop still switching between candidates would time the tuning, not the plan
+            raise SystemExit(f"bench_your_loop: {name} still tuning after --max-tuning-steps "
+                             f"{args.max_tuning_steps}; raise it")
         assert auto.plan is not None
         chosen = auto.plan
         table = auto.tuner.table() if auto.tuner is not None else ""
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--steps", type=int, default=12, help="steps of each loop per round (the MLP takes 5x)")
     ap.add_argument("--rounds", type=int, default=6, help="rounds; a ratio is the median of the rounds' ratios")
-    ap.add_argument("--max-tuning-steps", type=int, default=500, help="stop waiting for plan='auto' after this")
+    ap.add_argument("--max-tuning-steps", type=int, default=5000, help="stop waiting for plan='auto' after this")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
